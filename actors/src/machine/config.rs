@@ -1,0 +1,220 @@
+//! Deadlines, intervals and table bounds of an endpoint.
+
+use std::time::Duration;
+
+/// Every deadline and bound an [`Endpoint`](super::Endpoint) uses. [`Config::default`] holds
+/// production values; tests shrink them.
+///
+/// ```
+/// use kvhandoff_actors::machine::Config;
+/// let config = Config::default();
+/// config.validate().unwrap();
+/// assert!(config.peer_timeout < 2 * config.heartbeat_interval);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// How long P holds finished blocks without a registration or a renewal.
+    pub lease_duration: Duration,
+    /// How far one heartbeat pushes a lease's end past now.
+    pub lease_extension: Duration,
+    /// How often an endpoint sends each connected peer a heartbeat.
+    pub heartbeat_interval: Duration,
+    /// Silence after which a connected peer is declared dead.
+    pub peer_timeout: Duration,
+    /// How long a handshake may take.
+    pub connect_timeout: Duration,
+    /// How long D waits for P's data after allocating.
+    pub decode_deadline: Duration,
+    /// How long P keeps a registration whose prefill has not finished, without renewal.
+    pub registration_ttl: Duration,
+    /// How long a posted write may stay in flight before it is abandoned.
+    pub write_timeout: Duration,
+    /// How long after abandoning a write the transport has to confirm it.
+    pub abandon_timeout: Duration,
+    /// How often D repeats an unanswered cancel.
+    pub cancel_retry_interval: Duration,
+    /// How many times D repeats an unanswered cancel.
+    pub max_cancel_retries: u32,
+    /// How long after a cancel D frees its blocks without any proof. Must exceed the longest a
+    /// peer's write can stay in flight (its `write_timeout` plus `abandon_timeout`).
+    pub quarantine: Duration,
+    /// How long ended keys are remembered to swallow late messages.
+    pub tombstone_ttl: Duration,
+    /// Most live requests per side (D requests; P requests).
+    pub max_requests: usize,
+    /// Most registrations P keeps waiting for their prefill.
+    pub max_pending_registrations: usize,
+    /// Most ended keys remembered per side.
+    pub max_tombstones: usize,
+    /// Most peers known at once.
+    pub max_peers: usize,
+    /// Most messages queued for a peer whose handshake is in progress.
+    pub max_queued_per_peer: usize,
+    /// TEST ONLY — breaks the safety rule on purpose: D hands its blocks back as soon as its
+    /// deadline passes, without waiting for P to acknowledge the cancel. The simulator, the
+    /// ordering fuzz and the exhaustive check must each catch this (the mutation check).
+    #[doc(hidden)]
+    pub mutation_free_on_deadline: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            lease_duration: Duration::from_secs(30),
+            lease_extension: Duration::from_secs(20),
+            heartbeat_interval: Duration::from_secs(2),
+            peer_timeout: Duration::from_secs(3),
+            connect_timeout: Duration::from_secs(5),
+            decode_deadline: Duration::from_secs(120),
+            registration_ttl: Duration::from_secs(120),
+            write_timeout: Duration::from_secs(10),
+            abandon_timeout: Duration::from_secs(5),
+            cancel_retry_interval: Duration::from_secs(1),
+            max_cancel_retries: 5,
+            quarantine: Duration::from_secs(60),
+            tombstone_ttl: Duration::from_secs(60),
+            max_requests: 1 << 16,
+            max_pending_registrations: 1 << 16,
+            max_tombstones: 1 << 17,
+            max_peers: 1024,
+            max_queued_per_peer: 1024,
+            mutation_free_on_deadline: false,
+        }
+    }
+}
+
+/// A configuration that breaks a rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// A duration or bound that must be positive is zero.
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+    /// Two settings contradict each other.
+    #[error("{0}")]
+    Contradiction(&'static str),
+}
+
+impl Config {
+    /// Checks that every value is positive and that the settings agree with each other.
+    ///
+    /// # Errors
+    /// The first broken rule.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let durations = [
+            ("lease_duration", self.lease_duration),
+            ("lease_extension", self.lease_extension),
+            ("heartbeat_interval", self.heartbeat_interval),
+            ("peer_timeout", self.peer_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("decode_deadline", self.decode_deadline),
+            ("registration_ttl", self.registration_ttl),
+            ("write_timeout", self.write_timeout),
+            ("abandon_timeout", self.abandon_timeout),
+            ("cancel_retry_interval", self.cancel_retry_interval),
+            ("quarantine", self.quarantine),
+            ("tombstone_ttl", self.tombstone_ttl),
+        ];
+        for (name, value) in durations {
+            if value.is_zero() {
+                return Err(ConfigError::Zero(name));
+            }
+        }
+        let bounds = [
+            ("max_requests", self.max_requests),
+            ("max_pending_registrations", self.max_pending_registrations),
+            ("max_tombstones", self.max_tombstones),
+            ("max_peers", self.max_peers),
+            ("max_queued_per_peer", self.max_queued_per_peer),
+        ];
+        for (name, value) in bounds {
+            if value == 0 {
+                return Err(ConfigError::Zero(name));
+            }
+        }
+        if self.peer_timeout <= self.heartbeat_interval {
+            return Err(ConfigError::Contradiction(
+                "peer_timeout must exceed heartbeat_interval, or a live peer is declared dead",
+            ));
+        }
+        if self.lease_extension > self.lease_duration {
+            return Err(ConfigError::Contradiction(
+                "lease_extension must not exceed lease_duration",
+            ));
+        }
+        if self.lease_extension <= self.heartbeat_interval {
+            return Err(ConfigError::Contradiction(
+                "lease_extension must exceed heartbeat_interval, or leases lapse between heartbeats",
+            ));
+        }
+        if self.quarantine <= self.write_timeout + self.abandon_timeout {
+            return Err(ConfigError::Contradiction(
+                "quarantine must exceed write_timeout + abandon_timeout (a write's longest life)",
+            ));
+        }
+        if self.tombstone_ttl < self.peer_timeout {
+            return Err(ConfigError::Contradiction(
+                "tombstone_ttl must cover at least peer_timeout, or late messages look new",
+            ));
+        }
+        Ok(())
+    }
+
+    /// A configuration with short deadlines for tests and demos: heartbeats every 100 ms.
+    pub fn fast() -> Config {
+        let ms = Duration::from_millis;
+        Config {
+            lease_duration: ms(3_000),
+            lease_extension: ms(2_000),
+            heartbeat_interval: ms(100),
+            peer_timeout: ms(150),
+            connect_timeout: ms(500),
+            decode_deadline: ms(5_000),
+            registration_ttl: ms(5_000),
+            write_timeout: ms(1_000),
+            abandon_timeout: ms(500),
+            cancel_retry_interval: ms(100),
+            max_cancel_retries: 5,
+            quarantine: ms(3_000),
+            tombstone_ttl: ms(5_000),
+            ..Config::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_and_fast_are_valid() {
+        Config::default().validate().unwrap();
+        Config::fast().validate().unwrap();
+    }
+
+    #[test]
+    fn zero_and_contradictions_are_refused() {
+        let c = Config {
+            lease_duration: Duration::ZERO,
+            ..Config::default()
+        };
+        assert_eq!(c.validate(), Err(ConfigError::Zero("lease_duration")));
+
+        let c = Config {
+            max_peers: 0,
+            ..Config::default()
+        };
+        assert_eq!(c.validate(), Err(ConfigError::Zero("max_peers")));
+
+        let mut c = Config::default();
+        c.peer_timeout = c.heartbeat_interval;
+        assert!(matches!(c.validate(), Err(ConfigError::Contradiction(_))));
+
+        let mut c = Config::default();
+        c.quarantine = c.write_timeout;
+        assert!(matches!(c.validate(), Err(ConfigError::Contradiction(_))));
+
+        let mut c = Config::default();
+        c.lease_extension = c.lease_duration + Duration::from_secs(1);
+        assert!(matches!(c.validate(), Err(ConfigError::Contradiction(_))));
+    }
+}

@@ -1,0 +1,382 @@
+//! `DecodeRequest`: one request on D, from block allocation to its one outcome.
+//!
+//! ```text
+//!   Connecting --PeerConnected/send Register--> Registered --all WriteDone--> [Ready]
+//!       |                                          |   \--WriteFailed(all)-----> [Failed]
+//!       |--fail/abort/deadline/dead--> [Failed]    |--PeerDead-----------------> [Failed]
+//!                                                  |--deadline/abort: send Cancel
+//!                                                  v
+//!                                              Cancelling --CancelAck / WriteFailed / WriteDone
+//!                                                  |           / PeerDead / quarantine--> [Failed]
+//!                                                  '--resend timer: send Cancel again
+//! ```
+//!
+//! The rule this machine exists for: once a `Register` naming D's blocks has been sent, the
+//! blocks are handed back only with a proof that no write of this epoch can still land
+//! ([`FreeProof`]).
+
+use std::collections::BTreeSet;
+
+use kvhandoff_protocol::{
+    BlockIds, Cancel, CancelReason, Epoch, Message, PairingKey, Register, RequestId, WriteFailure,
+};
+
+use super::effects::{Effects, Step};
+use super::types::{DecodeFailure, DecodeOutcome, DecodeStart, DropReason, FreeProof, Time};
+use super::Config;
+use crate::PeerAddr;
+
+/// What every state of a D request knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DecodeCommon {
+    pub(crate) request: RequestId,
+    pub(crate) key: PairingKey,
+    pub(crate) epoch: Epoch,
+    pub(crate) prefill: PeerAddr,
+    pub(crate) blocks: BlockIds,
+    pub(crate) num_tokens: u64,
+    pub(crate) expected_writes: u32,
+    /// When D stops waiting for P's data.
+    pub(crate) deadline: Time,
+}
+
+/// Waiting for the handshake with P; the blocks are not exposed yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Connecting {
+    pub(crate) common: DecodeCommon,
+}
+
+/// The registration is sent; P may write at any time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Registered {
+    pub(crate) common: DecodeCommon,
+    /// P ranks whose writes of this epoch have landed.
+    pub(crate) landed: BTreeSet<u32>,
+}
+
+/// D gave up; waiting for proof that no write can still land.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Cancelling {
+    pub(crate) common: DecodeCommon,
+    pub(crate) reason: DecodeFailure,
+    /// P ranks known to have nothing in flight (landed or quiesced).
+    pub(crate) settled: BTreeSet<u32>,
+    pub(crate) next_resend: Time,
+    pub(crate) resends_left: u32,
+    pub(crate) quarantine_until: Time,
+}
+
+/// A live D request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum DecodeRequest {
+    Connecting(Connecting),
+    Registered(Registered),
+    Cancelling(Cancelling),
+}
+
+/// A D request's terminal record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DecodeEnded {
+    pub(crate) common: DecodeCommon,
+    pub(crate) outcome: DecodeOutcome,
+    pub(crate) proof: FreeProof,
+}
+
+/// What can happen to a live D request. Epochs are checked by the endpoint before routing: these
+/// inputs are all for the request's current epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum DecodeInput {
+    PeerConnected,
+    PeerConnectFailed,
+    PeerDead,
+    WriteDone { rank: u32 },
+    WriteFailed { rank: u32, reason: WriteFailure },
+    CancelAck,
+    Abort,
+    Timeout,
+}
+
+pub(crate) type DecodeStep = Step<DecodeRequest, DecodeEnded>;
+
+impl DecodeCommon {
+    pub(crate) fn from_start(start: DecodeStart, deadline: Time) -> Self {
+        DecodeCommon {
+            request: start.request,
+            key: start.key,
+            epoch: start.epoch,
+            prefill: start.prefill,
+            blocks: start.blocks,
+            num_tokens: start.num_tokens,
+            expected_writes: start.expected_writes,
+            deadline,
+        }
+    }
+
+    fn end(self, outcome: DecodeOutcome, proof: FreeProof) -> DecodeStep {
+        Step::Ended(DecodeEnded {
+            common: self,
+            outcome,
+            proof,
+        })
+    }
+
+    fn register_message(&self, own: &PeerAddr) -> Message {
+        Message::Register(Register {
+            key: self.key.clone(),
+            epoch: self.epoch,
+            decode_engine: own.engine.clone(),
+            decode_request: self.request.clone(),
+            decode_rank: own.rank,
+            blocks: self.blocks.clone(),
+            num_tokens: self.num_tokens,
+        })
+    }
+
+    fn cancel_message(&self, reason: CancelReason) -> Message {
+        Message::Cancel(Cancel {
+            key: self.key.clone(),
+            epoch: self.epoch,
+            reason,
+        })
+    }
+}
+
+fn cancel_reason(reason: DecodeFailure) -> CancelReason {
+    match reason {
+        DecodeFailure::Deadline => CancelReason::Deadline,
+        DecodeFailure::Aborted
+        | DecodeFailure::PeerDead
+        | DecodeFailure::WriteFailed(_)
+        | DecodeFailure::HandshakeFailed
+        | DecodeFailure::Incompatible => CancelReason::Aborted,
+    }
+}
+
+/// Context a transition needs besides its own state.
+pub(crate) struct DecodeCtx<'a> {
+    pub(crate) now: Time,
+    pub(crate) own: &'a PeerAddr,
+    pub(crate) config: &'a Config,
+}
+
+impl DecodeRequest {
+    /// A new request, waiting for the handshake with P.
+    pub(crate) fn new(common: DecodeCommon) -> Self {
+        assert!(common.expected_writes >= 1, "a D request expects a write");
+        assert!(
+            !common.blocks.is_empty(),
+            "a D request with no blocks is a full hit"
+        );
+        DecodeRequest::Connecting(Connecting { common })
+    }
+
+    pub(crate) fn common(&self) -> &DecodeCommon {
+        match self {
+            DecodeRequest::Connecting(s) => &s.common,
+            DecodeRequest::Registered(s) => &s.common,
+            DecodeRequest::Cancelling(s) => &s.common,
+        }
+    }
+
+    /// True while P may hold this request's lease (the registration was sent and not settled).
+    pub(crate) fn holds_lease(&self) -> bool {
+        match self {
+            DecodeRequest::Connecting(_) => false,
+            DecodeRequest::Registered(_) | DecodeRequest::Cancelling(_) => true,
+        }
+    }
+
+    /// When this request next needs [`DecodeInput::Timeout`].
+    pub(crate) fn next_timer(&self) -> Time {
+        match self {
+            DecodeRequest::Connecting(s) => s.common.deadline,
+            DecodeRequest::Registered(s) => s.common.deadline,
+            DecodeRequest::Cancelling(s) => {
+                if s.resends_left > 0 {
+                    s.next_resend.min(s.quarantine_until)
+                } else {
+                    s.quarantine_until
+                }
+            }
+        }
+    }
+
+    /// The one transition function.
+    pub(crate) fn handle(
+        self,
+        ctx: &DecodeCtx<'_>,
+        input: DecodeInput,
+        fx: &mut Effects<'_>,
+    ) -> DecodeStep {
+        match self {
+            DecodeRequest::Connecting(s) => s.handle(ctx, input, fx),
+            DecodeRequest::Registered(s) => s.handle(ctx, input, fx),
+            DecodeRequest::Cancelling(s) => s.handle(ctx, input, fx),
+        }
+    }
+}
+
+impl Connecting {
+    fn handle(self, ctx: &DecodeCtx<'_>, input: DecodeInput, fx: &mut Effects<'_>) -> DecodeStep {
+        let failed = |s: Self, reason| {
+            s.common
+                .end(DecodeOutcome::Failed(reason), FreeProof::NeverExposed)
+        };
+        match input {
+            DecodeInput::PeerConnected => {
+                fx.send(&self.common.prefill, self.common.register_message(ctx.own));
+                Step::Live(DecodeRequest::Registered(Registered {
+                    common: self.common,
+                    landed: BTreeSet::new(),
+                }))
+            }
+            DecodeInput::PeerConnectFailed => failed(self, DecodeFailure::HandshakeFailed),
+            DecodeInput::PeerDead => failed(self, DecodeFailure::PeerDead),
+            DecodeInput::Abort => failed(self, DecodeFailure::Aborted),
+            DecodeInput::Timeout if ctx.now >= self.common.deadline => {
+                failed(self, DecodeFailure::Deadline)
+            }
+            DecodeInput::Timeout => Step::Live(DecodeRequest::Connecting(self)),
+            // Nothing was registered, so P cannot have written or acknowledged anything.
+            DecodeInput::WriteDone { .. }
+            | DecodeInput::WriteFailed { .. }
+            | DecodeInput::CancelAck => {
+                fx.drop_input(DropReason::Unexpected);
+                Step::Live(DecodeRequest::Connecting(self))
+            }
+        }
+    }
+}
+
+impl Registered {
+    fn cancel(
+        self,
+        ctx: &DecodeCtx<'_>,
+        reason: DecodeFailure,
+        fx: &mut Effects<'_>,
+    ) -> DecodeStep {
+        fx.send(
+            &self.common.prefill,
+            self.common.cancel_message(cancel_reason(reason)),
+        );
+        Step::Live(DecodeRequest::Cancelling(Cancelling {
+            common: self.common,
+            reason,
+            settled: self.landed,
+            next_resend: ctx.now + ctx.config.cancel_retry_interval,
+            resends_left: ctx.config.max_cancel_retries,
+            quarantine_until: ctx.now + ctx.config.quarantine,
+        }))
+    }
+
+    fn handle(
+        mut self,
+        ctx: &DecodeCtx<'_>,
+        input: DecodeInput,
+        fx: &mut Effects<'_>,
+    ) -> DecodeStep {
+        match input {
+            DecodeInput::WriteDone { rank } => {
+                if !self.landed.insert(rank) {
+                    fx.drop_input(DropReason::Duplicate);
+                    return Step::Live(DecodeRequest::Registered(self));
+                }
+                if self.landed.len() >= self.common.expected_writes as usize {
+                    return self
+                        .common
+                        .end(DecodeOutcome::Ready, FreeProof::WritesCompleted);
+                }
+                Step::Live(DecodeRequest::Registered(self))
+            }
+            DecodeInput::WriteFailed { rank, reason } => {
+                let failure = DecodeFailure::WriteFailed(reason);
+                self.landed.insert(rank);
+                if self.landed.len() >= self.common.expected_writes as usize {
+                    // Every source rank has either landed or promised nothing is in flight.
+                    return self
+                        .common
+                        .end(DecodeOutcome::Failed(failure), FreeProof::PeerQuiesced);
+                }
+                self.cancel(ctx, failure, fx)
+            }
+            DecodeInput::PeerDead => self.common.end(
+                DecodeOutcome::Failed(DecodeFailure::PeerDead),
+                FreeProof::PeerInvalidated,
+            ),
+            DecodeInput::Abort => self.cancel(ctx, DecodeFailure::Aborted, fx),
+            DecodeInput::Timeout
+                if ctx.now >= self.common.deadline && ctx.config.mutation_free_on_deadline =>
+            {
+                // The deliberate bug of the mutation check: no proof that P stopped writing.
+                fx.send(
+                    &self.common.prefill,
+                    self.common.cancel_message(CancelReason::Deadline),
+                );
+                self.common.end(
+                    DecodeOutcome::Failed(DecodeFailure::Deadline),
+                    FreeProof::Quarantine,
+                )
+            }
+            DecodeInput::Timeout if ctx.now >= self.common.deadline => {
+                self.cancel(ctx, DecodeFailure::Deadline, fx)
+            }
+            DecodeInput::Timeout => Step::Live(DecodeRequest::Registered(self)),
+            // A reconnect does not change what was registered.
+            DecodeInput::PeerConnected | DecodeInput::PeerConnectFailed => {
+                Step::Live(DecodeRequest::Registered(self))
+            }
+            DecodeInput::CancelAck => {
+                fx.drop_input(DropReason::Unexpected);
+                Step::Live(DecodeRequest::Registered(self))
+            }
+        }
+    }
+}
+
+impl Cancelling {
+    fn settle(mut self, rank: u32, proof: FreeProof, fx: &mut Effects<'_>) -> DecodeStep {
+        if !self.settled.insert(rank) {
+            // As in `Registered`: the rank already settled; counted, and nothing changes.
+            fx.drop_input(DropReason::Duplicate);
+            return Step::Live(DecodeRequest::Cancelling(self));
+        }
+        if self.settled.len() >= self.common.expected_writes as usize {
+            let outcome = DecodeOutcome::Failed(self.reason);
+            return self.common.end(outcome, proof);
+        }
+        Step::Live(DecodeRequest::Cancelling(self))
+    }
+
+    fn handle(
+        mut self,
+        ctx: &DecodeCtx<'_>,
+        input: DecodeInput,
+        fx: &mut Effects<'_>,
+    ) -> DecodeStep {
+        let outcome = DecodeOutcome::Failed(self.reason);
+        match input {
+            DecodeInput::CancelAck => self.common.end(outcome, FreeProof::CancelAcknowledged),
+            DecodeInput::PeerDead => self.common.end(outcome, FreeProof::PeerInvalidated),
+            DecodeInput::WriteDone { rank } => self.settle(rank, FreeProof::WritesCompleted, fx),
+            DecodeInput::WriteFailed { rank, .. } => self.settle(rank, FreeProof::PeerQuiesced, fx),
+            DecodeInput::Timeout if ctx.now >= self.quarantine_until => {
+                self.common.end(outcome, FreeProof::Quarantine)
+            }
+            DecodeInput::Timeout if self.resends_left > 0 && ctx.now >= self.next_resend => {
+                fx.send(
+                    &self.common.prefill,
+                    self.common.cancel_message(cancel_reason(self.reason)),
+                );
+                fx.counters.cancel_resends += 1;
+                self.resends_left -= 1;
+                self.next_resend = ctx.now + ctx.config.cancel_retry_interval;
+                Step::Live(DecodeRequest::Cancelling(self))
+            }
+            DecodeInput::Timeout => Step::Live(DecodeRequest::Cancelling(self)),
+            // Already giving up; the first reason stands.
+            DecodeInput::Abort | DecodeInput::PeerConnected | DecodeInput::PeerConnectFailed => {
+                Step::Live(DecodeRequest::Cancelling(self))
+            }
+        }
+    }
+}

@@ -1,0 +1,694 @@
+//! `Endpoint`: one engine rank's whole protocol state, behind the sans-IO interface
+//! `handle` / `handle_timeout` / `poll_output` / `poll_timeout`.
+//!
+//! It hosts the D request machines, P's [`Writer`] and the [`Peer`] machines, and routes every
+//! input to them by pairing key or peer. Nothing outside it routes or matches, so the actix
+//! shells and the simulator run exactly this code.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use kvhandoff_protocol::{
+    BlockIds, EngineId, Epoch, Heartbeat, LeaseRef, Message, PairingKey, Release, ReleaseReason,
+    RequestId, MAX_HEARTBEAT_LEASES,
+};
+
+use super::config::ConfigError;
+use super::decode::{DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput, DecodeRequest};
+use super::effects::{Effects, Step};
+use super::peer::{Peer, PeerInput, PeerNotice};
+use super::tables::{TimerIndex, Tombstones};
+use super::types::{
+    Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent, FreeProof, Input,
+    Output, Rejected, Time,
+};
+use super::writer::Writer;
+use super::Config;
+use crate::{PeerAddr, WriteId};
+
+/// Sizes of an endpoint's tables, for reports and leak checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EndpointStats {
+    /// Live D requests.
+    pub decode_requests: usize,
+    /// Live P requests.
+    pub prefill_requests: usize,
+    /// Registrations waiting for their prefill.
+    pub pending_registrations: usize,
+    /// Writes posted and not yet finished.
+    pub writes_in_flight: usize,
+    /// Known peers (connecting, connected or recently dead).
+    pub peers: usize,
+    /// Remembered ended keys, both sides.
+    pub tombstones: usize,
+    /// Outputs not yet polled.
+    pub queued_outputs: usize,
+}
+
+/// One engine rank's protocol state machine.
+///
+/// ```
+/// use kvhandoff_actors::machine::{Config, DecodeStart, Endpoint, Input, Output, Time};
+/// use kvhandoff_actors::PeerAddr;
+/// use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Message, PairingKey, RequestId};
+///
+/// let mut d = Endpoint::new(EngineId::new("decode").unwrap(), 0, Config::default()).unwrap();
+/// let p = PeerAddr::new(EngineId::new("prefill").unwrap(), 0);
+/// let request = RequestId::new("cmpl-1-0-aaaaaaaa").unwrap();
+/// d.handle(Time::ZERO, Input::DecodeAllocated(DecodeStart {
+///     key: PairingKey::from_request_id(&request),
+///     request,
+///     epoch: Epoch::FIRST,
+///     prefill: p.clone(),
+///     blocks: BlockIds::single_group(vec![7, 8]),
+///     num_tokens: 20,
+///     expected_writes: 1,
+/// })).unwrap();
+/// // D needs a handshake with P before it registers.
+/// assert_eq!(d.poll_output(), Some(Output::Connect { peer: p.clone() }));
+/// d.handle(Time::ZERO, Input::PeerConnected { peer: p.clone() }).unwrap();
+/// assert!(matches!(
+///     d.poll_output(),
+///     Some(Output::Send { message: Message::Register(_), .. })
+/// ));
+/// assert!(d.poll_timeout().is_some());
+/// ```
+#[derive(Debug)]
+pub struct Endpoint {
+    own: PeerAddr,
+    config: Config,
+    decodes: BTreeMap<PairingKey, DecodeRequest>,
+    decode_by_request: BTreeMap<RequestId, PairingKey>,
+    decode_timers: TimerIndex<PairingKey>,
+    decode_tombstones: Tombstones<PairingKey, Epoch>,
+    writer: Writer,
+    peers: BTreeMap<PeerAddr, Peer>,
+    peer_timers: TimerIndex<PeerAddr>,
+    out: VecDeque<Output>,
+    counters: Counters,
+}
+
+impl Endpoint {
+    /// An endpoint for `rank` of `engine`.
+    ///
+    /// # Errors
+    /// [`ConfigError`] if the configuration is invalid.
+    pub fn new(engine: EngineId, rank: u32, config: Config) -> Result<Endpoint, ConfigError> {
+        config.validate()?;
+        Ok(Endpoint {
+            own: PeerAddr::new(engine, rank),
+            writer: Writer::new(rank, &config),
+            decode_tombstones: Tombstones::new(config.max_tombstones),
+            config,
+            decodes: BTreeMap::new(),
+            decode_by_request: BTreeMap::new(),
+            decode_timers: TimerIndex::default(),
+            peers: BTreeMap::new(),
+            peer_timers: TimerIndex::default(),
+            out: VecDeque::new(),
+            counters: Counters::default(),
+        })
+    }
+
+    /// This endpoint's own address.
+    pub fn address(&self) -> &PeerAddr {
+        &self.own
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Counters of drops, renewals, races and the like.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Sizes of every table.
+    pub fn stats(&self) -> EndpointStats {
+        EndpointStats {
+            decode_requests: self.decodes.len(),
+            prefill_requests: self.writer.live_requests(),
+            pending_registrations: self.writer.pending_registrations(),
+            writes_in_flight: self.writer.writes_in_flight(),
+            peers: self.peers.len(),
+            tombstones: self.decode_tombstones.len() + self.writer.tombstones(),
+            queued_outputs: self.out.len(),
+        }
+    }
+
+    /// True while any request is live or any output is queued: the engine loop must keep
+    /// stepping.
+    pub fn has_pending_work(&self) -> bool {
+        !self.decodes.is_empty() || self.writer.live_requests() > 0 || !self.out.is_empty()
+    }
+
+    /// The next thing for the shell to do.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.out.pop_front()
+    }
+
+    /// When [`Endpoint::handle_timeout`] must next be called.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        [
+            self.decode_timers.next(),
+            self.decode_tombstones.next_expiry(),
+            self.writer.next_timer(),
+            self.peer_timers.next(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Feeds one input. Inputs from the engine may be refused ([`Rejected`]), and then nothing
+    /// changed; inputs from peers and the transport are never refused — what cannot be used is
+    /// counted in [`Counters::dropped`].
+    ///
+    /// # Errors
+    /// [`Rejected`] for an engine input that breaks a rule.
+    pub fn handle(&mut self, now: Time, input: Input) -> Result<(), Rejected> {
+        let result = match input {
+            Input::DecodeAllocated(start) => self.decode_allocated(now, start),
+            Input::PrefillFinished(start) => {
+                let mut fx = Effects {
+                    out: &mut self.out,
+                    counters: &mut self.counters,
+                };
+                self.writer.finished(now, start, &mut fx)
+            }
+            Input::Abort { request } => self.abort(now, &request),
+            Input::Received { from, message } => {
+                self.received(now, from, message);
+                Ok(())
+            }
+            Input::Malformed { from, error } => {
+                tracing::debug!(?from, %error, "malformed message dropped");
+                self.counters.drop(DropReason::Malformed);
+                Ok(())
+            }
+            Input::PeerConnected { peer } => {
+                self.peer_input(now, &peer, PeerInput::Connected);
+                Ok(())
+            }
+            Input::PeerConnectFailed { peer, reason } => {
+                self.peer_input(now, &peer, PeerInput::ConnectFailed(reason));
+                Ok(())
+            }
+            Input::PeerLost { peer } => {
+                self.peer_input(now, &peer, PeerInput::Lost);
+                Ok(())
+            }
+            Input::WriteCompleted { write } => {
+                self.write_result(now, write, None);
+                Ok(())
+            }
+            Input::WriteFailed { write, failure } => {
+                self.write_result(now, write, Some(failure));
+                Ok(())
+            }
+        };
+        self.check_invariants();
+        result
+    }
+
+    /// Fires every timer due at `now`.
+    pub fn handle_timeout(&mut self, now: Time) {
+        for key in self.decode_timers.take_due(now) {
+            self.step_decode(now, &key, DecodeInput::Timeout);
+        }
+        self.decode_tombstones.expire(now);
+        {
+            let mut fx = Effects {
+                out: &mut self.out,
+                counters: &mut self.counters,
+            };
+            self.writer.on_timeout(now, &mut fx);
+        }
+        for peer in self.peer_timers.take_due(now) {
+            self.peer_input(now, &peer, PeerInput::Timeout);
+        }
+        self.check_invariants();
+    }
+
+    fn decode_allocated(&mut self, now: Time, start: DecodeStart) -> Result<(), Rejected> {
+        if self.decode_by_request.contains_key(&start.request)
+            || self.writer.has_request(&start.request)
+        {
+            return Err(Rejected::DuplicateRequest(start.request));
+        }
+        if self.decodes.contains_key(&start.key) {
+            return Err(Rejected::DuplicateKey(start.key));
+        }
+        if self.decodes.len() >= self.config.max_requests {
+            return Err(Rejected::TableFull {
+                table: "decode requests",
+                limit: self.config.max_requests,
+            });
+        }
+        if start.expected_writes == 0 {
+            return Err(Rejected::Invalid("expected_writes must be at least 1"));
+        }
+        if start.epoch.0 == 0 {
+            return Err(Rejected::Invalid("epochs start at 1"));
+        }
+        if start.prefill.engine == self.own.engine {
+            return Err(Rejected::Invalid("the prefill peer is this engine"));
+        }
+        let mut start = start;
+        if let Some(ended) = self.decode_tombstones.get(&start.key) {
+            // A new attempt at a recently ended key must not be confused with the old one's
+            // late messages.
+            start.epoch = start.epoch.max(ended.next());
+        }
+        self.decode_tombstones.remove(&start.key);
+        if start.blocks.is_empty() {
+            return self.full_prefix_hit(now, start);
+        }
+        let key = start.key.clone();
+        let peer = start.prefill.clone();
+        let common = DecodeCommon::from_start(start, now + self.config.decode_deadline);
+        tracing::debug!(key = %key, epoch = %common.epoch, peer = %peer, "decode request allocated");
+        self.decode_by_request
+            .insert(common.request.clone(), key.clone());
+        let request = DecodeRequest::new(common);
+        self.decode_timers.set(key.clone(), request.next_timer());
+        self.decodes.insert(key.clone(), request);
+        if self.peers.get(&peer).is_some_and(Peer::is_connected) {
+            self.step_decode(now, &key, DecodeInput::PeerConnected);
+        } else {
+            self.peer_input(now, &peer, PeerInput::ConnectRequested);
+        }
+        Ok(())
+    }
+
+    /// D already holds every token: P may free its blocks, and D is ready at once.
+    fn full_prefix_hit(&mut self, now: Time, start: DecodeStart) -> Result<(), Rejected> {
+        let release = Message::Release(Release {
+            key: start.key.clone(),
+            epoch: start.epoch,
+            reason: ReleaseReason::FullPrefixHit,
+        });
+        self.send_or_queue(now, &start.prefill, release);
+        self.decode_tombstones.insert(
+            start.key.clone(),
+            start.epoch,
+            now + self.config.tombstone_ttl,
+        );
+        self.out.push_back(Output::Event(EngineEvent::Decode {
+            request: start.request,
+            key: start.key,
+            epoch: start.epoch,
+            outcome: DecodeOutcome::Ready,
+            proof: FreeProof::NeverExposed,
+            blocks: start.blocks,
+        }));
+        Ok(())
+    }
+
+    fn abort(&mut self, now: Time, request: &RequestId) -> Result<(), Rejected> {
+        if let Some(key) = self.decode_by_request.get(request).cloned() {
+            self.step_decode(now, &key, DecodeInput::Abort);
+            return Ok(());
+        }
+        let mut fx = Effects {
+            out: &mut self.out,
+            counters: &mut self.counters,
+        };
+        self.writer.abort(now, request, &mut fx)
+    }
+
+    /// Sends `message` to `peer` now, or after the handshake if one is needed.
+    fn send_or_queue(&mut self, now: Time, peer: &PeerAddr, message: Message) {
+        if self.peers.get(peer).is_some_and(Peer::is_connected) {
+            self.out.push_back(Output::Send {
+                to: peer.clone(),
+                message,
+            });
+            return;
+        }
+        self.peer_input(now, peer, PeerInput::ConnectRequested);
+        let config = &self.config;
+        let queued = self
+            .peers
+            .get_mut(peer)
+            .is_some_and(|p| p.queue(message, config));
+        if !queued {
+            // Best effort: P's lease frees its blocks anyway.
+            self.counters.drop(DropReason::TableFull);
+        }
+    }
+
+    fn step_decode(&mut self, now: Time, key: &PairingKey, input: DecodeInput) {
+        let Some(request) = self.decodes.remove(key) else {
+            return;
+        };
+        let ctx = DecodeCtx {
+            now,
+            own: &self.own,
+            config: &self.config,
+        };
+        let epoch = request.common().epoch;
+        let _span =
+            tracing::debug_span!("decode", key = %key, epoch = %epoch, rank = self.own.rank)
+                .entered();
+        let mut fx = Effects {
+            out: &mut self.out,
+            counters: &mut self.counters,
+        };
+        match request.handle(&ctx, input, &mut fx) {
+            Step::Live(next) => {
+                self.decode_timers.set(key.clone(), next.next_timer());
+                self.decodes.insert(key.clone(), next);
+            }
+            Step::Ended(ended) => self.decode_ended(now, ended),
+        }
+    }
+
+    fn decode_ended(&mut self, now: Time, ended: DecodeEnded) {
+        let DecodeEnded {
+            common,
+            outcome,
+            proof,
+        } = ended;
+        tracing::debug!(key = %common.key, epoch = %common.epoch, ?outcome, ?proof, "decode request ended");
+        self.decode_timers.clear(&common.key);
+        self.decode_by_request.remove(&common.request);
+        self.decode_tombstones.insert(
+            common.key.clone(),
+            common.epoch,
+            now + self.config.tombstone_ttl,
+        );
+        if proof == FreeProof::Quarantine {
+            self.counters.quarantine_frees += 1;
+        }
+        let gave_up_before_registering = proof == FreeProof::NeverExposed
+            && matches!(
+                outcome,
+                DecodeOutcome::Failed(DecodeFailure::Aborted | DecodeFailure::Deadline)
+            );
+        if gave_up_before_registering {
+            // P may hold blocks for this key already: let it free them now, not at lease end.
+            let release = Message::Release(Release {
+                key: common.key.clone(),
+                epoch: common.epoch,
+                reason: ReleaseReason::Aborted,
+            });
+            self.send_or_queue(now, &common.prefill, release);
+        }
+        self.out.push_back(Output::Event(EngineEvent::Decode {
+            request: common.request,
+            key: common.key,
+            epoch: common.epoch,
+            outcome,
+            proof,
+            blocks: common.blocks,
+        }));
+    }
+
+    fn received(&mut self, now: Time, from: PeerAddr, message: Message) {
+        match self.peers.get(&from) {
+            Some(peer) if peer.is_connected() => {}
+            Some(_) | None => {
+                self.counters.drop(DropReason::UnknownPeer);
+                return;
+            }
+        }
+        self.peer_input(now, &from, PeerInput::Heard);
+        match message {
+            Message::Handshake(_) => self.counters.drop(DropReason::WrongPath),
+            Message::Register(register) => {
+                let mut fx = Effects {
+                    out: &mut self.out,
+                    counters: &mut self.counters,
+                };
+                self.writer.on_register(now, from, register, &mut fx);
+            }
+            Message::Cancel(cancel) => {
+                let mut fx = Effects {
+                    out: &mut self.out,
+                    counters: &mut self.counters,
+                };
+                self.writer
+                    .on_cancel(now, from, cancel.key, cancel.epoch, &mut fx);
+            }
+            Message::Release(release) => {
+                let mut fx = Effects {
+                    out: &mut self.out,
+                    counters: &mut self.counters,
+                };
+                let (key, epoch, reason) = (release.key, release.epoch, release.reason);
+                self.writer.on_release(now, key, epoch, reason, &mut fx);
+            }
+            Message::Heartbeat(heartbeat) => {
+                if heartbeat.engine != from.engine {
+                    self.counters.drop(DropReason::Unexpected);
+                    return;
+                }
+                let mut fx = Effects {
+                    out: &mut self.out,
+                    counters: &mut self.counters,
+                };
+                self.writer.on_heartbeat(now, heartbeat.leases, &mut fx);
+            }
+            Message::WriteDone(m) => {
+                let input = DecodeInput::WriteDone {
+                    rank: m.prefill_rank,
+                };
+                self.route_to_decode(now, &from, &m.key, m.epoch, input);
+            }
+            Message::WriteFailed(m) => {
+                let input = DecodeInput::WriteFailed {
+                    rank: m.prefill_rank,
+                    reason: m.reason,
+                };
+                self.route_to_decode(now, &from, &m.key, m.epoch, input);
+            }
+            Message::CancelAck(m) => {
+                self.route_to_decode(now, &from, &m.key, m.epoch, DecodeInput::CancelAck);
+            }
+        }
+    }
+
+    /// Delivers a P→D message to the live request of `key` if it is for its epoch and from its
+    /// P engine; counts why not otherwise.
+    fn route_to_decode(
+        &mut self,
+        now: Time,
+        from: &PeerAddr,
+        key: &PairingKey,
+        epoch: Epoch,
+        input: DecodeInput,
+    ) {
+        let Some(request) = self.decodes.get(key) else {
+            let reason = if self.decode_tombstones.get(key).is_some() {
+                DropReason::Late
+            } else {
+                DropReason::UnknownKey
+            };
+            self.counters.drop(reason);
+            return;
+        };
+        let common = request.common();
+        if common.prefill.engine != from.engine {
+            self.counters.drop(DropReason::Unexpected);
+            return;
+        }
+        if epoch < common.epoch {
+            self.counters.drop(DropReason::StaleEpoch);
+            return;
+        }
+        if epoch > common.epoch {
+            self.counters.drop(DropReason::FutureEpoch);
+            return;
+        }
+        self.step_decode(now, key, input);
+    }
+
+    fn write_result(
+        &mut self,
+        now: Time,
+        write: WriteId,
+        failure: Option<kvhandoff_protocol::WriteFailure>,
+    ) {
+        let mut fx = Effects {
+            out: &mut self.out,
+            counters: &mut self.counters,
+        };
+        self.writer.on_write_result(now, write, failure, &mut fx);
+    }
+
+    /// Runs one input through a peer's machine and acts on what it says.
+    fn peer_input(&mut self, now: Time, peer: &PeerAddr, input: PeerInput) {
+        let current = match self.peers.remove(peer) {
+            Some(current) => current,
+            None => match input {
+                PeerInput::ConnectRequested => {
+                    if self.peers.len() >= self.config.max_peers {
+                        self.fail_waiting_decodes(now, peer);
+                        return;
+                    }
+                    self.out.push_back(Output::Connect { peer: peer.clone() });
+                    let fresh = Peer::connecting(now, &self.config);
+                    self.peer_timers
+                        .set(peer.clone(), fresh.next_timer(&self.config));
+                    self.peers.insert(peer.clone(), fresh);
+                    return;
+                }
+                PeerInput::Connected => {
+                    if self.peers.len() >= self.config.max_peers {
+                        self.counters.drop(DropReason::TableFull);
+                        return;
+                    }
+                    Peer::Dead(super::peer::PeerDown { until: now })
+                }
+                PeerInput::ConnectFailed(_) | PeerInput::Lost | PeerInput::Timeout => return,
+                PeerInput::Heard => {
+                    self.counters.drop(DropReason::UnknownPeer);
+                    return;
+                }
+            },
+        };
+        let (next, notice) = current.handle(now, &self.config, input);
+        let forget = matches!(notice, PeerNotice::ConnectFailed(_) | PeerNotice::Forget);
+        if forget {
+            self.peer_timers.clear(peer);
+        } else {
+            self.peer_timers
+                .set(peer.clone(), next.next_timer(&self.config));
+            self.peers.insert(peer.clone(), next);
+        }
+        match notice {
+            PeerNotice::Quiet | PeerNotice::Forget => {}
+            PeerNotice::Connect => self.out.push_back(Output::Connect { peer: peer.clone() }),
+            PeerNotice::NotConnected => self.counters.drop(DropReason::UnknownPeer),
+            PeerNotice::Up(queued) => {
+                tracing::debug!(peer = %peer, "peer connected");
+                for message in queued {
+                    self.out.push_back(Output::Send {
+                        to: peer.clone(),
+                        message,
+                    });
+                }
+                self.wake_connecting_decodes(now, peer);
+            }
+            PeerNotice::Restarted => {
+                tracing::info!(peer = %peer, "peer restarted; its old incarnation is dead");
+                self.peer_died(now, peer);
+                self.wake_connecting_decodes(now, peer);
+            }
+            PeerNotice::ConnectFailed(reason) => {
+                tracing::info!(peer = %peer, ?reason, "handshake failed");
+                self.fail_waiting_decodes(now, peer);
+            }
+            PeerNotice::Died => {
+                tracing::info!(peer = %peer, "peer declared dead");
+                self.peer_died(now, peer);
+            }
+            PeerNotice::HeartbeatDue => self.send_heartbeats(peer),
+        }
+    }
+
+    fn decodes_bound_to(&self, peer: &PeerAddr) -> Vec<PairingKey> {
+        self.decodes
+            .iter()
+            .filter(|(_, r)| &r.common().prefill == peer)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    fn wake_connecting_decodes(&mut self, now: Time, peer: &PeerAddr) {
+        for key in self.decodes_bound_to(peer) {
+            if matches!(self.decodes.get(&key), Some(DecodeRequest::Connecting(_))) {
+                self.step_decode(now, &key, DecodeInput::PeerConnected);
+            }
+        }
+    }
+
+    fn fail_waiting_decodes(&mut self, now: Time, peer: &PeerAddr) {
+        for key in self.decodes_bound_to(peer) {
+            self.step_decode(now, &key, DecodeInput::PeerConnectFailed);
+        }
+    }
+
+    /// Invalidates the peer first, so that by the time a request learns of the death no write
+    /// from the peer can land any more; then fails everything bound to it.
+    fn peer_died(&mut self, now: Time, peer: &PeerAddr) {
+        self.counters.peers_declared_dead += 1;
+        self.out
+            .push_back(Output::Invalidate { peer: peer.clone() });
+        for key in self.decodes_bound_to(peer) {
+            self.step_decode(now, &key, DecodeInput::PeerDead);
+        }
+        let mut fx = Effects {
+            out: &mut self.out,
+            counters: &mut self.counters,
+        };
+        self.writer.on_peer_dead(now, peer, &mut fx);
+    }
+
+    /// A heartbeat to `peer`, naming every lease D wants P to keep (several messages if the
+    /// list is long; one empty message is still a liveness ping).
+    fn send_heartbeats(&mut self, peer: &PeerAddr) {
+        let leases: Vec<LeaseRef> = self
+            .decodes
+            .values()
+            .filter(|r| &r.common().prefill == peer && r.holds_lease())
+            .map(|r| LeaseRef {
+                key: r.common().key.clone(),
+                epoch: r.common().epoch,
+            })
+            .collect();
+        let mut chunks: Vec<Vec<LeaseRef>> = leases
+            .chunks(MAX_HEARTBEAT_LEASES)
+            .map(<[LeaseRef]>::to_vec)
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(Vec::new());
+        }
+        for leases in chunks {
+            self.counters.heartbeats_sent += 1;
+            self.out.push_back(Output::Send {
+                to: peer.clone(),
+                message: Message::Heartbeat(Heartbeat {
+                    engine: self.own.engine.clone(),
+                    leases,
+                }),
+            });
+        }
+    }
+
+    /// Asserts every cross-table invariant (debug builds only; O(table size)).
+    fn check_invariants(&self) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        assert!(self.decodes.len() <= self.config.max_requests);
+        assert!(self.peers.len() <= self.config.max_peers);
+        assert_eq!(self.decodes.len(), self.decode_by_request.len());
+        assert_eq!(self.decodes.len(), self.decode_timers.len());
+        assert_eq!(self.peers.len(), self.peer_timers.len());
+        for (key, request) in &self.decodes {
+            let common = request.common();
+            assert_eq!(&common.key, key);
+            assert_eq!(self.decode_by_request.get(&common.request), Some(key));
+            assert!(
+                self.decode_tombstones.get(key).is_none(),
+                "a live key is not tombstoned"
+            );
+            let peer = self.peers.get(&common.prefill);
+            assert!(
+                peer.is_some_and(|p| !p.is_dead()),
+                "a live D request's peer is known and not dead"
+            );
+        }
+        self.writer.check_invariants();
+    }
+
+    /// Blocks of every live D request (for leak checks in tests and the simulator).
+    pub fn live_decode_blocks(&self) -> impl Iterator<Item = (&RequestId, &BlockIds)> {
+        self.decodes
+            .values()
+            .map(|r| (&r.common().request, &r.common().blocks))
+    }
+}

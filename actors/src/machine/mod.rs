@@ -1,0 +1,27 @@
+//! The sans-IO state machines of kvhandoff.
+//!
+//! One [`Endpoint`] per engine rank hosts every machine of that rank: a `DecodeRequest` per D
+//! request, P's `Writer` (the table that matches D's registrations with P's finished blocks) and
+//! its `PrefillRequest`s, and a `Peer` per remote rank. The endpoint is driven the way
+//! quinn-proto and str0m are: [`Endpoint::handle`] and [`Endpoint::handle_timeout`] take the
+//! current [`Time`], [`Endpoint::poll_output`] yields what to do, and
+//! [`Endpoint::poll_timeout`] says when to call again. No I/O, clock, randomness or async
+//! lives here, so the simulator and the actix shells run the very same code.
+
+mod config;
+mod decode;
+mod effects;
+mod endpoint;
+mod peer;
+mod prefill;
+mod tables;
+mod types;
+mod writer;
+
+pub use config::{Config, ConfigError};
+pub use endpoint::{Endpoint, EndpointStats};
+pub use types::{
+    ConnectFailure, Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent,
+    FreeProof, Input, Output, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time,
+    WriteOrder,
+};

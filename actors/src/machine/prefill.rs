@@ -1,0 +1,535 @@
+//! `PrefillRequest`: one request on P, from finished prefill to its one outcome.
+//!
+//! ```text
+//!   Held --Register(fits)/post write--> Writing --WriteCompleted--> [Sent]
+//!    |  \--Register(misfit)---------> [Released(Rejected)]   \--WriteFailed--> [Released]
+//!    |--lease end / Cancel / Release / Abort --> [Released]   |
+//!                         Cancel / Abort / PeerDead / write deadline
+//!                                                             v
+//!                                         Draining --completion or failure--> [Sent | Released]
+//! ```
+//!
+//! P never frees blocks that a posted write may still read, and never answers a cancel before
+//! the epoch's write is drained.
+
+use kvhandoff_protocol::{
+    BlockIds, CancelAck, Epoch, Message, PairingKey, Register, ReleaseReason, RequestId, WriteDone,
+    WriteFailed, WriteFailure,
+};
+
+use super::effects::{Effects, Step};
+use super::types::{DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder};
+use super::Config;
+use crate::{PeerAddr, WriteId};
+
+/// What every state of a P request knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PrefillCommon {
+    pub(crate) request: RequestId,
+    pub(crate) key: PairingKey,
+    pub(crate) blocks: BlockIds,
+}
+
+/// Finished, waiting for D's registration, under a lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Held {
+    pub(crate) common: PrefillCommon,
+    pub(crate) lease_until: Time,
+}
+
+/// Where an epoch's write goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Binding {
+    pub(crate) epoch: Epoch,
+    pub(crate) to: PeerAddr,
+    pub(crate) write: WriteId,
+}
+
+/// A write is posted for one epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Writing {
+    pub(crate) common: PrefillCommon,
+    pub(crate) binding: Binding,
+    pub(crate) write_deadline: Time,
+}
+
+/// Why a write is being drained instead of awaited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DrainCause {
+    Cancelled,
+    Aborted,
+    PeerDead,
+    TimedOut,
+}
+
+/// The write must stop; waiting for the transport to say it cannot land any more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Draining {
+    pub(crate) common: PrefillCommon,
+    pub(crate) binding: Binding,
+    pub(crate) cause: DrainCause,
+    /// Whether D asked to cancel: it gets a `CancelAck` once drained.
+    pub(crate) cancel_requested: bool,
+    /// Whether the transport was told to abandon the write.
+    pub(crate) abandoned: bool,
+    /// When to abandon (if not yet) or give up on the transport (if abandoned).
+    pub(crate) deadline: Time,
+}
+
+/// A live P request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PrefillRequest {
+    Held(Held),
+    Writing(Writing),
+    Draining(Draining),
+}
+
+/// A P request's terminal record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PrefillEnded {
+    pub(crate) common: PrefillCommon,
+    pub(crate) outcome: PrefillOutcome,
+    /// The epoch the blocks were bound to, if any.
+    pub(crate) epoch: Option<Epoch>,
+}
+
+/// What can happen to a live P request. The writer routes by key; epochs are compared here
+/// because P learns its epoch from the registration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PrefillInput {
+    Registered { from: PeerAddr, register: Register },
+    Heartbeat,
+    Cancel { from: PeerAddr, epoch: Epoch },
+    Release { epoch: Epoch, reason: ReleaseReason },
+    Abort,
+    WriteCompleted,
+    WriteFailed { failure: WriteFailure },
+    PeerDead { peer: PeerAddr },
+    Timeout,
+}
+
+pub(crate) type PrefillStep = Step<PrefillRequest, PrefillEnded>;
+
+/// Context a transition needs besides its own state.
+pub(crate) struct PrefillCtx<'a> {
+    pub(crate) now: Time,
+    pub(crate) own_rank: u32,
+    pub(crate) config: &'a Config,
+    /// The id the next posted write gets; the writer advances it when one is used.
+    pub(crate) next_write: WriteId,
+}
+
+impl PrefillCommon {
+    fn end(self, outcome: PrefillOutcome, epoch: Option<Epoch>) -> PrefillStep {
+        Step::Ended(PrefillEnded {
+            common: self,
+            outcome,
+            epoch,
+        })
+    }
+}
+
+fn write_failed(key: &PairingKey, epoch: Epoch, rank: u32, reason: WriteFailure) -> Message {
+    Message::WriteFailed(WriteFailed {
+        key: key.clone(),
+        epoch,
+        prefill_rank: rank,
+        reason,
+    })
+}
+
+fn cancel_ack(key: &PairingKey, epoch: Epoch, rank: u32) -> Message {
+    Message::CancelAck(CancelAck {
+        key: key.clone(),
+        epoch,
+        prefill_rank: rank,
+    })
+}
+
+/// Pairs P's blocks with D's, tail-aligned per group: when D registered fewer blocks (it
+/// already caches a prefix), P sends its last ones. `None` if they cannot be paired.
+pub(crate) fn pair_blocks(local: &BlockIds, remote: &BlockIds) -> Option<BlockIds> {
+    if local.groups.len() != remote.groups.len() || remote.is_empty() {
+        return None;
+    }
+    let mut trimmed = Vec::with_capacity(local.groups.len());
+    for (ours, theirs) in local.groups.iter().zip(&remote.groups) {
+        let skip = ours.len().checked_sub(theirs.len())?;
+        trimmed.push(ours[skip..].to_vec());
+    }
+    Some(BlockIds { groups: trimmed })
+}
+
+/// A registration for a key whose blocks are already bound to an epoch: a duplicate or a stale
+/// one is dropped; a newer attempt is told the blocks are unavailable (they serve one attempt).
+/// The answer goes to the registrant (`from`), which need not be the rank the blocks are bound to.
+fn refuse_other_registration(
+    ctx: &PrefillCtx<'_>,
+    key: &PairingKey,
+    binding: &Binding,
+    from: &PeerAddr,
+    register: &Register,
+    fx: &mut Effects<'_>,
+) {
+    if register.epoch == binding.epoch {
+        fx.drop_input(DropReason::Duplicate);
+    } else if register.epoch < binding.epoch {
+        fx.drop_input(DropReason::StaleEpoch);
+    } else {
+        fx.drop_input(DropReason::FutureEpoch);
+        fx.send(
+            from,
+            write_failed(key, register.epoch, ctx.own_rank, WriteFailure::Unavailable),
+        );
+    }
+}
+
+impl PrefillRequest {
+    /// A finished request waiting for its registration.
+    pub(crate) fn held(common: PrefillCommon, now: Time, config: &Config) -> Self {
+        assert!(!common.blocks.is_empty(), "an empty P request ends at once");
+        PrefillRequest::Held(Held {
+            common,
+            lease_until: now + config.lease_duration,
+        })
+    }
+
+    pub(crate) fn common(&self) -> &PrefillCommon {
+        match self {
+            PrefillRequest::Held(s) => &s.common,
+            PrefillRequest::Writing(s) => &s.common,
+            PrefillRequest::Draining(s) => &s.common,
+        }
+    }
+
+    /// The write in flight, if any.
+    pub(crate) fn write(&self) -> Option<WriteId> {
+        match self {
+            PrefillRequest::Held(_) => None,
+            PrefillRequest::Writing(s) => Some(s.binding.write),
+            PrefillRequest::Draining(s) => Some(s.binding.write),
+        }
+    }
+
+    /// When this request next needs [`PrefillInput::Timeout`].
+    pub(crate) fn next_timer(&self) -> Time {
+        match self {
+            PrefillRequest::Held(s) => s.lease_until,
+            PrefillRequest::Writing(s) => s.write_deadline,
+            PrefillRequest::Draining(s) => s.deadline,
+        }
+    }
+
+    /// The one transition function.
+    pub(crate) fn handle(
+        self,
+        ctx: &PrefillCtx<'_>,
+        input: PrefillInput,
+        fx: &mut Effects<'_>,
+    ) -> PrefillStep {
+        match self {
+            PrefillRequest::Held(s) => s.handle(ctx, input, fx),
+            PrefillRequest::Writing(s) => s.handle(ctx, input, fx),
+            PrefillRequest::Draining(s) => s.handle(ctx, input, fx),
+        }
+    }
+}
+
+impl Held {
+    /// Starts the write for a registration, or rejects a registration that does not fit.
+    fn start_write(
+        self,
+        ctx: &PrefillCtx<'_>,
+        from: PeerAddr,
+        register: Register,
+        fx: &mut Effects<'_>,
+    ) -> PrefillStep {
+        let Some(local) = pair_blocks(&self.common.blocks, &register.blocks) else {
+            fx.send(
+                &from,
+                write_failed(
+                    &register.key,
+                    register.epoch,
+                    ctx.own_rank,
+                    WriteFailure::PlanMismatch,
+                ),
+            );
+            return self.common.end(
+                PrefillOutcome::Released(ReleaseCause::Rejected),
+                Some(register.epoch),
+            );
+        };
+        let write = ctx.next_write;
+        fx.emit(Output::PostWrite(WriteOrder {
+            write,
+            to: from.clone(),
+            key: register.key.clone(),
+            epoch: register.epoch,
+            local,
+            remote: register.blocks,
+            notification: Message::WriteDone(WriteDone {
+                key: register.key,
+                epoch: register.epoch,
+                prefill_rank: ctx.own_rank,
+            }),
+        }));
+        fx.counters.writes_posted += 1;
+        Step::Live(PrefillRequest::Writing(Writing {
+            common: self.common,
+            binding: Binding {
+                epoch: register.epoch,
+                to: from,
+                write,
+            },
+            write_deadline: ctx.now + ctx.config.write_timeout,
+        }))
+    }
+
+    fn handle(
+        mut self,
+        ctx: &PrefillCtx<'_>,
+        input: PrefillInput,
+        fx: &mut Effects<'_>,
+    ) -> PrefillStep {
+        match input {
+            PrefillInput::Registered { from, register } => {
+                self.start_write(ctx, from, register, fx)
+            }
+            PrefillInput::Heartbeat => {
+                self.lease_until = self.lease_until.max(ctx.now + ctx.config.lease_extension);
+                fx.counters.leases_renewed += 1;
+                Step::Live(PrefillRequest::Held(self))
+            }
+            PrefillInput::Cancel { from, epoch } => {
+                // D gave up before P saw its registration (a cancel overtaking a registration
+                // lands here too): nothing was posted, so acknowledge at once.
+                fx.send(&from, cancel_ack(&self.common.key, epoch, ctx.own_rank));
+                self.common.end(
+                    PrefillOutcome::Released(ReleaseCause::CancelledByPeer),
+                    Some(epoch),
+                )
+            }
+            PrefillInput::Release { epoch, reason } => self.common.end(
+                PrefillOutcome::Released(ReleaseCause::ReleasedByPeer(reason)),
+                Some(epoch),
+            ),
+            PrefillInput::Abort => self
+                .common
+                .end(PrefillOutcome::Released(ReleaseCause::Aborted), None),
+            PrefillInput::Timeout if ctx.now >= self.lease_until => self
+                .common
+                .end(PrefillOutcome::Released(ReleaseCause::LeaseExpired), None),
+            PrefillInput::Timeout => Step::Live(PrefillRequest::Held(self)),
+            // Held blocks are not bound to any peer yet.
+            PrefillInput::PeerDead { .. } => Step::Live(PrefillRequest::Held(self)),
+            PrefillInput::WriteCompleted | PrefillInput::WriteFailed { .. } => {
+                fx.drop_input(DropReason::UnknownWrite);
+                Step::Live(PrefillRequest::Held(self))
+            }
+        }
+    }
+}
+
+impl Writing {
+    fn drain(self, ctx: &PrefillCtx<'_>, cause: DrainCause, fx: &mut Effects<'_>) -> PrefillStep {
+        let abandon_now = matches!(cause, DrainCause::PeerDead | DrainCause::TimedOut);
+        if abandon_now {
+            fx.emit(Output::AbandonWrite {
+                write: self.binding.write,
+            });
+            fx.counters.writes_abandoned += 1;
+        }
+        let deadline = if abandon_now {
+            ctx.now + ctx.config.abandon_timeout
+        } else {
+            // Let the write finish on its own until its deadline; abandon it then.
+            self.write_deadline
+        };
+        Step::Live(PrefillRequest::Draining(Draining {
+            common: self.common,
+            binding: self.binding,
+            cause,
+            cancel_requested: cause == DrainCause::Cancelled,
+            abandoned: abandon_now,
+            deadline,
+        }))
+    }
+
+    fn handle(
+        self,
+        ctx: &PrefillCtx<'_>,
+        input: PrefillInput,
+        fx: &mut Effects<'_>,
+    ) -> PrefillStep {
+        let epoch = self.binding.epoch;
+        match input {
+            PrefillInput::WriteCompleted => self.common.end(PrefillOutcome::Sent, Some(epoch)),
+            PrefillInput::WriteFailed { failure } => {
+                fx.send(
+                    &self.binding.to,
+                    write_failed(&self.common.key, epoch, ctx.own_rank, failure),
+                );
+                self.common.end(
+                    PrefillOutcome::Released(ReleaseCause::WriteFailed(failure)),
+                    Some(epoch),
+                )
+            }
+            PrefillInput::Registered { from, register } => {
+                let binding = &self.binding;
+                refuse_other_registration(ctx, &self.common.key, binding, &from, &register, fx);
+                Step::Live(PrefillRequest::Writing(self))
+            }
+            PrefillInput::Cancel {
+                from,
+                epoch: cancelled,
+            } if cancelled != epoch => {
+                // Nothing of that epoch is in flight here.
+                fx.send(&from, cancel_ack(&self.common.key, cancelled, ctx.own_rank));
+                Step::Live(PrefillRequest::Writing(self))
+            }
+            PrefillInput::Cancel { .. } => self.drain(ctx, DrainCause::Cancelled, fx),
+            // D releases only keys it never registered; a release next to a registration is a
+            // confused or stale peer, and the registration wins.
+            PrefillInput::Release {
+                epoch: released, ..
+            } => {
+                fx.drop_input(if released < epoch {
+                    DropReason::StaleEpoch
+                } else {
+                    DropReason::Unexpected
+                });
+                Step::Live(PrefillRequest::Writing(self))
+            }
+            PrefillInput::Abort => self.drain(ctx, DrainCause::Aborted, fx),
+            PrefillInput::PeerDead { peer } if peer == self.binding.to => {
+                self.drain(ctx, DrainCause::PeerDead, fx)
+            }
+            PrefillInput::PeerDead { .. } => Step::Live(PrefillRequest::Writing(self)),
+            PrefillInput::Timeout if ctx.now >= self.write_deadline => {
+                self.drain(ctx, DrainCause::TimedOut, fx)
+            }
+            // The lease does not end while a write reads the blocks; the write deadline bounds it.
+            PrefillInput::Timeout | PrefillInput::Heartbeat => {
+                Step::Live(PrefillRequest::Writing(self))
+            }
+        }
+    }
+}
+
+impl Draining {
+    /// The write can no longer land (`landed` says whether it did): tell D what it needs and end.
+    fn finish(
+        self,
+        ctx: &PrefillCtx<'_>,
+        landed: bool,
+        failure: WriteFailure,
+        fx: &mut Effects<'_>,
+    ) -> PrefillStep {
+        let epoch = self.binding.epoch;
+        let key = &self.common.key;
+        let peer_alive = self.cause != DrainCause::PeerDead;
+        if peer_alive && !landed {
+            let reason = match self.cause {
+                DrainCause::Aborted => WriteFailure::PrefillAborted,
+                DrainCause::TimedOut => WriteFailure::TransferTimedOut,
+                DrainCause::Cancelled | DrainCause::PeerDead => failure,
+            };
+            fx.send(
+                &self.binding.to,
+                write_failed(key, epoch, ctx.own_rank, reason),
+            );
+        }
+        if peer_alive && self.cancel_requested {
+            fx.send(&self.binding.to, cancel_ack(key, epoch, ctx.own_rank));
+        }
+        let outcome = match (self.cause, landed) {
+            (DrainCause::Cancelled, _) => PrefillOutcome::Released(ReleaseCause::CancelledByPeer),
+            (DrainCause::PeerDead, false) => PrefillOutcome::Released(ReleaseCause::PeerDead),
+            (DrainCause::Aborted, false) => PrefillOutcome::Released(ReleaseCause::Aborted),
+            (DrainCause::TimedOut, false) => {
+                PrefillOutcome::Released(ReleaseCause::WriteFailed(WriteFailure::TransferTimedOut))
+            }
+            (DrainCause::PeerDead | DrainCause::Aborted | DrainCause::TimedOut, true) => {
+                PrefillOutcome::Sent
+            }
+        };
+        self.common.end(outcome, Some(epoch))
+    }
+
+    fn handle(
+        mut self,
+        ctx: &PrefillCtx<'_>,
+        input: PrefillInput,
+        fx: &mut Effects<'_>,
+    ) -> PrefillStep {
+        let epoch = self.binding.epoch;
+        match input {
+            PrefillInput::WriteCompleted => {
+                self.finish(ctx, true, WriteFailure::TransferFailed, fx)
+            }
+            PrefillInput::WriteFailed { failure } => self.finish(ctx, false, failure, fx),
+            PrefillInput::Cancel {
+                from,
+                epoch: cancelled,
+            } if cancelled != epoch => {
+                fx.send(&from, cancel_ack(&self.common.key, cancelled, ctx.own_rank));
+                Step::Live(PrefillRequest::Draining(self))
+            }
+            PrefillInput::Cancel { .. } => {
+                self.cancel_requested = true;
+                Step::Live(PrefillRequest::Draining(self))
+            }
+            PrefillInput::PeerDead { peer } if peer == self.binding.to => {
+                self.cause = DrainCause::PeerDead;
+                if !self.abandoned {
+                    fx.emit(Output::AbandonWrite {
+                        write: self.binding.write,
+                    });
+                    fx.counters.writes_abandoned += 1;
+                    self.abandoned = true;
+                    self.deadline = ctx.now + ctx.config.abandon_timeout;
+                }
+                Step::Live(PrefillRequest::Draining(self))
+            }
+            PrefillInput::Timeout if ctx.now >= self.deadline && !self.abandoned => {
+                fx.emit(Output::AbandonWrite {
+                    write: self.binding.write,
+                });
+                fx.counters.writes_abandoned += 1;
+                self.abandoned = true;
+                self.deadline = ctx.now + ctx.config.abandon_timeout;
+                Step::Live(PrefillRequest::Draining(self))
+            }
+            PrefillInput::Timeout if ctx.now >= self.deadline => {
+                // The transport broke its promise to confirm an abandoned write. Invalidating
+                // the peer cuts the connection, so the write cannot land after this.
+                fx.emit(Output::Invalidate {
+                    peer: self.binding.to.clone(),
+                });
+                self.finish(ctx, false, WriteFailure::TransferTimedOut, fx)
+            }
+            PrefillInput::Registered { from, register } => {
+                let binding = &self.binding;
+                refuse_other_registration(ctx, &self.common.key, binding, &from, &register, fx);
+                Step::Live(PrefillRequest::Draining(self))
+            }
+            // As in `Writing`: a release next to a registration changes nothing, but is counted.
+            PrefillInput::Release {
+                epoch: released, ..
+            } => {
+                fx.drop_input(if released < epoch {
+                    DropReason::StaleEpoch
+                } else {
+                    DropReason::Unexpected
+                });
+                Step::Live(PrefillRequest::Draining(self))
+            }
+            PrefillInput::Abort | PrefillInput::Heartbeat => {
+                Step::Live(PrefillRequest::Draining(self))
+            }
+            PrefillInput::PeerDead { .. } | PrefillInput::Timeout => {
+                Step::Live(PrefillRequest::Draining(self))
+            }
+        }
+    }
+}

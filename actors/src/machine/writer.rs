@@ -1,0 +1,559 @@
+//! `Writer`: P's table for one rank. It matches D's registrations with P's finished blocks,
+//! whichever arrives first, and hosts the `PrefillRequest` machines.
+//!
+//! Both races are ordinary:
+//! - *D registers first*: the registration waits in `pending` (bounded, with a TTL renewed by
+//!   D's heartbeats) until the prefill finishes;
+//! - *P finishes first*: the request waits `Held` under its lease until the registration comes.
+//!
+//! Ended keys leave a tombstone so that a late registration is answered (or swallowed, if D
+//! already cancelled it) instead of waiting forever.
+
+use std::collections::BTreeMap;
+
+use kvhandoff_protocol::{
+    CancelAck, Epoch, LeaseRef, Message, PairingKey, Register, ReleaseReason, RequestId,
+    WriteFailed, WriteFailure,
+};
+
+use super::effects::{Effects, Step};
+use super::prefill::{PrefillCommon, PrefillCtx, PrefillEnded, PrefillInput, PrefillRequest};
+use super::tables::{TimerIndex, Tombstones};
+use super::types::{
+    DropReason, EngineEvent, Output, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time,
+};
+use super::Config;
+use crate::{PeerAddr, WriteId};
+
+/// A registration that arrived before its prefill finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PendingRegistration {
+    pub(crate) from: PeerAddr,
+    pub(crate) register: Register,
+    pub(crate) expires: Time,
+}
+
+/// What P remembers about an ended key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PrefillTombstone {
+    /// D cancelled this epoch: a late registration for it is swallowed, and blocks that finish
+    /// for the key are released at once.
+    Cancelled(Epoch),
+    /// D said it does not need the blocks (it never registered): as `Cancelled`.
+    Released(Epoch, ReleaseReason),
+    /// The request ended another way: a registration gets `WriteFailed` with this reason.
+    Ended(WriteFailure),
+}
+
+/// P's matching table and request machines for one rank.
+#[derive(Debug)]
+pub(crate) struct Writer {
+    rank: u32,
+    config: Config,
+    requests: BTreeMap<PairingKey, PrefillRequest>,
+    by_request: BTreeMap<RequestId, PairingKey>,
+    pending: BTreeMap<PairingKey, PendingRegistration>,
+    writes: BTreeMap<WriteId, PairingKey>,
+    request_timers: TimerIndex<PairingKey>,
+    pending_timers: TimerIndex<PairingKey>,
+    tombstones: Tombstones<PairingKey, PrefillTombstone>,
+    next_write: u64,
+}
+
+fn tombstone_for(outcome: PrefillOutcome, epoch: Option<Epoch>) -> PrefillTombstone {
+    let failure = match outcome {
+        PrefillOutcome::Released(ReleaseCause::CancelledByPeer) => match epoch {
+            Some(epoch) => return PrefillTombstone::Cancelled(epoch),
+            None => WriteFailure::Unavailable,
+        },
+        PrefillOutcome::Released(ReleaseCause::ReleasedByPeer(reason)) => match epoch {
+            Some(epoch) => return PrefillTombstone::Released(epoch, reason),
+            None => WriteFailure::Unavailable,
+        },
+        PrefillOutcome::Released(ReleaseCause::LeaseExpired) => WriteFailure::LeaseExpired,
+        PrefillOutcome::Released(ReleaseCause::Aborted) => WriteFailure::PrefillAborted,
+        PrefillOutcome::Released(ReleaseCause::Rejected) => WriteFailure::PlanMismatch,
+        PrefillOutcome::Released(ReleaseCause::WriteFailed(failure)) => failure,
+        PrefillOutcome::Sent
+        | PrefillOutcome::Released(ReleaseCause::PeerDead)
+        | PrefillOutcome::Released(ReleaseCause::Empty) => WriteFailure::Unavailable,
+    };
+    PrefillTombstone::Ended(failure)
+}
+
+impl Writer {
+    pub(crate) fn new(rank: u32, config: &Config) -> Self {
+        Writer {
+            rank,
+            config: config.clone(),
+            requests: BTreeMap::new(),
+            by_request: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            writes: BTreeMap::new(),
+            request_timers: TimerIndex::default(),
+            pending_timers: TimerIndex::default(),
+            tombstones: Tombstones::new(config.max_tombstones),
+            next_write: 1,
+        }
+    }
+
+    pub(crate) fn live_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub(crate) fn pending_registrations(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub(crate) fn writes_in_flight(&self) -> usize {
+        self.writes.len()
+    }
+
+    pub(crate) fn tombstones(&self) -> usize {
+        self.tombstones.len()
+    }
+
+    pub(crate) fn has_request(&self, request: &RequestId) -> bool {
+        self.by_request.contains_key(request)
+    }
+
+    pub(crate) fn next_timer(&self) -> Option<Time> {
+        [
+            self.request_timers.next(),
+            self.pending_timers.next(),
+            self.tombstones.next_expiry(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Runs one input through the request for `key` and files the result.
+    fn step(&mut self, now: Time, key: &PairingKey, input: PrefillInput, fx: &mut Effects<'_>) {
+        let Some(request) = self.requests.remove(key) else {
+            return;
+        };
+        let before = request.write();
+        let ctx = PrefillCtx {
+            now,
+            own_rank: self.rank,
+            config: &self.config,
+            next_write: WriteId(self.next_write),
+        };
+        let _span = tracing::debug_span!("prefill", key = %key, rank = self.rank).entered();
+        match request.handle(&ctx, input, fx) {
+            Step::Live(next) => {
+                let after = next.write();
+                if after != before {
+                    assert_eq!(before, None, "a request posts at most one write");
+                    if let Some(write) = after {
+                        assert_eq!(write, ctx.next_write);
+                        self.next_write += 1;
+                        self.writes.insert(write, key.clone());
+                    }
+                }
+                self.request_timers.set(key.clone(), next.next_timer());
+                self.requests.insert(key.clone(), next);
+            }
+            Step::Ended(ended) => {
+                if let Some(write) = before {
+                    self.writes.remove(&write);
+                }
+                self.file_ended(now, ended, fx);
+            }
+        }
+    }
+
+    fn file_ended(&mut self, now: Time, ended: PrefillEnded, fx: &mut Effects<'_>) {
+        let PrefillEnded {
+            common,
+            outcome,
+            epoch,
+        } = ended;
+        tracing::debug!(key = %common.key, ?epoch, ?outcome, "prefill request ended");
+        self.request_timers.clear(&common.key);
+        self.by_request.remove(&common.request);
+        self.tombstones.insert(
+            common.key.clone(),
+            tombstone_for(outcome, epoch),
+            now + self.config.tombstone_ttl,
+        );
+        fx.emit(Output::Event(EngineEvent::Prefill {
+            request: common.request,
+            key: common.key,
+            outcome,
+            blocks: common.blocks,
+        }));
+    }
+
+    /// P's engine finished a prefill.
+    pub(crate) fn finished(
+        &mut self,
+        now: Time,
+        start: PrefillStart,
+        fx: &mut Effects<'_>,
+    ) -> Result<(), Rejected> {
+        if self.by_request.contains_key(&start.request) {
+            return Err(Rejected::DuplicateRequest(start.request));
+        }
+        if self.requests.contains_key(&start.key) {
+            return Err(Rejected::DuplicateKey(start.key));
+        }
+        if self.requests.len() >= self.config.max_requests {
+            return Err(Rejected::TableFull {
+                table: "prefill requests",
+                limit: self.config.max_requests,
+            });
+        }
+        let common = PrefillCommon {
+            request: start.request,
+            key: start.key,
+            blocks: start.blocks,
+        };
+        // A registration for a newer attempt than the one D gave up on (`on_register` lets it
+        // past the tombstone) still wants the blocks: it supersedes the tombstone.
+        let pending_epoch = self.pending.get(&common.key).map(|p| p.register.epoch);
+        let superseded = |epoch: Epoch| pending_epoch.is_some_and(|pending| pending > epoch);
+        let settled_by_peer = match self.tombstones.get(&common.key).copied() {
+            Some(PrefillTombstone::Cancelled(epoch)) if !superseded(epoch) => {
+                Some((ReleaseCause::CancelledByPeer, epoch))
+            }
+            Some(PrefillTombstone::Released(epoch, reason)) if !superseded(epoch) => {
+                Some((ReleaseCause::ReleasedByPeer(reason), epoch))
+            }
+            Some(
+                PrefillTombstone::Cancelled(_)
+                | PrefillTombstone::Released(..)
+                | PrefillTombstone::Ended(_),
+            )
+            | None => None,
+        };
+        if let Some((cause, epoch)) = settled_by_peer {
+            // D gave up on (or never needed) this key before P finished: free at once. A
+            // registration still pending is for an attempt D gave up on: nobody waits for it.
+            self.take_pending(&common.key);
+            self.file_ended(
+                now,
+                PrefillEnded {
+                    common,
+                    outcome: PrefillOutcome::Released(cause),
+                    epoch: Some(epoch),
+                },
+                fx,
+            );
+            return Ok(());
+        }
+        // A new request for a key supersedes what was remembered about an older one.
+        self.tombstones.remove(&common.key);
+        if common.blocks.is_empty() {
+            let key = common.key.clone();
+            self.file_ended(
+                now,
+                PrefillEnded {
+                    common,
+                    outcome: PrefillOutcome::Released(ReleaseCause::Empty),
+                    epoch: None,
+                },
+                fx,
+            );
+            if let Some(pending) = self.take_pending(&key) {
+                fx.send(
+                    &pending.from,
+                    write_failed(
+                        &key,
+                        pending.register.epoch,
+                        self.rank,
+                        WriteFailure::Unavailable,
+                    ),
+                );
+            }
+            return Ok(());
+        }
+        let key = common.key.clone();
+        self.by_request.insert(common.request.clone(), key.clone());
+        self.requests
+            .insert(key.clone(), PrefillRequest::held(common, now, &self.config));
+        self.request_timers
+            .set(key.clone(), now + self.config.lease_duration);
+        if let Some(pending) = self.take_pending(&key) {
+            fx.counters.decode_registered_first += 1;
+            let input = PrefillInput::Registered {
+                from: pending.from,
+                register: pending.register,
+            };
+            self.step(now, &key, input, fx);
+        }
+        Ok(())
+    }
+
+    fn take_pending(&mut self, key: &PairingKey) -> Option<PendingRegistration> {
+        self.pending_timers.clear(key);
+        self.pending.remove(key)
+    }
+
+    /// P's engine aborted a request.
+    pub(crate) fn abort(
+        &mut self,
+        now: Time,
+        request: &RequestId,
+        fx: &mut Effects<'_>,
+    ) -> Result<(), Rejected> {
+        let Some(key) = self.by_request.get(request).cloned() else {
+            return Err(Rejected::UnknownRequest(request.clone()));
+        };
+        self.step(now, &key, PrefillInput::Abort, fx);
+        Ok(())
+    }
+
+    /// D's registration arrived.
+    pub(crate) fn on_register(
+        &mut self,
+        now: Time,
+        from: PeerAddr,
+        register: Register,
+        fx: &mut Effects<'_>,
+    ) {
+        if register.decode_engine != from.engine || register.decode_rank != from.rank {
+            // A registration must come from the rank whose blocks it names.
+            fx.drop_input(DropReason::Unexpected);
+            return;
+        }
+        let key = register.key.clone();
+        if let Some(request) = self.requests.get(&key) {
+            match request {
+                // Only a first registration meeting held blocks is the race; a repeat is not.
+                PrefillRequest::Held(_) => fx.counters.prefill_finished_first += 1,
+                PrefillRequest::Writing(_) | PrefillRequest::Draining(_) => {}
+            }
+            let input = PrefillInput::Registered { from, register };
+            self.step(now, &key, input, fx);
+            return;
+        }
+        match self.tombstones.get(&key).copied() {
+            Some(PrefillTombstone::Cancelled(epoch) | PrefillTombstone::Released(epoch, _))
+                if register.epoch <= epoch =>
+            {
+                // D already cancelled this attempt; this registration was overtaken.
+                fx.drop_input(DropReason::Late);
+                return;
+            }
+            Some(PrefillTombstone::Ended(failure)) => {
+                fx.drop_input(DropReason::Late);
+                fx.send(
+                    &from,
+                    write_failed(&key, register.epoch, self.rank, failure),
+                );
+                return;
+            }
+            Some(PrefillTombstone::Cancelled(_) | PrefillTombstone::Released(..)) | None => {}
+        }
+        if let Some(existing) = self.pending.get(&key) {
+            if register.epoch <= existing.register.epoch {
+                fx.drop_input(if register.epoch == existing.register.epoch {
+                    DropReason::Duplicate
+                } else {
+                    DropReason::StaleEpoch
+                });
+                return;
+            }
+        } else if self.pending.len() >= self.config.max_pending_registrations {
+            fx.drop_input(DropReason::TableFull);
+            fx.send(
+                &from,
+                write_failed(&key, register.epoch, self.rank, WriteFailure::Unavailable),
+            );
+            return;
+        }
+        let expires = now + self.config.registration_ttl;
+        self.pending_timers.set(key.clone(), expires);
+        self.pending.insert(
+            key,
+            PendingRegistration {
+                from,
+                register,
+                expires,
+            },
+        );
+    }
+
+    /// D cancelled an attempt. Answered in every state.
+    pub(crate) fn on_cancel(
+        &mut self,
+        now: Time,
+        from: PeerAddr,
+        key: PairingKey,
+        epoch: Epoch,
+        fx: &mut Effects<'_>,
+    ) {
+        if self.requests.contains_key(&key) {
+            self.step(now, &key, PrefillInput::Cancel { from, epoch }, fx);
+            return;
+        }
+        if self
+            .pending
+            .get(&key)
+            .is_some_and(|p| p.register.epoch <= epoch)
+        {
+            self.take_pending(&key);
+        }
+        // Nothing of this epoch is or will be in flight: remember the cancel so that a
+        // registration it overtook is swallowed, and acknowledge.
+        let newer = match self.tombstones.get(&key) {
+            Some(PrefillTombstone::Cancelled(old) | PrefillTombstone::Released(old, _)) => {
+                epoch > *old
+            }
+            Some(PrefillTombstone::Ended(_)) => false,
+            None => true,
+        };
+        if newer {
+            self.tombstones.insert(
+                key.clone(),
+                PrefillTombstone::Cancelled(epoch),
+                now + self.config.tombstone_ttl,
+            );
+        }
+        fx.send(
+            &from,
+            Message::CancelAck(CancelAck {
+                key,
+                epoch,
+                prefill_rank: self.rank,
+            }),
+        );
+    }
+
+    /// D does not need P's blocks for `key`.
+    pub(crate) fn on_release(
+        &mut self,
+        now: Time,
+        key: PairingKey,
+        epoch: Epoch,
+        reason: ReleaseReason,
+        fx: &mut Effects<'_>,
+    ) {
+        if self.requests.contains_key(&key) {
+            self.step(now, &key, PrefillInput::Release { epoch, reason }, fx);
+            return;
+        }
+        if self.tombstones.get(&key).is_some() {
+            fx.drop_input(DropReason::Late);
+            return;
+        }
+        // P has not finished yet: remember, so its blocks are released as soon as they finish.
+        self.tombstones.insert(
+            key,
+            PrefillTombstone::Released(epoch, reason),
+            now + self.config.tombstone_ttl,
+        );
+    }
+
+    /// D renews leases.
+    pub(crate) fn on_heartbeat(&mut self, now: Time, leases: Vec<LeaseRef>, fx: &mut Effects<'_>) {
+        for lease in leases {
+            if self.requests.contains_key(&lease.key) {
+                self.step(now, &lease.key, PrefillInput::Heartbeat, fx);
+            } else if let Some(pending) = self.pending.get_mut(&lease.key) {
+                pending.expires = pending.expires.max(now + self.config.registration_ttl);
+                self.pending_timers.set(lease.key, pending.expires);
+                fx.counters.leases_renewed += 1;
+            }
+        }
+    }
+
+    /// The transport finished (or failed, or abandoned) a write.
+    pub(crate) fn on_write_result(
+        &mut self,
+        now: Time,
+        write: WriteId,
+        failure: Option<WriteFailure>,
+        fx: &mut Effects<'_>,
+    ) {
+        let Some(key) = self.writes.get(&write).cloned() else {
+            fx.drop_input(DropReason::UnknownWrite);
+            return;
+        };
+        let input = match failure {
+            None => PrefillInput::WriteCompleted,
+            Some(failure) => PrefillInput::WriteFailed { failure },
+        };
+        self.step(now, &key, input, fx);
+    }
+
+    /// A D peer was declared dead (its connection is already invalidated).
+    pub(crate) fn on_peer_dead(&mut self, now: Time, peer: &PeerAddr, fx: &mut Effects<'_>) {
+        let dropped: Vec<PairingKey> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| &p.from == peer)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in dropped {
+            self.take_pending(&key);
+        }
+        let bound: Vec<PairingKey> = self.writes.values().cloned().collect();
+        for key in bound {
+            let input = PrefillInput::PeerDead { peer: peer.clone() };
+            self.step(now, &key, input, fx);
+        }
+    }
+
+    /// Fires every timer due at `now`.
+    pub(crate) fn on_timeout(&mut self, now: Time, fx: &mut Effects<'_>) {
+        for key in self.request_timers.take_due(now) {
+            self.step(now, &key, PrefillInput::Timeout, fx);
+        }
+        for key in self.pending_timers.take_due(now) {
+            if let Some(pending) = self.pending.remove(&key) {
+                // Nothing was posted for it: D may fail fast.
+                fx.send(
+                    &pending.from,
+                    write_failed(
+                        &key,
+                        pending.register.epoch,
+                        self.rank,
+                        WriteFailure::RegistrationExpired,
+                    ),
+                );
+            }
+        }
+        self.tombstones.expire(now);
+    }
+
+    /// Checks the table's invariants (cheap enough for every step in debug builds).
+    pub(crate) fn check_invariants(&self) {
+        let config = &self.config;
+        assert!(self.requests.len() <= config.max_requests);
+        assert!(self.pending.len() <= self.config.max_pending_registrations);
+        assert!(self.tombstones.len() <= self.config.max_tombstones);
+        assert_eq!(self.requests.len(), self.by_request.len());
+        assert_eq!(self.requests.len(), self.request_timers.len());
+        assert_eq!(self.pending.len(), self.pending_timers.len());
+        for (key, request) in &self.requests {
+            assert_eq!(&request.common().key, key);
+            assert_eq!(self.by_request.get(&request.common().request), Some(key));
+            assert!(
+                !self.pending.contains_key(key),
+                "a key is matched or pending, not both"
+            );
+            if let Some(write) = request.write() {
+                assert_eq!(self.writes.get(&write), Some(key));
+            }
+        }
+        assert_eq!(
+            self.writes.len(),
+            self.requests
+                .values()
+                .filter(|r| r.write().is_some())
+                .count()
+        );
+    }
+}
+
+fn write_failed(key: &PairingKey, epoch: Epoch, rank: u32, reason: WriteFailure) -> Message {
+    Message::WriteFailed(WriteFailed {
+        key: key.clone(),
+        epoch,
+        prefill_rank: rank,
+        reason,
+    })
+}

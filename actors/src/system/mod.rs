@@ -1,0 +1,170 @@
+//! The actix shells around the pure machines.
+//!
+//! Per engine rank there are three actors, and they only translate:
+//! - [`RankActor`] hosts the rank's [`Endpoint`](crate::machine::Endpoint): engine calls,
+//!   decoded messages, completions and handshake results become `handle(..)`; it keeps one timer
+//!   at `poll_timeout()`; its outputs go to the other two actors or to the engine's event queue.
+//! - [`WriterActor`] owns the rank's [`Transport`](crate::transport::Transport) and alone calls
+//!   it: it plans and posts writes, sends notifications, abandons and invalidates, and polls
+//!   completions and notifications back into the rank actor.
+//! - [`LinkActor`] makes the peer connections: it runs the handshake (here through an
+//!   in-process [`Directory`]) and loads the peer into the writer's transport.
+//!
+//! No routing or matching happens here: everything is decided by the endpoint.
+
+mod link;
+mod mem_rank;
+mod rank;
+mod runtime;
+mod writer;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use actix::{Actor, Addr, AsyncContext, Recipient};
+use kvhandoff_protocol::{AgentName, CompatHash, KvGeometry, RegionDesc};
+
+pub use link::{Connect, Hello, LinkActor};
+pub use mem_rank::{build_mem_rank, BuildError, KvPool};
+pub use rank::{EngineCall, Feed, QueryStats, RankActor};
+pub use runtime::{Runtime, RuntimeError};
+pub use writer::{LoadPeer, QueryWriterStats, WriterActor, WriterOp, WriterOps, WriterStats};
+
+use crate::machine::{Endpoint, EngineEvent};
+use crate::transport::Transport;
+use crate::PeerAddr;
+
+/// What a rank tells a peer about itself in a handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The rank.
+    pub peer: PeerAddr,
+    /// Its transport agent.
+    pub agent: AgentName,
+    /// Its transport metadata, for `load_remote`.
+    pub metadata: Vec<u8>,
+    /// Its registered regions, in `KvGeometry::regions` order.
+    pub regions: Vec<RegionDesc>,
+    /// Its geometry.
+    pub geometry: KvGeometry,
+    /// Its compatibility hash.
+    pub compat: CompatHash,
+}
+
+/// Where in-process ranks find each other: a shared table of handshake payloads and link
+/// actors. (Across processes the TCP side channel plays this role.)
+#[derive(Clone, Default)]
+pub struct Directory {
+    inner: Arc<Mutex<BTreeMap<PeerAddr, (PeerInfo, Recipient<Hello>)>>>,
+}
+
+impl Directory {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn publish(&self, info: PeerInfo, link: Recipient<Hello>) {
+        if let Ok(mut table) = self.inner.lock() {
+            table.insert(info.peer.clone(), (info, link));
+        }
+    }
+
+    fn lookup(&self, peer: &PeerAddr) -> Option<(PeerInfo, Recipient<Hello>)> {
+        self.inner.lock().ok()?.get(peer).cloned()
+    }
+
+    /// Removes a rank (its process "died"); later handshakes with it fail.
+    pub fn withdraw(&self, peer: &PeerAddr) {
+        if let Ok(mut table) = self.inner.lock() {
+            table.remove(peer);
+        }
+    }
+}
+
+/// Tuning of the shells (the protocol's own deadlines live in the endpoint's `Config`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShellConfig {
+    /// How often the writer polls its transport for completions and notifications.
+    pub poll_interval: std::time::Duration,
+    /// How long a handshake may take before it is reported failed.
+    pub handshake_timeout: std::time::Duration,
+}
+
+impl Default for ShellConfig {
+    fn default() -> Self {
+        Self {
+            poll_interval: std::time::Duration::from_micros(200),
+            handshake_timeout: std::time::Duration::from_secs(5),
+        }
+    }
+}
+
+/// The addresses of one running rank.
+pub struct RankHandle {
+    /// The rank actor (engine calls go here).
+    pub rank: Addr<RankActor>,
+    /// Where engine calls go, type-erased.
+    pub calls: Recipient<EngineCall>,
+    /// The engine's events.
+    pub events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
+}
+
+/// Everything needed to start one rank.
+pub struct RankSetup<T: Transport> {
+    /// The rank's protocol state machine.
+    pub endpoint: Endpoint,
+    /// The rank's transport, with its regions already registered.
+    pub transport: T,
+    /// The rank's handshake payload (its own regions, geometry, metadata).
+    pub info: PeerInfo,
+    /// Shell tuning.
+    pub shell: ShellConfig,
+}
+
+/// Starts the three actors of one rank on the current actix arbiter and publishes the rank in
+/// `directory`.
+///
+/// Must be called inside a running actix system.
+pub fn start_rank<T>(setup: RankSetup<T>, directory: &Directory) -> RankHandle
+where
+    T: Transport + Unpin + 'static,
+{
+    let RankSetup {
+        endpoint,
+        transport,
+        info,
+        shell,
+    } = setup;
+    let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
+    let rank = RankActor::create(|rank_ctx| {
+        let rank_addr = rank_ctx.address();
+        let writer = WriterActor::new(
+            transport,
+            info.clone(),
+            rank_addr.clone().recipient(),
+            shell.poll_interval,
+        )
+        .start();
+        let link = LinkActor::new(
+            info.clone(),
+            directory.clone(),
+            writer.clone().recipient(),
+            rank_addr.clone().recipient(),
+            shell.handshake_timeout,
+        )
+        .start();
+        directory.publish(info, link.clone().recipient());
+        RankActor::new(
+            endpoint,
+            writer.recipient(),
+            link.recipient(),
+            events_tx,
+        )
+    });
+    RankHandle {
+        calls: rank.clone().recipient(),
+        rank,
+        events,
+    }
+}

@@ -1,0 +1,168 @@
+//! `RankActor`: hosts one rank's `Endpoint` and keeps its single timer.
+
+use actix::clock::Instant;
+use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHandle};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
+
+use super::link::Connect;
+use super::writer::{WriterOp, WriterOps};
+use crate::machine::{Endpoint, EndpointStats, EngineEvent, Input, Output, Rejected, Time};
+
+/// An engine's call into its rank: the input, and where to send the verdict.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct EngineCall {
+    /// An engine input (`DecodeAllocated`, `PrefillFinished` or `Abort`).
+    pub input: Input,
+    /// Receives whether the input was accepted.
+    pub reply: Option<oneshot::Sender<Result<(), Rejected>>>,
+}
+
+/// Inputs from the writer (completions, notifications) or the link (handshakes).
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct Feed(pub Vec<Input>);
+
+/// Asks for the endpoint's table sizes.
+#[derive(Message)]
+#[rtype(result = "EndpointStats")]
+pub struct QueryStats;
+
+/// Hosts an [`Endpoint`]: translates messages into `handle` calls and outputs into actions.
+pub struct RankActor {
+    endpoint: Endpoint,
+    origin: Instant,
+    writer: Recipient<WriterOps>,
+    link: Recipient<Connect>,
+    events: UnboundedSender<EngineEvent>,
+    timer: Option<(Time, SpawnHandle)>,
+}
+
+impl RankActor {
+    pub(crate) fn new(
+        endpoint: Endpoint,
+        writer: Recipient<WriterOps>,
+        link: Recipient<Connect>,
+        events: UnboundedSender<EngineEvent>,
+    ) -> Self {
+        RankActor {
+            endpoint,
+            origin: Instant::now(),
+            writer,
+            link,
+            events,
+            timer: None,
+        }
+    }
+
+    fn now(&self) -> Time {
+        Time::from_duration(Instant::now().saturating_duration_since(self.origin))
+    }
+
+    fn is_engine_input(input: &Input) -> bool {
+        match input {
+            Input::DecodeAllocated(_) | Input::PrefillFinished(_) | Input::Abort { .. } => true,
+            Input::Received { .. }
+            | Input::Malformed { .. }
+            | Input::PeerConnected { .. }
+            | Input::PeerConnectFailed { .. }
+            | Input::PeerLost { .. }
+            | Input::WriteCompleted { .. }
+            | Input::WriteFailed { .. } => false,
+        }
+    }
+
+    /// Routes every queued output, then re-arms the timer.
+    fn flush(&mut self, ctx: &mut Context<Self>) {
+        let mut ops = Vec::new();
+        while let Some(output) = self.endpoint.poll_output() {
+            match output {
+                Output::Send { to, message } => ops.push(WriterOp::Send { to, message }),
+                Output::PostWrite(order) => ops.push(WriterOp::Post(order)),
+                Output::AbandonWrite { write } => ops.push(WriterOp::Abandon(write)),
+                Output::Invalidate { peer } => ops.push(WriterOp::Invalidate(peer)),
+                Output::Connect { peer } => self.link.do_send(Connect(peer)),
+                Output::Event(event) => {
+                    // The engine may have gone away; its events then have nowhere to go.
+                    let _ = self.events.send(event);
+                }
+            }
+        }
+        if !ops.is_empty() {
+            self.writer.do_send(WriterOps(ops));
+        }
+        self.arm_timer(ctx);
+    }
+
+    fn arm_timer(&mut self, ctx: &mut Context<Self>) {
+        let next = self.endpoint.poll_timeout();
+        if let Some((at, handle)) = self.timer.take() {
+            if Some(at) == next {
+                self.timer = Some((at, handle));
+                return;
+            }
+            ctx.cancel_future(handle);
+        }
+        if let Some(at) = next {
+            let delay = at.saturating_since(self.now());
+            let handle = ctx.run_later(delay, |act, ctx| {
+                act.timer = None;
+                let now = act.now();
+                act.endpoint.handle_timeout(now);
+                act.flush(ctx);
+            });
+            self.timer = Some((at, handle));
+        }
+    }
+}
+
+impl Actor for RankActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        self.arm_timer(ctx);
+    }
+}
+
+impl Handler<EngineCall> for RankActor {
+    type Result = ();
+
+    fn handle(&mut self, call: EngineCall, ctx: &mut Context<Self>) {
+        let verdict = if Self::is_engine_input(&call.input) {
+            let now = self.now();
+            self.endpoint.handle(now, call.input)
+        } else {
+            Err(Rejected::NotAnEngineInput)
+        };
+        if let Some(reply) = call.reply {
+            let _ = reply.send(verdict);
+        }
+        self.flush(ctx);
+    }
+}
+
+impl Handler<Feed> for RankActor {
+    type Result = ();
+
+    fn handle(&mut self, feed: Feed, ctx: &mut Context<Self>) {
+        let now = self.now();
+        for input in feed.0 {
+            if Self::is_engine_input(&input) {
+                tracing::warn!(?input, "an engine input arrived through the feed; dropped");
+                continue;
+            }
+            // Inputs from peers and the transport are never refused.
+            let _ = self.endpoint.handle(now, input);
+        }
+        self.flush(ctx);
+    }
+}
+
+impl Handler<QueryStats> for RankActor {
+    type Result = actix::MessageResult<QueryStats>;
+
+    fn handle(&mut self, _: QueryStats, _: &mut Context<Self>) -> Self::Result {
+        actix::MessageResult(self.endpoint.stats())
+    }
+}

@@ -1,0 +1,104 @@
+//! `Runtime`: an actix system on its own thread, for engines that call in from their own
+//! threads (the way an engine's scheduler calls its connector's hooks).
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use actix::{ArbiterHandle, System};
+
+use super::{start_rank, Directory, RankHandle, RankSetup};
+use crate::transport::Transport;
+
+/// Why the runtime could not do what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// The runtime thread could not be started.
+    #[error("could not start the runtime thread: {0}")]
+    Spawn(#[from] std::io::Error),
+    /// The runtime thread is gone (stopped or panicked).
+    #[error("the runtime has stopped")]
+    Stopped,
+}
+
+/// A running actix system hosting engine ranks.
+///
+/// ```
+/// use kvhandoff_actors::system::Runtime;
+/// let runtime = Runtime::start().unwrap();
+/// runtime.shutdown();
+/// ```
+pub struct Runtime {
+    system: System,
+    arbiter: ArbiterHandle,
+    thread: Option<JoinHandle<()>>,
+    directory: Directory,
+}
+
+impl Runtime {
+    /// Starts the system on a new thread named `kvhandoff-runtime`.
+    ///
+    /// # Errors
+    /// [`RuntimeError`] if the thread cannot start.
+    pub fn start() -> Result<Runtime, RuntimeError> {
+        let (tx, rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("kvhandoff-runtime".into())
+            .spawn(move || {
+                let system = System::new();
+                let handle = (System::current(), actix::Arbiter::current());
+                if tx.send(handle).is_ok() {
+                    // Runs until `System::stop`.
+                    let _ = system.run();
+                }
+            })?;
+        let (system, arbiter) = rx.recv().map_err(|_| RuntimeError::Stopped)?;
+        Ok(Runtime {
+            system,
+            arbiter,
+            thread: Some(thread),
+            directory: Directory::new(),
+        })
+    }
+
+    /// The directory in which this runtime's ranks find each other.
+    pub fn directory(&self) -> &Directory {
+        &self.directory
+    }
+
+    /// Starts one rank's actors on the runtime and returns its handle.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Stopped`] if the runtime is gone.
+    pub fn add_rank<T>(&self, setup: RankSetup<T>) -> Result<RankHandle, RuntimeError>
+    where
+        T: Transport + Unpin + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        let directory = self.directory.clone();
+        let spawned = self.arbiter.spawn_fn(move || {
+            let _ = tx.send(start_rank(setup, &directory));
+        });
+        if !spawned {
+            return Err(RuntimeError::Stopped);
+        }
+        rx.recv().map_err(|_| RuntimeError::Stopped)
+    }
+
+    /// Stops the system and waits for its thread.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.system.stop();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,237 @@
+//! The actix system over the in-memory transport, on a paused tokio clock: both races end to
+//! end with real bytes, and a P rank that goes silent.
+
+use std::time::Duration;
+
+use kvhandoff_actors::machine::{
+    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
+    PrefillOutcome, PrefillStart, Rejected,
+};
+use kvhandoff_actors::system::{
+    build_mem_rank, start_rank, Directory, EngineCall, KvPool, RankHandle, ShellConfig,
+};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::{
+    BlockIds, CacheGroup, CacheGroupKind, EngineId, Epoch, KvGeometry, KvLayout, ModelIdentity,
+    PairingKey, RequestId,
+};
+
+fn geometry() -> KvGeometry {
+    KvGeometry {
+        num_layers: 2,
+        total_kv_heads: 2,
+        head_dim: 8,
+        dtype_bytes: 2,
+        kernel_block_size: 4,
+        kernel_blocks_per_logical: 1,
+        layout: KvLayout::Hnd,
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        mla: false,
+        cache_groups: vec![CacheGroup {
+            kind: CacheGroupKind::FullAttention,
+            num_layers: 2,
+        }],
+    }
+}
+
+fn model() -> ModelIdentity {
+    ModelIdentity {
+        model: "test-model".into(),
+        dtype: "bfloat16".into(),
+        cache_dtype: "bfloat16".into(),
+    }
+}
+
+struct Rank {
+    handle: RankHandle,
+    pool: KvPool,
+}
+
+fn start(fabric: &MemFabric, directory: &Directory, engine: &str) -> Rank {
+    let engine = EngineId::new(engine).unwrap();
+    let (setup, pool) = build_mem_rank(
+        fabric,
+        &engine,
+        geometry(),
+        &model(),
+        32,
+        Config::fast(),
+        ShellConfig::default(),
+    )
+    .unwrap();
+    Rank {
+        handle: start_rank(setup, directory),
+        pool,
+    }
+}
+
+fn pattern(key: &str, region: usize, block_offset: u64, i: u64) -> u8 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in key.bytes().chain(region.to_le_bytes()).chain(block_offset.to_le_bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    (h.wrapping_add(i.wrapping_mul(0x9e37_79b9)) >> 24) as u8
+}
+
+fn fill(pool: &KvPool, key: &str, blocks: &[u32]) {
+    for (r, (spec, region)) in pool.regions().enumerate() {
+        for (j, &b) in blocks.iter().enumerate() {
+            let (offset, len) = pool.block_span(spec, b);
+            let bytes: Vec<u8> = (0..len).map(|i| pattern(key, r, j as u64, i)).collect();
+            region.write(offset, &bytes).unwrap();
+        }
+    }
+}
+
+fn verify(pool: &KvPool, key: &str, blocks: &[u32]) -> usize {
+    let mut errors = 0;
+    for (r, (spec, region)) in pool.regions().enumerate() {
+        for (j, &b) in blocks.iter().enumerate() {
+            let (offset, len) = pool.block_span(spec, b);
+            let mut buf = vec![0; len as usize];
+            region.read(offset, &mut buf).unwrap();
+            errors += buf
+                .iter()
+                .enumerate()
+                .filter(|(i, &v)| v != pattern(key, r, j as u64, *i as u64))
+                .count();
+        }
+    }
+    errors
+}
+
+async fn call(rank: &RankHandle, input: Input) -> Result<(), Rejected> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    rank.calls
+        .send(EngineCall {
+            input,
+            reply: Some(tx),
+        })
+        .await
+        .unwrap();
+    rx.await.unwrap()
+}
+
+async fn next_event(rank: &mut RankHandle) -> EngineEvent {
+    tokio::time::timeout(Duration::from_secs(30), rank.events.recv())
+        .await
+        .expect("an event within 30 s of virtual time")
+        .expect("the rank is alive")
+}
+
+fn decode_start(id: &str, blocks: Vec<u32>) -> DecodeStart {
+    let request = RequestId::new(id).unwrap();
+    DecodeStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        epoch: Epoch::FIRST,
+        prefill: PeerAddr::new(EngineId::new("prefill").unwrap(), 0),
+        blocks: BlockIds::single_group(blocks),
+        num_tokens: 12,
+        expected_writes: 1,
+    }
+}
+
+fn prefill_start(id: &str, blocks: Vec<u32>) -> PrefillStart {
+    let request = RequestId::new(id).unwrap();
+    PrefillStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        blocks: BlockIds::single_group(blocks),
+    }
+}
+
+#[actix_rt::test]
+async fn both_races_deliver_every_byte() {
+    tokio::time::pause();
+    let fabric = MemFabric::new();
+    let directory = Directory::new();
+    let mut p = start(&fabric, &directory, "prefill");
+    let mut d = start(&fabric, &directory, "decode");
+
+    // D registers first: D allocates, then P finishes later.
+    let d_blocks = vec![3, 4, 5];
+    call(&d.handle, Input::DecodeAllocated(decode_start("req-a-11111111", d_blocks.clone())))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let p_blocks = vec![20, 21, 22];
+    fill(&p.pool, "req-a", &p_blocks);
+    call(&p.handle, Input::PrefillFinished(prefill_start("req-a-22222222", p_blocks)))
+        .await
+        .unwrap();
+    let event = next_event(&mut d.handle).await;
+    assert!(
+        matches!(&event, EngineEvent::Decode { outcome: DecodeOutcome::Ready, proof: FreeProof::WritesCompleted, .. }),
+        "{event:?}"
+    );
+    assert_eq!(verify(&d.pool, "req-a", &d_blocks), 0, "every byte of req-a");
+    let event = next_event(&mut p.handle).await;
+    assert!(matches!(event, EngineEvent::Prefill { outcome: PrefillOutcome::Sent, .. }), "{event:?}");
+
+    // P finishes first: P holds its blocks until D registers.
+    let p_blocks = vec![1, 9, 10];
+    fill(&p.pool, "req-b", &p_blocks);
+    call(&p.handle, Input::PrefillFinished(prefill_start("req-b-33333333", p_blocks)))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let d_blocks = vec![7, 8, 0];
+    call(&d.handle, Input::DecodeAllocated(decode_start("req-b-44444444", d_blocks.clone())))
+        .await
+        .unwrap();
+    let event = next_event(&mut d.handle).await;
+    assert!(matches!(event, EngineEvent::Decode { outcome: DecodeOutcome::Ready, .. }), "{event:?}");
+    assert_eq!(verify(&d.pool, "req-b", &d_blocks), 0, "every byte of req-b");
+    let event = next_event(&mut p.handle).await;
+    assert!(matches!(event, EngineEvent::Prefill { outcome: PrefillOutcome::Sent, .. }), "{event:?}");
+}
+
+#[actix_rt::test]
+async fn engine_errors_come_back_typed() {
+    tokio::time::pause();
+    let fabric = MemFabric::new();
+    let directory = Directory::new();
+    let _p = start(&fabric, &directory, "prefill");
+    let d = start(&fabric, &directory, "decode");
+    let unknown = RequestId::new("nobody").unwrap();
+    assert_eq!(
+        call(&d.handle, Input::Abort { request: unknown.clone() }).await,
+        Err(Rejected::UnknownRequest(unknown))
+    );
+    call(&d.handle, Input::DecodeAllocated(decode_start("dup-1", vec![1]))).await.unwrap();
+    assert!(matches!(
+        call(&d.handle, Input::DecodeAllocated(decode_start("dup-1", vec![2]))).await,
+        Err(Rejected::DuplicateRequest(_))
+    ));
+    let not_engine = Input::PeerLost {
+        peer: PeerAddr::new(EngineId::new("x").unwrap(), 0),
+    };
+    assert_eq!(call(&d.handle, not_engine).await, Err(Rejected::NotAnEngineInput));
+}
+
+#[actix_rt::test]
+async fn d_fails_with_a_typed_outcome_when_p_is_missing() {
+    tokio::time::pause();
+    let fabric = MemFabric::new();
+    let directory = Directory::new();
+    let mut d = start(&fabric, &directory, "decode");
+    // No P rank exists: the handshake fails and D hands its blocks back at once.
+    call(&d.handle, Input::DecodeAllocated(decode_start("lonely-1", vec![1, 2]))).await.unwrap();
+    let event = next_event(&mut d.handle).await;
+    assert!(
+        matches!(
+            event,
+            EngineEvent::Decode {
+                outcome: DecodeOutcome::Failed(DecodeFailure::HandshakeFailed),
+                proof: FreeProof::NeverExposed,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+}

@@ -1,0 +1,310 @@
+//! Identifiers shared by P and D: engines, requests, pairing keys and epochs.
+//!
+//! Every string id is bounded ([`MAX_ID_LEN`] bytes), non-empty and free of control characters,
+//! so that an id read from a peer can be logged, used as a map key and echoed back safely.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Longest id, in bytes, that any identifier may have.
+pub const MAX_ID_LEN: usize = 256;
+
+/// Why a string was refused as an identifier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    /// The id was empty.
+    #[error("{kind} is empty")]
+    Empty {
+        /// Which kind of id.
+        kind: &'static str,
+    },
+    /// The id was longer than [`MAX_ID_LEN`] bytes.
+    #[error("{kind} is {len} bytes long, more than the limit of {MAX_ID_LEN}")]
+    TooLong {
+        /// Which kind of id.
+        kind: &'static str,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The id contained a control character (newline, NUL, ...).
+    #[error("{kind} contains a control character at byte {at}")]
+    ControlCharacter {
+        /// Which kind of id.
+        kind: &'static str,
+        /// Byte offset of the offending character.
+        at: usize,
+    },
+}
+
+fn check_id(kind: &'static str, value: &str) -> Result<(), IdError> {
+    if value.is_empty() {
+        return Err(IdError::Empty { kind });
+    }
+    if value.len() > MAX_ID_LEN {
+        return Err(IdError::TooLong {
+            kind,
+            len: value.len(),
+        });
+    }
+    if let Some((at, _)) = value.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(IdError::ControlCharacter { kind, at });
+    }
+    Ok(())
+}
+
+macro_rules! string_id {
+    ($(#[$meta:meta])* $name:ident, $kind:literal) => {
+        $(#[$meta])*
+        #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(String);
+
+        impl $name {
+            /// Checks `value` and wraps it.
+            ///
+            /// # Errors
+            /// [`IdError`] when the value is empty, longer than [`MAX_ID_LEN`] bytes or holds a
+            /// control character.
+            pub fn new(value: impl Into<String>) -> Result<Self, IdError> {
+                let value = value.into();
+                check_id($kind, &value)?;
+                Ok(Self(value))
+            }
+
+            /// The id as a string slice.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+
+            /// Re-checks an id that was built without validation (e.g. decoded from a peer).
+            ///
+            /// # Errors
+            /// The same as [`Self::new`].
+            pub fn validate(&self) -> Result<(), IdError> {
+                check_id($kind, &self.0)
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}({:?})", stringify!($name), self.0)
+            }
+        }
+    };
+}
+
+string_id!(
+    /// An engine instance (one prefill or decode deployment unit), e.g. `"prefill-0"`.
+    ///
+    /// ```
+    /// use kvhandoff_protocol::EngineId;
+    /// let id = EngineId::new("decode-3").unwrap();
+    /// assert_eq!(id.as_str(), "decode-3");
+    /// assert!(EngineId::new("").is_err());
+    /// ```
+    EngineId,
+    "engine id"
+);
+
+string_id!(
+    /// An engine's own id of one request. P and D usually hold different request ids for the
+    /// same logical request (vLLM appends a random 8-hex suffix on each side).
+    RequestId,
+    "request id"
+);
+
+string_id!(
+    /// The key under which P and D find each other's half of one handoff.
+    ///
+    /// Built with [`PairingKey::from_transfer_id`] when the router supplies an explicit transfer
+    /// id, or derived with [`PairingKey::from_request_id`] otherwise.
+    ///
+    /// ```
+    /// use kvhandoff_protocol::{PairingKey, RequestId};
+    /// let p = RequestId::new("cmpl-5b1c9a52-6f0e-4c1b-9a7e-0c4c3f2d1e00-0-aaaaaaaa").unwrap();
+    /// let d = RequestId::new("cmpl-5b1c9a52-6f0e-4c1b-9a7e-0c4c3f2d1e00-0-BBBBBBBB").unwrap();
+    /// assert_eq!(PairingKey::from_request_id(&p), PairingKey::from_request_id(&d));
+    /// ```
+    PairingKey,
+    "pairing key"
+);
+
+string_id!(
+    /// The NIXL agent name of one engine rank.
+    AgentName,
+    "agent name"
+);
+
+/// Length of the random suffix that engines append to a request id.
+const RANDOM_SUFFIX_HEX_DIGITS: usize = 8;
+
+impl PairingKey {
+    /// The pairing key of an explicit, router-supplied transfer id: the id itself.
+    ///
+    /// # Errors
+    /// [`IdError`] for an invalid id.
+    pub fn from_transfer_id(transfer_id: &str) -> Result<Self, IdError> {
+        Self::new(transfer_id)
+    }
+
+    /// The pairing key derived from an engine's request id: the id with one trailing
+    /// `-` + 8 hex digits (either case) removed, if it has one.
+    ///
+    /// The completion index (`cmpl-<uuid>-0` vs `cmpl-<uuid>-1`) is kept, so different prompts
+    /// of one batch never pair. The key is never empty: an id that is only a suffix keeps it.
+    pub fn from_request_id(request_id: &RequestId) -> Self {
+        let id = request_id.as_str();
+        let suffix_len = 1 + RANDOM_SUFFIX_HEX_DIGITS;
+        // The suffix is ASCII, so a split that would fall inside a multi-byte character means
+        // there is no suffix (and `split_at` there would panic).
+        if id.len() > suffix_len && id.is_char_boundary(id.len() - suffix_len) {
+            let (base, suffix) = id.split_at(id.len() - suffix_len);
+            let mut chars = suffix.chars();
+            let dash = chars.next() == Some('-');
+            if dash && chars.all(|c| c.is_ascii_hexdigit()) {
+                return Self(base.to_owned());
+            }
+        }
+        Self(id.to_owned())
+    }
+}
+
+/// One attempt at a handoff for a pairing key. Every retry of the same key uses a strictly
+/// larger epoch, and a message for an older epoch than the one in force changes nothing.
+///
+/// ```
+/// use kvhandoff_protocol::Epoch;
+/// let first = Epoch::FIRST;
+/// assert!(first.next() > first);
+/// ```
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+)]
+#[serde(transparent)]
+pub struct Epoch(pub u64);
+
+impl Epoch {
+    /// The epoch of the first attempt.
+    pub const FIRST: Epoch = Epoch(1);
+
+    /// The epoch of the next attempt (saturating; 2^64 attempts never happen).
+    #[must_use]
+    pub fn next(self) -> Epoch {
+        Epoch(self.0.saturating_add(1))
+    }
+}
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "e{}", self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(id: &str) -> PairingKey {
+        PairingKey::from_request_id(&RequestId::new(id).unwrap())
+    }
+
+    const UUID_A: &str = "12345678-aaaa-bbbb-cccc-1234567890ab";
+    const UUID_B: &str = "87654321-aaaa-bbbb-cccc-1234567890ab";
+
+    #[test]
+    fn random_suffixes_of_the_same_base_pair() {
+        let p = key(&format!("cmpl-{UUID_A}-0-aaaaaaaa"));
+        let d = key(&format!("cmpl-{UUID_A}-0-bbbbbbbb"));
+        assert_eq!(p, d);
+        assert_eq!(p.as_str(), format!("cmpl-{UUID_A}-0"));
+    }
+
+    #[test]
+    fn suffix_is_case_insensitive() {
+        assert_eq!(
+            key(&format!("cmpl-{UUID_A}-0-ABCDEF01")),
+            key(&format!("cmpl-{UUID_A}-0-abcdef01"))
+        );
+    }
+
+    #[test]
+    fn different_uuids_never_pair() {
+        assert_ne!(
+            key(&format!("cmpl-{UUID_A}-0-aaaaaaaa")),
+            key(&format!("cmpl-{UUID_B}-0-aaaaaaaa"))
+        );
+    }
+
+    #[test]
+    fn completion_index_is_kept() {
+        assert_ne!(
+            key(&format!("cmpl-{UUID_A}-0-aaaaaaaa")),
+            key(&format!("cmpl-{UUID_A}-1-aaaaaaaa"))
+        );
+    }
+
+    #[test]
+    fn only_one_suffix_is_removed() {
+        assert_eq!(key("req-aaaaaaaa-bbbbbbbb").as_str(), "req-aaaaaaaa");
+    }
+
+    #[test]
+    fn ids_without_a_hex_suffix_are_kept_whole() {
+        for id in [
+            "req-1",
+            "req-aaaaaaa",   // 7 digits
+            "req-aaaaaaaaa", // 9 digits: the last 8 follow a hex digit, not a dash
+            "req-aaaaaaag",  // not hex
+            "req_aaaaaaaa",  // no dash
+            "-aaaaaaaa",     // nothing would be left
+        ] {
+            assert_eq!(key(id).as_str(), id, "{id}");
+        }
+    }
+
+    #[test]
+    fn non_ascii_ids_do_not_split_inside_a_character() {
+        let id = "réquête-ünïcødé";
+        assert_eq!(key(id).as_str(), id);
+    }
+
+    #[test]
+    fn transfer_id_is_the_key_itself() {
+        let k = PairingKey::from_transfer_id("xfer-42-aaaaaaaa").unwrap();
+        assert_eq!(k.as_str(), "xfer-42-aaaaaaaa");
+    }
+
+    #[test]
+    fn invalid_ids_are_refused_with_a_reason() {
+        assert_eq!(
+            RequestId::new(""),
+            Err(IdError::Empty { kind: "request id" })
+        );
+        assert!(matches!(
+            EngineId::new("x".repeat(MAX_ID_LEN + 1)),
+            Err(IdError::TooLong { len, .. }) if len == MAX_ID_LEN + 1
+        ));
+        assert_eq!(
+            PairingKey::new("a\nb"),
+            Err(IdError::ControlCharacter {
+                kind: "pairing key",
+                at: 1
+            })
+        );
+        assert!(EngineId::new("x".repeat(MAX_ID_LEN)).is_ok());
+    }
+
+    #[test]
+    fn epochs_order_and_advance() {
+        assert_eq!(Epoch::FIRST.next(), Epoch(2));
+        assert_eq!(Epoch(u64::MAX).next(), Epoch(u64::MAX));
+        assert_eq!(Epoch(7).to_string(), "e7");
+    }
+}

@@ -1,0 +1,36 @@
+//! The pure protocol of kvhandoff: identifiers and epochs, KV geometry, the messages that cross
+//! between prefill (P) and decode (D) engines, and their versioned wire codec.
+//!
+//! Nothing here does I/O, spawns, sleeps or reads a clock, so every function is deterministic and
+//! safe to call from state machines, the simulator and fuzzers alike.
+//!
+//! ```
+//! use kvhandoff_protocol::{wire, Epoch, Message, PairingKey, RequestId, WriteDone};
+//! let d_request = RequestId::new("cmpl-abc-0-1a2b3c4d").unwrap();
+//! let key = PairingKey::from_request_id(&d_request);
+//! let done = Message::WriteDone(WriteDone { key, epoch: Epoch::FIRST, prefill_rank: 0 });
+//! assert_eq!(wire::decode(&wire::encode(&done)).unwrap(), done);
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod compat;
+mod geometry;
+mod ids;
+mod message;
+pub mod planner;
+pub mod wire;
+
+pub use compat::{compatibility_hash, ModelIdentity};
+pub use geometry::{
+    CacheGroup, CacheGroupKind, GeometryError, KvGeometry, KvLayout, RegionDesc, RegionKind,
+    RegionSpec, MAX_CACHE_GROUPS, MAX_LAYERS, MAX_PARALLEL,
+};
+pub use ids::{AgentName, EngineId, Epoch, IdError, PairingKey, RequestId, MAX_ID_LEN};
+pub use message::{
+    BlockIds, Cancel, CancelAck, CancelReason, CompatHash, FieldError, Handshake, Heartbeat,
+    LeaseRef, Message, MessageKind, Register, Release, ReleaseReason, TransferMode, WriteDone,
+    WriteFailed, WriteFailure, MAX_AGENT_METADATA, MAX_BLOCKS_PER_GROUP, MAX_BLOCKS_PER_REQUEST,
+    MAX_HEARTBEAT_LEASES, MAX_REGIONS, MAX_TRANSFER_MODES,
+};
+pub use wire::{WireError, PROTOCOL_VERSION};

@@ -1,0 +1,733 @@
+//! Everything that crosses between engines: the side-channel handshake and the control
+//! notifications of the lease protocol.
+//!
+//! Every control message names the pairing key and epoch it is about, so that a message for an
+//! older attempt can be recognised and ignored. Block ids travel as logical ids, one list per
+//! cache group.
+
+use serde::{Deserialize, Serialize};
+
+use crate::geometry::{KvGeometry, RegionDesc, MAX_CACHE_GROUPS};
+use crate::ids::{AgentName, EngineId, Epoch, IdError, PairingKey, RequestId};
+
+/// Most logical blocks one cache group of one request may list.
+pub const MAX_BLOCKS_PER_GROUP: usize = 1 << 16;
+/// Most logical blocks one request may list over all its cache groups.
+///
+/// Without this bound, [`MAX_CACHE_GROUPS`] full groups of large ids would encode to more than
+/// [`crate::wire::MAX_PAYLOAD_LEN`] bytes (making `encode` panic) or exceed the decoder's size
+/// limit (making a valid message undecodable). At this bound a [`Register`] encodes to at most
+/// about 1.3 MiB.
+pub const MAX_BLOCKS_PER_REQUEST: usize = 1 << 18;
+/// Most regions a handshake may advertise.
+pub const MAX_REGIONS: usize = 1 << 14;
+/// Most bytes of NIXL agent metadata a handshake may carry.
+pub const MAX_AGENT_METADATA: usize = 1 << 20;
+/// Most leases one heartbeat may renew.
+pub const MAX_HEARTBEAT_LEASES: usize = 1 << 12;
+/// Most transfer modes a handshake may list.
+pub const MAX_TRANSFER_MODES: usize = 8;
+
+/// Per-cache-group lists of logical block ids of one request.
+///
+/// ```
+/// use kvhandoff_protocol::BlockIds;
+/// let ids = BlockIds::single_group(vec![3, 4, 9]);
+/// assert_eq!(ids.total(), 3);
+/// assert!(!ids.is_empty());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct BlockIds {
+    /// One list per cache group, in the geometry's group order.
+    pub groups: Vec<Vec<u32>>,
+}
+
+impl BlockIds {
+    /// Ids of a model with a single cache group.
+    pub fn single_group(ids: Vec<u32>) -> Self {
+        Self { groups: vec![ids] }
+    }
+
+    /// Number of block ids over all groups.
+    pub fn total(&self) -> usize {
+        self.groups.iter().map(Vec::len).sum()
+    }
+
+    /// True when no group lists any block.
+    pub fn is_empty(&self) -> bool {
+        self.groups.iter().all(Vec::is_empty)
+    }
+
+    fn validate(&self) -> Result<(), FieldError> {
+        if self.groups.len() > MAX_CACHE_GROUPS {
+            return Err(FieldError::TooMany {
+                field: "block id groups",
+                len: self.groups.len(),
+                limit: MAX_CACHE_GROUPS,
+            });
+        }
+        for group in &self.groups {
+            if group.len() > MAX_BLOCKS_PER_GROUP {
+                return Err(FieldError::TooMany {
+                    field: "block ids",
+                    len: group.len(),
+                    limit: MAX_BLOCKS_PER_GROUP,
+                });
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            if let Some(&dup) = group.iter().find(|id| !seen.insert(**id)) {
+                return Err(FieldError::DuplicateBlock { block: dup });
+            }
+        }
+        check_len(
+            "block ids in all groups",
+            self.total(),
+            MAX_BLOCKS_PER_REQUEST,
+        )
+    }
+}
+
+/// The 32-byte SHA-256 over what must match between P and D; see
+/// [`crate::compatibility_hash`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CompatHash(pub [u8; 32]);
+
+impl std::fmt::Debug for CompatHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CompatHash(")?;
+        for byte in &self.0[..8] {
+            write!(f, "{byte:02x}")?;
+        }
+        write!(f, "..)")
+    }
+}
+
+/// A way of moving KV blocks that an engine can take part in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum TransferMode {
+    /// D registers blocks, P writes them.
+    Push,
+    /// P exports blocks, D reads them.
+    Pull,
+    /// Push, one layer group at a time as P's forward pass produces them.
+    LayerwisePush,
+    /// D keeps its blocks after decoding; P reads them back on the next turn.
+    Bidirectional,
+}
+
+/// The side-channel handshake: everything a peer needs to move bytes to or from this rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handshake {
+    /// The sender's protocol version ([`crate::PROTOCOL_VERSION`]).
+    pub protocol_version: u16,
+    /// The sending engine.
+    pub engine_id: EngineId,
+    /// The NIXL agent name of the sending rank.
+    pub agent_name: AgentName,
+    /// NIXL agent metadata, for `load_remote_md` on the receiver.
+    pub agent_metadata: Vec<u8>,
+    /// Registered regions in [`KvGeometry::regions`] order.
+    pub regions: Vec<RegionDesc>,
+    /// The sending rank's geometry.
+    pub geometry: KvGeometry,
+    /// The sender's compatibility hash.
+    pub compat_hash: CompatHash,
+    /// Transfer modes the sender supports.
+    pub modes: Vec<TransferMode>,
+    /// The sender's clock when it sent the handshake, in microseconds since its own epoch; the
+    /// receiver estimates the clock offset from it and the round trip.
+    pub clock_sample_us: u64,
+}
+
+/// D → P: D has allocated `blocks` for the request paired by `key`, for attempt `epoch`; P may
+/// write them once its prefill has finished.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Register {
+    /// The pairing key of the request.
+    pub key: PairingKey,
+    /// The attempt.
+    pub epoch: Epoch,
+    /// The decode engine (where to write).
+    pub decode_engine: EngineId,
+    /// D's own id of the request, for logs on P.
+    pub decode_request: RequestId,
+    /// D's TP rank that owns `blocks`.
+    pub decode_rank: u32,
+    /// D's logical block ids, one list per cache group.
+    pub blocks: BlockIds,
+    /// Tokens D expects to receive.
+    pub num_tokens: u64,
+}
+
+/// P → D: every write of `epoch` from `prefill_rank` for `key` has landed (sent as the
+/// notification of the last write, so it arrives after the data).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteDone {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The attempt the writes belonged to.
+    pub epoch: Epoch,
+    /// P's TP rank that wrote.
+    pub prefill_rank: u32,
+}
+
+/// Why P could not complete its writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum WriteFailure {
+    /// Posting the transfer failed.
+    PostFailed,
+    /// The transfer was posted but failed.
+    TransferFailed,
+    /// The transfer stayed in progress past its deadline.
+    TransferTimedOut,
+    /// P aborted the request.
+    PrefillAborted,
+    /// P's lease on its blocks ended before the write.
+    LeaseExpired,
+    /// D's registration does not fit P's blocks (count or geometry).
+    PlanMismatch,
+    /// P no longer holds blocks for this key: they were sent to another attempt, released, or
+    /// never produced.
+    Unavailable,
+    /// D's registration waited for P's prefill longer than P keeps registrations.
+    RegistrationExpired,
+}
+
+/// P → D: P will not (or no longer) write `epoch` for `key`, and nothing it posted for that
+/// epoch is still in flight, so D may reuse its blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteFailed {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The attempt.
+    pub epoch: Epoch,
+    /// P's TP rank.
+    pub prefill_rank: u32,
+    /// What went wrong.
+    pub reason: WriteFailure,
+}
+
+/// Why D gave up on an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum CancelReason {
+    /// D's registration deadline passed.
+    Deadline,
+    /// The engine aborted the request.
+    Aborted,
+    /// D is shutting down.
+    Shutdown,
+}
+
+/// D → P: stop writing `epoch` for `key`; answer with [`CancelAck`] once nothing is in flight.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cancel {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The attempt to stop.
+    pub epoch: Epoch,
+    /// Why.
+    pub reason: CancelReason,
+}
+
+/// P → D: P has drained its writes for `epoch` of `key` and will post none: D may reuse its
+/// blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelAck {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The attempt that was cancelled.
+    pub epoch: Epoch,
+    /// P's TP rank.
+    pub prefill_rank: u32,
+}
+
+/// One lease named in a heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LeaseRef {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The attempt.
+    pub epoch: Epoch,
+}
+
+/// D → P: D is alive and still wants the listed leases kept. An empty list is a pure liveness
+/// ping.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// The sending engine.
+    pub engine: EngineId,
+    /// Leases to renew.
+    pub leases: Vec<LeaseRef>,
+}
+
+/// Why D tells P to let go of its blocks without a write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum ReleaseReason {
+    /// D already holds every token (a full prefix-cache hit).
+    FullPrefixHit,
+    /// D aborted before it registered.
+    Aborted,
+    /// D read the blocks (pull mode) and is done with them.
+    ReadDone,
+}
+
+/// D → P: P may free its blocks for `key` now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Release {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The attempt.
+    pub epoch: Epoch,
+    /// Why.
+    pub reason: ReleaseReason,
+}
+
+/// Every message that crosses between engines.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Message {
+    /// Side-channel handshake.
+    Handshake(Box<Handshake>),
+    /// D registers its blocks.
+    Register(Register),
+    /// P's writes landed.
+    WriteDone(WriteDone),
+    /// P's writes failed or will not happen; nothing is in flight.
+    WriteFailed(WriteFailed),
+    /// D gives up on an attempt.
+    Cancel(Cancel),
+    /// P confirms a cancel after draining.
+    CancelAck(CancelAck),
+    /// D is alive; renew leases.
+    Heartbeat(Heartbeat),
+    /// P may free its blocks.
+    Release(Release),
+}
+
+/// The one-byte kind that precedes a message's payload on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum MessageKind {
+    /// [`Message::Handshake`].
+    Handshake = 1,
+    /// [`Message::Register`].
+    Register = 2,
+    /// [`Message::WriteDone`].
+    WriteDone = 3,
+    /// [`Message::WriteFailed`].
+    WriteFailed = 4,
+    /// [`Message::Cancel`].
+    Cancel = 5,
+    /// [`Message::CancelAck`].
+    CancelAck = 6,
+    /// [`Message::Heartbeat`].
+    Heartbeat = 7,
+    /// [`Message::Release`].
+    Release = 8,
+}
+
+impl MessageKind {
+    /// Every kind, in wire-code order.
+    pub const ALL: [MessageKind; 8] = [
+        MessageKind::Handshake,
+        MessageKind::Register,
+        MessageKind::WriteDone,
+        MessageKind::WriteFailed,
+        MessageKind::Cancel,
+        MessageKind::CancelAck,
+        MessageKind::Heartbeat,
+        MessageKind::Release,
+    ];
+
+    /// The kind with wire code `code`, if any.
+    pub fn from_code(code: u8) -> Option<MessageKind> {
+        Self::ALL.into_iter().find(|k| *k as u8 == code)
+    }
+}
+
+/// A field of a decoded message that breaks a rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FieldError {
+    /// An identifier is invalid.
+    #[error(transparent)]
+    Id(#[from] IdError),
+    /// A list is longer than its limit.
+    #[error("{field}: {len} entries, above the limit of {limit}")]
+    TooMany {
+        /// The field.
+        field: &'static str,
+        /// Its length.
+        len: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// A block id appears twice in one group.
+    #[error("block {block} is listed twice in one group")]
+    DuplicateBlock {
+        /// The repeated id.
+        block: u32,
+    },
+    /// The epoch is zero (epochs start at 1).
+    #[error("epoch 0 is not a valid attempt")]
+    ZeroEpoch,
+    /// The handshake's geometry is invalid.
+    #[error("geometry: {0}")]
+    Geometry(#[from] crate::GeometryError),
+    /// The handshake's region table does not match its geometry.
+    #[error("region table has {regions} entries but the geometry defines {expected}")]
+    RegionCount {
+        /// Entries in the table.
+        regions: usize,
+        /// Regions the geometry defines.
+        expected: usize,
+    },
+}
+
+fn check_epoch(epoch: Epoch) -> Result<(), FieldError> {
+    if epoch.0 == 0 {
+        return Err(FieldError::ZeroEpoch);
+    }
+    Ok(())
+}
+
+fn check_len(field: &'static str, len: usize, limit: usize) -> Result<(), FieldError> {
+    if len > limit {
+        return Err(FieldError::TooMany { field, len, limit });
+    }
+    Ok(())
+}
+
+impl Message {
+    /// The wire kind of this message.
+    pub fn kind(&self) -> MessageKind {
+        match self {
+            Message::Handshake(_) => MessageKind::Handshake,
+            Message::Register(_) => MessageKind::Register,
+            Message::WriteDone(_) => MessageKind::WriteDone,
+            Message::WriteFailed(_) => MessageKind::WriteFailed,
+            Message::Cancel(_) => MessageKind::Cancel,
+            Message::CancelAck(_) => MessageKind::CancelAck,
+            Message::Heartbeat(_) => MessageKind::Heartbeat,
+            Message::Release(_) => MessageKind::Release,
+        }
+    }
+
+    /// The pairing key and epoch the message is about, for the messages that name one.
+    pub fn lease(&self) -> Option<(&PairingKey, Epoch)> {
+        match self {
+            Message::Handshake(_) | Message::Heartbeat(_) => None,
+            Message::Register(m) => Some((&m.key, m.epoch)),
+            Message::WriteDone(m) => Some((&m.key, m.epoch)),
+            Message::WriteFailed(m) => Some((&m.key, m.epoch)),
+            Message::Cancel(m) => Some((&m.key, m.epoch)),
+            Message::CancelAck(m) => Some((&m.key, m.epoch)),
+            Message::Release(m) => Some((&m.key, m.epoch)),
+        }
+    }
+
+    /// Checks every field rule that the type system does not: id rules, list bounds, epochs,
+    /// geometry. [`crate::wire::decode`] calls this on everything it decodes.
+    ///
+    /// # Errors
+    /// The first broken rule.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        if let Some((key, epoch)) = self.lease() {
+            key.validate()?;
+            check_epoch(epoch)?;
+        }
+        match self {
+            Message::Handshake(h) => {
+                h.engine_id.validate()?;
+                h.agent_name.validate()?;
+                check_len("agent metadata", h.agent_metadata.len(), MAX_AGENT_METADATA)?;
+                check_len("regions", h.regions.len(), MAX_REGIONS)?;
+                check_len("transfer modes", h.modes.len(), MAX_TRANSFER_MODES)?;
+                h.geometry.validate()?;
+                let expected = h.geometry.regions()?.len();
+                if h.regions.len() != expected {
+                    return Err(FieldError::RegionCount {
+                        regions: h.regions.len(),
+                        expected,
+                    });
+                }
+                for region in &h.regions {
+                    region.validate()?;
+                }
+                Ok(())
+            }
+            Message::Register(m) => {
+                m.decode_engine.validate()?;
+                m.decode_request.validate()?;
+                m.blocks.validate()
+            }
+            Message::Heartbeat(m) => {
+                m.engine.validate()?;
+                check_len("heartbeat leases", m.leases.len(), MAX_HEARTBEAT_LEASES)?;
+                for lease in &m.leases {
+                    lease.key.validate()?;
+                    check_epoch(lease.epoch)?;
+                }
+                Ok(())
+            }
+            Message::WriteDone(_)
+            | Message::WriteFailed(_)
+            | Message::Cancel(_)
+            | Message::CancelAck(_)
+            | Message::Release(_) => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> PairingKey {
+        PairingKey::new("cmpl-1-0").unwrap()
+    }
+
+    fn one_of_each() -> Vec<Message> {
+        use crate::geometry::{CacheGroup, CacheGroupKind, KvLayout};
+        let geometry = KvGeometry {
+            num_layers: 1,
+            total_kv_heads: 1,
+            head_dim: 8,
+            dtype_bytes: 2,
+            kernel_block_size: 4,
+            kernel_blocks_per_logical: 1,
+            layout: KvLayout::Nhd,
+            tp_size: 1,
+            tp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
+            mla: true,
+            cache_groups: vec![CacheGroup {
+                kind: CacheGroupKind::FullAttention,
+                num_layers: 1,
+            }],
+        };
+        vec![
+            Message::Handshake(Box::new(Handshake {
+                protocol_version: crate::PROTOCOL_VERSION,
+                engine_id: EngineId::new("p").unwrap(),
+                agent_name: AgentName::new("p-0").unwrap(),
+                agent_metadata: vec![],
+                regions: vec![RegionDesc {
+                    base: 0,
+                    len: 64,
+                    num_blocks: 1,
+                    block_len: 64,
+                }],
+                geometry,
+                compat_hash: CompatHash([0; 32]),
+                modes: vec![],
+                clock_sample_us: 0,
+            })),
+            Message::Register(Register {
+                key: key(),
+                epoch: Epoch(1),
+                decode_engine: EngineId::new("d").unwrap(),
+                decode_request: RequestId::new("r").unwrap(),
+                decode_rank: 0,
+                blocks: BlockIds::default(),
+                num_tokens: 0,
+            }),
+            Message::WriteDone(WriteDone {
+                key: key(),
+                epoch: Epoch(2),
+                prefill_rank: 0,
+            }),
+            Message::WriteFailed(WriteFailed {
+                key: key(),
+                epoch: Epoch(3),
+                prefill_rank: 0,
+                reason: WriteFailure::PostFailed,
+            }),
+            Message::Cancel(Cancel {
+                key: key(),
+                epoch: Epoch(4),
+                reason: CancelReason::Shutdown,
+            }),
+            Message::CancelAck(CancelAck {
+                key: key(),
+                epoch: Epoch(5),
+                prefill_rank: 0,
+            }),
+            Message::Heartbeat(Heartbeat {
+                engine: EngineId::new("d").unwrap(),
+                leases: vec![],
+            }),
+            Message::Release(Release {
+                key: key(),
+                epoch: Epoch(6),
+                reason: ReleaseReason::ReadDone,
+            }),
+        ]
+    }
+
+    #[test]
+    fn kind_codes_are_fixed() {
+        let codes: Vec<u8> = MessageKind::ALL.iter().map(|k| *k as u8).collect();
+        assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 8]);
+        for code in 0..=u8::MAX {
+            let kind = MessageKind::from_code(code);
+            assert_eq!(kind.is_some(), (1..=8).contains(&code), "{code}");
+            if let Some(kind) = kind {
+                assert_eq!(kind as u8, code);
+            }
+        }
+    }
+
+    #[test]
+    fn each_message_has_its_kind_and_the_minimal_one_is_valid() {
+        let messages = one_of_each();
+        let kinds: Vec<MessageKind> = messages.iter().map(Message::kind).collect();
+        assert_eq!(kinds, MessageKind::ALL);
+        for m in &messages {
+            assert_eq!(m.validate(), Ok(()), "{m:?}");
+        }
+    }
+
+    #[test]
+    fn lease_names_key_and_epoch_where_there_is_one() {
+        let leases: Vec<Option<u64>> = one_of_each()
+            .iter()
+            .map(|m| {
+                m.lease().map(|(k, e)| {
+                    assert_eq!(k, &key());
+                    e.0
+                })
+            })
+            .collect();
+        assert_eq!(
+            leases,
+            [
+                None,
+                Some(1),
+                Some(2),
+                Some(3),
+                Some(4),
+                Some(5),
+                None,
+                Some(6)
+            ]
+        );
+    }
+
+    #[test]
+    fn block_ids_count_over_groups() {
+        let empty = BlockIds::default();
+        assert!(empty.is_empty());
+        assert_eq!(empty.total(), 0);
+        let hollow = BlockIds {
+            groups: vec![vec![], vec![]],
+        };
+        assert!(hollow.is_empty());
+        let ids = BlockIds {
+            groups: vec![vec![1, 2], vec![], vec![7]],
+        };
+        assert!(!ids.is_empty());
+        assert_eq!(ids.total(), 3);
+        assert_eq!(
+            BlockIds::single_group(vec![4]).groups,
+            vec![vec![4]],
+            "one group"
+        );
+    }
+
+    #[test]
+    fn block_id_rules() {
+        let ok = BlockIds {
+            groups: vec![vec![3, 1, 2], vec![1]],
+        };
+        assert_eq!(ok.validate(), Ok(()));
+        assert_eq!(
+            BlockIds::single_group(vec![5, 6, 5]).validate(),
+            Err(FieldError::DuplicateBlock { block: 5 })
+        );
+        assert_eq!(
+            BlockIds {
+                groups: vec![vec![]; MAX_CACHE_GROUPS + 1]
+            }
+            .validate(),
+            Err(FieldError::TooMany {
+                field: "block id groups",
+                len: MAX_CACHE_GROUPS + 1,
+                limit: MAX_CACHE_GROUPS
+            })
+        );
+        let full = || (0..MAX_BLOCKS_PER_GROUP as u32).collect::<Vec<_>>();
+        let at_limit = BlockIds {
+            groups: vec![full(); MAX_BLOCKS_PER_REQUEST / MAX_BLOCKS_PER_GROUP],
+        };
+        assert_eq!(at_limit.validate(), Ok(()));
+        let mut over = at_limit;
+        over.groups.push(vec![0]);
+        assert_eq!(
+            over.validate(),
+            Err(FieldError::TooMany {
+                field: "block ids in all groups",
+                len: MAX_BLOCKS_PER_REQUEST + 1,
+                limit: MAX_BLOCKS_PER_REQUEST
+            })
+        );
+    }
+
+    #[test]
+    fn the_first_broken_rule_is_reported() {
+        // A register with a zero epoch and a duplicate block: the epoch is checked first.
+        let m = Message::Register(Register {
+            key: key(),
+            epoch: Epoch(0),
+            decode_engine: EngineId::new("d").unwrap(),
+            decode_request: RequestId::new("r").unwrap(),
+            decode_rank: 0,
+            blocks: BlockIds::single_group(vec![1, 1]),
+            num_tokens: 0,
+        });
+        assert_eq!(m.validate(), Err(FieldError::ZeroEpoch));
+    }
+
+    #[test]
+    fn handshake_geometry_errors_come_before_region_errors() {
+        let mut messages = one_of_each();
+        let Message::Handshake(h) = &mut messages[0] else {
+            unreachable!()
+        };
+        h.geometry.head_dim = 0;
+        h.regions.clear();
+        assert_eq!(
+            messages[0].validate(),
+            Err(FieldError::Geometry(crate::GeometryError::Zero {
+                field: "head_dim"
+            }))
+        );
+    }
+
+    #[test]
+    fn compat_hash_debug_shows_a_prefix() {
+        let mut bytes = [0u8; 32];
+        bytes[0] = 0xab;
+        bytes[7] = 0x01;
+        bytes[8] = 0xff;
+        assert_eq!(
+            format!("{:?}", CompatHash(bytes)),
+            "CompatHash(ab00000000000001..)"
+        );
+    }
+
+    #[test]
+    fn field_errors_display() {
+        assert_eq!(
+            FieldError::RegionCount {
+                regions: 3,
+                expected: 4
+            }
+            .to_string(),
+            "region table has 3 entries but the geometry defines 4"
+        );
+        assert_eq!(
+            FieldError::from(IdError::Empty { kind: "engine id" }).to_string(),
+            "engine id is empty"
+        );
+    }
+}

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# kvhandoff's one test command: installs what the tests need, then runs
+# fmt --check, clippy -D warnings and the whole test suite with all features.
+#
+#   bash scripts/test.sh                        # everything (what CI runs)
+#   KVHANDOFF_TEST_SKIP_LINT=1 bash scripts/test.sh   # skip fmt + clippy
+#
+# Extra arguments are passed to `cargo test` (after the workspace flags), e.g.
+#   bash scripts/test.sh -- --nocapture
+#
+# Installs idempotently, on Debian 12 as root (or via sudo when available):
+#   - libclang-dev (bindgen, for building nixl-sys), plus g++ / python3-pip if
+#     missing; apt-get update only runs when something has to be installed.
+#   - the pinned nixl-cu12==1.5.1 wheel (NIXL runtime + bundled UCX) unpacked
+#     with `pip install --no-deps --target "$NIXL_HOME"`, outside the repo;
+#     NIXL_HOME defaults to ${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff/nixl-cu12-1.5.1.
+# The runtime environment itself lives in scripts/nixl-env.sh (sourceable).
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+
+KVHANDOFF_NIXL_VERSION="1.5.1"
+export KVHANDOFF_NIXL_VERSION
+# Same default as scripts/nixl-env.sh; a pre-set NIXL_HOME wins in both.
+export NIXL_HOME="${NIXL_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff/nixl-cu12-${KVHANDOFF_NIXL_VERSION}}"
+
+banner() {
+    printf '\n==================== %s ====================\n' "$*"
+}
+
+die() {
+    echo "scripts/test.sh: error: $*" >&2
+    exit 1
+}
+
+# Runs a command as root: directly when we are root, via sudo when it exists.
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then
+        "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo "$@"
+    else
+        die "need root (or sudo) to run: $*"
+    fi
+}
+
+# Filled in by the installers, printed as the one-line summary.
+SUMMARY=()
+
+install_apt_packages() {
+    local missing=()
+    dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)
+    # nixl-sys compiles its C++ stubs with g++ (cc crate, `.compiler("g++")`).
+    command -v g++ >/dev/null 2>&1 || missing+=(g++)
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        missing+=(python3-pip)
+        command -v python3 >/dev/null 2>&1 || missing+=(python3)
+    fi
+
+    if [ "${#missing[@]}" -eq 0 ]; then
+        SUMMARY+=("apt: libclang-dev already installed")
+        return
+    fi
+    command -v apt-get >/dev/null 2>&1 ||
+        die "missing ${missing[*]} and no apt-get to install them with"
+    echo "installing with apt-get: ${missing[*]}"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends "${missing[@]}"
+    SUMMARY+=("apt: installed ${missing[*]}")
+}
+
+install_nixl_wheel() {
+    local lib_dir="$NIXL_HOME/.nixl_cu12.mesonpy.libs"
+    if [ -f "$lib_dir/libnixl_capi.so" ]; then
+        SUMMARY+=("nixl-cu12==$KVHANDOFF_NIXL_VERSION found at $NIXL_HOME")
+        return
+    fi
+
+    echo "installing nixl-cu12==$KVHANDOFF_NIXL_VERSION into $NIXL_HOME"
+    local parent tmp
+    parent="$(dirname "$NIXL_HOME")"
+    mkdir -p "$parent"
+    # Unpack next to the final place and rename, so an interrupted install
+    # never leaves a half-filled NIXL_HOME that later runs would trust.
+    tmp="$(mktemp -d "$parent/.nixl-install.XXXXXX")"
+    # Only the shared libraries are used (not the Python bindings), so pin the
+    # wheel's own tags rather than those of whatever python3 runs pip: the
+    # same wheel is fetched whatever the local Python version is.
+    if ! python3 -m pip install --quiet --disable-pip-version-check --no-input \
+        --root-user-action=ignore \
+        --no-deps --only-binary=:all: \
+        --python-version 3.11 --implementation cp --abi cp311 \
+        --platform "manylinux_2_28_$(uname -m)" \
+        --target "$tmp" "nixl-cu12==$KVHANDOFF_NIXL_VERSION"; then
+        rm -rf -- "$tmp"
+        die "pip install of nixl-cu12==$KVHANDOFF_NIXL_VERSION failed"
+    fi
+    if [ ! -f "$tmp/.nixl_cu12.mesonpy.libs/libnixl_capi.so" ]; then
+        rm -rf -- "$tmp"
+        die "nixl-cu12==$KVHANDOFF_NIXL_VERSION installed but has no .nixl_cu12.mesonpy.libs/libnixl_capi.so"
+    fi
+    # A NIXL_HOME without libnixl_capi.so is a leftover partial install.
+    if [ -e "$NIXL_HOME" ]; then
+        rm -rf -- "$NIXL_HOME"
+    fi
+    mv -- "$tmp" "$NIXL_HOME"
+    SUMMARY+=("nixl-cu12==$KVHANDOFF_NIXL_VERSION installed at $NIXL_HOME")
+}
+
+banner "setup"
+install_apt_packages
+install_nixl_wheel
+# shellcheck source=scripts/nixl-env.sh
+source "$REPO_ROOT/scripts/nixl-env.sh"
+summary="$(printf '%s; ' "${SUMMARY[@]}")"
+echo "setup: ${summary}LD_LIBRARY_PATH+=$NIXL_HOME/.nixl_cu12.mesonpy.libs, NIXL_PLUGIN_DIR=$NIXL_PLUGIN_DIR"
+
+if [ "${KVHANDOFF_TEST_SKIP_LINT:-0}" = "1" ]; then
+    banner "fmt + clippy skipped (KVHANDOFF_TEST_SKIP_LINT=1)"
+else
+    banner "cargo fmt --all --check"
+    cargo fmt --all --check
+
+    banner "cargo clippy --workspace --all-targets --all-features -- -D warnings"
+    cargo clippy --workspace --all-targets --all-features -- -D warnings
+fi
+
+banner "cargo test --workspace --all-features"
+cargo test --workspace --all-features "$@"
+
+banner "all stages passed"
