@@ -109,7 +109,9 @@ async fn call(rank: &RankHandle, input: Input) -> Result<(), Rejected> {
     rank.calls
         .send(EngineCall {
             input,
-            reply: Some(tx),
+            reply: Some(Box::new(move |verdict| {
+                let _ = tx.send(verdict);
+            })),
         })
         .await
         .unwrap();

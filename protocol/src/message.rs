@@ -380,6 +380,14 @@ pub enum FieldError {
         /// Regions the geometry defines.
         expected: usize,
     },
+    /// The handshake's own protocol version differs from its frame's.
+    #[error("handshake speaks protocol version {found}, its frame version {expected}")]
+    ProtocolVersion {
+        /// The version in the handshake.
+        found: u16,
+        /// The version of the frame (this build's).
+        expected: u16,
+    },
 }
 
 fn check_epoch(epoch: Epoch) -> Result<(), FieldError> {
@@ -436,6 +444,12 @@ impl Message {
         }
         match self {
             Message::Handshake(h) => {
+                if h.protocol_version != crate::PROTOCOL_VERSION {
+                    return Err(FieldError::ProtocolVersion {
+                        found: h.protocol_version,
+                        expected: crate::PROTOCOL_VERSION,
+                    });
+                }
                 h.engine_id.validate()?;
                 h.agent_name.validate()?;
                 check_len("agent metadata", h.agent_metadata.len(), MAX_AGENT_METADATA)?;

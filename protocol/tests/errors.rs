@@ -527,6 +527,19 @@ fn invalid_field_bad_geometry() {
 }
 
 #[test]
+fn invalid_field_handshake_protocol_version() {
+    let mut h = small_handshake();
+    h.protocol_version = PROTOCOL_VERSION + 1;
+    assert_eq!(
+        field_error(&Message::Handshake(Box::new(h))),
+        FieldError::ProtocolVersion {
+            found: PROTOCOL_VERSION + 1,
+            expected: PROTOCOL_VERSION
+        }
+    );
+}
+
+#[test]
 fn invalid_field_region_count_mismatch() {
     let mut h = small_handshake();
     h.regions.pop();

@@ -68,16 +68,6 @@ impl Pool {
         }
     }
 
-    /// Blocks in the pool.
-    pub fn total(&self) -> usize {
-        self.blocks.len()
-    }
-
-    /// Free blocks.
-    pub fn free_count(&self) -> usize {
-        self.free.len()
-    }
-
     /// Leases `n` blocks to `owner`, most recently freed first (so stale writes hit other
     /// requests), poisoning their bytes. `None` if too few are free.
     pub fn allocate(&mut self, n: usize, owner: Owner) -> Option<Vec<u32>> {

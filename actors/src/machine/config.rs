@@ -35,8 +35,9 @@ pub struct Config {
     pub cancel_retry_interval: Duration,
     /// How many times D repeats an unanswered cancel.
     pub max_cancel_retries: u32,
-    /// How long after a cancel D frees its blocks without any proof. Must exceed the longest a
-    /// peer's write can stay in flight (its `write_timeout` plus `abandon_timeout`).
+    /// How long after a cancel D frees its blocks without any proof. Must exceed the longest P
+    /// may still start a write after D's last renewal (`registration_ttl` plus a heartbeat) plus
+    /// the longest a write can stay in flight (`write_timeout` plus `abandon_timeout`).
     pub quarantine: Duration,
     /// How long ended keys are remembered to swallow late messages.
     pub tombstone_ttl: Duration,
@@ -71,7 +72,7 @@ impl Default for Config {
             abandon_timeout: Duration::from_secs(5),
             cancel_retry_interval: Duration::from_secs(1),
             max_cancel_retries: 5,
-            quarantine: Duration::from_secs(60),
+            quarantine: Duration::from_secs(150),
             tombstone_ttl: Duration::from_secs(60),
             max_requests: 1 << 16,
             max_pending_registrations: 1 << 16,
@@ -146,9 +147,11 @@ impl Config {
                 "lease_extension must exceed heartbeat_interval, or leases lapse between heartbeats",
             ));
         }
-        if self.quarantine <= self.write_timeout + self.abandon_timeout {
+        let longest_write_start = self.registration_ttl + self.heartbeat_interval;
+        if self.quarantine <= longest_write_start + self.write_timeout + self.abandon_timeout {
             return Err(ConfigError::Contradiction(
-                "quarantine must exceed write_timeout + abandon_timeout (a write's longest life)",
+                "quarantine must exceed registration_ttl + heartbeat_interval + write_timeout + \
+                 abandon_timeout (the latest a late write can land after a lost cancel)",
             ));
         }
         if self.tombstone_ttl < self.peer_timeout {
@@ -174,7 +177,7 @@ impl Config {
             abandon_timeout: ms(500),
             cancel_retry_interval: ms(100),
             max_cancel_retries: 5,
-            quarantine: ms(3_000),
+            quarantine: ms(7_000),
             tombstone_ttl: ms(5_000),
             ..Config::default()
         }

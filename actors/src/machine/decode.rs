@@ -91,7 +91,7 @@ pub(crate) enum DecodeInput {
     PeerDead,
     WriteDone { rank: u32 },
     WriteFailed { rank: u32, reason: WriteFailure },
-    CancelAck,
+    CancelAck { rank: u32 },
     Abort,
     Timeout,
 }
@@ -181,8 +181,10 @@ impl DecodeRequest {
     /// True while P may hold this request's lease (the registration was sent and not settled).
     pub(crate) fn holds_lease(&self) -> bool {
         match self {
-            DecodeRequest::Connecting(_) => false,
-            DecodeRequest::Registered(_) | DecodeRequest::Cancelling(_) => true,
+            // A request that gave up must not keep P's registration alive: the quarantine is
+            // sized on the assumption that renewals stop at the cancel.
+            DecodeRequest::Connecting(_) | DecodeRequest::Cancelling(_) => false,
+            DecodeRequest::Registered(_) => true,
         }
     }
 
@@ -240,7 +242,7 @@ impl Connecting {
             // Nothing was registered, so P cannot have written or acknowledged anything.
             DecodeInput::WriteDone { .. }
             | DecodeInput::WriteFailed { .. }
-            | DecodeInput::CancelAck => {
+            | DecodeInput::CancelAck { .. } => {
                 fx.drop_input(DropReason::Unexpected);
                 Step::Live(DecodeRequest::Connecting(self))
             }
@@ -325,7 +327,7 @@ impl Registered {
             DecodeInput::PeerConnected | DecodeInput::PeerConnectFailed => {
                 Step::Live(DecodeRequest::Registered(self))
             }
-            DecodeInput::CancelAck => {
+            DecodeInput::CancelAck { .. } => {
                 fx.drop_input(DropReason::Unexpected);
                 Step::Live(DecodeRequest::Registered(self))
             }
@@ -355,7 +357,9 @@ impl Cancelling {
     ) -> DecodeStep {
         let outcome = DecodeOutcome::Failed(self.reason);
         match input {
-            DecodeInput::CancelAck => self.common.end(outcome, FreeProof::CancelAcknowledged),
+            // Each source rank acknowledges for itself; the blocks come back once every rank
+            // that may write has settled.
+            DecodeInput::CancelAck { rank } => self.settle(rank, FreeProof::CancelAcknowledged, fx),
             DecodeInput::PeerDead => self.common.end(outcome, FreeProof::PeerInvalidated),
             DecodeInput::WriteDone { rank } => self.settle(rank, FreeProof::WritesCompleted, fx),
             DecodeInput::WriteFailed { rank, .. } => self.settle(rank, FreeProof::PeerQuiesced, fx),
@@ -380,3 +384,7 @@ impl Cancelling {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "decode_tests.rs"]
+mod tests;

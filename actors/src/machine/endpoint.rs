@@ -465,7 +465,10 @@ impl Endpoint {
                 self.route_to_decode(now, &from, &m.key, m.epoch, input);
             }
             Message::CancelAck(m) => {
-                self.route_to_decode(now, &from, &m.key, m.epoch, DecodeInput::CancelAck);
+                let input = DecodeInput::CancelAck {
+                    rank: m.prefill_rank,
+                };
+                self.route_to_decode(now, &from, &m.key, m.epoch, input);
             }
         }
     }
@@ -574,7 +577,9 @@ impl Endpoint {
             }
             PeerNotice::Restarted => {
                 tracing::info!(peer = %peer, "peer restarted; its old incarnation is dead");
-                self.peer_died(now, peer);
+                // The shell replaced the old incarnation before reporting the new one (see
+                // `Input::PeerConnected`): invalidating now would cut the new one.
+                self.peer_died(now, peer, false);
                 self.wake_connecting_decodes(now, peer);
             }
             PeerNotice::ConnectFailed(reason) => {
@@ -583,7 +588,7 @@ impl Endpoint {
             }
             PeerNotice::Died => {
                 tracing::info!(peer = %peer, "peer declared dead");
-                self.peer_died(now, peer);
+                self.peer_died(now, peer, true);
             }
             PeerNotice::HeartbeatDue => self.send_heartbeats(peer),
         }
@@ -613,10 +618,12 @@ impl Endpoint {
 
     /// Invalidates the peer first, so that by the time a request learns of the death no write
     /// from the peer can land any more; then fails everything bound to it.
-    fn peer_died(&mut self, now: Time, peer: &PeerAddr) {
+    fn peer_died(&mut self, now: Time, peer: &PeerAddr, invalidate: bool) {
         self.counters.peers_declared_dead += 1;
-        self.out
-            .push_back(Output::Invalidate { peer: peer.clone() });
+        if invalidate {
+            self.out
+                .push_back(Output::Invalidate { peer: peer.clone() });
+        }
         for key in self.decodes_bound_to(peer) {
             self.step_decode(now, &key, DecodeInput::PeerDead);
         }

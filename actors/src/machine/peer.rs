@@ -213,3 +213,7 @@ impl PeerDown {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "peer_tests.rs"]
+mod tests;

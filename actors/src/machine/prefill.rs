@@ -533,3 +533,7 @@ impl Draining {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "prefill_tests.rs"]
+mod tests;

@@ -174,4 +174,66 @@ mod tests {
         assert_eq!(t.remove(&2), Some("y2"));
         assert_eq!(t.len(), 0);
     }
+
+    #[test]
+    fn timer_edges() {
+        let mut t = TimerIndex::default();
+        t.clear(&"absent");
+        assert_eq!(t.take_due(Time::from_nanos(100)), Vec::<&str>::new());
+        t.set("b", Time::from_nanos(10));
+        t.set("a", Time::from_nanos(10));
+        t.set("a", Time::from_nanos(10));
+        assert_eq!(t.len(), 2, "setting the same timer twice keeps one");
+        assert_eq!(t.take_due(Time::from_nanos(9)), Vec::<&str>::new());
+        assert_eq!(
+            t.take_due(Time::from_nanos(10)),
+            vec!["a", "b"],
+            "due at exactly its time; ties by key"
+        );
+        t.set("c", Time::from_nanos(50));
+        t.set("c", Time::from_nanos(5));
+        assert_eq!(
+            t.next(),
+            Some(Time::from_nanos(5)),
+            "a timer can move earlier"
+        );
+        assert_eq!(t.take_due(Time::from_nanos(49)), vec!["c"]);
+        assert_eq!(t.len(), 0);
+    }
+
+    #[test]
+    fn tombstone_edges() {
+        let mut t = Tombstones::new(2);
+        assert_eq!(t.remove(&9), None);
+        t.insert(1, "a", Time::from_nanos(10));
+        t.insert(2, "b", Time::from_nanos(20));
+        t.remove(&1);
+        t.insert(3, "c", Time::from_nanos(30));
+        t.insert(4, "d", Time::from_nanos(40));
+        assert_eq!(t.len(), 2);
+        assert!(
+            t.get(&2).is_none(),
+            "eviction skips the removed key's stale entry and takes the oldest live one"
+        );
+        assert!(t.get(&3).is_some() && t.get(&4).is_some());
+
+        // Refreshing one key many times leaves `order` bounded.
+        for i in 0..100u64 {
+            t.insert(3, "c", Time::from_nanos(100 + i));
+            assert!(t.order.len() <= 2 * t.limit + 1, "order grows unbounded");
+        }
+        assert_eq!(t.len(), 2);
+        t.expire(Time::from_nanos(40));
+        assert_eq!(t.get(&4), None, "expires at exactly its time");
+        assert_eq!(t.get(&3), Some(&"c"), "the refreshed record lives on");
+        t.expire(Time::from_nanos(199));
+        assert_eq!(t.len(), 0);
+        assert_eq!(t.next_expiry(), None);
+    }
+
+    #[test]
+    #[should_panic(expected = "needs room")]
+    fn tombstones_need_room() {
+        let _ = Tombstones::<u32, ()>::new(0);
+    }
 }

@@ -140,7 +140,11 @@ pub enum Input {
         /// Why they did not decode.
         error: WireError,
     },
-    /// The handshake with a peer finished (whichever side started it).
+    /// The handshake with a peer finished (whichever side started it), and the peer is loaded
+    /// in the transport. A `PeerConnected` for a peer that is already connected means it
+    /// restarted: the shell must already have replaced the old incarnation in the transport
+    /// (nothing the old one posted can land any more); the endpoint then fails everything bound
+    /// to the old incarnation without asking for an invalidation.
     PeerConnected {
         /// The peer.
         peer: PeerAddr,

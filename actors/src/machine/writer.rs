@@ -33,16 +33,23 @@ pub(crate) struct PendingRegistration {
     pub(crate) expires: Time,
 }
 
-/// What P remembers about an ended key.
+/// What P remembers about a key it holds no blocks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PrefillTombstone {
-    /// D cancelled this epoch: a late registration for it is swallowed, and blocks that finish
-    /// for the key are released at once.
-    Cancelled(Epoch),
-    /// D said it does not need the blocks (it never registered): as `Cancelled`.
-    Released(Epoch, ReleaseReason),
-    /// The request ended another way: a registration gets `WriteFailed` with this reason.
-    Ended(WriteFailure),
+    /// D gave up on `epoch` (a cancel, or a release) before P's prefill finished: blocks that
+    /// finish for the key are released at once with `cause`, unless a registration for a newer
+    /// attempt waits; a registration for `epoch` or older was overtaken and is swallowed.
+    GaveUpEarly { epoch: Epoch, cause: ReleaseCause },
+    /// P's request for the key ended and its blocks are gone.
+    Ended {
+        /// The attempt the blocks were bound to, if any.
+        epoch: Option<Epoch>,
+        /// What a registration for that attempt (or an older one) is told again; `None`
+        /// swallows it (the attempt was served or cancelled: D already knows).
+        replay: Option<WriteFailure>,
+        /// What a registration for any other attempt is told.
+        newer: WriteFailure,
+    },
 }
 
 /// P's matching table and request machines for one rank.
@@ -61,24 +68,31 @@ pub(crate) struct Writer {
 }
 
 fn tombstone_for(outcome: PrefillOutcome, epoch: Option<Epoch>) -> PrefillTombstone {
-    let failure = match outcome {
-        PrefillOutcome::Released(ReleaseCause::CancelledByPeer) => match epoch {
-            Some(epoch) => return PrefillTombstone::Cancelled(epoch),
-            None => WriteFailure::Unavailable,
-        },
-        PrefillOutcome::Released(ReleaseCause::ReleasedByPeer(reason)) => match epoch {
-            Some(epoch) => return PrefillTombstone::Released(epoch, reason),
-            None => WriteFailure::Unavailable,
-        },
-        PrefillOutcome::Released(ReleaseCause::LeaseExpired) => WriteFailure::LeaseExpired,
-        PrefillOutcome::Released(ReleaseCause::Aborted) => WriteFailure::PrefillAborted,
-        PrefillOutcome::Released(ReleaseCause::Rejected) => WriteFailure::PlanMismatch,
-        PrefillOutcome::Released(ReleaseCause::WriteFailed(failure)) => failure,
+    let (replay, newer) = match outcome {
         PrefillOutcome::Sent
+        | PrefillOutcome::Released(ReleaseCause::CancelledByPeer)
+        | PrefillOutcome::Released(ReleaseCause::ReleasedByPeer(_))
         | PrefillOutcome::Released(ReleaseCause::PeerDead)
-        | PrefillOutcome::Released(ReleaseCause::Empty) => WriteFailure::Unavailable,
+        | PrefillOutcome::Released(ReleaseCause::Empty) => (None, WriteFailure::Unavailable),
+        PrefillOutcome::Released(ReleaseCause::LeaseExpired) => {
+            (Some(WriteFailure::LeaseExpired), WriteFailure::LeaseExpired)
+        }
+        PrefillOutcome::Released(ReleaseCause::Aborted) => (
+            Some(WriteFailure::PrefillAborted),
+            WriteFailure::PrefillAborted,
+        ),
+        PrefillOutcome::Released(ReleaseCause::Rejected) => {
+            (Some(WriteFailure::PlanMismatch), WriteFailure::Unavailable)
+        }
+        PrefillOutcome::Released(ReleaseCause::WriteFailed(failure)) => {
+            (Some(failure), WriteFailure::Unavailable)
+        }
     };
-    PrefillTombstone::Ended(failure)
+    PrefillTombstone::Ended {
+        epoch,
+        replay,
+        newer,
+    }
 }
 
 impl Writer {
@@ -173,6 +187,8 @@ impl Writer {
         tracing::debug!(key = %common.key, ?epoch, ?outcome, "prefill request ended");
         self.request_timers.clear(&common.key);
         self.by_request.remove(&common.request);
+        // Never lower the floor an older request of the key left behind.
+        let epoch = epoch.max(self.epoch_floor(&common.key));
         self.tombstones.insert(
             common.key.clone(),
             tombstone_for(outcome, epoch),
@@ -184,6 +200,14 @@ impl Writer {
             outcome,
             blocks: common.blocks,
         }));
+    }
+
+    /// The highest epoch an ended request of `key` (or an early cancel or release) settled.
+    fn epoch_floor(&self, key: &PairingKey) -> Option<Epoch> {
+        match self.tombstones.get(key)? {
+            PrefillTombstone::GaveUpEarly { epoch, .. } => Some(*epoch),
+            PrefillTombstone::Ended { epoch, .. } => *epoch,
+        }
     }
 
     /// P's engine finished a prefill.
@@ -215,18 +239,12 @@ impl Writer {
         let pending_epoch = self.pending.get(&common.key).map(|p| p.register.epoch);
         let superseded = |epoch: Epoch| pending_epoch.is_some_and(|pending| pending > epoch);
         let settled_by_peer = match self.tombstones.get(&common.key).copied() {
-            Some(PrefillTombstone::Cancelled(epoch)) if !superseded(epoch) => {
-                Some((ReleaseCause::CancelledByPeer, epoch))
+            Some(PrefillTombstone::GaveUpEarly { epoch, cause }) if !superseded(epoch) => {
+                Some((cause, epoch))
             }
-            Some(PrefillTombstone::Released(epoch, reason)) if !superseded(epoch) => {
-                Some((ReleaseCause::ReleasedByPeer(reason), epoch))
+            Some(PrefillTombstone::GaveUpEarly { .. } | PrefillTombstone::Ended { .. }) | None => {
+                None
             }
-            Some(
-                PrefillTombstone::Cancelled(_)
-                | PrefillTombstone::Released(..)
-                | PrefillTombstone::Ended(_),
-            )
-            | None => None,
         };
         if let Some((cause, epoch)) = settled_by_peer {
             // D gave up on (or never needed) this key before P finished: free at once. A
@@ -243,8 +261,11 @@ impl Writer {
             );
             return Ok(());
         }
-        // A new request for a key supersedes what was remembered about an older one.
-        self.tombstones.remove(&common.key);
+        // The tombstone of an older request for the key stays while this one lives if it has an
+        // epoch: a floor below which registrations are overtaken ones (see `on_register`).
+        if self.epoch_floor(&common.key).is_none() {
+            self.tombstones.remove(&common.key);
+        }
         if common.blocks.is_empty() {
             let key = common.key.clone();
             self.file_ended(
@@ -319,6 +340,16 @@ impl Writer {
             return;
         }
         let key = register.key.clone();
+        if self.requests.contains_key(&key)
+            && self
+                .epoch_floor(&key)
+                .is_some_and(|floor| register.epoch <= floor)
+        {
+            // A registration for an attempt an older request of this key already served or
+            // gave up, overtaken on the way: it must not reach the new request's blocks.
+            fx.drop_input(DropReason::Late);
+            return;
+        }
         if let Some(request) = self.requests.get(&key) {
             match request {
                 // Only a first registration meeting held blocks is the race; a repeat is not.
@@ -330,22 +361,32 @@ impl Writer {
             return;
         }
         match self.tombstones.get(&key).copied() {
-            Some(PrefillTombstone::Cancelled(epoch) | PrefillTombstone::Released(epoch, _))
-                if register.epoch <= epoch =>
-            {
-                // D already cancelled this attempt; this registration was overtaken.
+            Some(PrefillTombstone::GaveUpEarly { epoch, .. }) if register.epoch <= epoch => {
+                // D already gave up on this attempt; this registration was overtaken.
                 fx.drop_input(DropReason::Late);
                 return;
             }
-            Some(PrefillTombstone::Ended(failure)) => {
-                fx.drop_input(DropReason::Late);
-                fx.send(
-                    &from,
-                    write_failed(&key, register.epoch, self.rank, failure),
-                );
+            Some(PrefillTombstone::Ended {
+                epoch,
+                replay,
+                newer,
+            }) => {
+                let same_attempt = epoch.is_some_and(|bound| register.epoch <= bound);
+                let answer = if same_attempt { replay } else { Some(newer) };
+                fx.drop_input(if same_attempt && epoch == Some(register.epoch) {
+                    DropReason::Duplicate
+                } else {
+                    DropReason::Late
+                });
+                if let Some(failure) = answer {
+                    fx.send(
+                        &from,
+                        write_failed(&key, register.epoch, self.rank, failure),
+                    );
+                }
                 return;
             }
-            Some(PrefillTombstone::Cancelled(_) | PrefillTombstone::Released(..)) | None => {}
+            Some(PrefillTombstone::GaveUpEarly { .. }) | None => {}
         }
         if let Some(existing) = self.pending.get(&key) {
             if register.epoch <= existing.register.epoch {
@@ -399,16 +440,18 @@ impl Writer {
         // Nothing of this epoch is or will be in flight: remember the cancel so that a
         // registration it overtook is swallowed, and acknowledge.
         let newer = match self.tombstones.get(&key) {
-            Some(PrefillTombstone::Cancelled(old) | PrefillTombstone::Released(old, _)) => {
-                epoch > *old
-            }
-            Some(PrefillTombstone::Ended(_)) => false,
+            Some(PrefillTombstone::GaveUpEarly { epoch: old, .. }) => epoch > *old,
+            // The blocks are gone already; nothing to remember.
+            Some(PrefillTombstone::Ended { .. }) => false,
             None => true,
         };
         if newer {
             self.tombstones.insert(
                 key.clone(),
-                PrefillTombstone::Cancelled(epoch),
+                PrefillTombstone::GaveUpEarly {
+                    epoch,
+                    cause: ReleaseCause::CancelledByPeer,
+                },
                 now + self.config.tombstone_ttl,
             );
         }
@@ -442,7 +485,10 @@ impl Writer {
         // P has not finished yet: remember, so its blocks are released as soon as they finish.
         self.tombstones.insert(
             key,
-            PrefillTombstone::Released(epoch, reason),
+            PrefillTombstone::GaveUpEarly {
+                epoch,
+                cause: ReleaseCause::ReleasedByPeer(reason),
+            },
             now + self.config.tombstone_ttl,
         );
     }
@@ -557,3 +603,7 @@ fn write_failed(key: &PairingKey, epoch: Epoch, rank: u32, reason: WriteFailure)
         reason,
     })
 }
+
+#[cfg(test)]
+#[path = "writer_tests.rs"]
+mod tests;

@@ -1,13 +1,21 @@
-//! `LinkActor`: one rank's peer connections (handshakes).
+//! `LinkActor`: one rank's peer connections (handshakes), in process through a [`Directory`] or
+//! across processes through the TCP side channel ([`super::side_channel`]).
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{
-    Actor, ActorFutureExt, Context, Handler, Message, Recipient, ResponseActFuture, WrapFuture,
+    Actor, ActorFutureExt, AsyncContext, Context, Handler, Message, Recipient, ResponseActFuture,
+    WrapFuture,
 };
+use tokio::net::TcpListener;
 
-use super::rank::Feed;
-use super::writer::LoadPeer;
+use super::rank::{Feed, LinkUp};
+use super::side_channel::{
+    self, AddPeerAddress, HandshakeError, Local, PeerBook, PeerBookFull, QuerySideChannel,
+    SideChannelConfig,
+};
 use super::{Directory, PeerInfo};
 use crate::machine::{ConnectFailure, Input};
 use crate::PeerAddr;
@@ -17,16 +25,30 @@ use crate::PeerAddr;
 #[rtype(result = "()")]
 pub struct Connect(pub PeerAddr);
 
-/// A peer's handshake arrives: load it, and tell the rank it is connected.
+/// A peer's handshake arrives in process: check it, and hand it to the rank ([`LinkUp`]: load,
+/// then `PeerConnected`).
 #[derive(Message, Debug)]
 #[rtype(result = "Result<(), ConnectFailure>")]
 pub struct Hello(pub PeerInfo);
 
+/// How a link reaches its peers.
+pub(crate) enum LinkMode {
+    /// Through the in-process directory.
+    InProcess(Directory),
+    /// Through the TCP side channel; the listener is bound already and starts with the actor.
+    Tcp {
+        listener: Option<TcpListener>,
+        config: SideChannelConfig,
+    },
+}
+
 /// Runs handshakes for one rank.
 pub struct LinkActor {
-    own: PeerInfo,
-    directory: Directory,
-    writer: Recipient<LoadPeer>,
+    local: Arc<Local>,
+    mode: LinkMode,
+    book: PeerBook,
+    shared: Arc<side_channel::Shared>,
+    up: Recipient<LinkUp>,
     rank: Recipient<Feed>,
     timeout: Duration,
 }
@@ -34,37 +56,32 @@ pub struct LinkActor {
 impl LinkActor {
     pub(crate) fn new(
         own: PeerInfo,
-        directory: Directory,
-        writer: Recipient<LoadPeer>,
+        mode: LinkMode,
+        listen: Option<SocketAddr>,
+        up: Recipient<LinkUp>,
         rank: Recipient<Feed>,
         timeout: Duration,
     ) -> Self {
+        let config = match &mode {
+            LinkMode::InProcess(_) => SideChannelConfig::default(),
+            LinkMode::Tcp { config, .. } => config.clone(),
+        };
+        let limit = config.max_peer_addresses;
         LinkActor {
-            own,
-            directory,
-            writer,
+            local: Arc::new(Local::new(own, config)),
+            mode,
+            book: PeerBook::new(limit),
+            shared: Arc::new(side_channel::Shared::new(listen, limit)),
+            up,
             rank,
             timeout,
         }
     }
 
-    /// Geometry rules both sides apply: the same model (hash) and, until heterogeneous
+    /// Rules both in-process sides apply: the same model (hash) and, until heterogeneous
     /// transfers exist, the same per-rank layout.
     fn check_compatible(own: &PeerInfo, peer: &PeerInfo) -> Result<(), ConnectFailure> {
-        let (a, b) = (&own.geometry, &peer.geometry);
-        let same_layout = a.kernel_block_size == b.kernel_block_size
-            && a.kernel_blocks_per_logical == b.kernel_blocks_per_logical
-            && a.layout == b.layout
-            && a.tp_size == b.tp_size
-            && a.pp_size == b.pp_size
-            && a.cache_groups == b.cache_groups
-            && own.regions.len() == peer.regions.len()
-            && own
-                .regions
-                .iter()
-                .zip(&peer.regions)
-                .all(|(x, y)| x.block_len == y.block_len);
-        if own.compat != peer.compat || !same_layout {
+        if own.compat != peer.compat || side_channel::layout_mismatch(own, peer).is_some() {
             return Err(ConnectFailure::Incompatible);
         }
         Ok(())
@@ -73,19 +90,15 @@ impl LinkActor {
     fn refused(reason: impl Into<String>) -> ConnectFailure {
         ConnectFailure::Refused(reason.into())
     }
-}
 
-impl Actor for LinkActor {
-    type Context = Context<Self>;
-}
-
-impl Handler<Connect> for LinkActor {
-    type Result = ResponseActFuture<Self, ()>;
-
-    fn handle(&mut self, Connect(peer): Connect, _: &mut Context<Self>) -> Self::Result {
-        let directory = self.directory.clone();
-        let own = self.own.clone();
-        let writer = self.writer.clone();
+    /// The peer's link checks us and hands us to its rank first, then we hand the peer to
+    /// ours, so that by the time our endpoint talks to the peer, the peer knows us.
+    fn connect_in_process(
+        &mut self,
+        directory: Directory,
+        peer: PeerAddr,
+    ) -> ResponseActFuture<Self, ()> {
+        let own = self.local.info.clone();
         let timeout = self.timeout;
         let target = peer.clone();
         let handshake = async move {
@@ -93,23 +106,91 @@ impl Handler<Connect> for LinkActor {
                 return Err(Self::refused("peer not found"));
             };
             Self::check_compatible(&own, &info)?;
-            writer
-                .send(LoadPeer(info))
-                .await
-                .map_err(|_| Self::refused("writer unavailable"))?
-                .map_err(|e| Self::refused(e.to_string()))?;
             let answer = tokio::time::timeout(timeout, remote_link.send(Hello(own)))
                 .await
                 .map_err(|_| ConnectFailure::TimedOut)?;
-            answer.map_err(|_| Self::refused("peer link unavailable"))?
+            answer.map_err(|_| Self::refused("peer link unavailable"))??;
+            Ok(info)
         };
         Box::pin(handshake.into_actor(self).map(move |result, act, _| {
-            let input = match result {
-                Ok(()) => Input::PeerConnected { peer },
-                Err(reason) => Input::PeerConnectFailed { peer, reason },
-            };
-            act.rank.do_send(Feed(vec![input]));
+            match result {
+                // The rank loads the peer and feeds `PeerConnected` (or `PeerConnectFailed`).
+                Ok(info) => act.up.do_send(LinkUp(info)),
+                Err(reason) => act
+                    .rank
+                    .do_send(Feed(vec![Input::PeerConnectFailed { peer, reason }])),
+            }
         }))
+    }
+
+    fn connect_tcp(&mut self, peer: PeerAddr) -> ResponseActFuture<Self, ()> {
+        let addr = self.book.get(&peer.engine);
+        let local = self.local.clone();
+        let shared = self.shared.clone();
+        let up = self.up.clone();
+        let rank = self.rank.clone();
+        let handshake = async move {
+            let shaken = match addr {
+                Some(addr) => side_channel::initiate(&local, addr, &peer).await,
+                None => Err(HandshakeError::NoAddress),
+            };
+            let (info, clock) = match shaken {
+                Ok(shaken) => shaken,
+                Err(error) => {
+                    tracing::warn!(peer = %peer, %error, "side channel handshake failed");
+                    shared.outgoing_failed(error.reason());
+                    let reason = error.connect_failure();
+                    rank.do_send(Feed(vec![Input::PeerConnectFailed { peer, reason }]));
+                    return;
+                }
+            };
+            // The rank loads the peer and feeds `PeerConnected`, or `PeerConnectFailed` if the
+            // load fails.
+            match side_channel::link_up(&up, info).await {
+                Ok(()) => {
+                    tracing::info!(peer = %peer, ?clock, "side channel handshake completed");
+                    side_channel::outgoing_ok(&shared, &peer.engine, clock);
+                }
+                Err(error) => {
+                    tracing::warn!(peer = %peer, %error, "handshaken peer not loaded");
+                    shared.outgoing_failed(error.reason());
+                }
+            }
+        };
+        Box::pin(handshake.into_actor(self))
+    }
+}
+
+impl Actor for LinkActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        if let LinkMode::Tcp { listener, .. } = &mut self.mode {
+            if let Some(listener) = listener.take() {
+                let accept = side_channel::accept_loop(
+                    listener,
+                    self.local.clone(),
+                    self.shared.clone(),
+                    self.up.clone(),
+                );
+                // Tied to the actor: the listener closes when the link stops.
+                ctx.spawn(accept.into_actor(self));
+            }
+        }
+    }
+}
+
+impl Handler<Connect> for LinkActor {
+    type Result = ResponseActFuture<Self, ()>;
+
+    fn handle(&mut self, Connect(peer): Connect, _: &mut Context<Self>) -> Self::Result {
+        match &self.mode {
+            LinkMode::InProcess(directory) => {
+                let directory = directory.clone();
+                self.connect_in_process(directory, peer)
+            }
+            LinkMode::Tcp { .. } => self.connect_tcp(peer),
+        }
     }
 }
 
@@ -117,23 +198,37 @@ impl Handler<Hello> for LinkActor {
     type Result = ResponseActFuture<Self, Result<(), ConnectFailure>>;
 
     fn handle(&mut self, Hello(info): Hello, _: &mut Context<Self>) -> Self::Result {
-        let checked = Self::check_compatible(&self.own, &info);
-        let writer = self.writer.clone();
-        let peer = info.peer.clone();
+        let checked = Self::check_compatible(&self.local.info, &info);
+        let up = self.up.clone();
         let load = async move {
             checked?;
-            writer
-                .send(LoadPeer(info))
+            // The rank loads the peer, then feeds `PeerConnected`.
+            up.send(LinkUp(info))
                 .await
-                .map_err(|_| Self::refused("writer unavailable"))?
-                .map_err(|e| Self::refused(e.to_string()))
+                .map_err(|_| Self::refused("rank unavailable"))?
         };
-        Box::pin(load.into_actor(self).map(move |result, act, _| {
-            if result.is_ok() {
-                act.rank
-                    .do_send(Feed(vec![Input::PeerConnected { peer }]));
+        Box::pin(load.into_actor(self))
+    }
+}
+
+impl Handler<AddPeerAddress> for LinkActor {
+    type Result = Result<(), PeerBookFull>;
+
+    fn handle(&mut self, msg: AddPeerAddress, _: &mut Context<Self>) -> Self::Result {
+        let AddPeerAddress { engine, addr } = msg;
+        if let Some(old) = self.book.insert(engine.clone(), addr)? {
+            if old != addr {
+                tracing::info!(%engine, %old, new = %addr, "peer side channel moved");
             }
-            result
-        }))
+        }
+        Ok(())
+    }
+}
+
+impl Handler<QuerySideChannel> for LinkActor {
+    type Result = actix::MessageResult<QuerySideChannel>;
+
+    fn handle(&mut self, _: QuerySideChannel, _: &mut Context<Self>) -> Self::Result {
+        actix::MessageResult(self.shared.snapshot())
     }
 }

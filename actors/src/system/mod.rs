@@ -7,8 +7,9 @@
 //! - [`WriterActor`] owns the rank's [`Transport`](crate::transport::Transport) and alone calls
 //!   it: it plans and posts writes, sends notifications, abandons and invalidates, and polls
 //!   completions and notifications back into the rank actor.
-//! - [`LinkActor`] makes the peer connections: it runs the handshake (here through an
-//!   in-process [`Directory`]) and loads the peer into the writer's transport.
+//! - [`LinkActor`] makes the peer connections: it runs the handshake (through an in-process
+//!   [`Directory`], or across processes through the TCP side channel, see [`side_channel`]) and
+//!   loads the peer into the writer's transport.
 //!
 //! No routing or matching happens here: everything is decided by the endpoint.
 
@@ -16,6 +17,7 @@ mod link;
 mod mem_rank;
 mod rank;
 mod runtime;
+pub mod side_channel;
 mod writer;
 
 use std::collections::BTreeMap;
@@ -26,8 +28,12 @@ use kvhandoff_protocol::{AgentName, CompatHash, KvGeometry, RegionDesc};
 
 pub use link::{Connect, Hello, LinkActor};
 pub use mem_rank::{build_mem_rank, BuildError, KvPool};
-pub use rank::{EngineCall, Feed, QueryStats, RankActor};
+pub use rank::{EngineCall, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict};
 pub use runtime::{Runtime, RuntimeError};
+pub use side_channel::{
+    AddPeerAddress, ClockEstimate, HandshakeError, PeerBook, PeerBookFull, QuerySideChannel,
+    RejectReason, SideChannelConfig, SideChannelStats,
+};
 pub use writer::{LoadPeer, QueryWriterStats, WriterActor, WriterOp, WriterOps, WriterStats};
 
 use crate::machine::{Endpoint, EngineEvent};
@@ -55,8 +61,10 @@ pub struct PeerInfo {
 /// actors. (Across processes the TCP side channel plays this role.)
 #[derive(Clone, Default)]
 pub struct Directory {
-    inner: Arc<Mutex<BTreeMap<PeerAddr, (PeerInfo, Recipient<Hello>)>>>,
+    inner: Arc<Mutex<DirectoryTable>>,
 }
+
+type DirectoryTable = BTreeMap<PeerAddr, (PeerInfo, Recipient<Hello>)>;
 
 impl Directory {
     /// An empty directory.
@@ -100,10 +108,25 @@ impl Default for ShellConfig {
     }
 }
 
+/// How a rank finds its peers and hands them its handshake.
+#[derive(Clone)]
+pub enum Handshaker {
+    /// In process: through a shared [`Directory`].
+    InProcess(Directory),
+    /// Across processes: through a TCP side channel listening on `config.listen`; peers'
+    /// addresses come from [`AddPeerAddress`].
+    Tcp(SideChannelConfig),
+}
+
 /// The addresses of one running rank.
 pub struct RankHandle {
     /// The rank actor (engine calls go here).
     pub rank: Addr<RankActor>,
+    /// The rank's link actor ([`AddPeerAddress`], [`QuerySideChannel`] go here).
+    pub link: Addr<LinkActor>,
+    /// Where the rank's TCP side channel listens (the bound address, so port 0 is resolved);
+    /// `None` for an in-process rank.
+    pub side_channel: Option<std::net::SocketAddr>,
     /// Where engine calls go, type-erased.
     pub calls: Recipient<EngineCall>,
     /// The engine's events.
@@ -130,6 +153,47 @@ pub fn start_rank<T>(setup: RankSetup<T>, directory: &Directory) -> RankHandle
 where
     T: Transport + Unpin + 'static,
 {
+    spawn_rank(setup, link::LinkMode::InProcess(directory.clone()), None)
+}
+
+/// Starts the three actors of one rank with the given [`Handshaker`]. For
+/// [`Handshaker::Tcp`] the listener is bound before anything starts, and
+/// [`RankHandle::side_channel`] reports where.
+///
+/// Must be called inside a running actix system.
+///
+/// # Errors
+/// For [`Handshaker::Tcp`]: the address cannot be bound, or the rank's own handshake breaks
+/// the wire limits (`InvalidInput`). [`Handshaker::InProcess`] never fails.
+pub fn start_rank_with<T>(
+    setup: RankSetup<T>,
+    handshaker: Handshaker,
+) -> std::io::Result<RankHandle>
+where
+    T: Transport + Unpin + 'static,
+{
+    match handshaker {
+        Handshaker::InProcess(directory) => Ok(start_rank(setup, &directory)),
+        Handshaker::Tcp(config) => {
+            side_channel::Local::new(setup.info.clone(), config.clone()).check_own()?;
+            let (listener, addr) = side_channel::bind(config.listen)?;
+            let mode = link::LinkMode::Tcp {
+                listener: Some(listener),
+                config,
+            };
+            Ok(spawn_rank(setup, mode, Some(addr)))
+        }
+    }
+}
+
+fn spawn_rank<T>(
+    setup: RankSetup<T>,
+    mode: link::LinkMode,
+    listen: Option<std::net::SocketAddr>,
+) -> RankHandle
+where
+    T: Transport + Unpin + 'static,
+{
     let RankSetup {
         endpoint,
         transport,
@@ -137,6 +201,7 @@ where
         shell,
     } = setup;
     let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
+    let mut link_addr = None;
     let rank = RankActor::create(|rank_ctx| {
         let rank_addr = rank_ctx.address();
         let writer = WriterActor::new(
@@ -146,25 +211,40 @@ where
             shell.poll_interval,
         )
         .start();
+        let directory = match &mode {
+            link::LinkMode::InProcess(directory) => Some(directory.clone()),
+            link::LinkMode::Tcp { .. } => None,
+        };
         let link = LinkActor::new(
             info.clone(),
-            directory.clone(),
-            writer.clone().recipient(),
+            mode,
+            listen,
+            rank_addr.clone().recipient(),
             rank_addr.clone().recipient(),
             shell.handshake_timeout,
         )
         .start();
-        directory.publish(info, link.clone().recipient());
+        if let Some(directory) = directory {
+            directory.publish(info, link.clone().recipient());
+        }
+        link_addr = Some(link.clone());
         RankActor::new(
             endpoint,
+            writer.clone().recipient(),
             writer.recipient(),
             link.recipient(),
             events_tx,
         )
     });
+    let link = match link_addr {
+        Some(link) => link,
+        None => unreachable!("RankActor::create runs its closure before returning"),
+    };
     RankHandle {
         calls: rank.clone().recipient(),
         rank,
+        link,
+        side_channel: listen,
         events,
     }
 }

@@ -3,11 +3,16 @@
 use actix::clock::Instant;
 use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
-use tokio::sync::oneshot;
 
 use super::link::Connect;
-use super::writer::{WriterOp, WriterOps};
-use crate::machine::{Endpoint, EndpointStats, EngineEvent, Input, Output, Rejected, Time};
+use super::writer::{LoadPeer, WriterOp, WriterOps};
+use super::PeerInfo;
+use crate::machine::{
+    ConnectFailure, Counters, Endpoint, EndpointStats, EngineEvent, Input, Output, Rejected, Time,
+};
+
+/// Receives whether an engine input was accepted.
+pub type Verdict = Box<dyn FnOnce(Result<(), Rejected>) + Send>;
 
 /// An engine's call into its rank: the input, and where to send the verdict.
 #[derive(Message)]
@@ -15,8 +20,8 @@ use crate::machine::{Endpoint, EndpointStats, EngineEvent, Input, Output, Reject
 pub struct EngineCall {
     /// An engine input (`DecodeAllocated`, `PrefillFinished` or `Abort`).
     pub input: Input,
-    /// Receives whether the input was accepted.
-    pub reply: Option<oneshot::Sender<Result<(), Rejected>>>,
+    /// Called with whether the input was accepted.
+    pub reply: Option<Verdict>,
 }
 
 /// Inputs from the writer (completions, notifications) or the link (handshakes).
@@ -29,11 +34,24 @@ pub struct Feed(pub Vec<Input>);
 #[rtype(result = "EndpointStats")]
 pub struct QueryStats;
 
+/// A handshake finished: load the peer into the transport, then tell the endpoint. Handled
+/// atomically (no other message or timer runs in between), so every transport operation the
+/// endpoint asks for is ordered correctly around the load.
+#[derive(Message, Debug)]
+#[rtype(result = "Result<(), ConnectFailure>")]
+pub struct LinkUp(pub PeerInfo);
+
+/// Asks for the endpoint's counters.
+#[derive(Message)]
+#[rtype(result = "Counters")]
+pub struct QueryCounters;
+
 /// Hosts an [`Endpoint`]: translates messages into `handle` calls and outputs into actions.
 pub struct RankActor {
     endpoint: Endpoint,
     origin: Instant,
     writer: Recipient<WriterOps>,
+    loader: Recipient<LoadPeer>,
     link: Recipient<Connect>,
     events: UnboundedSender<EngineEvent>,
     timer: Option<(Time, SpawnHandle)>,
@@ -43,6 +61,7 @@ impl RankActor {
     pub(crate) fn new(
         endpoint: Endpoint,
         writer: Recipient<WriterOps>,
+        loader: Recipient<LoadPeer>,
         link: Recipient<Connect>,
         events: UnboundedSender<EngineEvent>,
     ) -> Self {
@@ -50,6 +69,7 @@ impl RankActor {
             endpoint,
             origin: Instant::now(),
             writer,
+            loader,
             link,
             events,
             timer: None,
@@ -136,7 +156,7 @@ impl Handler<EngineCall> for RankActor {
             Err(Rejected::NotAnEngineInput)
         };
         if let Some(reply) = call.reply {
-            let _ = reply.send(verdict);
+            reply(verdict);
         }
         self.flush(ctx);
     }
@@ -164,5 +184,43 @@ impl Handler<QueryStats> for RankActor {
 
     fn handle(&mut self, _: QueryStats, _: &mut Context<Self>) -> Self::Result {
         actix::MessageResult(self.endpoint.stats())
+    }
+}
+
+impl Handler<QueryCounters> for RankActor {
+    type Result = actix::MessageResult<QueryCounters>;
+
+    fn handle(&mut self, _: QueryCounters, _: &mut Context<Self>) -> Self::Result {
+        actix::MessageResult(self.endpoint.counters().clone())
+    }
+}
+
+impl Handler<LinkUp> for RankActor {
+    type Result = actix::AtomicResponse<Self, Result<(), ConnectFailure>>;
+
+    fn handle(&mut self, LinkUp(info): LinkUp, _: &mut Context<Self>) -> Self::Result {
+        use actix::{ActorFutureExt, WrapFuture};
+        let peer = info.peer.clone();
+        let load = self.loader.send(LoadPeer(info));
+        actix::AtomicResponse::new(Box::pin(load.into_actor(self).map(
+            move |loaded, act, ctx| {
+                let now = act.now();
+                let result = match loaded {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(error)) => Err(ConnectFailure::Refused(error.to_string())),
+                    Err(_) => Err(ConnectFailure::Refused("writer unavailable".into())),
+                };
+                let input = match &result {
+                    Ok(()) => Input::PeerConnected { peer },
+                    Err(reason) => Input::PeerConnectFailed {
+                        peer,
+                        reason: reason.clone(),
+                    },
+                };
+                let _ = act.endpoint.handle(now, input);
+                act.flush(ctx);
+                result
+            },
+        )))
     }
 }

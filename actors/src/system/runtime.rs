@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 
 use actix::{ArbiterHandle, System};
 
-use super::{start_rank, Directory, RankHandle, RankSetup};
+use super::{start_rank, start_rank_with, Directory, Handshaker, RankHandle, RankSetup};
 use crate::transport::Transport;
 
 /// Why the runtime could not do what was asked.
@@ -18,6 +18,9 @@ pub enum RuntimeError {
     /// The runtime thread is gone (stopped or panicked).
     #[error("the runtime has stopped")]
     Stopped,
+    /// The rank's side channel could not listen.
+    #[error("the side channel could not start: {0}")]
+    SideChannel(std::io::Error),
 }
 
 /// A running actix system hosting engine ranks.
@@ -82,6 +85,32 @@ impl Runtime {
             return Err(RuntimeError::Stopped);
         }
         rx.recv().map_err(|_| RuntimeError::Stopped)
+    }
+
+    /// Starts one rank's actors with the given [`Handshaker`] (for example a TCP side channel)
+    /// and returns its handle.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Stopped`] if the runtime is gone; [`RuntimeError::SideChannel`] if the
+    /// side channel cannot listen.
+    pub fn add_rank_with<T>(
+        &self,
+        setup: RankSetup<T>,
+        handshaker: Handshaker,
+    ) -> Result<RankHandle, RuntimeError>
+    where
+        T: Transport + Unpin + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        let spawned = self.arbiter.spawn_fn(move || {
+            let _ = tx.send(start_rank_with(setup, handshaker));
+        });
+        if !spawned {
+            return Err(RuntimeError::Stopped);
+        }
+        rx.recv()
+            .map_err(|_| RuntimeError::Stopped)?
+            .map_err(RuntimeError::SideChannel)
     }
 
     /// Stops the system and waits for its thread.

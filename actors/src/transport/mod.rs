@@ -31,6 +31,8 @@
 //! ```
 
 pub mod mem;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 
 use kvhandoff_protocol::{wire, AgentName, RegionDesc};
 

@@ -24,13 +24,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use kvhandoff_actors::machine::{
-    Config, ConnectFailure, DecodeOutcome, DecodeStart, EngineEvent, Endpoint, FreeProof, Input,
+    Config, ConnectFailure, DecodeOutcome, DecodeStart, Endpoint, EngineEvent, FreeProof, Input,
     Output, PrefillOutcome, PrefillStart, Rejected, Time, WriteOrder,
 };
 use kvhandoff_actors::{PeerAddr, WriteId};
-use kvhandoff_protocol::{
-    BlockIds, EngineId, Epoch, Message, PairingKey, RequestId, WriteFailure,
-};
+use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Message, PairingKey, RequestId, WriteFailure};
 
 // ---------------------------------------------------------------------------------------------
 // Names and builders
@@ -124,6 +122,33 @@ pub fn prefill_result(event: &EngineEvent) -> PrefillOutcome {
         EngineEvent::Prefill { outcome, .. } => *outcome,
         EngineEvent::Decode { .. } => panic!("expected a prefill event, got {event:?}"),
     }
+}
+
+/// P ranks 0 and 1 both finished request 1 ([10, 11] and [20, 21]); D allocated [500, 501]
+/// expecting two writes, and its registration reached both ranks (D sends it to P rank 0; the
+/// harness fans it out to rank 1). Both writes are posted and pending.
+pub fn two_writers() -> Harness {
+    let mut h = Harness::new();
+    h.add_endpoint(p1_addr(), Config::fast());
+    h.connect(&d_addr(), &p1_addr());
+    h.prefill(prefill_start(1, &[10, 11])).unwrap();
+    h.input(
+        &p1_addr(),
+        Input::PrefillFinished(prefill_start(1, &[20, 21])),
+    )
+    .unwrap();
+    let mut start = decode_start(1, &[500, 501]);
+    start.expected_writes = 2;
+    h.decode(start).unwrap();
+    let register = h
+        .sent
+        .iter()
+        .find(|(_, e)| matches!(e.message, Message::Register(_)))
+        .map(|(_, e)| e.message.clone())
+        .expect("D registered");
+    h.inject(&d_addr(), &p1_addr(), register);
+    assert_eq!(h.writes.len(), 2, "both ranks posted their write");
+    h
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -563,11 +588,14 @@ impl Harness {
     }
 
     /// `addr` comes back as a fresh endpoint and handshakes with `peer` (both get
-    /// `PeerConnected`). The old incarnation's requests and writes are forgotten by it.
+    /// `PeerConnected`). As `Input::PeerConnected` requires, the peer's transport replaces the
+    /// old incarnation first: nothing the old one posted can land any more. The old
+    /// incarnation's requests and events are gone with it.
     pub fn restart(&mut self, addr: &PeerAddr, config: Config, peer: &PeerAddr) {
         let incarnation = self.node(addr).incarnation + 1;
         self.add_endpoint(addr.clone(), config);
         self.node_mut(addr).incarnation = incarnation;
+        self.cut_pair(addr, peer);
         self.connect(addr, peer);
     }
 
@@ -658,22 +686,41 @@ impl Harness {
                 "{addr}: events for requests the engine never started: {counts:?}"
             );
             let stats = node.ep.stats();
-            assert_eq!(stats.decode_requests, 0, "{addr}: live D requests: {stats:?}");
-            assert_eq!(stats.prefill_requests, 0, "{addr}: live P requests: {stats:?}");
+            assert_eq!(
+                stats.decode_requests, 0,
+                "{addr}: live D requests: {stats:?}"
+            );
+            assert_eq!(
+                stats.prefill_requests, 0,
+                "{addr}: live P requests: {stats:?}"
+            );
             assert_eq!(
                 stats.pending_registrations, 0,
                 "{addr}: pending registrations: {stats:?}"
             );
-            assert_eq!(stats.writes_in_flight, 0, "{addr}: writes in flight: {stats:?}");
-            assert_eq!(stats.queued_outputs, 0, "{addr}: unpolled outputs: {stats:?}");
-            assert!(!node.ep.has_pending_work(), "{addr}: still has pending work");
+            assert_eq!(
+                stats.writes_in_flight, 0,
+                "{addr}: writes in flight: {stats:?}"
+            );
+            assert_eq!(
+                stats.queued_outputs, 0,
+                "{addr}: unpolled outputs: {stats:?}"
+            );
+            assert!(
+                !node.ep.has_pending_work(),
+                "{addr}: still has pending work"
+            );
         }
         assert!(
             self.writes.is_empty(),
             "writes still pending: {:?}",
             self.writes
         );
-        assert!(self.violations.is_empty(), "violations: {:#?}", self.violations);
+        assert!(
+            self.violations.is_empty(),
+            "violations: {:#?}",
+            self.violations
+        );
     }
 
     // ---- internals ---------------------------------------------------------------------------

@@ -1,0 +1,759 @@
+//! The TCP side channel over real loopback sockets (127.0.0.1 only), on the real clock: two
+//! ranks handshake over TCP and complete push requests end to end (both races); a listening rank
+//! rejects hostile peers, counting each by reason, and keeps serving; an initiator reports typed
+//! failures.
+//!
+//! Both ranks share one `MemFabric` in process (MemTransport metadata is only valid there): the
+//! point is the TCP handshake, not the transport.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvhandoff_actors::machine::{
+    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
+    PrefillOutcome, PrefillStart, Rejected,
+};
+use kvhandoff_actors::system::{
+    build_mem_rank, start_rank_with, AddPeerAddress, EngineCall, Handshaker, KvPool, PeerInfo,
+    QuerySideChannel, RankHandle, RejectReason, ShellConfig, SideChannelConfig, SideChannelStats,
+};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
+use kvhandoff_protocol::{
+    BlockIds, CacheGroup, CacheGroupKind, CompatHash, EngineId, Epoch, Handshake, KvGeometry,
+    KvLayout, Message, ModelIdentity, PairingKey, Register, RequestId, TransferMode,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+fn geometry() -> KvGeometry {
+    KvGeometry {
+        num_layers: 2,
+        total_kv_heads: 2,
+        head_dim: 8,
+        dtype_bytes: 2,
+        kernel_block_size: 4,
+        kernel_blocks_per_logical: 1,
+        layout: KvLayout::Hnd,
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        mla: false,
+        cache_groups: vec![CacheGroup {
+            kind: CacheGroupKind::FullAttention,
+            num_layers: 2,
+        }],
+    }
+}
+
+fn model() -> ModelIdentity {
+    ModelIdentity {
+        model: "test-model".into(),
+        dtype: "bfloat16".into(),
+        cache_dtype: "bfloat16".into(),
+    }
+}
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+/// Short real timeouts, so hostile peers are cut quickly.
+fn quick() -> SideChannelConfig {
+    SideChannelConfig {
+        connect_timeout: Duration::from_millis(300),
+        io_timeout: Duration::from_millis(300),
+        ..SideChannelConfig::new(loopback())
+    }
+}
+
+struct Rank {
+    handle: RankHandle,
+    pool: KvPool,
+    addr: SocketAddr,
+}
+
+fn engine(name: &str) -> EngineId {
+    EngineId::new(name).unwrap()
+}
+
+fn start(fabric: &MemFabric, name: &str, config: SideChannelConfig) -> Rank {
+    let (setup, pool) = build_mem_rank(
+        fabric,
+        &engine(name),
+        geometry(),
+        &model(),
+        32,
+        Config::fast(),
+        ShellConfig::default(),
+    )
+    .unwrap();
+    let handle = start_rank_with(setup, Handshaker::Tcp(config)).unwrap();
+    let addr = handle.side_channel.expect("a TCP rank reports its address");
+    assert_ne!(addr.port(), 0, "port 0 is resolved to the bound port");
+    Rank { handle, pool, addr }
+}
+
+/// A rank's handshake payload without starting it (a raw client speaks for it).
+fn unstarted_info(fabric: &MemFabric, name: &str) -> PeerInfo {
+    let (setup, _) = build_mem_rank(
+        fabric,
+        &engine(name),
+        geometry(),
+        &model(),
+        32,
+        Config::fast(),
+        ShellConfig::default(),
+    )
+    .unwrap();
+    setup.info
+}
+
+async fn add_peer(rank: &Rank, name: &str, addr: SocketAddr) {
+    rank.handle
+        .link
+        .send(AddPeerAddress {
+            engine: engine(name),
+            addr,
+        })
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+async fn stats(rank: &Rank) -> SideChannelStats {
+    rank.handle.link.send(QuerySideChannel).await.unwrap()
+}
+
+fn pattern(key: &str, region: usize, block_offset: u64, i: u64) -> u8 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in key
+        .bytes()
+        .chain(region.to_le_bytes())
+        .chain(block_offset.to_le_bytes())
+    {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    (h.wrapping_add(i.wrapping_mul(0x9e37_79b9)) >> 24) as u8
+}
+
+fn fill(pool: &KvPool, key: &str, blocks: &[u32]) {
+    for (r, (spec, region)) in pool.regions().enumerate() {
+        for (j, &b) in blocks.iter().enumerate() {
+            let (offset, len) = pool.block_span(spec, b);
+            let bytes: Vec<u8> = (0..len).map(|i| pattern(key, r, j as u64, i)).collect();
+            region.write(offset, &bytes).unwrap();
+        }
+    }
+}
+
+fn verify(pool: &KvPool, key: &str, blocks: &[u32]) -> usize {
+    let mut errors = 0;
+    for (r, (spec, region)) in pool.regions().enumerate() {
+        for (j, &b) in blocks.iter().enumerate() {
+            let (offset, len) = pool.block_span(spec, b);
+            let mut buf = vec![0; len as usize];
+            region.read(offset, &mut buf).unwrap();
+            errors += buf
+                .iter()
+                .enumerate()
+                .filter(|(i, &v)| v != pattern(key, r, j as u64, *i as u64))
+                .count();
+        }
+    }
+    errors
+}
+
+async fn call(rank: &RankHandle, input: Input) -> Result<(), Rejected> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    rank.calls
+        .send(EngineCall {
+            input,
+            reply: Some(Box::new(move |verdict| {
+                let _ = tx.send(verdict);
+            })),
+        })
+        .await
+        .unwrap();
+    rx.await.unwrap()
+}
+
+async fn next_event(rank: &mut RankHandle) -> EngineEvent {
+    tokio::time::timeout(Duration::from_secs(10), rank.events.recv())
+        .await
+        .expect("an event within 10 s")
+        .expect("the rank is alive")
+}
+
+fn decode_start(id: &str, prefill: &str, blocks: Vec<u32>) -> DecodeStart {
+    let request = RequestId::new(id).unwrap();
+    DecodeStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        epoch: Epoch::FIRST,
+        prefill: PeerAddr::new(engine(prefill), 0),
+        blocks: BlockIds::single_group(blocks),
+        num_tokens: 12,
+        expected_writes: 1,
+    }
+}
+
+fn prefill_start(id: &str, blocks: Vec<u32>) -> PrefillStart {
+    let request = RequestId::new(id).unwrap();
+    PrefillStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        blocks: BlockIds::single_group(blocks),
+    }
+}
+
+/// D registers first: the push completes, every byte lands.
+async fn push_d_first(
+    p: &mut Rank,
+    d: &mut Rank,
+    tag: &str,
+    d_blocks: Vec<u32>,
+    p_blocks: Vec<u32>,
+) {
+    let d_id = format!("{tag}-11111111");
+    let p_id = format!("{tag}-22222222");
+    call(
+        &d.handle,
+        Input::DecodeAllocated(decode_start(&d_id, "prefill", d_blocks.clone())),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    fill(&p.pool, tag, &p_blocks);
+    call(
+        &p.handle,
+        Input::PrefillFinished(prefill_start(&p_id, p_blocks)),
+    )
+    .await
+    .unwrap();
+    let event = next_event(&mut d.handle).await;
+    assert!(
+        matches!(
+            &event,
+            EngineEvent::Decode {
+                outcome: DecodeOutcome::Ready,
+                proof: FreeProof::WritesCompleted,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+    assert_eq!(verify(&d.pool, tag, &d_blocks), 0, "every byte of {tag}");
+    let event = next_event(&mut p.handle).await;
+    assert!(
+        matches!(
+            event,
+            EngineEvent::Prefill {
+                outcome: PrefillOutcome::Sent,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+}
+
+#[actix_rt::test]
+async fn tcp_ranks_deliver_both_races() {
+    let fabric = MemFabric::new();
+    let mut p = start(&fabric, "prefill", SideChannelConfig::new(loopback()));
+    let mut d = start(&fabric, "decode", SideChannelConfig::new(loopback()));
+    add_peer(&d, "prefill", p.addr).await;
+    add_peer(&p, "decode", d.addr).await;
+
+    // D registers first (D dials P over TCP).
+    push_d_first(&mut p, &mut d, "req-a", vec![3, 4, 5], vec![20, 21, 22]).await;
+
+    // P finishes first: P holds its blocks until D registers.
+    let p_blocks = vec![1, 9, 10];
+    fill(&p.pool, "req-b", &p_blocks);
+    call(
+        &p.handle,
+        Input::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let d_blocks = vec![7, 8, 0];
+    call(
+        &d.handle,
+        Input::DecodeAllocated(decode_start("req-b-44444444", "prefill", d_blocks.clone())),
+    )
+    .await
+    .unwrap();
+    let event = next_event(&mut d.handle).await;
+    assert!(
+        matches!(
+            event,
+            EngineEvent::Decode {
+                outcome: DecodeOutcome::Ready,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+    assert_eq!(
+        verify(&d.pool, "req-b", &d_blocks),
+        0,
+        "every byte of req-b"
+    );
+    let event = next_event(&mut p.handle).await;
+    assert!(
+        matches!(
+            event,
+            EngineEvent::Prefill {
+                outcome: PrefillOutcome::Sent,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+
+    let (ds, ps) = (stats(&d).await, stats(&p).await);
+    assert_eq!(ds.listen, Some(d.addr));
+    assert!(ds.outgoing_ok >= 1, "{ds:?}");
+    assert!(ps.incoming_ok >= 1, "{ps:?}");
+    assert_eq!(ds.total_rejected() + ps.total_rejected(), 0);
+    assert!(ds.outgoing_failed.is_empty() && ps.outgoing_failed.is_empty());
+    let clock = ds
+        .clocks
+        .get(&engine("prefill"))
+        .expect("D estimated P's clock");
+    let rtt = clock
+        .rtt_us
+        .expect("an initiator's estimate has a round trip");
+    assert!(rtt < 5_000_000, "{clock:?}");
+    // Both links started within the test: their clocks are close.
+    assert!(clock.offset_us.unsigned_abs() < 5_000_000, "{clock:?}");
+    assert!(ps.clocks.contains_key(&engine("decode")), "{ps:?}");
+}
+
+/// Connects, writes `bytes`, optionally half-closes, and reads until the listener closes.
+/// Returns what the listener wrote and how long the listener took to close.
+async fn probe(addr: SocketAddr, bytes: &[u8], half_close: bool) -> (Vec<u8>, Duration) {
+    let started = Instant::now();
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    if !bytes.is_empty() {
+        // The listener may close (and reset) before everything is written.
+        let _ = stream.write_all(bytes).await;
+    }
+    if half_close {
+        let _ = stream.shutdown().await;
+    }
+    let mut got = Vec::new();
+    // A reset is a close too; what was read before it stays in `got`.
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut got))
+        .await
+        .expect("the listener closes the connection");
+    (got, started.elapsed())
+}
+
+fn frame_of(handshake: Handshake) -> Vec<u8> {
+    wire::encode(&Message::Handshake(Box::new(handshake)))
+}
+
+#[actix_rt::test]
+async fn hostile_peers_are_rejected_counted_and_survived() {
+    let fabric = MemFabric::new();
+    let mut p = start(&fabric, "prefill", quick());
+    let raw = unstarted_info(&fabric, "raw-d");
+    let good = raw.handshake(vec![TransferMode::Push], 7);
+    let good_frame = frame_of(good.clone());
+    let with = |f: &dyn Fn(&mut Handshake)| {
+        let mut h = good.clone();
+        f(&mut h);
+        frame_of(h)
+    };
+    let patched = |at: usize, byte: u8| {
+        let mut frame = good_frame.clone();
+        frame[at] = byte;
+        frame
+    };
+    let header = |kind: u8, len: u32| {
+        let mut h = Vec::from(*b"KVHO");
+        h.extend_from_slice(&wire::PROTOCOL_VERSION.to_le_bytes());
+        h.extend_from_slice(&[kind, 0]);
+        h.extend_from_slice(&len.to_le_bytes());
+        h
+    };
+    let register = wire::encode(&Message::Register(Register {
+        key: PairingKey::new("k-1").unwrap(),
+        epoch: Epoch::FIRST,
+        decode_engine: engine("raw-d"),
+        decode_request: RequestId::new("r-1").unwrap(),
+        decode_rank: 0,
+        blocks: BlockIds::single_group(vec![1]),
+        num_tokens: 4,
+    }));
+    let mut malformed = header(1, 20);
+    malformed.extend_from_slice(&[0xff; 20]);
+    let slow_loris = good_frame[..HEADER_LEN + 10].to_vec();
+
+    // (what, bytes, half-close after writing, expected reason)
+    let cases: Vec<(&str, Vec<u8>, bool, RejectReason)> = vec![
+        ("nothing, then close", vec![], true, RejectReason::Closed),
+        (
+            "garbage",
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+            false,
+            RejectReason::BadMagic,
+        ),
+        (
+            "short garbage",
+            vec![0, 1, 2],
+            false,
+            RejectReason::BadMagic,
+        ),
+        ("bad magic", patched(0, b'X'), false, RejectReason::BadMagic),
+        (
+            "unsupported version",
+            patched(4, 99),
+            false,
+            RejectReason::UnsupportedVersion,
+        ),
+        (
+            "unknown kind",
+            patched(6, 200),
+            false,
+            RejectReason::UnknownKind,
+        ),
+        (
+            "reserved flags",
+            patched(7, 1),
+            false,
+            RejectReason::ReservedFlags,
+        ),
+        (
+            "oversized payload",
+            header(1, MAX_PAYLOAD_LEN as u32 + 1),
+            false,
+            RejectReason::PayloadTooLarge,
+        ),
+        (
+            "truncated payload, then close",
+            good_frame[..good_frame.len() - 10].to_vec(),
+            true,
+            RejectReason::Truncated,
+        ),
+        (
+            "truncated header, then close",
+            good_frame[..7].to_vec(),
+            true,
+            RejectReason::Truncated,
+        ),
+        ("slow loris", slow_loris, false, RejectReason::TimedOut),
+        ("silence", vec![], false, RejectReason::TimedOut),
+        ("a register frame", register, false, RejectReason::WrongKind),
+        (
+            "malformed payload",
+            malformed,
+            false,
+            RejectReason::Malformed,
+        ),
+        (
+            "handshake protocol version",
+            with(&|h: &mut Handshake| h.protocol_version = 2),
+            false,
+            RejectReason::ProtocolVersion,
+        ),
+        (
+            "compat hash mismatch",
+            with(&|h: &mut Handshake| h.compat_hash = CompatHash([0xab; 32])),
+            false,
+            RejectReason::CompatMismatch,
+        ),
+        (
+            "invalid geometry",
+            with(&|h: &mut Handshake| h.geometry.head_dim = 0),
+            false,
+            RejectReason::InvalidGeometry,
+        ),
+        (
+            "region table too short",
+            with(&|h: &mut Handshake| {
+                h.regions.pop();
+            }),
+            false,
+            RejectReason::RegionTable,
+        ),
+        (
+            "region block length",
+            with(&|h: &mut Handshake| {
+                h.regions[0].block_len /= 2;
+            }),
+            false,
+            RejectReason::RegionTable,
+        ),
+        (
+            "incompatible layout",
+            with(&|h: &mut Handshake| h.geometry.layout = KvLayout::Nhd),
+            false,
+            RejectReason::Incompatible,
+        ),
+        (
+            "no common mode",
+            with(&|h: &mut Handshake| h.modes = vec![TransferMode::Pull]),
+            false,
+            RejectReason::NoCommonMode,
+        ),
+        (
+            "our own engine",
+            with(&|h: &mut Handshake| h.engine_id = engine("prefill")),
+            false,
+            RejectReason::OwnEngine,
+        ),
+    ];
+    let timeout = quick().io_timeout;
+    for (i, (what, bytes, half_close, reason)) in cases.iter().enumerate() {
+        let before = stats(&p).await;
+        let (got, took) = probe(p.addr, bytes, *half_close).await;
+        assert!(
+            got.is_empty(),
+            "{what}: a rejection writes nothing, got {got:?}"
+        );
+        let after = stats(&p).await;
+        assert_eq!(
+            after.rejections(*reason),
+            before.rejections(*reason) + 1,
+            "{what}: counted as {reason:?}; {after:?}"
+        );
+        assert_eq!(after.total_rejected(), i as u64 + 1, "{what}: {after:?}");
+        assert_eq!(after.incoming_ok, 0, "{what}");
+        if *reason == RejectReason::TimedOut {
+            assert!(
+                took >= timeout - Duration::from_millis(50),
+                "{what}: cut at {took:?}"
+            );
+        } else {
+            assert!(took < Duration::from_secs(3), "{what}: took {took:?}");
+        }
+    }
+
+    // The listener still serves a raw client that follows the rules...
+    let mut stream = TcpStream::connect(p.addr).await.unwrap();
+    stream.write_all(&good_frame).await.unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    let Message::Handshake(answer) = wire::decode(&answer).unwrap() else {
+        panic!("the answer is a handshake");
+    };
+    assert_eq!(answer.engine_id, engine("prefill"));
+    assert_eq!(answer.modes, vec![TransferMode::Push]);
+    let after = stats(&p).await;
+    assert_eq!(after.incoming_ok, 1);
+    assert!(after.clocks.contains_key(&engine("raw-d")), "{after:?}");
+
+    // ... and a well-behaved rank completes a push.
+    let mut d = start(&fabric, "decode", quick());
+    add_peer(&d, "prefill", p.addr).await;
+    push_d_first(&mut p, &mut d, "after-hostile", vec![2, 3], vec![4, 5]).await;
+    let after = stats(&p).await;
+    assert_eq!(after.incoming_ok, 2, "{after:?}");
+    assert_eq!(after.total_rejected(), cases.len() as u64);
+}
+
+#[actix_rt::test]
+async fn a_full_listener_closes_new_connections_at_once() {
+    let fabric = MemFabric::new();
+    let config = SideChannelConfig {
+        max_concurrent: 2,
+        io_timeout: Duration::from_millis(1_500),
+        ..SideChannelConfig::new(loopback())
+    };
+    let mut p = start(&fabric, "prefill", config);
+    // Two silent connections hold both slots.
+    let idle_a = TcpStream::connect(p.addr).await.unwrap();
+    let idle_b = TcpStream::connect(p.addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (got, took) = probe(p.addr, b"KVHO", false).await;
+    assert!(got.is_empty());
+    assert!(
+        took < Duration::from_millis(1_000),
+        "closed at once, not at the timeout: {took:?}"
+    );
+    let s = stats(&p).await;
+    assert_eq!(s.rejections(RejectReason::Busy), 1, "{s:?}");
+    assert_eq!(s.accepted, 3);
+    // Once the silent ones are cut, a rank connects.
+    drop((idle_a, idle_b));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut d = start(&fabric, "decode", SideChannelConfig::new(loopback()));
+    add_peer(&d, "prefill", p.addr).await;
+    push_d_first(&mut p, &mut d, "after-busy", vec![1], vec![2]).await;
+}
+
+/// A fake P listener that answers D's handshake with `answer(d's handshake)` (or never answers).
+async fn fake_listener(answer: Option<fn(Handshake) -> Handshake>) -> SocketAddr {
+    let listener = TcpListener::bind(loopback()).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    actix_rt::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            actix_rt::spawn(async move {
+                let mut header = [0u8; HEADER_LEN];
+                if stream.read_exact(&mut header).await.is_err() {
+                    return;
+                }
+                let len = wire::decode_header(&header).unwrap().payload_len;
+                let mut frame = header.to_vec();
+                frame.resize(HEADER_LEN + len, 0);
+                stream.read_exact(&mut frame[HEADER_LEN..]).await.unwrap();
+                let Message::Handshake(theirs) = wire::decode(&frame).unwrap() else {
+                    panic!("D sends a handshake");
+                };
+                match answer {
+                    Some(answer) => {
+                        let ours = frame_of(answer(*theirs));
+                        let _ = stream.write_all(&ours).await;
+                        let _ = stream.shutdown().await;
+                    }
+                    None => {
+                        // Hold the connection, say nothing.
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[actix_rt::test]
+async fn initiator_failures_are_typed() {
+    let fabric = MemFabric::new();
+    let mut d = start(&fabric, "decode", quick());
+    let refused = {
+        // A port nothing listens on any more.
+        let l = std::net::TcpListener::bind(loopback()).unwrap();
+        l.local_addr().unwrap()
+    };
+    add_peer(&d, "p-refused", refused).await;
+    add_peer(&d, "p-silent", fake_listener(None).await).await;
+    add_peer(&d, "p-echo", fake_listener(Some(|theirs| theirs)).await).await;
+    add_peer(
+        &d,
+        "p-impostor",
+        fake_listener(Some(|mut theirs| {
+            theirs.engine_id = EngineId::new("impostor").unwrap();
+            theirs
+        }))
+        .await,
+    )
+    .await;
+    add_peer(
+        &d,
+        "p-other-model",
+        fake_listener(Some(|mut theirs| {
+            theirs.engine_id = EngineId::new("p-other-model").unwrap();
+            theirs.compat_hash = CompatHash([1; 32]);
+            theirs
+        }))
+        .await,
+    )
+    .await;
+    let cases = [
+        ("p-unknown", RejectReason::NoAddress),
+        ("p-refused", RejectReason::ConnectRefused),
+        ("p-silent", RejectReason::TimedOut),
+        ("p-echo", RejectReason::OwnEngine),
+        ("p-impostor", RejectReason::UnexpectedEngine),
+        ("p-other-model", RejectReason::CompatMismatch),
+    ];
+    for (i, (prefill, reason)) in cases.iter().enumerate() {
+        let id = format!("{prefill}-req-{i}");
+        call(
+            &d.handle,
+            Input::DecodeAllocated(decode_start(&id, prefill, vec![1, 2])),
+        )
+        .await
+        .unwrap();
+        let event = next_event(&mut d.handle).await;
+        assert!(
+            matches!(
+                event,
+                EngineEvent::Decode {
+                    outcome: DecodeOutcome::Failed(DecodeFailure::HandshakeFailed),
+                    proof: FreeProof::NeverExposed,
+                    ..
+                }
+            ),
+            "{prefill}: {event:?}"
+        );
+        // The endpoint's own connect deadline may fire first; the link's verdict follows.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let s = stats(&d).await;
+            if s.failures(*reason) == 1 {
+                assert_eq!(
+                    s.outgoing_failed.values().sum::<u64>(),
+                    i as u64 + 1,
+                    "{prefill}: {s:?}"
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{prefill}: {reason:?} not counted: {s:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let s = stats(&d).await;
+    assert_eq!(s.outgoing_ok, 0);
+    assert!(
+        s.clocks.is_empty(),
+        "no clock from a failed handshake: {s:?}"
+    );
+}
+
+#[actix_rt::test]
+async fn the_peer_book_is_bounded_and_a_restart_reconnects() {
+    let fabric = MemFabric::new();
+    let p = start(
+        &fabric,
+        "prefill",
+        SideChannelConfig {
+            max_peer_addresses: 1,
+            ..SideChannelConfig::new(loopback())
+        },
+    );
+    add_peer(&p, "d-1", loopback()).await;
+    add_peer(&p, "d-1", p.addr).await; // replacing is fine
+    let full = p
+        .handle
+        .link
+        .send(AddPeerAddress {
+            engine: engine("d-2"),
+            addr: p.addr,
+        })
+        .await
+        .unwrap();
+    assert!(full.is_err(), "{full:?}");
+
+    // The same engine handshakes twice (a restart, as far as the listener can tell): both are
+    // served, loaded and reported.
+    let raw = unstarted_info(&fabric, "raw-d");
+    for n in 1..=2u64 {
+        let mut stream = TcpStream::connect(p.addr).await.unwrap();
+        stream
+            .write_all(&frame_of(raw.handshake(vec![], n)))
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.unwrap();
+        assert!(
+            matches!(wire::decode(&answer), Ok(Message::Handshake(_))),
+            "handshake {n}"
+        );
+        let s = stats(&p).await;
+        assert_eq!(s.incoming_ok, n, "{s:?}");
+    }
+}

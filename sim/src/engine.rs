@@ -1,0 +1,480 @@
+//! The engine model: requests arriving on D and P (either first), block allocation, engine
+//! aborts, retries with a new epoch, crashes and restarts, and the checks on every terminal
+//! event.
+
+use std::time::Duration;
+
+use kvhandoff_actors::machine::{
+    DecodeOutcome, DecodeStart, EngineEvent, Endpoint, Input, PrefillStart, Time,
+};
+use kvhandoff_protocol::{BlockIds, Epoch, Message, PairingKey, RequestId};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::ledger::{pattern, Owner, Pool, BLOCK_BYTES};
+use crate::world::{micros, Ev, NetMsg, NodeId, Rates, World};
+use crate::Faults;
+
+/// Where one side's attempt at a request is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Status {
+    Pending,
+    Live { node_inc: u32, started: Time },
+    Done,
+    Lost,
+    Skipped,
+}
+
+/// One attempt on one side.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Attempt {
+    pub id: RequestId,
+    /// D: the epoch; P: the attempt number.
+    pub epoch: u64,
+    pub blocks: Vec<u32>,
+    pub status: Status,
+}
+
+/// One request of the workload.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Request {
+    pub key: PairingKey,
+    pub d_node: NodeId,
+    pub p_blocks: usize,
+    pub d_blocks: usize,
+    pub d: Vec<Attempt>,
+    pub p: Vec<Attempt>,
+}
+
+/// Swarm testing: each seed draws its own fault rates.
+pub(crate) fn draw_rates(rng: &mut ChaCha8Rng, faults: Faults) -> Rates {
+    let mut pick = |choices: &[f64]| choices[rng.gen_range(0..choices.len())];
+    let mut rates = Rates::default();
+    if matches!(faults, Faults::Network | Faults::Chaos) {
+        rates.slow_msg = pick(&[0.0, 0.01, 0.05]);
+        rates.slow_prefill = pick(&[0.0, 0.05, 0.1]);
+    }
+    if faults == Faults::Chaos {
+        rates.drop = pick(&[0.0, 0.005, 0.02]);
+        rates.dup = pick(&[0.0, 0.01, 0.05]);
+        rates.post_fail = pick(&[0.0, 0.02, 0.05]);
+        rates.fail_later = pick(&[0.0, 0.02, 0.05]);
+        rates.hang = pick(&[0.0, 0.01, 0.03]);
+        rates.slow_write = pick(&[0.0, 0.05, 0.2]);
+        rates.broken_abandon = pick(&[0.0, 0.2]);
+        rates.abort = pick(&[0.0, 0.03, 0.1]);
+        rates.retry = pick(&[0.0, 0.3, 0.6]);
+        rates.connect_fail = pick(&[0.0, 0.02, 0.1]);
+    }
+    rates
+}
+
+fn rid(side: &str, request: usize, attempt: u64) -> RequestId {
+    RequestId::new(format!("{side}{request}a{attempt}")).expect("valid request id")
+}
+
+impl World {
+    /// Draws the workload (seeded mode) or lays it out plainly (explore mode).
+    pub(crate) fn setup_requests(&mut self) {
+        for i in 0..self.cfg.requests {
+            let key = PairingKey::new(format!("k{i}")).expect("valid key");
+            let (d_node, p_blocks, d_blocks) = if self.cfg.explore {
+                (1 + i % self.cfg.decode_engines, 2, 1 + i % 2)
+            } else {
+                let n = self.rng.gen_range(1..=4);
+                let m = if self.rng.gen_bool(0.05) { 0 } else { self.rng.gen_range(1..=n) };
+                (1 + self.rng.gen_range(0..self.cfg.decode_engines), n, m)
+            };
+            self.keys.insert(key.clone(), i);
+            self.requests.push(Request {
+                key,
+                d_node,
+                p_blocks,
+                d_blocks,
+                d: vec![Attempt { id: rid("d", i, 1), epoch: 1, blocks: vec![], status: Status::Pending }],
+                p: vec![Attempt { id: rid("p", i, 1), epoch: 1, blocks: vec![], status: Status::Pending }],
+            });
+            let span = self.cfg.span.as_micros() as u64;
+            let base = if span > 0 { self.rng.gen_range(0..span) } else { 0 };
+            let d_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
+            let mut p_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
+            if !self.cfg.explore && self.rng.gen_bool(self.rates.slow_prefill) {
+                // A long prefill: D's deadline may fire while the write is in flight.
+                p_at += micros(&mut self.rng, 4_700_000, 5_000_000);
+                self.heal = self.heal.max(Time::ZERO + p_at + Duration::from_millis(500));
+            }
+            self.schedule(d_at, Ev::DecodeStart { request: i });
+            self.schedule(p_at, Ev::PrefillStart { request: i });
+            if !self.cfg.explore {
+                for decode in [true, false] {
+                    if self.rng.gen_bool(self.rates.abort) {
+                        let at = Duration::from_micros(base) + micros(&mut self.rng, 0, 50_000);
+                        self.schedule(at, Ev::Abort { request: i, decode });
+                    }
+                }
+            }
+        }
+        if self.cfg.explore {
+            return;
+        }
+        let span = self.cfg.span.as_micros() as u64;
+        if matches!(self.cfg.faults, Faults::Network | Faults::Chaos) {
+            for _ in 0..self.rng.gen_range(0..=2) {
+                let d = 1 + self.rng.gen_range(0..self.cfg.decode_engines);
+                let from = Time::from_nanos(self.rng.gen_range(0..span.max(1)) * 1_000);
+                let until = from + micros(&mut self.rng, 50_000, 400_000);
+                self.partitions.push((d, from, until));
+                self.heal = self.heal.max(until);
+            }
+        }
+        if self.cfg.faults == Faults::Chaos {
+            for _ in 0..self.rng.gen_range(0..=2) {
+                let node = self.rng.gen_range(0..self.nodes.len());
+                let at = micros(&mut self.rng, 0, span.max(1));
+                self.schedule(at, Ev::Crash { node });
+            }
+        }
+    }
+
+    pub(crate) fn decode_start(&mut self, request: usize) {
+        let r = self.requests[request].clone();
+        let node = r.d_node;
+        let Some(attempt) = r.d.iter().position(|a| a.status == Status::Pending) else {
+            return;
+        };
+        let a = r.d[attempt].clone();
+        self.record(format!("engine: D allocates {} {}", r.key, a.id));
+        let owner = Owner { request, epoch: a.epoch };
+        let blocks = if self.alive(node) { self.nodes[node].pool.allocate(r.d_blocks, owner) } else { None };
+        let Some(blocks) = blocks else {
+            // No memory or no process: the engine tries again later.
+            let later = micros(&mut self.rng, 2_000, 10_000);
+            self.schedule(later, Ev::DecodeStart { request });
+            return;
+        };
+        let inc = self.nodes[node].incarnation;
+        let r = &mut self.requests[request];
+        r.d[attempt].blocks = blocks.clone();
+        r.d[attempt].status = Status::Live { node_inc: inc, started: self.now };
+        let start = DecodeStart {
+            request: a.id,
+            key: r.key.clone(),
+            epoch: Epoch(a.epoch),
+            prefill: self.nodes[0].addr.clone(),
+            blocks: BlockIds::single_group(blocks),
+            num_tokens: 16 * r.d_blocks as u64,
+            expected_writes: 1,
+        };
+        self.feed(node, Input::DecodeAllocated(start));
+    }
+
+    pub(crate) fn prefill_start(&mut self, request: usize) {
+        let r = self.requests[request].clone();
+        let Some(attempt) = r.p.iter().position(|a| a.status == Status::Pending) else {
+            return;
+        };
+        let a = r.p[attempt].clone();
+        self.record(format!("engine: P finishes {} {}", r.key, a.id));
+        if r.p.iter().any(|x| matches!(x.status, Status::Live { .. })) {
+            self.requests[request].p[attempt].status = Status::Skipped;
+            *self.outcomes.entry("prefill.skipped".into()).or_insert(0) += 1;
+            return;
+        }
+        let owner = Owner { request, epoch: a.epoch };
+        let n = r.p_blocks;
+        let blocks = if self.alive(0) { self.nodes[0].pool.allocate(n, owner) } else { None };
+        let Some(blocks) = blocks else {
+            let later = micros(&mut self.rng, 2_000, 10_000);
+            self.schedule(later, Ev::PrefillStart { request });
+            return;
+        };
+        for (index, &b) in blocks.iter().enumerate() {
+            self.nodes[0].pool.fill(b, request, 0, index);
+        }
+        let inc = self.nodes[0].incarnation;
+        let r = &mut self.requests[request];
+        r.p[attempt].blocks = blocks.clone();
+        r.p[attempt].status = Status::Live { node_inc: inc, started: self.now };
+        let start = PrefillStart { request: a.id, key: r.key.clone(), blocks: BlockIds::single_group(blocks) };
+        self.feed(0, Input::PrefillFinished(start));
+    }
+
+    pub(crate) fn abort(&mut self, request: usize, decode: bool) {
+        let r = &self.requests[request];
+        let (node, a) = if decode { (r.d_node, r.d.last()) } else { (0, r.p.last()) };
+        let a = a.expect("one attempt at least").clone();
+        self.record(format!("engine: abort {}", a.id));
+        if matches!(a.status, Status::Live { .. }) && self.alive(node) {
+            let now = self.now;
+            let endpoint = self.nodes[node].endpoint.as_mut().expect("alive");
+            // Refused only if the request just ended, which is fine.
+            let _ = endpoint.handle(now, Input::Abort { request: a.id });
+            self.drain(node);
+        }
+    }
+
+    pub(crate) fn crash(&mut self, node: NodeId) {
+        self.record(format!("crash {}", self.nodes[node].addr));
+        let Some(endpoint) = self.nodes[node].endpoint.take() else {
+            return;
+        };
+        self.mark("crash_restart");
+        self.absorb_counters(&endpoint);
+        self.writes_of_crashed(node);
+        // Its connections die with the process: nothing in flight on them arrives.
+        for peer in 0..self.nodes.len() {
+            if peer != node {
+                self.bump_conn(node, peer);
+            }
+        }
+        self.nodes[node].incarnation += 1;
+        self.nodes[node].pool = Pool::new(self.cfg.pool_blocks);
+        self.nodes[node].posts_seen = 0;
+        for r in &mut self.requests {
+            let attempts = if node == 0 { &mut r.p } else if r.d_node == node { &mut r.d } else { continue };
+            for a in attempts.iter_mut() {
+                if matches!(a.status, Status::Live { .. }) {
+                    a.status = Status::Lost;
+                    let side = if node == 0 { "prefill" } else { "decode" };
+                    *self.outcomes.entry(format!("{side}.lost_in_crash")).or_insert(0) += 1;
+                }
+            }
+        }
+        let later = micros(&mut self.rng, 20_000, 400_000);
+        self.schedule(later, Ev::Restart { node });
+    }
+
+    pub(crate) fn restart(&mut self, node: NodeId) {
+        self.record(format!("restart {}", self.nodes[node].addr));
+        if self.alive(node) {
+            return;
+        }
+        let addr = self.nodes[node].addr.clone();
+        let endpoint = Endpoint::new(addr.engine, addr.rank, self.cfg.machine.clone()).expect("valid config");
+        self.nodes[node].endpoint = Some(endpoint);
+    }
+
+    pub(crate) fn absorb_counters(&mut self, endpoint: &Endpoint) {
+        let c = endpoint.counters();
+        self.counters.decode_registered_first += c.decode_registered_first;
+        self.counters.prefill_finished_first += c.prefill_finished_first;
+        self.counters.quarantine_frees += c.quarantine_frees;
+        self.counters.peers_declared_dead += c.peers_declared_dead;
+        self.counters.writes_abandoned += c.writes_abandoned;
+        self.counters.cancel_resends += c.cancel_resends;
+        for (reason, n) in &c.dropped {
+            *self.counters.dropped.entry(*reason).or_insert(0) += n;
+        }
+    }
+
+    pub(crate) fn p_attempt_live(&self, owner: Owner) -> bool {
+        self.requests[owner.request]
+            .p
+            .iter()
+            .any(|a| a.epoch == owner.epoch && matches!(a.status, Status::Live { .. }))
+    }
+
+    /// The one terminal event of a request on one side: checks S3, S4, S7, S8 and frees.
+    pub(crate) fn engine_event(&mut self, node: NodeId, event: EngineEvent) {
+        let (id, key, blocks, decode) = match &event {
+            EngineEvent::Decode { request, key, blocks, .. } => (request.clone(), key.clone(), blocks.clone(), true),
+            EngineEvent::Prefill { request, key, blocks, .. } => (request.clone(), key.clone(), blocks.clone(), false),
+        };
+        let Some(&request) = self.keys.get(&key) else {
+            self.violate(format!("event for unknown key {key}"));
+            return;
+        };
+        let r = self.requests[request].clone();
+        let attempts = if decode { &r.d } else { &r.p };
+        let Some(ai) = attempts.iter().position(|a| a.id == id) else {
+            self.violate(format!("S4: event for unknown request {id}"));
+            return;
+        };
+        let a = attempts[ai].clone();
+        let inc = self.nodes[node].incarnation;
+        let Status::Live { node_inc, started } = a.status else {
+            self.violate(format!("S4: second terminal event for {id} ({:?})", a.status));
+            return;
+        };
+        if node_inc != inc {
+            self.violate(format!("S4: event for {id} from another incarnation"));
+            return;
+        }
+        let flat = blocks.groups.concat();
+        if flat != a.blocks {
+            self.violate(format!("S3: {id} handed back {flat:?}, was given {:?}", a.blocks));
+        }
+        let owner = Owner { request, epoch: a.epoch };
+        let (d_blocks, p_blocks) = (r.d_blocks, r.p_blocks);
+        let label = match &event {
+            EngineEvent::Decode { epoch, outcome, proof, .. } => {
+                if epoch.0 != a.epoch {
+                    self.violate(format!("S5: {id} ended in epoch {epoch}, allocated in e{}", a.epoch));
+                }
+                if *outcome == DecodeOutcome::Ready {
+                    self.check_ready(node, request, a.epoch, &flat, p_blocks - d_blocks);
+                }
+                self.step_decode_events.push(request);
+                let _ = proof;
+                format!("decode.{outcome:?}")
+            }
+            EngineEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
+        };
+        let limit = if decode { Duration::from_secs(10) } else { Duration::from_secs(20) };
+        if !self.cfg.explore && self.now.saturating_since(started) > limit {
+            self.violate(format!("L1: {id} took {:?} to end", self.now.saturating_since(started)));
+        }
+        self.record(format!("engine: {id} ended: {label}"));
+        *self.outcomes.entry(label).or_insert(0) += 1;
+        for e in self.nodes[node].pool.free(&flat, owner) {
+            self.violate(format!("node {node}: {e}"));
+        }
+        let r = &mut self.requests[request];
+        let attempts = if decode { &mut r.d } else { &mut r.p };
+        attempts[ai].status = Status::Done;
+        let failed = matches!(&event, EngineEvent::Decode { outcome: DecodeOutcome::Failed(_), .. });
+        if decode && failed && a.epoch < 3 && self.chance(self.rates.retry) {
+            self.retry(request, a.epoch + 1);
+        }
+    }
+
+    /// S7/S8: every byte D expects is P's pattern, written in this epoch, by a landed write.
+    fn check_ready(&mut self, node: NodeId, request: usize, epoch: u64, blocks: &[u32], skip: usize) {
+        if blocks.is_empty() {
+            return;
+        }
+        let inc = self.nodes[node].incarnation;
+        if self.landed.get(&(node, inc, request, epoch)).copied().unwrap_or(0) == 0 {
+            self.violate(format!("S8: request {request} e{epoch} Ready without a landed write"));
+        }
+        for (j, &b) in blocks.iter().enumerate() {
+            let pool = &self.nodes[node].pool;
+            let written = pool.state(b).is_some_and(|s| s.written);
+            let bytes = pool.bytes(b).expect("exists");
+            let ok = (0..BLOCK_BYTES).all(|x| bytes[x] == pattern(request, 0, skip + j, x));
+            if !written || !ok {
+                self.violate(format!(
+                    "S7: request {request} e{epoch} Ready but block {b} written={written} bytes_ok={ok}"
+                ));
+            }
+        }
+    }
+
+    fn retry(&mut self, request: usize, epoch: u64) {
+        let r = &mut self.requests[request];
+        r.d.push(Attempt { id: rid("d", request, epoch), epoch, blocks: vec![], status: Status::Pending });
+        let d_at = micros(&mut self.rng, 1_000, 20_000);
+        self.schedule(d_at, Ev::DecodeStart { request });
+        let r = &mut self.requests[request];
+        if r.p.iter().all(|a| a.status != Status::Pending) {
+            // P runs the prefill again (a live attempt for the key makes it a skip).
+            let p_next = r.p.len() as u64 + 1;
+            r.p.push(Attempt { id: rid("p", request, p_next), epoch: p_next, blocks: vec![], status: Status::Pending });
+            let p_at = micros(&mut self.rng, 0, 10_000);
+            self.schedule(p_at, Ev::PrefillStart { request });
+        }
+    }
+
+    /// Notes what a sent message means for the coverage marks.
+    pub(crate) fn note_sent(&mut self, from: NodeId, message: &Message) {
+        match message {
+            Message::Register(r) => {
+                if let Some(&i) = self.keys.get(&r.key) {
+                    self.registers_sent.insert((i, r.epoch.0));
+                }
+            }
+            Message::Cancel(c) if c.reason == kvhandoff_protocol::CancelReason::Deadline => {
+                let Some(&i) = self.keys.get(&c.key) else { return };
+                let in_flight = self.writes.values().any(|w| {
+                    w.target == from && w.request == i && w.epoch == c.epoch.0 && w.in_flight()
+                });
+                if in_flight {
+                    self.mark("deadline_during_write");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Notes a delivery for coverage; returns the request index if the message is a P→D
+    /// message whose epoch is not the one D holds for its key (it must change nothing).
+    pub(crate) fn note_delivered(&mut self, msg: &NetMsg) -> Option<usize> {
+        let (key, epoch) = match &msg.message {
+            Message::Register(r) => {
+                let i = *self.keys.get(&r.key)?;
+                self.registers_delivered.insert((i, r.epoch.0));
+                return None;
+            }
+            Message::Cancel(c) => {
+                let i = *self.keys.get(&c.key)?;
+                let pair = (i, c.epoch.0);
+                if self.registers_sent.contains(&pair) && !self.registers_delivered.contains(&pair) {
+                    self.mark("cancel_overtook_registration");
+                }
+                return None;
+            }
+            Message::WriteDone(m) => (&m.key, m.epoch.0),
+            Message::WriteFailed(m) => (&m.key, m.epoch.0),
+            Message::CancelAck(m) => (&m.key, m.epoch.0),
+            _ => return None,
+        };
+        let i = *self.keys.get(key)?;
+        let live = self.requests[i]
+            .d
+            .iter()
+            .find(|a| matches!(a.status, Status::Live { .. }))
+            .map(|a| a.epoch);
+        if matches!(msg.message, Message::WriteDone(_)) {
+            let count = self.notifs_delivered.entry((msg.to, msg.to_inc, i, epoch)).or_insert(0);
+            *count += 1;
+            if *count >= 2 {
+                self.mark("duplicate_notification");
+            }
+            if live != Some(epoch) {
+                self.mark("completion_after_lease");
+            }
+        }
+        if live.is_some_and(|e| e != epoch) {
+            self.mark("stale_epoch_message");
+        }
+        (live != Some(epoch)).then_some(i)
+    }
+
+    /// What keeps the world from being quiescent (for liveness violations).
+    pub(crate) fn unfinished(&self) -> String {
+        let mut parts = Vec::new();
+        for r in &self.requests {
+            for a in r.d.iter().chain(&r.p) {
+                if matches!(a.status, Status::Pending | Status::Live { .. }) {
+                    parts.push(format!("{} {:?}", a.id, a.status));
+                }
+            }
+        }
+        for (seq, w) in &self.writes {
+            parts.push(format!("write#{seq} {} {:?}", w.id, w.phase));
+        }
+        for (i, n) in self.nodes.iter().enumerate() {
+            match &n.endpoint {
+                Some(e) => parts.push(format!("node{i} leased={} {:?}", n.pool.leased(), e.stats())),
+                None => parts.push(format!("node{i} down")),
+            }
+        }
+        parts.join("; ")
+    }
+
+    /// Every attempt ended, nothing is queued, every table and pool is empty.
+    pub(crate) fn quiescent(&self) -> bool {
+        let attempts_done = self.requests.iter().all(|r| {
+            r.d.iter().chain(&r.p).all(|a| matches!(a.status, Status::Done | Status::Lost | Status::Skipped))
+        });
+        attempts_done
+            && self.writes.is_empty()
+            && self.nodes.iter().all(|n| {
+                n.pool.leased() == 0
+                    && n.endpoint.as_ref().is_some_and(|e| {
+                        let s = e.stats();
+                        s.decode_requests + s.prefill_requests + s.pending_registrations + s.writes_in_flight + s.queued_outputs == 0
+                    })
+            })
+    }
+}

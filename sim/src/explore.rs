@@ -1,0 +1,227 @@
+//! Scheduler-driven stepping for the ordering fuzz and the exhaustive check: every enabled
+//! choice is listed, and [`World::apply`] performs one. Due times are ignored; time moves only
+//! when a timer is fired.
+
+use std::collections::BTreeSet;
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+use crate::world::{Ev, NodeId, World, WorldConfig};
+
+/// One scheduler choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Action {
+    /// Perform queued event `seq` (deliver a message, land or report a write, answer a
+    /// handshake, start or abort a request, restart a node).
+    Run(u64),
+    /// Lose message `seq`.
+    Drop(u64),
+    /// Deliver message `seq` and keep a copy queued.
+    Dup(u64),
+    /// Fail write `seq` in flight (it may have landed in part).
+    Fail(u64),
+    /// Advance the clock to `node`'s next timer and fire it.
+    Timer(NodeId),
+    /// Crash `node` (it restarts through a queued event).
+    Crash(NodeId),
+}
+
+/// Kinds of choice, for callers that pick a kind first and an index second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// [`Action::Run`] of a message delivery.
+    Deliver,
+    /// [`Action::Drop`].
+    Drop,
+    /// [`Action::Dup`].
+    Dup,
+    /// [`Action::Run`] of a write landing or report.
+    Complete,
+    /// [`Action::Fail`].
+    Fail,
+    /// [`Action::Run`] of anything else (engine, handshake, restart).
+    Other,
+    /// [`Action::Timer`].
+    Timer,
+    /// [`Action::Crash`].
+    Crash,
+}
+
+impl World {
+    /// Every choice enabled now, in a deterministic order.
+    pub fn actions(&self) -> Vec<Action> {
+        let mut out = Vec::new();
+        for (&seq, (_, ev)) in &self.queue {
+            out.push(Action::Run(seq));
+            match ev {
+                Ev::Deliver(_) => {
+                    out.push(Action::Drop(seq));
+                    out.push(Action::Dup(seq));
+                }
+                Ev::Land { .. } => out.push(Action::Fail(seq)),
+                _ => {}
+            }
+        }
+        for node in 0..self.nodes.len() {
+            if self.nodes[node].endpoint.as_ref().and_then(|e| e.poll_timeout()).is_some() {
+                out.push(Action::Timer(node));
+            }
+        }
+        if self.crashes_left > 0 {
+            for node in 0..self.nodes.len() {
+                if self.alive(node) {
+                    out.push(Action::Crash(node));
+                }
+            }
+        }
+        out
+    }
+
+    /// The enabled choices of one kind.
+    pub fn actions_of(&self, kind: Kind) -> Vec<Action> {
+        self.actions()
+            .into_iter()
+            .filter(|a| match (a, kind) {
+                (Action::Run(s), Kind::Deliver) => matches!(self.queue[s].1, Ev::Deliver(_)),
+                (Action::Run(s), Kind::Complete) => {
+                    matches!(self.queue[s].1, Ev::Land { .. } | Ev::Report { .. })
+                }
+                (Action::Run(s), Kind::Other) => !matches!(
+                    self.queue[s].1,
+                    Ev::Deliver(_) | Ev::Land { .. } | Ev::Report { .. }
+                ),
+                (Action::Drop(_), Kind::Drop)
+                | (Action::Dup(_), Kind::Dup)
+                | (Action::Fail(_), Kind::Fail)
+                | (Action::Timer(_), Kind::Timer)
+                | (Action::Crash(_), Kind::Crash) => true,
+                _ => false,
+            })
+            .collect()
+    }
+
+    /// Performs one choice; a choice that is not enabled does nothing.
+    pub fn apply(&mut self, action: Action) {
+        self.step_decode_events.clear();
+        match action {
+            Action::Run(seq) => {
+                if let Some((_, ev)) = self.unschedule(seq) {
+                    self.run_event(ev);
+                }
+            }
+            Action::Drop(seq) => {
+                if let Some((_, Ev::Deliver(msg))) = self.queue.get(&seq).cloned() {
+                    self.unschedule(seq);
+                    self.record(format!("net drop {}", crate::world::describe(&msg)));
+                }
+            }
+            Action::Dup(seq) => {
+                if let Some((_, Ev::Deliver(msg))) = self.queue.get(&seq).cloned() {
+                    self.schedule(std::time::Duration::ZERO, Ev::Deliver(msg.clone()));
+                    self.unschedule(seq);
+                    self.run_event(Ev::Deliver(msg));
+                }
+            }
+            Action::Fail(seq) => {
+                if let Some((_, Ev::Land { write })) = self.queue.get(&seq).cloned() {
+                    self.unschedule(seq);
+                    self.land(write, true);
+                    self.check_step();
+                }
+            }
+            Action::Timer(node) => {
+                let due = self.nodes[node].endpoint.as_ref().and_then(|e| e.poll_timeout());
+                if let Some(t) = due {
+                    self.now = self.now.max(t);
+                    self.fire_timer(node);
+                }
+            }
+            Action::Crash(node) => {
+                if self.crashes_left > 0 && self.alive(node) {
+                    self.crashes_left -= 1;
+                    self.crash(node);
+                    self.check_step();
+                }
+            }
+        }
+    }
+
+    /// A hash of everything that determines the future (not of sequence numbers, due times or
+    /// the trace), so that orderings reaching the same state meet.
+    pub fn state_hash(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        self.now.hash(&mut h);
+        self.crashes_left.hash(&mut h);
+        for node in &self.nodes {
+            node.incarnation.hash(&mut h);
+            node.pool.hash(&mut h);
+            format!("{:?}", node.endpoint).hash(&mut h);
+        }
+        let mut events: Vec<String> = self
+            .queue
+            .values()
+            .map(|(_, ev)| match ev {
+                Ev::Land { write } | Ev::Report { write, .. } => {
+                    format!("{ev:?} {:?}", self.writes.get(write))
+                }
+                other => format!("{other:?}"),
+            })
+            .collect();
+        events.sort();
+        events.hash(&mut h);
+        let writes: BTreeSet<String> = self
+            .writes
+            .values()
+            .map(|w| format!("{w:?}"))
+            .collect();
+        writes.hash(&mut h);
+        self.requests.hash(&mut h);
+        h.finish()
+    }
+}
+
+/// What an exhaustive run saw.
+#[derive(Debug, Clone, Default)]
+pub struct Exhaustive {
+    /// Distinct states reached.
+    pub states: usize,
+    /// Paths cut by the depth bound.
+    pub depth_cut: usize,
+    /// The first violation, with the path of choices that reaches it.
+    pub violation: Option<(crate::Violation, Vec<Action>)>,
+}
+
+/// Depth-first search over every choice sequence of a small world, up to `max_depth` steps and
+/// `max_states` distinct states, with a visited set over [`World::state_hash`]. Worlds are not
+/// cloneable (the machines are not), so each state is rebuilt by replaying its path.
+pub fn exhaustive(cfg: &WorldConfig, max_depth: usize, max_states: usize) -> Exhaustive {
+    let mut result = Exhaustive::default();
+    let mut visited = BTreeSet::new();
+    let mut stack: Vec<Vec<Action>> = vec![Vec::new()];
+    while let Some(path) = stack.pop() {
+        let mut world = World::new(cfg.clone(), 0);
+        for &a in &path {
+            world.apply(a);
+        }
+        if let Some(v) = world.violations().first() {
+            result.violation = Some((v.clone(), path));
+            return result;
+        }
+        if !visited.insert(world.state_hash()) {
+            continue;
+        }
+        result.states += 1;
+        if result.states >= max_states {
+            break;
+        }
+        if path.len() >= max_depth {
+            result.depth_cut += 1;
+            continue;
+        }
+        for a in world.actions().into_iter().rev() {
+            let mut next = path.clone();
+            next.push(a);
+            stack.push(next);
+        }
+    }
+    result
+}

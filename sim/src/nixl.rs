@@ -1,0 +1,364 @@
+//! The simulated NIXL: writes from P's registered blocks into D's, with real bytes, landing at
+//! a chosen later time; posts that fail, transfers that fail later (possibly after part of the
+//! data landed — NIXL does not roll back), hang, or are cut by invalidation. NIXL's rules are
+//! assertions here: no repost of an active write, no release of a block while a transfer reads
+//! or writes it (checked by the ledger's pins), and the notification leaves only after the data
+//! landed.
+
+use kvhandoff_actors::machine::{Input, WriteOrder};
+use kvhandoff_actors::WriteId;
+use kvhandoff_protocol::{Message, WriteFailure};
+use rand::Rng;
+
+use crate::ledger::{Owner, BLOCK_BYTES};
+use crate::world::{micros, Ev, NodeId, World};
+
+/// Where a simulated transfer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Phase {
+    /// Posted; lands at its `Land` event.
+    Posted,
+    /// Posted; never lands or completes on its own.
+    Hung,
+    /// The data landed; the completion is on its way to the poster.
+    Landed,
+    /// Will never land (failed, abandoned, invalidated, or its poster died).
+    Cut,
+}
+
+/// One transfer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SimWrite {
+    pub poster: NodeId,
+    pub poster_inc: u32,
+    pub id: WriteId,
+    pub target: NodeId,
+    pub target_inc: u32,
+    /// The connection generation it was posted on.
+    pub conn: u64,
+    pub request: usize,
+    pub epoch: u64,
+    pub p_owner: Option<Owner>,
+    pub local: Vec<u32>,
+    pub remote: Vec<u32>,
+    pub notification: Message,
+    pub phase: Phase,
+    pub reported: bool,
+    pub d_pinned: bool,
+    /// P's source blocks are pinned (until the report, or an invalidation).
+    pub p_pinned: bool,
+}
+
+impl SimWrite {
+    pub(crate) fn in_flight(&self) -> bool {
+        matches!(self.phase, Phase::Posted | Phase::Hung)
+    }
+}
+
+impl World {
+    pub(crate) fn post_write(&mut self, node: NodeId, order: WriteOrder) {
+        self.nodes[node].posts_seen += 1;
+        let inc = self.nodes[node].incarnation;
+        if self.active_writes.contains_key(&(node, inc, order.write)) {
+            self.violate(format!("S6: write {} reposted while active", order.write));
+            return;
+        }
+        let Some(&target) = self.by_addr.get(&order.to) else {
+            self.violate(format!("write {} to unknown {}", order.write, order.to));
+            return;
+        };
+        let shapes_match = order.local.groups.len() == order.remote.groups.len()
+            && order
+                .local
+                .groups
+                .iter()
+                .zip(&order.remote.groups)
+                .all(|(l, r)| l.len() == r.len());
+        if !shapes_match {
+            self.violate(format!("write {}: local and remote lists differ", order.write));
+            return;
+        }
+        let local: Vec<u32> = order.local.groups.concat();
+        let remote: Vec<u32> = order.remote.groups.concat();
+        let Some(&request) = self.keys.get(&order.key) else {
+            self.violate(format!("write for unknown key {}", order.key));
+            return;
+        };
+        let p_owner = self.nodes[node].pool.state(local[0]).and_then(|s| s.owner);
+        for &b in &local {
+            let owner = self.nodes[node].pool.state(b).and_then(|s| s.owner);
+            if owner.is_none_or(|o| o.request != request) {
+                self.violate(format!(
+                    "S2: write {} reads P block {b} leased to {owner:?}, not request {request}",
+                    order.write
+                ));
+            }
+        }
+        self.nodes[node].pool.pin(&local, 1);
+        let target_inc = self.nodes[target].incarnation;
+        let conn = self.view(node, target);
+        // On a torn-down connection nothing can reach the target's memory.
+        let d_pinned = self.alive(target) && conn == self.conn(node, target);
+        if d_pinned {
+            self.nodes[target].pool.pin(&remote, 1);
+        }
+        let seq = self.next_seq;
+        let mut write = SimWrite {
+            poster: node,
+            poster_inc: inc,
+            id: order.write,
+            target,
+            target_inc,
+            conn,
+            request,
+            epoch: order.epoch.0,
+            p_owner,
+            local,
+            remote,
+            notification: order.notification,
+            phase: Phase::Posted,
+            reported: false,
+            d_pinned,
+            p_pinned: true,
+        };
+        self.active_writes.insert((node, inc, order.write), seq);
+        if self.chance(self.rates.post_fail) {
+            self.unpin_target(&mut write);
+            write.phase = Phase::Cut;
+            self.writes.insert(seq, write);
+            self.next_seq = self.next_seq.max(seq + 1);
+            self.schedule_report(seq, Some(WriteFailure::PostFailed), 0, 0);
+            return;
+        }
+        if self.chance(self.rates.hang) {
+            write.phase = Phase::Hung;
+            self.writes.insert(seq, write);
+            self.next_seq = self.next_seq.max(seq + 1);
+            return;
+        }
+        self.writes.insert(seq, write);
+        let mut delay = micros(&mut self.rng, 100, 3_000);
+        if self.chance(self.rates.slow_write) {
+            delay = micros(&mut self.rng, 200_000, 1_500_000);
+        }
+        let scheduled = self.schedule(delay, Ev::Land { write: seq });
+        assert_eq!(scheduled, seq, "the write's id is its landing event's");
+    }
+
+    fn schedule_report(&mut self, seq: u64, failure: Option<WriteFailure>, lo: u64, hi: u64) {
+        let delay = micros(&mut self.rng, lo, hi);
+        self.schedule(
+            delay,
+            Ev::Report {
+                write: seq,
+                failure,
+            },
+        );
+    }
+
+    fn unpin_target(&mut self, write: &mut SimWrite) {
+        if write.d_pinned {
+            write.d_pinned = false;
+            if self.nodes[write.target].incarnation == write.target_inc {
+                self.nodes[write.target].pool.pin(&write.remote, -1);
+            }
+        }
+    }
+
+    /// Lands `bytes` of every block of `seq` (all of them, or a prefix on a partial landing).
+    fn copy_data(&mut self, seq: u64, bytes: usize) {
+        let w = self.writes[&seq].clone();
+        if self.nodes[w.target].incarnation != w.target_inc || !self.alive(w.target) {
+            return;
+        }
+        let owner = Owner {
+            request: w.request,
+            epoch: w.epoch,
+        };
+        for (&l, &r) in w.local.iter().zip(&w.remote) {
+            let data = *self.nodes[w.poster]
+                .pool
+                .bytes(l)
+                .expect("P blocks exist while the write is in flight");
+            if let Err(e) = self.nodes[w.target].pool.land(r, &data, 0..bytes, owner) {
+                self.stale_writes += 1;
+                self.violate(format!("{e} (write {} of node {})", w.id, w.poster));
+            }
+        }
+    }
+
+    /// The `Land` event of write `seq`; `fail` forces a failure (explore mode).
+    pub(crate) fn land(&mut self, seq: u64, fail: bool) {
+        let Some(w) = self.writes.get(&seq).cloned() else {
+            return;
+        };
+        self.record(format!("land {} of node {} fail={fail}", w.id, w.poster));
+        if w.phase != Phase::Posted {
+            return;
+        }
+        if let Some(until) = self.partitioned(w.poster, w.target, self.now) {
+            let delay = until.saturating_since(self.now) + micros(&mut self.rng, 0, 500);
+            self.schedule_at_seq(seq, delay);
+            return;
+        }
+        let target_gone = !self.alive(w.target)
+            || self.nodes[w.target].incarnation != w.target_inc
+            || w.conn != self.conn(w.poster, w.target);
+        let fail = fail || target_gone || self.chance(self.rates.fail_later);
+        if fail {
+            if !target_gone && self.chance(0.5) {
+                self.mark("partial_landing");
+                self.copy_data(seq, BLOCK_BYTES / 2);
+            }
+            let mut w = self.writes.remove(&seq).expect("present");
+            self.unpin_target(&mut w);
+            w.phase = Phase::Cut;
+            self.writes.insert(seq, w);
+            self.schedule_report(seq, Some(WriteFailure::TransferFailed), 50, 1_000);
+            return;
+        }
+        self.copy_data(seq, BLOCK_BYTES);
+        let mut w = self.writes.remove(&seq).expect("present");
+        self.unpin_target(&mut w);
+        w.phase = Phase::Landed;
+        let notification = w.notification.clone();
+        let (poster, target, key) = (w.poster, w.target, (w.target, w.target_inc, w.request, w.epoch));
+        self.writes.insert(seq, w);
+        *self.landed.entry(key).or_insert(0) += 1;
+        // NIXL sends the notification once the data is in place: never before.
+        let to = self.nodes[target].addr.clone();
+        self.send(poster, &to, notification);
+        self.schedule_report(seq, None, 50, 1_000);
+    }
+
+    /// Re-arms the landing of `seq` (kept under the same sequence number).
+    fn schedule_at_seq(&mut self, seq: u64, after: std::time::Duration) {
+        let at = self.now + after;
+        self.queue.insert(seq, (at, Ev::Land { write: seq }));
+        self.due.insert((at, seq));
+    }
+
+    /// Tells the poster how its write ended.
+    pub(crate) fn report(&mut self, seq: u64, failure: Option<WriteFailure>) {
+        let Some(mut w) = self.writes.remove(&seq) else {
+            return;
+        };
+        self.record(format!("report {} of node {}: {failure:?}", w.id, w.poster));
+        if w.reported {
+            self.violate(format!("S6: write {} reported twice", w.id));
+            return;
+        }
+        w.reported = true;
+        self.unpin_target(&mut w);
+        self.active_writes.remove(&(w.poster, w.poster_inc, w.id));
+        let poster_current = self.nodes[w.poster].incarnation == w.poster_inc;
+        if poster_current && w.p_pinned {
+            self.nodes[w.poster].pool.pin(&w.local, -1);
+        }
+        let (poster, id, owner) = (w.poster, w.id, w.p_owner);
+        // Keep nothing of a finished write.
+        drop(w);
+        if !poster_current || !self.alive(poster) {
+            return;
+        }
+        if owner.is_some_and(|o| !self.p_attempt_live(o)) {
+            self.mark("completion_after_lease");
+        }
+        let input = match failure {
+            None => Input::WriteCompleted { write: id },
+            Some(failure) => Input::WriteFailed { write: id, failure },
+        };
+        self.feed(poster, input);
+    }
+
+    /// P's endpoint abandons a write: cut it unless it landed, then report.
+    pub(crate) fn abandon_write(&mut self, node: NodeId, id: WriteId) {
+        let inc = self.nodes[node].incarnation;
+        let Some(&seq) = self.active_writes.get(&(node, inc, id)) else {
+            self.record(format!("abandon {id} of node {node}: not active"));
+            return;
+        };
+        let phase = self.writes.get(&seq).map(|w| w.phase);
+        self.record(format!("abandon {id} of node {node}: {phase:?}"));
+        let Some(w) = self.writes.get(&seq) else {
+            return;
+        };
+        if !w.in_flight() {
+            return; // landed or cut: its report is on the way
+        }
+        if self.chance(self.rates.broken_abandon) {
+            self.mark("abandon_unconfirmed");
+            return;
+        }
+        self.unschedule(seq);
+        let mut w = self.writes.remove(&seq).expect("present");
+        self.unpin_target(&mut w);
+        w.phase = Phase::Cut;
+        self.writes.insert(seq, w);
+        self.schedule_report(seq, Some(WriteFailure::TransferFailed), 0, 1_000);
+    }
+
+    /// `node` invalidated its connection to `peer`: nothing between them lands any more.
+    pub(crate) fn invalidate(&mut self, node: NodeId, peer: NodeId) {
+        self.bump_conn(node, peer);
+        self.record(format!("invalidate {node}->{peer}"));
+        let seqs: Vec<u64> = self
+            .writes
+            .iter()
+            .filter(|(_, w)| {
+                (w.poster == node && w.target == peer) || (w.poster == peer && w.target == node)
+            })
+            .map(|(s, _)| *s)
+            .collect();
+        let mut outstanding = false;
+        for seq in seqs {
+            let in_flight = self.writes[&seq].in_flight();
+            outstanding |= !self.writes[&seq].reported;
+            if in_flight {
+                self.unschedule(seq);
+                let mut w = self.writes.remove(&seq).expect("present");
+                self.unpin_target(&mut w);
+                // Assumption (to verify on real NIXL): once the connection is invalidated the
+                // local NIC no longer reads the source blocks either, so P may reuse them.
+                if w.p_pinned && self.nodes[w.poster].incarnation == w.poster_inc {
+                    self.nodes[w.poster].pool.pin(&w.local, -1);
+                }
+                w.p_pinned = false;
+                w.phase = Phase::Cut;
+                self.writes.insert(seq, w);
+                self.schedule_report(seq, Some(WriteFailure::TransferFailed), 0, 1_000);
+            }
+        }
+        if outstanding {
+            self.mark("peer_died_with_write_outstanding");
+        }
+    }
+
+    /// The poster of these writes died: each may land partly (NIXL does not roll back) and
+    /// then never again; nobody is told.
+    pub(crate) fn writes_of_crashed(&mut self, node: NodeId) {
+        let seqs: Vec<u64> = self
+            .writes
+            .iter()
+            .filter(|(_, w)| w.poster == node)
+            .map(|(s, _)| *s)
+            .collect();
+        for seq in seqs {
+            if self.writes[&seq].in_flight() {
+                let partial = if self.cfg.explore {
+                    false
+                } else {
+                    self.rng.gen_bool(0.5)
+                };
+                if partial {
+                    self.mark("partial_landing");
+                    self.copy_data(seq, BLOCK_BYTES / 2);
+                }
+            }
+            self.unschedule(seq);
+            let mut w = self.writes.remove(&seq).expect("present");
+            self.unpin_target(&mut w);
+            self.active_writes.remove(&(w.poster, w.poster_inc, w.id));
+        }
+    }
+}

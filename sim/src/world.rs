@@ -1,0 +1,643 @@
+//! The simulated world: engine ranks running real [`Endpoint`]s, a virtual clock, one queue of
+//! future events, and the checks that run after every step.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use kvhandoff_actors::machine::{Config, Endpoint, Input, Output, Time};
+use kvhandoff_actors::{PeerAddr, WriteId};
+use kvhandoff_protocol::{EngineId, Message, PairingKey, WriteFailure};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use sha2::{Digest, Sha256};
+
+use crate::engine::Request;
+use crate::ledger::Pool;
+use crate::nixl::SimWrite;
+use crate::Faults;
+
+/// Index of an engine rank in the world (0 is P, 1.. are D engines).
+pub type NodeId = usize;
+
+/// How many steps of trace a violation keeps.
+const TRACE_LEN: usize = 24;
+
+/// Shape of a world: what runs and which faults may happen.
+#[derive(Debug, Clone)]
+pub struct WorldConfig {
+    /// Requests to run.
+    pub requests: usize,
+    /// D engines (one rank each); P is one engine of one rank.
+    pub decode_engines: usize,
+    /// Which faults may happen.
+    pub faults: Faults,
+    /// The machines' configuration.
+    pub machine: Config,
+    /// Scheduler-driven (fuzz, exhaustive): no random faults, no due times; every choice is
+    /// made through [`World::apply`].
+    pub explore: bool,
+    /// Most crashes in explore mode.
+    pub max_crashes: u32,
+    /// Blocks per rank.
+    pub pool_blocks: u32,
+    /// Virtual time over which requests start (seeded mode).
+    pub span: Duration,
+    /// Chaos duplicates D→P control messages too, not only P→D notifications. Off by
+    /// default: it finds a known machine bug (see `tests/regressions.rs`).
+    pub dup_control: bool,
+}
+
+impl WorldConfig {
+    /// A seeded world of `requests` requests with the fast machine configuration.
+    pub fn seeded(requests: usize, faults: Faults, mutation: bool) -> WorldConfig {
+        let mut machine = Config::fast();
+        machine.mutation_free_on_deadline = mutation;
+        WorldConfig {
+            requests,
+            decode_engines: 2,
+            faults,
+            machine,
+            explore: false,
+            max_crashes: 0,
+            pool_blocks: 24,
+            span: Duration::from_millis(10 * requests as u64 + 50),
+            dup_control: false,
+        }
+    }
+
+    /// A small world for the ordering fuzz and the exhaustive check: 1 P, 1 D, short
+    /// deadlines and slow heartbeats, so that few timer steps reach every deadline.
+    pub fn small(requests: usize, max_crashes: u32, mutation: bool) -> WorldConfig {
+        let ms = Duration::from_millis;
+        let machine = Config {
+            lease_duration: ms(3_000),
+            lease_extension: ms(2_000),
+            heartbeat_interval: ms(1_000),
+            peer_timeout: ms(1_500),
+            connect_timeout: ms(400),
+            decode_deadline: ms(100),
+            registration_ttl: ms(200),
+            write_timeout: ms(300),
+            abandon_timeout: ms(100),
+            cancel_retry_interval: ms(50),
+            max_cancel_retries: 1,
+            quarantine: ms(500),
+            tombstone_ttl: ms(2_000),
+            mutation_free_on_deadline: mutation,
+            ..Config::default()
+        };
+        WorldConfig {
+            requests,
+            decode_engines: 1,
+            faults: Faults::Chaos,
+            machine,
+            explore: true,
+            max_crashes,
+            pool_blocks: 4,
+            span: Duration::ZERO,
+            dup_control: false,
+        }
+    }
+}
+
+/// A broken invariant.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Violation {
+    /// The seed of the run (0 in explore mode).
+    pub seed: u64,
+    /// The step at which it was seen.
+    pub step: u64,
+    /// What broke.
+    pub message: String,
+    /// The last steps before it.
+    pub trace: Vec<String>,
+}
+
+/// A message in the simulated notification network.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NetMsg {
+    pub from: NodeId,
+    pub to: NodeId,
+    pub to_inc: u32,
+    /// The connection it travels on (see [`World::conn`]).
+    pub conn: u64,
+    pub message: Message,
+}
+
+/// Something that happens at a future time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Ev {
+    Deliver(NetMsg),
+    Land { write: u64 },
+    Report { write: u64, failure: Option<WriteFailure> },
+    Connect { from: NodeId, from_inc: u32, to: NodeId, ok: bool },
+    DecodeStart { request: usize },
+    PrefillStart { request: usize },
+    Abort { request: usize, decode: bool },
+    Crash { node: NodeId },
+    Restart { node: NodeId },
+}
+
+/// Fault rates drawn per seed (swarm testing).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Rates {
+    pub slow_msg: f64,
+    pub drop: f64,
+    pub dup: f64,
+    pub post_fail: f64,
+    pub fail_later: f64,
+    pub hang: f64,
+    pub slow_write: f64,
+    pub broken_abandon: f64,
+    pub abort: f64,
+    pub retry: f64,
+    pub connect_fail: f64,
+    pub slow_prefill: f64,
+}
+
+/// One engine rank.
+#[derive(Debug)]
+pub(crate) struct Node {
+    pub addr: PeerAddr,
+    pub endpoint: Option<Endpoint>,
+    pub incarnation: u32,
+    pub pool: Pool,
+    /// `writes_posted` of earlier incarnations' counters plus this one's posts seen.
+    pub posts_seen: u64,
+}
+
+/// The simulated world.
+#[derive(Debug)]
+pub struct World {
+    pub(crate) cfg: WorldConfig,
+    pub(crate) seed: u64,
+    pub(crate) rng: ChaCha8Rng,
+    pub(crate) rates: Rates,
+    pub(crate) now: Time,
+    pub(crate) heal: Time,
+    pub(crate) nodes: Vec<Node>,
+    pub(crate) by_addr: BTreeMap<PeerAddr, NodeId>,
+    pub(crate) queue: BTreeMap<u64, (Time, Ev)>,
+    pub(crate) due: BTreeSet<(Time, u64)>,
+    pub(crate) next_seq: u64,
+    pub(crate) writes: BTreeMap<u64, SimWrite>,
+    pub(crate) active_writes: BTreeMap<(NodeId, u32, WriteId), u64>,
+    pub(crate) partitions: Vec<(NodeId, Time, Time)>,
+    /// Generation of the connection between two nodes (smaller id first): bumped by every
+    /// handshake and every invalidation. What travels on an older generation is lost.
+    pub(crate) conns: BTreeMap<(NodeId, NodeId), u64>,
+    /// The generation each node's last handshake with a peer made (what it sends and posts on).
+    pub(crate) views: BTreeMap<(NodeId, NodeId), u64>,
+    pub(crate) requests: Vec<Request>,
+    pub(crate) keys: BTreeMap<PairingKey, usize>,
+    pub(crate) crashes_left: u32,
+    pub(crate) step: u64,
+    pub(crate) trace: VecDeque<String>,
+    pub(crate) hasher: Sha256,
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) coverage: BTreeMap<&'static str, u64>,
+    pub(crate) outcomes: BTreeMap<String, u64>,
+    pub(crate) stale_writes: u64,
+    /// Decode keys that got a terminal event during the current step.
+    pub(crate) step_decode_events: Vec<usize>,
+    pub(crate) registers_sent: BTreeSet<(usize, u64)>,
+    pub(crate) registers_delivered: BTreeSet<(usize, u64)>,
+    pub(crate) notifs_delivered: BTreeMap<(NodeId, u32, usize, u64), u32>,
+    pub(crate) landed: BTreeMap<(NodeId, u32, usize, u64), u32>,
+    pub(crate) counters: kvhandoff_actors::machine::Counters,
+    /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
+    pub print_trace: bool,
+}
+
+/// Uniform duration in `[lo, hi]` microseconds.
+pub(crate) fn micros(rng: &mut ChaCha8Rng, lo: u64, hi: u64) -> Duration {
+    Duration::from_micros(rng.gen_range(lo..=hi))
+}
+
+impl World {
+    /// A world for `seed`. In seeded mode, the fault rates, request shapes and start times are
+    /// drawn from the seed's ChaCha8 stream; so is every later choice.
+    pub fn new(cfg: WorldConfig, seed: u64) -> World {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let rates = if cfg.explore {
+            Rates::default()
+        } else {
+            crate::engine::draw_rates(&mut rng, cfg.faults)
+        };
+        let mut nodes = Vec::new();
+        let mut by_addr = BTreeMap::new();
+        for i in 0..=cfg.decode_engines {
+            let name = if i == 0 {
+                "prefill-0".to_string()
+            } else {
+                format!("decode-{}", i - 1)
+            };
+            let addr = PeerAddr::new(EngineId::new(name).expect("valid engine id"), 0);
+            by_addr.insert(addr.clone(), i);
+            let endpoint = Endpoint::new(addr.engine.clone(), 0, cfg.machine.clone())
+                .expect("valid machine config");
+            nodes.push(Node {
+                addr,
+                endpoint: Some(endpoint),
+                incarnation: 0,
+                pool: Pool::new(cfg.pool_blocks),
+                posts_seen: 0,
+            });
+        }
+        let heal = Time::ZERO + cfg.span + Duration::from_millis(200);
+        let mut world = World {
+            crashes_left: cfg.max_crashes,
+            cfg,
+            seed,
+            rng,
+            rates,
+            now: Time::ZERO,
+            heal,
+            nodes,
+            by_addr,
+            queue: BTreeMap::new(),
+            due: BTreeSet::new(),
+            next_seq: 0,
+            writes: BTreeMap::new(),
+            active_writes: BTreeMap::new(),
+            partitions: Vec::new(),
+            conns: BTreeMap::new(),
+            views: BTreeMap::new(),
+            requests: Vec::new(),
+            keys: BTreeMap::new(),
+            step: 0,
+            trace: VecDeque::new(),
+            hasher: Sha256::new(),
+            violations: Vec::new(),
+            coverage: crate::COVERAGE_MARKS.iter().map(|m| (*m, 0)).collect(),
+            outcomes: BTreeMap::new(),
+            stale_writes: 0,
+            step_decode_events: Vec::new(),
+            registers_sent: BTreeSet::new(),
+            registers_delivered: BTreeSet::new(),
+            notifs_delivered: BTreeMap::new(),
+            landed: BTreeMap::new(),
+            counters: Default::default(),
+            print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),
+        };
+        world.setup_requests();
+        world
+    }
+
+    /// Current virtual time.
+    pub fn now(&self) -> Time {
+        self.now
+    }
+
+    /// Violations found so far (a run stops at the first).
+    pub fn violations(&self) -> &[Violation] {
+        &self.violations
+    }
+
+    /// Coverage marks hit so far.
+    pub fn coverage(&self) -> &BTreeMap<&'static str, u64> {
+        &self.coverage
+    }
+
+    /// Steps taken.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    pub(crate) fn schedule(&mut self, after: Duration, ev: Ev) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let at = self.now + after;
+        self.queue.insert(seq, (at, ev));
+        self.due.insert((at, seq));
+        seq
+    }
+
+    pub(crate) fn unschedule(&mut self, seq: u64) -> Option<(Time, Ev)> {
+        let (at, ev) = self.queue.remove(&seq)?;
+        self.due.remove(&(at, seq));
+        Some((at, ev))
+    }
+
+    pub(crate) fn mark(&mut self, name: &'static str) {
+        *self.coverage.entry(name).or_insert(0) += 1;
+    }
+
+    pub(crate) fn faulty(&self) -> bool {
+        !self.cfg.explore && self.now < self.heal
+    }
+
+    /// True with probability `p` while faults are on (seeded mode only).
+    pub(crate) fn chance(&mut self, p: f64) -> bool {
+        self.faulty() && p > 0.0 && self.rng.gen_bool(p.min(1.0))
+    }
+
+    pub(crate) fn violate(&mut self, message: String) {
+        if self.violations.len() >= 8 {
+            return;
+        }
+        self.violations.push(Violation {
+            seed: self.seed,
+            step: self.step,
+            message,
+            trace: self.trace.iter().cloned().collect(),
+        });
+    }
+
+    /// Records one step's description in the trace and the trace hash.
+    pub(crate) fn record(&mut self, what: String) {
+        self.step += 1;
+        let line = format!("#{} t={} {}", self.step, self.now, what);
+        self.hasher.update(line.as_bytes());
+        if self.print_trace {
+            eprintln!("[seed {}] {line}", self.seed);
+        }
+        self.hasher.update(b"\n");
+        if self.trace.len() == TRACE_LEN {
+            self.trace.pop_front();
+        }
+        self.trace.push_back(line);
+    }
+
+    /// The SHA-256 of every step's description so far.
+    pub fn trace_hash(&self) -> [u8; 32] {
+        self.hasher.clone().finalize().into()
+    }
+
+    /// The current connection generation between `a` and `b`.
+    pub(crate) fn conn(&self, a: NodeId, b: NodeId) -> u64 {
+        self.conns.get(&(a.min(b), a.max(b))).copied().unwrap_or(0)
+    }
+
+    /// The connection `a` uses to reach `b`: the one of its last handshake with `b`.
+    pub(crate) fn view(&self, a: NodeId, b: NodeId) -> u64 {
+        self.views.get(&(a, b)).copied().unwrap_or(0)
+    }
+
+    /// Tears the connection between `a` and `b` down (a handshake or an invalidation).
+    pub(crate) fn bump_conn(&mut self, a: NodeId, b: NodeId) {
+        *self.conns.entry((a.min(b), a.max(b))).or_insert(0) += 1;
+    }
+
+    pub(crate) fn alive(&self, node: NodeId) -> bool {
+        self.nodes[node].endpoint.is_some()
+    }
+
+    /// Whether the link between P and `node` (either end) is cut at `at`.
+    pub(crate) fn partitioned(&self, a: NodeId, b: NodeId, at: Time) -> Option<Time> {
+        if self.cfg.explore {
+            return None;
+        }
+        self.partitions
+            .iter()
+            .filter(|(d, from, until)| (*d == a || *d == b) && *from <= at && at < *until)
+            .map(|(_, _, until)| *until)
+            .max()
+    }
+
+    /// Feeds `input` to `node`'s endpoint and acts on everything it outputs.
+    pub(crate) fn feed(&mut self, node: NodeId, input: Input) -> bool {
+        let now = self.now;
+        let Some(endpoint) = self.nodes[node].endpoint.as_mut() else {
+            return false;
+        };
+        if let Err(rejected) = endpoint.handle(now, input) {
+            self.violate(format!("engine input refused by node {node}: {rejected}"));
+            return false;
+        }
+        self.drain(node);
+        true
+    }
+
+    /// Acts on every output of `node`, in order.
+    pub(crate) fn drain(&mut self, node: NodeId) {
+        loop {
+            let Some(output) = self.nodes[node].endpoint.as_mut().and_then(Endpoint::poll_output)
+            else {
+                return;
+            };
+            match output {
+                Output::Send { to, message } => self.send(node, &to, message),
+                Output::PostWrite(order) => self.post_write(node, order),
+                Output::AbandonWrite { write } => self.abandon_write(node, write),
+                Output::Connect { peer } => self.connect(node, &peer),
+                Output::Invalidate { peer } => {
+                    if let Some(&other) = self.by_addr.get(&peer) {
+                        self.invalidate(node, other);
+                    }
+                }
+                Output::Event(event) => self.engine_event(node, event),
+            }
+        }
+    }
+
+    fn connect(&mut self, node: NodeId, peer: &PeerAddr) {
+        let Some(&to) = self.by_addr.get(peer) else {
+            self.violate(format!("node {node} connects to unknown {peer}"));
+            return;
+        };
+        let fail = self.chance(self.rates.connect_fail)
+            || self.partitioned(node, to, self.now).is_some();
+        let delay = micros(&mut self.rng, 200, 5_000);
+        let from_inc = self.nodes[node].incarnation;
+        self.schedule(
+            delay,
+            Ev::Connect {
+                from: node,
+                from_inc,
+                to,
+                ok: !fail,
+            },
+        );
+    }
+
+    /// Puts a control message (or a write's notification) on the network.
+    pub(crate) fn send(&mut self, from: NodeId, to: &PeerAddr, message: Message) {
+        let Some(&to) = self.by_addr.get(to) else {
+            self.violate(format!("node {from} sends to unknown {to}"));
+            return;
+        };
+        self.note_sent(from, &message);
+        let msg = NetMsg {
+            from,
+            to,
+            to_inc: self.nodes[to].incarnation,
+            conn: self.view(from, to),
+            message,
+        };
+        let mut delay = micros(&mut self.rng, 50, 2_000);
+        if self.chance(self.rates.slow_msg) {
+            delay = micros(&mut self.rng, 20_000, 140_000);
+        }
+        if let Some(until) = self.partitioned(from, to, self.now) {
+            delay = delay.max(until.saturating_since(self.now));
+        }
+        if self.chance(self.rates.drop) {
+            let line = format!("net drop {}", describe(&msg));
+            self.record(line);
+            return;
+        }
+        let notification = matches!(
+            msg.message,
+            Message::WriteDone(_) | Message::WriteFailed(_) | Message::CancelAck(_)
+        );
+        if (notification || self.cfg.dup_control) && self.chance(self.rates.dup) {
+            let extra = micros(&mut self.rng, 0, 30_000);
+            self.schedule(delay + extra, Ev::Deliver(msg.clone()));
+        }
+        self.schedule(delay, Ev::Deliver(msg));
+    }
+
+    /// Runs every step-end check: allocator conservation and NIXL post accounting.
+    pub(crate) fn check_step(&mut self) {
+        for node in 0..self.nodes.len() {
+            if let Err(e) = self.nodes[node].pool.check() {
+                self.violate(format!("node {node}: {e}"));
+            }
+            if let Some(endpoint) = &self.nodes[node].endpoint {
+                let posted = endpoint.counters().writes_posted;
+                if posted != self.nodes[node].posts_seen {
+                    let seen = self.nodes[node].posts_seen;
+                    self.violate(format!(
+                        "S8: node {node} counts {posted} writes posted but posted {seen}"
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Fires `node`'s due timers.
+    pub(crate) fn fire_timer(&mut self, node: NodeId) {
+        let now = self.now;
+        let line = format!("timer {}", self.nodes[node].addr);
+        self.record(line);
+        if let Some(endpoint) = self.nodes[node].endpoint.as_mut() {
+            endpoint.handle_timeout(now);
+        }
+        self.drain(node);
+        self.check_step();
+    }
+
+    /// The earliest endpoint timer: (time, node).
+    pub(crate) fn next_timer(&self) -> Option<(Time, NodeId)> {
+        (0..self.nodes.len())
+            .filter_map(|n| Some((self.nodes[n].endpoint.as_ref()?.poll_timeout()?, n)))
+            .min()
+    }
+
+    /// One step of the seeded scheduler: the earliest event or timer. False when nothing is
+    /// left to do.
+    pub(crate) fn step_seeded(&mut self) -> bool {
+        let event = self.due.first().copied();
+        let timer = self.next_timer();
+        match (event, timer) {
+            (None, None) => false,
+            (Some((at, _)), Some((t, node))) if t <= at => {
+                self.now = self.now.max(t);
+                self.fire_timer(node);
+                true
+            }
+            (None, Some((t, node))) => {
+                self.now = self.now.max(t);
+                self.fire_timer(node);
+                true
+            }
+            (Some((at, seq)), _) => {
+                self.now = self.now.max(at);
+                let (_, ev) = self.unschedule(seq).expect("indexed");
+                self.run_event(ev);
+                true
+            }
+        }
+    }
+
+    /// Performs one event (dequeued already).
+    pub(crate) fn run_event(&mut self, ev: Ev) {
+        self.step_decode_events.clear();
+        match ev {
+            Ev::Deliver(msg) => self.deliver(msg),
+            Ev::Land { write } => self.land(write, false),
+            Ev::Report { write, failure } => self.report(write, failure),
+            Ev::Connect {
+                from,
+                from_inc,
+                to,
+                ok,
+            } => self.connect_done(from, from_inc, to, ok),
+            Ev::DecodeStart { request } => self.decode_start(request),
+            Ev::PrefillStart { request } => self.prefill_start(request),
+            Ev::Abort { request, decode } => self.abort(request, decode),
+            Ev::Crash { node } => self.crash(node),
+            Ev::Restart { node } => self.restart(node),
+        }
+        self.check_step();
+    }
+
+    fn connect_done(&mut self, from: NodeId, from_inc: u32, to: NodeId, ok: bool) {
+        let line = format!("connect {from}->{to} ok={ok}");
+        self.record(line);
+        if self.nodes[from].incarnation != from_inc || !self.alive(from) {
+            return;
+        }
+        let peer = self.nodes[to].addr.clone();
+        if ok && self.alive(to) {
+            // The shell replaces whatever incarnation it knew: the old connection's writes
+            // and messages are gone.
+            self.invalidate(from, to);
+            let generation = self.conn(from, to);
+            self.views.insert((from, to), generation);
+            self.views.insert((to, from), generation);
+            let back = self.nodes[from].addr.clone();
+            self.feed(to, Input::PeerConnected { peer: back });
+            self.feed(from, Input::PeerConnected { peer });
+        } else {
+            let reason = kvhandoff_actors::machine::ConnectFailure::Refused("simulated".into());
+            self.feed(from, Input::PeerConnectFailed { peer, reason });
+        }
+    }
+
+    /// Delivers a network message to its destination.
+    pub(crate) fn deliver(&mut self, msg: NetMsg) {
+        let line = format!("deliver {}", describe(&msg));
+        self.record(line);
+        if !self.alive(msg.to) || self.nodes[msg.to].incarnation != msg.to_inc {
+            return;
+        }
+        if msg.conn != self.conn(msg.from, msg.to) {
+            // Its connection was torn down (handshake or invalidation) while it travelled.
+            self.mark("message_lost_with_connection");
+            return;
+        }
+        let stale_key = self.note_delivered(&msg);
+        let from = self.nodes[msg.from].addr.clone();
+        self.feed(
+            msg.to,
+            Input::Received {
+                from,
+                message: msg.message,
+            },
+        );
+        if let Some(request) = stale_key {
+            if self.step_decode_events.contains(&request) {
+                self.violate(format!(
+                    "S5: a stale-epoch message ended request {request} on D"
+                ));
+            }
+        }
+    }
+}
+
+/// A short, deterministic description of a network message.
+pub(crate) fn describe(msg: &NetMsg) -> String {
+    let m = match &msg.message {
+        Message::Register(r) => format!("Register({} {} {:?})", r.key, r.epoch, r.blocks.groups),
+        Message::WriteDone(m) => format!("WriteDone({} {})", m.key, m.epoch),
+        Message::WriteFailed(m) => format!("WriteFailed({} {} {:?})", m.key, m.epoch, m.reason),
+        Message::Cancel(m) => format!("Cancel({} {} {:?})", m.key, m.epoch, m.reason),
+        Message::CancelAck(m) => format!("CancelAck({} {})", m.key, m.epoch),
+        Message::Release(m) => format!("Release({} {} {:?})", m.key, m.epoch, m.reason),
+        Message::Heartbeat(h) => format!("Heartbeat({})", h.leases.len()),
+        other => format!("{other:?}"),
+    };
+    format!("{}->{} {m}", msg.from, msg.to)
+}

@@ -1,0 +1,613 @@
+//! `kvhandoff bench control`: what the control path costs, without the bytes.
+//!
+//! - **machines**: two pure [`Endpoint`]s (P and D) stepped directly in one thread: no actix, no
+//!   transport. Every `Output::Send` becomes the other side's `Input::Received`; a `Connect`
+//!   is answered with `PeerConnected` on both sides; a `PostWrite` completes at once (its
+//!   notification goes to D, then `WriteCompleted` to P). One request lifecycle is D allocate →
+//!   register → P finish → match → write → done → both events (or P finish first). The figure is
+//!   wall time over the loop divided by requests: both sides together.
+//! - **actix**: the actix system over the in-memory transport with tiny blocks, the way the demo
+//!   runs it but without bytes to fill or check: a P thread and a D thread call their connectors
+//!   as fast as they accept calls (bounded only by their block pools), and every event on both
+//!   sides is counted.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvhandoff_actors::machine::{
+    Config, DecodeOutcome, DecodeStart, Endpoint, EngineEvent, Input, Output, PrefillOutcome,
+    PrefillStart, Time,
+};
+use kvhandoff_actors::system::{build_mem_rank, BuildError, RuntimeError, ShellConfig};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::{
+    BlockIds, CacheGroup, CacheGroupKind, EngineId, Epoch, KvGeometry, KvLayout, PairingKey,
+    RequestId,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::demo::{self, FreeList, Races, DECODE_ENGINE, PREFILL_ENGINE};
+use crate::{ConnectorEvent, KvConnector, KvTransferParams, Runtime};
+
+/// What `bench control` runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlOptions {
+    /// Requests per order through the pure machines (default 100,000).
+    pub requests: usize,
+    /// Requests through the actix system (default 20,000).
+    pub actix_requests: usize,
+    /// Logical blocks per side's pool in the actix run; each request takes one (default 1024).
+    pub actix_pool_blocks: u32,
+    /// Limit of the actix run (default 60 s).
+    pub timeout: Duration,
+}
+
+impl Default for ControlOptions {
+    fn default() -> Self {
+        ControlOptions {
+            requests: 100_000,
+            actix_requests: 20_000,
+            actix_pool_blocks: 1024,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Why a benchmark could not produce numbers.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The options make no sense.
+    #[error("invalid bench options: {0}")]
+    Options(String),
+    /// The machines did not do what a healthy run does (a bug, not a slow run).
+    #[error("the machines misbehaved: {0}")]
+    Machine(String),
+    /// A rank could not be built.
+    #[error("could not build a rank: {0}")]
+    Build(#[from] BuildError),
+    /// The runtime failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// The actix run went wrong (errors, lost events, deadline).
+    #[error("the actix run failed: {0}")]
+    Actix(String),
+}
+
+/// The pure-machine loop's numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MachineNumbers {
+    /// Requests per order.
+    pub requests: u64,
+    /// ns per request, D registers first.
+    pub decode_registers_first_ns: f64,
+    /// ns per request, P finishes first.
+    pub prefill_finishes_first_ns: f64,
+}
+
+/// The actix run's numbers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActixNumbers {
+    /// Requests.
+    pub requests: u64,
+    /// From the first call to the last event, ms.
+    pub wall_ms: f64,
+    /// D requests that ended `BlocksReady`.
+    pub ready: u64,
+    /// P requests whose KV was sent.
+    pub sent: u64,
+    /// Races as P's endpoint counted them.
+    pub races: Races,
+}
+
+/// What `bench control` measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ControlReport {
+    /// ns per request lifecycle through the pure machines, both sides, D registering first.
+    pub machine_ns_per_request: f64,
+    /// The same with P finishing first.
+    pub machine_ns_per_request_prefill_first: f64,
+    /// Request lifecycles per second through the actix system over the in-memory transport.
+    pub actix_requests_per_sec: f64,
+    /// Details of the machine loop.
+    pub machine: MachineNumbers,
+    /// Details of the actix run.
+    pub actix: ActixNumbers,
+}
+
+impl ControlReport {
+    /// The report as a table for people.
+    pub fn render_table(&self) -> String {
+        let mut out = String::from("kvhandoff bench control: the control path without bytes\n");
+        let rows = [
+            (
+                "machines, D first",
+                format!(
+                    "{:>10.0} ns/request  ({:.2} M requests/s, {} requests, one thread)",
+                    self.machine_ns_per_request,
+                    1e3 / self.machine_ns_per_request.max(f64::MIN_POSITIVE),
+                    self.machine.requests
+                ),
+            ),
+            (
+                "machines, P first",
+                format!(
+                    "{:>10.0} ns/request  ({:.2} M requests/s)",
+                    self.machine_ns_per_request_prefill_first,
+                    1e3 / self
+                        .machine_ns_per_request_prefill_first
+                        .max(f64::MIN_POSITIVE)
+                ),
+            ),
+            (
+                "actix over mem",
+                format!(
+                    "{:>10.0} requests/s  ({} requests in {:.1} ms; races D first {} / P first {})",
+                    self.actix_requests_per_sec,
+                    self.actix.requests,
+                    self.actix.wall_ms,
+                    self.actix.races.decode_registers_first,
+                    self.actix.races.prefill_finishes_first
+                ),
+            ),
+        ];
+        for (name, value) in rows {
+            let _ = writeln!(out, "  {name:<18} {value}");
+        }
+        out
+    }
+}
+
+/// Runs both control benchmarks.
+///
+/// # Errors
+/// [`BenchError`] for bad options, misbehaving machines, or an actix run that fails.
+pub fn control(options: &ControlOptions) -> Result<ControlReport, BenchError> {
+    if options.requests == 0 || options.actix_requests == 0 {
+        return Err(BenchError::Options(
+            "request counts must be positive".into(),
+        ));
+    }
+    if options.actix_pool_blocks == 0 {
+        return Err(BenchError::Options("the pool needs blocks".into()));
+    }
+    let decode_first = machine_loop(options.requests, Order::DecodeFirst)?;
+    let prefill_first = machine_loop(options.requests, Order::PrefillFirst)?;
+    let actix = actix_run(options)?;
+    let per_sec = if actix.wall_ms > 0.0 {
+        actix.requests as f64 / (actix.wall_ms / 1e3)
+    } else {
+        0.0
+    };
+    Ok(ControlReport {
+        machine_ns_per_request: decode_first,
+        machine_ns_per_request_prefill_first: prefill_first,
+        actix_requests_per_sec: per_sec,
+        machine: MachineNumbers {
+            requests: options.requests as u64,
+            decode_registers_first_ns: decode_first,
+            prefill_finishes_first_ns: prefill_first,
+        },
+        actix,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pure machines.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Order {
+    DecodeFirst,
+    PrefillFirst,
+}
+
+/// Two endpoints and the wire between them.
+struct Pair {
+    p: Endpoint,
+    d: Endpoint,
+    p_addr: PeerAddr,
+    d_addr: PeerAddr,
+    ready: u64,
+    sent: u64,
+    other: u64,
+}
+
+#[derive(Clone, Copy)]
+enum Side {
+    P,
+    D,
+}
+
+impl Pair {
+    fn side(&mut self, side: Side) -> (&mut Endpoint, &mut Endpoint, &PeerAddr, &PeerAddr) {
+        match side {
+            Side::P => (&mut self.p, &mut self.d, &self.p_addr, &self.d_addr),
+            Side::D => (&mut self.d, &mut self.p, &self.d_addr, &self.p_addr),
+        }
+    }
+
+    /// Delivers every output of both endpoints until neither has any.
+    fn pump(&mut self, now: Time) -> Result<(), BenchError> {
+        loop {
+            let mut moved = false;
+            for side in [Side::P, Side::D] {
+                while let Some(output) = self.side(side).0.poll_output() {
+                    moved = true;
+                    self.deliver(side, now, output)?;
+                }
+            }
+            if !moved {
+                return Ok(());
+            }
+        }
+    }
+
+    fn deliver(&mut self, side: Side, now: Time, output: Output) -> Result<(), BenchError> {
+        let bug = |e: kvhandoff_actors::machine::Rejected| BenchError::Machine(e.to_string());
+        match output {
+            Output::Send { message, .. } => {
+                let (_, other, me, _) = self.side(side);
+                let from = me.clone();
+                other
+                    .handle(now, Input::Received { from, message })
+                    .map_err(bug)?;
+            }
+            Output::Connect { .. } => {
+                let (this, other, me, them) = self.side(side);
+                let (me, them) = (me.clone(), them.clone());
+                this.handle(now, Input::PeerConnected { peer: them })
+                    .map_err(bug)?;
+                other
+                    .handle(now, Input::PeerConnected { peer: me })
+                    .map_err(bug)?;
+            }
+            Output::PostWrite(order) => {
+                let (this, other, me, _) = self.side(side);
+                let from = me.clone();
+                other
+                    .handle(
+                        now,
+                        Input::Received {
+                            from,
+                            message: order.notification,
+                        },
+                    )
+                    .map_err(bug)?;
+                this.handle(now, Input::WriteCompleted { write: order.write })
+                    .map_err(bug)?;
+            }
+            Output::AbandonWrite { write } => {
+                return Err(BenchError::Machine(format!("abandoned {write}")));
+            }
+            Output::Invalidate { peer } => {
+                return Err(BenchError::Machine(format!("invalidated {peer}")));
+            }
+            Output::Event(event) => match event {
+                EngineEvent::Decode {
+                    outcome: DecodeOutcome::Ready,
+                    ..
+                } => self.ready += 1,
+                EngineEvent::Prefill {
+                    outcome: PrefillOutcome::Sent,
+                    ..
+                } => self.sent += 1,
+                _ => self.other += 1,
+            },
+        }
+        Ok(())
+    }
+
+    fn timers(&mut self, now: Time) {
+        for e in [&mut self.p, &mut self.d] {
+            if e.poll_timeout().is_some_and(|at| at <= now) {
+                e.handle_timeout(now);
+            }
+        }
+    }
+}
+
+/// ns per request lifecycle over `n` requests in `order`.
+fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
+    let bug = |e: kvhandoff_actors::machine::Rejected| BenchError::Machine(e.to_string());
+    let engine = |name: &str| EngineId::new(name).map_err(|e| BenchError::Options(e.to_string()));
+    let (p_engine, d_engine) = (engine(PREFILL_ENGINE)?, engine(DECODE_ENGINE)?);
+    let config = Config {
+        max_requests: n.max(1 << 16),
+        max_tombstones: (2 * n).max(1 << 17),
+        ..Config::default()
+    };
+    let mut pair = Pair {
+        p: Endpoint::new(p_engine.clone(), 0, config.clone())
+            .map_err(|e| BenchError::Options(e.to_string()))?,
+        d: Endpoint::new(d_engine.clone(), 0, config)
+            .map_err(|e| BenchError::Options(e.to_string()))?,
+        p_addr: PeerAddr::new(p_engine, 0),
+        d_addr: PeerAddr::new(d_engine, 0),
+        ready: 0,
+        sent: 0,
+        other: 0,
+    };
+    // Ids and inputs are made before the clock starts: the loop measures the machines.
+    let mut inputs = Vec::with_capacity(n);
+    for i in 0..n {
+        let base = format!("cmpl-bench-{i:08x}-0");
+        let p_id = RequestId::new(format!("{base}-{:08x}", i as u32 ^ 0xaaaa_aaaa))
+            .map_err(|e| BenchError::Options(e.to_string()))?;
+        let d_id = RequestId::new(format!("{base}-{:08x}", i as u32 ^ 0x5555_5555))
+            .map_err(|e| BenchError::Options(e.to_string()))?;
+        let key = PairingKey::from_request_id(&p_id);
+        let block = (i % 1024) as u32;
+        let decode = Input::DecodeAllocated(DecodeStart {
+            request: d_id,
+            key: key.clone(),
+            epoch: Epoch::FIRST,
+            prefill: pair.p_addr.clone(),
+            blocks: BlockIds::single_group(vec![block]),
+            num_tokens: 16,
+            expected_writes: 1,
+        });
+        let prefill = Input::PrefillFinished(PrefillStart {
+            request: p_id,
+            key,
+            blocks: BlockIds::single_group(vec![block]),
+        });
+        inputs.push((decode, prefill));
+    }
+    let start = Instant::now();
+    for (decode, prefill) in inputs {
+        let now = Time::from_duration(start.elapsed());
+        pair.timers(now);
+        let (first, second, first_is_d) = match order {
+            Order::DecodeFirst => (decode, prefill, true),
+            Order::PrefillFirst => (prefill, decode, false),
+        };
+        let (a, b) = if first_is_d {
+            (Side::D, Side::P)
+        } else {
+            (Side::P, Side::D)
+        };
+        pair.side(a).0.handle(now, first).map_err(bug)?;
+        pair.pump(now)?;
+        pair.side(b).0.handle(now, second).map_err(bug)?;
+        pair.pump(now)?;
+    }
+    let elapsed = start.elapsed();
+    if pair.ready != n as u64 || pair.sent != n as u64 || pair.other != 0 {
+        return Err(BenchError::Machine(format!(
+            "{n} requests: {} ready, {} sent, {} other events",
+            pair.ready, pair.sent, pair.other
+        )));
+    }
+    let counters = pair.p.counters();
+    let (d_first, p_first) = (
+        counters.decode_registered_first,
+        counters.prefill_finished_first,
+    );
+    let expected = match order {
+        Order::DecodeFirst => (n as u64, 0),
+        Order::PrefillFirst => (0, n as u64),
+    };
+    if (d_first, p_first) != expected {
+        return Err(BenchError::Machine(format!(
+            "{order:?}: P counted {d_first} D-first and {p_first} P-first races"
+        )));
+    }
+    Ok(elapsed.as_nanos() as f64 / n as f64)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The actix system.
+
+fn tiny_geometry() -> KvGeometry {
+    KvGeometry {
+        num_layers: 1,
+        total_kv_heads: 1,
+        head_dim: 8,
+        dtype_bytes: 2,
+        kernel_block_size: 16,
+        kernel_blocks_per_logical: 1,
+        layout: KvLayout::Hnd,
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        mla: false,
+        cache_groups: vec![CacheGroup {
+            kind: CacheGroupKind::FullAttention,
+            num_layers: 1,
+        }],
+    }
+}
+
+struct Engine {
+    conn: KvConnector,
+    free: FreeList,
+    ids: Arc<Vec<(RequestId, RequestId)>>,
+    decode: bool,
+    deadline: Instant,
+}
+
+struct EngineResult {
+    good: u64,
+    bad: u64,
+    errors: Vec<String>,
+    last_event: Option<Instant>,
+}
+
+impl Engine {
+    fn handle(&mut self, events: Vec<ConnectorEvent>, r: &mut EngineResult) {
+        for event in events {
+            r.last_event = Some(Instant::now());
+            let (good, blocks) = match event {
+                ConnectorEvent::BlocksReady { blocks, .. } => (self.decode, blocks),
+                ConnectorEvent::BlocksFree {
+                    released, blocks, ..
+                } => (!self.decode && released.is_none(), blocks),
+                ConnectorEvent::Failed { blocks, .. } => (false, blocks),
+            };
+            if good {
+                r.good += 1;
+            } else {
+                r.bad += 1;
+            }
+            self.free.release(&blocks);
+        }
+    }
+
+    fn run(mut self) -> EngineResult {
+        let n = self.ids.len();
+        let mut r = EngineResult {
+            good: 0,
+            bad: 0,
+            errors: Vec::new(),
+            last_event: None,
+        };
+        let router = KvTransferParams {
+            do_remote_prefill: self.decode,
+            do_remote_decode: !self.decode,
+            remote_engine_id: self.decode.then(|| PREFILL_ENGINE.to_string()),
+            tp_size: Some(1),
+            ..KvTransferParams::default()
+        };
+        let ids = Arc::clone(&self.ids);
+        let mut next = 0usize;
+        let mut failed_calls = 0u64;
+        while (r.good + r.bad + failed_calls) < n as u64 {
+            if Instant::now() >= self.deadline {
+                r.errors
+                    .push(format!("deadline with {} of {n} events", r.good + r.bad));
+                break;
+            }
+            let events = self.conn.poll_events();
+            self.handle(events, &mut r);
+            if next < n {
+                if let Some(blocks) = self.free.alloc(1) {
+                    let (p_id, d_id) = &ids[next];
+                    let blocks = BlockIds::single_group(blocks);
+                    let result = if self.decode {
+                        self.conn
+                            .request_allocated(d_id, blocks.clone(), 16, &router)
+                    } else {
+                        self.conn
+                            .request_finished(p_id, blocks.clone(), &router)
+                            .map(|_| ())
+                    };
+                    if let Err(e) = result {
+                        failed_calls += 1;
+                        self.free.release(&blocks);
+                        if r.errors.len() < 8 {
+                            r.errors.push(e.to_string());
+                        }
+                    }
+                    next += 1;
+                    continue;
+                }
+            }
+            let events = self.conn.wait_events(Duration::from_millis(1));
+            self.handle(events, &mut r);
+        }
+        if self.free.double_frees > 0 || self.free.in_use() > 0 {
+            r.errors.push(format!(
+                "{} double frees, {} blocks not returned",
+                self.free.double_frees,
+                self.free.in_use()
+            ));
+        }
+        r
+    }
+}
+
+fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
+    let n = options.actix_requests;
+    let fabric = MemFabric::new();
+    let engine = |name: &str| EngineId::new(name).map_err(|e| BenchError::Options(e.to_string()));
+    let (p_engine, d_engine) = (engine(PREFILL_ENGINE)?, engine(DECODE_ENGINE)?);
+    let config = Config {
+        max_requests: n.max(1 << 16),
+        max_tombstones: (2 * n).max(1 << 17),
+        ..Config::default()
+    };
+    let build = |engine: &EngineId| {
+        build_mem_rank(
+            &fabric,
+            engine,
+            tiny_geometry(),
+            &demo::model(),
+            options.actix_pool_blocks,
+            config.clone(),
+            ShellConfig::default(),
+        )
+    };
+    let (p_setup, _p_pool) = build(&p_engine)?;
+    let (d_setup, _d_pool) = build(&d_engine)?;
+    let runtime = Runtime::start()?;
+    let p_handle = runtime.add_rank(p_setup)?;
+    let d_handle = runtime.add_rank(d_setup)?;
+    let p_rank = p_handle.rank.clone();
+    let ident = |name| demo::identity(name).map_err(|e| BenchError::Options(e.to_string()));
+    let p_conn = KvConnector::new(ident(PREFILL_ENGINE)?, p_handle);
+    let d_conn = KvConnector::new(ident(DECODE_ENGINE)?, d_handle);
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        let base = format!("cmpl-actix-{i:08x}-0");
+        let id = |suffix: u32| {
+            RequestId::new(format!("{base}-{suffix:08x}"))
+                .map_err(|e| BenchError::Options(e.to_string()))
+        };
+        ids.push((id(i as u32 ^ 0xaaaa_aaaa)?, id(i as u32 ^ 0x5555_5555)?));
+    }
+    let ids = Arc::new(ids);
+    let start = Instant::now();
+    let deadline = start + options.timeout;
+    let make = |conn, decode| Engine {
+        conn,
+        free: FreeList::new(options.actix_pool_blocks),
+        ids: Arc::clone(&ids),
+        decode,
+        deadline,
+    };
+    let (p, d) = (make(p_conn, false), make(d_conn, true));
+    let p_thread = thread::spawn(move || p.run());
+    let d_thread = thread::spawn(move || d.run());
+    let p = p_thread
+        .join()
+        .map_err(|_| BenchError::Actix("the P thread panicked".into()))?;
+    let d = d_thread
+        .join()
+        .map_err(|_| BenchError::Actix("the D thread panicked".into()))?;
+    let counters = demo::query_counters(&p_rank);
+    drop(p_rank);
+    runtime.shutdown();
+
+    let mut problems: VecDeque<String> = p.errors.into_iter().chain(d.errors).collect();
+    if p.good != n as u64 || d.good != n as u64 {
+        problems.push_front(format!(
+            "{n} requests: P sent {} (+{} other), D ready {} (+{} other)",
+            p.good, p.bad, d.good, d.bad
+        ));
+    }
+    if let Some(first) = problems.front() {
+        return Err(BenchError::Actix(format!(
+            "{first} ({} problems)",
+            problems.len()
+        )));
+    }
+    let end = match (p.last_event, d.last_event) {
+        (Some(a), Some(b)) => a.max(b),
+        _ => Instant::now(),
+    };
+    let counters = counters.unwrap_or_default();
+    Ok(ActixNumbers {
+        requests: n as u64,
+        wall_ms: end.saturating_duration_since(start).as_secs_f64() * 1e3,
+        ready: d.good,
+        sent: p.good,
+        races: Races {
+            decode_registers_first: counters.decode_registered_first,
+            prefill_finishes_first: counters.prefill_finished_first,
+        },
+    })
+}

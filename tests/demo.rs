@@ -1,0 +1,254 @@
+//! The demo end to end (P and D over the in-memory transport, every byte checked), its byte
+//! pattern, its sabotage hook, and a tiny `bench control`.
+
+use std::time::Duration;
+
+use kvhandoff::bench::{self, ControlOptions};
+use kvhandoff::demo::{
+    self, block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
+    DemoOptions,
+};
+use kvhandoff::protocol::{KvLayout, PairingKey, RegionKind, RequestId};
+
+/// A seed for which both races happen with 16 requests.
+const SEED: u64 = 7;
+
+fn small(seed: u64) -> DemoOptions {
+    DemoOptions {
+        requests: 16,
+        seed,
+        // Short prompts keep the unoptimized test build fast: the pattern is computed per byte.
+        max_prompt_tokens: 256,
+        pool_blocks: 128,
+        timeout: Duration::from_secs(30),
+        ..DemoOptions::default()
+    }
+}
+
+#[test]
+fn sixteen_requests_arrive_byte_exact_through_both_races() {
+    let report = demo::run(&small(SEED)).expect("the demo runs");
+    println!("{}", report.render_table());
+    assert!(report.verdict_ok(), "{}", report.render_table());
+    assert!(report.ok);
+    assert!(report
+        .verdict
+        .starts_with("verdict: OK — 16/16 requests verified"));
+    assert_eq!(report.requests, 16);
+    assert_eq!(report.verified, 16);
+    assert_eq!(report.byte_errors, 0);
+    assert_eq!(report.outcomes.ready, 16);
+    assert_eq!(report.outcomes.failed, 0);
+    assert!(
+        report.races.decode_registers_first > 0,
+        "{:?}",
+        report.races
+    );
+    assert!(
+        report.races.prefill_finishes_first > 0,
+        "{:?}",
+        report.races
+    );
+    assert_eq!(
+        report.races.decode_registers_first + report.races.prefill_finishes_first,
+        16
+    );
+    assert_eq!(report.bytes, report.expected_bytes);
+    assert!(report.gbps > 0.0);
+    assert!(report.handoff_latency_us.p50 > 0.0);
+    assert!(report.handoff_latency_us.p99 >= report.handoff_latency_us.p50);
+
+    // The JSON the CLI prints with --json.
+    let json = serde_json::to_string_pretty(&report).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["transport"], "mem");
+    for key in ["requests", "verified", "byte_errors", "bytes", "gbps"] {
+        assert!(v[key].is_number(), "{key} in {json}");
+    }
+    for key in ["decode_registers_first", "prefill_finishes_first"] {
+        assert!(v["races"][key].is_u64(), "races.{key}");
+    }
+    for key in ["ready", "failed"] {
+        assert!(v["outcomes"][key].is_u64(), "outcomes.{key}");
+    }
+    for key in ["p50", "p99"] {
+        assert!(
+            v["handoff_latency_us"][key].is_number(),
+            "handoff_latency_us.{key}"
+        );
+    }
+    assert_eq!(v["requests"], 16);
+    assert_eq!(v["byte_errors"], 0);
+}
+
+#[test]
+fn a_corrupted_request_is_caught() {
+    let report = demo::run(&DemoOptions {
+        corrupt_one_request: true,
+        ..small(SEED)
+    })
+    .expect("the demo runs");
+    assert!(!report.verdict_ok(), "{}", report.render_table());
+    assert!(!report.ok);
+    assert!(report.byte_errors > 0);
+    assert_eq!(report.verified, 15, "exactly the corrupted request fails");
+    // The transfer itself was fine: every request still ended Ready, no block leaked.
+    assert_eq!(report.outcomes.ready, 16);
+    assert_eq!(report.double_frees, 0);
+    assert!(report
+        .verdict
+        .starts_with("verdict: FAILED — 15/16 requests verified"));
+}
+
+#[test]
+fn bad_options_are_refused() {
+    let too_long = DemoOptions {
+        max_prompt_tokens: 4096,
+        pool_blocks: 16,
+        ..DemoOptions::default()
+    };
+    assert!(matches!(
+        demo::run(&too_long),
+        Err(demo::DemoError::Options(_))
+    ));
+    let none = DemoOptions {
+        requests: 0,
+        ..DemoOptions::default()
+    };
+    assert!(demo::run(&none).is_err());
+}
+
+#[test]
+fn the_pattern_depends_on_every_coordinate() {
+    let key = 0x1234_5678_9abc_def0;
+    let base = expected_byte(key, 3, RegionKind::Key, 40, 5, 17);
+    let mut differ = 0;
+    let variants = [
+        expected_byte(key ^ 1, 3, RegionKind::Key, 40, 5, 17),
+        expected_byte(key, 4, RegionKind::Key, 40, 5, 17),
+        expected_byte(key, 3, RegionKind::Value, 40, 5, 17),
+        expected_byte(key, 3, RegionKind::Key, 41, 5, 17),
+        expected_byte(key, 3, RegionKind::Key, 40, 6, 17),
+        expected_byte(key, 3, RegionKind::Key, 40, 5, 18),
+    ];
+    for v in variants {
+        differ += usize::from(v != base);
+    }
+    // A byte is one of 256 values: allow one coincidence, no more.
+    assert!(differ >= 5, "{variants:?} vs {base}");
+
+    // Whole rows: any change of coordinate changes most of a head's 256 bytes.
+    let row = |key, layer, kind, token, head| -> Vec<u8> {
+        (0..256)
+            .map(|b| expected_byte(key, layer, kind, token, head, b))
+            .collect()
+    };
+    let a = row(key, 0, RegionKind::Key, 0, 0);
+    for other in [
+        row(key, 0, RegionKind::Key, 1, 0),
+        row(key, 0, RegionKind::Key, 0, 1),
+        row(key, 1, RegionKind::Key, 0, 0),
+        row(key, 0, RegionKind::Value, 0, 0),
+        row(key + 1, 0, RegionKind::Key, 0, 0),
+    ] {
+        let same = a.iter().zip(&other).filter(|(x, y)| x == y).count();
+        assert!(same < 16, "{same} equal bytes");
+    }
+}
+
+#[test]
+fn filled_blocks_follow_the_hnd_layout() {
+    let g = demo_geometry();
+    assert_eq!(g.layout, KvLayout::Hnd);
+    let row = (g.head_dim * g.dtype_bytes) as usize;
+    let block_len = row * g.total_kv_heads as usize * g.kernel_block_size as usize;
+    assert_eq!(block_len, 32 * 1024);
+    // HND: heads outermost, then tokens, then the head's elements.
+    assert_eq!(block_byte_offset(&g, 0, 0, 0), 0);
+    assert_eq!(block_byte_offset(&g, 1, 0, 0), row);
+    assert_eq!(block_byte_offset(&g, 0, 1, 0), row * 16);
+    assert_eq!(block_byte_offset(&g, 15, 7, 255), block_len - 1);
+
+    let key = request_key(&PairingKey::from_request_id(
+        &RequestId::new("cmpl-abc-0-1234abcd").unwrap(),
+    ));
+    let mut block = vec![0u8; block_len];
+    let first_token = 48; // the prompt's fourth block
+    fill_kernel_block(&g, key, 2, RegionKind::Value, first_token, &mut block);
+    for t in 0..16 {
+        for h in 0..8 {
+            for b in [0, 1, 7, 8, 100, 255] {
+                assert_eq!(
+                    block[block_byte_offset(&g, t, h, b)],
+                    expected_byte(key, 2, RegionKind::Value, first_token + u64::from(t), h, b),
+                    "token {t} head {h} byte {b}"
+                );
+            }
+        }
+    }
+    // NHD puts tokens outermost.
+    let nhd = kvhandoff::protocol::KvGeometry {
+        layout: KvLayout::Nhd,
+        ..g.clone()
+    };
+    assert_eq!(block_byte_offset(&nhd, 0, 1, 0), row);
+    assert_eq!(block_byte_offset(&nhd, 1, 0, 0), row * 8);
+    let mut nhd_block = vec![0u8; block_len];
+    fill_kernel_block(&nhd, key, 2, RegionKind::Value, first_token, &mut nhd_block);
+    assert_eq!(
+        nhd_block[block_byte_offset(&nhd, 3, 5, 9)],
+        block[block_byte_offset(&g, 3, 5, 9)]
+    );
+}
+
+#[test]
+fn pairing_keys_give_both_sides_the_same_pattern() {
+    let p = RequestId::new("cmpl-0a1b-0-deadbeef").unwrap();
+    let d = RequestId::new("cmpl-0a1b-0-0badf00d").unwrap();
+    assert_eq!(
+        request_key(&PairingKey::from_request_id(&p)),
+        request_key(&PairingKey::from_request_id(&d))
+    );
+    let other = RequestId::new("cmpl-0a1b-1-0badf00d").unwrap();
+    assert_ne!(
+        request_key(&PairingKey::from_request_id(&p)),
+        request_key(&PairingKey::from_request_id(&other))
+    );
+}
+
+#[test]
+fn bench_control_reports_positive_numbers() {
+    let report = bench::control(&ControlOptions {
+        requests: 500,
+        actix_requests: 300,
+        actix_pool_blocks: 64,
+        timeout: Duration::from_secs(30),
+    })
+    .expect("the bench runs");
+    assert!(report.machine_ns_per_request > 0.0);
+    assert!(report.machine_ns_per_request_prefill_first > 0.0);
+    assert!(report.actix_requests_per_sec > 0.0);
+    assert_eq!(report.actix.ready, 300);
+    assert_eq!(report.actix.sent, 300);
+    assert_eq!(
+        report.actix.races.decode_registers_first + report.actix.races.prefill_finishes_first,
+        300
+    );
+    let v: serde_json::Value = serde_json::to_value(&report).unwrap();
+    assert!(v["machine_ns_per_request"].as_f64().unwrap() > 0.0);
+    assert!(v["actix_requests_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(report.render_table().contains("ns/request"));
+}
+
+/// The default run, for people: `cargo test --release --test demo -- --ignored --nocapture`.
+#[test]
+#[ignore = "the full default run; use --release"]
+fn default_run_prints_its_report() {
+    let report = demo::run(&DemoOptions::default()).expect("the demo runs");
+    println!("{}", report.render_table());
+    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+    assert!(report.verdict_ok());
+    let bench = bench::control(&ControlOptions::default()).expect("the bench runs");
+    println!("{}", bench.render_table());
+    println!("{}", serde_json::to_string_pretty(&bench).unwrap());
+}
