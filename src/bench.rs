@@ -11,6 +11,8 @@
 //!   as fast as they accept calls (bounded only by their block pools), and every event on both
 //!   sides is counted.
 
+pub mod transfer;
+
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -309,6 +311,19 @@ impl Pair {
     }
 }
 
+/// `cmpl-<32 hex>-0`: a vLLM-like request id base, distinct per `i` and random-looking, so that
+/// id comparisons in the machines' ordered maps cost what they cost with real uuids (a shared
+/// prefix such as `cmpl-bench-0000` would make every comparison scan it).
+fn vllm_like_base(i: usize) -> String {
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let (hi, lo) = (mix(i as u64), mix(!(i as u64)));
+    format!("cmpl-{hi:016x}{lo:016x}-0")
+}
+
 /// ns per request lifecycle over `n` requests in `order`.
 fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
     let bug = |e: kvhandoff_actors::machine::Rejected| BenchError::Machine(e.to_string());
@@ -333,7 +348,7 @@ fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
     // Ids and inputs are made before the clock starts: the loop measures the machines.
     let mut inputs = Vec::with_capacity(n);
     for i in 0..n {
-        let base = format!("cmpl-bench-{i:08x}-0");
+        let base = vllm_like_base(i);
         let p_id = RequestId::new(format!("{base}-{:08x}", i as u32 ^ 0xaaaa_aaaa))
             .map_err(|e| BenchError::Options(e.to_string()))?;
         let d_id = RequestId::new(format!("{base}-{:08x}", i as u32 ^ 0x5555_5555))
@@ -552,7 +567,7 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
     let d_conn = KvConnector::new(ident(DECODE_ENGINE)?, d_handle);
     let mut ids = Vec::with_capacity(n);
     for i in 0..n {
-        let base = format!("cmpl-actix-{i:08x}-0");
+        let base = vllm_like_base(i);
         let id = |suffix: u32| {
             RequestId::new(format!("{base}-{suffix:08x}"))
                 .map_err(|e| BenchError::Options(e.to_string()))

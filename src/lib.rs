@@ -22,6 +22,7 @@
 pub mod bench;
 mod connector;
 pub mod demo;
+pub mod node;
 
 pub use connector::{
     ConnectorError, ConnectorEvent, ConnectorIdentity, KvConnector, KvTransferParams,

@@ -2,7 +2,10 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use kvhandoff::bench::{self, ControlOptions};
+use kvhandoff::demo::{self, DemoOptions, DemoTransport};
+use kvhandoff::node::{self, NodeOptions, NodeRole};
 
 /// kvhandoff: hands KV cache from prefill to decode engines over NIXL.
 #[derive(Debug, Parser)]
@@ -16,6 +19,379 @@ struct Cli {
 enum Command {
     /// Print the crate and protocol versions.
     Version,
+    /// P and D in one process hand requests' KV cache over; every byte is verified.
+    Demo(DemoArgs),
+    /// One engine role (P or D) of the demo as its own process, over NIXL and a TCP side
+    /// channel; run one of each (either first). Needs a build with `--features nixl`.
+    Node(NodeArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Deterministic simulation of P and D under faults, with an all-seeing checker.
+    Sim(SimArgs),
+}
+
+#[derive(Debug, Args)]
+struct DemoArgs {
+    /// Requests to hand off.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    requests: u32,
+    /// Seed of the schedule (prompt lengths, arrivals, ids).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// What the KV bytes travel over: `nixl` needs a build with `--features nixl` and the
+    /// NIXL runtime (`source scripts/nixl-env.sh`).
+    #[arg(long, value_enum, default_value_t = TransportArg::Mem)]
+    transport: TransportArg,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TransportArg {
+    /// The in-memory transport.
+    Mem,
+    /// NIXL (UCX, DRAM): two agents in one process.
+    Nixl,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum RoleArg {
+    /// `prefill-0`: fills the blocks and sends them.
+    Prefill,
+    /// `decode-0`: receives the blocks and checks every byte.
+    Decode,
+}
+
+#[derive(Debug, Args)]
+struct NodeArgs {
+    /// This process's engine.
+    #[arg(long, value_enum)]
+    role: RoleArg,
+    /// Where this rank's TCP side channel listens, HOST:PORT (port 0 picks one; printed on
+    /// stderr).
+    #[arg(long, value_parser = parse_addr)]
+    listen: std::net::SocketAddr,
+    /// The other role's side channel, HOST:PORT.
+    #[arg(long, value_parser = parse_addr)]
+    peer: std::net::SocketAddr,
+    /// Requests to hand off (both processes must agree, as on every schedule option).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    requests: u32,
+    /// Seed of the schedule (prompt lengths, arrivals, ids).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Longest prompt, in tokens (prompts are 16 tokens at least, or this many if fewer).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    max_prompt_tokens: u32,
+    /// Logical blocks (512 KiB each) in this side's pool.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pool_blocks: u32,
+    /// Mean gap between prompt arrivals at P, ms (exponential). P's fills must keep up with
+    /// the arrivals for both races to happen (P's report counts late finishes).
+    #[arg(long, default_value_t = 20.0, value_parser = parse_gap_ms)]
+    mean_arrival_gap_ms: f64,
+    /// The whole process's limit, waiting for the peer included; past it the node reports
+    /// FAILED.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    timeout_secs: u64,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_gap_ms(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(ms) if ms.is_finite() && (0.0..=60_000.0).contains(&ms) => Ok(ms),
+        _ => Err(format!("{text}: expected milliseconds between 0 and 60000")),
+    }
+}
+
+fn parse_addr(text: &str) -> Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    text.to_socket_addrs()
+        .map_err(|e| format!("{text}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{text} resolves to no address"))
+}
+
+#[derive(Debug, Args)]
+struct SimArgs {
+    /// One seed to run (replays it exactly).
+    #[arg(long, conflicts_with = "seeds")]
+    seed: Option<u64>,
+    /// Seeds to run, half-open: `A..B`.
+    #[arg(long, value_parser = kvhandoff_sim::parse_seed_range, default_value = "0..100")]
+    seeds: std::ops::Range<u64>,
+    /// Requests per seed.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    requests: u32,
+    /// Which faults to inject.
+    #[arg(long, default_value = "chaos", value_parser = ["none", "network", "chaos"])]
+    faults: String,
+    /// Nightly mode: four times the requests over four times the virtual time.
+    #[arg(long)]
+    long: bool,
+    /// Print the report as JSON instead of a summary.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Cost of the pure state machines per request, and throughput of the actix system.
+    Control(ControlArgs),
+    /// One request's KV bytes moved by raw NIXL and by kvhandoff end to end (feature `nixl`).
+    Transfer(TransferArgs),
+}
+
+#[derive(Debug, Args)]
+struct TransferArgs {
+    /// Prompt tokens of the request (16 per block).
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(16..=1_048_576))]
+    tokens: u32,
+    /// Timed repetitions per block table and path.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    repeats: u32,
+    /// Plans of the fragmented 70B case.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    plan_repeats: u32,
+    /// Notification round trips per agent setting.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    notify_rounds: u32,
+    /// Measure only the default agent setting's notification round trip.
+    #[arg(long)]
+    no_notify_sweep: bool,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct ControlArgs {
+    /// Requests per race order through the pure machines.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    requests: u32,
+    /// Requests through the actix system.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    actix_requests: u32,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn print_json<T: serde::Serialize>(value: &T) -> bool {
+    match serde_json::to_string_pretty(value) {
+        Ok(text) => {
+            println!("{text}");
+            true
+        }
+        Err(error) => {
+            eprintln!("error: cannot render the report as JSON: {error}");
+            false
+        }
+    }
+}
+
+fn run_demo(args: DemoArgs) -> ExitCode {
+    let options = DemoOptions {
+        transport: match args.transport {
+            TransportArg::Mem => DemoTransport::Mem,
+            TransportArg::Nixl => DemoTransport::Nixl,
+        },
+        requests: args.requests as usize,
+        seed: args.seed,
+        ..DemoOptions::default()
+    };
+    match demo::run(&options) {
+        Ok(report) => {
+            let printed = if args.json {
+                print_json(&report)
+            } else {
+                print!("{}", report.render_table());
+                true
+            };
+            if printed && report.verdict_ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => {
+            eprintln!("error: the demo could not run: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_bench(command: BenchCommand) -> ExitCode {
+    match command {
+        BenchCommand::Control(args) => {
+            let options = ControlOptions {
+                requests: args.requests as usize,
+                actix_requests: args.actix_requests as usize,
+                ..ControlOptions::default()
+            };
+            match bench::control(&options) {
+                Ok(report) => {
+                    let printed = if args.json {
+                        print_json(&report)
+                    } else {
+                        print!("{}", report.render_table());
+                        true
+                    };
+                    if printed {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    }
+                }
+                Err(error) => {
+                    eprintln!("error: the benchmark could not run: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        BenchCommand::Transfer(args) => run_bench_transfer(args),
+    }
+}
+
+fn run_bench_transfer(args: TransferArgs) -> ExitCode {
+    let options = bench::transfer::TransferOptions {
+        tokens: args.tokens,
+        repeats: args.repeats as usize,
+        plan_repeats: args.plan_repeats as usize,
+        notify_rounds: args.notify_rounds as usize,
+        notify_sweep: !args.no_notify_sweep,
+        ..bench::transfer::TransferOptions::default()
+    };
+    match bench::transfer::transfer(&options) {
+        Ok(report) => {
+            let printed = if args.json {
+                print_json(&report)
+            } else {
+                print!("{}", report.render_table());
+                true
+            };
+            if printed {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => {
+            eprintln!("error: the transfer benchmark could not run: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_sim(args: SimArgs) -> ExitCode {
+    let faults = match args.faults.parse::<kvhandoff_sim::Faults>() {
+        Ok(faults) => faults,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let seeds = match args.seed {
+        Some(seed) => seed..seed.saturating_add(1),
+        None => args.seeds,
+    };
+    let started = std::time::Instant::now();
+    let report = kvhandoff_sim::run_seeds(&kvhandoff_sim::SimOptions {
+        seeds,
+        requests: args.requests as usize,
+        faults,
+        long: args.long,
+        mutation: false,
+    });
+    let elapsed = started.elapsed();
+    if args.json {
+        if !print_json(&report) {
+            return ExitCode::FAILURE;
+        }
+    } else {
+        println!(
+            "kvhandoff sim: {} seeds x {} requests, faults {}",
+            report.seeds, report.requests, args.faults
+        );
+        println!("  outcomes        {:?}", report.outcomes);
+        println!("  violations      {}", report.violations.len());
+        println!("  leaked blocks   {}", report.leaked_blocks);
+        println!("  stale writes    {}", report.stale_writes);
+        let missed: Vec<&String> = report
+            .coverage
+            .iter()
+            .filter(|(_, hits)| **hits == 0)
+            .map(|(mark, _)| mark)
+            .collect();
+        println!(
+            "  coverage        {} marks, not hit: {:?}",
+            report.coverage.len(),
+            missed
+        );
+        println!("  trace hash      {}", report.trace_hash);
+        for violation in &report.violations {
+            println!(
+                "  VIOLATION seed {} step {}: {}",
+                violation.seed, violation.step, violation.message
+            );
+            for line in &violation.trace {
+                println!("      {line}");
+            }
+        }
+    }
+    eprintln!("elapsed: {:.1} s", elapsed.as_secs_f64());
+    let clean =
+        report.violations.is_empty() && report.leaked_blocks == 0 && report.stale_writes == 0;
+    if clean {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!(
+            "replay one seed with: kvhandoff sim --seed S --requests {} --faults {}",
+            report.requests, args.faults
+        );
+        ExitCode::FAILURE
+    }
+}
+
+fn run_node(args: NodeArgs) -> ExitCode {
+    let role = match args.role {
+        RoleArg::Prefill => NodeRole::Prefill,
+        RoleArg::Decode => NodeRole::Decode,
+    };
+    let mut options = NodeOptions::new(role, args.listen, args.peer);
+    options.schedule = DemoOptions {
+        requests: args.requests as usize,
+        seed: args.seed,
+        min_prompt_tokens: args.max_prompt_tokens.min(16),
+        max_prompt_tokens: args.max_prompt_tokens,
+        pool_blocks: args.pool_blocks,
+        mean_arrival_gap: std::time::Duration::from_secs_f64(args.mean_arrival_gap_ms / 1e3),
+        timeout: std::time::Duration::from_secs(args.timeout_secs),
+        ..options.schedule
+    };
+    match node::run(&options) {
+        Ok(report) => {
+            let printed = if args.json {
+                print_json(&report)
+            } else {
+                print!("{}", report.render_table());
+                true
+            };
+            if printed && report.verdict_ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => {
+            eprintln!("error: the node could not run: {error}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -29,5 +405,9 @@ fn main() -> ExitCode {
             );
             ExitCode::SUCCESS
         }
+        Command::Demo(args) => run_demo(args),
+        Command::Node(args) => run_node(args),
+        Command::Bench(command) => run_bench(command),
+        Command::Sim(args) => run_sim(args),
     }
 }

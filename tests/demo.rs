@@ -1,13 +1,17 @@
-//! The demo end to end (P and D over the in-memory transport, every byte checked), its byte
-//! pattern, its sabotage hook, and a tiny `bench control`.
+//! The demo end to end (P and D over the in-memory transport, and over NIXL with the `nixl`
+//! feature; every byte checked), its byte pattern, its sabotage hook, the `node` roles run as
+//! two threads over the TCP side channel, and a tiny `bench control`.
 
 use std::time::Duration;
 
+use kvhandoff::actors::transport::mem::MemFabric;
 use kvhandoff::bench::{self, ControlOptions};
 use kvhandoff::demo::{
     self, block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
     DemoOptions,
 };
+use kvhandoff::demo::{DemoTransport, ReportRole};
+use kvhandoff::node::{self, NodeOptions, NodeReport, NodeRole};
 use kvhandoff::protocol::{KvLayout, PairingKey, RegionKind, RequestId};
 
 /// A seed for which both races happen with 16 requests.
@@ -62,6 +66,7 @@ fn sixteen_requests_arrive_byte_exact_through_both_races() {
     let json = serde_json::to_string_pretty(&report).unwrap();
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["transport"], "mem");
+    assert_eq!(v["role"], "both");
     for key in ["requests", "verified", "byte_errors", "bytes", "gbps"] {
         assert!(v[key].is_number(), "{key} in {json}");
     }
@@ -98,6 +103,27 @@ fn a_corrupted_request_is_caught() {
     assert!(report
         .verdict
         .starts_with("verdict: FAILED — 15/16 requests verified"));
+}
+
+#[test]
+fn a_run_that_reaches_its_limit_reports_failed() {
+    let started = std::time::Instant::now();
+    let report = demo::run(&DemoOptions {
+        timeout: Duration::from_millis(30),
+        max_prompt_tokens: 2048,
+        pool_blocks: 256,
+        ..small(SEED)
+    })
+    .expect("the demo runs");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(report.timed_out);
+    assert!(!report.verdict_ok());
+    assert!(
+        report.verdict.starts_with("verdict: FAILED"),
+        "{}",
+        report.verdict
+    );
+    assert!(report.verdict.contains("timed out"), "{}", report.verdict);
 }
 
 #[test]
@@ -251,4 +277,155 @@ fn default_run_prints_its_report() {
     let bench = bench::control(&ControlOptions::default()).expect("the bench runs");
     println!("{}", bench.render_table());
     println!("{}", serde_json::to_string_pretty(&bench).unwrap());
+}
+
+#[cfg(not(feature = "nixl"))]
+#[test]
+fn nixl_without_the_feature_is_a_clear_error() {
+    let err = demo::run(&DemoOptions {
+        transport: DemoTransport::Nixl,
+        ..small(SEED)
+    })
+    .expect_err("no NIXL in this build");
+    assert!(matches!(err, demo::DemoError::NoNixl));
+    assert_eq!(
+        err.to_string(),
+        "this build has no NIXL support; rebuild with --features nixl"
+    );
+    let addr = "127.0.0.1:1".parse().unwrap();
+    let err = node::run(&NodeOptions::new(NodeRole::Decode, addr, addr)).expect_err("no NIXL");
+    assert!(matches!(err, demo::DemoError::NoNixl));
+}
+
+/// Two free loopback ports (bound, then released).
+fn two_ports() -> (std::net::SocketAddr, std::net::SocketAddr) {
+    let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    (a.local_addr().unwrap(), b.local_addr().unwrap())
+}
+
+fn node_options(
+    role: NodeRole,
+    listen: std::net::SocketAddr,
+    peer: std::net::SocketAddr,
+) -> NodeOptions {
+    NodeOptions {
+        schedule: DemoOptions {
+            requests: 40,
+            seed: SEED,
+            min_prompt_tokens: 16,
+            max_prompt_tokens: 16,
+            pool_blocks: 32,
+            mean_arrival_gap: Duration::from_millis(12),
+            timeout: Duration::from_secs(30),
+            ..DemoOptions::default()
+        },
+        linger: Duration::from_secs(5),
+        ..NodeOptions::new(role, listen, peer)
+    }
+}
+
+/// The `node` roles, each with its own runtime and TCP side channel, on one in-memory fabric:
+/// the same code paths as two `kvhandoff node` processes, minus NIXL.
+#[test]
+fn two_nodes_meet_over_the_side_channel_and_hand_off_every_byte() {
+    let fabric = MemFabric::new();
+    let (p_addr, d_addr) = two_ports();
+    let (p, d) = std::thread::scope(|s| {
+        // D first: it waits for P's side channel.
+        let d = s.spawn(|| {
+            node::run_on(
+                "mem",
+                &node_options(NodeRole::Decode, d_addr, p_addr),
+                |name| fabric.agent(name),
+            )
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let p = s.spawn(|| {
+            node::run_on(
+                "mem",
+                &node_options(NodeRole::Prefill, p_addr, d_addr),
+                |name| fabric.agent(name),
+            )
+        });
+        (p.join().unwrap(), d.join().unwrap())
+    });
+    let (NodeReport::Prefill(p), NodeReport::Decode(d)) = (p.unwrap(), d.unwrap()) else {
+        panic!("wrong report kinds");
+    };
+    println!("{}", p.render_table());
+    println!("{}", d.render_table());
+    assert!(d.verdict_ok(), "{}", d.render_table());
+    assert!(p.verdict_ok(), "{}", p.render_table());
+    assert_eq!(d.role, ReportRole::Decode);
+    assert_eq!((d.verified, d.byte_errors, d.outcomes.ready), (40, 0, 40));
+    assert_eq!(p.prefill_outcomes.sent, 40);
+    assert_eq!(
+        p.races.decode_registers_first + p.races.prefill_finishes_first,
+        40
+    );
+    assert!(p.races.decode_registers_first > 0, "{:?}", p.races);
+    assert!(p.races.prefill_finishes_first > 0, "{:?}", p.races);
+    assert!(p.peer_exited, "P saw D leave");
+    assert_eq!(p.link.incoming_ok, 1);
+    // D's JSON has the demo's keys.
+    let demo_keys: Vec<String> = serde_json::to_value(demo::run(&small(SEED)).unwrap())
+        .unwrap()
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    let v = serde_json::to_value(&d).unwrap();
+    let d_keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+    assert_eq!(d_keys, demo_keys);
+    assert_eq!(v["role"], "decode");
+    let v = serde_json::to_value(NodeReport::Prefill(p)).unwrap();
+    assert_eq!(v["role"], "prefill");
+    assert_eq!(v["prefill_outcomes"]["sent"], 40);
+}
+
+#[test]
+fn a_node_whose_peer_never_comes_reports_failed() {
+    let fabric = MemFabric::new();
+    let (p_addr, d_addr) = two_ports();
+    let started = std::time::Instant::now();
+    let mut options = node_options(NodeRole::Decode, d_addr, p_addr);
+    options.schedule.timeout = Duration::from_millis(500);
+    let report = node::run_on("mem", &options, |name| fabric.agent(name)).unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(!report.verdict_ok());
+    let NodeReport::Decode(d) = report else {
+        panic!("a decode report")
+    };
+    assert!(d.timed_out);
+    assert!(
+        d.errors.iter().any(|e| e.contains("never accepted")),
+        "{:?}",
+        d.errors
+    );
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn sixteen_requests_over_nixl_in_one_process() {
+    let report = demo::run(&DemoOptions {
+        transport: DemoTransport::Nixl,
+        ..small(SEED)
+    })
+    .expect("the NIXL demo runs (source scripts/nixl-env.sh)");
+    println!("{}", report.render_table());
+    assert!(report.verdict_ok(), "{}", report.render_table());
+    assert_eq!(report.transport, "nixl");
+    assert_eq!((report.verified, report.byte_errors), (16, 0));
+    assert!(
+        report.races.decode_registers_first > 0,
+        "{:?}",
+        report.races
+    );
+    assert!(
+        report.races.prefill_finishes_first > 0,
+        "{:?}",
+        report.races
+    );
 }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use kvhandoff_actors::machine::{
-    DecodeOutcome, DecodeStart, EngineEvent, Endpoint, Input, PrefillStart, Time,
+    DecodeOutcome, DecodeStart, Endpoint, EngineEvent, Input, PrefillStart, Time,
 };
 use kvhandoff_protocol::{BlockIds, Epoch, Message, PairingKey, RequestId};
 use rand::Rng;
@@ -65,6 +65,7 @@ pub(crate) fn draw_rates(rng: &mut ChaCha8Rng, faults: Faults) -> Rates {
         rates.abort = pick(&[0.0, 0.03, 0.1]);
         rates.retry = pick(&[0.0, 0.3, 0.6]);
         rates.connect_fail = pick(&[0.0, 0.02, 0.1]);
+        rates.mute_answers = pick(&[0.0, 0.02, 0.05]);
     }
     rates
 }
@@ -82,7 +83,11 @@ impl World {
                 (1 + i % self.cfg.decode_engines, 2, 1 + i % 2)
             } else {
                 let n = self.rng.gen_range(1..=4);
-                let m = if self.rng.gen_bool(0.05) { 0 } else { self.rng.gen_range(1..=n) };
+                let m = if self.rng.gen_bool(0.05) {
+                    0
+                } else {
+                    self.rng.gen_range(1..=n)
+                };
                 (1 + self.rng.gen_range(0..self.cfg.decode_engines), n, m)
             };
             self.keys.insert(key.clone(), i);
@@ -91,17 +96,33 @@ impl World {
                 d_node,
                 p_blocks,
                 d_blocks,
-                d: vec![Attempt { id: rid("d", i, 1), epoch: 1, blocks: vec![], status: Status::Pending }],
-                p: vec![Attempt { id: rid("p", i, 1), epoch: 1, blocks: vec![], status: Status::Pending }],
+                d: vec![Attempt {
+                    id: rid("d", i, 1),
+                    epoch: 1,
+                    blocks: vec![],
+                    status: Status::Pending,
+                }],
+                p: vec![Attempt {
+                    id: rid("p", i, 1),
+                    epoch: 1,
+                    blocks: vec![],
+                    status: Status::Pending,
+                }],
             });
             let span = self.cfg.span.as_micros() as u64;
-            let base = if span > 0 { self.rng.gen_range(0..span) } else { 0 };
+            let base = if span > 0 {
+                self.rng.gen_range(0..span)
+            } else {
+                0
+            };
             let d_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
             let mut p_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
             if !self.cfg.explore && self.rng.gen_bool(self.rates.slow_prefill) {
                 // A long prefill: D's deadline may fire while the write is in flight.
                 p_at += micros(&mut self.rng, 4_700_000, 5_000_000);
-                self.heal = self.heal.max(Time::ZERO + p_at + Duration::from_millis(500));
+                self.heal = self
+                    .heal
+                    .max(Time::ZERO + p_at + Duration::from_millis(500));
             }
             self.schedule(d_at, Ev::DecodeStart { request: i });
             self.schedule(p_at, Ev::PrefillStart { request: i });
@@ -144,8 +165,15 @@ impl World {
         };
         let a = r.d[attempt].clone();
         self.record(format!("engine: D allocates {} {}", r.key, a.id));
-        let owner = Owner { request, epoch: a.epoch };
-        let blocks = if self.alive(node) { self.nodes[node].pool.allocate(r.d_blocks, owner) } else { None };
+        let owner = Owner {
+            request,
+            epoch: a.epoch,
+        };
+        let blocks = if self.alive(node) {
+            self.nodes[node].pool.allocate(r.d_blocks, owner)
+        } else {
+            None
+        };
         let Some(blocks) = blocks else {
             // No memory or no process: the engine tries again later.
             let later = micros(&mut self.rng, 2_000, 10_000);
@@ -155,7 +183,10 @@ impl World {
         let inc = self.nodes[node].incarnation;
         let r = &mut self.requests[request];
         r.d[attempt].blocks = blocks.clone();
-        r.d[attempt].status = Status::Live { node_inc: inc, started: self.now };
+        r.d[attempt].status = Status::Live {
+            node_inc: inc,
+            started: self.now,
+        };
         let start = DecodeStart {
             request: a.id,
             key: r.key.clone(),
@@ -180,9 +211,16 @@ impl World {
             *self.outcomes.entry("prefill.skipped".into()).or_insert(0) += 1;
             return;
         }
-        let owner = Owner { request, epoch: a.epoch };
+        let owner = Owner {
+            request,
+            epoch: a.epoch,
+        };
         let n = r.p_blocks;
-        let blocks = if self.alive(0) { self.nodes[0].pool.allocate(n, owner) } else { None };
+        let blocks = if self.alive(0) {
+            self.nodes[0].pool.allocate(n, owner)
+        } else {
+            None
+        };
         let Some(blocks) = blocks else {
             let later = micros(&mut self.rng, 2_000, 10_000);
             self.schedule(later, Ev::PrefillStart { request });
@@ -194,14 +232,25 @@ impl World {
         let inc = self.nodes[0].incarnation;
         let r = &mut self.requests[request];
         r.p[attempt].blocks = blocks.clone();
-        r.p[attempt].status = Status::Live { node_inc: inc, started: self.now };
-        let start = PrefillStart { request: a.id, key: r.key.clone(), blocks: BlockIds::single_group(blocks) };
+        r.p[attempt].status = Status::Live {
+            node_inc: inc,
+            started: self.now,
+        };
+        let start = PrefillStart {
+            request: a.id,
+            key: r.key.clone(),
+            blocks: BlockIds::single_group(blocks),
+        };
         self.feed(0, Input::PrefillFinished(start));
     }
 
     pub(crate) fn abort(&mut self, request: usize, decode: bool) {
         let r = &self.requests[request];
-        let (node, a) = if decode { (r.d_node, r.d.last()) } else { (0, r.p.last()) };
+        let (node, a) = if decode {
+            (r.d_node, r.d.last())
+        } else {
+            (0, r.p.last())
+        };
         let a = a.expect("one attempt at least").clone();
         self.record(format!("engine: abort {}", a.id));
         if matches!(a.status, Status::Live { .. }) && self.alive(node) {
@@ -231,12 +280,21 @@ impl World {
         self.nodes[node].pool = Pool::new(self.cfg.pool_blocks);
         self.nodes[node].posts_seen = 0;
         for r in &mut self.requests {
-            let attempts = if node == 0 { &mut r.p } else if r.d_node == node { &mut r.d } else { continue };
+            let attempts = if node == 0 {
+                &mut r.p
+            } else if r.d_node == node {
+                &mut r.d
+            } else {
+                continue;
+            };
             for a in attempts.iter_mut() {
                 if matches!(a.status, Status::Live { .. }) {
                     a.status = Status::Lost;
                     let side = if node == 0 { "prefill" } else { "decode" };
-                    *self.outcomes.entry(format!("{side}.lost_in_crash")).or_insert(0) += 1;
+                    *self
+                        .outcomes
+                        .entry(format!("{side}.lost_in_crash"))
+                        .or_insert(0) += 1;
                 }
             }
         }
@@ -250,7 +308,8 @@ impl World {
             return;
         }
         let addr = self.nodes[node].addr.clone();
-        let endpoint = Endpoint::new(addr.engine, addr.rank, self.cfg.machine.clone()).expect("valid config");
+        let endpoint =
+            Endpoint::new(addr.engine, addr.rank, self.cfg.machine.clone()).expect("valid config");
         self.nodes[node].endpoint = Some(endpoint);
     }
 
@@ -277,8 +336,18 @@ impl World {
     /// The one terminal event of a request on one side: checks S3, S4, S7, S8 and frees.
     pub(crate) fn engine_event(&mut self, node: NodeId, event: EngineEvent) {
         let (id, key, blocks, decode) = match &event {
-            EngineEvent::Decode { request, key, blocks, .. } => (request.clone(), key.clone(), blocks.clone(), true),
-            EngineEvent::Prefill { request, key, blocks, .. } => (request.clone(), key.clone(), blocks.clone(), false),
+            EngineEvent::Decode {
+                request,
+                key,
+                blocks,
+                ..
+            } => (request.clone(), key.clone(), blocks.clone(), true),
+            EngineEvent::Prefill {
+                request,
+                key,
+                blocks,
+                ..
+            } => (request.clone(), key.clone(), blocks.clone(), false),
         };
         let Some(&request) = self.keys.get(&key) else {
             self.violate(format!("event for unknown key {key}"));
@@ -293,7 +362,10 @@ impl World {
         let a = attempts[ai].clone();
         let inc = self.nodes[node].incarnation;
         let Status::Live { node_inc, started } = a.status else {
-            self.violate(format!("S4: second terminal event for {id} ({:?})", a.status));
+            self.violate(format!(
+                "S4: second terminal event for {id} ({:?})",
+                a.status
+            ));
             return;
         };
         if node_inc != inc {
@@ -302,14 +374,28 @@ impl World {
         }
         let flat = blocks.groups.concat();
         if flat != a.blocks {
-            self.violate(format!("S3: {id} handed back {flat:?}, was given {:?}", a.blocks));
+            self.violate(format!(
+                "S3: {id} handed back {flat:?}, was given {:?}",
+                a.blocks
+            ));
         }
-        let owner = Owner { request, epoch: a.epoch };
+        let owner = Owner {
+            request,
+            epoch: a.epoch,
+        };
         let (d_blocks, p_blocks) = (r.d_blocks, r.p_blocks);
         let label = match &event {
-            EngineEvent::Decode { epoch, outcome, proof, .. } => {
+            EngineEvent::Decode {
+                epoch,
+                outcome,
+                proof,
+                ..
+            } => {
                 if epoch.0 != a.epoch {
-                    self.violate(format!("S5: {id} ended in epoch {epoch}, allocated in e{}", a.epoch));
+                    self.violate(format!(
+                        "S5: {id} ended in epoch {epoch}, allocated in e{}",
+                        a.epoch
+                    ));
                 }
                 if *outcome == DecodeOutcome::Ready {
                     self.check_ready(node, request, a.epoch, &flat, p_blocks - d_blocks);
@@ -320,9 +406,25 @@ impl World {
             }
             EngineEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
         };
-        let limit = if decode { Duration::from_secs(10) } else { Duration::from_secs(20) };
+        // The longest a request may legally take: D waits for its deadline, then at worst for
+        // the quarantine (every answer lost); P is bounded by its lease, D's renewals until D's
+        // deadline, and one write's life.
+        let m = &self.cfg.machine;
+        let limit = if decode {
+            m.connect_timeout + m.decode_deadline + m.quarantine + Duration::from_secs(1)
+        } else {
+            m.lease_duration
+                + m.decode_deadline
+                + m.lease_extension
+                + m.write_timeout
+                + m.abandon_timeout
+                + Duration::from_secs(10)
+        };
         if !self.cfg.explore && self.now.saturating_since(started) > limit {
-            self.violate(format!("L1: {id} took {:?} to end", self.now.saturating_since(started)));
+            self.violate(format!(
+                "L1: {id} took {:?} to end",
+                self.now.saturating_since(started)
+            ));
         }
         self.record(format!("engine: {id} ended: {label}"));
         *self.outcomes.entry(label).or_insert(0) += 1;
@@ -332,20 +434,41 @@ impl World {
         let r = &mut self.requests[request];
         let attempts = if decode { &mut r.d } else { &mut r.p };
         attempts[ai].status = Status::Done;
-        let failed = matches!(&event, EngineEvent::Decode { outcome: DecodeOutcome::Failed(_), .. });
+        let failed = matches!(
+            &event,
+            EngineEvent::Decode {
+                outcome: DecodeOutcome::Failed(_),
+                ..
+            }
+        );
         if decode && failed && a.epoch < 3 && self.chance(self.rates.retry) {
             self.retry(request, a.epoch + 1);
         }
     }
 
     /// S7/S8: every byte D expects is P's pattern, written in this epoch, by a landed write.
-    fn check_ready(&mut self, node: NodeId, request: usize, epoch: u64, blocks: &[u32], skip: usize) {
+    fn check_ready(
+        &mut self,
+        node: NodeId,
+        request: usize,
+        epoch: u64,
+        blocks: &[u32],
+        skip: usize,
+    ) {
         if blocks.is_empty() {
             return;
         }
         let inc = self.nodes[node].incarnation;
-        if self.landed.get(&(node, inc, request, epoch)).copied().unwrap_or(0) == 0 {
-            self.violate(format!("S8: request {request} e{epoch} Ready without a landed write"));
+        if self
+            .landed
+            .get(&(node, inc, request, epoch))
+            .copied()
+            .unwrap_or(0)
+            == 0
+        {
+            self.violate(format!(
+                "S8: request {request} e{epoch} Ready without a landed write"
+            ));
         }
         for (j, &b) in blocks.iter().enumerate() {
             let pool = &self.nodes[node].pool;
@@ -362,14 +485,24 @@ impl World {
 
     fn retry(&mut self, request: usize, epoch: u64) {
         let r = &mut self.requests[request];
-        r.d.push(Attempt { id: rid("d", request, epoch), epoch, blocks: vec![], status: Status::Pending });
+        r.d.push(Attempt {
+            id: rid("d", request, epoch),
+            epoch,
+            blocks: vec![],
+            status: Status::Pending,
+        });
         let d_at = micros(&mut self.rng, 1_000, 20_000);
         self.schedule(d_at, Ev::DecodeStart { request });
         let r = &mut self.requests[request];
         if r.p.iter().all(|a| a.status != Status::Pending) {
             // P runs the prefill again (a live attempt for the key makes it a skip).
             let p_next = r.p.len() as u64 + 1;
-            r.p.push(Attempt { id: rid("p", request, p_next), epoch: p_next, blocks: vec![], status: Status::Pending });
+            r.p.push(Attempt {
+                id: rid("p", request, p_next),
+                epoch: p_next,
+                blocks: vec![],
+                status: Status::Pending,
+            });
             let p_at = micros(&mut self.rng, 0, 10_000);
             self.schedule(p_at, Ev::PrefillStart { request });
         }
@@ -384,7 +517,9 @@ impl World {
                 }
             }
             Message::Cancel(c) if c.reason == kvhandoff_protocol::CancelReason::Deadline => {
-                let Some(&i) = self.keys.get(&c.key) else { return };
+                let Some(&i) = self.keys.get(&c.key) else {
+                    return;
+                };
                 let in_flight = self.writes.values().any(|w| {
                     w.target == from && w.request == i && w.epoch == c.epoch.0 && w.in_flight()
                 });
@@ -408,7 +543,8 @@ impl World {
             Message::Cancel(c) => {
                 let i = *self.keys.get(&c.key)?;
                 let pair = (i, c.epoch.0);
-                if self.registers_sent.contains(&pair) && !self.registers_delivered.contains(&pair) {
+                if self.registers_sent.contains(&pair) && !self.registers_delivered.contains(&pair)
+                {
                     self.mark("cancel_overtook_registration");
                 }
                 return None;
@@ -425,7 +561,10 @@ impl World {
             .find(|a| matches!(a.status, Status::Live { .. }))
             .map(|a| a.epoch);
         if matches!(msg.message, Message::WriteDone(_)) {
-            let count = self.notifs_delivered.entry((msg.to, msg.to_inc, i, epoch)).or_insert(0);
+            let count = self
+                .notifs_delivered
+                .entry((msg.to, msg.to_inc, i, epoch))
+                .or_insert(0);
             *count += 1;
             if *count >= 2 {
                 self.mark("duplicate_notification");
@@ -455,7 +594,11 @@ impl World {
         }
         for (i, n) in self.nodes.iter().enumerate() {
             match &n.endpoint {
-                Some(e) => parts.push(format!("node{i} leased={} {:?}", n.pool.leased(), e.stats())),
+                Some(e) => parts.push(format!(
+                    "node{i} leased={} {:?}",
+                    n.pool.leased(),
+                    e.stats()
+                )),
                 None => parts.push(format!("node{i} down")),
             }
         }
@@ -465,7 +608,9 @@ impl World {
     /// Every attempt ended, nothing is queued, every table and pool is empty.
     pub(crate) fn quiescent(&self) -> bool {
         let attempts_done = self.requests.iter().all(|r| {
-            r.d.iter().chain(&r.p).all(|a| matches!(a.status, Status::Done | Status::Lost | Status::Skipped))
+            r.d.iter()
+                .chain(&r.p)
+                .all(|a| matches!(a.status, Status::Done | Status::Lost | Status::Skipped))
         });
         attempts_done
             && self.writes.is_empty()
@@ -473,7 +618,12 @@ impl World {
                 n.pool.leased() == 0
                     && n.endpoint.as_ref().is_some_and(|e| {
                         let s = e.stats();
-                        s.decode_requests + s.prefill_requests + s.pending_registrations + s.writes_in_flight + s.queued_outputs == 0
+                        s.decode_requests
+                            + s.prefill_requests
+                            + s.pending_registrations
+                            + s.writes_in_flight
+                            + s.queued_outputs
+                            == 0
                     })
             })
     }

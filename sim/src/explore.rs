@@ -53,16 +53,23 @@ impl World {
         for (&seq, (_, ev)) in &self.queue {
             out.push(Action::Run(seq));
             match ev {
-                Ev::Deliver(_) => {
+                Ev::Deliver(msg) => {
                     out.push(Action::Drop(seq));
-                    out.push(Action::Dup(seq));
+                    if self.cfg.dup_control || crate::world::is_notification(&msg.message) {
+                        out.push(Action::Dup(seq));
+                    }
                 }
                 Ev::Land { .. } => out.push(Action::Fail(seq)),
                 _ => {}
             }
         }
         for node in 0..self.nodes.len() {
-            if self.nodes[node].endpoint.as_ref().and_then(|e| e.poll_timeout()).is_some() {
+            if self.nodes[node]
+                .endpoint
+                .as_ref()
+                .and_then(|e| e.poll_timeout())
+                .is_some()
+            {
                 out.push(Action::Timer(node));
             }
         }
@@ -129,7 +136,10 @@ impl World {
                 }
             }
             Action::Timer(node) => {
-                let due = self.nodes[node].endpoint.as_ref().and_then(|e| e.poll_timeout());
+                let due = self.nodes[node]
+                    .endpoint
+                    .as_ref()
+                    .and_then(|e| e.poll_timeout());
                 if let Some(t) = due {
                     self.now = self.now.max(t);
                     self.fire_timer(node);
@@ -168,11 +178,7 @@ impl World {
             .collect();
         events.sort();
         events.hash(&mut h);
-        let writes: BTreeSet<String> = self
-            .writes
-            .values()
-            .map(|w| format!("{w:?}"))
-            .collect();
+        let writes: BTreeSet<String> = self.writes.values().map(|w| format!("{w:?}")).collect();
         writes.hash(&mut h);
         self.requests.hash(&mut h);
         h.finish()

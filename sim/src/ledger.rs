@@ -203,8 +203,14 @@ mod tests {
     #[test]
     fn lifo_reuse_and_double_free() {
         let mut pool = Pool::new(4);
-        let a = Owner { request: 1, epoch: 1 };
-        let b = Owner { request: 2, epoch: 1 };
+        let a = Owner {
+            request: 1,
+            epoch: 1,
+        };
+        let b = Owner {
+            request: 2,
+            epoch: 1,
+        };
         let ids = pool.allocate(2, a).unwrap();
         assert_eq!(ids, vec![0, 1]);
         assert!(pool.free(&ids, a).is_empty());

@@ -50,7 +50,9 @@ impl std::str::FromStr for Faults {
             "none" => Ok(Faults::None),
             "network" => Ok(Faults::Network),
             "chaos" => Ok(Faults::Chaos),
-            other => Err(format!("unknown fault set {other:?} (none, network, chaos)")),
+            other => Err(format!(
+                "unknown fault set {other:?} (none, network, chaos)"
+            )),
         }
     }
 }
@@ -160,7 +162,13 @@ pub fn parse_seed_range(text: &str) -> Result<Range<u64>, String> {
 
 /// Runs one seed: a faulty phase, then a liveness phase without faults in which every request
 /// must end and every table and pool must empty. Prints the seed on a violation.
-pub fn run_seed(seed: u64, requests: usize, faults: Faults, long: bool, mutation: bool) -> SeedResult {
+pub fn run_seed(
+    seed: u64,
+    requests: usize,
+    faults: Faults,
+    long: bool,
+    mutation: bool,
+) -> SeedResult {
     let mut cfg = WorldConfig::seeded(requests, faults, mutation);
     if long {
         cfg.span *= 4;
@@ -181,7 +189,9 @@ pub fn run_world(cfg: WorldConfig, seed: u64) -> SeedResult {
         }
         if world.now() > world.heal + limit_after {
             let left = world.unfinished();
-            world.violate(format!("L2: not quiescent 40 s after faults stopped: {left}"));
+            world.violate(format!(
+                "L2: not quiescent 40 s after faults stopped: {left}"
+            ));
             break;
         }
         if !world.step_seeded() {
@@ -269,10 +279,6 @@ pub fn run_seeds(opts: &SimOptions) -> SimReport {
         report.stale_writes += r.stale_writes;
         hash.update(r.trace_hash);
     }
-    report.trace_hash = hash
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    report.trace_hash = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
     report
 }

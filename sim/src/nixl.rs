@@ -75,7 +75,10 @@ impl World {
                 .zip(&order.remote.groups)
                 .all(|(l, r)| l.len() == r.len());
         if !shapes_match {
-            self.violate(format!("write {}: local and remote lists differ", order.write));
+            self.violate(format!(
+                "write {}: local and remote lists differ",
+                order.write
+            ));
             return;
         }
         let local: Vec<u32> = order.local.groups.concat();
@@ -222,7 +225,11 @@ impl World {
         self.unpin_target(&mut w);
         w.phase = Phase::Landed;
         let notification = w.notification.clone();
-        let (poster, target, key) = (w.poster, w.target, (w.target, w.target_inc, w.request, w.epoch));
+        let (poster, target, key) = (
+            w.poster,
+            w.target,
+            (w.target, w.target_inc, w.request, w.epoch),
+        );
         self.writes.insert(seq, w);
         *self.landed.entry(key).or_insert(0) += 1;
         // NIXL sends the notification once the data is in place: never before.
@@ -314,16 +321,18 @@ impl World {
         for seq in seqs {
             let in_flight = self.writes[&seq].in_flight();
             outstanding |= !self.writes[&seq].reported;
+            // Assumption (to verify on real NIXL): once the connection is invalidated the
+            // local NIC no longer reads the source blocks either, so P may reuse them.
+            let mut w = self.writes.remove(&seq).expect("present");
+            if w.p_pinned && self.nodes[w.poster].incarnation == w.poster_inc {
+                self.nodes[w.poster].pool.pin(&w.local, -1);
+            }
+            w.p_pinned = false;
+            self.writes.insert(seq, w);
             if in_flight {
                 self.unschedule(seq);
                 let mut w = self.writes.remove(&seq).expect("present");
                 self.unpin_target(&mut w);
-                // Assumption (to verify on real NIXL): once the connection is invalidated the
-                // local NIC no longer reads the source blocks either, so P may reuse them.
-                if w.p_pinned && self.nodes[w.poster].incarnation == w.poster_inc {
-                    self.nodes[w.poster].pool.pin(&w.local, -1);
-                }
-                w.p_pinned = false;
                 w.phase = Phase::Cut;
                 self.writes.insert(seq, w);
                 self.schedule_report(seq, Some(WriteFailure::TransferFailed), 0, 1_000);

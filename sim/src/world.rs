@@ -42,8 +42,9 @@ pub struct WorldConfig {
     pub pool_blocks: u32,
     /// Virtual time over which requests start (seeded mode).
     pub span: Duration,
-    /// Chaos duplicates D→P control messages too, not only P→D notifications. Off by
-    /// default: it finds a known machine bug (see `tests/regressions.rs`).
+    /// Chaos duplicates D→P control messages too, not only P→D notifications. NIXL does not
+    /// duplicate, but a protocol that survives it needs fewer assumptions; on by default in
+    /// seeded runs (it found the bug of `tests/regressions.rs`).
     pub dup_control: bool,
 }
 
@@ -61,7 +62,7 @@ impl WorldConfig {
             max_crashes: 0,
             pool_blocks: 24,
             span: Duration::from_millis(10 * requests as u64 + 50),
-            dup_control: false,
+            dup_control: true,
         }
     }
 
@@ -81,8 +82,8 @@ impl WorldConfig {
             abandon_timeout: ms(100),
             cancel_retry_interval: ms(50),
             max_cancel_retries: 1,
-            quarantine: ms(500),
-            tombstone_ttl: ms(2_000),
+            quarantine: ms(2_000),
+            tombstone_ttl: ms(3_000),
             mutation_free_on_deadline: mutation,
             ..Config::default()
         };
@@ -128,14 +129,35 @@ pub(crate) struct NetMsg {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Ev {
     Deliver(NetMsg),
-    Land { write: u64 },
-    Report { write: u64, failure: Option<WriteFailure> },
-    Connect { from: NodeId, from_inc: u32, to: NodeId, ok: bool },
-    DecodeStart { request: usize },
-    PrefillStart { request: usize },
-    Abort { request: usize, decode: bool },
-    Crash { node: NodeId },
-    Restart { node: NodeId },
+    Land {
+        write: u64,
+    },
+    Report {
+        write: u64,
+        failure: Option<WriteFailure>,
+    },
+    Connect {
+        from: NodeId,
+        from_inc: u32,
+        to: NodeId,
+        ok: bool,
+    },
+    DecodeStart {
+        request: usize,
+    },
+    PrefillStart {
+        request: usize,
+    },
+    Abort {
+        request: usize,
+        decode: bool,
+    },
+    Crash {
+        node: NodeId,
+    },
+    Restart {
+        node: NodeId,
+    },
 }
 
 /// Fault rates drawn per seed (swarm testing).
@@ -153,6 +175,9 @@ pub(crate) struct Rates {
     pub retry: f64,
     pub connect_fail: f64,
     pub slow_prefill: f64,
+    /// Chance that a key's P→D answers (`WriteDone`, `WriteFailed`, `CancelAck`) are all lost
+    /// during the faulty phase while P stays alive: D can then only free by quarantine.
+    pub mute_answers: f64,
 }
 
 /// One engine rank.
@@ -198,6 +223,9 @@ pub struct World {
     pub(crate) coverage: BTreeMap<&'static str, u64>,
     pub(crate) outcomes: BTreeMap<String, u64>,
     pub(crate) stale_writes: u64,
+    /// Keys whose P→D answers are being lost (see `Rates::mute_answers`), and keys decided.
+    pub(crate) muted: BTreeSet<PairingKey>,
+    pub(crate) mute_decided: BTreeSet<PairingKey>,
     /// Decode keys that got a terminal event during the current step.
     pub(crate) step_decode_events: Vec<usize>,
     pub(crate) registers_sent: BTreeSet<(usize, u64)>,
@@ -272,6 +300,8 @@ impl World {
             coverage: crate::COVERAGE_MARKS.iter().map(|m| (*m, 0)).collect(),
             outcomes: BTreeMap::new(),
             stale_writes: 0,
+            muted: BTreeSet::new(),
+            mute_decided: BTreeSet::new(),
             step_decode_events: Vec::new(),
             registers_sent: BTreeSet::new(),
             registers_delivered: BTreeSet::new(),
@@ -412,7 +442,10 @@ impl World {
     /// Acts on every output of `node`, in order.
     pub(crate) fn drain(&mut self, node: NodeId) {
         loop {
-            let Some(output) = self.nodes[node].endpoint.as_mut().and_then(Endpoint::poll_output)
+            let Some(output) = self.nodes[node]
+                .endpoint
+                .as_mut()
+                .and_then(Endpoint::poll_output)
             else {
                 return;
             };
@@ -436,8 +469,8 @@ impl World {
             self.violate(format!("node {node} connects to unknown {peer}"));
             return;
         };
-        let fail = self.chance(self.rates.connect_fail)
-            || self.partitioned(node, to, self.now).is_some();
+        let fail =
+            self.chance(self.rates.connect_fail) || self.partitioned(node, to, self.now).is_some();
         let delay = micros(&mut self.rng, 200, 5_000);
         let from_inc = self.nodes[node].incarnation;
         self.schedule(
@@ -477,15 +510,39 @@ impl World {
             self.record(line);
             return;
         }
-        let notification = matches!(
-            msg.message,
-            Message::WriteDone(_) | Message::WriteFailed(_) | Message::CancelAck(_)
-        );
+        if self.answer_muted(&msg.message) {
+            let line = format!("net mute {}", describe(&msg));
+            self.record(line);
+            return;
+        }
+        let notification = is_notification(&msg.message);
         if (notification || self.cfg.dup_control) && self.chance(self.rates.dup) {
             let extra = micros(&mut self.rng, 0, 30_000);
             self.schedule(delay + extra, Ev::Deliver(msg.clone()));
         }
         self.schedule(delay, Ev::Deliver(msg));
+    }
+
+    /// Whether `message` is a P→D answer about a key whose answers are lost (decided once per
+    /// key, during the faulty phase only).
+    fn answer_muted(&mut self, message: &Message) -> bool {
+        let key = match message {
+            Message::WriteDone(m) => &m.key,
+            Message::WriteFailed(m) => &m.key,
+            Message::CancelAck(m) => &m.key,
+            Message::Handshake(_)
+            | Message::Register(_)
+            | Message::Cancel(_)
+            | Message::Heartbeat(_)
+            | Message::Release(_) => return false,
+        };
+        if !self.faulty() {
+            return false;
+        }
+        if self.mute_decided.insert(key.clone()) && self.chance(self.rates.mute_answers) {
+            self.muted.insert(key.clone());
+        }
+        self.muted.contains(key)
     }
 
     /// Runs every step-end check: allocator conservation and NIXL post accounting.
@@ -625,6 +682,14 @@ impl World {
             }
         }
     }
+}
+
+/// P→D notifications (the only messages chaos duplicates unless `dup_control` is set).
+pub(crate) fn is_notification(message: &Message) -> bool {
+    matches!(
+        message,
+        Message::WriteDone(_) | Message::WriteFailed(_) | Message::CancelAck(_)
+    )
 }
 
 /// A short, deterministic description of a network message.

@@ -4,36 +4,48 @@
 use kvhandoff_sim::{run_seed, run_seeds, Faults, SimOptions};
 
 fn opts(seeds: std::ops::Range<u64>, requests: usize, faults: Faults) -> SimOptions {
-    SimOptions { seeds, requests, faults, long: false, mutation: false }
+    SimOptions {
+        seeds,
+        requests,
+        faults,
+        long: false,
+        mutation: false,
+    }
 }
 
 #[test]
 fn chaos_500_seeds_50_requests() {
     let report = run_seeds(&opts(0..500, 50, Faults::Chaos));
-    assert!(report.violations.is_empty(), "{:#?}", &report.violations[..1]);
+    assert!(
+        report.violations.is_empty(),
+        "{:#?}",
+        &report.violations[..1]
+    );
     assert_eq!(report.leaked_blocks, 0);
     assert_eq!(report.stale_writes, 0);
-    for mark in [
-        "decode_registered_first",
-        "prefill_finished_first",
-        "deadline_during_write",
-        "cancel_overtook_registration",
-        "peer_died_with_write_outstanding",
-        "duplicate_notification",
-        "completion_after_lease",
-        "partial_landing",
-        "crash_restart",
-    ] {
-        assert!(report.coverage[mark] > 0, "coverage mark {mark} never hit: {:?}", report.coverage);
+    for mark in kvhandoff_sim::COVERAGE_MARKS {
+        assert!(
+            report.coverage[*mark] > 0,
+            "coverage mark {mark} never hit: {:?}",
+            report.coverage
+        );
     }
-    assert!(report.outcomes["decode.Ready"] > 10_000, "{:?}", report.outcomes);
+    assert!(
+        report.outcomes["decode.Ready"] > 10_000,
+        "{:?}",
+        report.outcomes
+    );
 }
 
 #[test]
 fn no_faults_and_network_faults_are_clean() {
     for faults in [Faults::None, Faults::Network] {
         let report = run_seeds(&opts(0..100, 50, faults));
-        assert!(report.violations.is_empty(), "{faults:?}: {:#?}", &report.violations[..1]);
+        assert!(
+            report.violations.is_empty(),
+            "{faults:?}: {:#?}",
+            &report.violations[..1]
+        );
         assert_eq!(report.leaked_blocks, 0);
         assert!(report.coverage["decode_registered_first"] > 0);
         assert!(report.coverage["prefill_finished_first"] > 0);
@@ -61,10 +73,25 @@ fn same_seed_same_trace_whatever_the_threads() {
     let other = run_seed(18, 30, Faults::Chaos, false, false);
     assert_ne!(one.trace_hash, other.trace_hash);
     let json = serde_json::to_value(&a).unwrap();
-    let keys: Vec<&str> = json.as_object().unwrap().keys().map(String::as_str).collect();
+    let mut keys: Vec<&str> = json
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
     assert_eq!(
         keys,
-        ["seeds", "requests", "outcomes", "violations", "leaked_blocks", "stale_writes", "coverage", "trace_hash"]
+        [
+            "coverage",
+            "leaked_blocks",
+            "outcomes",
+            "requests",
+            "seeds",
+            "stale_writes",
+            "trace_hash",
+            "violations"
+        ]
     );
 }
 
@@ -74,7 +101,10 @@ fn the_simulator_catches_free_on_deadline() {
     o.mutation = true;
     let report = run_seeds(&o);
     assert!(
-        report.violations.iter().any(|v| v.message.contains("S1") || v.message.contains("S2")),
+        report
+            .violations
+            .iter()
+            .any(|v| v.message.contains("S1") || v.message.contains("S2")),
         "the mutation went unnoticed: {:?}",
         report.coverage
     );

@@ -202,6 +202,15 @@ impl PrefillRequest {
         }
     }
 
+    /// The epoch the blocks are bound to, once a registration was matched.
+    pub(crate) fn bound_epoch(&self) -> Option<Epoch> {
+        match self {
+            PrefillRequest::Held(_) => None,
+            PrefillRequest::Writing(s) => Some(s.binding.epoch),
+            PrefillRequest::Draining(s) => Some(s.binding.epoch),
+        }
+    }
+
     /// The write in flight, if any.
     pub(crate) fn write(&self) -> Option<WriteId> {
         match self {

@@ -40,6 +40,11 @@ pub(crate) enum PrefillTombstone {
     /// finish for the key are released at once with `cause`, unless a registration for a newer
     /// attempt waits; a registration for `epoch` or older was overtaken and is swallowed.
     GaveUpEarly { epoch: Epoch, cause: ReleaseCause },
+    /// P answered a registration for `epoch` with `WriteFailed(replay)` without ever binding
+    /// blocks to it (its wait expired, or the table was full): a registration for `epoch` or
+    /// older — a duplicate or a late copy — gets the same answer and never reaches blocks; a
+    /// newer one is served normally.
+    Answered { epoch: Epoch, replay: WriteFailure },
     /// P's request for the key ended and its blocks are gone.
     Ended {
         /// The attempt the blocks were bound to, if any.
@@ -202,12 +207,68 @@ impl Writer {
         }));
     }
 
-    /// The highest epoch an ended request of `key` (or an early cancel or release) settled.
+    /// The highest epoch an ended request of `key` (or an early cancel, release or answer)
+    /// settled.
     fn epoch_floor(&self, key: &PairingKey) -> Option<Epoch> {
         match self.tombstones.get(key)? {
-            PrefillTombstone::GaveUpEarly { epoch, .. } => Some(*epoch),
+            PrefillTombstone::GaveUpEarly { epoch, .. }
+            | PrefillTombstone::Answered { epoch, .. } => Some(*epoch),
             PrefillTombstone::Ended { epoch, .. } => *epoch,
         }
+    }
+
+    /// Makes sure registrations for `epoch` or older of `key` never reach blocks again (D
+    /// cancelled that epoch): raises the key's floor, keeping what the tombstone says otherwise.
+    fn raise_floor(&mut self, now: Time, key: &PairingKey, epoch: Epoch) {
+        let raised = match self.tombstones.get(key).copied() {
+            Some(PrefillTombstone::GaveUpEarly { epoch: old, cause }) => {
+                (epoch > old).then_some(PrefillTombstone::GaveUpEarly { epoch, cause })
+            }
+            // D gave up on a newer attempt than the one P answered: as a cancel before P
+            // finished.
+            Some(PrefillTombstone::Answered { epoch: old, .. })
+            | Some(PrefillTombstone::Ended {
+                epoch: Some(old), ..
+            }) if epoch <= old => None,
+            Some(PrefillTombstone::Answered { .. }) | None => Some(PrefillTombstone::GaveUpEarly {
+                epoch,
+                cause: ReleaseCause::CancelledByPeer,
+            }),
+            Some(PrefillTombstone::Ended { replay, newer, .. }) => Some(PrefillTombstone::Ended {
+                epoch: Some(epoch),
+                replay,
+                newer,
+            }),
+        };
+        if let Some(tombstone) = raised {
+            self.tombstones
+                .insert(key.clone(), tombstone, now + self.config.tombstone_ttl);
+        }
+    }
+
+    /// Answers a registration P will never serve, and remembers the answer so that a copy of
+    /// the registration arriving later cannot reach blocks that finish afterwards.
+    fn answer_unbound(
+        &mut self,
+        now: Time,
+        to: &PeerAddr,
+        key: &PairingKey,
+        epoch: Epoch,
+        failure: WriteFailure,
+        fx: &mut Effects<'_>,
+    ) {
+        fx.send(to, write_failed(key, epoch, self.rank, failure));
+        if self.epoch_floor(key).is_some_and(|floor| floor >= epoch) {
+            return;
+        }
+        self.tombstones.insert(
+            key.clone(),
+            PrefillTombstone::Answered {
+                epoch,
+                replay: failure,
+            },
+            now + self.config.tombstone_ttl,
+        );
     }
 
     /// P's engine finished a prefill.
@@ -242,9 +303,12 @@ impl Writer {
             Some(PrefillTombstone::GaveUpEarly { epoch, cause }) if !superseded(epoch) => {
                 Some((cause, epoch))
             }
-            Some(PrefillTombstone::GaveUpEarly { .. } | PrefillTombstone::Ended { .. }) | None => {
-                None
-            }
+            Some(
+                PrefillTombstone::GaveUpEarly { .. }
+                | PrefillTombstone::Answered { .. }
+                | PrefillTombstone::Ended { .. },
+            )
+            | None => None,
         };
         if let Some((cause, epoch)) = settled_by_peer {
             // D gave up on (or never needed) this key before P finished: free at once. A
@@ -278,15 +342,9 @@ impl Writer {
                 fx,
             );
             if let Some(pending) = self.take_pending(&key) {
-                fx.send(
-                    &pending.from,
-                    write_failed(
-                        &key,
-                        pending.register.epoch,
-                        self.rank,
-                        WriteFailure::Unavailable,
-                    ),
-                );
+                let epoch = pending.register.epoch;
+                let failure = WriteFailure::Unavailable;
+                self.answer_unbound(now, &pending.from, &key, epoch, failure, fx);
             }
             return Ok(());
         }
@@ -350,6 +408,26 @@ impl Writer {
             fx.drop_input(DropReason::Late);
             return;
         }
+        if let Some(bound) = self
+            .requests
+            .get(&key)
+            .and_then(PrefillRequest::bound_epoch)
+        {
+            if register.epoch > bound {
+                // The blocks serve one attempt; a newer one cannot have them. Answered here,
+                // not by the request, so that the answer raises the key's floor.
+                fx.drop_input(DropReason::FutureEpoch);
+                self.answer_unbound(
+                    now,
+                    &from,
+                    &key,
+                    register.epoch,
+                    WriteFailure::Unavailable,
+                    fx,
+                );
+                return;
+            }
+        }
         if let Some(request) = self.requests.get(&key) {
             match request {
                 // Only a first registration meeting held blocks is the race; a repeat is not.
@@ -384,9 +462,32 @@ impl Writer {
                         write_failed(&key, register.epoch, self.rank, failure),
                     );
                 }
+                if !same_attempt {
+                    // Every epoch P answers raises the floor, so that a copy of this
+                    // registration can never reach blocks a later request of the key holds.
+                    self.tombstones.insert(
+                        key,
+                        PrefillTombstone::Ended {
+                            epoch: Some(register.epoch),
+                            replay,
+                            newer,
+                        },
+                        now + self.config.tombstone_ttl,
+                    );
+                }
                 return;
             }
-            Some(PrefillTombstone::GaveUpEarly { .. }) | None => {}
+            Some(PrefillTombstone::Answered { epoch, replay }) if register.epoch <= epoch => {
+                fx.drop_input(if register.epoch == epoch {
+                    DropReason::Duplicate
+                } else {
+                    DropReason::Late
+                });
+                fx.send(&from, write_failed(&key, register.epoch, self.rank, replay));
+                return;
+            }
+            Some(PrefillTombstone::GaveUpEarly { .. } | PrefillTombstone::Answered { .. })
+            | None => {}
         }
         if let Some(existing) = self.pending.get(&key) {
             if register.epoch <= existing.register.epoch {
@@ -399,9 +500,13 @@ impl Writer {
             }
         } else if self.pending.len() >= self.config.max_pending_registrations {
             fx.drop_input(DropReason::TableFull);
-            fx.send(
+            self.answer_unbound(
+                now,
                 &from,
-                write_failed(&key, register.epoch, self.rank, WriteFailure::Unavailable),
+                &key,
+                register.epoch,
+                WriteFailure::Unavailable,
+                fx,
             );
             return;
         }
@@ -428,6 +533,8 @@ impl Writer {
     ) {
         if self.requests.contains_key(&key) {
             self.step(now, &key, PrefillInput::Cancel { from, epoch }, fx);
+            // Whatever the request did with it, the cancelled epoch is settled for the key.
+            self.raise_floor(now, &key, epoch);
             return;
         }
         if self
@@ -439,22 +546,7 @@ impl Writer {
         }
         // Nothing of this epoch is or will be in flight: remember the cancel so that a
         // registration it overtook is swallowed, and acknowledge.
-        let newer = match self.tombstones.get(&key) {
-            Some(PrefillTombstone::GaveUpEarly { epoch: old, .. }) => epoch > *old,
-            // The blocks are gone already; nothing to remember.
-            Some(PrefillTombstone::Ended { .. }) => false,
-            None => true,
-        };
-        if newer {
-            self.tombstones.insert(
-                key.clone(),
-                PrefillTombstone::GaveUpEarly {
-                    epoch,
-                    cause: ReleaseCause::CancelledByPeer,
-                },
-                now + self.config.tombstone_ttl,
-            );
-        }
+        self.raise_floor(now, &key, epoch);
         fx.send(
             &from,
             Message::CancelAck(CancelAck {
@@ -551,15 +643,9 @@ impl Writer {
         for key in self.pending_timers.take_due(now) {
             if let Some(pending) = self.pending.remove(&key) {
                 // Nothing was posted for it: D may fail fast.
-                fx.send(
-                    &pending.from,
-                    write_failed(
-                        &key,
-                        pending.register.epoch,
-                        self.rank,
-                        WriteFailure::RegistrationExpired,
-                    ),
-                );
+                let epoch = pending.register.epoch;
+                let failure = WriteFailure::RegistrationExpired;
+                self.answer_unbound(now, &pending.from, &key, epoch, failure, fx);
             }
         }
         self.tombstones.expire(now);

@@ -202,6 +202,21 @@ fn tomb_aborted() -> Writer {
     )
 }
 
+/// D's registration for EPOCH waited in the pending table past its TTL: P answered it
+/// `RegistrationExpired` and remembers that (set up at `PENDING_MS`, not T0).
+fn tomb_answered() -> Writer {
+    let mut w = setup(config(), vec![register(EPOCH)]);
+    let mut out = VecDeque::new();
+    let mut counters = Counters::default();
+    let mut fx = Effects {
+        out: &mut out,
+        counters: &mut counters,
+    };
+    w.on_timeout(ms(PENDING_MS), &mut fx);
+    w.check_invariants();
+    w
+}
+
 /// P's write for EPOCH completed: an `Ended` tombstone that swallows that epoch's registrations.
 fn tomb_sent() -> Writer {
     setup(
@@ -283,6 +298,12 @@ fn settled(epoch: Epoch) -> PrefillTombstone {
 /// What an unmatched request that ended on P's side leaves: every registration is told why.
 fn unbound(failure: WriteFailure) -> PrefillTombstone {
     ended_tomb(None, Some(failure), failure)
+}
+
+/// What a registration P answered without ever binding blocks leaves: copies of it get the same
+/// answer; newer ones are served.
+fn answered(epoch: Epoch, replay: WriteFailure) -> PrefillTombstone {
+    PrefillTombstone::Answered { epoch, replay }
 }
 
 fn tomb(tombstone: PrefillTombstone) -> KeyState {
@@ -504,7 +525,7 @@ fn unknown_cases() -> Vec<Case> {
                 setup(config, vec![WInput::Register(d(), other)])
             },
             register(EPOCH),
-            nothing(),
+            tomb(answered(EPOCH, WriteFailure::Unavailable)),
             vec![write_failed(EPOCH, WriteFailure::Unavailable)],
             dropped(DropReason::TableFull),
         ),
@@ -717,10 +738,11 @@ fn pending_cases() -> Vec<Case> {
             counted(|c| c.decode_registered_first = 1),
         ),
         case(
-            "pending + finished with no blocks: ends, D told unavailable",
+            "pending + finished with no blocks: ends, D told unavailable, and the answer remembered",
             pending,
             WInput::Finished(start_with(req(), BlockIds::single_group(vec![]))),
-            tomb(ended_tomb(None, None, WriteFailure::Unavailable)),
+            // The Empty outcome's tombstone has no epoch: the answer to EPOCH replaces it.
+            tomb(answered(EPOCH, WriteFailure::Unavailable)),
             vec![
                 event_with(
                     PrefillOutcome::Released(ReleaseCause::Empty),
@@ -781,10 +803,10 @@ fn pending_cases() -> Vec<Case> {
         )
         .at(ms(PENDING_MS - 1)),
         case(
-            "pending + timeout at expiry: D told the registration expired",
+            "pending + timeout at expiry: D told the registration expired, and it is remembered",
             pending,
             WInput::Timeout,
-            nothing(),
+            tomb(answered(EPOCH, WriteFailure::RegistrationExpired)),
             vec![write_failed(EPOCH, WriteFailure::RegistrationExpired)],
             none(),
         )
@@ -959,10 +981,13 @@ fn writing_cases() -> Vec<Case> {
             dropped(DropReason::Duplicate),
         ),
         case(
-            "writing + register, newer epoch from another rank: unavailable to it",
+            "writing + register, newer epoch from another rank: unavailable to it, remembered",
             writing,
             WInput::Register(d2(), registration(&d2(), Epoch(3))),
-            writing_t0(),
+            KeyState {
+                tombstone: Some(answered(Epoch(3), WriteFailure::Unavailable)),
+                ..writing_t0()
+            },
             vec![write_failed_to(&d2(), Epoch(3), WriteFailure::Unavailable)],
             dropped(DropReason::FutureEpoch),
         ),
@@ -1219,6 +1244,7 @@ fn draining_cases() -> Vec<Case> {
 
 fn tombstone_cases() -> Vec<Case> {
     let mut cases = gave_up_cases();
+    cases.extend(answered_cases());
     cases.extend(ended_unbound_cases());
     cases.extend(ended_sent_cases());
     cases.extend(ended_failed_cases());
@@ -1513,23 +1539,135 @@ fn gave_up_cases() -> Vec<Case> {
     ]
 }
 
+fn answered_cases() -> Vec<Case> {
+    let answered_t = || tomb(answered(EPOCH, WriteFailure::RegistrationExpired));
+    // The fixture is set up at PENDING_MS; its tombstone expires a tombstone_ttl later.
+    let after = ms(PENDING_MS + 10);
+    let expiry = ms(PENDING_MS + 5_000);
+    vec![
+        // ---- Answered: P told D its registration expired; P never held blocks for it
+        case(
+            "answered + the same registration again (a duplicate): the same answer, no blocks",
+            tomb_answered,
+            register(EPOCH),
+            answered_t(),
+            vec![write_failed(EPOCH, WriteFailure::RegistrationExpired)],
+            dropped(DropReason::Duplicate),
+        )
+        .at(after),
+        case(
+            "answered + cancel: acknowledged, the answer stays the floor",
+            tomb_answered,
+            cancel(EPOCH),
+            answered_t(),
+            vec![ack(EPOCH)],
+            none(),
+        )
+        .at(after),
+        case(
+            "answered + release: late",
+            tomb_answered,
+            WInput::Release(EPOCH, ReleaseReason::Aborted),
+            answered_t(),
+            vec![],
+            dropped(DropReason::Late),
+        )
+        .at(after),
+        case(
+            "answered + heartbeat: nothing",
+            tomb_answered,
+            WInput::Heartbeat(vec![key()]),
+            answered_t(),
+            vec![],
+            none(),
+        )
+        .at(after),
+        case(
+            "answered + finished: held, and the answer stays as a floor for copies",
+            tomb_answered,
+            WInput::Finished(start()),
+            KeyState {
+                tombstone: Some(answered(EPOCH, WriteFailure::RegistrationExpired)),
+                ..is_held(ms(PENDING_MS + 10 + 3_000))
+            },
+            vec![],
+            none(),
+        )
+        .at(after),
+        case(
+            "answered + abort: unknown request",
+            tomb_answered,
+            WInput::Abort(req()),
+            answered_t(),
+            vec![],
+            none(),
+        )
+        .at(after)
+        .refused(Rejected::UnknownRequest(req())),
+        case(
+            "answered + write completed: unknown write",
+            tomb_answered,
+            WInput::WriteCompleted(W1),
+            answered_t(),
+            vec![],
+            dropped(DropReason::UnknownWrite),
+        )
+        .at(after),
+        case(
+            "answered + write failed: unknown write",
+            tomb_answered,
+            WInput::WriteFailed(W1, WriteFailure::TransferFailed),
+            answered_t(),
+            vec![],
+            dropped(DropReason::UnknownWrite),
+        )
+        .at(after),
+        case(
+            "answered + peer dead: nothing",
+            tomb_answered,
+            WInput::PeerDead(d()),
+            answered_t(),
+            vec![],
+            none(),
+        )
+        .at(after),
+        case(
+            "answered + timeout at expiry: forgotten",
+            tomb_answered,
+            WInput::Timeout,
+            nothing(),
+            vec![],
+            none(),
+        )
+        .at(expiry),
+    ]
+}
+
 fn ended_unbound_cases() -> Vec<Case> {
     let aborted = || tomb(unbound(WriteFailure::PrefillAborted));
     vec![
         // ---- Ended, bound to no epoch (P aborted while it held the blocks)
         case(
-            "aborted + register: late, D told why",
+            "aborted + register: late, D told why, the epoch becomes the floor",
             tomb_aborted,
             register(EPOCH),
-            aborted(),
+            tomb(ended_tomb(
+                Some(EPOCH),
+                Some(WriteFailure::PrefillAborted),
+                WriteFailure::PrefillAborted,
+            )),
             vec![write_failed(EPOCH, WriteFailure::PrefillAborted)],
             dropped(DropReason::Late),
         ),
         case(
-            "aborted + register of a newer epoch from another rank: told why",
+            "aborted + register of a newer epoch from another rank: told why, floor raised",
             tomb_aborted,
             WInput::Register(d2(), registration(&d2(), Epoch(3))),
-            aborted(),
+            tomb(ended_tomb(
+                Some(Epoch(3)),
+                Some(WriteFailure::PrefillAborted),
+                WriteFailure::PrefillAborted,
+            )),
             vec![write_failed_to(
                 &d2(),
                 Epoch(3),
@@ -1635,10 +1773,10 @@ fn ended_sent_cases() -> Vec<Case> {
             dropped(DropReason::Late),
         ),
         case(
-            "sent + register of a newer epoch: late, unavailable at once",
+            "sent + register of a newer epoch: late, unavailable at once, floor raised",
             tomb_sent,
             register(Epoch(3)),
-            sent(),
+            tomb(settled(Epoch(3))),
             vec![write_failed(Epoch(3), WriteFailure::Unavailable)],
             dropped(DropReason::Late),
         ),
@@ -1773,10 +1911,14 @@ fn ended_failed_cases() -> Vec<Case> {
             dropped(DropReason::Late),
         ),
         case(
-            "failed + register of a newer epoch: late, unavailable",
+            "failed + register of a newer epoch: late, unavailable, floor raised",
             tomb_failed,
             register(Epoch(3)),
-            failed(),
+            tomb(ended_tomb(
+                Some(Epoch(3)),
+                Some(WriteFailure::TransferFailed),
+                WriteFailure::Unavailable,
+            )),
             vec![write_failed(Epoch(3), WriteFailure::Unavailable)],
             dropped(DropReason::Late),
         ),
@@ -1891,7 +2033,7 @@ fn cases() -> Vec<Case> {
 
 // Adding a request state, a tombstone kind or an input breaks one of these matches: add its
 // name to the list beside it, and the coverage test below then demands its cases.
-const STATES: [&str; 10] = [
+const STATES: [&str; 11] = [
     "Unknown",
     "Pending",
     "Held",
@@ -1899,6 +2041,7 @@ const STATES: [&str; 10] = [
     "Draining",
     "Tomb/GaveUpEarly(cancelled)",
     "Tomb/GaveUpEarly(released)",
+    "Tomb/Answered",
     "Tomb/Ended(unbound)",
     "Tomb/Ended(swallows)",
     "Tomb/Ended(replays)",
@@ -1934,6 +2077,7 @@ fn state_name(state: &KeyState) -> &'static str {
                 ReleaseCause::ReleasedByPeer(_) => "Tomb/GaveUpEarly(released)",
                 _ => "Tomb/GaveUpEarly(other)",
             },
+            PrefillTombstone::Answered { .. } => "Tomb/Answered",
             PrefillTombstone::Ended {
                 epoch: None,
                 replay: _,
@@ -1989,10 +2133,28 @@ fn every_state_and_input() {
         let result = apply(&mut w, case.now, case.input.clone(), &mut fx);
         w.check_invariants();
         let outputs: Vec<Output> = out.into_iter().collect();
-        assert_eq!(result, case.result, "case `{name}`: result");
-        assert_eq!(snapshot(&w), case.next, "case `{name}`: next state");
-        assert_eq!(outputs, case.outputs, "case `{name}`: outputs");
-        assert_eq!(counters, case.counters, "case `{name}`: counters");
+        if result != case.result {
+            eprintln!("MISMATCH `{name}` result: {result:?} vs {:?}", case.result);
+        }
+        if snapshot(&w) != case.next {
+            eprintln!(
+                "MISMATCH `{name}` next:\n  got {:?}\n  exp {:?}",
+                snapshot(&w),
+                case.next
+            );
+        }
+        if outputs != case.outputs {
+            eprintln!(
+                "MISMATCH `{name}` outputs:\n  got {:?}\n  exp {:?}",
+                outputs, case.outputs
+            );
+        }
+        if counters != case.counters {
+            eprintln!(
+                "MISMATCH `{name}` counters:\n  got {:?}\n  exp {:?}",
+                counters, case.counters
+            );
+        }
 
         // Safety: blocks are handed back only when no write of theirs is in flight.
         let freed = outputs
@@ -2154,7 +2316,8 @@ fn write_ids_are_never_reused() {
 
 /// After P released a key because D cancelled (or released) epoch 2, a registration for epoch 3
 /// is told `Unavailable` at once: the blocks are gone, so it must not wait as pending until the
-/// registration ttl expires. The tombstone is kept as it was.
+/// registration ttl expires. The answered epoch becomes the key's floor; the rest of the
+/// tombstone is kept as it was.
 #[test]
 fn newer_registration_after_release_fails_fast() {
     let gave_up = [
@@ -2179,7 +2342,7 @@ fn newer_registration_after_release_fails_fast() {
         );
         assert_eq!(counters, dropped(DropReason::Late), "{give_up:?}");
         assert!(w.pending.is_empty(), "{give_up:?}");
-        assert_eq!(snapshot(&w), tomb(settled(EPOCH)), "{give_up:?}");
+        assert_eq!(snapshot(&w), tomb(settled(Epoch(3))), "{give_up:?}");
     }
 }
 
@@ -2201,4 +2364,288 @@ fn newer_registration_after_an_early_give_up_fails_fast_once_the_blocks_are_gone
     );
     assert_eq!(counters, dropped(DropReason::Late));
     assert!(w.pending.is_empty());
+}
+
+// ---- Every epoch P answers raises the key's floor
+
+/// Feeds one input at `now`; the table must accept it and stay consistent.
+fn feed(w: &mut Writer, now: Time, input: WInput) -> (Vec<Output>, Counters) {
+    let mut out = VecDeque::new();
+    let mut counters = Counters::default();
+    let mut fx = Effects {
+        out: &mut out,
+        counters: &mut counters,
+    };
+    apply(w, now, input, &mut fx).unwrap();
+    w.check_invariants();
+    (out.into_iter().collect(), counters)
+}
+
+fn second_req() -> RequestId {
+    RequestId::new("req-p2").unwrap()
+}
+
+/// P's second request for `key()`, held since `now` (its blocks as the first one's).
+fn second_held(now: Time, tombstone: PrefillTombstone) -> KeyState {
+    KeyState {
+        request: Some(PrefillRequest::Held(Held {
+            common: PrefillCommon {
+                request: second_req(),
+                ..common()
+            },
+            lease_until: now + config().lease_duration,
+        })),
+        tombstone: Some(tombstone),
+        ..KeyState::default()
+    }
+}
+
+/// The write P posts when `register` (from `to`) meets blocks held for `key()`.
+fn post_to(write: WriteId, to: &PeerAddr, epoch: Epoch) -> Output {
+    Output::PostWrite(WriteOrder {
+        write,
+        to: to.clone(),
+        key: key(),
+        epoch,
+        local: BlockIds::single_group(vec![13, 14]),
+        remote: d_blocks(),
+        notification: Message::WriteDone(WriteDone {
+            key: key(),
+            epoch,
+            prefill_rank: RANK,
+        }),
+    })
+}
+
+/// After P answered a registration for epoch e, P finishes a new request for the key: a
+/// duplicate of that registration arriving now is dropped `Late` (no write), and only a newer
+/// attempt gets the blocks. Checked from the end of the first request itself: the registration
+/// was answered by an `Ended` tombstone (the blocks were gone) or while the blocks were still
+/// bound to an older attempt (Writing or Draining), and the floor outlives that request.
+fn assert_answered_copy_never_reaches_later_blocks(
+    name: &str,
+    mut w: Writer,
+    answered_floor: PrefillTombstone,
+    copy: WInput,
+    newer: (PeerAddr, Epoch),
+    next_write: WriteId,
+) {
+    let now = ms(NOW_MS + 100);
+    let (outputs, counters) = feed(
+        &mut w,
+        now,
+        WInput::Finished(start_with(second_req(), p_blocks())),
+    );
+    assert_eq!(outputs, [], "{name}: the new request holds its blocks");
+    assert_eq!(counters, none(), "{name}");
+    assert_eq!(
+        snapshot(&w),
+        second_held(now, answered_floor),
+        "{name}: the floor stays"
+    );
+
+    let (outputs, counters) = feed(&mut w, now, copy);
+    assert_eq!(outputs, [], "{name}: the copy reaches no blocks");
+    assert_eq!(counters, dropped(DropReason::Late), "{name}");
+    assert_eq!(
+        snapshot(&w),
+        second_held(now, answered_floor),
+        "{name}: nothing changed"
+    );
+    assert_eq!(w.writes_in_flight(), 0, "{name}");
+
+    let (from, epoch) = newer;
+    let (outputs, counters) = feed(
+        &mut w,
+        now,
+        WInput::Register(from.clone(), registration(&from, epoch)),
+    );
+    assert_eq!(
+        outputs,
+        [post_to(next_write, &from, epoch)],
+        "{name}: a newer attempt is served"
+    );
+    assert_eq!(
+        counters,
+        counted(|c| {
+            c.prefill_finished_first = 1;
+            c.writes_posted = 1;
+        }),
+        "{name}"
+    );
+}
+
+/// Rule: a registration that is not for the attempt an `Ended` tombstone is bound to (it has
+/// none, or the registration is newer) is answered, and its epoch becomes the key's floor.
+#[test]
+fn registration_answered_by_an_ended_tombstone_never_reaches_a_later_request() {
+    // (fixture, the registration answered, its answer, the tombstone it leaves, the next write)
+    let cases = [
+        (
+            "sent",
+            tomb_sent as fn() -> Writer,
+            Epoch(3),
+            WriteFailure::Unavailable,
+            settled(Epoch(3)),
+            WriteId(2),
+        ),
+        (
+            "failed",
+            tomb_failed,
+            Epoch(3),
+            WriteFailure::Unavailable,
+            ended_tomb(
+                Some(Epoch(3)),
+                Some(WriteFailure::TransferFailed),
+                WriteFailure::Unavailable,
+            ),
+            WriteId(2),
+        ),
+        (
+            "aborted (bound to no epoch)",
+            tomb_aborted,
+            EPOCH,
+            WriteFailure::PrefillAborted,
+            unbound_raised(EPOCH),
+            W1,
+        ),
+    ];
+    for (name, build, epoch, answer, floor, next_write) in cases {
+        let mut w = build();
+        let (outputs, counters) = feed(&mut w, ms(NOW_MS), register(epoch));
+        assert_eq!(outputs, [write_failed(epoch, answer)], "{name}");
+        assert_eq!(counters, dropped(DropReason::Late), "{name}");
+        assert_eq!(snapshot(&w), tomb(floor), "{name}");
+        assert_answered_copy_never_reaches_later_blocks(
+            name,
+            w,
+            floor,
+            register(epoch),
+            (d(), Epoch(epoch.0 + 1)),
+            next_write,
+        );
+    }
+}
+
+/// The aborted fixture's tombstone once a registration for `epoch` was answered.
+fn unbound_raised(epoch: Epoch) -> PrefillTombstone {
+    ended_tomb(
+        Some(epoch),
+        Some(WriteFailure::PrefillAborted),
+        WriteFailure::PrefillAborted,
+    )
+}
+
+/// Rule: a registration for a newer attempt than the one a live request's blocks are bound to
+/// (Writing or Draining) is answered by the table, not the request, and remembered; the floor
+/// outlives the request, so a copy of it never reaches the blocks of the next request of the key.
+#[test]
+fn newer_registration_answered_while_bound_never_reaches_a_later_request() {
+    let draining_aborted = || {
+        setup(
+            config(),
+            vec![
+                WInput::Finished(start()),
+                register(EPOCH),
+                WInput::Abort(req()),
+            ],
+        )
+    };
+    // (fixture, its state, how its write ends, what that sends and the tombstone it leaves)
+    let cases = [
+        (
+            "writing",
+            writing as fn() -> Writer,
+            is_writing(EPOCH, ms(WRITE_DL_MS)),
+            WInput::WriteCompleted(W1),
+            vec![event(PrefillOutcome::Sent)],
+            settled(Epoch(3)),
+        ),
+        (
+            "draining (aborted)",
+            draining_aborted,
+            is_draining(DrainCause::Aborted, false, false, ms(WRITE_DL_MS)),
+            WInput::WriteFailed(W1, WriteFailure::TransferFailed),
+            vec![
+                write_failed(EPOCH, WriteFailure::PrefillAborted),
+                released(ReleaseCause::Aborted),
+            ],
+            unbound_raised(Epoch(3)),
+        ),
+    ];
+    for (name, build, bound, write_ends, ended, floor) in cases {
+        let mut w = build();
+        let newer = || WInput::Register(d2(), registration(&d2(), Epoch(3)));
+        let (outputs, counters) = feed(&mut w, ms(NOW_MS), newer());
+        assert_eq!(
+            outputs,
+            [write_failed_to(&d2(), Epoch(3), WriteFailure::Unavailable)],
+            "{name}"
+        );
+        assert_eq!(counters, dropped(DropReason::FutureEpoch), "{name}");
+        let answered_while_bound = KeyState {
+            tombstone: Some(answered(Epoch(3), WriteFailure::Unavailable)),
+            ..bound.clone()
+        };
+        assert_eq!(
+            snapshot(&w),
+            answered_while_bound,
+            "{name}: the request is not stepped"
+        );
+
+        // A copy while the blocks are still bound: the same answer again, nothing stepped.
+        let (outputs, counters) = feed(&mut w, ms(NOW_MS), newer());
+        assert_eq!(outputs, [], "{name}: the copy is below the floor");
+        assert_eq!(counters, dropped(DropReason::Late), "{name}");
+        assert_eq!(snapshot(&w), answered_while_bound, "{name}");
+
+        let (outputs, counters) = feed(&mut w, ms(NOW_MS), write_ends);
+        assert_eq!(outputs, ended, "{name}");
+        assert_eq!(counters, none(), "{name}");
+        assert_eq!(
+            snapshot(&w),
+            tomb(floor),
+            "{name}: the answered epoch is the floor"
+        );
+
+        assert_answered_copy_never_reaches_later_blocks(
+            name,
+            w,
+            floor,
+            newer(),
+            (d2(), Epoch(4)),
+            WriteId(2),
+        );
+    }
+}
+
+/// Rule: when P finishes with no blocks while a registration waits, the registration is answered
+/// and remembered (the `Empty` tombstone has no epoch): a copy of it never reaches the blocks of
+/// P's next request of the key.
+#[test]
+fn registration_answered_by_an_empty_prefill_never_reaches_a_later_request() {
+    let mut w = pending();
+    let empty = start_with(req(), BlockIds::single_group(vec![]));
+    let (outputs, counters) = feed(&mut w, ms(NOW_MS), WInput::Finished(empty));
+    assert_eq!(
+        outputs,
+        [
+            event_with(
+                PrefillOutcome::Released(ReleaseCause::Empty),
+                BlockIds::single_group(vec![]),
+            ),
+            write_failed(EPOCH, WriteFailure::Unavailable),
+        ]
+    );
+    assert_eq!(counters, none());
+    let floor = answered(EPOCH, WriteFailure::Unavailable);
+    assert_eq!(snapshot(&w), tomb(floor));
+    assert_answered_copy_never_reaches_later_blocks(
+        "empty",
+        w,
+        floor,
+        register(EPOCH),
+        (d(), Epoch(3)),
+        W1,
+    );
 }

@@ -14,7 +14,7 @@
 //! No routing or matching happens here: everything is decided by the endpoint.
 
 mod link;
-mod mem_rank;
+mod build;
 mod rank;
 mod runtime;
 pub mod side_channel;
@@ -27,7 +27,9 @@ use actix::{Actor, Addr, AsyncContext, Recipient};
 use kvhandoff_protocol::{AgentName, CompatHash, KvGeometry, RegionDesc};
 
 pub use link::{Connect, Hello, LinkActor};
-pub use mem_rank::{build_mem_rank, BuildError, KvPool};
+pub use build::{
+    agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
+};
 pub use rank::{EngineCall, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict};
 pub use runtime::{Runtime, RuntimeError};
 pub use side_channel::{

@@ -35,9 +35,10 @@
 //! # What NIXL (1.5.1, UCX over loopback) does, measured
 //!
 //! - **Landing inside the post.** Between two agents of one process UCX picks TCP + CMA, and
-//!   `post_xfer_req` moves every byte before it returns (it reports "done", even for 256 MiB);
-//!   the completion is still reported by the next [`Transport::poll_completions`]. With
-//!   `UCX_TLS=tcp` posts return "in progress".
+//!   `post_xfer_req` usually moves every byte before it returns (it reports "done", even for
+//!   256 MiB; on a loaded machine a 1 MiB post was once still in progress); the completion is
+//!   still reported by the next [`Transport::poll_completions`]. With `UCX_TLS=tcp` posts
+//!   return "in progress".
 //! - **A released request still lands.** Releasing an in-progress request (dropping its
 //!   `XferRequest`) does not stop its bytes: a released 64 MiB TCP write landed completely
 //!   within 500 ms, also after `invalidate_remote_md`. Its notification is never sent (NIXL sends

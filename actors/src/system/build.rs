@@ -1,0 +1,230 @@
+//! Building a rank on a transport: its KV pool, its regions and its handshake.
+
+use std::sync::Arc;
+
+use kvhandoff_protocol::{
+    compatibility_hash, AgentName, EngineId, GeometryError, IdError, KvGeometry, ModelIdentity,
+    RegionDesc, RegionSpec,
+};
+
+use super::{PeerInfo, RankSetup, ShellConfig};
+use crate::machine::{Config, ConfigError, Endpoint};
+use crate::transport::mem::{MemFabric, MemRegion, MemTransport};
+use crate::transport::{AddrRange, Transport, TransportError};
+use crate::PeerAddr;
+
+/// Why a rank could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The geometry is invalid.
+    #[error("geometry: {0}")]
+    Geometry(#[from] GeometryError),
+    /// The protocol configuration is invalid.
+    #[error("config: {0}")]
+    Config(#[from] ConfigError),
+    /// The transport refused.
+    #[error("transport: {0}")]
+    Transport(#[from] TransportError),
+    /// An id is invalid.
+    #[error("id: {0}")]
+    Id(#[from] IdError),
+    /// The pool would have no blocks, or too many.
+    #[error("a pool needs between 1 and {max} logical blocks, not {got}")]
+    PoolSize {
+        /// Blocks asked for.
+        got: u64,
+        /// The most allowed.
+        max: u64,
+    },
+}
+
+/// Byte access to one registered region, whatever memory backs it.
+pub trait RegionBytes: Send + Sync {
+    /// Copies `bytes` into the region at `offset`.
+    ///
+    /// # Errors
+    /// [`TransportError`] if the span is outside the region.
+    fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), TransportError>;
+
+    /// Copies the region's bytes at `offset` into `buf`.
+    ///
+    /// # Errors
+    /// [`TransportError`] if the span is outside the region.
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), TransportError>;
+}
+
+impl RegionBytes for MemRegion {
+    fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), TransportError> {
+        MemRegion::write(self, offset, bytes)
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), TransportError> {
+        MemRegion::read(self, offset, buf)
+    }
+}
+
+#[cfg(feature = "nixl")]
+impl RegionBytes for crate::transport::nixl::HostBuffer {
+    fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), TransportError> {
+        crate::transport::nixl::HostBuffer::write(self, offset, bytes)
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), TransportError> {
+        crate::transport::nixl::HostBuffer::read(self, offset, buf)
+    }
+}
+
+/// One rank's KV cache in engine terms: logical blocks across every region, with byte access.
+#[derive(Clone)]
+pub struct KvPool {
+    geometry: KvGeometry,
+    specs: Vec<RegionSpec>,
+    regions: Vec<Arc<dyn RegionBytes>>,
+    logical_blocks: u32,
+}
+
+impl KvPool {
+    /// The rank's geometry.
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    /// Logical blocks in the pool.
+    pub fn logical_blocks(&self) -> u32 {
+        self.logical_blocks
+    }
+
+    /// The pool's regions with their specs, in registration order.
+    pub fn regions(&self) -> impl Iterator<Item = (&RegionSpec, &dyn RegionBytes)> {
+        self.specs.iter().zip(self.regions.iter().map(|r| r.as_ref()))
+    }
+
+    /// Byte offset and length of `logical` block inside a region of `spec`.
+    pub fn block_span(&self, spec: &RegionSpec, logical: u32) -> (u64, u64) {
+        let len = spec.block_len * u64::from(self.geometry.kernel_blocks_per_logical);
+        (u64::from(logical) * len, len)
+    }
+}
+
+/// What a rank is built on: a transport, and how to allocate one region's memory for it.
+pub trait RankMemory: Transport + Sized {
+    /// Allocates `len` zeroed bytes for one region; returns the transport's handle (to
+    /// register) and the engine's byte access.
+    ///
+    /// # Errors
+    /// [`TransportError`] if the memory cannot be had.
+    fn allocate(&mut self, len: u64) -> Result<(Self::Region, Arc<dyn RegionBytes>), TransportError>;
+}
+
+impl RankMemory for MemTransport {
+    fn allocate(&mut self, len: u64) -> Result<(MemRegion, Arc<dyn RegionBytes>), TransportError> {
+        let region = self.alloc_region(len)?;
+        Ok((region.clone(), Arc::new(region)))
+    }
+}
+
+#[cfg(feature = "nixl")]
+impl RankMemory for crate::transport::nixl::NixlTransport {
+    fn allocate(
+        &mut self,
+        len: u64,
+    ) -> Result<(crate::transport::nixl::HostBuffer, Arc<dyn RegionBytes>), TransportError> {
+        let buffer = crate::transport::nixl::HostBuffer::new(len)?;
+        Ok((buffer.clone(), Arc::new(buffer)))
+    }
+}
+
+/// The agent name of `rank` of `engine`.
+///
+/// # Errors
+/// [`IdError`] if the name is not a valid id.
+pub fn agent_name(engine: &EngineId, rank: u32) -> Result<AgentName, IdError> {
+    AgentName::new(format!("{engine}-rank{rank}"))
+}
+
+/// Builds a rank on `transport`: allocates and registers one region per geometry region, sized
+/// for `logical_blocks` blocks, and prepares its endpoint and handshake.
+///
+/// # Errors
+/// [`BuildError`] for an invalid geometry, configuration or pool size, or a transport refusal.
+pub fn build_rank<T: RankMemory>(
+    mut transport: T,
+    engine: &EngineId,
+    geometry: KvGeometry,
+    model: &ModelIdentity,
+    logical_blocks: u32,
+    config: Config,
+    shell: ShellConfig,
+) -> Result<(RankSetup<T>, KvPool), BuildError> {
+    geometry.validate()?;
+    const MAX_BLOCKS: u64 = 1 << 24;
+    if logical_blocks == 0 || u64::from(logical_blocks) > MAX_BLOCKS {
+        return Err(BuildError::PoolSize {
+            got: logical_blocks.into(),
+            max: MAX_BLOCKS,
+        });
+    }
+    let rank = geometry.tp_rank;
+    let specs = geometry.regions()?;
+    let kernel_blocks = logical_blocks
+        .checked_mul(geometry.kernel_blocks_per_logical)
+        .ok_or(GeometryError::Overflow)?;
+    let mut regions = Vec::with_capacity(specs.len());
+    let mut descs = Vec::with_capacity(specs.len());
+    for spec in &specs {
+        let len = spec
+            .block_len
+            .checked_mul(u64::from(kernel_blocks))
+            .ok_or(GeometryError::Overflow)?;
+        let (handle, bytes) = transport.allocate(len)?;
+        let AddrRange { base, len } = transport.register_region(&handle)?;
+        descs.push(RegionDesc {
+            base,
+            len,
+            num_blocks: kernel_blocks,
+            block_len: spec.block_len,
+        });
+        regions.push(bytes);
+    }
+    let info = PeerInfo {
+        peer: PeerAddr::new(engine.clone(), rank),
+        agent: transport.agent_name().clone(),
+        metadata: transport.local_metadata()?,
+        regions: descs,
+        compat: compatibility_hash(model, &geometry),
+        geometry: geometry.clone(),
+    };
+    let endpoint = Endpoint::new(engine.clone(), rank, config)?;
+    let pool = KvPool {
+        geometry,
+        specs,
+        regions,
+        logical_blocks,
+    };
+    Ok((
+        RankSetup {
+            endpoint,
+            transport,
+            info,
+            shell,
+        },
+        pool,
+    ))
+}
+
+/// Builds a rank on a new agent of `fabric` (see [`build_rank`]).
+///
+/// # Errors
+/// As [`build_rank`], and if the agent name is taken.
+pub fn build_mem_rank(
+    fabric: &MemFabric,
+    engine: &EngineId,
+    geometry: KvGeometry,
+    model: &ModelIdentity,
+    logical_blocks: u32,
+    config: Config,
+    shell: ShellConfig,
+) -> Result<(RankSetup<MemTransport>, KvPool), BuildError> {
+    let transport = fabric.agent(agent_name(engine, geometry.tp_rank)?)?;
+    build_rank(transport, engine, geometry, model, logical_blocks, config, shell)
+}

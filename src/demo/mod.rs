@@ -1,0 +1,472 @@
+//! `kvhandoff demo`: a prefill engine (P) and a decode engine (D) in one process, handing real KV
+//! bytes over the in-memory transport or over NIXL, with both races (D registers first, P
+//! finishes first).
+//!
+//! What runs:
+//! - one [`Runtime`] hosting two ranks built with [`build_rank`] (`prefill-0` and `decode-0`,
+//!   TP 1), each driven through its own [`KvConnector`], found through the runtime's directory.
+//!   With [`DemoTransport::Mem`] both ranks are agents of one [`MemFabric`]; with
+//!   [`DemoTransport::Nixl`] (cargo feature `nixl`) each is its own NIXL agent (UCX backend,
+//!   DRAM), so every byte crosses NIXL;
+//! - a small real model's geometry ([`demo_geometry`]): 8 layers, 8 KV heads, head dim 128,
+//!   bf16, 16-token blocks, HND, one full-attention group (512 KiB per logical block over the
+//!   16 K/V regions);
+//! - two engine loops on two std threads, each with a free-list block allocator. P "prefills"
+//!   each prompt by writing a deterministic pattern into its blocks ([`fill_kernel_block`]), then
+//!   calls `request_finished`; D allocates and calls `request_allocated`; on `BlocksReady` D
+//!   checks every byte of every block against [`expected_byte`].
+//!
+//! The races: when P's prefill of a request is done (its blocks are filled) at time `f`, P calls
+//! `request_finished` at `f + a` and D calls `request_allocated` at `f + b`, with `a` and `b`
+//! drawn independently from the seeded schedule (uniform in `[0, max_call_skew]`). So about half
+//! the requests see D register first and half see P finish first, whatever the machine's speed.
+//! The counts reported are the ones P's endpoint itself saw (its `Counters`).
+//!
+//! Deadlines: the ranks run [`Config::default`] (production deadlines). A healthy run never
+//! reaches any of them; the demo's own overall limit ([`DemoOptions::timeout`], 60 s) bounds
+//! every wait, and a run that hits it reports FAILED with the requests that never finished.
+//! `Config::fast()` was not used: its 150 ms peer timeout can declare a live peer dead when the
+//! runtime thread is starved by the two busy engine threads on a small machine.
+//!
+//! Layout: `schedule` (the seeded schedule), `pattern` (the bytes), `engines` (allocator,
+//! records, pacing), `prefill_loop` and `decode_loop` (one role each, runnable alone against a
+//! connector: `kvhandoff node` runs one of them per process, see [`crate::node`]), `report`.
+
+mod decode_loop;
+mod engines;
+mod pattern;
+mod prefill_loop;
+mod report;
+mod schedule;
+
+use std::future::Future;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvhandoff_actors::machine::{Config, Counters};
+use kvhandoff_actors::system::{
+    build_rank, BuildError, QueryCounters, RankActor, RankMemory, RuntimeError, ShellConfig,
+};
+#[cfg(doc)]
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_protocol::{EngineId, ModelIdentity};
+
+#[cfg(doc)]
+use crate::KvConnector;
+use crate::{ConnectorIdentity, KvTransferParams, Runtime};
+
+pub(crate) use decode_loop::run_decode;
+pub(crate) use engines::{
+    DecodePacing, DecodeRun, FreeList, PrefillPacing, PrefillRecord, PrefillRun,
+};
+pub use pattern::{
+    block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
+};
+pub(crate) use prefill_loop::run_prefill;
+pub(crate) use report::{build as build_report, human_bytes, Facts, Tallies};
+pub use report::{
+    DemoReport, EventCounts, GeometrySummary, Latency, Leaks, Outcomes, PrefillOutcomes, Races,
+    ReportRole,
+};
+pub(crate) use schedule::{check as check_options, schedule, Planned, Workload};
+
+/// P's engine id in the demo.
+pub const PREFILL_ENGINE: &str = "prefill-0";
+/// D's engine id in the demo.
+pub const DECODE_ENGINE: &str = "decode-0";
+
+/// What the KV bytes travel over.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DemoTransport {
+    /// The in-memory transport: both ranks are agents of one fabric (the default).
+    #[default]
+    Mem,
+    /// NIXL (UCX backend, DRAM): two agents in one process. Needs the cargo feature `nixl`
+    /// and the NIXL runtime (`source scripts/nixl-env.sh`).
+    Nixl,
+}
+
+impl DemoTransport {
+    /// `"mem"` or `"nixl"`, as reports name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DemoTransport::Mem => "mem",
+            DemoTransport::Nixl => "nixl",
+        }
+    }
+}
+
+/// What the demo runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DemoOptions {
+    /// What the bytes travel over (default [`DemoTransport::Mem`]).
+    pub transport: DemoTransport,
+    /// Requests to hand off (default 64).
+    pub requests: usize,
+    /// Seed of the schedule: prompt lengths, arrivals, call offsets and request ids (default 1).
+    pub seed: u64,
+    /// Shortest prompt, in tokens (default 16).
+    pub min_prompt_tokens: u32,
+    /// Longest prompt, in tokens (default 2048).
+    pub max_prompt_tokens: u32,
+    /// Logical blocks in each side's pool (default 1024: 512 MiB per side).
+    pub pool_blocks: u32,
+    /// Mean gap between prompt arrivals at P (exponential; default 2 ms).
+    pub mean_arrival_gap: Duration,
+    /// Upper bound of P's and D's call offsets after a prefill is done (default 10 ms: with
+    /// less, a registration that waits behind a large copy on the shared runtime thread reaches
+    /// P after P finished, and P counts most races as P-first).
+    pub max_call_skew: Duration,
+    /// How often each rank's writer polls the transport (default: the shell's, 200 µs).
+    pub poll_interval: Duration,
+    /// The whole run's limit; a run that reaches it reports FAILED (default 60 s).
+    pub timeout: Duration,
+    /// TEST ONLY: P writes a wrong pattern into one request's blocks, which D must catch.
+    #[doc(hidden)]
+    pub corrupt_one_request: bool,
+}
+
+impl Default for DemoOptions {
+    fn default() -> Self {
+        DemoOptions {
+            transport: DemoTransport::Mem,
+            requests: 64,
+            seed: 1,
+            min_prompt_tokens: 16,
+            max_prompt_tokens: 2048,
+            pool_blocks: 1024,
+            mean_arrival_gap: Duration::from_millis(2),
+            max_call_skew: Duration::from_millis(10),
+            poll_interval: ShellConfig::default().poll_interval,
+            timeout: Duration::from_secs(60),
+            corrupt_one_request: false,
+        }
+    }
+}
+
+/// The message of [`DemoError::NoNixl`].
+pub const NO_NIXL: &str = "this build has no NIXL support; rebuild with --features nixl";
+
+/// Why the demo could not run at all (a run that ran and went wrong is a FAILED report).
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    /// The options contradict each other.
+    #[error("invalid demo options: {0}")]
+    Options(String),
+    /// NIXL was asked for, but this build has no NIXL support (cargo feature `nixl`).
+    #[error("{NO_NIXL}")]
+    NoNixl,
+    /// NIXL was asked for, but its runtime cannot be loaded.
+    #[error("{0}")]
+    NixlUnavailable(String),
+    /// A rank could not be built.
+    #[error("could not build a rank: {0}")]
+    Build(#[from] BuildError),
+    /// The runtime failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// An engine thread could not start or panicked.
+    #[error("engine thread: {0}")]
+    Thread(String),
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run.
+
+/// Runs the demo.
+///
+/// # Errors
+/// [`DemoError`] when the run cannot start (bad options, NIXL asked for but not available, a
+/// rank that cannot be built, a dead runtime) or an engine thread panics. A run that starts
+/// and goes wrong returns a report whose [`DemoReport::verdict_ok`] is false.
+pub fn run(options: &DemoOptions) -> Result<DemoReport, DemoError> {
+    let wall = Instant::now();
+    let workload = check_options(options)?;
+    let plan = schedule(options, workload.block_tokens)?;
+    match options.transport {
+        DemoTransport::Mem => mem::run(options, &workload, &plan, wall),
+        DemoTransport::Nixl => nixl_run(options, &workload, &plan, wall),
+    }
+}
+
+#[cfg(feature = "nixl")]
+fn nixl_run(
+    options: &DemoOptions,
+    workload: &Workload,
+    plan: &[Planned],
+    wall: Instant,
+) -> Result<DemoReport, DemoError> {
+    nixl::run(options, workload, plan, wall)
+}
+
+#[cfg(not(feature = "nixl"))]
+fn nixl_run(
+    _: &DemoOptions,
+    _: &Workload,
+    _: &[Planned],
+    _: Instant,
+) -> Result<DemoReport, DemoError> {
+    Err(DemoError::NoNixl)
+}
+
+mod mem {
+    use super::*;
+    use kvhandoff_actors::system::agent_name;
+    use kvhandoff_actors::transport::mem::{MemFabric, MemLimits};
+    use kvhandoff_actors::transport::Transport;
+
+    /// Both ranks on one in-memory fabric; the bytes moved are P's agent's landed bytes.
+    pub(super) fn run(
+        options: &DemoOptions,
+        workload: &Workload,
+        plan: &[Planned],
+        wall: Instant,
+    ) -> Result<DemoReport, DemoError> {
+        let pool_bytes = workload.block_bytes * u64::from(options.pool_blocks);
+        let fabric = MemFabric::with_limits(MemLimits {
+            max_fabric_bytes: (2 * pool_bytes).max(MemLimits::default().max_fabric_bytes),
+            ..MemLimits::default()
+        });
+        let [p_engine, d_engine] = engines()?;
+        let agent = |engine: &EngineId| -> Result<_, DemoError> {
+            let name = agent_name(engine, 0).map_err(|e| DemoError::Options(e.to_string()))?;
+            fabric.agent(name).map_err(|e| DemoError::Build(e.into()))
+        };
+        let (p, d) = (agent(&p_engine)?, agent(&d_engine)?);
+        let p_agent = p.agent_name().clone();
+        run_pair(options, workload, plan, wall, "mem", p, d, |_| {
+            fabric.stats(&p_agent).map_or(0, |s| s.bytes_landed)
+        })
+    }
+}
+
+#[cfg(feature = "nixl")]
+mod nixl {
+    use super::*;
+    use kvhandoff_actors::system::agent_name;
+    use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
+
+    /// Two NIXL agents in this process. NIXL counts no bytes: the bytes moved are those of the
+    /// requests whose write completed (P's `Sent`).
+    pub(super) fn run(
+        options: &DemoOptions,
+        workload: &Workload,
+        plan: &[Planned],
+        wall: Instant,
+    ) -> Result<DemoReport, DemoError> {
+        nixl_runtime_available().map_err(|e| DemoError::NixlUnavailable(e.to_string()))?;
+        let [p_engine, d_engine] = engines()?;
+        let agent = |engine: &EngineId| -> Result<NixlTransport, DemoError> {
+            let name = agent_name(engine, 0).map_err(|e| DemoError::Options(e.to_string()))?;
+            NixlTransport::new(name, NixlConfig::default()).map_err(|e| DemoError::Build(e.into()))
+        };
+        let (p, d) = (agent(&p_engine)?, agent(&d_engine)?);
+        run_pair(options, workload, plan, wall, "nixl", p, d, |records| {
+            sent_bytes(plan, records, workload.block_bytes)
+        })
+    }
+}
+
+/// The bytes of the blocks of the requests whose write completed.
+pub(crate) fn sent_bytes(plan: &[Planned], p: &[engines::PrefillRecord], block_bytes: u64) -> u64 {
+    plan.iter()
+        .zip(p)
+        .filter(|(_, r)| r.sent)
+        .map(|(q, _)| q.blocks as u64 * block_bytes)
+        .sum()
+}
+
+fn engines() -> Result<[EngineId; 2], DemoError> {
+    let id = |name| EngineId::new(name).map_err(|e| DemoError::Options(e.to_string()));
+    Ok([id(PREFILL_ENGINE)?, id(DECODE_ENGINE)?])
+}
+
+/// Builds both ranks on their transports, starts them in one runtime, runs both engine loops
+/// on two threads with the in-process router between them, and builds the report.
+#[allow(clippy::too_many_arguments)]
+fn run_pair<T, B>(
+    options: &DemoOptions,
+    workload: &Workload,
+    plan: &[Planned],
+    wall: Instant,
+    transport: &'static str,
+    p_transport: T,
+    d_transport: T,
+    bytes: B,
+) -> Result<DemoReport, DemoError>
+where
+    T: RankMemory + Unpin + Send + 'static,
+    B: FnOnce(&[engines::PrefillRecord]) -> u64,
+{
+    let shell = ShellConfig {
+        poll_interval: options.poll_interval,
+        ..ShellConfig::default()
+    };
+    let [p_engine, d_engine] = engines()?;
+    let (p_setup, p_pool) = build_rank(
+        p_transport,
+        &p_engine,
+        workload.geometry.clone(),
+        &model(),
+        options.pool_blocks,
+        Config::default(),
+        shell.clone(),
+    )?;
+    let (d_setup, d_pool) = build_rank(
+        d_transport,
+        &d_engine,
+        workload.geometry.clone(),
+        &model(),
+        options.pool_blocks,
+        Config::default(),
+        shell,
+    )?;
+    let runtime = Runtime::start()?;
+    let p_handle = runtime.add_rank(p_setup)?;
+    let d_handle = runtime.add_rank(d_setup)?;
+    let p_rank = p_handle.rank.clone();
+    let p_conn = crate::KvConnector::new(identity(PREFILL_ENGINE)?, p_handle);
+    let d_conn = crate::KvConnector::new(identity(DECODE_ENGINE)?, d_handle);
+
+    let (to_decode, from_prefill) = mpsc::channel();
+    let start = Instant::now();
+    let deadline = start + options.timeout;
+    let prefill = PrefillRun {
+        start,
+        deadline,
+        corrupt: options.corrupt_one_request.then_some(plan.len() / 2),
+        pacing: PrefillPacing::Router(to_decode),
+    };
+    let decode = DecodeRun {
+        start,
+        deadline,
+        pacing: DecodePacing::Router(from_prefill),
+        // What a router knows of P before P answered (an in-process rank needs no address).
+        params: KvTransferParams {
+            do_remote_prefill: true,
+            remote_engine_id: Some(PREFILL_ENGINE.into()),
+            tp_size: Some(1),
+            ..KvTransferParams::default()
+        },
+    };
+    let (p, d) = thread::scope(|s| {
+        let spawn = |name: &str| thread::Builder::new().name(name.into());
+        let p_thread = spawn("demo-prefill")
+            .spawn_scoped(s, move || run_prefill(p_conn, p_pool, plan, prefill))
+            .map_err(|e| DemoError::Thread(e.to_string()))?;
+        let d_thread = spawn("demo-decode")
+            .spawn_scoped(s, move || run_decode(d_conn, d_pool, plan, decode))
+            .map_err(|e| DemoError::Thread(e.to_string()))?;
+        let p = p_thread
+            .join()
+            .map_err(|_| DemoError::Thread("the prefill loop panicked".into()))?;
+        let d = d_thread
+            .join()
+            .map_err(|_| DemoError::Thread("the decode loop panicked".into()))?;
+        Ok::<_, DemoError>((p, d))
+    })?;
+
+    let counters = query_counters(&p_rank);
+    let bytes = bytes(&p.records);
+    drop(p_rank);
+    runtime.shutdown();
+
+    let mut errors = p.errors;
+    errors.extend(d.errors);
+    let races = match &counters {
+        Some(c) => races_of(c),
+        None => {
+            engines::note(&mut errors, "P's counters did not come back".into());
+            Races::default()
+        }
+    };
+    Ok(build_report(
+        Facts {
+            options,
+            transport,
+            workload,
+            plan,
+            prefill: Some(&p.records),
+            decode: &d.records,
+        },
+        Tallies {
+            races,
+            bytes,
+            errors,
+            timed_out: p.timed_out || d.timed_out,
+            double_frees: p.free.double_frees + d.free.double_frees,
+            bad_ids: p.free.bad_ids + d.free.bad_ids,
+            leaks: Leaks {
+                prefill: p.free.in_use(),
+                decode: d.free.in_use(),
+            },
+            duplicates: p.duplicates + d.duplicates,
+            unknown: p.unknown + d.unknown,
+            wall,
+        },
+    ))
+}
+
+/// The race counts of P's endpoint counters.
+pub(crate) fn races_of(c: &Counters) -> Races {
+    Races {
+        decode_registers_first: c.decode_registered_first,
+        prefill_finishes_first: c.prefill_finished_first,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Blocking on an actix request from a plain thread.
+
+struct ThreadWaker(thread::Thread);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Runs `future` on the calling thread until it is ready or `timeout` passes. For futures that
+/// need no executor of their own (actix's `Addr::send` answers through a channel).
+pub(crate) fn block_on_timeout<F: Future>(future: F, timeout: Duration) -> Option<F::Output> {
+    let deadline = Instant::now() + timeout;
+    let waker = Waker::from(Arc::new(ThreadWaker(thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return Some(out);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        thread::park_timeout(deadline - now);
+    }
+}
+
+/// P's endpoint counters, asked for on its rank actor.
+pub(crate) fn query_counters(rank: &actix::Addr<RankActor>) -> Option<Counters> {
+    block_on_timeout(rank.send(QueryCounters), Duration::from_secs(5))?.ok()
+}
+
+pub(crate) fn identity(engine: &str) -> Result<ConnectorIdentity, DemoError> {
+    Ok(ConnectorIdentity {
+        engine: EngineId::new(engine).map_err(|e| DemoError::Options(e.to_string()))?,
+        rank: 0,
+        tp_size: 1,
+        host: "127.0.0.1".into(),
+        port: 0,
+    })
+}
+
+pub(crate) fn model() -> ModelIdentity {
+    ModelIdentity {
+        model: "kvhandoff-demo-8l-8kvh-128d".into(),
+        dtype: "bfloat16".into(),
+        cache_dtype: "bfloat16".into(),
+    }
+}
