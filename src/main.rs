@@ -96,6 +96,28 @@ struct NodeArgs {
     /// FAILED.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     timeout_secs: u64,
+    /// Run requests K.. of the seeded plan (a restarted node continues its predecessor's
+    /// plan); request K arrives when the handshake completes.
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    start_at: u32,
+    /// Heartbeat interval, ms; the peer is declared dead after 1.5 intervals of silence
+    /// (default: the protocol's 2000 ms, peer timeout 3000 ms).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    heartbeat_ms: Option<u64>,
+    /// How long P holds finished blocks that no D registered, ms (default 30000).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    lease_ms: Option<u64>,
+    /// How long D waits for P's data after allocating, ms (default 120000).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    decode_deadline_ms: Option<u64>,
+    /// How long P stays after its last event waiting for D to exit, ms.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    linger_ms: u64,
+    /// The peer may die during the run (a kill test's survivor): exit 0 when every request has
+    /// exactly one typed outcome, no ready request has a wrong byte and every block is back,
+    /// even if requests failed.
+    #[arg(long)]
+    expect_peer_loss: bool,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -373,7 +395,16 @@ fn run_node(args: NodeArgs) -> ExitCode {
         timeout: std::time::Duration::from_secs(args.timeout_secs),
         ..options.schedule
     };
-    match node::run(&options) {
+    let ms = std::time::Duration::from_millis;
+    options.start_at = args.start_at as usize;
+    options.linger = ms(args.linger_ms);
+    options.expect_peer_loss = args.expect_peer_loss;
+    options.timing = node::NodeTiming {
+        heartbeat: args.heartbeat_ms.map(ms),
+        lease: args.lease_ms.map(ms),
+        decode_deadline: args.decode_deadline_ms.map(ms),
+    };
+    match node::run_full(&options) {
         Ok(report) => {
             let printed = if args.json {
                 print_json(&report)

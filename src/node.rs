@@ -42,19 +42,44 @@
 //! report is a [`DemoReport`] ([`ReportRole::Decode`](crate::demo::ReportRole::Decode), the demo's keys), P's a
 //! [`PrefillReport`] with P's counts, the race counts of its endpoint included.
 //!
+//! # Kills and restarts
+//! A node survives the death of its peer (`kill -9`) and serves the peer's next incarnation:
+//! the endpoint declares the peer dead after [`Config::peer_timeout`] of silence (1.5
+//! heartbeats with `--heartbeat-ms`), fails what was bound to it with a typed outcome, and takes
+//! a new handshake from the same engine as a restart. For tests of that:
+//! - `--start-at K` runs requests `K..` of the same seeded plan (a restarted node continues the
+//!   plan its predecessor was running; same seed, so the same ids and pairing keys). Its clock
+//!   is shifted so that request `K` arrives at its time zero (its handshake).
+//! - `--heartbeat-ms H` (peer timeout 1.5 H), `--lease-ms`, `--decode-deadline-ms` set the
+//!   protocol's timing ([`NodeTiming`]), kept valid for [`Config::validate`].
+//! - Every node reports, besides its role's report, a [`NodeFacts`] section (`"node"` in the
+//!   JSON): each request's typed outcome and when it ended (unix ms), the pool's free blocks at
+//!   the end, and the peer deaths its endpoint declared (with when the node saw each).
+//! - `--expect-peer-loss` makes the node a survivor: it exits 0 when [`NodeFacts::ok`] holds
+//!   (every request has exactly one typed outcome, no byte error in a `Ready` request, every
+//!   block back, nothing else went wrong) even if some requests failed; without it a node also
+//!   needs its role's strict verdict (every request handed off).
+//!
+//! P runs until every request of its plan has an outcome, whatever happens to D: requests whose
+//! D never registers end by lease expiry (`--lease-ms`). Then it stays until D exits, for at most
+//! `--linger-ms`.
+//!
 //! Without the cargo feature `nixl`, [`run`] returns [`DemoError::NoNixl`] and the CLI prints
 //! that message and exits 1. [`run_on`] runs a node on any transport whose agents can reach each
 //! other (the tests run two in-memory nodes in one process).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvhandoff_actors::machine::Config;
+use kvhandoff_actors::machine::{Config, Counters};
 use kvhandoff_actors::system::{
     agent_name, build_rank, AddPeerAddress, Connect, Handshaker, LinkActor, QuerySideChannel,
-    RankMemory, ShellConfig, SideChannelConfig, SideChannelStats,
+    RankActor, RankMemory, ShellConfig, SideChannelConfig, SideChannelStats,
 };
 use kvhandoff_actors::transport::TransportError;
 use kvhandoff_actors::PeerAddr;
@@ -63,9 +88,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::demo::{
     self, block_on_timeout, build_report, check_options, human_bytes, identity, model,
-    query_counters, races_of, run_decode, run_prefill, schedule, DecodePacing, DecodeRun,
-    DemoError, DemoOptions, DemoReport, Facts, Planned, PrefillOutcomes, PrefillPacing, PrefillRun,
-    Races, Tallies, DECODE_ENGINE, PREFILL_ENGINE,
+    query_counters, races_of, run_decode, run_prefill, schedule, DecodePacing, DecodeRecord,
+    DecodeRun, DemoError, DemoOptions, DemoReport, Facts, FreeList, Planned, PrefillOutcomes,
+    PrefillPacing, PrefillRecord, PrefillRun, Races, Tallies, DECODE_ENGINE, PREFILL_ENGINE,
 };
 use crate::{ConnectorIdentity, KvConnector, KvTransferParams, Runtime};
 
@@ -96,6 +121,65 @@ pub struct NodeOptions {
     pub hold: Duration,
     /// How long P stays, after its last event, waiting for D to exit (default 10 s).
     pub linger: Duration,
+    /// The first request of the plan this node runs (default 0; see the module docs).
+    pub start_at: usize,
+    /// The protocol's timing (default: [`Config::default`]).
+    pub timing: NodeTiming,
+    /// The peer is expected to die during the run: the exit status follows [`NodeFacts::ok`]
+    /// alone (default false).
+    pub expect_peer_loss: bool,
+}
+
+/// The protocol timing of a node; `None` keeps [`Config::default`]'s value.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NodeTiming {
+    /// The heartbeat interval H; the peer timeout becomes 1.5 H (at least 10 ms).
+    pub heartbeat: Option<Duration>,
+    /// How long P holds finished blocks without a registration or renewal.
+    pub lease: Option<Duration>,
+    /// How long D waits for P's data after allocating.
+    pub decode_deadline: Option<Duration>,
+}
+
+impl NodeTiming {
+    /// The endpoint configuration: [`Config::default`] with these values, and the values that
+    /// depend on them moved so that [`Config::validate`] holds: a heartbeat renews a lease by at
+    /// most the lease (`lease_extension`), the quarantine covers the latest a late write can
+    /// land, and ended keys are remembered for at least the peer timeout.
+    ///
+    /// # Errors
+    /// A heartbeat under 10 ms, a lease not above the heartbeat, or any other invalid result.
+    pub fn config(&self) -> Result<Config, String> {
+        let mut c = Config::default();
+        if let Some(h) = self.heartbeat {
+            if h < Duration::from_millis(10) {
+                return Err(format!("a heartbeat of {h:?} is below 10 ms"));
+            }
+            c.heartbeat_interval = h;
+            c.peer_timeout = h * 3 / 2;
+        }
+        if let Some(lease) = self.lease {
+            c.lease_duration = lease;
+        }
+        if let Some(deadline) = self.decode_deadline {
+            c.decode_deadline = deadline;
+        }
+        c.lease_extension = c.lease_extension.min(c.lease_duration);
+        if c.lease_extension <= c.heartbeat_interval {
+            return Err(format!(
+                "the lease ({:?}) must exceed the heartbeat interval ({:?})",
+                c.lease_duration, c.heartbeat_interval
+            ));
+        }
+        let latest_write =
+            c.registration_ttl + c.heartbeat_interval + c.write_timeout + c.abandon_timeout;
+        if c.quarantine <= latest_write {
+            c.quarantine = latest_write + c.heartbeat_interval;
+        }
+        c.tombstone_ttl = c.tombstone_ttl.max(c.peer_timeout);
+        c.validate().map_err(|e| e.to_string())?;
+        Ok(c)
+    }
 }
 
 impl NodeOptions {
@@ -116,6 +200,9 @@ impl NodeOptions {
             },
             hold: Duration::from_millis(20),
             linger: Duration::from_secs(10),
+            start_at: 0,
+            timing: NodeTiming::default(),
+            expect_peer_loss: false,
         }
     }
 }
@@ -365,19 +452,210 @@ impl NodeReport {
     }
 }
 
+/// One request's end as a node saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestEnd {
+    /// The request's index in the whole seeded plan.
+    pub index: u64,
+    /// Its typed outcome: `"Sent"` or `"Released(<ReleaseCause>)"` on P, `"Ready"` or
+    /// `"Failed(<DecodeFailure>)"` on D (the machines' `Debug` names); `None` without one.
+    pub outcome: Option<String>,
+    /// Events the engine got for it (exactly 1 when all is well).
+    pub events: u32,
+    /// When this side's engine called (`request_finished` / `request_allocated`), unix ms.
+    pub called_unix_ms: Option<f64>,
+    /// When the engine took its event, unix ms.
+    pub ended_unix_ms: Option<f64>,
+    /// D: bytes found wrong (of a `Ready` request).
+    pub byte_errors: u64,
+}
+
+/// The pool at the end of the run (the leak check).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolSummary {
+    /// Logical blocks in the pool.
+    pub blocks: u32,
+    /// Blocks back on the engine's free list at the end.
+    pub free_at_end: u32,
+    /// Blocks freed while already free.
+    pub double_frees: u64,
+    /// Block ids outside the pool handed back.
+    pub bad_ids: u64,
+}
+
+/// What every node reports besides its role's report (`"node"` in the JSON): the facts a kill
+/// test checks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeFacts {
+    /// The first request of the plan this node ran.
+    pub start_at: u64,
+    /// The heartbeat interval in force, ms.
+    pub heartbeat_ms: f64,
+    /// The peer timeout in force, ms.
+    pub peer_timeout_ms: f64,
+    /// P's lease in force, ms.
+    pub lease_ms: f64,
+    /// D's deadline in force, ms.
+    pub decode_deadline_ms: f64,
+    /// Whether the node ran as a survivor (`--expect-peer-loss`).
+    pub expect_peer_loss: bool,
+    /// The schedule's time zero (the handshake), unix ms.
+    pub schedule_start_unix_ms: f64,
+    /// The pool at the end.
+    pub pool: PoolSummary,
+    /// Peers the endpoint declared dead (`Counters::peers_declared_dead`, restarts included).
+    pub peer_deaths: u64,
+    /// When the node saw each of those deaths (it polls the counters every 10 ms), unix ms.
+    pub peer_deaths_seen_unix_ms: Vec<f64>,
+    /// Requests per outcome (`"none"` for those without one).
+    pub outcomes: BTreeMap<String, u64>,
+    /// Every request of the node's part of the plan, in plan order.
+    pub requests: Vec<RequestEnd>,
+    /// Errors that no typed outcome explains (at most 32).
+    pub unexplained_errors: Vec<String>,
+    /// [`NodeFacts::verdict_ok`] at the end.
+    pub ok: bool,
+    /// The verdict line.
+    pub verdict: String,
+}
+
+impl NodeFacts {
+    /// True when every request has exactly one typed outcome, no `Ready` request has a wrong
+    /// byte, every block is back on the free list (none freed twice), the run did not time out
+    /// and no error is left that a typed outcome does not explain.
+    pub fn verdict_ok(&self) -> bool {
+        !self.requests.is_empty()
+            && self
+                .requests
+                .iter()
+                .all(|r| r.events == 1 && r.outcome.is_some())
+            && self
+                .requests
+                .iter()
+                .all(|r| r.byte_errors == 0 || r.outcome.as_deref() != Some("Ready"))
+            && self.pool.free_at_end == self.pool.blocks
+            && self.pool.double_frees == 0
+            && self.pool.bad_ids == 0
+            && self.unexplained_errors.is_empty()
+    }
+
+    fn verdict_line(&self, timed_out: bool) -> String {
+        let counts: Vec<String> = self
+            .outcomes
+            .iter()
+            .map(|(o, n)| format!("{o} {n}"))
+            .collect();
+        let head = format!(
+            "{} requests: {}; {} peer deaths; pool {}/{} free",
+            self.requests.len(),
+            counts.join(", "),
+            self.peer_deaths,
+            self.pool.free_at_end,
+            self.pool.blocks
+        );
+        if self.ok {
+            return format!("node verdict: OK — {head}");
+        }
+        let mut why = vec![head];
+        if timed_out {
+            why.push("timed out".into());
+        }
+        let bad = self
+            .requests
+            .iter()
+            .filter(|r| r.events != 1 || r.outcome.is_none())
+            .count();
+        if bad > 0 {
+            why.push(format!("{bad} requests without exactly one outcome"));
+        }
+        if let Some(first) = self.unexplained_errors.first() {
+            why.push(format!(
+                "{} unexplained errors (first: {first})",
+                self.unexplained_errors.len()
+            ));
+        }
+        format!("node verdict: FAILED — {}", why.join("; "))
+    }
+}
+
+/// A node's whole result: its role's report and the [`NodeFacts`]. The JSON is the role's
+/// report with a `"node"` key added.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NodeRun {
+    /// The role's report.
+    #[serde(flatten)]
+    pub report: NodeReport,
+    /// The facts of every node.
+    pub node: NodeFacts,
+}
+
+impl NodeRun {
+    /// The exit status's verdict: [`NodeFacts::ok`], and for a node that does not expect to
+    /// lose its peer, its role's strict verdict as well.
+    pub fn verdict_ok(&self) -> bool {
+        self.node.ok && (self.node.expect_peer_loss || self.report.verdict_ok())
+    }
+
+    /// The role's table, then the node's facts.
+    pub fn render_table(&self) -> String {
+        let n = &self.node;
+        let mut out = self.report.render_table();
+        let deaths: Vec<String> = n
+            .peer_deaths_seen_unix_ms
+            .iter()
+            .map(|t| format!("{:.0}", t - n.schedule_start_unix_ms))
+            .collect();
+        let lines = [
+            (
+                "plan",
+                format!("requests {}.. of the seeded plan", n.start_at),
+            ),
+            (
+                "timing",
+                format!(
+                    "heartbeat {:.0} ms, peer timeout {:.0} ms, lease {:.0} ms, D deadline {:.0} ms",
+                    n.heartbeat_ms, n.peer_timeout_ms, n.lease_ms, n.decode_deadline_ms
+                ),
+            ),
+            (
+                "peer deaths",
+                format!(
+                    "{} (seen at {} ms from the schedule's start)",
+                    n.peer_deaths,
+                    deaths.join(", ")
+                ),
+            ),
+        ];
+        for (name, value) in lines {
+            let _ = writeln!(out, "  {name:<19} {value}");
+        }
+        out.push_str(&n.verdict);
+        out.push('\n');
+        out
+    }
+}
+
+/// Runs one node on NIXL (cargo feature `nixl`); its role's report only (see [`run_full`]).
+///
+/// # Errors
+/// As [`run_full`].
+pub fn run(options: &NodeOptions) -> Result<NodeReport, DemoError> {
+    run_full(options).map(|run| run.report)
+}
+
 /// Runs one node on NIXL (cargo feature `nixl`).
 ///
 /// # Errors
 /// [`DemoError::NoNixl`] without the feature; [`DemoError::NixlUnavailable`] without the NIXL
-/// runtime; otherwise as [`run_on`].
-pub fn run(options: &NodeOptions) -> Result<NodeReport, DemoError> {
+/// runtime; otherwise as [`run_full_on`].
+pub fn run_full(options: &NodeOptions) -> Result<NodeRun, DemoError> {
     #[cfg(feature = "nixl")]
     {
         use kvhandoff_actors::transport::nixl::{
             nixl_runtime_available, NixlConfig, NixlTransport,
         };
         nixl_runtime_available().map_err(|e| DemoError::NixlUnavailable(e.to_string()))?;
-        run_on("nixl", options, |name| {
+        run_full_on("nixl", options, |name| {
             NixlTransport::new(name, NixlConfig::default())
         })
     }
@@ -388,13 +666,10 @@ pub fn run(options: &NodeOptions) -> Result<NodeReport, DemoError> {
     }
 }
 
-/// Runs one node on the transport `make` creates for the rank's agent name; `transport` names
-/// it in the report.
+/// [`run_full_on`], the role's report only.
 ///
 /// # Errors
-/// [`DemoError`] when the node cannot start: bad options, a transport or rank that cannot be
-/// built, a side channel that cannot listen. A node that starts and goes wrong (the peer never
-/// came, a request failed) returns a report whose verdict is FAILED.
+/// As [`run_full_on`].
 pub fn run_on<T, F>(
     transport: &'static str,
     options: &NodeOptions,
@@ -404,11 +679,136 @@ where
     T: RankMemory + Unpin + Send + 'static,
     F: FnOnce(AgentName) -> Result<T, TransportError>,
 {
+    run_full_on(transport, options, make).map(|run| run.report)
+}
+
+/// Wall-clock times of a run's instants.
+#[derive(Debug, Clone, Copy)]
+struct UnixClock {
+    at: Instant,
+    unix_ms: f64,
+}
+
+impl UnixClock {
+    fn now() -> Self {
+        let unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        UnixClock {
+            at: Instant::now(),
+            unix_ms,
+        }
+    }
+
+    fn unix_ms(&self, t: Instant) -> f64 {
+        if t >= self.at {
+            self.unix_ms + (t - self.at).as_secs_f64() * 1e3
+        } else {
+            self.unix_ms - (self.at - t).as_secs_f64() * 1e3
+        }
+    }
+}
+
+/// Watches the endpoint's `peers_declared_dead` on its own thread, every 10 ms, and notes when
+/// each death was first seen.
+struct DeathWatch {
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<Vec<Instant>>>,
+}
+
+impl DeathWatch {
+    const POLL: Duration = Duration::from_millis(10);
+
+    fn start(rank: actix::Addr<RankActor>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = thread::Builder::new()
+            .name("node-death-watch".into())
+            .spawn(move || {
+                let mut seen = Vec::new();
+                let mut deaths = 0;
+                while !flag.load(Ordering::Relaxed) {
+                    if let Some(c) = query_counters(&rank) {
+                        let now = Instant::now();
+                        while deaths < c.peers_declared_dead {
+                            deaths += 1;
+                            seen.push(now);
+                        }
+                    }
+                    thread::sleep(Self::POLL);
+                }
+                seen
+            })
+            .ok();
+        DeathWatch { stop, thread }
+    }
+
+    /// Stops the watch; the deaths seen, in order.
+    fn finish(mut self) -> Vec<Instant> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for DeathWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The part of `plan` a node runs: requests `start_at..`, with arrivals shifted so that the
+/// first arrives at the node's time zero.
+fn part_of(plan: &[Planned], start_at: usize) -> Vec<Planned> {
+    let Some(first) = plan.get(start_at) else {
+        return Vec::new();
+    };
+    let zero = first.arrival;
+    plan[start_at..]
+        .iter()
+        .map(|q| Planned {
+            arrival: q.arrival.saturating_sub(zero),
+            ..q.clone()
+        })
+        .collect()
+}
+
+/// Runs one node on the transport `make` creates for the rank's agent name; `transport` names
+/// it in the report.
+///
+/// # Errors
+/// [`DemoError`] when the node cannot start: bad options, a transport or rank that cannot be
+/// built, a side channel that cannot listen. A node that starts and goes wrong (the peer never
+/// came, a request failed) returns a report whose verdict is FAILED.
+pub fn run_full_on<T, F>(
+    transport: &'static str,
+    options: &NodeOptions,
+    make: F,
+) -> Result<NodeRun, DemoError>
+where
+    T: RankMemory + Unpin + Send + 'static,
+    F: FnOnce(AgentName) -> Result<T, TransportError>,
+{
     let wall = Instant::now();
+    let clock = UnixClock::now();
     let opts = &options.schedule;
     let deadline = wall + opts.timeout;
     let workload = check_options(opts)?;
-    let plan = schedule(opts, workload.block_tokens)?;
+    let whole = schedule(opts, workload.block_tokens)?;
+    if options.start_at >= whole.len() {
+        return Err(DemoError::Options(format!(
+            "start_at {} is not below requests {}",
+            options.start_at,
+            whole.len()
+        )));
+    }
+    let plan = part_of(&whole, options.start_at);
+    let config = options.timing.config().map_err(DemoError::Options)?;
     let engine_id = |name| EngineId::new(name).map_err(|e| DemoError::Options(e.to_string()));
     let (own, other) = match options.role {
         NodeRole::Prefill => (engine_id(PREFILL_ENGINE)?, engine_id(DECODE_ENGINE)?),
@@ -426,7 +826,7 @@ where
         workload.geometry.clone(),
         &model(),
         opts.pool_blocks,
-        Config::default(),
+        config.clone(),
         shell,
     )?;
     let runtime = Runtime::start()?;
@@ -441,6 +841,7 @@ where
     );
     let link = handle.link.clone();
     let rank = handle.rank.clone();
+    let watch = DeathWatch::start(rank.clone());
     let added = block_on_timeout(
         link.send(AddPeerAddress {
             engine: other.clone(),
@@ -477,9 +878,20 @@ where
         }
     };
     let waited_ms = (Instant::now() - wall).as_secs_f64() * 1e3;
-    eprintln!("kvhandoff node: {own} met {other} after {waited_ms:.0} ms; running the schedule");
+    eprintln!(
+        "kvhandoff node: {own} met {other} after {waited_ms:.0} ms; running the schedule \
+         (requests {}..{})",
+        options.start_at,
+        whole.len()
+    );
+    let facts = FactsInput {
+        options,
+        config: &config,
+        clock,
+        start,
+    };
 
-    let report = match options.role {
+    let run = match options.role {
         NodeRole::Decode => {
             let side = run_decode(
                 conn,
@@ -499,6 +911,8 @@ where
                     },
                 },
             );
+            let counters = query_counters(&rank);
+            let deaths = watch.finish();
             errors.extend(side.errors);
             let bytes = plan
                 .iter()
@@ -508,7 +922,18 @@ where
                 .sum();
             drop(rank);
             runtime.shutdown();
-            NodeReport::Decode(build_report(
+            let (ends, explained) = decode_ends(&plan, &side.records, options.start_at, clock);
+            let node = facts.build(Outcome {
+                ends,
+                explained,
+                errors: &errors,
+                free: &side.free,
+                pool_blocks: opts.pool_blocks,
+                counters: counters.as_ref(),
+                deaths,
+                timed_out: side.timed_out,
+            });
+            let report = NodeReport::Decode(build_report(
                 Facts {
                     options: opts,
                     transport,
@@ -532,7 +957,8 @@ where
                     unknown: side.unknown,
                     wall,
                 },
-            ))
+            ));
+            NodeRun { report, node }
         }
         NodeRole::Prefill => {
             let side = run_prefill(
@@ -546,15 +972,27 @@ where
                     pacing: PrefillPacing::Clock { hold: options.hold },
                 },
             );
-            let counters = query_counters(&rank);
             let peer_exited = await_exit(
                 options.peer,
                 (Instant::now() + options.linger).min(deadline),
             );
+            let counters = query_counters(&rank);
+            let deaths = watch.finish();
             let stats = side_channel(&link);
             drop(rank);
             runtime.shutdown();
             errors.extend(side.errors);
+            let (ends, explained) = prefill_ends(&plan, &side.records, options.start_at, clock);
+            let node = facts.build(Outcome {
+                ends,
+                explained,
+                errors: &errors,
+                free: &side.free,
+                pool_blocks: opts.pool_blocks,
+                counters: counters.as_ref(),
+                deaths,
+                timed_out: side.timed_out,
+            });
             let races = match &counters {
                 Some(c) => races_of(c),
                 None => {
@@ -616,10 +1054,155 @@ where
             }
             r.ok = r.verdict_ok();
             r.verdict = r.verdict_line();
-            NodeReport::Prefill(r)
+            NodeRun {
+                report: NodeReport::Prefill(r),
+                node,
+            }
         }
     };
-    Ok(report)
+    Ok(run)
+}
+
+/// What [`NodeFacts`] are built from, known when the schedule starts.
+struct FactsInput<'a> {
+    options: &'a NodeOptions,
+    config: &'a Config,
+    clock: UnixClock,
+    start: Instant,
+}
+
+/// What [`NodeFacts`] are built from, known at the end.
+struct Outcome<'a> {
+    ends: Vec<RequestEnd>,
+    /// The errors the engine loop noted for typed failures (expected of a survivor).
+    explained: BTreeSet<String>,
+    errors: &'a [String],
+    free: &'a FreeList,
+    pool_blocks: u32,
+    counters: Option<&'a Counters>,
+    deaths: Vec<Instant>,
+    timed_out: bool,
+}
+
+impl FactsInput<'_> {
+    fn build(&self, o: Outcome<'_>) -> NodeFacts {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let mut outcomes = BTreeMap::new();
+        for r in &o.ends {
+            let name = r.outcome.clone().unwrap_or_else(|| "none".into());
+            *outcomes.entry(name).or_insert(0) += 1;
+        }
+        let mut unexplained: Vec<String> = o
+            .errors
+            .iter()
+            .filter(|e| !o.explained.contains(*e))
+            .take(32)
+            .cloned()
+            .collect();
+        if o.counters.is_none() {
+            push(&mut unexplained, "the endpoint's counters did not come back".into());
+        }
+        if o.timed_out {
+            push(
+                &mut unexplained,
+                format!("the run reached its {:?} limit", self.options.schedule.timeout),
+            );
+        }
+        let in_use = u32::try_from(o.free.in_use()).unwrap_or(u32::MAX);
+        let mut node = NodeFacts {
+            start_at: self.options.start_at as u64,
+            heartbeat_ms: ms(self.config.heartbeat_interval),
+            peer_timeout_ms: ms(self.config.peer_timeout),
+            lease_ms: ms(self.config.lease_duration),
+            decode_deadline_ms: ms(self.config.decode_deadline),
+            expect_peer_loss: self.options.expect_peer_loss,
+            schedule_start_unix_ms: self.clock.unix_ms(self.start),
+            pool: PoolSummary {
+                blocks: o.pool_blocks,
+                free_at_end: o.pool_blocks.saturating_sub(in_use),
+                double_frees: o.free.double_frees,
+                bad_ids: o.free.bad_ids,
+            },
+            peer_deaths: o.counters.map_or(0, |c| c.peers_declared_dead),
+            peer_deaths_seen_unix_ms: o.deaths.iter().map(|&t| self.clock.unix_ms(t)).collect(),
+            outcomes,
+            requests: o.ends,
+            unexplained_errors: unexplained,
+            ok: false,
+            verdict: String::new(),
+        };
+        node.ok = node.verdict_ok();
+        node.verdict = node.verdict_line(o.timed_out);
+        node
+    }
+}
+
+/// P's requests as [`RequestEnd`]s, and the errors its loop noted for their typed releases.
+fn prefill_ends(
+    plan: &[Planned],
+    records: &[PrefillRecord],
+    start_at: usize,
+    clock: UnixClock,
+) -> (Vec<RequestEnd>, BTreeSet<String>) {
+    let mut explained = BTreeSet::new();
+    let ends = plan
+        .iter()
+        .zip(records)
+        .enumerate()
+        .map(|(j, (q, r))| {
+            let outcome = match (r.sent, r.released) {
+                (_, Some(cause)) => {
+                    explained.insert(format!("P: {} released unsent: {cause:?}", q.prefill_id));
+                    Some(format!("Released({cause:?})"))
+                }
+                (true, None) => Some("Sent".to_string()),
+                (false, None) => None,
+            };
+            RequestEnd {
+                index: (start_at + j) as u64,
+                outcome,
+                events: r.events,
+                called_unix_ms: r.finish_call.map(|t| clock.unix_ms(t)),
+                ended_unix_ms: r.ended_at.map(|t| clock.unix_ms(t)),
+                byte_errors: 0,
+            }
+        })
+        .collect();
+    (ends, explained)
+}
+
+/// D's requests as [`RequestEnd`]s, and the errors its loop noted for their typed failures.
+fn decode_ends(
+    plan: &[Planned],
+    records: &[DecodeRecord],
+    start_at: usize,
+    clock: UnixClock,
+) -> (Vec<RequestEnd>, BTreeSet<String>) {
+    let mut explained = BTreeSet::new();
+    let ends = plan
+        .iter()
+        .zip(records)
+        .enumerate()
+        .map(|(j, (q, r))| {
+            let outcome = if r.ready {
+                Some("Ready".to_string())
+            } else if let Some(why) = r.failure {
+                explained.insert(format!("D: {} failed: {why:?}", q.decode_id));
+                Some(format!("Failed({why:?})"))
+            } else {
+                None
+            };
+            RequestEnd {
+                index: (start_at + j) as u64,
+                outcome,
+                events: r.events,
+                called_unix_ms: r.allocate_call.map(|t| clock.unix_ms(t)),
+                ended_unix_ms: r.ended_at.map(|t| clock.unix_ms(t)),
+                byte_errors: r.byte_errors,
+            }
+        })
+        .collect();
+    (ends, explained)
 }
 
 fn push(errors: &mut Vec<String>, error: String) {

@@ -5,8 +5,8 @@ mod harness;
 
 use harness::*;
 use kvhandoff_actors::machine::{
-    DecodeFailure, DecodeOutcome, DropReason, FreeProof, Input, PrefillOutcome, Rejected,
-    ReleaseCause,
+    DecodeFailure, DecodeOutcome, DropReason, FreeProof, Input, PrefillOutcome, PrefillStart,
+    Rejected, ReleaseCause,
 };
 use kvhandoff_protocol::{
     BlockIds, Epoch, Message, PairingKey, Register, ReleaseReason, RequestId, WireError, WriteDone,
@@ -432,6 +432,70 @@ fn p_empty_blocks_fail_a_waiting_registration_fast() {
         )]
     );
     assert_eq!(h.now, kvhandoff_actors::machine::Time::ZERO);
+    h.assert_no_leak();
+}
+
+// Scenario: as above, but the network delivers a copy of D's registration late, after P
+// finished a new request for the same key. P answered that registration when its empty prefill
+// ended, so the copy is below the key's floor: dropped Late, no WRITE into blocks D freed.
+#[test]
+fn p_empty_blocks_answer_keeps_a_late_copy_of_the_registration_away_from_later_blocks() {
+    let mut h = Harness::new();
+    h.set_filter(|e| {
+        if is_register(&e.message) {
+            Rule::Hold
+        } else {
+            Rule::Deliver
+        }
+    });
+    h.decode(decode_start(1, &[500])).unwrap();
+    assert_eq!(h.duplicate_held_where(|e| is_register(&e.message)), 1);
+    h.clear_filter();
+    h.deliver_held_next().expect("the registration");
+    assert_eq!(h.p().stats().pending_registrations, 1);
+
+    h.prefill(prefill_start(1, &[])).unwrap();
+    assert_eq!(
+        h.d_results(),
+        vec![(
+            DecodeOutcome::Failed(DecodeFailure::WriteFailed(WriteFailure::Unavailable)),
+            FreeProof::PeerQuiesced
+        )]
+    );
+
+    // P runs the request again: new blocks under the same key, held for a registration.
+    let again = RequestId::new("prefill-1-again").unwrap();
+    h.prefill(PrefillStart {
+        request: again.clone(),
+        key: key(1),
+        blocks: blocks(&[10, 11]),
+    })
+    .unwrap();
+    assert_eq!(h.p().stats().prefill_requests, 1);
+
+    let copy = h.deliver_held_next().expect("the copy");
+    assert!(is_register(&copy.message));
+    assert!(h.held.is_empty());
+    assert!(
+        h.posted.is_empty(),
+        "the copy must not reach the new blocks"
+    );
+    assert_eq!(h.p().counters().dropped(DropReason::Late), 1);
+    assert_eq!(h.p().counters().writes_posted, 0);
+    assert_eq!(
+        h.p().stats().prefill_requests,
+        1,
+        "the new blocks stay held"
+    );
+
+    h.abort(&p_addr(), again).unwrap();
+    assert_eq!(
+        h.p_results(),
+        vec![
+            PrefillOutcome::Released(ReleaseCause::Empty),
+            PrefillOutcome::Released(ReleaseCause::Aborted)
+        ]
+    );
     h.assert_no_leak();
 }
 

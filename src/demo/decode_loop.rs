@@ -231,15 +231,15 @@ fn on_event(
     index: &BTreeMap<RequestId, usize>,
     st: &mut State,
 ) {
-    let (request, blocks, ready) = match event {
-        ConnectorEvent::BlocksReady { request, blocks } => (request, blocks, true),
+    let (request, blocks, failure) = match event {
+        ConnectorEvent::BlocksReady { request, blocks } => (request, blocks, None),
         ConnectorEvent::Failed {
             request,
             reason,
             blocks,
         } => {
             note(&mut st.errors, format!("D: {request} failed: {reason:?}"));
-            (request, blocks, false)
+            (request, blocks, Some(reason))
         }
         ConnectorEvent::BlocksFree { .. } => {
             st.unknown += 1;
@@ -263,6 +263,7 @@ fn on_event(
         st.free.release(&blocks);
         return;
     }
+    r.ended_at = Some(Instant::now());
     let given = st.held[i].take();
     if given.as_ref().map(|g| BlockIds::single_group(g.clone())) != Some(blocks.clone()) {
         st.unknown += 1;
@@ -271,13 +272,14 @@ fn on_event(
             format!("D: {request} handed back {blocks:?}, gave {given:?}"),
         );
     }
-    if ready {
+    if failure.is_none() {
         r.ready = true;
         r.ready_at = Some(now);
         let list = blocks.groups.into_iter().flatten().collect();
         st.verifying.push_back((i, list, 0));
     } else {
         r.failed = true;
+        r.failure = failure;
         st.free.release(&blocks);
         st.done += 1;
     }

@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::machine::ReleaseCause;
+use kvhandoff_actors::machine::{DecodeFailure, ReleaseCause};
 use kvhandoff_protocol::BlockIds;
 
 use crate::{ConnectorEvent, KvConnector, KvTransferParams};
@@ -144,6 +144,8 @@ pub(crate) struct PrefillRecord {
     pub(crate) events: u32,
     pub(crate) sent: bool,
     pub(crate) released: Option<ReleaseCause>,
+    /// When the loop took the request's first event.
+    pub(crate) ended_at: Option<Instant>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -152,9 +154,13 @@ pub(crate) struct DecodeRecord {
     /// [`DecodePacing::Clock`]: when the schedule has P call `request_finished`, in D's clock.
     pub(crate) planned_finish: Option<Instant>,
     pub(crate) ready_at: Option<Instant>,
+    /// When the loop took the request's first event (`BlocksReady` or `Failed`).
+    pub(crate) ended_at: Option<Instant>,
     pub(crate) events: u32,
     pub(crate) ready: bool,
     pub(crate) failed: bool,
+    /// Why it failed, for `Failed`.
+    pub(crate) failure: Option<DecodeFailure>,
     pub(crate) verified: bool,
     pub(crate) byte_errors: u64,
     pub(crate) abandoned: bool,

@@ -60,7 +60,7 @@ use crate::{ConnectorIdentity, KvTransferParams, Runtime};
 
 pub(crate) use decode_loop::run_decode;
 pub(crate) use engines::{
-    DecodePacing, DecodeRun, FreeList, PrefillPacing, PrefillRecord, PrefillRun,
+    DecodePacing, DecodeRecord, DecodeRun, FreeList, PrefillPacing, PrefillRecord, PrefillRun,
 };
 pub use pattern::{
     block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,

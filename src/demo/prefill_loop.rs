@@ -226,6 +226,8 @@ fn on_event(event: ConnectorEvent, index: &BTreeMap<RequestId, usize>, st: &mut 
     if r.events > 1 {
         st.duplicates += 1;
         note(&mut st.errors, format!("P: second event for {request}"));
+    } else {
+        r.ended_at = Some(Instant::now());
     }
     match st.held[i].take() {
         Some(given) if BlockIds::single_group(given.clone()) == blocks => {}

@@ -220,20 +220,22 @@ impl Writer {
     /// Makes sure registrations for `epoch` or older of `key` never reach blocks again (D
     /// cancelled that epoch): raises the key's floor, keeping what the tombstone says otherwise.
     fn raise_floor(&mut self, now: Time, key: &PairingKey, epoch: Epoch) {
+        let cancelled = PrefillTombstone::GaveUpEarly {
+            epoch,
+            cause: ReleaseCause::CancelledByPeer,
+        };
         let raised = match self.tombstones.get(key).copied() {
-            Some(PrefillTombstone::GaveUpEarly { epoch: old, cause }) => {
-                (epoch > old).then_some(PrefillTombstone::GaveUpEarly { epoch, cause })
-            }
-            // D gave up on a newer attempt than the one P answered: as a cancel before P
-            // finished.
-            Some(PrefillTombstone::Answered { epoch: old, .. })
-            | Some(PrefillTombstone::Ended {
-                epoch: Some(old), ..
-            }) if epoch <= old => None,
-            Some(PrefillTombstone::Answered { .. }) | None => Some(PrefillTombstone::GaveUpEarly {
-                epoch,
-                cause: ReleaseCause::CancelledByPeer,
-            }),
+            Some(
+                PrefillTombstone::GaveUpEarly { epoch: old, .. }
+                | PrefillTombstone::Answered { epoch: old, .. }
+                | PrefillTombstone::Ended {
+                    epoch: Some(old), ..
+                },
+            ) if epoch <= old => None,
+            // D gave up on a newer attempt than the one P remembers, before P finished it.
+            Some(PrefillTombstone::GaveUpEarly { .. } | PrefillTombstone::Answered { .. })
+            | None => Some(cancelled),
+            // P's blocks are gone; keep what a registration is told, raise the floor.
             Some(PrefillTombstone::Ended { replay, newer, .. }) => Some(PrefillTombstone::Ended {
                 epoch: Some(epoch),
                 replay,

@@ -992,18 +992,24 @@ fn writing_cases() -> Vec<Case> {
             dropped(DropReason::FutureEpoch),
         ),
         case(
-            "writing + cancel of its epoch: draining",
+            "writing + cancel of its epoch: draining, the epoch becomes the floor",
             writing,
             cancel(EPOCH),
-            is_draining(DrainCause::Cancelled, true, false, ms(WRITE_DL_MS)),
+            KeyState {
+                tombstone: Some(gave_up(EPOCH, ReleaseCause::CancelledByPeer)),
+                ..is_draining(DrainCause::Cancelled, true, false, ms(WRITE_DL_MS))
+            },
             vec![],
             none(),
         ),
         case(
-            "writing + cancel of an older epoch: acknowledged",
+            "writing + cancel of an older epoch: acknowledged, the epoch becomes the floor",
             writing,
             cancel(Epoch(1)),
-            writing_t0(),
+            KeyState {
+                tombstone: Some(gave_up(Epoch(1), ReleaseCause::CancelledByPeer)),
+                ..writing_t0()
+            },
             vec![ack(Epoch(1))],
             none(),
         ),
@@ -1109,15 +1115,27 @@ fn writing_cases() -> Vec<Case> {
 }
 
 fn draining_cases() -> Vec<Case> {
-    let draining_t0 = || is_draining(DrainCause::Cancelled, true, false, ms(WRITE_DL_MS));
+    // The fixture's cancel of EPOCH left EPOCH as the key's floor.
+    let floor = |state: KeyState| KeyState {
+        tombstone: Some(gave_up(EPOCH, ReleaseCause::CancelledByPeer)),
+        ..state
+    };
+    let draining_t0 = move || {
+        floor(is_draining(
+            DrainCause::Cancelled,
+            true,
+            false,
+            ms(WRITE_DL_MS),
+        ))
+    };
     vec![
         case(
-            "draining + register, same epoch: duplicate",
+            "draining + register, same epoch: below the floor, late",
             draining,
             register(EPOCH),
             draining_t0(),
             vec![],
-            dropped(DropReason::Duplicate),
+            dropped(DropReason::Late),
         ),
         case(
             "draining + cancel again: one ack owed",
@@ -1192,7 +1210,12 @@ fn draining_cases() -> Vec<Case> {
             "draining + bound peer dead: abandon",
             draining,
             WInput::PeerDead(d()),
-            is_draining(DrainCause::PeerDead, true, true, ms(NOW_MS + 500)),
+            floor(is_draining(
+                DrainCause::PeerDead,
+                true,
+                true,
+                ms(NOW_MS + 500),
+            )),
             vec![Output::AbandonWrite { write: W1 }],
             counted(|c| c.writes_abandoned = 1),
         ),
@@ -1209,7 +1232,12 @@ fn draining_cases() -> Vec<Case> {
             "draining + timeout at deadline: abandon",
             draining,
             WInput::Timeout,
-            is_draining(DrainCause::Cancelled, true, true, ms(WRITE_DL_MS + 500)),
+            floor(is_draining(
+                DrainCause::Cancelled,
+                true,
+                true,
+                ms(WRITE_DL_MS + 500),
+            )),
             vec![Output::AbandonWrite { write: W1 }],
             counted(|c| c.writes_abandoned = 1),
         )
@@ -1438,7 +1466,7 @@ fn gave_up_cases() -> Vec<Case> {
             none(),
         ),
         case(
-            "released + cancel of a newer epoch: remembered as cancelled",
+            "released + cancel of a newer epoch: floor raised, now a cancel",
             tomb_released,
             cancel(Epoch(3)),
             tomb(gave_up(Epoch(3), ReleaseCause::CancelledByPeer)),
@@ -1676,10 +1704,10 @@ fn ended_unbound_cases() -> Vec<Case> {
             dropped(DropReason::Late),
         ),
         case(
-            "aborted + cancel: acknowledged, nothing in flight, nothing remembered",
+            "aborted + cancel: acknowledged, nothing in flight, the epoch becomes the floor",
             tomb_aborted,
             cancel(EPOCH),
-            aborted(),
+            tomb(unbound_raised(EPOCH)),
             vec![ack(EPOCH)],
             none(),
         ),
@@ -1789,10 +1817,10 @@ fn ended_sent_cases() -> Vec<Case> {
             none(),
         ),
         case(
-            "sent + cancel of a newer epoch: acknowledged, nothing remembered",
+            "sent + cancel of a newer epoch: acknowledged, floor raised",
             tomb_sent,
             cancel(Epoch(3)),
-            sent(),
+            tomb(settled(Epoch(3))),
             vec![ack(Epoch(3))],
             none(),
         ),
@@ -2133,28 +2161,10 @@ fn every_state_and_input() {
         let result = apply(&mut w, case.now, case.input.clone(), &mut fx);
         w.check_invariants();
         let outputs: Vec<Output> = out.into_iter().collect();
-        if result != case.result {
-            eprintln!("MISMATCH `{name}` result: {result:?} vs {:?}", case.result);
-        }
-        if snapshot(&w) != case.next {
-            eprintln!(
-                "MISMATCH `{name}` next:\n  got {:?}\n  exp {:?}",
-                snapshot(&w),
-                case.next
-            );
-        }
-        if outputs != case.outputs {
-            eprintln!(
-                "MISMATCH `{name}` outputs:\n  got {:?}\n  exp {:?}",
-                outputs, case.outputs
-            );
-        }
-        if counters != case.counters {
-            eprintln!(
-                "MISMATCH `{name}` counters:\n  got {:?}\n  exp {:?}",
-                counters, case.counters
-            );
-        }
+        assert_eq!(result, case.result, "case `{name}`: result");
+        assert_eq!(snapshot(&w), case.next, "case `{name}`: next state");
+        assert_eq!(outputs, case.outputs, "case `{name}`: outputs");
+        assert_eq!(counters, case.counters, "case `{name}`: counters");
 
         // Safety: blocks are handed back only when no write of theirs is in flight.
         let freed = outputs
@@ -2364,6 +2374,11 @@ fn newer_registration_after_an_early_give_up_fails_fast_once_the_blocks_are_gone
     );
     assert_eq!(counters, dropped(DropReason::Late));
     assert!(w.pending.is_empty());
+    assert_eq!(
+        snapshot(&w),
+        tomb(settled(Epoch(3))),
+        "the answered epoch is the floor"
+    );
 }
 
 // ---- Every epoch P answers raises the key's floor
