@@ -144,8 +144,9 @@ pub struct NodeTiming {
 impl NodeTiming {
     /// The endpoint configuration: [`Config::default`] with these values, and the values that
     /// depend on them moved so that [`Config::validate`] holds: a heartbeat renews a lease by at
-    /// most the lease (`lease_extension`), the quarantine covers the latest a late write can
-    /// land, and ended keys are remembered for at least the peer timeout.
+    /// most the lease and by more than one heartbeat (`lease_extension`), the quarantine covers
+    /// the latest a late write can land, and ended keys are remembered for at least the peer
+    /// timeout.
     ///
     /// # Errors
     /// A heartbeat under 10 ms, a lease not above the heartbeat, or any other invalid result.
@@ -165,6 +166,10 @@ impl NodeTiming {
             c.decode_deadline = deadline;
         }
         c.lease_extension = c.lease_extension.min(c.lease_duration);
+        if c.lease_extension <= c.heartbeat_interval {
+            // A renewal must outlast the next heartbeat: renew by the whole lease.
+            c.lease_extension = c.lease_duration;
+        }
         if c.lease_extension <= c.heartbeat_interval {
             return Err(format!(
                 "the lease ({:?}) must exceed the heartbeat interval ({:?})",
@@ -1100,12 +1105,18 @@ impl FactsInput<'_> {
             .cloned()
             .collect();
         if o.counters.is_none() {
-            push(&mut unexplained, "the endpoint's counters did not come back".into());
+            push(
+                &mut unexplained,
+                "the endpoint's counters did not come back".into(),
+            );
         }
         if o.timed_out {
             push(
                 &mut unexplained,
-                format!("the run reached its {:?} limit", self.options.schedule.timeout),
+                format!(
+                    "the run reached its {:?} limit",
+                    self.options.schedule.timeout
+                ),
             );
         }
         let in_use = u32::try_from(o.free.in_use()).unwrap_or(u32::MAX);
@@ -1342,4 +1353,62 @@ fn lateness(
         worst = worst.max(lag);
     }
     (late, worst.as_secs_f64() * 1e3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_flags_give_a_valid_config() {
+        let ms = Duration::from_millis;
+        let c = NodeTiming {
+            heartbeat: Some(ms(200)),
+            lease: Some(ms(3000)),
+            decode_deadline: Some(ms(1500)),
+        }
+        .config()
+        .unwrap();
+        assert_eq!(
+            (c.heartbeat_interval, c.peer_timeout, c.lease_duration),
+            (ms(200), ms(300), ms(3000))
+        );
+        assert_eq!(c.decode_deadline, ms(1500));
+        assert!(c.lease_extension <= c.lease_duration);
+        // A heartbeat longer than the default quarantine allows moves the quarantine.
+        let long = NodeTiming {
+            heartbeat: Some(Duration::from_secs(20)),
+            ..NodeTiming::default()
+        };
+        long.config().unwrap();
+        assert_eq!(NodeTiming::default().config().unwrap(), Config::default());
+        let bad = NodeTiming {
+            heartbeat: Some(ms(500)),
+            lease: Some(ms(400)),
+            ..NodeTiming::default()
+        };
+        assert!(bad.config().is_err());
+        let tiny = NodeTiming {
+            heartbeat: Some(ms(5)),
+            ..NodeTiming::default()
+        };
+        assert!(tiny.config().is_err());
+    }
+
+    #[test]
+    fn a_later_part_of_the_plan_keeps_ids_and_shifts_arrivals() {
+        let options = DemoOptions {
+            requests: 20,
+            ..DemoOptions::default()
+        };
+        let whole = schedule(&options, 16).unwrap();
+        let part = part_of(&whole, 12);
+        assert_eq!(part.len(), 8);
+        assert_eq!(part[0].arrival, Duration::ZERO);
+        for (q, w) in part.iter().zip(&whole[12..]) {
+            assert_eq!((&q.prefill_id, &q.decode_id), (&w.prefill_id, &w.decode_id));
+            assert_eq!(q.arrival, w.arrival - whole[12].arrival);
+        }
+        assert!(part_of(&whole, 20).is_empty());
+    }
 }

@@ -22,16 +22,20 @@
 //! - **kvhandoff**: two ranks built with [`build_rank`] on [`NixlTransport`]s in one
 //!   [`Runtime`], a [`KvConnector`] per side, one request at a time in vLLM's order: P's
 //!   `request_finished`, then D's `request_allocated`. The handoff latency runs from the start of
-//!   D's call (the second of the two) to D's `BlocksReady`, seen by polling D's connector every
-//!   50 µs; the throughput is the request's bytes over that latency. Each request waits for P's
-//!   `BlocksFree` before the next starts.
+//!   D's call (the second of the two) to D's `BlocksReady`, seen by polling D's connector (every
+//!   1 ms through the first 80% of the raw time just measured, then every 50 µs: a tight loop
+//!   would take a core from the transfer on a 2-core machine); the throughput is the request's
+//!   bytes over that latency. Each request waits for P's `BlocksFree` before the next starts.
 //! - **planning**: [`fragmented_70b_case`] planned with one reused [`Planner`].
 //! - **notifications**: the round trip A → B → A between two agents of one process for several
 //!   progress-thread settings.
 //!
-//! Raw and kvhandoff repetitions alternate, so machine noise hits both alike. Every repetition
-//! checks the data landed: the first and last 8 bytes of every source block are stamped with
-//! their (region, block) and checked at their destination (cleared before each repetition).
+//! Raw and kvhandoff repetitions alternate, so machine noise hits both alike; each path and
+//! table starts with one untimed warm-up. Both sides' source pools are filled with a non-zero
+//! pattern first (untouched pages would all read the kernel's shared zero page). Every
+//! repetition checks the data landed: the first and last 8 bytes of every source block are
+//! stamped with their (region, block) and checked at their destination (cleared before each
+//! repetition).
 //!
 //! GB/s are decimal (10⁹ bytes per second). Medians over the repetitions unless named.
 //!
@@ -44,9 +48,7 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use kvhandoff_protocol::planner::{
-    fragmented_70b_case, PlanInput, Planner, FRAGMENTED_70B_BLOCKS,
-};
+use kvhandoff_protocol::planner::{fragmented_70b_case, PlanInput, Planner, FRAGMENTED_70B_BLOCKS};
 use kvhandoff_protocol::{BlockIds, CacheGroup, CacheGroupKind, KvGeometry, KvLayout};
 use serde::{Deserialize, Serialize};
 
@@ -56,8 +58,13 @@ pub const TARGET_RATIO: f64 = 0.9;
 pub const TARGET_PLAN_US: f64 = 100.0;
 /// The least descriptors any valid plan of [`fragmented_70b_case`] has: 118 blocks × 160 regions.
 pub const FRAGMENTED_70B_MIN_DESCRIPTORS: usize = FRAGMENTED_70B_BLOCKS as usize * 160;
-/// How often the bench polls D's connector while it waits for `BlocksReady`.
+/// How often the bench polls D's connector while it waits for `BlocksReady`, once
+/// [`COARSE_FRACTION`] of the raw time has passed.
 pub const DRIVER_POLL: Duration = Duration::from_micros(50);
+/// How often it polls before that.
+pub const COARSE_POLL: Duration = Duration::from_millis(1);
+/// The share of the same repetition's raw NIXL time the driver polls coarsely through.
+pub const COARSE_FRACTION: f64 = 0.8;
 
 /// What `bench transfer` runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,6 +239,9 @@ pub struct TableNumbers {
     pub kvhandoff: PushNumbers,
     /// `kvhandoff.gbps / raw.gbps`.
     pub ratio: f64,
+    /// Median over the repetitions of raw time ÷ kvhandoff latency, each pair run back to back
+    /// (less sensitive to slow drifts in machine load).
+    pub paired_ratio: f64,
     /// Median kvhandoff latency minus median raw total, µs: what kvhandoff adds.
     pub overhead_us: f64,
 }
@@ -337,19 +347,28 @@ impl TransferReport {
         );
         let _ = writeln!(
             out,
-            "  {:<12} {:>6} {:>9} {:>9} {:>10} {:>7} {:>11} {:>11} {:>11}",
-            "table", "descs", "raw GB/s", "kvh GB/s", "kvh/raw", "post ms", "raw ms", "kvh p50 ms",
+            "  {:<12} {:>6} {:>9} {:>9} {:>10} {:>7} {:>7} {:>11} {:>11} {:>11}",
+            "table",
+            "descs",
+            "raw GB/s",
+            "kvh GB/s",
+            "kvh/raw",
+            "paired",
+            "post ms",
+            "raw ms",
+            "kvh p50 ms",
             "kvh p99 ms"
         );
         for t in &self.tables {
             let _ = writeln!(
                 out,
-                "  {:<12} {:>6} {:>9.2} {:>9.2} {:>10.3} {:>7.2} {:>11.2} {:>11.2} {:>11.2}",
+                "  {:<12} {:>6} {:>9.2} {:>9.2} {:>10.3} {:>7.3} {:>7.2} {:>11.2} {:>11.2} {:>11.2}",
                 t.table,
                 t.descriptors,
                 t.raw.gbps,
                 t.kvhandoff.gbps,
                 t.ratio,
+                t.paired_ratio,
                 t.raw.post_us / 1e3,
                 t.raw.total_us / 1e3,
                 t.kvhandoff.latency_p50_us / 1e3,
@@ -660,8 +679,8 @@ mod live {
     use super::{
         block_tables, gbps, median, memcpy_gbps, min, percentile, plan_fragmented_70b, us,
         BlockTable, NotifyPoint, PushNumbers, RawNumbers, RequestShape, TableNumbers,
-        TransferBenchError, TransferOptions, TransferReport, BLOCK_TOKENS, DRIVER_POLL,
-        TARGET_RATIO,
+        TransferBenchError, TransferOptions, TransferReport, BLOCK_TOKENS, COARSE_FRACTION,
+        COARSE_POLL, DRIVER_POLL, TARGET_RATIO,
     };
     use crate::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
     use crate::{ConnectorEvent, KvConnector, KvTransferParams, Runtime};
@@ -711,6 +730,10 @@ mod live {
         };
         let mut raw = RawPair::new(&agent_config, &specs, pool_blocks, "bench-raw")?;
         let mut push = Push::new(&geometry, pool_blocks, nixl_config.clone(), shell.clone())?;
+        // Real bytes in every source page (untouched pages would all read the shared zero page).
+        let region_len = block_bytes * u64::from(pool_blocks);
+        fill(&raw.p.byte_regions(), region_len)?;
+        fill(&pool_regions(&push.p_pool), region_len)?;
 
         let mut numbers = Vec::new();
         for table in &tables {
@@ -816,11 +839,16 @@ mod live {
                 (&local, &remote),
                 options.timeout,
             )?;
+            // The driver sleeps coarsely through most of the expected transfer time (the raw
+            // total just measured), then polls finely: a tight poll loop would take a core from
+            // the transfer on a small machine.
+            let coarse = Duration::from_secs_f64(raw_sample.total_us * COARSE_FRACTION / 1e6);
             let push_sample = push.once(
                 table,
                 rep,
                 block_bytes,
                 (&local, &remote),
+                coarse,
                 options.timeout,
             )?;
             // Repetition 0 is the warm-up (connections, first touch of the pages).
@@ -833,7 +861,12 @@ mod live {
         let total = col(|s| s.total_us);
         let complete = col(|s| s.complete_us);
         let raw_numbers = RawNumbers {
-            gbps: median(&total.iter().map(|&t| gbps(request_bytes, t)).collect::<Vec<_>>()),
+            gbps: median(
+                &total
+                    .iter()
+                    .map(|&t| gbps(request_bytes, t))
+                    .collect::<Vec<_>>(),
+            ),
             complete_gbps: median(
                 &complete
                     .iter()
@@ -865,8 +898,14 @@ mod live {
         } else {
             0.0
         };
+        let paired: Vec<f64> = raw_samples
+            .iter()
+            .zip(&push_samples)
+            .map(|(r, p)| r.total_us / p.latency_us.max(f64::MIN_POSITIVE))
+            .collect();
         Ok(TableNumbers {
             table: table.name.to_string(),
+            paired_ratio: median(&paired),
             descriptors: push_count,
             overhead_us: push_numbers.latency_p50_us - raw_numbers.total_us,
             raw: raw_numbers,
@@ -885,6 +924,25 @@ mod live {
     fn ends(block: u32, block_bytes: u64) -> [u64; 2] {
         let start = u64::from(block) * block_bytes;
         [start, start + block_bytes - 8]
+    }
+
+    /// Writes a non-zero pattern over the first `len` bytes of every region.
+    fn fill(regions: &[&dyn RegionBytes], len: u64) -> Result<(), TransferBenchError> {
+        const CHUNK: u64 = 1 << 20;
+        for (r, region) in regions.iter().enumerate() {
+            let pattern: Vec<u8> = (0..CHUNK)
+                .map(|i| (i as u8).wrapping_mul(31) ^ (r as u8) ^ 0xa5)
+                .collect();
+            let mut at = 0;
+            while at < len {
+                let n = (len - at).min(CHUNK);
+                region
+                    .write(at, &pattern[..n as usize])
+                    .map_err(|e| run_error(format!("fill: {e}")))?;
+                at += n;
+            }
+        }
+        Ok(())
     }
 
     fn stamp(
@@ -1208,7 +1266,8 @@ mod live {
             nixl_config: NixlConfig,
             shell: ShellConfig,
         ) -> Result<Self, TransferBenchError> {
-            let options = |e: kvhandoff_protocol::IdError| TransferBenchError::Options(e.to_string());
+            let options =
+                |e: kvhandoff_protocol::IdError| TransferBenchError::Options(e.to_string());
             let build = |engine: &str| {
                 let engine = EngineId::new(engine).map_err(options)?;
                 let name = agent_name(&engine, geometry.tp_rank).map_err(options)?;
@@ -1260,6 +1319,7 @@ mod live {
             rep: usize,
             block_bytes: u64,
             tables: (&[u32], &[u32]),
+            coarse: Duration,
             timeout: Duration,
         ) -> Result<PushSample, TransferBenchError> {
             let d_regions = pool_regions(&self.d_pool);
@@ -1285,13 +1345,18 @@ mod live {
                 .map_err(connector)?;
             let d_returned = Instant::now();
             let deadline = d_start + timeout;
-            let ready = wait_for(&mut self.d_conn, deadline, |event| match event {
-                ConnectorEvent::BlocksReady { request, blocks } if *request == d_id => {
-                    Some(check_blocks(blocks, &table.remote))
-                }
-                _ => Some(Err(format!("D: unexpected event {event:?}"))),
-            })?;
-            wait_for(&mut self.p_conn, deadline, |event| match event {
+            let ready = wait_for(
+                &mut self.d_conn,
+                d_start + coarse,
+                deadline,
+                |event| match event {
+                    ConnectorEvent::BlocksReady { request, blocks } if *request == d_id => {
+                        Some(check_blocks(blocks, &table.remote))
+                    }
+                    _ => Some(Err(format!("D: unexpected event {event:?}"))),
+                },
+            )?;
+            wait_for(&mut self.p_conn, ready, deadline, |event| match event {
                 ConnectorEvent::BlocksFree {
                     request,
                     released: None,
@@ -1322,9 +1387,11 @@ mod live {
         }
     }
 
-    /// Polls `conn` every [`DRIVER_POLL`] until `accept` settles an event; returns when.
+    /// Polls `conn` every [`COARSE_POLL`] until `coarse_until`, then every [`DRIVER_POLL`], until
+    /// `accept` settles an event; returns when it was seen.
     fn wait_for(
         conn: &mut KvConnector,
+        coarse_until: Instant,
         deadline: Instant,
         accept: impl Fn(&ConnectorEvent) -> Option<Result<(), String>>,
     ) -> Result<Instant, TransferBenchError> {
@@ -1341,7 +1408,11 @@ mod live {
             if now > deadline {
                 return Err(run_error("no event before the deadline"));
             }
-            thread::sleep(DRIVER_POLL);
+            thread::sleep(if now < coarse_until {
+                COARSE_POLL
+            } else {
+                DRIVER_POLL
+            });
         }
     }
 
@@ -1384,7 +1455,11 @@ mod live {
             ..AgentConfig::default()
         };
         // One 32 MiB region per side (smaller for tiny runs), for the single-descriptor WRITE.
-        let len: u64 = if options.notify_sweep { 32 << 20 } else { 1 << 20 };
+        let len: u64 = if options.notify_sweep {
+            32 << 20
+        } else {
+            1 << 20
+        };
         let mut pair = {
             let p = RawSide::new(&format!("bench-rtt{k}-a"), &config, &[(len, 1)])?;
             let d = RawSide::new(&format!("bench-rtt{k}-b"), &config, &[(len, 1)])?;

@@ -438,7 +438,7 @@ impl Endpoint {
                     counters: &mut self.counters,
                 };
                 let (key, epoch, reason) = (release.key, release.epoch, release.reason);
-                self.writer.on_release(now, key, epoch, reason, &mut fx);
+                self.writer.on_release(now, &from, key, epoch, reason, &mut fx);
             }
             Message::Heartbeat(heartbeat) => {
                 if heartbeat.engine != from.engine {

@@ -211,6 +211,15 @@ impl PrefillRequest {
         }
     }
 
+    /// The peer the blocks are bound to, once a registration was matched.
+    pub(crate) fn bound_peer(&self) -> Option<&PeerAddr> {
+        match self {
+            PrefillRequest::Held(_) => None,
+            PrefillRequest::Writing(s) => Some(&s.binding.to),
+            PrefillRequest::Draining(s) => Some(&s.binding.to),
+        }
+    }
+
     /// The write in flight, if any.
     pub(crate) fn write(&self) -> Option<WriteId> {
         match self {

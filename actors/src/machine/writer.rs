@@ -217,6 +217,17 @@ impl Writer {
         }
     }
 
+    /// Whether `from` may cancel or release `key`: the peer the key's blocks are bound to (or
+    /// whose registration waits), or anyone while no peer has claimed the key.
+    fn may_settle(&self, key: &PairingKey, from: &PeerAddr) -> bool {
+        let owner = self
+            .requests
+            .get(key)
+            .and_then(PrefillRequest::bound_peer)
+            .or_else(|| self.pending.get(key).map(|p| &p.from));
+        owner.is_none_or(|owner| owner == from)
+    }
+
     /// Makes sure registrations for `epoch` or older of `key` never reach blocks again (D
     /// cancelled that epoch): raises the key's floor, keeping what the tombstone says otherwise.
     fn raise_floor(&mut self, now: Time, key: &PairingKey, epoch: Epoch) {
@@ -533,6 +544,12 @@ impl Writer {
         epoch: Epoch,
         fx: &mut Effects<'_>,
     ) {
+        if !self.may_settle(&key, &from) {
+            // Only the D that registered the key may cancel it: another peer's cancel would
+            // free blocks, or stop a write, that a different request waits for.
+            fx.drop_input(DropReason::Unexpected);
+            return;
+        }
         if self.requests.contains_key(&key) {
             self.step(now, &key, PrefillInput::Cancel { from, epoch }, fx);
             // Whatever the request did with it, the cancelled epoch is settled for the key.
@@ -563,11 +580,16 @@ impl Writer {
     pub(crate) fn on_release(
         &mut self,
         now: Time,
+        from: &PeerAddr,
         key: PairingKey,
         epoch: Epoch,
         reason: ReleaseReason,
         fx: &mut Effects<'_>,
     ) {
+        if !self.may_settle(&key, from) {
+            fx.drop_input(DropReason::Unexpected);
+            return;
+        }
         if self.requests.contains_key(&key) {
             self.step(now, &key, PrefillInput::Release { epoch, reason }, fx);
             return;
@@ -628,7 +650,18 @@ impl Writer {
             .map(|(k, _)| k.clone())
             .collect();
         for key in dropped {
-            self.take_pending(&key);
+            if let Some(pending) = self.take_pending(&key) {
+                // Nobody will claim these blocks: release them the moment they finish rather
+                // than at the end of their lease.
+                self.tombstones.insert(
+                    key,
+                    PrefillTombstone::GaveUpEarly {
+                        epoch: pending.register.epoch,
+                        cause: ReleaseCause::PeerDead,
+                    },
+                    now + self.config.tombstone_ttl,
+                );
+            }
         }
         let bound: Vec<PairingKey> = self.writes.values().cloned().collect();
         for key in bound {

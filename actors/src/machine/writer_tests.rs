@@ -125,7 +125,7 @@ fn apply(w: &mut Writer, now: Time, input: WInput, fx: &mut Effects<'_>) -> Resu
     match input {
         WInput::Register(from, register) => w.on_register(now, from, register, fx),
         WInput::Cancel(from, epoch) => w.on_cancel(now, from, key(), epoch, fx),
-        WInput::Release(epoch, reason) => w.on_release(now, key(), epoch, reason, fx),
+        WInput::Release(epoch, reason) => w.on_release(now, &d(), key(), epoch, reason, fx),
         WInput::Heartbeat(keys) => {
             let leases = keys
                 .into_iter()
@@ -778,10 +778,10 @@ fn pending_cases() -> Vec<Case> {
             dropped(DropReason::UnknownWrite),
         ),
         case(
-            "pending + registrant dead: forgotten",
+            "pending + registrant dead: forgotten, blocks that finish later are released at once",
             pending,
             WInput::PeerDead(d()),
-            nothing(),
+            tomb(gave_up(EPOCH, ReleaseCause::PeerDead)),
             vec![],
             none(),
         ),
@@ -1148,10 +1148,18 @@ fn draining_cases() -> Vec<Case> {
         case(
             "draining + cancel of another epoch: acknowledged",
             draining,
+            cancel(Epoch(1)),
+            draining_t0(),
+            vec![ack(Epoch(1))],
+            none(),
+        ),
+        case(
+            "draining + cancel from a peer the key is not bound to: refused",
+            draining,
             WInput::Cancel(d2(), Epoch(1)),
             draining_t0(),
-            vec![ack_to(&d2(), Epoch(1))],
-            none(),
+            vec![],
+            dropped(DropReason::Unexpected),
         ),
         case(
             "draining + release: unexpected",
@@ -2176,9 +2184,11 @@ fn every_state_and_input() {
                 "case `{name}`: blocks freed with a write in flight"
             );
         }
-        // Safety: a cancel is answered now, or owed by a drain of that very epoch.
+        // Safety: a cancel from the key's own D is answered now, or owed by a drain of that
+        // very epoch (a cancel from another peer is refused, and counted).
         if let WInput::Cancel(from, epoch) = &case.input {
-            let acked = outputs.contains(&ack_to(from, *epoch));
+            let refused = counters.dropped(DropReason::Unexpected) == 1 && outputs.is_empty();
+            let acked = refused || outputs.contains(&ack_to(from, *epoch));
             let owed = matches!(
                 &case.next.request,
                 Some(PrefillRequest::Draining(s)) if s.cancel_requested && s.binding.epoch == *epoch
@@ -2663,4 +2673,49 @@ fn registration_answered_by_an_empty_prefill_never_reaches_a_later_request() {
         (d(), Epoch(3)),
         W1,
     );
+}
+
+/// Only the D the key is bound to may cancel it: another peer's cancel of a key whose blocks are
+/// being written for D is dropped, unanswered, and the write goes on.
+#[test]
+fn a_cancel_from_another_peer_is_refused() {
+    let mut w = setup(config(), vec![WInput::Finished(start()), register(EPOCH)]);
+    let mut out = VecDeque::new();
+    let mut counters = Counters::default();
+    let mut fx = Effects {
+        out: &mut out,
+        counters: &mut counters,
+    };
+    w.on_cancel(ms(NOW_MS), d2(), key(), EPOCH, &mut fx);
+    w.on_release(ms(NOW_MS), &d2(), key(), EPOCH, ReleaseReason::Aborted, &mut fx);
+    w.check_invariants();
+    assert!(out.is_empty(), "no ack and no drain: {out:?}");
+    assert_eq!(counters.dropped(DropReason::Unexpected), 2);
+    assert_eq!(snapshot(&w), is_writing(EPOCH, ms(T0_MS + 1_000)));
+}
+
+/// A registration whose D died leaves a tombstone: the blocks that finish later for the key are
+/// released at once, not at the end of their lease.
+#[test]
+fn blocks_finishing_after_their_registrant_died_are_released_at_once() {
+    let mut w = setup(config(), vec![register(EPOCH), WInput::PeerDead(d())]);
+    let mut out = VecDeque::new();
+    let mut counters = Counters::default();
+    let mut fx = Effects {
+        out: &mut out,
+        counters: &mut counters,
+    };
+    w.finished(ms(NOW_MS), start(), &mut fx).unwrap();
+    w.check_invariants();
+    assert!(
+        out.iter().any(|o| matches!(
+            o,
+            Output::Event(EngineEvent::Prefill {
+                outcome: PrefillOutcome::Released(ReleaseCause::PeerDead),
+                ..
+            })
+        )),
+        "{out:?}"
+    );
+    assert_eq!(w.live_requests(), 0);
 }

@@ -131,6 +131,8 @@ pub struct RankHandle {
     pub side_channel: Option<std::net::SocketAddr>,
     /// Where engine calls go, type-erased.
     pub calls: Recipient<EngineCall>,
+    /// The rank's writer, for its counters ([`QueryWriterStats`]).
+    pub writer: Recipient<QueryWriterStats>,
     /// The engine's events.
     pub events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
 }
@@ -204,6 +206,7 @@ where
     } = setup;
     let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
     let mut link_addr = None;
+    let mut writer_addr = None;
     let rank = RankActor::create(|rank_ctx| {
         let rank_addr = rank_ctx.address();
         let writer = WriterActor::new(
@@ -230,6 +233,7 @@ where
             directory.publish(info, link.clone().recipient());
         }
         link_addr = Some(link.clone());
+        writer_addr = Some(writer.clone().recipient());
         RankActor::new(
             endpoint,
             writer.clone().recipient(),
@@ -238,12 +242,13 @@ where
             events_tx,
         )
     });
-    let link = match link_addr {
-        Some(link) => link,
-        None => unreachable!("RankActor::create runs its closure before returning"),
+    let (link, writer) = match (link_addr, writer_addr) {
+        (Some(link), Some(writer)) => (link, writer),
+        _ => unreachable!("RankActor::create runs its closure before returning"),
     };
     RankHandle {
         calls: rank.clone().recipient(),
+        writer,
         rank,
         link,
         side_channel: listen,
