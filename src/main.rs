@@ -216,6 +216,36 @@ fn print_json<T: serde::Serialize>(value: &T) -> bool {
     }
 }
 
+/// Prints a run's report (JSON or a table) and turns its verdict into the exit code; a run that
+/// could not start is reported as `what` with its error.
+fn conclude<R: serde::Serialize, E: std::fmt::Display>(
+    result: Result<R, E>,
+    json: bool,
+    what: &str,
+    table: impl Fn(&R) -> String,
+    ok: impl Fn(&R) -> bool,
+) -> ExitCode {
+    match result {
+        Ok(report) => {
+            let printed = if json {
+                print_json(&report)
+            } else {
+                print!("{}", table(&report));
+                true
+            };
+            if printed && ok(&report) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => {
+            eprintln!("error: {what} could not run: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn run_demo(args: DemoArgs) -> ExitCode {
     let options = DemoOptions {
         transport: match args.transport {
@@ -226,25 +256,13 @@ fn run_demo(args: DemoArgs) -> ExitCode {
         seed: args.seed,
         ..DemoOptions::default()
     };
-    match demo::run(&options) {
-        Ok(report) => {
-            let printed = if args.json {
-                print_json(&report)
-            } else {
-                print!("{}", report.render_table());
-                true
-            };
-            if printed && report.verdict_ok() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-        Err(error) => {
-            eprintln!("error: the demo could not run: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    conclude(
+        demo::run(&options),
+        args.json,
+        "the demo",
+        |r| r.render_table(),
+        |r| r.verdict_ok(),
+    )
 }
 
 fn run_bench(command: BenchCommand) -> ExitCode {
@@ -255,25 +273,13 @@ fn run_bench(command: BenchCommand) -> ExitCode {
                 actix_requests: args.actix_requests as usize,
                 ..ControlOptions::default()
             };
-            match bench::control(&options) {
-                Ok(report) => {
-                    let printed = if args.json {
-                        print_json(&report)
-                    } else {
-                        print!("{}", report.render_table());
-                        true
-                    };
-                    if printed {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::FAILURE
-                    }
-                }
-                Err(error) => {
-                    eprintln!("error: the benchmark could not run: {error}");
-                    ExitCode::FAILURE
-                }
-            }
+            conclude(
+                bench::control(&options),
+                args.json,
+                "the benchmark",
+                |r| r.render_table(),
+                |_| true,
+            )
         }
         BenchCommand::Transfer(args) => run_bench_transfer(args),
     }
@@ -288,25 +294,13 @@ fn run_bench_transfer(args: TransferArgs) -> ExitCode {
         notify_sweep: !args.no_notify_sweep,
         ..bench::transfer::TransferOptions::default()
     };
-    match bench::transfer::transfer(&options) {
-        Ok(report) => {
-            let printed = if args.json {
-                print_json(&report)
-            } else {
-                print!("{}", report.render_table());
-                true
-            };
-            if printed {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-        Err(error) => {
-            eprintln!("error: the transfer benchmark could not run: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    conclude(
+        bench::transfer::transfer(&options),
+        args.json,
+        "the transfer benchmark",
+        |r| r.render_table(),
+        |_| true,
+    )
 }
 
 fn run_sim(args: SimArgs) -> ExitCode {
@@ -404,25 +398,13 @@ fn run_node(args: NodeArgs) -> ExitCode {
         lease: args.lease_ms.map(ms),
         decode_deadline: args.decode_deadline_ms.map(ms),
     };
-    match node::run_full(&options) {
-        Ok(report) => {
-            let printed = if args.json {
-                print_json(&report)
-            } else {
-                print!("{}", report.render_table());
-                true
-            };
-            if printed && report.verdict_ok() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-        Err(error) => {
-            eprintln!("error: the node could not run: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    conclude(
+        node::run_full(&options),
+        args.json,
+        "the node",
+        |r| r.render_table(),
+        |r| r.verdict_ok(),
+    )
 }
 
 fn main() -> ExitCode {

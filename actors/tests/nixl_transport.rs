@@ -28,7 +28,7 @@ use kvhandoff_actors::transport::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
 };
 use kvhandoff_actors::{PeerAddr, WriteId};
-use kvhandoff_protocol::{AgentName, EngineId};
+use kvhandoff_protocol::{AgentName, EngineId, RegionDesc};
 
 /// Every wait in this file polls against this deadline; nothing waits unbounded.
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -972,6 +972,306 @@ fn child_tcp_in_progress() {
         start.elapsed()
     );
     drop(b);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prepared block lists
+// ---------------------------------------------------------------------------------------------
+
+/// One region of `num_blocks` blocks of `block_len` bytes at `base`.
+fn table(base: u64, num_blocks: u32, block_len: u64) -> RegionDesc {
+    RegionDesc {
+        base,
+        len: u64::from(num_blocks) * block_len,
+        num_blocks,
+        block_len,
+    }
+}
+
+/// A prepares its own table (two regions of unequal block counts, so the second region's
+/// entries start after the first's) and B's (one region); both of `SLOT`-byte blocks.
+fn prepare_both(a: &mut Side, b: &Side, slot: u64, slots: u32) {
+    let first = slots / 4;
+    a.t.prepare_blocks(
+        None,
+        &[
+            table(a.range.base, first, slot),
+            table(a.range.base + u64::from(first) * slot, slots - first, slot),
+        ],
+    )
+    .expect("prepare local table");
+    a.t.prepare_blocks(Some(&b.addr), &[table(b.range.base, slots, slot)])
+        .expect("prepare B's table");
+    assert!(a.t.has_prepared_blocks(None));
+    assert!(a.t.has_prepared_blocks(Some(&b.addr)));
+}
+
+/// A write whose every descriptor is one block of both prepared tables goes by index
+/// (`make_xfer_req`): its bytes land where they should, nothing else changes, and its
+/// notification arrives.
+#[test]
+fn scattered_single_block_write_uses_prepared_lists() {
+    let _serial = serial();
+    require_runtime();
+    const SLOT: u64 = 4096;
+    const SLOTS: usize = 512;
+    const COUNT: usize = 300;
+    let (mut a, mut b) = pair("kvh-p1", SLOT * SLOTS as u64);
+    prepare_both(&mut a, &b, SLOT, SLOTS as u32);
+    let pattern = lcg_bytes(7, SLOT as usize * SLOTS);
+    a.buf.write(0, &pattern).unwrap();
+    b.buf.fill(0xEE);
+
+    let from = permutation(3, SLOTS);
+    let to = permutation(4, SLOTS);
+    let descriptors: Vec<Descriptor> = (0..COUNT)
+        .map(|i| Descriptor {
+            local_addr: a.range.base + from[i] as u64 * SLOT,
+            remote_addr: b.range.base + to[i] as u64 * SLOT,
+            len: SLOT,
+        })
+        .collect();
+    a.t.post_write(
+        WriteId(1),
+        &b.addr,
+        &descriptors,
+        Some(b"prepared".to_vec()),
+    )
+    .expect("post");
+    assert_eq!((a.t.prepared_posts(), a.t.dynamic_posts()), (1, 0));
+    assert_eq!(wait_completion(&mut a.t, WriteId(1)).result, Ok(()));
+    assert_eq!(wait_notification(&mut b.t).bytes, b"prepared");
+
+    let landed = b.buf.to_vec();
+    let slot = |buf: &[u8], i: usize| buf[i * SLOT as usize..(i + 1) * SLOT as usize].to_vec();
+    let mut written = vec![false; SLOTS];
+    for i in 0..COUNT {
+        assert_eq!(
+            slot(&landed, to[i]),
+            slot(&pattern, from[i]),
+            "descriptor {i}"
+        );
+        written[to[i]] = true;
+    }
+    for (i, w) in written.iter().enumerate() {
+        if !w {
+            assert!(
+                slot(&landed, i).iter().all(|&x| x == 0xEE),
+                "slot {i} changed"
+            );
+        }
+    }
+
+    // Checks still come first on the prepared path: nothing posted, nothing counted.
+    let mut bad = descriptors.clone();
+    bad[5].remote_addr = b.range.base + SLOT * SLOTS as u64;
+    assert!(matches!(
+        a.t.post_write(WriteId(2), &b.addr, &bad, None),
+        Err(TransportError::RemoteOutOfRange { index: 5, .. })
+    ));
+    assert_eq!((a.t.prepared_posts(), a.t.dynamic_posts()), (1, 0));
+}
+
+/// Coalesced descriptors (several blocks each), a misaligned one, and any post to a peer with
+/// no prepared table take the dynamic path, and land.
+#[test]
+fn coalesced_or_unprepared_writes_use_dynamic_lists() {
+    let _serial = serial();
+    require_runtime();
+    const SLOT: u64 = 4096;
+    const SLOTS: u32 = 64;
+    let len = SLOT * u64::from(SLOTS);
+    let (mut a, mut b) = pair("kvh-p2", len);
+    let pattern = lcg_bytes(9, len as usize);
+    a.buf.write(0, &pattern).unwrap();
+
+    // Nothing prepared yet: one-block descriptors go the dynamic way.
+    let (a_base, b_base) = (a.range.base, b.range.base);
+    let one = |i: u64| Descriptor {
+        local_addr: a_base + i * SLOT,
+        remote_addr: b_base + i * SLOT,
+        len: SLOT,
+    };
+    a.t.post_write(WriteId(1), &b.addr, &[one(0), one(2)], None)
+        .unwrap();
+    assert_eq!(wait_completion(&mut a.t, WriteId(1)).result, Ok(()));
+    assert_eq!((a.t.prepared_posts(), a.t.dynamic_posts()), (0, 1));
+
+    prepare_both(&mut a, &b, SLOT, SLOTS);
+    // A run of eight blocks (one coalesced descriptor) plus single blocks.
+    let run = Descriptor {
+        local_addr: a.range.base + 8 * SLOT,
+        remote_addr: b.range.base + 16 * SLOT,
+        len: 8 * SLOT,
+    };
+    a.t.post_write(
+        WriteId(2),
+        &b.addr,
+        &[one(1), run, one(40)],
+        Some(b"run".to_vec()),
+    )
+    .unwrap();
+    assert_eq!(wait_completion(&mut a.t, WriteId(2)).result, Ok(()));
+    assert_eq!(wait_notification(&mut b.t).bytes, b"run");
+    assert_eq!((a.t.prepared_posts(), a.t.dynamic_posts()), (0, 2));
+    let landed = b.buf.to_vec();
+    let at = |buf: &[u8], off: u64, n: u64| buf[off as usize..(off + n) as usize].to_vec();
+    assert_eq!(
+        at(&landed, 16 * SLOT, 8 * SLOT),
+        at(&pattern, 8 * SLOT, 8 * SLOT)
+    );
+    assert_eq!(at(&landed, 40 * SLOT, SLOT), at(&pattern, 40 * SLOT, SLOT));
+
+    // One block's length, but not on a block boundary.
+    let skewed = Descriptor {
+        local_addr: a.range.base + SLOT / 2,
+        remote_addr: b.range.base + 50 * SLOT,
+        len: SLOT,
+    };
+    a.t.post_write(WriteId(3), &b.addr, &[one(3), skewed], None)
+        .unwrap();
+    assert_eq!(wait_completion(&mut a.t, WriteId(3)).result, Ok(()));
+    assert_eq!((a.t.prepared_posts(), a.t.dynamic_posts()), (0, 3));
+    assert_eq!(
+        at(&b.buf.to_vec(), 50 * SLOT, SLOT),
+        at(&pattern, SLOT / 2, SLOT)
+    );
+
+    // And single blocks only: prepared.
+    a.t.post_write(WriteId(4), &b.addr, &[one(5), one(6)], None)
+        .unwrap();
+    assert_eq!(wait_completion(&mut a.t, WriteId(4)).result, Ok(()));
+    assert_eq!((a.t.prepared_posts(), a.t.dynamic_posts()), (1, 3));
+}
+
+/// Invalidation drops the peer's prepared list; a reload does not bring it back (posts go
+/// dynamically) until the table is prepared again, and then posts go by index again. Preparing
+/// for an unknown or invalidated peer, or an empty table, is refused.
+#[test]
+fn reloaded_peer_gets_a_fresh_prepared_list() {
+    let _serial = serial();
+    require_runtime();
+    const SLOT: u64 = 4096;
+    const SLOTS: u32 = 16;
+    let (mut a, mut b) = pair("kvh-p3", SLOT * u64::from(SLOTS));
+    prepare_both(&mut a, &b, SLOT, SLOTS);
+    a.buf.fill(0x5A);
+    let d = [Descriptor {
+        local_addr: a.range.base + 3 * SLOT,
+        remote_addr: b.range.base + 7 * SLOT,
+        len: SLOT,
+    }];
+    let b_table = [table(b.range.base, SLOTS, SLOT)];
+
+    a.t.post_write(WriteId(1), &b.addr, &d, None).unwrap();
+    assert_eq!(wait_completion(&mut a.t, WriteId(1)).result, Ok(()));
+    assert_eq!(a.t.prepared_posts(), 1);
+
+    a.t.invalidate_remote(&b.addr);
+    assert!(!a.t.has_prepared_blocks(Some(&b.addr)));
+    assert!(a.t.has_prepared_blocks(None));
+    assert_eq!(
+        a.t.prepare_blocks(Some(&b.addr), &b_table),
+        Err(TransportError::PeerInvalidated {
+            peer: b.addr.clone()
+        })
+    );
+    let stranger = addr("kvh-p3-nobody");
+    assert_eq!(
+        a.t.prepare_blocks(Some(&stranger), &b_table),
+        Err(TransportError::UnknownPeer { peer: stranger })
+    );
+
+    a.t.load_remote(&b.addr, &b.name, &b.t.local_metadata().unwrap())
+        .expect("reload");
+    assert!(!a.t.has_prepared_blocks(Some(&b.addr)));
+    a.t.post_write(WriteId(2), &b.addr, &d, None).unwrap();
+    assert_eq!(wait_completion(&mut a.t, WriteId(2)).result, Ok(()));
+    assert_eq!((a.t.prepared_posts(), a.t.dynamic_posts()), (1, 1));
+
+    assert!(a.t.prepare_blocks(Some(&b.addr), &[]).is_err());
+    a.t.prepare_blocks(Some(&b.addr), &b_table)
+        .expect("prepare again");
+    b.buf.fill(0);
+    a.t.post_write(WriteId(3), &b.addr, &d, Some(b"fresh".to_vec()))
+        .unwrap();
+    assert_eq!(wait_completion(&mut a.t, WriteId(3)).result, Ok(()));
+    assert_eq!(wait_notification(&mut b.t).bytes, b"fresh");
+    assert_eq!((a.t.prepared_posts(), a.t.dynamic_posts()), (2, 1));
+    let landed = b.buf.to_vec();
+    assert!(landed[7 * SLOT as usize..8 * SLOT as usize]
+        .iter()
+        .all(|&x| x == 0x5A));
+    assert!(landed[..7 * SLOT as usize].iter().all(|&x| x == 0));
+}
+
+/// Post time of 8,192 single-block scattered descriptors (8 KiB and 256 B blocks): dynamic lists
+/// (`create_xfer_req`) vs prepared block lists (`make_xfer_req`), same pair, same descriptors.
+#[test]
+#[ignore = "timing; run with --release -- --ignored --nocapture timing"]
+fn timing_prepared_vs_dynamic_posts() {
+    let _serial = serial();
+    require_runtime();
+    // 8 KiB blocks (the data movement dominates), 256 B blocks (the request setup does).
+    for small in [8 << 10, 256] {
+        prepared_vs_dynamic(small);
+    }
+}
+
+fn prepared_vs_dynamic(small: u64) {
+    const COUNT: usize = 8192;
+    const RUNS: usize = 11;
+    let (mut a, mut b) = pair(
+        &format!("kvh-timing-prep-{small}"),
+        2 * small * COUNT as u64,
+    );
+    a.buf.fill(0x11);
+    let order = permutation(5, COUNT);
+    let scattered: Vec<Descriptor> = (0..COUNT)
+        .map(|i| Descriptor {
+            local_addr: a.range.base + 2 * small * i as u64,
+            remote_addr: b.range.base + 2 * small * order[i] as u64,
+            len: small,
+        })
+        .collect();
+    let mut id = 100;
+    let mut runs = |t: &mut Side, b: &mut Side| {
+        let mut out = Vec::new();
+        for _ in 0..RUNS {
+            id += 1;
+            out.push(timed_write(&mut t.t, &b.addr, id, &scattered));
+            assert_eq!(wait_notification(&mut b.t).bytes, b"t");
+        }
+        out.remove(0);
+        out
+    };
+    let dynamic = runs(&mut a, &mut b);
+    assert_eq!(a.t.prepared_posts(), 0);
+    let blocks = (2 * COUNT) as u32;
+    let start = Instant::now();
+    a.t.prepare_blocks(None, &[table(a.range.base, blocks, small)])
+        .unwrap();
+    let local_prep = start.elapsed();
+    let start = Instant::now();
+    a.t.prepare_blocks(Some(&b.addr), &[table(b.range.base, blocks, small)])
+        .unwrap();
+    let remote_prep = start.elapsed();
+    let prepared = runs(&mut a, &mut b);
+    assert_eq!(a.t.prepared_posts(), RUNS as u64);
+    let posts = |r: &[(Duration, Duration)]| r.iter().map(|x| x.0).collect::<Vec<_>>();
+    let totals = |r: &[(Duration, Duration)]| r.iter().map(|x| x.1).collect::<Vec<_>>();
+    println!(
+        "timing: 8192 x {small} B single-block descriptors, post call median: dynamic {:?} \
+         (min {:?}), prepared {:?} (min {:?}); post to completion median: dynamic {:?}, \
+         prepared {:?}; one-off prepare of {blocks} blocks: local {local_prep:?}, remote \
+         {remote_prep:?}",
+        median(posts(&dynamic)),
+        posts(&dynamic).iter().min().unwrap(),
+        median(posts(&prepared)),
+        posts(&prepared).iter().min().unwrap(),
+        median(totals(&dynamic)),
+        median(totals(&prepared)),
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

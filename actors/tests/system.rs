@@ -71,7 +71,11 @@ fn start(fabric: &MemFabric, directory: &Directory, engine: &str) -> Rank {
 
 fn pattern(key: &str, region: usize, block_offset: u64, i: u64) -> u8 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for b in key.bytes().chain(region.to_le_bytes()).chain(block_offset.to_le_bytes()) {
+    for b in key
+        .bytes()
+        .chain(region.to_le_bytes())
+        .chain(block_offset.to_le_bytes())
+    {
         h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
     }
     (h.wrapping_add(i.wrapping_mul(0x9e37_79b9)) >> 24) as u8
@@ -157,40 +161,94 @@ async fn both_races_deliver_every_byte() {
 
     // D registers first: D allocates, then P finishes later.
     let d_blocks = vec![3, 4, 5];
-    call(&d.handle, Input::DecodeAllocated(decode_start("req-a-11111111", d_blocks.clone())))
-        .await
-        .unwrap();
+    call(
+        &d.handle,
+        Input::DecodeAllocated(decode_start("req-a-11111111", d_blocks.clone())),
+    )
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
     let p_blocks = vec![20, 21, 22];
     fill(&p.pool, "req-a", &p_blocks);
-    call(&p.handle, Input::PrefillFinished(prefill_start("req-a-22222222", p_blocks)))
-        .await
-        .unwrap();
+    call(
+        &p.handle,
+        Input::PrefillFinished(prefill_start("req-a-22222222", p_blocks)),
+    )
+    .await
+    .unwrap();
     let event = next_event(&mut d.handle).await;
     assert!(
-        matches!(&event, EngineEvent::Decode { outcome: DecodeOutcome::Ready, proof: FreeProof::WritesCompleted, .. }),
+        matches!(
+            &event,
+            EngineEvent::Decode {
+                outcome: DecodeOutcome::Ready,
+                proof: FreeProof::WritesCompleted,
+                ..
+            }
+        ),
         "{event:?}"
     );
-    assert_eq!(verify(&d.pool, "req-a", &d_blocks), 0, "every byte of req-a");
+    assert_eq!(
+        verify(&d.pool, "req-a", &d_blocks),
+        0,
+        "every byte of req-a"
+    );
     let event = next_event(&mut p.handle).await;
-    assert!(matches!(event, EngineEvent::Prefill { outcome: PrefillOutcome::Sent, .. }), "{event:?}");
+    assert!(
+        matches!(
+            event,
+            EngineEvent::Prefill {
+                outcome: PrefillOutcome::Sent,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
 
     // P finishes first: P holds its blocks until D registers.
     let p_blocks = vec![1, 9, 10];
     fill(&p.pool, "req-b", &p_blocks);
-    call(&p.handle, Input::PrefillFinished(prefill_start("req-b-33333333", p_blocks)))
-        .await
-        .unwrap();
+    call(
+        &p.handle,
+        Input::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
+    )
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
     let d_blocks = vec![7, 8, 0];
-    call(&d.handle, Input::DecodeAllocated(decode_start("req-b-44444444", d_blocks.clone())))
-        .await
-        .unwrap();
+    call(
+        &d.handle,
+        Input::DecodeAllocated(decode_start("req-b-44444444", d_blocks.clone())),
+    )
+    .await
+    .unwrap();
     let event = next_event(&mut d.handle).await;
-    assert!(matches!(event, EngineEvent::Decode { outcome: DecodeOutcome::Ready, .. }), "{event:?}");
-    assert_eq!(verify(&d.pool, "req-b", &d_blocks), 0, "every byte of req-b");
+    assert!(
+        matches!(
+            event,
+            EngineEvent::Decode {
+                outcome: DecodeOutcome::Ready,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+    assert_eq!(
+        verify(&d.pool, "req-b", &d_blocks),
+        0,
+        "every byte of req-b"
+    );
     let event = next_event(&mut p.handle).await;
-    assert!(matches!(event, EngineEvent::Prefill { outcome: PrefillOutcome::Sent, .. }), "{event:?}");
+    assert!(
+        matches!(
+            event,
+            EngineEvent::Prefill {
+                outcome: PrefillOutcome::Sent,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
 }
 
 #[actix_rt::test]
@@ -202,18 +260,36 @@ async fn engine_errors_come_back_typed() {
     let d = start(&fabric, &directory, "decode");
     let unknown = RequestId::new("nobody").unwrap();
     assert_eq!(
-        call(&d.handle, Input::Abort { request: unknown.clone() }).await,
+        call(
+            &d.handle,
+            Input::Abort {
+                request: unknown.clone()
+            }
+        )
+        .await,
         Err(Rejected::UnknownRequest(unknown))
     );
-    call(&d.handle, Input::DecodeAllocated(decode_start("dup-1", vec![1]))).await.unwrap();
+    call(
+        &d.handle,
+        Input::DecodeAllocated(decode_start("dup-1", vec![1])),
+    )
+    .await
+    .unwrap();
     assert!(matches!(
-        call(&d.handle, Input::DecodeAllocated(decode_start("dup-1", vec![2]))).await,
+        call(
+            &d.handle,
+            Input::DecodeAllocated(decode_start("dup-1", vec![2]))
+        )
+        .await,
         Err(Rejected::DuplicateRequest(_))
     ));
     let not_engine = Input::PeerLost {
         peer: PeerAddr::new(EngineId::new("x").unwrap(), 0),
     };
-    assert_eq!(call(&d.handle, not_engine).await, Err(Rejected::NotAnEngineInput));
+    assert_eq!(
+        call(&d.handle, not_engine).await,
+        Err(Rejected::NotAnEngineInput)
+    );
 }
 
 #[actix_rt::test]
@@ -223,7 +299,12 @@ async fn d_fails_with_a_typed_outcome_when_p_is_missing() {
     let directory = Directory::new();
     let mut d = start(&fabric, &directory, "decode");
     // No P rank exists: the handshake fails and D hands its blocks back at once.
-    call(&d.handle, Input::DecodeAllocated(decode_start("lonely-1", vec![1, 2]))).await.unwrap();
+    call(
+        &d.handle,
+        Input::DecodeAllocated(decode_start("lonely-1", vec![1, 2])),
+    )
+    .await
+    .unwrap();
     let event = next_event(&mut d.handle).await;
     assert!(
         matches!(

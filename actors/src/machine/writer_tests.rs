@@ -9,7 +9,8 @@ use kvhandoff_protocol::{
     RequestId, WriteDone, WriteFailed, WriteFailure,
 };
 
-use super::{tombstone_for, PendingRegistration, PrefillTombstone, Writer};
+use super::tombstones::tombstone_for;
+use super::{PendingRegistration, PrefillTombstone, Writer};
 use crate::machine::effects::Effects;
 use crate::machine::prefill::{
     Binding, DrainCause, Draining, Held, PrefillCommon, PrefillRequest, Writing,
@@ -2687,7 +2688,14 @@ fn a_cancel_from_another_peer_is_refused() {
         counters: &mut counters,
     };
     w.on_cancel(ms(NOW_MS), d2(), key(), EPOCH, &mut fx);
-    w.on_release(ms(NOW_MS), &d2(), key(), EPOCH, ReleaseReason::Aborted, &mut fx);
+    w.on_release(
+        ms(NOW_MS),
+        &d2(),
+        key(),
+        EPOCH,
+        ReleaseReason::Aborted,
+        &mut fx,
+    );
     w.check_invariants();
     assert!(out.is_empty(), "no ack and no drain: {out:?}");
     assert_eq!(counters.dropped(DropReason::Unexpected), 2);

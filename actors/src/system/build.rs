@@ -96,7 +96,9 @@ impl KvPool {
 
     /// The pool's regions with their specs, in registration order.
     pub fn regions(&self) -> impl Iterator<Item = (&RegionSpec, &dyn RegionBytes)> {
-        self.specs.iter().zip(self.regions.iter().map(|r| r.as_ref()))
+        self.specs
+            .iter()
+            .zip(self.regions.iter().map(|r| r.as_ref()))
     }
 
     /// Byte offset and length of `logical` block inside a region of `spec`.
@@ -113,7 +115,10 @@ pub trait RankMemory: Transport + Sized {
     ///
     /// # Errors
     /// [`TransportError`] if the memory cannot be had.
-    fn allocate(&mut self, len: u64) -> Result<(Self::Region, Arc<dyn RegionBytes>), TransportError>;
+    fn allocate(
+        &mut self,
+        len: u64,
+    ) -> Result<(Self::Region, Arc<dyn RegionBytes>), TransportError>;
 }
 
 impl RankMemory for MemTransport {
@@ -226,5 +231,13 @@ pub fn build_mem_rank(
     shell: ShellConfig,
 ) -> Result<(RankSetup<MemTransport>, KvPool), BuildError> {
     let transport = fabric.agent(agent_name(engine, geometry.tp_rank)?)?;
-    build_rank(transport, engine, geometry, model, logical_blocks, config, shell)
+    build_rank(
+        transport,
+        engine,
+        geometry,
+        model,
+        logical_blocks,
+        config,
+        shell,
+    )
 }

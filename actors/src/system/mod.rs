@@ -13,8 +13,8 @@
 //!
 //! No routing or matching happens here: everything is decided by the endpoint.
 
-mod link;
 mod build;
+mod link;
 mod rank;
 mod runtime;
 pub mod side_channel;
@@ -26,10 +26,10 @@ use std::sync::{Arc, Mutex};
 use actix::{Actor, Addr, AsyncContext, Recipient};
 use kvhandoff_protocol::{AgentName, CompatHash, KvGeometry, RegionDesc};
 
-pub use link::{Connect, Hello, LinkActor};
 pub use build::{
     agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
 };
+pub use link::{Connect, Hello, LinkActor};
 pub use rank::{EngineCall, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict};
 pub use runtime::{Runtime, RuntimeError};
 pub use side_channel::{

@@ -223,6 +223,10 @@ impl<T: Transport + Unpin + 'static> Actor for WriterActor<T> {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        // Prepared block lists are an optimisation: without them posts take the dynamic path.
+        if let Err(error) = self.transport.prepare_blocks(None, &self.own.regions) {
+            tracing::warn!(%error, "own region table not prepared; posting dynamically");
+        }
         ctx.run_interval(self.poll_interval, |act, _| act.poll());
     }
 }
@@ -251,6 +255,12 @@ impl<T: Transport + Unpin + 'static> Handler<LoadPeer> for WriterActor<T> {
         self.transport.invalidate_remote(&info.peer);
         self.transport
             .load_remote(&info.peer, &info.agent, &info.metadata)?;
+        if let Err(error) = self
+            .transport
+            .prepare_blocks(Some(&info.peer), &info.regions)
+        {
+            tracing::warn!(peer = %info.peer, %error, "peer region table not prepared; posting dynamically");
+        }
         self.peers.insert(info.peer.clone(), info);
         Ok(())
     }

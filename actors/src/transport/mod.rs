@@ -430,4 +430,23 @@ pub trait Transport {
 
     /// Most bytes one notification may carry on this transport.
     fn max_notification_len(&self) -> usize;
+
+    /// Prepares a block-granular view of a region table for reuse across posts: `peer` `None`
+    /// is this agent's own table, `Some` a loaded peer's (dropped again when the peer is
+    /// invalidated or reloaded). A post whose every descriptor is exactly one block of prepared
+    /// tables on both sides may then skip per-request descriptor lists (NIXL:
+    /// `prepare_xfer_dlist`, then `make_xfer_req` with block indices). Purely an optimisation:
+    /// posts behave the same whether or not anything was prepared. The default does nothing.
+    ///
+    /// # Errors
+    /// An unknown or invalidated peer, a table the backend refuses, or a bound; nothing is
+    /// prepared then and posts take the unprepared path.
+    fn prepare_blocks(
+        &mut self,
+        peer: Option<&PeerAddr>,
+        regions: &[RegionDesc],
+    ) -> Result<(), TransportError> {
+        let _ = (peer, regions);
+        Ok(())
+    }
 }

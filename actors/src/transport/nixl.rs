@@ -16,7 +16,8 @@
 //! | [`Transport::local_metadata`] | `get_local_md` |
 //! | [`Transport::load_remote`] | `load_remote_md` (returned name checked against `agent`) |
 //! | [`Transport::invalidate_remote`] | `get_xfer_status` + release of the peer's requests, then `invalidate_remote_md` |
-//! | [`Transport::post_write`] / [`Transport::post_read`] | two DRAM `XferDescList`s, `create_xfer_req` (notification in its `OptArgs`), `post_xfer_req` |
+//! | [`Transport::post_write`] / [`Transport::post_read`] | two DRAM `XferDescList`s, `create_xfer_req` (notification in its `OptArgs`), `post_xfer_req`; or, when every descriptor is one prepared block, `make_xfer_req` with block indices (see below) |
+//! | [`Transport::prepare_blocks`] | `prepare_xfer_dlist` of one block-granular list per region table (`""` = the initiator's own, NIXL's `NIXL_INIT_AGENT`) |
 //! | [`Transport::poll_completions`] | `get_xfer_status` on every pending request; finished ones are released |
 //! | [`Transport::abandon_write`] | `get_xfer_status`; refused while in progress (see below) |
 //! | [`Transport::send_notification`] | `send_notification` (`genNotif`) |
@@ -65,14 +66,34 @@
 //!   failure each remote span is checked with `check_remote_metadata` to report
 //!   [`TransportError::RemoteOutOfRange`] with the offending index.
 //!
-//! # Later
+//! # Coalesced dynamic lists vs prepared block lists
 //!
-//! Each post builds and syncs two descriptor lists and a request. Prepared lists
-//! (`prepare_xfer_dlist` once per region table, `make_xfer_req` with block indices per post)
-//! and reposting requests are the known optimisations; correctness first.
+//! A post can reach NIXL two ways:
+//!
+//! - **Dynamic** (`create_xfer_req`): two `XferDescList`s built for this post from its
+//!   descriptors. The planner coalesces runs of adjacent blocks into one descriptor, so a
+//!   contiguous handoff is a handful of descriptors whatever its block count; NIXL then resolves
+//!   each against the registrations of both agents, per post.
+//! - **Prepared** (`make_xfer_req`): [`Transport::prepare_blocks`] prepares, once per region
+//!   table, one list with an entry per block (entry `first(region) + block`, `block_len` bytes at
+//!   `base + block * block_len`; `first` sums the blocks of the regions before it), for the local
+//!   table (agent name `""`, NIXL's `NIXL_INIT_AGENT`) and for each loaded peer (dropped on
+//!   invalidation and on reload). A post whose every descriptor is exactly one block on both
+//!   sides (aligned to a block of a prepared region, `len == block_len`) is posted by index,
+//!   with no per-request list and no per-post resolution.
+//!
+//! Fewer descriptors matter more than cheaper ones, so coalesced plans always take the dynamic
+//! path; the prepared path serves fully scattered plans (every block its own descriptor), where
+//! coalescing saved nothing. Any failure to prepare, or of `make_xfer_req`, falls back to the
+//! dynamic path, which also produces the typed errors. [`NixlTransport::prepared_posts`] and
+//! [`NixlTransport::dynamic_posts`] count the two. Reposting requests is a further, unexplored
+//! optimisation.
 
+mod agent;
 #[path = "nixl_memory.rs"]
 mod memory;
+mod prepared;
+mod transport;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -82,8 +103,7 @@ use std::sync::OnceLock;
 
 use kvhandoff_protocol::{AgentName, MAX_REGIONS};
 use nixl_sys::{
-    Agent, AgentConfig, Backend, MemType, NixlError, NotificationMap, OptArgs, RegistrationHandle,
-    XferDescList, XferOp, XferRequest, XferStatus,
+    Agent, Backend, NixlError, NotificationMap, OptArgs, RegistrationHandle, XferRequest,
 };
 
 pub use memory::{HostBuffer, HOST_BUFFER_ALIGN};
@@ -289,6 +309,13 @@ pub struct NixlTransport {
     reg_args: Unshared<OptArgs>,
     /// `OptArgs` naming the UCX backend, plus the notification of the next request.
     xfer_args: Unshared<OptArgs>,
+    /// This agent's region table, prepared ([`Transport::prepare_blocks`] with `None`).
+    local_blocks: Option<prepared::PreparedBlocks>,
+    /// Loaded peers' region tables, prepared; dropped on invalidation and reload.
+    peer_blocks: HashMap<PeerAddr, prepared::PreparedBlocks>,
+    /// Posts that took the prepared path, and the dynamic one.
+    prepared_posts: u64,
+    dynamic_posts: u64,
     _backend: Backend,
     /// Declared before `regions`: once the explicit `Drop` released the requests and
     /// deregistered the buffers, this is the last handle to the agent, so the agent (and its
@@ -317,6 +344,9 @@ impl Drop for NixlTransport {
         // destroyed), then deregister; the buffers themselves are freed after the agent.
         self.in_flight.clear();
         self.by_write.clear();
+        // Prepared lists hold a raw pointer to the agent: release them while it lives.
+        self.local_blocks = None;
+        self.peer_blocks.clear();
         for reg in self.regions.values_mut() {
             if let Some(mut handle) = reg.handle.take() {
                 if let Err(err) = handle.deregister() {
@@ -324,561 +354,5 @@ impl Drop for NixlTransport {
                 }
             }
         }
-    }
-}
-
-impl NixlTransport {
-    /// Creates the agent `name` with a UCX backend.
-    ///
-    /// # Errors
-    /// [`TransportError::Backend`] when the NIXL runtime cannot be loaded (see
-    /// [`nixl_runtime_available`]), the UCX plugin is missing (`NIXL_PLUGIN_DIR`), or NIXL
-    /// refuses to create the agent or the backend (e.g. `UCX_TLS` naming only shared-memory
-    /// transports, which this machine kind refuses).
-    pub fn new(name: AgentName, config: NixlConfig) -> Result<Self, TransportError> {
-        nixl_runtime_available()?;
-        let agent_config = AgentConfig {
-            enable_prog_thread: config.progress_thread,
-            pthr_delay_us: config.pthr_delay_us,
-            ..AgentConfig::default()
-        };
-        let agent = Agent::new_configured(name.as_str(), &agent_config)
-            .map_err(|e| backend_error("create agent", e))?;
-        let plugins = agent
-            .get_available_plugins()
-            .map_err(|e| backend_error("list plugins", e))?;
-        let plugins: Vec<String> = plugins
-            .iter()
-            .filter_map(Result::ok)
-            .map(str::to_owned)
-            .collect();
-        if !plugins.iter().any(|p| p == BACKEND) {
-            return Err(TransportError::Backend {
-                reason: format!(
-                    "NIXL plugin {BACKEND} not found (plugins: {plugins:?}); set \
-                     NIXL_PLUGIN_DIR to the nixl-cu12 wheel's .nixl_cu12.mesonpy.libs/plugins \
-                     (`source scripts/nixl-env.sh`); NIXL_PLUGIN_DIR={:?}",
-                    std::env::var("NIXL_PLUGIN_DIR").ok()
-                ),
-            });
-        }
-        let (_mems, params) = agent
-            .get_plugin_params(BACKEND)
-            .map_err(|e| backend_error("UCX plugin parameters", e))?;
-        let backend = agent
-            .create_backend(BACKEND, &params)
-            .map_err(|e| backend_error("create UCX backend (is UCX_TLS restricted?)", e))?;
-        let with_backend = || -> Result<OptArgs, TransportError> {
-            let mut args = OptArgs::new().map_err(|e| backend_error("opt args", e))?;
-            args.add_backend(&backend)
-                .map_err(|e| backend_error("opt args: add backend", e))?;
-            Ok(args)
-        };
-        let reg_args = with_backend()?;
-        let xfer_args = with_backend()?;
-        let notifications =
-            NotificationMap::new().map_err(|e| backend_error("notification map", e))?;
-        Ok(Self {
-            name,
-            config,
-            in_flight: BTreeMap::new(),
-            by_write: HashMap::new(),
-            next_seq: 0,
-            done: VecDeque::new(),
-            peers: HashMap::new(),
-            agents: HashMap::new(),
-            tombstones: VecDeque::new(),
-            notifications: Unshared(notifications),
-            reg_args: Unshared(reg_args),
-            xfer_args: Unshared(xfer_args),
-            _backend: backend,
-            agent,
-            regions: BTreeMap::new(),
-        })
-    }
-
-    /// The configuration the transport was created with.
-    pub fn config(&self) -> &NixlConfig {
-        &self.config
-    }
-
-    /// Transfers posted and not yet reported.
-    pub fn pending(&self) -> usize {
-        self.in_flight.len() + self.done.len()
-    }
-
-    /// The registered buffer holding `[addr, addr + len)`, if any.
-    fn local_region(&self, addr: u64, len: u64) -> Option<u64> {
-        self.regions
-            .range(..=addr)
-            .next_back()
-            .filter(|(_, r)| r.buffer.range().contains(addr, len))
-            .map(|(&base, _)| base)
-    }
-
-    fn is_pending(&self, write: WriteId) -> bool {
-        self.by_write.contains_key(&write) || self.done.iter().any(|c| c.write == write)
-    }
-
-    /// Whether NIXL still holds metadata for `agent` (it drops it itself after a disconnect).
-    fn nixl_knows(&self, agent: &AgentName) -> bool {
-        self.agent.check_remote_metadata(agent.as_str(), None)
-    }
-
-    fn loaded_agent(&self, peer: &PeerAddr) -> Result<AgentName, TransportError> {
-        match self.peers.get(peer) {
-            None => Err(TransportError::UnknownPeer { peer: peer.clone() }),
-            Some(PeerState::Invalidated) => {
-                Err(TransportError::PeerInvalidated { peer: peer.clone() })
-            }
-            Some(PeerState::Loaded(agent)) => Ok(agent.clone()),
-        }
-    }
-
-    fn remember_invalidated(&mut self, peer: &PeerAddr) {
-        self.peers.insert(peer.clone(), PeerState::Invalidated);
-        self.tombstones.retain(|p| p != peer);
-        self.tombstones.push_back(peer.clone());
-        while self.tombstones.len() > self.config.max_peers {
-            if let Some(old) = self.tombstones.pop_front() {
-                if self.peers.get(&old) == Some(&PeerState::Invalidated) {
-                    self.peers.remove(&old);
-                }
-            }
-        }
-    }
-
-    /// Why `create_xfer_req` failed, after every local check passed.
-    fn diagnose_create(
-        &self,
-        agent: &AgentName,
-        descriptors: &[Descriptor],
-        err: NixlError,
-    ) -> TransportError {
-        if !self.nixl_knows(agent) {
-            return TransportError::PeerUnreachable {
-                agent: agent.clone(),
-            };
-        }
-        for (index, d) in descriptors.iter().enumerate() {
-            let mut one = match XferDescList::new(MemType::Dram) {
-                Ok(list) => list,
-                Err(e) => return backend_error("descriptor list", e),
-            };
-            one.add_desc(d.remote_addr as usize, d.len as usize, 0);
-            if !self.agent.check_remote_metadata(agent.as_str(), Some(&one)) {
-                return TransportError::RemoteOutOfRange {
-                    index,
-                    addr: d.remote_addr,
-                    len: d.len,
-                };
-            }
-        }
-        TransportError::PostFailed {
-            reason: format!("NIXL create_xfer_req: {err}"),
-        }
-    }
-
-    fn post(
-        &mut self,
-        op: XferOp,
-        write: WriteId,
-        peer: &PeerAddr,
-        descriptors: &[Descriptor],
-        notification: Option<Vec<u8>>,
-    ) -> Result<(), TransportError> {
-        let config = &self.config;
-        if let Some(n) = &notification {
-            if n.len() > config.max_notification_len {
-                return Err(TransportError::NotificationTooLarge {
-                    len: n.len(),
-                    limit: config.max_notification_len,
-                });
-            }
-        }
-        if descriptors.is_empty() {
-            return Err(TransportError::NoDescriptors);
-        }
-        if descriptors.len() > config.max_descriptors {
-            return Err(TransportError::TooManyDescriptors {
-                count: descriptors.len(),
-                limit: config.max_descriptors,
-            });
-        }
-        if self.is_pending(write) {
-            return Err(TransportError::DuplicateWrite { write });
-        }
-        if self.pending() >= config.max_in_flight {
-            return Err(TransportError::TooManyInFlight {
-                limit: config.max_in_flight,
-            });
-        }
-        let agent = self.loaded_agent(peer)?;
-        let mut local = XferDescList::new(MemType::Dram)
-            .map_err(|e| backend_error("local descriptor list", e))?;
-        let mut remote = XferDescList::new(MemType::Dram)
-            .map_err(|e| backend_error("remote descriptor list", e))?;
-        for (index, d) in descriptors.iter().enumerate() {
-            if d.len == 0 {
-                return Err(TransportError::EmptyDescriptor { index });
-            }
-            // Inside a registered buffer, so the address and length fit a `usize`.
-            if self.local_region(d.local_addr, d.len).is_none() {
-                return Err(TransportError::LocalOutOfRange {
-                    index,
-                    addr: d.local_addr,
-                    len: d.len,
-                });
-            }
-            let remote_span = usize::try_from(d.remote_addr)
-                .ok()
-                .filter(|addr| addr.checked_add(d.len as usize).is_some());
-            let Some(remote_addr) = remote_span else {
-                return Err(TransportError::RemoteOutOfRange {
-                    index,
-                    addr: d.remote_addr,
-                    len: d.len,
-                });
-            };
-            local.add_desc(d.local_addr as usize, d.len as usize, 0);
-            remote.add_desc(remote_addr, d.len as usize, 0);
-        }
-        let args = &mut self.xfer_args.0;
-        match &notification {
-            Some(bytes) => {
-                args.set_has_notification(true)
-                    .map_err(|e| backend_error("opt args: notification flag", e))?;
-                args.set_notification_message(bytes)
-                    .map_err(|e| backend_error("opt args: notification", e))?;
-            }
-            None => args
-                .set_has_notification(false)
-                .map_err(|e| backend_error("opt args: notification flag", e))?,
-        }
-        let req = self
-            .agent
-            .create_xfer_req(op, &local, &remote, agent.as_str(), Some(&self.xfer_args.0))
-            .map_err(|e| self.diagnose_create(&agent, descriptors, e))?;
-        let in_progress = match self.agent.post_xfer_req(&req, None) {
-            Ok(in_progress) => in_progress,
-            Err(err) => {
-                drop(req);
-                return Err(if self.nixl_knows(&agent) {
-                    TransportError::PostFailed {
-                        reason: format!("NIXL post_xfer_req: {err}"),
-                    }
-                } else {
-                    TransportError::PeerUnreachable { agent }
-                });
-            }
-        };
-        if in_progress {
-            let seq = self.next_seq;
-            self.next_seq += 1;
-            self.by_write.insert(write, seq);
-            self.in_flight.insert(
-                seq,
-                InFlight {
-                    write,
-                    peer: peer.clone(),
-                    agent,
-                    req,
-                },
-            );
-        } else {
-            // Done within the post (data and notification); reported by the next poll.
-            drop(req);
-            self.done.push_back(Completion {
-                write,
-                result: Ok(()),
-            });
-        }
-        Ok(())
-    }
-
-    /// The outcome of a pending request, `None` while it is in progress.
-    fn status(&self, x: &InFlight) -> Option<Result<(), TransportError>> {
-        match self.agent.get_xfer_status(&x.req) {
-            Ok(XferStatus::InProgress) => None,
-            Ok(XferStatus::Success) => Some(Ok(())),
-            Err(err) if !self.nixl_knows(&x.agent) => {
-                tracing::debug!(write = %x.write, %err, "transfer failed, remote disconnected");
-                Some(Err(TransportError::PeerUnreachable {
-                    agent: x.agent.clone(),
-                }))
-            }
-            Err(err) => Some(Err(TransportError::TransferFailed {
-                reason: format!("NIXL get_xfer_status: {err}"),
-            })),
-        }
-    }
-
-    /// Removes a pending request (releasing it) and queues its completion.
-    fn finish(&mut self, seq: u64, result: Result<(), TransportError>) {
-        if let Some(x) = self.in_flight.remove(&seq) {
-            self.by_write.remove(&x.write);
-            self.done.push_back(Completion {
-                write: x.write,
-                result,
-            });
-        }
-    }
-}
-
-impl Transport for NixlTransport {
-    type Region = HostBuffer;
-
-    fn agent_name(&self) -> &AgentName {
-        &self.name
-    }
-
-    /// Registers one allocation (NIXL: `register_memory`). A buffer may back several
-    /// [`kvhandoff_protocol::RegionDesc`]s; register it once.
-    ///
-    /// # Errors
-    /// [`TransportError::AlreadyRegistered`] when the buffer (or memory overlapping it) is
-    /// registered already, [`TransportError::TooManyRegions`], or a NIXL refusal
-    /// ([`TransportError::Backend`]).
-    fn register_region(&mut self, region: &HostBuffer) -> Result<AddrRange, TransportError> {
-        let range = region.range();
-        let end = range
-            .end()
-            .ok_or(TransportError::BadRegionLen { len: range.len })?;
-        if let Some((&base, _)) = self.regions.range(..end).next_back().filter(|(_, r)| {
-            r.buffer
-                .range()
-                .end()
-                .is_some_and(|other_end| other_end > range.base)
-        }) {
-            return Err(TransportError::AlreadyRegistered { base });
-        }
-        if self.regions.len() >= self.config.max_regions {
-            return Err(TransportError::TooManyRegions {
-                limit: self.config.max_regions,
-            });
-        }
-        let handle = self
-            .agent
-            .register_memory(region, Some(&self.reg_args.0))
-            .map_err(|e| backend_error("register_memory", e))?;
-        self.regions.insert(
-            range.base,
-            Registered {
-                handle: Some(handle),
-                buffer: region.clone(),
-            },
-        );
-        Ok(range)
-    }
-
-    fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
-        self.agent
-            .get_local_md()
-            .map_err(|e| backend_error("get_local_md", e))
-    }
-
-    fn load_remote(
-        &mut self,
-        peer: &PeerAddr,
-        agent: &AgentName,
-        metadata: &[u8],
-    ) -> Result<(), TransportError> {
-        let conflict = || TransportError::LoadConflict {
-            peer: peer.clone(),
-            agent: agent.clone(),
-        };
-        let refresh = match self.peers.get(peer) {
-            Some(PeerState::Loaded(loaded)) if loaded != agent => return Err(conflict()),
-            Some(PeerState::Loaded(_)) => true,
-            _ => false,
-        };
-        if self.agents.get(agent).is_some_and(|p| p != peer) {
-            return Err(conflict());
-        }
-        if !refresh && self.agents.len() >= self.config.max_peers {
-            return Err(TransportError::TooManyPeers {
-                limit: self.config.max_peers,
-            });
-        }
-        if metadata.is_empty() {
-            return Err(TransportError::BadMetadata {
-                why: "empty metadata",
-            });
-        }
-        let found = self.agent.load_remote_md(metadata).map_err(|err| {
-            tracing::debug!(%peer, %err, "NIXL refused remote metadata");
-            TransportError::BadMetadata {
-                why: "NIXL load_remote_md refused it",
-            }
-        })?;
-        if found != agent.as_str() {
-            // Undo the load, unless it refreshed an agent this transport uses for another peer.
-            if !self.agents.keys().any(|a| a.as_str() == found) {
-                if let Err(err) = self.agent.invalidate_remote_md(&found) {
-                    tracing::debug!(%found, %err, "could not unload mismatched metadata");
-                }
-            }
-            return Err(match AgentName::new(found.as_str()) {
-                Ok(found) => TransportError::MetadataMismatch {
-                    expected: agent.clone(),
-                    found,
-                },
-                Err(_) => TransportError::BadMetadata {
-                    why: "metadata names an invalid agent name",
-                },
-            });
-        }
-        self.tombstones.retain(|p| p != peer);
-        self.peers
-            .insert(peer.clone(), PeerState::Loaded(agent.clone()));
-        self.agents.insert(agent.clone(), peer.clone());
-        Ok(())
-    }
-
-    fn invalidate_remote(&mut self, peer: &PeerAddr) {
-        let Some(PeerState::Loaded(agent)) = self.peers.get(peer).cloned() else {
-            self.remember_invalidated(peer);
-            return;
-        };
-        // Settle the peer's requests before NIXL forgets the remote: `get_xfer_status` must not
-        // see a request whose remote metadata is gone.
-        let seqs: Vec<u64> = self
-            .in_flight
-            .iter()
-            .filter(|(_, x)| &x.peer == peer)
-            .map(|(&seq, _)| seq)
-            .collect();
-        for seq in seqs {
-            let result = match self.in_flight.get(&seq).and_then(|x| self.status(x)) {
-                Some(result) => result,
-                // Released below; its bytes may still land (see the module documentation).
-                None => Err(TransportError::PeerInvalidated { peer: peer.clone() }),
-            };
-            self.finish(seq, result);
-        }
-        if let Err(err) = self.agent.invalidate_remote_md(agent.as_str()) {
-            tracing::debug!(%peer, %agent, %err, "NIXL invalidate_remote_md failed");
-        }
-        self.agents.remove(&agent);
-        self.remember_invalidated(peer);
-    }
-
-    fn post_write(
-        &mut self,
-        write: WriteId,
-        peer: &PeerAddr,
-        descriptors: &[Descriptor],
-        notification: Option<Vec<u8>>,
-    ) -> Result<(), TransportError> {
-        self.post(XferOp::Write, write, peer, descriptors, notification)
-    }
-
-    fn post_read(
-        &mut self,
-        write: WriteId,
-        peer: &PeerAddr,
-        descriptors: &[Descriptor],
-        notification: Option<Vec<u8>>,
-    ) -> Result<(), TransportError> {
-        self.post(XferOp::Read, write, peer, descriptors, notification)
-    }
-
-    /// Gives up on a pending transfer if NIXL has finished it (its real outcome is reported);
-    /// refuses while it is in progress, because releasing a NIXL request does not stop its
-    /// bytes (see the module documentation).
-    ///
-    /// # Errors
-    /// [`TransportError::UnknownWrite`], or [`TransportError::AbandonRefused`] while the
-    /// transfer is in progress.
-    fn abandon_write(&mut self, write: WriteId) -> Result<(), TransportError> {
-        if self.done.iter().any(|c| c.write == write) {
-            return Ok(());
-        }
-        let Some(&seq) = self.by_write.get(&write) else {
-            return Err(TransportError::UnknownWrite { write });
-        };
-        match self.in_flight.get(&seq).and_then(|x| self.status(x)) {
-            None => Err(TransportError::AbandonRefused { write }),
-            Some(result) => {
-                self.finish(seq, result);
-                Ok(())
-            }
-        }
-    }
-
-    fn poll_completions(&mut self, out: &mut Vec<Completion>) {
-        let finished: Vec<(u64, Result<(), TransportError>)> = self
-            .in_flight
-            .iter()
-            .filter_map(|(&seq, x)| self.status(x).map(|result| (seq, result)))
-            .collect();
-        for (seq, result) in finished {
-            self.finish(seq, result);
-        }
-        out.extend(self.done.drain(..));
-    }
-
-    /// # Errors
-    /// As the trait; a remote that NIXL reports as failing (`NIXL_ERR_REMOTE_DISCONNECT`
-    /// reaches the C API as a generic backend error) is [`TransportError::PeerUnreachable`].
-    fn send_notification(&mut self, peer: &PeerAddr, bytes: Vec<u8>) -> Result<(), TransportError> {
-        if bytes.len() > self.config.max_notification_len {
-            return Err(TransportError::NotificationTooLarge {
-                len: bytes.len(),
-                limit: self.config.max_notification_len,
-            });
-        }
-        let agent = self.loaded_agent(peer)?;
-        self.agent
-            .send_notification(agent.as_str(), &bytes, None)
-            .map_err(|err| {
-                tracing::debug!(%peer, %agent, %err, "NIXL send_notification failed");
-                TransportError::PeerUnreachable { agent }
-            })
-    }
-
-    /// Appends the received notifications, in arrival order per sender (NIXL groups them by
-    /// sender, and the order across senders is not kept).
-    fn poll_notifications(&mut self, out: &mut Vec<Notification>) {
-        let map = &mut self.notifications.0;
-        if let Err(err) = self.agent.get_notifications(map, None) {
-            tracing::warn!(%err, "NIXL get_notifications failed");
-        }
-        if map.is_empty().unwrap_or(true) {
-            return;
-        }
-        let senders: Vec<String> = map
-            .agents()
-            .filter_map(|a| a.ok().map(str::to_owned))
-            .collect();
-        for sender in senders {
-            let count = map.get_notifications_size(&sender).unwrap_or(0);
-            let from = AgentName::new(sender.as_str());
-            for index in 0..count {
-                let bytes = match map.get_notification_bytes(&sender, index) {
-                    Ok(bytes) => bytes,
-                    Err(err) => {
-                        tracing::warn!(%sender, index, %err, "unreadable NIXL notification");
-                        continue;
-                    }
-                };
-                let Ok(from) = from.clone() else {
-                    tracing::warn!(%sender, "notification from an invalid agent name dropped");
-                    continue;
-                };
-                let peer = self.agents.get(&from).cloned();
-                out.push(Notification { from, peer, bytes });
-            }
-        }
-        // NIXL appends to the map and the C API has no clear that keeps binary payloads
-        // (`take_notifs` fails on non-UTF-8 before clearing): start a fresh map.
-        match NotificationMap::new() {
-            Ok(fresh) => *map = fresh,
-            Err(err) => tracing::error!(%err, "cannot replace the NIXL notification map"),
-        }
-    }
-
-    fn max_notification_len(&self) -> usize {
-        self.config.max_notification_len
     }
 }

@@ -1,0 +1,157 @@
+//! The endpoint's peer handling: running a peer's machine and acting on its notices (connect,
+//! wake or fail the D requests bound to it, declare it dead, send heartbeats).
+
+use kvhandoff_protocol::{Heartbeat, LeaseRef, Message, PairingKey, MAX_HEARTBEAT_LEASES};
+
+use super::Endpoint;
+use crate::machine::decode::{DecodeInput, DecodeRequest};
+use crate::machine::effects::Effects;
+use crate::machine::peer::{Peer, PeerDown, PeerInput, PeerNotice};
+use crate::machine::types::{DropReason, Output, Time};
+use crate::PeerAddr;
+
+impl Endpoint {
+    /// Runs one input through a peer's machine and acts on what it says.
+    pub(super) fn peer_input(&mut self, now: Time, peer: &PeerAddr, input: PeerInput) {
+        let current = match self.peers.remove(peer) {
+            Some(current) => current,
+            None => match input {
+                PeerInput::ConnectRequested => {
+                    if self.peers.len() >= self.config.max_peers {
+                        self.fail_waiting_decodes(now, peer);
+                        return;
+                    }
+                    self.out.push_back(Output::Connect { peer: peer.clone() });
+                    let fresh = Peer::connecting(now, &self.config);
+                    self.peer_timers
+                        .set(peer.clone(), fresh.next_timer(&self.config));
+                    self.peers.insert(peer.clone(), fresh);
+                    return;
+                }
+                PeerInput::Connected => {
+                    if self.peers.len() >= self.config.max_peers {
+                        self.counters.drop(DropReason::TableFull);
+                        return;
+                    }
+                    Peer::Dead(PeerDown { until: now })
+                }
+                PeerInput::ConnectFailed(_) | PeerInput::Lost | PeerInput::Timeout => return,
+                PeerInput::Heard => {
+                    self.counters.drop(DropReason::UnknownPeer);
+                    return;
+                }
+            },
+        };
+        let (next, notice) = current.handle(now, &self.config, input);
+        let forget = matches!(notice, PeerNotice::ConnectFailed(_) | PeerNotice::Forget);
+        if forget {
+            self.peer_timers.clear(peer);
+        } else {
+            self.peer_timers
+                .set(peer.clone(), next.next_timer(&self.config));
+            self.peers.insert(peer.clone(), next);
+        }
+        match notice {
+            PeerNotice::Quiet | PeerNotice::Forget => {}
+            PeerNotice::Connect => self.out.push_back(Output::Connect { peer: peer.clone() }),
+            PeerNotice::NotConnected => self.counters.drop(DropReason::UnknownPeer),
+            PeerNotice::Up(queued) => {
+                tracing::debug!(peer = %peer, "peer connected");
+                for message in queued {
+                    self.out.push_back(Output::Send {
+                        to: peer.clone(),
+                        message,
+                    });
+                }
+                self.wake_connecting_decodes(now, peer);
+            }
+            PeerNotice::Restarted => {
+                tracing::info!(peer = %peer, "peer restarted; its old incarnation is dead");
+                // The shell replaced the old incarnation before reporting the new one (see
+                // `Input::PeerConnected`): invalidating now would cut the new one.
+                self.peer_died(now, peer, false);
+                self.wake_connecting_decodes(now, peer);
+            }
+            PeerNotice::ConnectFailed(reason) => {
+                tracing::info!(peer = %peer, ?reason, "handshake failed");
+                self.fail_waiting_decodes(now, peer);
+            }
+            PeerNotice::Died => {
+                tracing::info!(peer = %peer, "peer declared dead");
+                self.peer_died(now, peer, true);
+            }
+            PeerNotice::HeartbeatDue => self.send_heartbeats(peer),
+        }
+    }
+
+    fn decodes_bound_to(&self, peer: &PeerAddr) -> Vec<PairingKey> {
+        self.decodes
+            .iter()
+            .filter(|(_, r)| &r.common().prefill == peer)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    fn wake_connecting_decodes(&mut self, now: Time, peer: &PeerAddr) {
+        for key in self.decodes_bound_to(peer) {
+            if matches!(self.decodes.get(&key), Some(DecodeRequest::Connecting(_))) {
+                self.step_decode(now, &key, DecodeInput::PeerConnected);
+            }
+        }
+    }
+
+    fn fail_waiting_decodes(&mut self, now: Time, peer: &PeerAddr) {
+        for key in self.decodes_bound_to(peer) {
+            self.step_decode(now, &key, DecodeInput::PeerConnectFailed);
+        }
+    }
+
+    /// Invalidates the peer first, so that by the time a request learns of the death no write
+    /// from the peer can land any more; then fails everything bound to it.
+    fn peer_died(&mut self, now: Time, peer: &PeerAddr, invalidate: bool) {
+        self.counters.peers_declared_dead += 1;
+        if invalidate {
+            self.out
+                .push_back(Output::Invalidate { peer: peer.clone() });
+        }
+        for key in self.decodes_bound_to(peer) {
+            self.step_decode(now, &key, DecodeInput::PeerDead);
+        }
+        let mut fx = Effects {
+            out: &mut self.out,
+            counters: &mut self.counters,
+        };
+        self.writer.on_peer_dead(now, peer, &mut fx);
+    }
+
+    /// A heartbeat to `peer`, naming every lease D wants P to keep (several messages if the
+    /// list is long; one empty message is still a liveness ping).
+    fn send_heartbeats(&mut self, peer: &PeerAddr) {
+        let leases: Vec<LeaseRef> = self
+            .decodes
+            .values()
+            .filter(|r| &r.common().prefill == peer && r.holds_lease())
+            .map(|r| LeaseRef {
+                key: r.common().key.clone(),
+                epoch: r.common().epoch,
+            })
+            .collect();
+        let mut chunks: Vec<Vec<LeaseRef>> = leases
+            .chunks(MAX_HEARTBEAT_LEASES)
+            .map(<[LeaseRef]>::to_vec)
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(Vec::new());
+        }
+        for leases in chunks {
+            self.counters.heartbeats_sent += 1;
+            self.out.push_back(Output::Send {
+                to: peer.clone(),
+                message: Message::Heartbeat(Heartbeat {
+                    engine: self.own.engine.clone(),
+                    leases,
+                }),
+            });
+        }
+    }
+}

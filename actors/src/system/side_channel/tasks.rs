@@ -1,0 +1,237 @@
+//! The connection tasks: what both sides know about this rank ([`Local`]), the state they share
+//! with the link actor ([`Shared`]), the listener's accept loop and the initiator's half.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix::clock::Instant;
+use actix::Recipient;
+use kvhandoff_protocol::EngineId;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+
+use super::handshake::{read_handshake, validate_handshake, write_frame};
+use super::{
+    wire, ClockEstimate, HandshakeError, LinkUp, Message, RejectReason, SideChannelConfig,
+    SideChannelStats,
+};
+use crate::system::PeerInfo;
+use crate::PeerAddr;
+
+/// What both sides of a handshake know about this rank.
+pub(crate) struct Local {
+    pub(crate) info: PeerInfo,
+    pub(crate) config: SideChannelConfig,
+    origin: Instant,
+}
+
+impl Local {
+    pub(crate) fn new(info: PeerInfo, config: SideChannelConfig) -> Self {
+        Local {
+            info,
+            config,
+            origin: Instant::now(),
+        }
+    }
+
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    fn frame(&self) -> (Vec<u8>, u64) {
+        let now = self.now_us();
+        let handshake = self.info.handshake(self.config.modes.clone(), now);
+        (wire::encode(&Message::Handshake(Box::new(handshake))), now)
+    }
+
+    /// Checks that this rank's own handshake is valid (so that encoding it cannot panic).
+    pub(crate) fn check_own(&self) -> io::Result<()> {
+        let handshake = self.info.handshake(self.config.modes.clone(), 0);
+        Message::Handshake(Box::new(handshake))
+            .validate()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("own handshake: {e}")))
+    }
+}
+
+/// State shared by the link actor and its connection tasks.
+pub(crate) struct Shared {
+    stats: Mutex<SideChannelStats>,
+    max_clocks: usize,
+}
+
+impl Shared {
+    pub(crate) fn new(listen: Option<SocketAddr>, max_clocks: usize) -> Self {
+        Shared {
+            stats: Mutex::new(SideChannelStats {
+                listen,
+                ..SideChannelStats::default()
+            }),
+            max_clocks,
+        }
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut SideChannelStats) -> R) -> R {
+        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut stats)
+    }
+
+    pub(crate) fn snapshot(&self) -> SideChannelStats {
+        self.with(|s| s.clone())
+    }
+
+    fn record_clock(&self, engine: &EngineId, estimate: ClockEstimate) {
+        let max = self.max_clocks;
+        self.with(|s| match s.clocks.get_mut(engine) {
+            Some(kept) => {
+                if estimate.replaces(kept) {
+                    *kept = estimate;
+                }
+            }
+            None => {
+                if s.clocks.len() < max {
+                    s.clocks.insert(engine.clone(), estimate);
+                }
+            }
+        });
+    }
+
+    fn rejected(&self, reason: RejectReason) {
+        self.with(|s| *s.rejected.entry(reason).or_insert(0) += 1);
+    }
+
+    pub(crate) fn outgoing_failed(&self, reason: RejectReason) {
+        self.with(|s| *s.outgoing_failed.entry(reason).or_insert(0) += 1);
+    }
+}
+
+/// Binds the listener (synchronously, inside the actix system's runtime).
+pub(crate) fn bind(listen: SocketAddr) -> io::Result<(TcpListener, SocketAddr)> {
+    let std_listener = std::net::TcpListener::bind(listen)?;
+    std_listener.set_nonblocking(true)?;
+    let listener = TcpListener::from_std(std_listener)?;
+    let addr = listener.local_addr()?;
+    Ok((listener, addr))
+}
+
+/// Accepts connections forever, each served in its own task, at most `max_concurrent` at once.
+pub(crate) async fn accept_loop(
+    listener: TcpListener,
+    local: Arc<Local>,
+    shared: Arc<Shared>,
+    up: Recipient<LinkUp>,
+) {
+    let permits = Arc::new(Semaphore::new(
+        local.config.max_concurrent.min(Semaphore::MAX_PERMITS),
+    ));
+    loop {
+        let (stream, from) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Out of descriptors and the like: back off a little and keep serving.
+                tracing::warn!(%error, "side channel accept failed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        shared.with(|s| s.accepted += 1);
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            tracing::debug!(%from, "side channel busy; connection closed");
+            shared.rejected(RejectReason::Busy);
+            drop(stream);
+            continue;
+        };
+        let (local, shared, up) = (local.clone(), shared.clone(), up.clone());
+        actix::spawn(async move {
+            let mut stream = stream;
+            match serve(&local, &mut stream, &up).await {
+                Ok((info, clock)) => {
+                    tracing::info!(peer = %info.peer, %from, "side channel handshake served");
+                    shared.record_clock(&info.peer.engine, clock);
+                    shared.with(|s| s.incoming_ok += 1);
+                    let _ = stream.shutdown().await;
+                }
+                Err(error) => {
+                    // Mismatched peers are worth a warning; noise (scanners, garbage, stalls)
+                    // is only counted and logged at debug level.
+                    if error.is_mismatch() {
+                        tracing::warn!(%from, %error, "side channel handshake rejected");
+                    } else {
+                        tracing::debug!(%from, %error, "side channel connection rejected");
+                    }
+                    shared.rejected(error.reason());
+                }
+            }
+            // Counted before the close, so whoever sees the close sees the count.
+            drop(stream);
+            drop(permit);
+        });
+    }
+}
+
+/// The listener's half: read, validate, hand to the rank, answer.
+async fn serve(
+    local: &Local,
+    stream: &mut TcpStream,
+    up: &Recipient<LinkUp>,
+) -> Result<(PeerInfo, ClockEstimate), HandshakeError> {
+    let deadline = Instant::now() + local.config.io_timeout;
+    let handshake = read_handshake(stream, deadline).await?;
+    let t_recv = local.now_us();
+    validate_handshake(&local.info, &local.config.modes, &handshake, None)?;
+    let clock = ClockEstimate::one_way(handshake.clock_sample_us, t_recv);
+    let info = PeerInfo::from_handshake(handshake);
+    link_up(up, info.clone()).await?;
+    let (answer, _) = local.frame();
+    let deadline = Instant::now() + local.config.io_timeout;
+    write_frame(stream, &answer, deadline).await?;
+    Ok((info, clock))
+}
+
+/// Hands a handshaken peer to the rank, which loads it and feeds `PeerConnected` (or, if the
+/// load fails, `PeerConnectFailed`) atomically.
+pub(crate) async fn link_up(up: &Recipient<LinkUp>, info: PeerInfo) -> Result<(), HandshakeError> {
+    match up.send(LinkUp(info)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(failure)) => Err(HandshakeError::Load(format!("{failure:?}"))),
+        Err(_) => Err(HandshakeError::Load("rank unavailable".into())),
+    }
+}
+
+/// The initiator's half: connect, send ours, read and validate theirs. Loading is the caller's.
+pub(crate) async fn initiate(
+    local: &Local,
+    addr: SocketAddr,
+    expected: &PeerAddr,
+) -> Result<(PeerInfo, ClockEstimate), HandshakeError> {
+    let mut stream =
+        match tokio::time::timeout(local.config.connect_timeout, TcpStream::connect(addr)).await {
+            Err(_) => return Err(HandshakeError::ConnectTimedOut(addr)),
+            Ok(Err(error)) if error.kind() == io::ErrorKind::TimedOut => {
+                return Err(HandshakeError::ConnectTimedOut(addr))
+            }
+            Ok(Err(error)) => {
+                return Err(HandshakeError::Connect {
+                    addr,
+                    detail: error.to_string(),
+                })
+            }
+            Ok(Ok(stream)) => stream,
+        };
+    let deadline = Instant::now() + local.config.io_timeout;
+    let (frame, t_send) = local.frame();
+    write_frame(&mut stream, &frame, deadline).await?;
+    let handshake = read_handshake(&mut stream, deadline).await?;
+    let t_recv = local.now_us();
+    validate_handshake(&local.info, &local.config.modes, &handshake, Some(expected))?;
+    let clock = ClockEstimate::round_trip(handshake.clock_sample_us, t_send, t_recv);
+    Ok((PeerInfo::from_handshake(handshake), clock))
+}
+
+/// Records a completed outgoing handshake.
+pub(crate) fn outgoing_ok(shared: &Shared, engine: &EngineId, clock: ClockEstimate) {
+    shared.record_clock(engine, clock);
+    shared.with(|s| s.outgoing_ok += 1);
+}

@@ -1,0 +1,115 @@
+//! Unit tests of the side channel: clock estimates, the bounded peer book, frame reading.
+
+use actix::clock::Instant;
+use kvhandoff_protocol::{MessageKind, WireError, PROTOCOL_VERSION};
+
+use super::handshake::read_handshake;
+use super::*;
+
+#[test]
+fn round_trip_offsets_follow_vllm() {
+    let e = ClockEstimate::round_trip(1_000_500, 100, 300);
+    assert_eq!(
+        e,
+        ClockEstimate {
+            offset_us: 1_000_300,
+            rtt_us: Some(200)
+        }
+    );
+    let back = ClockEstimate::round_trip(0, 1_000, 1_000);
+    assert_eq!(back.offset_us, -1_000);
+    assert_eq!(ClockEstimate::one_way(50, 80).offset_us, -30);
+    assert_eq!(clamp_i64(i128::MAX), i64::MAX);
+    assert_eq!(clamp_i64(i128::MIN), i64::MIN);
+}
+
+#[test]
+fn lower_rtt_wins_unless_the_clock_moved() {
+    let kept = ClockEstimate {
+        offset_us: 1_000,
+        rtt_us: Some(100),
+    };
+    let better = ClockEstimate {
+        offset_us: 1_010,
+        rtt_us: Some(50),
+    };
+    let worse = ClockEstimate {
+        offset_us: 1_010,
+        rtt_us: Some(150),
+    };
+    let restarted = ClockEstimate {
+        offset_us: -5_000,
+        rtt_us: Some(150),
+    };
+    let one_way = ClockEstimate {
+        offset_us: 0,
+        rtt_us: None,
+    };
+    assert!(better.replaces(&kept));
+    assert!(!worse.replaces(&kept));
+    assert!(restarted.replaces(&kept));
+    assert!(!one_way.replaces(&kept));
+    assert!(kept.replaces(&one_way));
+    assert!(one_way.replaces(&one_way));
+}
+
+#[test]
+fn the_book_is_bounded() {
+    let e = |s: &str| EngineId::new(s).unwrap();
+    let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
+    let mut book = PeerBook::new(1);
+    assert!(book.is_empty());
+    assert_eq!(book.insert(e("p"), a), Ok(None));
+    assert_eq!(book.insert(e("p"), b), Ok(Some(a)));
+    assert_eq!(book.insert(e("q"), a), Err(PeerBookFull { limit: 1 }));
+    assert_eq!(book.get(&e("p")), Some(b));
+    assert_eq!(book.len(), 1);
+    assert_eq!(book.remove(&e("p")), Some(b));
+    assert_eq!(book.get(&e("p")), None);
+}
+
+#[tokio::test]
+async fn frames_are_read_with_limits() {
+    let far = Instant::now() + Duration::from_secs(5);
+    let mut empty: &[u8] = &[];
+    assert_eq!(
+        read_handshake(&mut empty, far).await,
+        Err(HandshakeError::Closed)
+    );
+    let mut garbage: &[u8] = b"KVX";
+    assert!(matches!(
+        read_handshake(&mut garbage, far).await,
+        Err(HandshakeError::Wire(WireError::BadMagic { .. }))
+    ));
+    let mut short: &[u8] = b"KVHO\x01";
+    assert_eq!(
+        read_handshake(&mut short, far).await,
+        Err(HandshakeError::Truncated {
+            got: 5,
+            wanted: HEADER_LEN
+        })
+    );
+    let mut huge = Vec::from(MAGIC);
+    huge.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    huge.extend_from_slice(&[MessageKind::Handshake as u8, 0]);
+    huge.extend_from_slice(&u32::MAX.to_le_bytes());
+    let err = read_handshake(&mut huge.as_slice(), far).await.unwrap_err();
+    assert_eq!(err.reason(), RejectReason::PayloadTooLarge);
+    let mut truncated = huge.clone();
+    truncated[8..12].copy_from_slice(&100u32.to_le_bytes());
+    truncated.extend_from_slice(&[0; 10]);
+    assert_eq!(
+        read_handshake(&mut truncated.as_slice(), far).await,
+        Err(HandshakeError::Truncated {
+            got: HEADER_LEN + 10,
+            wanted: HEADER_LEN + 100
+        })
+    );
+    let mut wrong = truncated.clone();
+    wrong[6] = MessageKind::Register as u8;
+    assert_eq!(
+        read_handshake(&mut wrong.as_slice(), far).await,
+        Err(HandshakeError::WrongKind(MessageKind::Register))
+    );
+}

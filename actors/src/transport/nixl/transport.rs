@@ -1,0 +1,286 @@
+//! [`NixlTransport`] as a [`Transport`]: the trait's calls mapped onto NIXL (see the table in
+//! the module documentation of `nixl`).
+
+use kvhandoff_protocol::{AgentName, RegionDesc};
+use nixl_sys::{NotificationMap, XferOp};
+
+use super::{
+    backend_error, AddrRange, Completion, Descriptor, HostBuffer, NixlTransport, Notification,
+    PeerState, Registered, Transport, TransportError,
+};
+use crate::{PeerAddr, WriteId};
+
+impl Transport for NixlTransport {
+    type Region = HostBuffer;
+
+    fn agent_name(&self) -> &AgentName {
+        &self.name
+    }
+
+    /// Registers one allocation (NIXL: `register_memory`). A buffer may back several
+    /// [`kvhandoff_protocol::RegionDesc`]s; register it once.
+    ///
+    /// # Errors
+    /// [`TransportError::AlreadyRegistered`] when the buffer (or memory overlapping it) is
+    /// registered already, [`TransportError::TooManyRegions`], or a NIXL refusal
+    /// ([`TransportError::Backend`]).
+    fn register_region(&mut self, region: &HostBuffer) -> Result<AddrRange, TransportError> {
+        let range = region.range();
+        let end = range
+            .end()
+            .ok_or(TransportError::BadRegionLen { len: range.len })?;
+        if let Some((&base, _)) = self.regions.range(..end).next_back().filter(|(_, r)| {
+            r.buffer
+                .range()
+                .end()
+                .is_some_and(|other_end| other_end > range.base)
+        }) {
+            return Err(TransportError::AlreadyRegistered { base });
+        }
+        if self.regions.len() >= self.config.max_regions {
+            return Err(TransportError::TooManyRegions {
+                limit: self.config.max_regions,
+            });
+        }
+        let handle = self
+            .agent
+            .register_memory(region, Some(&self.reg_args.0))
+            .map_err(|e| backend_error("register_memory", e))?;
+        self.regions.insert(
+            range.base,
+            Registered {
+                handle: Some(handle),
+                buffer: region.clone(),
+            },
+        );
+        Ok(range)
+    }
+
+    fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
+        self.agent
+            .get_local_md()
+            .map_err(|e| backend_error("get_local_md", e))
+    }
+
+    fn load_remote(
+        &mut self,
+        peer: &PeerAddr,
+        agent: &AgentName,
+        metadata: &[u8],
+    ) -> Result<(), TransportError> {
+        let conflict = || TransportError::LoadConflict {
+            peer: peer.clone(),
+            agent: agent.clone(),
+        };
+        let refresh = match self.peers.get(peer) {
+            Some(PeerState::Loaded(loaded)) if loaded != agent => return Err(conflict()),
+            Some(PeerState::Loaded(_)) => true,
+            _ => false,
+        };
+        if self.agents.get(agent).is_some_and(|p| p != peer) {
+            return Err(conflict());
+        }
+        if !refresh && self.agents.len() >= self.config.max_peers {
+            return Err(TransportError::TooManyPeers {
+                limit: self.config.max_peers,
+            });
+        }
+        if metadata.is_empty() {
+            return Err(TransportError::BadMetadata {
+                why: "empty metadata",
+            });
+        }
+        let found = self.agent.load_remote_md(metadata).map_err(|err| {
+            tracing::debug!(%peer, %err, "NIXL refused remote metadata");
+            TransportError::BadMetadata {
+                why: "NIXL load_remote_md refused it",
+            }
+        })?;
+        if found != agent.as_str() {
+            // Undo the load, unless it refreshed an agent this transport uses for another peer.
+            if !self.agents.keys().any(|a| a.as_str() == found) {
+                if let Err(err) = self.agent.invalidate_remote_md(&found) {
+                    tracing::debug!(%found, %err, "could not unload mismatched metadata");
+                }
+            }
+            return Err(match AgentName::new(found.as_str()) {
+                Ok(found) => TransportError::MetadataMismatch {
+                    expected: agent.clone(),
+                    found,
+                },
+                Err(_) => TransportError::BadMetadata {
+                    why: "metadata names an invalid agent name",
+                },
+            });
+        }
+        self.tombstones.retain(|p| p != peer);
+        // The peer's regions may have changed: its prepared list (if any) is stale.
+        self.peer_blocks.remove(peer);
+        self.peers
+            .insert(peer.clone(), PeerState::Loaded(agent.clone()));
+        self.agents.insert(agent.clone(), peer.clone());
+        Ok(())
+    }
+
+    fn invalidate_remote(&mut self, peer: &PeerAddr) {
+        self.peer_blocks.remove(peer);
+        let Some(PeerState::Loaded(agent)) = self.peers.get(peer).cloned() else {
+            self.remember_invalidated(peer);
+            return;
+        };
+        // Settle the peer's requests before NIXL forgets the remote: `get_xfer_status` must not
+        // see a request whose remote metadata is gone.
+        let seqs: Vec<u64> = self
+            .in_flight
+            .iter()
+            .filter(|(_, x)| &x.peer == peer)
+            .map(|(&seq, _)| seq)
+            .collect();
+        for seq in seqs {
+            let result = match self.in_flight.get(&seq).and_then(|x| self.status(x)) {
+                Some(result) => result,
+                // Released below; its bytes may still land (see the module documentation).
+                None => Err(TransportError::PeerInvalidated { peer: peer.clone() }),
+            };
+            self.finish(seq, result);
+        }
+        if let Err(err) = self.agent.invalidate_remote_md(agent.as_str()) {
+            tracing::debug!(%peer, %agent, %err, "NIXL invalidate_remote_md failed");
+        }
+        self.agents.remove(&agent);
+        self.remember_invalidated(peer);
+    }
+
+    fn post_write(
+        &mut self,
+        write: WriteId,
+        peer: &PeerAddr,
+        descriptors: &[Descriptor],
+        notification: Option<Vec<u8>>,
+    ) -> Result<(), TransportError> {
+        self.post(XferOp::Write, write, peer, descriptors, notification)
+    }
+
+    fn post_read(
+        &mut self,
+        write: WriteId,
+        peer: &PeerAddr,
+        descriptors: &[Descriptor],
+        notification: Option<Vec<u8>>,
+    ) -> Result<(), TransportError> {
+        self.post(XferOp::Read, write, peer, descriptors, notification)
+    }
+
+    /// Gives up on a pending transfer if NIXL has finished it (its real outcome is reported);
+    /// refuses while it is in progress, because releasing a NIXL request does not stop its
+    /// bytes (see the module documentation).
+    ///
+    /// # Errors
+    /// [`TransportError::UnknownWrite`], or [`TransportError::AbandonRefused`] while the
+    /// transfer is in progress.
+    fn abandon_write(&mut self, write: WriteId) -> Result<(), TransportError> {
+        if self.done.iter().any(|c| c.write == write) {
+            return Ok(());
+        }
+        let Some(&seq) = self.by_write.get(&write) else {
+            return Err(TransportError::UnknownWrite { write });
+        };
+        match self.in_flight.get(&seq).and_then(|x| self.status(x)) {
+            None => Err(TransportError::AbandonRefused { write }),
+            Some(result) => {
+                self.finish(seq, result);
+                Ok(())
+            }
+        }
+    }
+
+    fn poll_completions(&mut self, out: &mut Vec<Completion>) {
+        let finished: Vec<(u64, Result<(), TransportError>)> = self
+            .in_flight
+            .iter()
+            .filter_map(|(&seq, x)| self.status(x).map(|result| (seq, result)))
+            .collect();
+        for (seq, result) in finished {
+            self.finish(seq, result);
+        }
+        out.extend(self.done.drain(..));
+    }
+
+    /// # Errors
+    /// As the trait; a remote that NIXL reports as failing (`NIXL_ERR_REMOTE_DISCONNECT`
+    /// reaches the C API as a generic backend error) is [`TransportError::PeerUnreachable`].
+    fn send_notification(&mut self, peer: &PeerAddr, bytes: Vec<u8>) -> Result<(), TransportError> {
+        if bytes.len() > self.config.max_notification_len {
+            return Err(TransportError::NotificationTooLarge {
+                len: bytes.len(),
+                limit: self.config.max_notification_len,
+            });
+        }
+        let agent = self.loaded_agent(peer)?;
+        self.agent
+            .send_notification(agent.as_str(), &bytes, None)
+            .map_err(|err| {
+                tracing::debug!(%peer, %agent, %err, "NIXL send_notification failed");
+                TransportError::PeerUnreachable { agent }
+            })
+    }
+
+    /// Appends the received notifications, in arrival order per sender (NIXL groups them by
+    /// sender, and the order across senders is not kept).
+    fn poll_notifications(&mut self, out: &mut Vec<Notification>) {
+        let map = &mut self.notifications.0;
+        if let Err(err) = self.agent.get_notifications(map, None) {
+            tracing::warn!(%err, "NIXL get_notifications failed");
+        }
+        if map.is_empty().unwrap_or(true) {
+            return;
+        }
+        let senders: Vec<String> = map
+            .agents()
+            .filter_map(|a| a.ok().map(str::to_owned))
+            .collect();
+        for sender in senders {
+            let count = map.get_notifications_size(&sender).unwrap_or(0);
+            let from = AgentName::new(sender.as_str());
+            for index in 0..count {
+                let bytes = match map.get_notification_bytes(&sender, index) {
+                    Ok(bytes) => bytes,
+                    Err(err) => {
+                        tracing::warn!(%sender, index, %err, "unreadable NIXL notification");
+                        continue;
+                    }
+                };
+                let Ok(from) = from.clone() else {
+                    tracing::warn!(%sender, "notification from an invalid agent name dropped");
+                    continue;
+                };
+                let peer = self.agents.get(&from).cloned();
+                out.push(Notification { from, peer, bytes });
+            }
+        }
+        // NIXL appends to the map and the C API has no clear that keeps binary payloads
+        // (`take_notifs` fails on non-UTF-8 before clearing): start a fresh map.
+        match NotificationMap::new() {
+            Ok(fresh) => *map = fresh,
+            Err(err) => tracing::error!(%err, "cannot replace the NIXL notification map"),
+        }
+    }
+
+    fn max_notification_len(&self) -> usize {
+        self.config.max_notification_len
+    }
+
+    /// Prepares one block-granular list for the table (NIXL: `prepare_xfer_dlist`, under the
+    /// initiator name `""` for `None`, the peer's agent name otherwise), replacing any older one.
+    ///
+    /// # Errors
+    /// As the trait; a table with no blocks, an inconsistent block layout or more than
+    /// `MAX_PREPARED_BLOCKS` (2^24) blocks is a [`TransportError::Backend`].
+    fn prepare_blocks(
+        &mut self,
+        peer: Option<&PeerAddr>,
+        regions: &[RegionDesc],
+    ) -> Result<(), TransportError> {
+        self.prepare_table(peer, regions)
+    }
+}

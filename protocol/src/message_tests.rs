@@ -1,0 +1,253 @@
+//! Unit tests of the messages: kind codes, leases, block-id and field rules, and their display.
+
+use super::*;
+
+fn key() -> PairingKey {
+    PairingKey::new("cmpl-1-0").unwrap()
+}
+
+fn one_of_each() -> Vec<Message> {
+    use crate::geometry::{CacheGroup, CacheGroupKind, KvLayout};
+    let geometry = KvGeometry {
+        num_layers: 1,
+        total_kv_heads: 1,
+        head_dim: 8,
+        dtype_bytes: 2,
+        kernel_block_size: 4,
+        kernel_blocks_per_logical: 1,
+        layout: KvLayout::Nhd,
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        mla: true,
+        cache_groups: vec![CacheGroup {
+            kind: CacheGroupKind::FullAttention,
+            num_layers: 1,
+        }],
+    };
+    vec![
+        Message::Handshake(Box::new(Handshake {
+            protocol_version: crate::PROTOCOL_VERSION,
+            engine_id: EngineId::new("p").unwrap(),
+            agent_name: AgentName::new("p-0").unwrap(),
+            agent_metadata: vec![],
+            regions: vec![RegionDesc {
+                base: 0,
+                len: 64,
+                num_blocks: 1,
+                block_len: 64,
+            }],
+            geometry,
+            compat_hash: CompatHash([0; 32]),
+            modes: vec![],
+            clock_sample_us: 0,
+        })),
+        Message::Register(Register {
+            key: key(),
+            epoch: Epoch(1),
+            decode_engine: EngineId::new("d").unwrap(),
+            decode_request: RequestId::new("r").unwrap(),
+            decode_rank: 0,
+            blocks: BlockIds::default(),
+            num_tokens: 0,
+        }),
+        Message::WriteDone(WriteDone {
+            key: key(),
+            epoch: Epoch(2),
+            prefill_rank: 0,
+        }),
+        Message::WriteFailed(WriteFailed {
+            key: key(),
+            epoch: Epoch(3),
+            prefill_rank: 0,
+            reason: WriteFailure::PostFailed,
+        }),
+        Message::Cancel(Cancel {
+            key: key(),
+            epoch: Epoch(4),
+            reason: CancelReason::Shutdown,
+        }),
+        Message::CancelAck(CancelAck {
+            key: key(),
+            epoch: Epoch(5),
+            prefill_rank: 0,
+        }),
+        Message::Heartbeat(Heartbeat {
+            engine: EngineId::new("d").unwrap(),
+            leases: vec![],
+        }),
+        Message::Release(Release {
+            key: key(),
+            epoch: Epoch(6),
+            reason: ReleaseReason::ReadDone,
+        }),
+    ]
+}
+
+#[test]
+fn kind_codes_are_fixed() {
+    let codes: Vec<u8> = MessageKind::ALL.iter().map(|k| *k as u8).collect();
+    assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 8]);
+    for code in 0..=u8::MAX {
+        let kind = MessageKind::from_code(code);
+        assert_eq!(kind.is_some(), (1..=8).contains(&code), "{code}");
+        if let Some(kind) = kind {
+            assert_eq!(kind as u8, code);
+        }
+    }
+}
+
+#[test]
+fn each_message_has_its_kind_and_the_minimal_one_is_valid() {
+    let messages = one_of_each();
+    let kinds: Vec<MessageKind> = messages.iter().map(Message::kind).collect();
+    assert_eq!(kinds, MessageKind::ALL);
+    for m in &messages {
+        assert_eq!(m.validate(), Ok(()), "{m:?}");
+    }
+}
+
+#[test]
+fn lease_names_key_and_epoch_where_there_is_one() {
+    let leases: Vec<Option<u64>> = one_of_each()
+        .iter()
+        .map(|m| {
+            m.lease().map(|(k, e)| {
+                assert_eq!(k, &key());
+                e.0
+            })
+        })
+        .collect();
+    assert_eq!(
+        leases,
+        [
+            None,
+            Some(1),
+            Some(2),
+            Some(3),
+            Some(4),
+            Some(5),
+            None,
+            Some(6)
+        ]
+    );
+}
+
+#[test]
+fn block_ids_count_over_groups() {
+    let empty = BlockIds::default();
+    assert!(empty.is_empty());
+    assert_eq!(empty.total(), 0);
+    let hollow = BlockIds {
+        groups: vec![vec![], vec![]],
+    };
+    assert!(hollow.is_empty());
+    let ids = BlockIds {
+        groups: vec![vec![1, 2], vec![], vec![7]],
+    };
+    assert!(!ids.is_empty());
+    assert_eq!(ids.total(), 3);
+    assert_eq!(
+        BlockIds::single_group(vec![4]).groups,
+        vec![vec![4]],
+        "one group"
+    );
+}
+
+#[test]
+fn block_id_rules() {
+    let ok = BlockIds {
+        groups: vec![vec![3, 1, 2], vec![1]],
+    };
+    assert_eq!(ok.validate(), Ok(()));
+    assert_eq!(
+        BlockIds::single_group(vec![5, 6, 5]).validate(),
+        Err(FieldError::DuplicateBlock { block: 5 })
+    );
+    assert_eq!(
+        BlockIds {
+            groups: vec![vec![]; MAX_CACHE_GROUPS + 1]
+        }
+        .validate(),
+        Err(FieldError::TooMany {
+            field: "block id groups",
+            len: MAX_CACHE_GROUPS + 1,
+            limit: MAX_CACHE_GROUPS
+        })
+    );
+    let full = || (0..MAX_BLOCKS_PER_GROUP as u32).collect::<Vec<_>>();
+    let at_limit = BlockIds {
+        groups: vec![full(); MAX_BLOCKS_PER_REQUEST / MAX_BLOCKS_PER_GROUP],
+    };
+    assert_eq!(at_limit.validate(), Ok(()));
+    let mut over = at_limit;
+    over.groups.push(vec![0]);
+    assert_eq!(
+        over.validate(),
+        Err(FieldError::TooMany {
+            field: "block ids in all groups",
+            len: MAX_BLOCKS_PER_REQUEST + 1,
+            limit: MAX_BLOCKS_PER_REQUEST
+        })
+    );
+}
+
+#[test]
+fn the_first_broken_rule_is_reported() {
+    // A register with a zero epoch and a duplicate block: the epoch is checked first.
+    let m = Message::Register(Register {
+        key: key(),
+        epoch: Epoch(0),
+        decode_engine: EngineId::new("d").unwrap(),
+        decode_request: RequestId::new("r").unwrap(),
+        decode_rank: 0,
+        blocks: BlockIds::single_group(vec![1, 1]),
+        num_tokens: 0,
+    });
+    assert_eq!(m.validate(), Err(FieldError::ZeroEpoch));
+}
+
+#[test]
+fn handshake_geometry_errors_come_before_region_errors() {
+    let mut messages = one_of_each();
+    let Message::Handshake(h) = &mut messages[0] else {
+        unreachable!()
+    };
+    h.geometry.head_dim = 0;
+    h.regions.clear();
+    assert_eq!(
+        messages[0].validate(),
+        Err(FieldError::Geometry(crate::GeometryError::Zero {
+            field: "head_dim"
+        }))
+    );
+}
+
+#[test]
+fn compat_hash_debug_shows_a_prefix() {
+    let mut bytes = [0u8; 32];
+    bytes[0] = 0xab;
+    bytes[7] = 0x01;
+    bytes[8] = 0xff;
+    assert_eq!(
+        format!("{:?}", CompatHash(bytes)),
+        "CompatHash(ab00000000000001..)"
+    );
+}
+
+#[test]
+fn field_errors_display() {
+    assert_eq!(
+        FieldError::RegionCount {
+            regions: 3,
+            expected: 4
+        }
+        .to_string(),
+        "region table has 3 entries but the geometry defines 4"
+    );
+    assert_eq!(
+        FieldError::from(IdError::Empty { kind: "engine id" }).to_string(),
+        "engine id is empty"
+    );
+}

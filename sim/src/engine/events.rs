@@ -1,0 +1,187 @@
+//! The one terminal event of a request on one side: the checks it must pass, freeing its
+//! blocks, and D's retry with a new epoch.
+
+use std::time::Duration;
+
+use kvhandoff_actors::machine::{DecodeOutcome, EngineEvent};
+
+use super::{rid, Attempt, Status};
+use crate::ledger::{pattern, Owner, BLOCK_BYTES};
+use crate::world::{micros, Ev, NodeId, World};
+
+impl World {
+    /// The one terminal event of a request on one side: checks S3, S4, S7, S8 and frees.
+    pub(crate) fn engine_event(&mut self, node: NodeId, event: EngineEvent) {
+        let (id, key, blocks, decode) = match &event {
+            EngineEvent::Decode {
+                request,
+                key,
+                blocks,
+                ..
+            } => (request.clone(), key.clone(), blocks.clone(), true),
+            EngineEvent::Prefill {
+                request,
+                key,
+                blocks,
+                ..
+            } => (request.clone(), key.clone(), blocks.clone(), false),
+        };
+        let Some(&request) = self.keys.get(&key) else {
+            self.violate(format!("event for unknown key {key}"));
+            return;
+        };
+        let r = self.requests[request].clone();
+        let attempts = if decode { &r.d } else { &r.p };
+        let Some(ai) = attempts.iter().position(|a| a.id == id) else {
+            self.violate(format!("S4: event for unknown request {id}"));
+            return;
+        };
+        let a = attempts[ai].clone();
+        let inc = self.nodes[node].incarnation;
+        let Status::Live { node_inc, started } = a.status else {
+            self.violate(format!(
+                "S4: second terminal event for {id} ({:?})",
+                a.status
+            ));
+            return;
+        };
+        if node_inc != inc {
+            self.violate(format!("S4: event for {id} from another incarnation"));
+            return;
+        }
+        let flat = blocks.groups.concat();
+        if flat != a.blocks {
+            self.violate(format!(
+                "S3: {id} handed back {flat:?}, was given {:?}",
+                a.blocks
+            ));
+        }
+        let owner = Owner {
+            request,
+            epoch: a.epoch,
+        };
+        let (d_blocks, p_blocks) = (r.d_blocks, r.p_blocks);
+        let label = match &event {
+            EngineEvent::Decode {
+                epoch,
+                outcome,
+                proof,
+                ..
+            } => {
+                if epoch.0 != a.epoch {
+                    self.violate(format!(
+                        "S5: {id} ended in epoch {epoch}, allocated in e{}",
+                        a.epoch
+                    ));
+                }
+                if *outcome == DecodeOutcome::Ready {
+                    self.check_ready(node, request, a.epoch, &flat, p_blocks - d_blocks);
+                }
+                self.step_decode_events.push(request);
+                let _ = proof;
+                format!("decode.{outcome:?}")
+            }
+            EngineEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
+        };
+        // The longest a request may legally take: D waits for its deadline, then at worst for
+        // the quarantine (every answer lost); P is bounded by its lease, D's renewals until D's
+        // deadline, and one write's life.
+        let m = &self.cfg.machine;
+        let limit = if decode {
+            m.connect_timeout + m.decode_deadline + m.quarantine + Duration::from_secs(1)
+        } else {
+            m.lease_duration
+                + m.decode_deadline
+                + m.lease_extension
+                + m.write_timeout
+                + m.abandon_timeout
+                + Duration::from_secs(10)
+        };
+        if !self.cfg.explore && self.now.saturating_since(started) > limit {
+            self.violate(format!(
+                "L1: {id} took {:?} to end",
+                self.now.saturating_since(started)
+            ));
+        }
+        self.record(format!("engine: {id} ended: {label}"));
+        *self.outcomes.entry(label).or_insert(0) += 1;
+        for e in self.nodes[node].pool.free(&flat, owner) {
+            self.violate(format!("node {node}: {e}"));
+        }
+        let r = &mut self.requests[request];
+        let attempts = if decode { &mut r.d } else { &mut r.p };
+        attempts[ai].status = Status::Done;
+        let failed = matches!(
+            &event,
+            EngineEvent::Decode {
+                outcome: DecodeOutcome::Failed(_),
+                ..
+            }
+        );
+        if decode && failed && a.epoch < 3 && self.chance(self.rates.retry) {
+            self.retry(request, a.epoch + 1);
+        }
+    }
+
+    /// S7/S8: every byte D expects is P's pattern, written in this epoch, by a landed write.
+    fn check_ready(
+        &mut self,
+        node: NodeId,
+        request: usize,
+        epoch: u64,
+        blocks: &[u32],
+        skip: usize,
+    ) {
+        if blocks.is_empty() {
+            return;
+        }
+        let inc = self.nodes[node].incarnation;
+        if self
+            .landed
+            .get(&(node, inc, request, epoch))
+            .copied()
+            .unwrap_or(0)
+            == 0
+        {
+            self.violate(format!(
+                "S8: request {request} e{epoch} Ready without a landed write"
+            ));
+        }
+        for (j, &b) in blocks.iter().enumerate() {
+            let pool = &self.nodes[node].pool;
+            let written = pool.state(b).is_some_and(|s| s.written);
+            let bytes = pool.bytes(b).expect("exists");
+            let ok = (0..BLOCK_BYTES).all(|x| bytes[x] == pattern(request, 0, skip + j, x));
+            if !written || !ok {
+                self.violate(format!(
+                    "S7: request {request} e{epoch} Ready but block {b} written={written} bytes_ok={ok}"
+                ));
+            }
+        }
+    }
+
+    fn retry(&mut self, request: usize, epoch: u64) {
+        let r = &mut self.requests[request];
+        r.d.push(Attempt {
+            id: rid("d", request, epoch),
+            epoch,
+            blocks: vec![],
+            status: Status::Pending,
+        });
+        let d_at = micros(&mut self.rng, 1_000, 20_000);
+        self.schedule(d_at, Ev::DecodeStart { request });
+        let r = &mut self.requests[request];
+        if r.p.iter().all(|a| a.status != Status::Pending) {
+            // P runs the prefill again (a live attempt for the key makes it a skip).
+            let p_next = r.p.len() as u64 + 1;
+            r.p.push(Attempt {
+                id: rid("p", request, p_next),
+                epoch: p_next,
+                blocks: vec![],
+                status: Status::Pending,
+            });
+            let p_at = micros(&mut self.rng, 0, 10_000);
+            self.schedule(p_at, Ev::PrefillStart { request });
+        }
+    }
+}

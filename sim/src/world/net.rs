@@ -1,0 +1,195 @@
+//! The simulated notification network: connection generations, partitions, handshakes, and
+//! sending and delivering control messages (with the faults chaos puts on them).
+
+use kvhandoff_actors::machine::Input;
+use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::Message;
+
+use super::{micros, Ev, NetMsg, NodeId, World};
+use kvhandoff_actors::machine::Time;
+
+impl World {
+    /// The current connection generation between `a` and `b`.
+    pub(crate) fn conn(&self, a: NodeId, b: NodeId) -> u64 {
+        self.conns.get(&(a.min(b), a.max(b))).copied().unwrap_or(0)
+    }
+
+    /// The connection `a` uses to reach `b`: the one of its last handshake with `b`.
+    pub(crate) fn view(&self, a: NodeId, b: NodeId) -> u64 {
+        self.views.get(&(a, b)).copied().unwrap_or(0)
+    }
+
+    /// Tears the connection between `a` and `b` down (a handshake or an invalidation).
+    pub(crate) fn bump_conn(&mut self, a: NodeId, b: NodeId) {
+        *self.conns.entry((a.min(b), a.max(b))).or_insert(0) += 1;
+    }
+
+    /// Whether the link between P and `node` (either end) is cut at `at`.
+    pub(crate) fn partitioned(&self, a: NodeId, b: NodeId, at: Time) -> Option<Time> {
+        if self.cfg.explore {
+            return None;
+        }
+        self.partitions
+            .iter()
+            .filter(|(d, from, until)| (*d == a || *d == b) && *from <= at && at < *until)
+            .map(|(_, _, until)| *until)
+            .max()
+    }
+
+    pub(super) fn connect(&mut self, node: NodeId, peer: &PeerAddr) {
+        let Some(&to) = self.by_addr.get(peer) else {
+            self.violate(format!("node {node} connects to unknown {peer}"));
+            return;
+        };
+        let fail =
+            self.chance(self.rates.connect_fail) || self.partitioned(node, to, self.now).is_some();
+        let delay = micros(&mut self.rng, 200, 5_000);
+        let from_inc = self.nodes[node].incarnation;
+        self.schedule(
+            delay,
+            Ev::Connect {
+                from: node,
+                from_inc,
+                to,
+                ok: !fail,
+            },
+        );
+    }
+
+    /// Puts a control message (or a write's notification) on the network.
+    pub(crate) fn send(&mut self, from: NodeId, to: &PeerAddr, message: Message) {
+        let Some(&to) = self.by_addr.get(to) else {
+            self.violate(format!("node {from} sends to unknown {to}"));
+            return;
+        };
+        self.note_sent(from, &message);
+        let msg = NetMsg {
+            from,
+            to,
+            to_inc: self.nodes[to].incarnation,
+            conn: self.view(from, to),
+            message,
+        };
+        let mut delay = micros(&mut self.rng, 50, 2_000);
+        if self.chance(self.rates.slow_msg) {
+            delay = micros(&mut self.rng, 20_000, 140_000);
+        }
+        if let Some(until) = self.partitioned(from, to, self.now) {
+            delay = delay.max(until.saturating_since(self.now));
+        }
+        if self.chance(self.rates.drop) {
+            let line = format!("net drop {}", describe(&msg));
+            self.record(line);
+            return;
+        }
+        if self.answer_muted(&msg.message) {
+            let line = format!("net mute {}", describe(&msg));
+            self.record(line);
+            return;
+        }
+        let notification = is_notification(&msg.message);
+        if (notification || self.cfg.dup_control) && self.chance(self.rates.dup) {
+            let extra = micros(&mut self.rng, 0, 30_000);
+            self.schedule(delay + extra, Ev::Deliver(msg.clone()));
+        }
+        self.schedule(delay, Ev::Deliver(msg));
+    }
+
+    /// Whether `message` is a P→D answer about a key whose answers are lost (decided once per
+    /// key, during the faulty phase only).
+    fn answer_muted(&mut self, message: &Message) -> bool {
+        let key = match message {
+            Message::WriteDone(m) => &m.key,
+            Message::WriteFailed(m) => &m.key,
+            Message::CancelAck(m) => &m.key,
+            Message::Handshake(_)
+            | Message::Register(_)
+            | Message::Cancel(_)
+            | Message::Heartbeat(_)
+            | Message::Release(_) => return false,
+        };
+        if !self.faulty() {
+            return false;
+        }
+        if self.mute_decided.insert(key.clone()) && self.chance(self.rates.mute_answers) {
+            self.muted.insert(key.clone());
+        }
+        self.muted.contains(key)
+    }
+
+    pub(super) fn connect_done(&mut self, from: NodeId, from_inc: u32, to: NodeId, ok: bool) {
+        let line = format!("connect {from}->{to} ok={ok}");
+        self.record(line);
+        if self.nodes[from].incarnation != from_inc || !self.alive(from) {
+            return;
+        }
+        let peer = self.nodes[to].addr.clone();
+        if ok && self.alive(to) {
+            // The shell replaces whatever incarnation it knew: the old connection's writes
+            // and messages are gone.
+            self.invalidate(from, to);
+            let generation = self.conn(from, to);
+            self.views.insert((from, to), generation);
+            self.views.insert((to, from), generation);
+            let back = self.nodes[from].addr.clone();
+            self.feed(to, Input::PeerConnected { peer: back });
+            self.feed(from, Input::PeerConnected { peer });
+        } else {
+            let reason = kvhandoff_actors::machine::ConnectFailure::Refused("simulated".into());
+            self.feed(from, Input::PeerConnectFailed { peer, reason });
+        }
+    }
+
+    /// Delivers a network message to its destination.
+    pub(crate) fn deliver(&mut self, msg: NetMsg) {
+        let line = format!("deliver {}", describe(&msg));
+        self.record(line);
+        if !self.alive(msg.to) || self.nodes[msg.to].incarnation != msg.to_inc {
+            return;
+        }
+        if msg.conn != self.conn(msg.from, msg.to) {
+            // Its connection was torn down (handshake or invalidation) while it travelled.
+            self.mark("message_lost_with_connection");
+            return;
+        }
+        let stale_key = self.note_delivered(&msg);
+        let from = self.nodes[msg.from].addr.clone();
+        self.feed(
+            msg.to,
+            Input::Received {
+                from,
+                message: msg.message,
+            },
+        );
+        if let Some(request) = stale_key {
+            if self.step_decode_events.contains(&request) {
+                self.violate(format!(
+                    "S5: a stale-epoch message ended request {request} on D"
+                ));
+            }
+        }
+    }
+}
+
+/// P→D notifications (the only messages chaos duplicates unless `dup_control` is set).
+pub(crate) fn is_notification(message: &Message) -> bool {
+    matches!(
+        message,
+        Message::WriteDone(_) | Message::WriteFailed(_) | Message::CancelAck(_)
+    )
+}
+
+/// A short, deterministic description of a network message.
+pub(crate) fn describe(msg: &NetMsg) -> String {
+    let m = match &msg.message {
+        Message::Register(r) => format!("Register({} {} {:?})", r.key, r.epoch, r.blocks.groups),
+        Message::WriteDone(m) => format!("WriteDone({} {})", m.key, m.epoch),
+        Message::WriteFailed(m) => format!("WriteFailed({} {} {:?})", m.key, m.epoch, m.reason),
+        Message::Cancel(m) => format!("Cancel({} {} {:?})", m.key, m.epoch, m.reason),
+        Message::CancelAck(m) => format!("CancelAck({} {})", m.key, m.epoch),
+        Message::Release(m) => format!("Release({} {} {:?})", m.key, m.epoch, m.reason),
+        Message::Heartbeat(h) => format!("Heartbeat({})", h.leases.len()),
+        other => format!("{other:?}"),
+    };
+    format!("{}->{} {m}", msg.from, msg.to)
+}

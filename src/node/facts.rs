@@ -1,0 +1,206 @@
+//! The [`NodeFacts`] a node builds at the end, and the other figures of its reports.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvhandoff_actors::machine::{Config, Counters};
+
+use super::drive::UnixClock;
+use super::{LinkSummary, NodeFacts, NodeOptions, PoolSummary, RequestEnd, SideChannelStats};
+use crate::demo::{self, DecodeRecord, FreeList, Planned, PrefillRecord};
+
+/// What [`NodeFacts`] are built from, known when the schedule starts.
+pub(super) struct FactsInput<'a> {
+    pub(super) options: &'a NodeOptions,
+    pub(super) config: &'a Config,
+    pub(super) clock: UnixClock,
+    pub(super) start: Instant,
+}
+
+/// What [`NodeFacts`] are built from, known at the end.
+pub(super) struct Outcome<'a> {
+    pub(super) ends: Vec<RequestEnd>,
+    /// The errors the engine loop noted for typed failures (expected of a survivor).
+    pub(super) explained: BTreeSet<String>,
+    pub(super) errors: &'a [String],
+    pub(super) free: &'a FreeList,
+    pub(super) pool_blocks: u32,
+    pub(super) counters: Option<&'a Counters>,
+    pub(super) deaths: Vec<Instant>,
+    pub(super) timed_out: bool,
+}
+
+impl FactsInput<'_> {
+    pub(super) fn build(&self, o: Outcome<'_>) -> NodeFacts {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let mut outcomes = BTreeMap::new();
+        for r in &o.ends {
+            let name = r.outcome.clone().unwrap_or_else(|| "none".into());
+            *outcomes.entry(name).or_insert(0) += 1;
+        }
+        let mut unexplained: Vec<String> = o
+            .errors
+            .iter()
+            .filter(|e| !o.explained.contains(*e))
+            .take(32)
+            .cloned()
+            .collect();
+        if o.counters.is_none() {
+            push(
+                &mut unexplained,
+                "the endpoint's counters did not come back".into(),
+            );
+        }
+        if o.timed_out {
+            push(
+                &mut unexplained,
+                format!(
+                    "the run reached its {:?} limit",
+                    self.options.schedule.timeout
+                ),
+            );
+        }
+        let in_use = u32::try_from(o.free.in_use()).unwrap_or(u32::MAX);
+        let mut node = NodeFacts {
+            start_at: self.options.start_at as u64,
+            heartbeat_ms: ms(self.config.heartbeat_interval),
+            peer_timeout_ms: ms(self.config.peer_timeout),
+            lease_ms: ms(self.config.lease_duration),
+            decode_deadline_ms: ms(self.config.decode_deadline),
+            expect_peer_loss: self.options.expect_peer_loss,
+            schedule_start_unix_ms: self.clock.unix_ms(self.start),
+            pool: PoolSummary {
+                blocks: o.pool_blocks,
+                free_at_end: o.pool_blocks.saturating_sub(in_use),
+                double_frees: o.free.double_frees,
+                bad_ids: o.free.bad_ids,
+            },
+            peer_deaths: o.counters.map_or(0, |c| c.peers_declared_dead),
+            peer_deaths_seen_unix_ms: o.deaths.iter().map(|&t| self.clock.unix_ms(t)).collect(),
+            outcomes,
+            requests: o.ends,
+            unexplained_errors: unexplained,
+            ok: false,
+            verdict: String::new(),
+        };
+        node.ok = node.verdict_ok();
+        node.verdict = node.verdict_line(o.timed_out);
+        node
+    }
+}
+
+/// P's requests as [`RequestEnd`]s, and the errors its loop noted for their typed releases.
+pub(super) fn prefill_ends(
+    plan: &[Planned],
+    records: &[PrefillRecord],
+    start_at: usize,
+    clock: UnixClock,
+) -> (Vec<RequestEnd>, BTreeSet<String>) {
+    let mut explained = BTreeSet::new();
+    let ends = plan
+        .iter()
+        .zip(records)
+        .enumerate()
+        .map(|(j, (q, r))| {
+            let outcome = match (r.sent, r.released) {
+                (_, Some(cause)) => {
+                    explained.insert(format!("P: {} released unsent: {cause:?}", q.prefill_id));
+                    Some(format!("Released({cause:?})"))
+                }
+                (true, None) => Some("Sent".to_string()),
+                (false, None) => None,
+            };
+            RequestEnd {
+                index: (start_at + j) as u64,
+                outcome,
+                events: r.events,
+                called_unix_ms: r.finish_call.map(|t| clock.unix_ms(t)),
+                ended_unix_ms: r.ended_at.map(|t| clock.unix_ms(t)),
+                byte_errors: 0,
+            }
+        })
+        .collect();
+    (ends, explained)
+}
+
+/// D's requests as [`RequestEnd`]s, and the errors its loop noted for their typed failures.
+pub(super) fn decode_ends(
+    plan: &[Planned],
+    records: &[DecodeRecord],
+    start_at: usize,
+    clock: UnixClock,
+) -> (Vec<RequestEnd>, BTreeSet<String>) {
+    let mut explained = BTreeSet::new();
+    let ends = plan
+        .iter()
+        .zip(records)
+        .enumerate()
+        .map(|(j, (q, r))| {
+            let outcome = if r.ready {
+                Some("Ready".to_string())
+            } else if let Some(why) = r.failure {
+                explained.insert(format!("D: {} failed: {why:?}", q.decode_id));
+                Some(format!("Failed({why:?})"))
+            } else {
+                None
+            };
+            RequestEnd {
+                index: (start_at + j) as u64,
+                outcome,
+                events: r.events,
+                called_unix_ms: r.allocate_call.map(|t| clock.unix_ms(t)),
+                ended_unix_ms: r.ended_at.map(|t| clock.unix_ms(t)),
+                byte_errors: r.byte_errors,
+            }
+        })
+        .collect();
+    (ends, explained)
+}
+
+pub(super) fn push(errors: &mut Vec<String>, error: String) {
+    if errors.len() < 32 {
+        errors.push(error);
+    }
+}
+
+pub(super) fn summary(
+    s: &SideChannelStats,
+    listen: SocketAddr,
+    peer: SocketAddr,
+    waited_ms: f64,
+) -> LinkSummary {
+    LinkSummary {
+        listen: listen.to_string(),
+        peer: peer.to_string(),
+        waited_ms,
+        incoming_ok: s.incoming_ok,
+        outgoing_ok: s.outgoing_ok,
+        rejected: s.total_rejected(),
+        outgoing_failed: s.outgoing_failed.values().sum(),
+    }
+}
+
+/// P's `request_finished` calls against the schedule: how many came more than 1 ms late, and the
+/// latest, in ms.
+pub(super) fn lateness(
+    plan: &[Planned],
+    records: &[demo::PrefillRecord],
+    start: Instant,
+    hold: Duration,
+) -> (u64, f64) {
+    let mut late = 0;
+    let mut worst = Duration::ZERO;
+    for (q, r) in plan.iter().zip(records) {
+        let Some(called) = r.finish_call else {
+            continue;
+        };
+        let due = start + q.arrival + hold + q.prefill_delay;
+        let lag = called.saturating_duration_since(due);
+        if lag > Duration::from_millis(1) {
+            late += 1;
+        }
+        worst = worst.max(lag);
+    }
+    (late, worst.as_secs_f64() * 1e3)
+}

@@ -1,0 +1,107 @@
+//! Finding the peer: TCP probes of its side channel and waits on this node's link.
+
+use std::net::{SocketAddr, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvhandoff_actors::system::{LinkActor, QuerySideChannel};
+use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::EngineId;
+
+use super::{Connect, SideChannelStats};
+use crate::demo::block_on_timeout;
+
+/// How often the waits look again.
+const WAIT_POLL: Duration = Duration::from_millis(2);
+/// How often a refused TCP probe is repeated.
+const PROBE_POLL: Duration = Duration::from_millis(20);
+
+pub(super) fn side_channel(link: &actix::Addr<LinkActor>) -> Option<SideChannelStats> {
+    block_on_timeout(link.send(QuerySideChannel), Duration::from_secs(5))?.ok()
+}
+
+/// Whether a TCP connection to `addr` is accepted now.
+fn accepts(addr: SocketAddr) -> bool {
+    TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
+}
+
+/// D: waits until P's side channel accepts, then hands P our handshake and waits until it
+/// completed. Returns D's estimate of the moment P saw the handshake complete: the middle of
+/// the handshake (P counts it after loading D and answering; D after loading P, which takes
+/// about as long: with NIXL, tens of milliseconds each).
+pub(super) fn await_prefill(
+    link: &actix::Addr<LinkActor>,
+    peer: SocketAddr,
+    prefill: &EngineId,
+    deadline: Instant,
+) -> Result<Instant, String> {
+    let never = || format!("P's side channel at {peer} never completed a handshake");
+    loop {
+        while !accepts(peer) {
+            if Instant::now() + PROBE_POLL >= deadline {
+                return Err(format!("P's side channel at {peer} never accepted"));
+            }
+            thread::sleep(PROBE_POLL);
+        }
+        let failed_before = side_channel(link).map_or(0, |s| s.outgoing_failed.values().sum());
+        let sent = Instant::now();
+        link.do_send(Connect(PeerAddr::new(prefill.clone(), 0)));
+        loop {
+            let Some(s) = side_channel(link) else {
+                return Err("the link did not answer".into());
+            };
+            if s.outgoing_ok >= 1 {
+                let took = sent.elapsed();
+                eprintln!(
+                    "kvhandoff node: handshake with {prefill} took {:.1} ms",
+                    took.as_secs_f64() * 1e3
+                );
+                return Ok(sent + took / 2);
+            }
+            if s.outgoing_failed.values().sum::<u64>() > failed_before {
+                // Refused or cut off: P may be restarting. Probe and try again.
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(never());
+            }
+            thread::sleep(WAIT_POLL);
+        }
+        if Instant::now() + PROBE_POLL >= deadline {
+            return Err(never());
+        }
+        thread::sleep(PROBE_POLL);
+    }
+}
+
+/// P: waits until D's handshake arrived; returns when P saw it.
+pub(super) fn await_decode(
+    link: &actix::Addr<LinkActor>,
+    deadline: Instant,
+) -> Result<Instant, String> {
+    loop {
+        match side_channel(link) {
+            Some(s) if s.incoming_ok >= 1 => return Ok(Instant::now()),
+            Some(_) => {}
+            None => return Err("the link did not answer".into()),
+        }
+        if Instant::now() >= deadline {
+            return Err("D never connected".into());
+        }
+        thread::sleep(WAIT_POLL);
+    }
+}
+
+/// P, after its last event: waits until D's side channel refuses connections (D exited) or
+/// `until`. Returns whether D exited.
+pub(super) fn await_exit(peer: SocketAddr, until: Instant) -> bool {
+    loop {
+        if !accepts(peer) {
+            return true;
+        }
+        if Instant::now() + PROBE_POLL >= until {
+            return false;
+        }
+        thread::sleep(PROBE_POLL);
+    }
+}

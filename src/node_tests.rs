@@ -1,0 +1,58 @@
+//! Unit tests of a node: the timing flags and the part of the plan a restarted node runs.
+
+use super::drive::part_of;
+use super::*;
+use crate::demo::schedule;
+
+#[test]
+fn timing_flags_give_a_valid_config() {
+    let ms = Duration::from_millis;
+    let c = NodeTiming {
+        heartbeat: Some(ms(200)),
+        lease: Some(ms(3000)),
+        decode_deadline: Some(ms(1500)),
+    }
+    .config()
+    .unwrap();
+    assert_eq!(
+        (c.heartbeat_interval, c.peer_timeout, c.lease_duration),
+        (ms(200), ms(300), ms(3000))
+    );
+    assert_eq!(c.decode_deadline, ms(1500));
+    assert!(c.lease_extension <= c.lease_duration);
+    // A heartbeat longer than the default quarantine allows moves the quarantine.
+    let long = NodeTiming {
+        heartbeat: Some(Duration::from_secs(20)),
+        ..NodeTiming::default()
+    };
+    long.config().unwrap();
+    assert_eq!(NodeTiming::default().config().unwrap(), Config::default());
+    let bad = NodeTiming {
+        heartbeat: Some(ms(500)),
+        lease: Some(ms(400)),
+        ..NodeTiming::default()
+    };
+    assert!(bad.config().is_err());
+    let tiny = NodeTiming {
+        heartbeat: Some(ms(5)),
+        ..NodeTiming::default()
+    };
+    assert!(tiny.config().is_err());
+}
+
+#[test]
+fn a_later_part_of_the_plan_keeps_ids_and_shifts_arrivals() {
+    let options = DemoOptions {
+        requests: 20,
+        ..DemoOptions::default()
+    };
+    let whole = schedule(&options, 16).unwrap();
+    let part = part_of(&whole, 12);
+    assert_eq!(part.len(), 8);
+    assert_eq!(part[0].arrival, Duration::ZERO);
+    for (q, w) in part.iter().zip(&whole[12..]) {
+        assert_eq!((&q.prefill_id, &q.decode_id), (&w.prefill_id, &w.decode_id));
+        assert_eq!(q.arrival, w.arrival - whole[12].arrival);
+    }
+    assert!(part_of(&whole, 20).is_empty());
+}
