@@ -205,47 +205,43 @@ where
         shell,
     } = setup;
     let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
-    let mut link_addr = None;
-    let mut writer_addr = None;
-    let rank = RankActor::create(|rank_ctx| {
-        let rank_addr = rank_ctx.address();
-        let writer = WriterActor::new(
-            transport,
-            info.clone(),
-            rank_addr.clone().recipient(),
-            shell.poll_interval,
-        )
-        .start();
-        let directory = match &mode {
-            link::LinkMode::InProcess(directory) => Some(directory.clone()),
-            link::LinkMode::Tcp { .. } => None,
-        };
-        let link = LinkActor::new(
-            info.clone(),
-            mode,
-            listen,
-            rank_addr.clone().recipient(),
-            rank_addr.clone().recipient(),
-            shell.handshake_timeout,
-        )
-        .start();
-        if let Some(directory) = directory {
-            directory.publish(info, link.clone().recipient());
-        }
-        link_addr = Some(link.clone());
-        writer_addr = Some(writer.clone().recipient());
-        RankActor::new(
-            endpoint,
-            writer.clone().recipient(),
-            writer.recipient(),
-            link.recipient(),
-            events_tx,
-        )
-    });
-    let (link, writer) = match (link_addr, writer_addr) {
-        (Some(link), Some(writer)) => (link, writer),
-        _ => unreachable!("RankActor::create runs its closure before returning"),
+    // The rank's address exists before the rank does, so its writer and link can be wired
+    // to it first.
+    let rank_ctx = actix::Context::<RankActor>::new();
+    let rank_addr = rank_ctx.address();
+    let writer = WriterActor::new(
+        transport,
+        info.clone(),
+        rank_addr.clone().recipient(),
+        shell.poll_interval,
+    )
+    .start();
+    let directory = match &mode {
+        link::LinkMode::InProcess(directory) => Some(directory.clone()),
+        link::LinkMode::Tcp { .. } => None,
     };
+    let link = LinkActor::new(
+        info.clone(),
+        mode,
+        listen,
+        rank_addr.clone().recipient(),
+        rank_addr.clone().recipient(),
+        shell.handshake_timeout,
+    )
+    .start();
+    if let Some(directory) = directory {
+        directory.publish(info, link.clone().recipient());
+    }
+    let writer_ops = writer.clone().recipient();
+    let loader = writer.clone().recipient();
+    let rank = rank_ctx.run(RankActor::new(
+        endpoint,
+        writer_ops,
+        loader,
+        link.clone().recipient(),
+        events_tx,
+    ));
+    let writer = writer.recipient();
     RankHandle {
         calls: rank.clone().recipient(),
         writer,
