@@ -8,8 +8,10 @@
 //!   wall time over the loop divided by requests: both sides together.
 //! - **actix**: the actix system over the in-memory transport with tiny blocks, the way the demo
 //!   runs it but without bytes to fill or check: a P thread and a D thread call their connectors
-//!   as fast as they accept calls (bounded only by their block pools), and every event on both
-//!   sides is counted.
+//!   as fast as they accept calls (bounded only by their block pools), each step submitting up
+//!   to `actix_batch` calls at once through [`KvConnector::submit`] the way an engine's scheduler
+//!   step would, and every event on both sides is counted. Each rank runs on its own arbiter
+//!   thread of the one actix system, as the ranks of two engine processes would.
 
 pub mod transfer;
 
@@ -33,7 +35,7 @@ use kvhandoff_protocol::{
 use serde::{Deserialize, Serialize};
 
 use crate::demo::{self, FreeList, Races, DECODE_ENGINE, PREFILL_ENGINE};
-use crate::{ConnectorEvent, KvConnector, KvTransferParams, Runtime};
+use crate::{ConnectorCall, ConnectorEvent, KvConnector, KvTransferParams, Runtime};
 
 /// What `bench control` runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +46,9 @@ pub struct ControlOptions {
     pub actix_requests: usize,
     /// Logical blocks per side's pool in the actix run; each request takes one (default 1024).
     pub actix_pool_blocks: u32,
+    /// Engine calls per [`KvConnector::submit`] in the actix run, like one scheduler step's
+    /// worth (default 256; also bounded by the free blocks).
+    pub actix_batch: usize,
     /// Limit of the actix run (default 60 s).
     pub timeout: Duration,
 }
@@ -54,6 +59,7 @@ impl Default for ControlOptions {
             requests: 100_000,
             actix_requests: 20_000,
             actix_pool_blocks: 1024,
+            actix_batch: 256,
             timeout: Duration::from_secs(60),
         }
     }
@@ -95,6 +101,8 @@ pub struct MachineNumbers {
 pub struct ActixNumbers {
     /// Requests.
     pub requests: u64,
+    /// Most engine calls submitted together (one `KvConnector::submit`) per side.
+    pub batch: u64,
     /// From the first call to the last event, ms.
     pub wall_ms: f64,
     /// D requests that ended `BlocksReady`.
@@ -147,10 +155,11 @@ impl ControlReport {
             (
                 "actix over mem",
                 format!(
-                    "{:>10.0} requests/s  ({} requests in {:.1} ms; races D first {} / P first {})",
+                    "{:>10.0} requests/s  ({} requests in {:.1} ms, batches of {}; races D first {} / P first {})",
                     self.actix_requests_per_sec,
                     self.actix.requests,
                     self.actix.wall_ms,
+                    self.actix.batch,
                     self.actix.races.decode_registers_first,
                     self.actix.races.prefill_finishes_first
                 ),
@@ -172,6 +181,9 @@ pub fn control(options: &ControlOptions) -> Result<ControlReport, BenchError> {
         return Err(BenchError::Options(
             "request counts must be positive".into(),
         ));
+    }
+    if options.actix_batch == 0 {
+        return Err(BenchError::Options("batches need calls".into()));
     }
     if options.actix_pool_blocks == 0 {
         return Err(BenchError::Options("the pool needs blocks".into()));
@@ -442,6 +454,7 @@ struct Engine {
     free: FreeList,
     ids: Arc<Vec<(RequestId, RequestId)>>,
     decode: bool,
+    batch: usize,
     deadline: Instant,
 }
 
@@ -498,18 +511,34 @@ impl Engine {
             }
             let events = self.conn.poll_events();
             self.handle(events, &mut r);
-            if next < n {
-                if let Some(blocks) = self.free.alloc(1) {
-                    let (p_id, d_id) = &ids[next];
-                    let blocks = BlockIds::single_group(blocks);
-                    let result = if self.decode {
-                        self.conn
-                            .request_allocated(d_id, blocks.clone(), 16, &router)
-                    } else {
-                        self.conn
-                            .request_finished(p_id, blocks.clone(), &router)
-                            .map(|_| ())
-                    };
+            // One engine step: every request that has blocks, up to the batch, in one call.
+            let mut calls = Vec::new();
+            let mut taken = Vec::new();
+            while next < n && calls.len() < self.batch {
+                let Some(blocks) = self.free.alloc(1) else {
+                    break;
+                };
+                let (p_id, d_id) = &ids[next];
+                let blocks = BlockIds::single_group(blocks);
+                taken.push(blocks.clone());
+                calls.push(if self.decode {
+                    ConnectorCall::RequestAllocated {
+                        request: d_id.clone(),
+                        blocks,
+                        num_tokens: 16,
+                        params: router.clone(),
+                    }
+                } else {
+                    ConnectorCall::RequestFinished {
+                        request: p_id.clone(),
+                        blocks,
+                        params: router.clone(),
+                    }
+                });
+                next += 1;
+            }
+            if !calls.is_empty() {
+                for (result, blocks) in self.conn.submit(calls).into_iter().zip(taken) {
                     if let Err(e) = result {
                         failed_calls += 1;
                         self.free.release(&blocks);
@@ -517,9 +546,8 @@ impl Engine {
                             r.errors.push(e.to_string());
                         }
                     }
-                    next += 1;
-                    continue;
                 }
+                continue;
             }
             let events = self.conn.wait_events(Duration::from_millis(1));
             self.handle(events, &mut r);
@@ -558,9 +586,11 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
     };
     let (p_setup, _p_pool) = build(&p_engine)?;
     let (d_setup, _d_pool) = build(&d_engine)?;
-    let runtime = Runtime::start()?;
-    let p_handle = runtime.add_rank(p_setup)?;
-    let d_handle = runtime.add_rank(d_setup)?;
+    // P and D are separate engines: each rank gets a thread of its own, as in separate
+    // processes.
+    let mut runtime = Runtime::start()?;
+    let p_handle = runtime.add_rank_on_own_thread(p_setup)?;
+    let d_handle = runtime.add_rank_on_own_thread(d_setup)?;
     let p_rank = p_handle.rank.clone();
     let ident = |name| demo::identity(name).map_err(|e| BenchError::Options(e.to_string()));
     let p_conn = KvConnector::new(ident(PREFILL_ENGINE)?, p_handle);
@@ -582,6 +612,7 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
         free: FreeList::new(options.actix_pool_blocks),
         ids: Arc::clone(&ids),
         decode,
+        batch: options.actix_batch,
         deadline,
     };
     let (p, d) = (make(p_conn, false), make(d_conn, true));
@@ -617,6 +648,7 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
     let counters = counters.unwrap_or_default();
     Ok(ActixNumbers {
         requests: n as u64,
+        batch: options.actix_batch as u64,
         wall_ms: end.saturating_duration_since(start).as_secs_f64() * 1e3,
         ready: d.good,
         sent: p.good,
@@ -625,4 +657,89 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
             prefill_finishes_first: counters.prefill_finished_first,
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ConnectorError, ConnectorReply};
+
+    #[test]
+    fn submit_returns_one_result_per_call_in_order() {
+        let fabric = MemFabric::new();
+        let engine = EngineId::new(DECODE_ENGINE).unwrap();
+        let (setup, _pool) = build_mem_rank(
+            &fabric,
+            &engine,
+            tiny_geometry(),
+            &demo::model(),
+            8,
+            Config::default(),
+            ShellConfig::default(),
+        )
+        .unwrap();
+        let mut runtime = Runtime::start().unwrap();
+        let handle = runtime.add_rank_on_own_thread(setup).unwrap();
+        let mut conn = KvConnector::new(demo::identity(DECODE_ENGINE).unwrap(), handle);
+        let router = KvTransferParams {
+            do_remote_prefill: true,
+            remote_engine_id: Some(PREFILL_ENGINE.into()),
+            tp_size: Some(1),
+            ..KvTransferParams::default()
+        };
+        let id = |s: &str| RequestId::new(s).unwrap();
+        let allocated =
+            |request: &str, params: &KvTransferParams| ConnectorCall::RequestAllocated {
+                request: id(request),
+                blocks: BlockIds::single_group(vec![0]),
+                num_tokens: 16,
+                params: params.clone(),
+            };
+        let not_remote = KvTransferParams {
+            do_remote_prefill: false,
+            ..router.clone()
+        };
+        let results = conn.submit(vec![
+            allocated("r1", &router),
+            allocated("r2", &not_remote),
+            allocated("r1", &router),
+            ConnectorCall::RequestFinished {
+                request: id("p1"),
+                blocks: BlockIds::single_group(vec![1]),
+                params: KvTransferParams::default(),
+            },
+            ConnectorCall::Abort {
+                request: id("nope"),
+            },
+        ]);
+        assert_eq!(results.len(), 5);
+        assert!(matches!(results[0], Ok(ConnectorReply::Accepted)));
+        assert!(matches!(
+            results[1],
+            Err(ConnectorError::InvalidParam {
+                name: "do_remote_prefill",
+                ..
+            })
+        ));
+        assert!(matches!(results[2], Err(ConnectorError::Rejected(_))));
+        match &results[3] {
+            Ok(ConnectorReply::DecodeParams(params)) => {
+                assert_eq!(params.remote_request_id.as_deref(), Some("p1"));
+                assert_eq!(params.remote_engine_id.as_deref(), Some(DECODE_ENGINE));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(results[4], Err(ConnectorError::Rejected(_))));
+        assert!(conn.has_pending_work());
+        // The single-call hooks go through the same path (r1 may already have failed: there is
+        // no P to connect to; p1 waits for its D).
+        let aborted = conn.abort(&id("p1"));
+        assert!(aborted.is_ok(), "{aborted:?}");
+        assert!(matches!(
+            conn.abort(&id("nope")),
+            Err(ConnectorError::Rejected(_))
+        ));
+        assert!(conn.submit(Vec::new()).is_empty());
+        runtime.shutdown();
+    }
 }

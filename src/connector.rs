@@ -7,6 +7,8 @@
 //! - Either side: [`KvConnector::abort`], [`KvConnector::poll_events`] (each step) and
 //!   [`KvConnector::has_pending_work`] (keeps the engine loop alive).
 //!
+//! - A whole step's calls at once: [`KvConnector::submit`] (one round trip to the runtime).
+//!
 //! Calls are synchronous, for an engine's scheduler thread; each waits for its verdict for at
 //! most [`KvConnector::CALL_TIMEOUT`]. Never call them from inside the runtime's own thread.
 
@@ -19,7 +21,7 @@ use kvhandoff_actors::machine::{
     DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, Input, PrefillOutcome, PrefillStart,
     Rejected, ReleaseCause,
 };
-use kvhandoff_actors::system::{AddPeerAddress, EngineCall, RankHandle};
+use kvhandoff_actors::system::{AddPeerAddress, EngineCalls, RankHandle};
 use kvhandoff_actors::PeerAddr;
 use kvhandoff_protocol::{BlockIds, EngineId, Epoch, IdError, PairingKey, RequestId};
 use serde::{Deserialize, Serialize};
@@ -134,6 +136,45 @@ pub enum ConnectorEvent {
     },
 }
 
+/// One engine hook call, for [`KvConnector::submit`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectorCall {
+    /// D side, as [`KvConnector::request_allocated`].
+    RequestAllocated {
+        /// The request.
+        request: RequestId,
+        /// Its allocated blocks.
+        blocks: BlockIds,
+        /// Tokens expected.
+        num_tokens: u64,
+        /// The router's parameters.
+        params: KvTransferParams,
+    },
+    /// P side, as [`KvConnector::request_finished`].
+    RequestFinished {
+        /// The request.
+        request: RequestId,
+        /// Its blocks, holding the KV.
+        blocks: BlockIds,
+        /// The router's parameters for the prefill leg.
+        params: KvTransferParams,
+    },
+    /// Either side, as [`KvConnector::abort`].
+    Abort {
+        /// The request.
+        request: RequestId,
+    },
+}
+
+/// What an accepted [`ConnectorCall`] returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectorReply {
+    /// Accepted (`RequestAllocated`, `Abort`).
+    Accepted,
+    /// Accepted (`RequestFinished`): the parameters for the router to send with the decode leg.
+    DecodeParams(KvTransferParams),
+}
+
 /// Identity and placement of the engine rank a connector serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectorIdentity {
@@ -180,40 +221,145 @@ impl KvConnector {
         &self.identity
     }
 
-    fn call(&mut self, input: Input) -> Result<(), ConnectorError> {
+    /// Runs a batch of engine hook calls (one scheduler step's worth) with one round trip to
+    /// the runtime: each call is checked as its single-call form checks it, the valid ones go to
+    /// the rank together and are handled in order, and one result per call comes back, in
+    /// order. A call refused here or by the endpoint changes nothing; the others still run.
+    ///
+    /// ```no_run
+    /// # fn step(conn: &mut kvhandoff::KvConnector, calls: Vec<kvhandoff::ConnectorCall>) {
+    /// for result in conn.submit(calls) {
+    ///     match result {
+    ///         Ok(kvhandoff::ConnectorReply::DecodeParams(params)) => { /* to the router */ }
+    ///         Ok(kvhandoff::ConnectorReply::Accepted) => {}
+    ///         Err(error) => eprintln!("{error}"),
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn submit(
+        &mut self,
+        calls: Vec<ConnectorCall>,
+    ) -> Vec<Result<ConnectorReply, ConnectorError>> {
+        let mut results = Vec::with_capacity(calls.len());
+        let mut inputs = Vec::with_capacity(calls.len());
+        // Per input: its result's index, and whether it starts a request.
+        let mut slots = Vec::with_capacity(calls.len());
+        for call in calls {
+            let starts = !matches!(call, ConnectorCall::Abort { .. });
+            match self.prepare(call) {
+                Ok((input, reply)) => {
+                    slots.push((results.len(), starts));
+                    inputs.push(input);
+                    results.push(Ok(reply));
+                }
+                Err(error) => results.push(Err(error)),
+            }
+        }
+        if inputs.is_empty() {
+            return results;
+        }
+        let mut verdicts = match self.call_batch(inputs) {
+            Ok(verdicts) => verdicts.into_iter(),
+            Err(_) => Vec::new().into_iter(),
+        };
+        for (slot, starts) in slots {
+            match verdicts.next() {
+                Some(Ok(())) => {
+                    if starts {
+                        self.live += 1;
+                    }
+                }
+                Some(Err(rejected)) => results[slot] = Err(ConnectorError::from(rejected)),
+                None => results[slot] = Err(ConnectorError::Unavailable),
+            }
+        }
+        results
+    }
+
+    /// Sends `inputs` to the rank as one message and waits for their verdicts.
+    fn call_batch(
+        &mut self,
+        inputs: Vec<Input>,
+    ) -> Result<Vec<Result<(), Rejected>>, ConnectorError> {
         let (tx, rx) = mpsc::sync_channel(1);
-        let call = EngineCall {
-            input,
-            reply: Some(Box::new(move |verdict| {
-                let _ = tx.send(verdict);
+        let calls = EngineCalls {
+            inputs,
+            reply: Some(Box::new(move |verdicts| {
+                let _ = tx.send(verdicts);
             })),
         };
-        self.rank.calls.try_send(call).or_else(|err| match err {
-            actix::prelude::SendError::Full(call) => {
-                self.rank.calls.do_send(call);
+        self.rank.batches.try_send(calls).or_else(|err| match err {
+            actix::prelude::SendError::Full(calls) => {
+                self.rank.batches.do_send(calls);
                 Ok(())
             }
             actix::prelude::SendError::Closed(_) => Err(ConnectorError::Unavailable),
         })?;
         rx.recv_timeout(Self::CALL_TIMEOUT)
-            .map_err(|_| ConnectorError::Unavailable)?
-            .map_err(ConnectorError::from)
+            .map_err(|_| ConnectorError::Unavailable)
     }
 
-    /// D side: `blocks` were allocated for `request`, whose prefill ran on the engine named in
-    /// `params`; `num_tokens` tokens are expected. With all-empty `blocks` (a full prefix hit)
-    /// the request is ready at once and P is told to free its copy.
-    ///
-    /// # Errors
-    /// [`ConnectorError`] for missing or invalid parameters, an unsupported TP ratio, or a
-    /// refusal by the endpoint (duplicate request, full table).
-    pub fn request_allocated(
+    /// One call, through [`KvConnector::submit`].
+    fn call_one(&mut self, call: ConnectorCall) -> Result<ConnectorReply, ConnectorError> {
+        self.submit(vec![call])
+            .pop()
+            .unwrap_or(Err(ConnectorError::Unavailable))
+    }
+
+    /// Checks one call and turns it into the endpoint's input and the reply it earns if
+    /// accepted.
+    fn prepare(&mut self, call: ConnectorCall) -> Result<(Input, ConnectorReply), ConnectorError> {
+        match call {
+            ConnectorCall::RequestAllocated {
+                request,
+                blocks,
+                num_tokens,
+                params,
+            } => Ok((
+                self.decode_input(request, blocks, num_tokens, &params)?,
+                ConnectorReply::Accepted,
+            )),
+            ConnectorCall::RequestFinished {
+                request,
+                blocks,
+                params,
+            } => {
+                let key = pairing_key(&request, &params)?;
+                let reply = ConnectorReply::DecodeParams(KvTransferParams {
+                    do_remote_prefill: true,
+                    do_remote_decode: false,
+                    remote_engine_id: Some(self.identity.engine.to_string()),
+                    remote_host: Some(self.identity.host.clone()),
+                    remote_port: Some(self.identity.port),
+                    remote_request_id: Some(request.to_string()),
+                    tp_size: Some(self.identity.tp_size),
+                    transfer_id: params.transfer_id,
+                    epoch: params.epoch,
+                    transfer_mode: Some("push".into()),
+                });
+                Ok((
+                    Input::PrefillFinished(PrefillStart {
+                        request,
+                        key,
+                        blocks,
+                    }),
+                    reply,
+                ))
+            }
+            ConnectorCall::Abort { request } => {
+                Ok((Input::Abort { request }, ConnectorReply::Accepted))
+            }
+        }
+    }
+
+    fn decode_input(
         &mut self,
-        request: &RequestId,
+        request: RequestId,
         blocks: BlockIds,
         num_tokens: u64,
         params: &KvTransferParams,
-    ) -> Result<(), ConnectorError> {
+    ) -> Result<Input, ConnectorError> {
         if !params.do_remote_prefill {
             return Err(ConnectorError::InvalidParam {
                 name: "do_remote_prefill",
@@ -234,20 +380,41 @@ impl KvConnector {
                 "P and D with different TP sizes (heterogeneous TP comes later)",
             ));
         }
-        let key = pairing_key(request, params)?;
+        let key = pairing_key(&request, params)?;
         let epoch = epoch(params)?;
         self.learn_peer_address(&engine, params)?;
-        self.call(Input::DecodeAllocated(DecodeStart {
-            request: request.clone(),
+        Ok(Input::DecodeAllocated(DecodeStart {
+            request,
             key,
             epoch,
             prefill: PeerAddr::new(engine, self.identity.rank),
             blocks,
             num_tokens,
             expected_writes: 1,
-        }))?;
-        self.live += 1;
-        Ok(())
+        }))
+    }
+
+    /// D side: `blocks` were allocated for `request`, whose prefill ran on the engine named in
+    /// `params`; `num_tokens` tokens are expected. With all-empty `blocks` (a full prefix hit)
+    /// the request is ready at once and P is told to free its copy.
+    ///
+    /// # Errors
+    /// [`ConnectorError`] for missing or invalid parameters, an unsupported TP ratio, or a
+    /// refusal by the endpoint (duplicate request, full table).
+    pub fn request_allocated(
+        &mut self,
+        request: &RequestId,
+        blocks: BlockIds,
+        num_tokens: u64,
+        params: &KvTransferParams,
+    ) -> Result<(), ConnectorError> {
+        self.call_one(ConnectorCall::RequestAllocated {
+            request: request.clone(),
+            blocks,
+            num_tokens,
+            params: params.clone(),
+        })
+        .map(|_| ())
     }
 
     /// Tells a TCP rank's link where `engine`'s side channel is, from `remote_host` and
@@ -305,25 +472,14 @@ impl KvConnector {
         blocks: BlockIds,
         params: &KvTransferParams,
     ) -> Result<KvTransferParams, ConnectorError> {
-        let key = pairing_key(request, params)?;
-        self.call(Input::PrefillFinished(PrefillStart {
+        match self.call_one(ConnectorCall::RequestFinished {
             request: request.clone(),
-            key,
             blocks,
-        }))?;
-        self.live += 1;
-        Ok(KvTransferParams {
-            do_remote_prefill: true,
-            do_remote_decode: false,
-            remote_engine_id: Some(self.identity.engine.to_string()),
-            remote_host: Some(self.identity.host.clone()),
-            remote_port: Some(self.identity.port),
-            remote_request_id: Some(request.to_string()),
-            tp_size: Some(self.identity.tp_size),
-            transfer_id: params.transfer_id.clone(),
-            epoch: params.epoch,
-            transfer_mode: Some("push".into()),
-        })
+            params: params.clone(),
+        })? {
+            ConnectorReply::DecodeParams(params) => Ok(params),
+            ConnectorReply::Accepted => Err(ConnectorError::Unavailable),
+        }
     }
 
     /// Either side: the engine aborted `request`. Its blocks come back through
@@ -332,9 +488,10 @@ impl KvConnector {
     /// # Errors
     /// [`ConnectorError::Rejected`] if no such request is in progress.
     pub fn abort(&mut self, request: &RequestId) -> Result<(), ConnectorError> {
-        self.call(Input::Abort {
+        self.call_one(ConnectorCall::Abort {
             request: request.clone(),
         })
+        .map(|_| ())
     }
 
     /// Everything that happened since the last call; exactly one event per request.

@@ -25,7 +25,8 @@ pub mod demo;
 pub mod node;
 
 pub use connector::{
-    ConnectorError, ConnectorEvent, ConnectorIdentity, KvConnector, KvTransferParams,
+    ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply, KvConnector,
+    KvTransferParams,
 };
 pub use kvhandoff_actors as actors;
 pub use kvhandoff_actors::system::Runtime;

@@ -248,6 +248,7 @@ fn bench_control_reports_positive_numbers() {
         requests: 500,
         actix_requests: 300,
         actix_pool_blocks: 64,
+        actix_batch: 16,
         timeout: Duration::from_secs(30),
     })
     .expect("the bench runs");

@@ -3,9 +3,12 @@
 //! Every string id is bounded ([`MAX_ID_LEN`] bytes), non-empty and free of control characters,
 //! so that an id read from a peer can be logged, used as a map key and echoed back safely.
 
+use std::cmp::Ordering;
 use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Longest id, in bytes, that any identifier may have.
 pub const MAX_ID_LEN: usize = 256;
@@ -53,12 +56,79 @@ fn check_id(kind: &'static str, value: &str) -> Result<(), IdError> {
     Ok(())
 }
 
+/// The first 16 bytes of `text`, big-endian, zero-padded. Comparing heads orders two texts as
+/// comparing the texts does whenever the heads differ (a text that ends early pads with zeros,
+/// which sort first, as the shorter of two texts sharing a prefix does); equal heads leave the
+/// order to the texts themselves.
+fn head_of(text: &str) -> u128 {
+    let mut head = [0u8; 16];
+    let n = text.len().min(head.len());
+    head[..n].copy_from_slice(&text.as_bytes()[..n]);
+    u128::from_be_bytes(head)
+}
+
 macro_rules! string_id {
     ($(#[$meta:meta])* $name:ident, $kind:literal) => {
         $(#[$meta])*
-        #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-        #[serde(transparent)]
-        pub struct $name(String);
+        ///
+        /// Shared, immutable text: a clone is a reference-count increment, not a copy. On the
+        /// wire it is a plain string. Ordered, compared and hashed exactly as its text.
+        #[derive(Clone)]
+        pub struct $name {
+            /// The text's first bytes (see [`head_of`]): most comparisons end here, without
+            /// reading the shared text.
+            head: u128,
+            text: Arc<str>,
+        }
+
+        impl $name {
+            fn wrap(text: Arc<str>) -> Self {
+                Self {
+                    head: head_of(&text),
+                    text,
+                }
+            }
+        }
+
+        impl PartialEq for $name {
+            fn eq(&self, other: &Self) -> bool {
+                self.head == other.head && self.text == other.text
+            }
+        }
+
+        impl Eq for $name {}
+
+        impl PartialOrd for $name {
+            fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+
+        impl Ord for $name {
+            fn cmp(&self, other: &Self) -> Ordering {
+                self.head
+                    .cmp(&other.head)
+                    .then_with(|| self.text.cmp(&other.text))
+            }
+        }
+
+        impl Hash for $name {
+            fn hash<H: Hasher>(&self, state: &mut H) {
+                self.text.hash(state);
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(&self.text)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                String::deserialize(deserializer).map(|s| Self::wrap(Arc::from(s)))
+            }
+        }
 
         impl $name {
             /// Checks `value` and wraps it.
@@ -69,12 +139,12 @@ macro_rules! string_id {
             pub fn new(value: impl Into<String>) -> Result<Self, IdError> {
                 let value = value.into();
                 check_id($kind, &value)?;
-                Ok(Self(value))
+                Ok(Self::wrap(Arc::from(value)))
             }
 
             /// The id as a string slice.
             pub fn as_str(&self) -> &str {
-                &self.0
+                &self.text
             }
 
             /// Re-checks an id that was built without validation (e.g. decoded from a peer).
@@ -82,19 +152,19 @@ macro_rules! string_id {
             /// # Errors
             /// The same as [`Self::new`].
             pub fn validate(&self) -> Result<(), IdError> {
-                check_id($kind, &self.0)
+                check_id($kind, &self.text)
             }
         }
 
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(&self.0)
+                f.write_str(&self.text)
             }
         }
 
         impl fmt::Debug for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, "{}({:?})", stringify!($name), self.0)
+                write!(f, "{}({:?})", stringify!($name), &*self.text)
             }
         }
     };
@@ -169,10 +239,13 @@ impl PairingKey {
             let mut chars = suffix.chars();
             let dash = chars.next() == Some('-');
             if dash && chars.all(|c| c.is_ascii_hexdigit()) {
-                return Self(base.to_owned());
+                return Self::wrap(Arc::from(base));
             }
         }
-        Self(id.to_owned())
+        Self {
+            head: request_id.head,
+            text: Arc::clone(&request_id.text),
+        }
     }
 }
 
@@ -299,6 +372,40 @@ mod tests {
             })
         );
         assert!(EngineId::new("x".repeat(MAX_ID_LEN)).is_ok());
+    }
+
+    #[test]
+    fn ids_order_compare_and_hash_as_their_text() {
+        use std::collections::hash_map::DefaultHasher;
+        let texts = [
+            "a",
+            "ab",
+            "abc",
+            "cmpl-0123456789abcdef",
+            "cmpl-0123456789abcdef-0",
+            "cmpl-0123456789abcdeg",
+            "cmpl-0123456789abcdef-1",
+            "cmpl-0123456789abcde",
+            "z",
+            "é",
+            "0123456789abcdef",
+            "0123456789abcdef0",
+        ];
+        let hash = |h: &dyn Fn(&mut DefaultHasher)| {
+            let mut state = DefaultHasher::new();
+            h(&mut state);
+            state.finish()
+        };
+        for a in texts {
+            for b in texts {
+                let (ia, ib) = (RequestId::new(a).unwrap(), RequestId::new(b).unwrap());
+                assert_eq!(ia.cmp(&ib), a.cmp(b), "{a} vs {b}");
+                assert_eq!(ia == ib, a == b, "{a} vs {b}");
+            }
+            let id = PairingKey::new(a).unwrap();
+            assert_eq!(hash(&|s| id.hash(s)), hash(&|s| a.to_owned().hash(s)));
+            assert_eq!(format!("{id:?}"), format!("PairingKey({a:?})"));
+        }
     }
 
     #[test]

@@ -257,12 +257,11 @@ impl Endpoint {
             return Err(Rejected::Invalid("the prefill peer is this engine"));
         }
         let mut start = start;
-        if let Some(ended) = self.decode_tombstones.get(&start.key) {
+        if let Some(ended) = self.decode_tombstones.remove(&start.key) {
             // A new attempt at a recently ended key must not be confused with the old one's
             // late messages.
             start.epoch = start.epoch.max(ended.next());
         }
-        self.decode_tombstones.remove(&start.key);
         if start.blocks.is_empty() {
             return self.full_prefix_hit(now, start);
         }

@@ -1,5 +1,6 @@
 //! Bounded bookkeeping shared by the endpoint's tables: a timer index and tombstones.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use super::types::Time;
@@ -23,10 +24,19 @@ impl<K: Ord + Clone> Default for TimerIndex<K> {
 impl<K: Ord + Clone> TimerIndex<K> {
     /// Sets (or moves) the timer of `key`.
     pub(crate) fn set(&mut self, key: K, at: Time) {
-        if let Some(old) = self.by_key.insert(key.clone(), at) {
-            self.by_time.remove(&(old, key.clone()));
+        match self.by_key.get_mut(&key) {
+            // Already set for that time: nothing moves.
+            Some(old) if *old == at => {}
+            Some(old) => {
+                let old = std::mem::replace(old, at);
+                self.by_time.remove(&(old, key.clone()));
+                self.by_time.insert((at, key));
+            }
+            None => {
+                self.by_key.insert(key.clone(), at);
+                self.by_time.insert((at, key));
+            }
         }
-        self.by_time.insert((at, key));
     }
 
     /// Removes the timer of `key`, if any.
@@ -87,6 +97,10 @@ impl<K: Ord + Clone, V> Tombstones<K, V> {
             self.evict_oldest();
         }
         self.entries.insert(key.clone(), (value, expires));
+        self.push_order(expires, key);
+    }
+
+    fn push_order(&mut self, expires: Time, key: K) {
         self.order.push_back((expires, key));
         if self.order.len() > 2 * self.limit {
             // Refreshed keys leave stale entries behind; drop them so `order` stays bounded.
@@ -94,6 +108,26 @@ impl<K: Ord + Clone, V> Tombstones<K, V> {
             self.order
                 .retain(|(at, k)| entries.get(k).is_some_and(|(_, exp)| exp == at));
         }
+    }
+
+    /// Remembers `key` until `expires` with the value `value` makes of its current record (if
+    /// any): [`Self::get`] then [`Self::insert`], with one search of the table.
+    pub(crate) fn upsert(&mut self, key: K, expires: Time, value: impl FnOnce(Option<&V>) -> V) {
+        if self.entries.len() >= self.limit {
+            let value = value(self.get(&key));
+            self.insert(key, value, expires);
+            return;
+        }
+        match self.entries.entry(key.clone()) {
+            Entry::Occupied(mut entry) => {
+                let value = value(Some(&entry.get().0));
+                entry.insert((value, expires));
+            }
+            Entry::Vacant(entry) => {
+                entry.insert((value(None), expires));
+            }
+        }
+        self.push_order(expires, key);
     }
 
     pub(crate) fn get(&self, key: &K) -> Option<&V> {
@@ -229,6 +263,29 @@ mod tests {
         t.expire(Time::from_nanos(199));
         assert_eq!(t.len(), 0);
         assert_eq!(t.next_expiry(), None);
+    }
+
+    #[test]
+    fn upsert_sees_the_current_record_and_stays_bounded() {
+        let mut t = Tombstones::new(2);
+        t.upsert(1, Time::from_nanos(10), |old| {
+            assert_eq!(old, None);
+            "a"
+        });
+        t.upsert(1, Time::from_nanos(20), |old| {
+            assert_eq!(old, Some(&"a"));
+            "b"
+        });
+        t.upsert(2, Time::from_nanos(30), |_| "c");
+        t.upsert(3, Time::from_nanos(40), |old| {
+            assert_eq!(old, None);
+            "d"
+        });
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.get(&1), None, "the oldest is evicted when full");
+        t.expire(Time::from_nanos(30));
+        assert_eq!(t.get(&3), Some(&"d"));
+        assert_eq!(t.len(), 1);
     }
 
     #[test]

@@ -25,6 +25,7 @@ use super::types::{DropReason, PrefillOutcome, PrefillStart, Rejected, ReleaseCa
 use super::Config;
 use crate::{PeerAddr, WriteId};
 
+use tombstones::floor_of;
 pub(crate) use tombstones::PrefillTombstone;
 
 /// A registration that arrived before its prefill finished.
@@ -161,7 +162,8 @@ impl Writer {
         // past the tombstone) still wants the blocks: it supersedes the tombstone.
         let pending_epoch = self.pending.get(&common.key).map(|p| p.register.epoch);
         let superseded = |epoch: Epoch| pending_epoch.is_some_and(|pending| pending > epoch);
-        let settled_by_peer = match self.tombstones.get(&common.key).copied() {
+        let tombstone = self.tombstones.get(&common.key).copied();
+        let settled_by_peer = match tombstone {
             Some(PrefillTombstone::GaveUpEarly { epoch, cause }) if !superseded(epoch) => {
                 Some((cause, epoch))
             }
@@ -189,7 +191,7 @@ impl Writer {
         }
         // The tombstone of an older request for the key stays while this one lives if it has an
         // epoch: a floor below which registrations are overtaken ones (see `on_register`).
-        if self.epoch_floor(&common.key).is_none() {
+        if tombstone.as_ref().and_then(floor_of).is_none() {
             self.tombstones.remove(&common.key);
         }
         if common.blocks.is_empty() {

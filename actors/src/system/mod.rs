@@ -30,7 +30,9 @@ pub use build::{
     agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
 };
 pub use link::{Connect, Hello, LinkActor};
-pub use rank::{EngineCall, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict};
+pub use rank::{
+    EngineCall, EngineCalls, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict, Verdicts,
+};
 pub use runtime::{Runtime, RuntimeError};
 pub use side_channel::{
     AddPeerAddress, ClockEstimate, HandshakeError, PeerBook, PeerBookFull, QuerySideChannel,
@@ -131,6 +133,8 @@ pub struct RankHandle {
     pub side_channel: Option<std::net::SocketAddr>,
     /// Where engine calls go, type-erased.
     pub calls: Recipient<EngineCall>,
+    /// Where batches of engine calls go, type-erased.
+    pub batches: Recipient<EngineCalls>,
     /// The rank's writer, for its counters ([`QueryWriterStats`]).
     pub writer: Recipient<QueryWriterStats>,
     /// The engine's events.
@@ -244,6 +248,7 @@ where
     let writer = writer.recipient();
     RankHandle {
         calls: rank.clone().recipient(),
+        batches: rank.clone().recipient(),
         writer,
         rank,
         link,

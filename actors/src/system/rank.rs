@@ -24,6 +24,20 @@ pub struct EngineCall {
     pub reply: Option<Verdict>,
 }
 
+/// Receives, in order, whether each input of an [`EngineCalls`] batch was accepted.
+pub type Verdicts = Box<dyn FnOnce(Vec<Result<(), Rejected>>) + Send>;
+
+/// A batch of engine calls (one engine step's worth): the inputs are handled in order, the
+/// verdicts come back together, and the outputs are flushed once for the whole batch.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct EngineCalls {
+    /// Engine inputs (`DecodeAllocated`, `PrefillFinished` or `Abort`), in order.
+    pub inputs: Vec<Input>,
+    /// Called with one verdict per input, in the same order.
+    pub reply: Option<Verdicts>,
+}
+
 /// Inputs from the writer (completions, notifications) or the link (handshakes).
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
@@ -157,6 +171,26 @@ impl Handler<EngineCall> for RankActor {
         };
         if let Some(reply) = call.reply {
             reply(verdict);
+        }
+        self.flush(ctx);
+    }
+}
+
+impl Handler<EngineCalls> for RankActor {
+    type Result = ();
+
+    fn handle(&mut self, calls: EngineCalls, ctx: &mut Context<Self>) {
+        let mut verdicts = Vec::with_capacity(calls.inputs.len());
+        for input in calls.inputs {
+            verdicts.push(if Self::is_engine_input(&input) {
+                let now = self.now();
+                self.endpoint.handle(now, input)
+            } else {
+                Err(Rejected::NotAnEngineInput)
+            });
+        }
+        if let Some(reply) = calls.reply {
+            reply(verdicts);
         }
         self.flush(ctx);
     }

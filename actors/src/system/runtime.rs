@@ -4,7 +4,7 @@
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use actix::{ArbiterHandle, System};
+use actix::{Arbiter, ArbiterHandle, System};
 
 use super::{start_rank, start_rank_with, Directory, Handshaker, RankHandle, RankSetup};
 use crate::transport::Transport;
@@ -35,6 +35,8 @@ pub struct Runtime {
     arbiter: ArbiterHandle,
     thread: Option<JoinHandle<()>>,
     directory: Directory,
+    /// Arbiters started for ranks that run on threads of their own.
+    arbiters: Vec<Arbiter>,
 }
 
 impl Runtime {
@@ -60,6 +62,7 @@ impl Runtime {
             arbiter,
             thread: Some(thread),
             directory: Directory::new(),
+            arbiters: Vec::new(),
         })
     }
 
@@ -81,6 +84,40 @@ impl Runtime {
         let spawned = self.arbiter.spawn_fn(move || {
             let _ = tx.send(start_rank(setup, &directory));
         });
+        if !spawned {
+            return Err(RuntimeError::Stopped);
+        }
+        rx.recv().map_err(|_| RuntimeError::Stopped)
+    }
+
+    /// Starts one rank's actors on a new arbiter thread of their own (in the same system, found
+    /// through the same [`Directory`]) and returns its handle. Ranks added this way run in
+    /// parallel with the runtime's other ranks, the way ranks of separate engine processes do.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Stopped`] if the runtime is gone.
+    pub fn add_rank_on_own_thread<T>(
+        &mut self,
+        setup: RankSetup<T>,
+    ) -> Result<RankHandle, RuntimeError>
+    where
+        T: Transport + Unpin + Send + 'static,
+    {
+        // Arbiters are made inside the system's thread, which registers them with the system.
+        let (tx, rx) = mpsc::channel();
+        let spawned = self.arbiter.spawn_fn(move || {
+            let _ = tx.send(Arbiter::new());
+        });
+        if !spawned {
+            return Err(RuntimeError::Stopped);
+        }
+        let arbiter = rx.recv().map_err(|_| RuntimeError::Stopped)?;
+        let (tx, rx) = mpsc::channel();
+        let directory = self.directory.clone();
+        let spawned = arbiter.spawn_fn(move || {
+            let _ = tx.send(start_rank(setup, &directory));
+        });
+        self.arbiters.push(arbiter);
         if !spawned {
             return Err(RuntimeError::Stopped);
         }
@@ -119,6 +156,10 @@ impl Runtime {
     }
 
     fn stop(&mut self) {
+        for arbiter in self.arbiters.drain(..) {
+            arbiter.stop();
+            let _ = arbiter.join();
+        }
         self.system.stop();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();

@@ -62,6 +62,16 @@ pub(super) fn tombstone_for(outcome: PrefillOutcome, epoch: Option<Epoch>) -> Pr
     }
 }
 
+/// The highest epoch `tombstone` settled (see [`Writer::epoch_floor`]).
+pub(super) fn floor_of(tombstone: &PrefillTombstone) -> Option<Epoch> {
+    match tombstone {
+        PrefillTombstone::GaveUpEarly { epoch, .. } | PrefillTombstone::Answered { epoch, .. } => {
+            Some(*epoch)
+        }
+        PrefillTombstone::Ended { epoch, .. } => *epoch,
+    }
+}
+
 impl Writer {
     pub(super) fn file_ended(&mut self, now: Time, ended: PrefillEnded, fx: &mut Effects<'_>) {
         let PrefillEnded {
@@ -73,12 +83,10 @@ impl Writer {
         self.request_timers.clear(&common.key);
         self.by_request.remove(&common.request);
         // Never lower the floor an older request of the key left behind.
-        let epoch = epoch.max(self.epoch_floor(&common.key));
-        self.tombstones.insert(
-            common.key.clone(),
-            tombstone_for(outcome, epoch),
-            now + self.config.tombstone_ttl,
-        );
+        self.tombstones
+            .upsert(common.key.clone(), now + self.config.tombstone_ttl, |old| {
+                tombstone_for(outcome, epoch.max(old.and_then(floor_of)))
+            });
         fx.emit(Output::Event(EngineEvent::Prefill {
             request: common.request,
             key: common.key,
@@ -90,11 +98,7 @@ impl Writer {
     /// The highest epoch an ended request of `key` (or an early cancel, release or answer)
     /// settled.
     pub(super) fn epoch_floor(&self, key: &PairingKey) -> Option<Epoch> {
-        match self.tombstones.get(key)? {
-            PrefillTombstone::GaveUpEarly { epoch, .. }
-            | PrefillTombstone::Answered { epoch, .. } => Some(*epoch),
-            PrefillTombstone::Ended { epoch, .. } => *epoch,
-        }
+        floor_of(self.tombstones.get(key)?)
     }
 
     /// Whether `from` may cancel or release `key`: the peer the key's blocks are bound to (or
