@@ -28,10 +28,7 @@ use kvhandoff_actors::machine::{
 use kvhandoff_actors::system::{build_mem_rank, BuildError, RuntimeError, ShellConfig};
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_actors::PeerAddr;
-use kvhandoff_protocol::{
-    BlockIds, CacheGroup, CacheGroupKind, EngineId, Epoch, KvGeometry, KvLayout, PairingKey,
-    RequestId,
-};
+use kvhandoff_protocol::{BlockIds, EngineId, Epoch, KvGeometry, KvLayout, PairingKey, RequestId};
 use serde::{Deserialize, Serialize};
 
 use crate::demo::{self, FreeList, Races, DECODE_ENGINE, PREFILL_ENGINE};
@@ -429,24 +426,7 @@ fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
 // The actix system.
 
 fn tiny_geometry() -> KvGeometry {
-    KvGeometry {
-        num_layers: 1,
-        total_kv_heads: 1,
-        head_dim: 8,
-        dtype_bytes: 2,
-        kernel_block_size: 16,
-        kernel_blocks_per_logical: 1,
-        layout: KvLayout::Hnd,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        mla: false,
-        cache_groups: vec![CacheGroup {
-            kind: CacheGroupKind::FullAttention,
-            num_layers: 1,
-        }],
-    }
+    KvGeometry::dense(1, 1, 8, 2, 16, KvLayout::Hnd)
 }
 
 struct Engine {

@@ -247,6 +247,43 @@ pub struct KvGeometry {
 }
 
 impl KvGeometry {
+    /// The geometry of a dense model on one rank (TP 1, PP 1, no MLA): every layer in one
+    /// full-attention group, one kernel block per logical block.
+    ///
+    /// ```
+    /// use kvhandoff_protocol::{KvGeometry, KvLayout};
+    /// let g = KvGeometry::dense(8, 8, 128, 2, 16, KvLayout::Hnd);
+    /// g.validate().unwrap();
+    /// assert_eq!(g.regions().unwrap().len(), 16);
+    /// ```
+    pub fn dense(
+        num_layers: u32,
+        total_kv_heads: u32,
+        head_dim: u32,
+        dtype_bytes: u32,
+        kernel_block_size: u32,
+        layout: KvLayout,
+    ) -> KvGeometry {
+        KvGeometry {
+            num_layers,
+            total_kv_heads,
+            head_dim,
+            dtype_bytes,
+            kernel_block_size,
+            kernel_blocks_per_logical: 1,
+            layout,
+            tp_size: 1,
+            tp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
+            mla: false,
+            cache_groups: vec![CacheGroup {
+                kind: CacheGroupKind::FullAttention,
+                num_layers,
+            }],
+        }
+    }
+
     /// Checks every rule a usable geometry follows.
     ///
     /// # Errors

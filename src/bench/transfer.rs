@@ -49,7 +49,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use kvhandoff_protocol::planner::{fragmented_70b_case, PlanInput, Planner, FRAGMENTED_70B_BLOCKS};
-use kvhandoff_protocol::{BlockIds, CacheGroup, CacheGroupKind, KvGeometry, KvLayout};
+use kvhandoff_protocol::{BlockIds, KvGeometry, KvLayout};
 use serde::{Deserialize, Serialize};
 
 /// The throughput target: kvhandoff end to end over raw NIXL on the same descriptors.
@@ -454,24 +454,14 @@ fn human_bytes(bytes: u64) -> String {
 /// The geometry of the request (TP 1, bf16, 16-token kernel blocks, NHD, one full-attention
 /// group).
 pub fn bench_geometry(options: &TransferOptions) -> KvGeometry {
-    KvGeometry {
-        num_layers: options.num_layers,
-        total_kv_heads: options.kv_heads,
-        head_dim: options.head_dim,
-        dtype_bytes: 2,
-        kernel_block_size: BLOCK_TOKENS,
-        kernel_blocks_per_logical: 1,
-        layout: KvLayout::Nhd,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        mla: false,
-        cache_groups: vec![CacheGroup {
-            kind: CacheGroupKind::FullAttention,
-            num_layers: options.num_layers,
-        }],
-    }
+    KvGeometry::dense(
+        options.num_layers,
+        options.kv_heads,
+        options.head_dim,
+        2,
+        BLOCK_TOKENS,
+        KvLayout::Nhd,
+    )
 }
 
 /// One block table: P's (local) and D's (remote) ids in token order.

@@ -5,31 +5,12 @@
 //! independently, in any process.
 
 use kvhandoff_actors::system::KvPool;
-use kvhandoff_protocol::{
-    CacheGroup, CacheGroupKind, KvGeometry, KvLayout, PairingKey, RegionKind,
-};
+use kvhandoff_protocol::{KvGeometry, KvLayout, PairingKey, RegionKind};
 
 /// The demo model's geometry: 8 layers, 8 KV heads, head dim 128, bf16, 16-token kernel blocks,
 /// one kernel block per logical block, HND, one full-attention group, TP 1.
 pub fn demo_geometry() -> KvGeometry {
-    KvGeometry {
-        num_layers: 8,
-        total_kv_heads: 8,
-        head_dim: 128,
-        dtype_bytes: 2,
-        kernel_block_size: 16,
-        kernel_blocks_per_logical: 1,
-        layout: KvLayout::Hnd,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        mla: false,
-        cache_groups: vec![CacheGroup {
-            kind: CacheGroupKind::FullAttention,
-            num_layers: 8,
-        }],
-    }
+    KvGeometry::dense(8, 8, 128, 2, 16, KvLayout::Hnd)
 }
 
 /// A request's pattern key: a hash of its pairing key, which P and D derive independently
