@@ -164,6 +164,8 @@ pub enum ConnectorCall {
         /// The request.
         request: RequestId,
     },
+    /// Either side, as [`KvConnector::shutdown`].
+    Shutdown,
 }
 
 /// What an accepted [`ConnectorCall`] returns.
@@ -246,7 +248,7 @@ impl KvConnector {
         // Per input: its result's index, and whether it starts a request.
         let mut slots = Vec::with_capacity(calls.len());
         for call in calls {
-            let starts = !matches!(call, ConnectorCall::Abort { .. });
+            let starts = !matches!(call, ConnectorCall::Abort { .. } | ConnectorCall::Shutdown);
             match self.prepare(call) {
                 Ok((input, reply)) => {
                     slots.push((results.len(), starts));
@@ -350,6 +352,7 @@ impl KvConnector {
             ConnectorCall::Abort { request } => {
                 Ok((Input::Abort { request }, ConnectorReply::Accepted))
             }
+            ConnectorCall::Shutdown => Ok((Input::Shutdown, ConnectorReply::Accepted)),
         }
     }
 
@@ -492,6 +495,17 @@ impl KvConnector {
             request: request.clone(),
         })
         .map(|_| ())
+    }
+
+    /// Either side: the engine is shutting down. Every request in progress gives up — D's
+    /// registered ones cancel and still come back through [`KvConnector::poll_events`] only
+    /// once their blocks are safe — and new requests are refused. Keep polling until
+    /// [`KvConnector::has_pending_work`] is false.
+    ///
+    /// # Errors
+    /// [`ConnectorError::Unavailable`] if the runtime does not answer.
+    pub fn shutdown(&mut self) -> Result<(), ConnectorError> {
+        self.call_one(ConnectorCall::Shutdown).map(|_| ())
     }
 
     /// Everything that happened since the last call; exactly one event per request.

@@ -7,7 +7,7 @@ mod harness;
 use harness::*;
 use kvhandoff_actors::machine::{
     Config, ConnectFailure, DecodeFailure, DecodeOutcome, DropReason, EngineEvent, FreeProof,
-    Input, PrefillOutcome, ReleaseCause, Time,
+    Input, PrefillOutcome, Rejected, ReleaseCause, Time,
 };
 use kvhandoff_protocol::{Epoch, Message, PairingKey, ReleaseReason, RequestId, WriteFailure};
 
@@ -1178,5 +1178,56 @@ fn lost_cancel_ack_is_recovered_by_the_resend() {
         )]
     );
     assert_eq!(h.d().counters().quarantine_frees, 0);
+    h.assert_no_leak();
+}
+
+// Scenario: D's engine shuts down while P's write is in flight. D cancels with reason Shutdown
+// and still hands its blocks back only after P drained and answered; new requests are refused.
+// P's engine shutting down aborts its held requests at once.
+#[test]
+fn shutdown_cancels_and_still_waits_for_the_proof() {
+    let mut h = writing();
+    h.input(&d_addr(), Input::Shutdown).unwrap();
+    assert_eq!(
+        h.count_sent(&d_addr(), |m| matches!(
+            m,
+            Message::Cancel(c) if c.reason == kvhandoff_protocol::CancelReason::Shutdown
+        )),
+        1
+    );
+    assert_eq!(
+        h.decode(decode_start(2, &[600])),
+        Err(Rejected::ShuttingDown),
+        "no new request after shutdown"
+    );
+    h.advance(ms(300));
+    assert!(
+        h.events_d().is_empty(),
+        "no D event while the write may still land"
+    );
+    let w = h.the_write();
+    h.complete_write(&w);
+    let results = h.d_results();
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].0, DecodeOutcome::Failed(DecodeFailure::Shutdown));
+    assert!(
+        matches!(
+            results[0].1,
+            FreeProof::WritesCompleted | FreeProof::CancelAcknowledged
+        ),
+        "{results:?}"
+    );
+    assert!(!h.d().has_pending_work());
+
+    // P's engine shuts down with a request held: released at once, and nothing new is taken.
+    h.prefill(prefill_start(3, &[20])).unwrap();
+    h.input(&p_addr(), Input::Shutdown).unwrap();
+    assert!(h
+        .p_results()
+        .contains(&PrefillOutcome::Released(ReleaseCause::Aborted)));
+    assert_eq!(
+        h.prefill(prefill_start(4, &[21])),
+        Err(Rejected::ShuttingDown)
+    );
     h.assert_no_leak();
 }

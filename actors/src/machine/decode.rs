@@ -93,6 +93,7 @@ pub(crate) enum DecodeInput {
     WriteFailed { rank: u32, reason: WriteFailure },
     CancelAck { rank: u32 },
     Abort,
+    Shutdown,
     Timeout,
 }
 
@@ -144,6 +145,7 @@ impl DecodeCommon {
 fn cancel_reason(reason: DecodeFailure) -> CancelReason {
     match reason {
         DecodeFailure::Deadline => CancelReason::Deadline,
+        DecodeFailure::Shutdown => CancelReason::Shutdown,
         DecodeFailure::Aborted
         | DecodeFailure::PeerDead
         | DecodeFailure::WriteFailed(_)
@@ -235,6 +237,7 @@ impl Connecting {
             DecodeInput::PeerConnectFailed => failed(self, DecodeFailure::HandshakeFailed),
             DecodeInput::PeerDead => failed(self, DecodeFailure::PeerDead),
             DecodeInput::Abort => failed(self, DecodeFailure::Aborted),
+            DecodeInput::Shutdown => failed(self, DecodeFailure::Shutdown),
             DecodeInput::Timeout if ctx.now >= self.common.deadline => {
                 failed(self, DecodeFailure::Deadline)
             }
@@ -306,6 +309,7 @@ impl Registered {
                 FreeProof::PeerInvalidated,
             ),
             DecodeInput::Abort => self.cancel(ctx, DecodeFailure::Aborted, fx),
+            DecodeInput::Shutdown => self.cancel(ctx, DecodeFailure::Shutdown, fx),
             DecodeInput::Timeout
                 if ctx.now >= self.common.deadline && ctx.config.mutation_free_on_deadline =>
             {
@@ -378,9 +382,10 @@ impl Cancelling {
             }
             DecodeInput::Timeout => Step::Live(DecodeRequest::Cancelling(self)),
             // Already giving up; the first reason stands.
-            DecodeInput::Abort | DecodeInput::PeerConnected | DecodeInput::PeerConnectFailed => {
-                Step::Live(DecodeRequest::Cancelling(self))
-            }
+            DecodeInput::Abort
+            | DecodeInput::Shutdown
+            | DecodeInput::PeerConnected
+            | DecodeInput::PeerConnectFailed => Step::Live(DecodeRequest::Cancelling(self)),
         }
     }
 }

@@ -316,6 +316,14 @@ fn cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
+            "connecting + shutdown: Shutdown, never exposed",
+            connecting(),
+            I::Shutdown,
+            failed(1, F::Shutdown, P::NeverExposed),
+            vec![],
+            no_counters(),
+        ),
+        case(
             "connecting + timeout before deadline: waits",
             connecting(),
             I::Timeout,
@@ -445,6 +453,14 @@ fn cases() -> Vec<Case> {
             I::Abort,
             cancelled_at_now(1, F::Aborted, &[]),
             vec![cancel_sent(CancelReason::Aborted)],
+            no_counters(),
+        ),
+        case(
+            "registered + shutdown: cancel (Shutdown), blocks kept until the proof",
+            registered(1, &[]),
+            I::Shutdown,
+            cancelled_at_now(1, F::Shutdown, &[]),
+            vec![cancel_sent(CancelReason::Shutdown)],
             no_counters(),
         ),
         case(
@@ -605,6 +621,14 @@ fn cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
+            "cancelling + shutdown: first reason stands",
+            CancellingAt::new(1).reason(F::Deadline).build(),
+            I::Shutdown,
+            live(CancellingAt::new(1).reason(F::Deadline).build()),
+            vec![],
+            no_counters(),
+        ),
+        case(
             "cancelling + timeout before resend and quarantine: waits",
             c1(),
             I::Timeout,
@@ -678,7 +702,7 @@ fn cases() -> Vec<Case> {
 // Adding a state or an input breaks one of these matches: add its name to the list beside it,
 // and the coverage test below then demands its cases.
 const STATES: [&str; 3] = ["Connecting", "Registered", "Cancelling"];
-const INPUTS: [&str; 8] = [
+const INPUTS: [&str; 9] = [
     "PeerConnected",
     "PeerConnectFailed",
     "PeerDead",
@@ -686,6 +710,7 @@ const INPUTS: [&str; 8] = [
     "WriteFailed",
     "CancelAck",
     "Abort",
+    "Shutdown",
     "Timeout",
 ];
 
@@ -706,6 +731,7 @@ fn input_name(input: &DecodeInput) -> &'static str {
         DecodeInput::WriteFailed { .. } => "WriteFailed",
         DecodeInput::CancelAck { .. } => "CancelAck",
         DecodeInput::Abort => "Abort",
+        DecodeInput::Shutdown => "Shutdown",
         DecodeInput::Timeout => "Timeout",
     }
 }

@@ -86,6 +86,8 @@ pub struct Endpoint {
     peer_timers: TimerIndex<PeerAddr>,
     out: VecDeque<Output>,
     counters: Counters,
+    /// Set by [`Input::Shutdown`]: no new requests are taken.
+    shutting_down: bool,
 }
 
 impl Endpoint {
@@ -107,6 +109,7 @@ impl Endpoint {
             peer_timers: TimerIndex::default(),
             out: VecDeque::new(),
             counters: Counters::default(),
+            shutting_down: false,
         })
     }
 
@@ -170,7 +173,14 @@ impl Endpoint {
     /// [`Rejected`] for an engine input that breaks a rule.
     pub fn handle(&mut self, now: Time, input: Input) -> Result<(), Rejected> {
         let result = match input {
+            Input::DecodeAllocated(_) | Input::PrefillFinished(_) if self.shutting_down => {
+                Err(Rejected::ShuttingDown)
+            }
             Input::DecodeAllocated(start) => self.decode_allocated(now, start),
+            Input::Shutdown => {
+                self.shutdown(now);
+                Ok(())
+            }
             Input::PrefillFinished(start) => {
                 let mut fx = Effects {
                     out: &mut self.out,
@@ -230,6 +240,24 @@ impl Endpoint {
             self.peer_input(now, &peer, PeerInput::Timeout);
         }
         self.check_invariants();
+    }
+
+    /// Every live request gives up; registered D requests still wait for their proof (the
+    /// endpoint keeps running until `has_pending_work` is false).
+    fn shutdown(&mut self, now: Time) {
+        self.shutting_down = true;
+        let keys: Vec<PairingKey> = self.decodes.keys().cloned().collect();
+        for key in keys {
+            self.step_decode(now, &key, DecodeInput::Shutdown);
+        }
+        for request in self.writer.live_request_ids() {
+            let mut fx = Effects {
+                out: &mut self.out,
+                counters: &mut self.counters,
+            };
+            // Every listed request is live, so the abort cannot be refused.
+            let _ = self.writer.abort(now, &request, &mut fx);
+        }
     }
 
     fn decode_allocated(&mut self, now: Time, start: DecodeStart) -> Result<(), Rejected> {
@@ -385,7 +413,9 @@ impl Endpoint {
         let gave_up_before_registering = proof == FreeProof::NeverExposed
             && matches!(
                 outcome,
-                DecodeOutcome::Failed(DecodeFailure::Aborted | DecodeFailure::Deadline)
+                DecodeOutcome::Failed(
+                    DecodeFailure::Aborted | DecodeFailure::Deadline | DecodeFailure::Shutdown
+                )
             );
         if gave_up_before_registering {
             // P may hold blocks for this key already: let it free them now, not at lease end.

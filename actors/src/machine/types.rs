@@ -121,6 +121,10 @@ pub enum Input {
     DecodeAllocated(DecodeStart),
     /// P: prefill finished; blocks to send.
     PrefillFinished(PrefillStart),
+    /// The engine is shutting down: every D request gives up (registered ones cancel with
+    /// `CancelReason::Shutdown` and still wait for their proof), every P request is aborted
+    /// (writes in flight drain first), and new requests are refused.
+    Shutdown,
     /// Either side: the engine aborted the request.
     Abort {
         /// The engine's request id.
@@ -240,6 +244,8 @@ pub enum DecodeFailure {
     WriteFailed(WriteFailure),
     /// D's engine aborted the request.
     Aborted,
+    /// D's engine is shutting down.
+    Shutdown,
     /// The handshake with P failed.
     HandshakeFailed,
     /// P and D cannot exchange this request's KV (geometry or plan).
@@ -366,6 +372,9 @@ pub enum Rejected {
     /// The request's fields break a rule.
     #[error("invalid request: {0}")]
     Invalid(&'static str),
+    /// The endpoint is shutting down and takes no new requests.
+    #[error("the endpoint is shutting down")]
+    ShuttingDown,
     /// The input is not an engine input (use it through `handle` only from the shell).
     #[error("the input came from a peer or transport, not the engine")]
     NotAnEngineInput,

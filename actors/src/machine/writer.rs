@@ -87,6 +87,11 @@ impl Writer {
         self.by_request.contains_key(request)
     }
 
+    /// The engine ids of every live request, in order.
+    pub(crate) fn live_request_ids(&self) -> Vec<RequestId> {
+        self.by_request.keys().cloned().collect()
+    }
+
     pub(crate) fn next_timer(&self) -> Option<Time> {
         [
             self.request_timers.next(),

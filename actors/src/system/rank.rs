@@ -96,7 +96,10 @@ impl RankActor {
 
     fn is_engine_input(input: &Input) -> bool {
         match input {
-            Input::DecodeAllocated(_) | Input::PrefillFinished(_) | Input::Abort { .. } => true,
+            Input::DecodeAllocated(_)
+            | Input::PrefillFinished(_)
+            | Input::Abort { .. }
+            | Input::Shutdown => true,
             Input::Received { .. }
             | Input::Malformed { .. }
             | Input::PeerConnected { .. }
