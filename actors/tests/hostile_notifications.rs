@@ -12,16 +12,19 @@
 //! Real time (no paused clock) with `Config::default()` (heartbeat 2 s, peer timeout 3 s): the
 //! whole test takes milliseconds, far from any protocol deadline.
 
+mod fixture;
+use fixture::{call, fill, wrong_bytes};
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::machine::{
     Config, Counters, DecodeOutcome, DecodeStart, DropReason, EngineEvent, Input, PrefillOutcome,
-    PrefillStart, Rejected,
+    PrefillStart,
 };
 use kvhandoff_actors::system::{
-    agent_name, build_mem_rank, start_rank, Directory, EngineCall, KvPool, LinkUp, PeerInfo,
-    QueryCounters, QueryWriterStats, RankHandle, ShellConfig, WriterStats,
+    agent_name, build_mem_rank, start_rank, Directory, KvPool, LinkUp, PeerInfo, QueryCounters,
+    QueryWriterStats, RankHandle, ShellConfig, WriterStats,
 };
 use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
 use kvhandoff_actors::transport::{Transport, TransportError, MAX_NOTIFICATION_LEN};
@@ -89,60 +92,6 @@ fn start(fabric: &MemFabric, directory: &Directory, name: &str) -> Rank {
         pool,
         info,
     }
-}
-
-fn pattern(key: &str, region: usize, block: u64, i: u64) -> u8 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for b in key
-        .bytes()
-        .chain(region.to_le_bytes())
-        .chain(block.to_le_bytes())
-    {
-        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-    }
-    (h.wrapping_add(i.wrapping_mul(0x9e37_79b9)) >> 24) as u8
-}
-
-fn fill(pool: &KvPool, key: &str, blocks: &[u32]) {
-    for (r, (spec, region)) in pool.regions().enumerate() {
-        for (j, &b) in blocks.iter().enumerate() {
-            let (offset, len) = pool.block_span(spec, b);
-            let bytes: Vec<u8> = (0..len).map(|i| pattern(key, r, j as u64, i)).collect();
-            region.write(offset, &bytes).unwrap();
-        }
-    }
-}
-
-/// Wrong bytes in `blocks` of `pool` against the pattern of `key`.
-fn wrong_bytes(pool: &KvPool, key: &str, blocks: &[u32]) -> usize {
-    let mut errors = 0;
-    for (r, (spec, region)) in pool.regions().enumerate() {
-        for (j, &b) in blocks.iter().enumerate() {
-            let (offset, len) = pool.block_span(spec, b);
-            let mut buf = vec![0; len as usize];
-            region.read(offset, &mut buf).unwrap();
-            errors += buf
-                .iter()
-                .enumerate()
-                .filter(|(i, &v)| v != pattern(key, r, j as u64, *i as u64))
-                .count();
-        }
-    }
-    errors
-}
-
-async fn call(rank: &RankHandle, input: Input) -> Result<(), Rejected> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    rank.calls
-        .send(EngineCall {
-            input,
-            reply: Some(Box::new(move |verdict| {
-                let _ = tx.send(verdict);
-            })),
-        })
-        .await
-        .unwrap();
-    rx.await.unwrap()
 }
 
 async fn next_event(rank: &mut RankHandle) -> EngineEvent {

@@ -6,15 +6,18 @@
 //! Both ranks share one `MemFabric` in process (MemTransport metadata is only valid there): the
 //! point is the TCP handshake, not the transport.
 
+mod fixture;
+use fixture::{call, fill, wrong_bytes};
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::machine::{
     Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
-    PrefillOutcome, PrefillStart, Rejected,
+    PrefillOutcome, PrefillStart,
 };
 use kvhandoff_actors::system::{
-    build_mem_rank, start_rank_with, AddPeerAddress, EngineCall, Handshaker, KvPool, PeerInfo,
+    build_mem_rank, start_rank_with, AddPeerAddress, Handshaker, KvPool, PeerInfo,
     QuerySideChannel, RankHandle, RejectReason, ShellConfig, SideChannelConfig, SideChannelStats,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
@@ -127,59 +130,6 @@ async fn stats(rank: &Rank) -> SideChannelStats {
     rank.handle.link.send(QuerySideChannel).await.unwrap()
 }
 
-fn pattern(key: &str, region: usize, block_offset: u64, i: u64) -> u8 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for b in key
-        .bytes()
-        .chain(region.to_le_bytes())
-        .chain(block_offset.to_le_bytes())
-    {
-        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-    }
-    (h.wrapping_add(i.wrapping_mul(0x9e37_79b9)) >> 24) as u8
-}
-
-fn fill(pool: &KvPool, key: &str, blocks: &[u32]) {
-    for (r, (spec, region)) in pool.regions().enumerate() {
-        for (j, &b) in blocks.iter().enumerate() {
-            let (offset, len) = pool.block_span(spec, b);
-            let bytes: Vec<u8> = (0..len).map(|i| pattern(key, r, j as u64, i)).collect();
-            region.write(offset, &bytes).unwrap();
-        }
-    }
-}
-
-fn verify(pool: &KvPool, key: &str, blocks: &[u32]) -> usize {
-    let mut errors = 0;
-    for (r, (spec, region)) in pool.regions().enumerate() {
-        for (j, &b) in blocks.iter().enumerate() {
-            let (offset, len) = pool.block_span(spec, b);
-            let mut buf = vec![0; len as usize];
-            region.read(offset, &mut buf).unwrap();
-            errors += buf
-                .iter()
-                .enumerate()
-                .filter(|(i, &v)| v != pattern(key, r, j as u64, *i as u64))
-                .count();
-        }
-    }
-    errors
-}
-
-async fn call(rank: &RankHandle, input: Input) -> Result<(), Rejected> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    rank.calls
-        .send(EngineCall {
-            input,
-            reply: Some(Box::new(move |verdict| {
-                let _ = tx.send(verdict);
-            })),
-        })
-        .await
-        .unwrap();
-    rx.await.unwrap()
-}
-
 async fn next_event(rank: &mut RankHandle) -> EngineEvent {
     tokio::time::timeout(Duration::from_secs(10), rank.events.recv())
         .await
@@ -245,7 +195,11 @@ async fn push_d_first(
         ),
         "{event:?}"
     );
-    assert_eq!(verify(&d.pool, tag, &d_blocks), 0, "every byte of {tag}");
+    assert_eq!(
+        wrong_bytes(&d.pool, tag, &d_blocks),
+        0,
+        "every byte of {tag}"
+    );
     let event = next_event(&mut p.handle).await;
     assert!(
         matches!(
@@ -299,7 +253,7 @@ async fn tcp_ranks_deliver_both_races() {
         "{event:?}"
     );
     assert_eq!(
-        verify(&d.pool, "req-b", &d_blocks),
+        wrong_bytes(&d.pool, "req-b", &d_blocks),
         0,
         "every byte of req-b"
     );

@@ -1,6 +1,9 @@
 //! The actix system over the in-memory transport, on a paused tokio clock: both races end to
 //! end with real bytes, and a P rank that goes silent.
 
+mod fixture;
+use fixture::{call, fill, wrong_bytes};
+
 use std::time::Duration;
 
 use kvhandoff_actors::machine::{
@@ -8,7 +11,7 @@ use kvhandoff_actors::machine::{
     PrefillOutcome, PrefillStart, Rejected,
 };
 use kvhandoff_actors::system::{
-    build_mem_rank, start_rank, Directory, EngineCall, KvPool, RankHandle, ShellConfig,
+    build_mem_rank, start_rank, Directory, KvPool, RankHandle, ShellConfig,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_actors::PeerAddr;
@@ -67,59 +70,6 @@ fn start(fabric: &MemFabric, directory: &Directory, engine: &str) -> Rank {
         handle: start_rank(setup, directory),
         pool,
     }
-}
-
-fn pattern(key: &str, region: usize, block_offset: u64, i: u64) -> u8 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for b in key
-        .bytes()
-        .chain(region.to_le_bytes())
-        .chain(block_offset.to_le_bytes())
-    {
-        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-    }
-    (h.wrapping_add(i.wrapping_mul(0x9e37_79b9)) >> 24) as u8
-}
-
-fn fill(pool: &KvPool, key: &str, blocks: &[u32]) {
-    for (r, (spec, region)) in pool.regions().enumerate() {
-        for (j, &b) in blocks.iter().enumerate() {
-            let (offset, len) = pool.block_span(spec, b);
-            let bytes: Vec<u8> = (0..len).map(|i| pattern(key, r, j as u64, i)).collect();
-            region.write(offset, &bytes).unwrap();
-        }
-    }
-}
-
-fn verify(pool: &KvPool, key: &str, blocks: &[u32]) -> usize {
-    let mut errors = 0;
-    for (r, (spec, region)) in pool.regions().enumerate() {
-        for (j, &b) in blocks.iter().enumerate() {
-            let (offset, len) = pool.block_span(spec, b);
-            let mut buf = vec![0; len as usize];
-            region.read(offset, &mut buf).unwrap();
-            errors += buf
-                .iter()
-                .enumerate()
-                .filter(|(i, &v)| v != pattern(key, r, j as u64, *i as u64))
-                .count();
-        }
-    }
-    errors
-}
-
-async fn call(rank: &RankHandle, input: Input) -> Result<(), Rejected> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    rank.calls
-        .send(EngineCall {
-            input,
-            reply: Some(Box::new(move |verdict| {
-                let _ = tx.send(verdict);
-            })),
-        })
-        .await
-        .unwrap();
-    rx.await.unwrap()
 }
 
 async fn next_event(rank: &mut RankHandle) -> EngineEvent {
@@ -189,7 +139,7 @@ async fn both_races_deliver_every_byte() {
         "{event:?}"
     );
     assert_eq!(
-        verify(&d.pool, "req-a", &d_blocks),
+        wrong_bytes(&d.pool, "req-a", &d_blocks),
         0,
         "every byte of req-a"
     );
@@ -234,7 +184,7 @@ async fn both_races_deliver_every_byte() {
         "{event:?}"
     );
     assert_eq!(
-        verify(&d.pool, "req-b", &d_blocks),
+        wrong_bytes(&d.pool, "req-b", &d_blocks),
         0,
         "every byte of req-b"
     );
