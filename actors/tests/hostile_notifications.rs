@@ -13,7 +13,7 @@
 //! whole test takes milliseconds, far from any protocol deadline.
 
 mod fixture;
-use fixture::{call, fill, wrong_bytes};
+use fixture::{call, fill, geometry, model, wrong_bytes};
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -31,39 +31,10 @@ use kvhandoff_actors::transport::{Transport, TransportError, MAX_NOTIFICATION_LE
 use kvhandoff_actors::PeerAddr;
 use kvhandoff_protocol::wire::{self, WireError, HEADER_LEN, MAGIC, MAX_PAYLOAD_LEN};
 use kvhandoff_protocol::{
-    BlockIds, CacheGroup, CacheGroupKind, Cancel, CancelAck, CancelReason, EngineId, Epoch,
-    Heartbeat, KvGeometry, KvLayout, Message, MessageKind, ModelIdentity, PairingKey, Register,
-    RequestId, TransferMode, WriteDone, WriteFailed, WriteFailure, PROTOCOL_VERSION,
+    BlockIds, Cancel, CancelAck, CancelReason, EngineId, Epoch, Heartbeat, Message, MessageKind,
+    PairingKey, Register, RequestId, TransferMode, WriteDone, WriteFailed, WriteFailure,
+    PROTOCOL_VERSION,
 };
-
-fn geometry() -> KvGeometry {
-    KvGeometry {
-        num_layers: 2,
-        total_kv_heads: 2,
-        head_dim: 8,
-        dtype_bytes: 2,
-        kernel_block_size: 4,
-        kernel_blocks_per_logical: 1,
-        layout: KvLayout::Hnd,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        mla: false,
-        cache_groups: vec![CacheGroup {
-            kind: CacheGroupKind::FullAttention,
-            num_layers: 2,
-        }],
-    }
-}
-
-fn model() -> ModelIdentity {
-    ModelIdentity {
-        model: "test-model".into(),
-        dtype: "bfloat16".into(),
-        cache_dtype: "bfloat16".into(),
-    }
-}
 
 fn engine(name: &str) -> EngineId {
     EngineId::new(name).unwrap()

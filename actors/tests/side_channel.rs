@@ -7,7 +7,7 @@
 //! point is the TCP handshake, not the transport.
 
 mod fixture;
-use fixture::{call, fill, wrong_bytes};
+use fixture::{call, fill, geometry, model, wrong_bytes};
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -24,40 +24,11 @@ use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_actors::PeerAddr;
 use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
 use kvhandoff_protocol::{
-    BlockIds, CacheGroup, CacheGroupKind, CompatHash, EngineId, Epoch, Handshake, KvGeometry,
-    KvLayout, Message, ModelIdentity, PairingKey, Register, RequestId, TransferMode,
+    BlockIds, CompatHash, EngineId, Epoch, Handshake, KvLayout, Message, PairingKey, Register,
+    RequestId, TransferMode,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-
-fn geometry() -> KvGeometry {
-    KvGeometry {
-        num_layers: 2,
-        total_kv_heads: 2,
-        head_dim: 8,
-        dtype_bytes: 2,
-        kernel_block_size: 4,
-        kernel_blocks_per_logical: 1,
-        layout: KvLayout::Hnd,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        mla: false,
-        cache_groups: vec![CacheGroup {
-            kind: CacheGroupKind::FullAttention,
-            num_layers: 2,
-        }],
-    }
-}
-
-fn model() -> ModelIdentity {
-    ModelIdentity {
-        model: "test-model".into(),
-        dtype: "bfloat16".into(),
-        cache_dtype: "bfloat16".into(),
-    }
-}
 
 fn loopback() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))

@@ -2,7 +2,7 @@
 //! end with real bytes, and a P rank that goes silent.
 
 mod fixture;
-use fixture::{call, fill, wrong_bytes};
+use fixture::{call, fill, geometry, model, wrong_bytes};
 
 use std::time::Duration;
 
@@ -15,39 +15,7 @@ use kvhandoff_actors::system::{
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_actors::PeerAddr;
-use kvhandoff_protocol::{
-    BlockIds, CacheGroup, CacheGroupKind, EngineId, Epoch, KvGeometry, KvLayout, ModelIdentity,
-    PairingKey, RequestId,
-};
-
-fn geometry() -> KvGeometry {
-    KvGeometry {
-        num_layers: 2,
-        total_kv_heads: 2,
-        head_dim: 8,
-        dtype_bytes: 2,
-        kernel_block_size: 4,
-        kernel_blocks_per_logical: 1,
-        layout: KvLayout::Hnd,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        mla: false,
-        cache_groups: vec![CacheGroup {
-            kind: CacheGroupKind::FullAttention,
-            num_layers: 2,
-        }],
-    }
-}
-
-fn model() -> ModelIdentity {
-    ModelIdentity {
-        model: "test-model".into(),
-        dtype: "bfloat16".into(),
-        cache_dtype: "bfloat16".into(),
-    }
-}
+use kvhandoff_protocol::{BlockIds, EngineId, Epoch, PairingKey, RequestId};
 
 struct Rank {
     handle: RankHandle,
