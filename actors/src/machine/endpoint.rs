@@ -17,7 +17,7 @@ use super::config::ConfigError;
 use super::decode::{DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput, DecodeRequest};
 use super::effects::{Effects, Step};
 use super::peer::{Peer, PeerInput};
-use super::tables::{TimerIndex, Tombstones};
+use super::tables::{Machines, TimerIndex, Tombstones};
 use super::types::{
     Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent, FreeProof, Input,
     Output, Rejected, Time,
@@ -77,12 +77,12 @@ pub struct EndpointStats {
 pub struct Endpoint {
     own: PeerAddr,
     config: Config,
-    decodes: BTreeMap<PairingKey, DecodeRequest>,
+    decodes: Machines<PairingKey, DecodeRequest>,
     decode_by_request: BTreeMap<RequestId, PairingKey>,
     decode_timers: TimerIndex<PairingKey>,
     decode_tombstones: Tombstones<PairingKey, Epoch>,
     writer: Writer,
-    peers: BTreeMap<PeerAddr, Peer>,
+    peers: Machines<PeerAddr, Peer>,
     peer_timers: TimerIndex<PeerAddr>,
     out: VecDeque<Output>,
     counters: Counters,
@@ -102,10 +102,10 @@ impl Endpoint {
             writer: Writer::new(rank, &config),
             decode_tombstones: Tombstones::new(config.max_tombstones),
             config,
-            decodes: BTreeMap::new(),
+            decodes: Machines::default(),
             decode_by_request: BTreeMap::new(),
             decode_timers: TimerIndex::default(),
-            peers: BTreeMap::new(),
+            peers: Machines::default(),
             peer_timers: TimerIndex::default(),
             out: VecDeque::new(),
             counters: Counters::default(),
@@ -368,9 +368,10 @@ impl Endpoint {
     }
 
     fn step_decode(&mut self, now: Time, key: &PairingKey, input: DecodeInput) {
-        let Some(request) = self.decodes.remove(key) else {
+        let Some(slot) = self.decodes.slot(key) else {
             return;
         };
+        let request = slot.take();
         let ctx = DecodeCtx {
             now,
             own: &self.own,
@@ -387,9 +388,12 @@ impl Endpoint {
         match request.handle(&ctx, input, &mut fx) {
             Step::Live(next) => {
                 self.decode_timers.set(key.clone(), next.next_timer());
-                self.decodes.insert(key.clone(), next);
+                slot.put(next);
             }
-            Step::Ended(ended) => self.decode_ended(now, ended),
+            Step::Ended(ended) => {
+                self.decodes.remove_ended(key);
+                self.decode_ended(now, ended);
+            }
         }
     }
 
@@ -437,14 +441,10 @@ impl Endpoint {
     }
 
     fn received(&mut self, now: Time, from: PeerAddr, message: Message) {
-        match self.peers.get(&from) {
-            Some(peer) if peer.is_connected() => {}
-            Some(_) | None => {
-                self.counters.drop(DropReason::UnknownPeer);
-                return;
-            }
+        if !self.heard(now, &from) {
+            self.counters.drop(DropReason::UnknownPeer);
+            return;
         }
-        self.peer_input(now, &from, PeerInput::Heard);
         match message {
             Message::Handshake(_) => self.counters.drop(DropReason::WrongPath),
             Message::Register(register) => {
@@ -562,7 +562,7 @@ impl Endpoint {
         assert_eq!(self.decodes.len(), self.decode_by_request.len());
         assert_eq!(self.decodes.len(), self.decode_timers.len());
         assert_eq!(self.peers.len(), self.peer_timers.len());
-        for (key, request) in &self.decodes {
+        for (key, request) in self.decodes.iter() {
             let common = request.common();
             assert_eq!(&common.key, key);
             assert_eq!(self.decode_by_request.get(&common.request), Some(key));

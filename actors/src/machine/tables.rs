@@ -1,91 +1,236 @@
 //! Bounded bookkeeping shared by the endpoint's tables: a timer index and tombstones.
 
-use std::collections::btree_map::Entry;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::cmp::Reverse;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::hash::Hash;
 
 use super::types::Time;
 
+/// Live machines by key. A transition takes a machine out of its slot and puts its successor
+/// back into the same slot ([`Slot`]): one search per step, where removing and re-inserting
+/// moved machine-sized values along the B-tree's nodes twice.
+#[derive(Debug)]
+pub(crate) struct Machines<K: Ord, M> {
+    slots: BTreeMap<K, Slot<M>>,
+}
+
+/// The place of one machine in [`Machines`]; empty only inside a transition.
+#[derive(Debug)]
+pub(crate) struct Slot<M>(Option<M>);
+
+impl<M> Slot<M> {
+    /// Takes the machine out for a transition.
+    pub(crate) fn take(&mut self) -> M {
+        self.0
+            .take()
+            .unwrap_or_else(|| unreachable!("a slot is refilled before its transition returns"))
+    }
+
+    /// Puts the machine's successor back.
+    pub(crate) fn put(&mut self, machine: M) {
+        assert!(self.0.is_none(), "a slot holds one machine");
+        self.0 = Some(machine);
+    }
+
+    fn get(&self) -> &M {
+        self.0
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("only a transition empties a slot"))
+    }
+}
+
+impl<K: Ord, M> Default for Machines<K, M> {
+    fn default() -> Self {
+        Self {
+            slots: BTreeMap::new(),
+        }
+    }
+}
+
+impl<K: Ord, M> Machines<K, M> {
+    pub(crate) fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    pub(crate) fn contains_key(&self, key: &K) -> bool {
+        self.slots.contains_key(key)
+    }
+
+    pub(crate) fn get(&self, key: &K) -> Option<&M> {
+        self.slots.get(key).map(Slot::get)
+    }
+
+    /// For changes a machine makes to itself outside a transition (queueing a message).
+    pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut M> {
+        self.slots.get_mut(key).map(|slot| {
+            slot.0
+                .as_mut()
+                .unwrap_or_else(|| unreachable!("only a transition empties a slot"))
+        })
+    }
+
+    /// Adds a machine for a key that has none.
+    pub(crate) fn insert(&mut self, key: K, machine: M) {
+        let previous = self.slots.insert(key, Slot(Some(machine)));
+        assert!(previous.is_none(), "one machine per key");
+    }
+
+    /// The slot of `key`'s machine, for a transition ([`Slot::take`], then [`Slot::put`] or
+    /// [`Self::remove_ended`]).
+    pub(crate) fn slot(&mut self, key: &K) -> Option<&mut Slot<M>> {
+        self.slots.get_mut(key)
+    }
+
+    /// Forgets the slot of a machine that ended in its transition.
+    pub(crate) fn remove_ended(&mut self, key: &K) {
+        let slot = self.slots.remove(key);
+        assert!(
+            slot.is_some_and(|slot| slot.0.is_none()),
+            "only a machine taken out for its last transition is removed"
+        );
+    }
+
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &K> {
+        self.slots.keys()
+    }
+
+    pub(crate) fn values(&self) -> impl Iterator<Item = &M> {
+        self.slots.values().map(Slot::get)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&K, &M)> {
+        self.slots.iter().map(|(key, slot)| (key, slot.get()))
+    }
+}
+
 /// Which entry of which table a timer belongs to; one timer per entry.
+///
+/// Timers move on nearly every step, so moving one costs one search: `by_key` holds each key's
+/// live time, and `queue` every time ever set, earliest first (ties by key), stale entries
+/// included. A stale entry is skipped when it reaches the front, the front is always live (so
+/// [`Self::next`] is exact), and `queue` is rebuilt from `by_key` when stale entries outnumber
+/// live ones.
 #[derive(Debug)]
 pub(crate) struct TimerIndex<K: Ord + Clone> {
     by_key: BTreeMap<K, Time>,
-    by_time: BTreeSet<(Time, K)>,
+    queue: BinaryHeap<Reverse<(Time, K)>>,
 }
 
 impl<K: Ord + Clone> Default for TimerIndex<K> {
     fn default() -> Self {
         Self {
             by_key: BTreeMap::new(),
-            by_time: BTreeSet::new(),
+            queue: BinaryHeap::new(),
         }
     }
 }
 
+/// Stale entries `queue` may hold beyond the live ones before it is rebuilt.
+const STALE_TIMER_SLACK: usize = 64;
+
 impl<K: Ord + Clone> TimerIndex<K> {
     /// Sets (or moves) the timer of `key`.
     pub(crate) fn set(&mut self, key: K, at: Time) {
-        match self.by_key.get_mut(&key) {
+        let old = match self.by_key.get_mut(&key) {
             // Already set for that time: nothing moves.
-            Some(old) if *old == at => {}
-            Some(old) => {
-                let old = std::mem::replace(old, at);
-                self.by_time.remove(&(old, key.clone()));
-                self.by_time.insert((at, key));
-            }
+            Some(old) if *old == at => return,
+            Some(old) => Some(std::mem::replace(old, at)),
             None => {
                 self.by_key.insert(key.clone(), at);
-                self.by_time.insert((at, key));
+                None
             }
+        };
+        self.queue.push(Reverse((at, key)));
+        if let Some(old) = old {
+            self.after_removal(old);
+        }
+        if self.queue.len() > 2 * self.by_key.len() + STALE_TIMER_SLACK {
+            self.queue = self
+                .by_key
+                .iter()
+                .map(|(key, at)| Reverse((*at, key.clone())))
+                .collect();
         }
     }
 
     /// Removes the timer of `key`, if any.
     pub(crate) fn clear(&mut self, key: &K) {
         if let Some(old) = self.by_key.remove(key) {
-            self.by_time.remove(&(old, key.clone()));
+            self.after_removal(old);
+        }
+    }
+
+    /// A timer that was due at `old` went away: if its entry may be the front, drop stale
+    /// entries from the front.
+    fn after_removal(&mut self, old: Time) {
+        if self.queue.peek().is_some_and(|Reverse((at, _))| *at == old) {
+            self.drop_stale_front();
+        }
+    }
+
+    fn drop_stale_front(&mut self) {
+        while let Some(Reverse((at, key))) = self.queue.peek() {
+            if self.by_key.get(key) == Some(at) {
+                return;
+            }
+            self.queue.pop();
         }
     }
 
     /// The earliest timer.
     pub(crate) fn next(&self) -> Option<Time> {
-        self.by_time.first().map(|(at, _)| *at)
+        self.queue.peek().map(|Reverse((at, _))| *at)
     }
 
     /// Removes and returns every key whose timer is at or before `now`, earliest first.
     pub(crate) fn take_due(&mut self, now: Time) -> Vec<K> {
         let mut due = Vec::new();
-        while let Some((at, _)) = self.by_time.first() {
+        while let Some(Reverse((at, _))) = self.queue.peek() {
             if *at > now {
                 break;
             }
-            if let Some((_, key)) = self.by_time.pop_first() {
-                self.by_key.remove(&key);
-                due.push(key);
+            if let Some(Reverse((at, key))) = self.queue.pop() {
+                if self.by_key.get(&key) == Some(&at) {
+                    self.by_key.remove(&key);
+                    due.push(key);
+                }
             }
         }
+        self.drop_stale_front();
         due
     }
 
     pub(crate) fn len(&self) -> usize {
-        debug_assert_eq!(self.by_key.len(), self.by_time.len());
+        debug_assert!(self.queue.len() >= self.by_key.len());
         self.by_key.len()
     }
 }
 
 /// Recently ended keys, kept for a while so that late messages about them are recognised.
 /// Bounded: when full, the oldest is forgotten early.
+///
+/// The one table that is hashed, not ordered: at full load it holds ~10⁵ keys and is searched
+/// for nearly every message, where a B-tree walk costs several cache misses. It is only ever
+/// searched by key, never iterated (its order lives in `order`), so the hash seed cannot reach
+/// any output: the machines stay a function of their inputs, and the per-process random seed of
+/// `std`'s hasher keeps a peer from aiming the ids it chooses at one bucket.
 #[derive(Debug)]
-pub(crate) struct Tombstones<K: Ord + Clone, V> {
-    entries: BTreeMap<K, (V, Time)>,
+pub(crate) struct Tombstones<K: Hash + Eq + Clone, V> {
+    entries: HashMap<K, (V, Time)>,
     order: VecDeque<(Time, K)>,
     limit: usize,
 }
 
-impl<K: Ord + Clone, V> Tombstones<K, V> {
+impl<K: Hash + Eq + Clone, V> Tombstones<K, V> {
     pub(crate) fn new(limit: usize) -> Self {
         assert!(limit > 0, "tombstone table needs room");
         Self {
-            entries: BTreeMap::new(),
+            entries: HashMap::new(),
             order: VecDeque::new(),
             limit,
         }
@@ -187,6 +332,54 @@ mod tests {
         assert_eq!(t.take_due(Time::from_nanos(10)), vec!["a", "b"]);
         assert_eq!(t.len(), 0);
         assert_eq!(t.next(), None);
+    }
+
+    /// The index against a plain map under a long pseudo-random mix of sets, moves, clears and
+    /// expiries: same next timer, same due keys in the same order, and a bounded queue.
+    #[test]
+    fn timers_match_a_plain_model() {
+        let mut index = TimerIndex::default();
+        let mut model: BTreeMap<u32, Time> = BTreeMap::new();
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut random = |below: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % below
+        };
+        let mut now = 0u64;
+        for _ in 0..20_000 {
+            let key = random(40) as u32;
+            match random(10) {
+                0..=5 => {
+                    let at = Time::from_nanos(now + random(500));
+                    index.set(key, at);
+                    model.insert(key, at);
+                }
+                6..=7 => {
+                    index.clear(&key);
+                    model.remove(&key);
+                }
+                _ => {
+                    now += random(100);
+                    let now = Time::from_nanos(now);
+                    let mut expected: Vec<(Time, u32)> = model
+                        .iter()
+                        .filter(|(_, at)| **at <= now)
+                        .map(|(key, at)| (*at, *key))
+                        .collect();
+                    expected.sort();
+                    for (_, key) in &expected {
+                        model.remove(key);
+                    }
+                    let expected: Vec<u32> = expected.into_iter().map(|(_, key)| key).collect();
+                    assert_eq!(index.take_due(now), expected);
+                }
+            }
+            assert_eq!(index.next(), model.values().min().copied());
+            assert_eq!(index.len(), model.len());
+            assert!(index.queue.len() <= 2 * model.len() + STALE_TIMER_SLACK + 1);
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ use kvhandoff_protocol::{
 
 use super::effects::{Effects, Step};
 use super::prefill::{PrefillCommon, PrefillCtx, PrefillEnded, PrefillInput, PrefillRequest};
-use super::tables::{TimerIndex, Tombstones};
+use super::tables::{Machines, TimerIndex, Tombstones};
 use super::types::{DropReason, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time};
 use super::Config;
 use crate::{PeerAddr, WriteId};
@@ -41,7 +41,7 @@ pub(crate) struct PendingRegistration {
 pub(crate) struct Writer {
     rank: u32,
     config: Config,
-    requests: BTreeMap<PairingKey, PrefillRequest>,
+    requests: Machines<PairingKey, PrefillRequest>,
     by_request: BTreeMap<RequestId, PairingKey>,
     pending: BTreeMap<PairingKey, PendingRegistration>,
     writes: BTreeMap<WriteId, PairingKey>,
@@ -56,7 +56,7 @@ impl Writer {
         Writer {
             rank,
             config: config.clone(),
-            requests: BTreeMap::new(),
+            requests: Machines::default(),
             by_request: BTreeMap::new(),
             pending: BTreeMap::new(),
             writes: BTreeMap::new(),
@@ -105,9 +105,10 @@ impl Writer {
 
     /// Runs one input through the request for `key` and files the result.
     fn step(&mut self, now: Time, key: &PairingKey, input: PrefillInput, fx: &mut Effects<'_>) {
-        let Some(request) = self.requests.remove(key) else {
+        let Some(slot) = self.requests.slot(key) else {
             return;
         };
+        let request = slot.take();
         let before = request.write();
         let ctx = PrefillCtx {
             now,
@@ -128,9 +129,10 @@ impl Writer {
                     }
                 }
                 self.request_timers.set(key.clone(), next.next_timer());
-                self.requests.insert(key.clone(), next);
+                slot.put(next);
             }
             Step::Ended(ended) => {
+                self.requests.remove_ended(key);
                 if let Some(write) = before {
                     self.writes.remove(&write);
                 }
@@ -196,7 +198,7 @@ impl Writer {
         }
         // The tombstone of an older request for the key stays while this one lives if it has an
         // epoch: a floor below which registrations are overtaken ones (see `on_register`).
-        if tombstone.as_ref().and_then(floor_of).is_none() {
+        if tombstone.is_some_and(|old| floor_of(&old).is_none()) {
             self.tombstones.remove(&common.key);
         }
         if common.blocks.is_empty() {
@@ -551,7 +553,7 @@ impl Writer {
         assert_eq!(self.requests.len(), self.by_request.len());
         assert_eq!(self.requests.len(), self.request_timers.len());
         assert_eq!(self.pending.len(), self.pending_timers.len());
-        for (key, request) in &self.requests {
+        for (key, request) in self.requests.iter() {
             assert_eq!(&request.common().key, key);
             assert_eq!(self.by_request.get(&request.common().request), Some(key));
             assert!(

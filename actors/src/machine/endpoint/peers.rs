@@ -11,11 +11,45 @@ use crate::machine::types::{DropReason, Output, Time};
 use crate::PeerAddr;
 
 impl Endpoint {
+    /// A message arrived from `peer`: true if the peer is connected (and now heard from), false
+    /// if the message must be dropped. The hot path of every message, so it touches the peer
+    /// table once and leaves the timer alone: hearing from a peer only pushes its liveness
+    /// deadline later, and a timer that fires early is answered by the machine re-checking.
+    pub(super) fn heard(&mut self, now: Time, peer: &PeerAddr) -> bool {
+        let Some(slot) = self.peers.slot(peer) else {
+            return false;
+        };
+        let current = slot.take();
+        if !current.is_connected() {
+            slot.put(current);
+            return false;
+        }
+        let before = current.next_timer(&self.config);
+        let (next, notice) = current.handle(now, &self.config, PeerInput::Heard);
+        debug_assert_eq!(notice, PeerNotice::Quiet);
+        debug_assert!(
+            next.next_timer(&self.config) >= before,
+            "hearing never hastens a timer"
+        );
+        slot.put(next);
+        true
+    }
+
     /// Runs one input through a peer's machine and acts on what it says.
     pub(super) fn peer_input(&mut self, now: Time, peer: &PeerAddr, input: PeerInput) {
-        let current = match self.peers.remove(peer) {
-            Some(current) => current,
-            None => match input {
+        let notice = if let Some(slot) = self.peers.slot(peer) {
+            let (next, notice) = slot.take().handle(now, &self.config, input);
+            if matches!(notice, PeerNotice::ConnectFailed(_) | PeerNotice::Forget) {
+                self.peers.remove_ended(peer);
+                self.peer_timers.clear(peer);
+            } else {
+                self.peer_timers
+                    .set(peer.clone(), next.next_timer(&self.config));
+                slot.put(next);
+            }
+            notice
+        } else {
+            match input {
                 PeerInput::ConnectRequested => {
                     if self.peers.len() >= self.config.max_peers {
                         self.fail_waiting_decodes(now, peer);
@@ -33,24 +67,21 @@ impl Endpoint {
                         self.counters.drop(DropReason::TableFull);
                         return;
                     }
-                    Peer::Dead(PeerDown { until: now })
+                    // A peer that connected to us: as if it had been known and dead.
+                    let unknown = Peer::Dead(PeerDown { until: now });
+                    let (next, notice) = unknown.handle(now, &self.config, input);
+                    self.peer_timers
+                        .set(peer.clone(), next.next_timer(&self.config));
+                    self.peers.insert(peer.clone(), next);
+                    notice
                 }
                 PeerInput::ConnectFailed(_) | PeerInput::Lost | PeerInput::Timeout => return,
                 PeerInput::Heard => {
                     self.counters.drop(DropReason::UnknownPeer);
                     return;
                 }
-            },
+            }
         };
-        let (next, notice) = current.handle(now, &self.config, input);
-        let forget = matches!(notice, PeerNotice::ConnectFailed(_) | PeerNotice::Forget);
-        if forget {
-            self.peer_timers.clear(peer);
-        } else {
-            self.peer_timers
-                .set(peer.clone(), next.next_timer(&self.config));
-            self.peers.insert(peer.clone(), next);
-        }
         match notice {
             PeerNotice::Quiet | PeerNotice::Forget => {}
             PeerNotice::Connect => self.out.push_back(Output::Connect { peer: peer.clone() }),
