@@ -449,17 +449,33 @@ impl Engine {
     fn handle(&mut self, events: Vec<ConnectorEvent>, r: &mut EngineResult) {
         for event in events {
             r.last_event = Some(Instant::now());
-            let (good, blocks) = match event {
-                ConnectorEvent::BlocksReady { blocks, .. } => (self.decode, blocks),
+            let (why_bad, blocks) = match event {
+                ConnectorEvent::BlocksReady { blocks, .. } => (
+                    (!self.decode).then(|| "P got BlocksReady".to_string()),
+                    blocks,
+                ),
                 ConnectorEvent::BlocksFree {
                     released, blocks, ..
-                } => (!self.decode && released.is_none(), blocks),
-                ConnectorEvent::Failed { blocks, .. } => (false, blocks),
+                } => {
+                    let why = match released {
+                        Some(cause) => Some(format!("P released: {cause:?}")),
+                        None if self.decode => Some("D got BlocksFree".to_string()),
+                        None => None,
+                    };
+                    (why, blocks)
+                }
+                ConnectorEvent::Failed { reason, blocks, .. } => {
+                    (Some(format!("D failed: {reason:?}")), blocks)
+                }
             };
-            if good {
-                r.good += 1;
-            } else {
-                r.bad += 1;
+            match why_bad {
+                None => r.good += 1,
+                Some(why) => {
+                    r.bad += 1;
+                    if r.errors.len() < 8 {
+                        r.errors.push(why);
+                    }
+                }
             }
             self.free.release(&blocks);
         }
@@ -615,9 +631,11 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
             p.good, p.bad, d.good, d.bad
         ));
     }
-    if let Some(first) = problems.front() {
+    if !problems.is_empty() {
+        let shown: Vec<&str> = problems.iter().take(4).map(String::as_str).collect();
         return Err(BenchError::Actix(format!(
-            "{first} ({} problems)",
+            "{} ({} problems)",
+            shown.join("; "),
             problems.len()
         )));
     }

@@ -198,6 +198,13 @@ struct ControlArgs {
     /// Requests through the actix system.
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     actix_requests: u32,
+    /// Blocks in each engine's pool in the actix run (one per request: the most requests each
+    /// side has in flight).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    actix_pool_blocks: u32,
+    /// Engine calls per submit in the actix run (one scheduler step's worth).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    actix_batch: u32,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -271,6 +278,8 @@ fn run_bench(command: BenchCommand) -> ExitCode {
             let options = ControlOptions {
                 requests: args.requests as usize,
                 actix_requests: args.actix_requests as usize,
+                actix_pool_blocks: args.actix_pool_blocks,
+                actix_batch: args.actix_batch as usize,
                 ..ControlOptions::default()
             };
             conclude(

@@ -67,6 +67,26 @@ fn head_of(text: &str) -> u128 {
     u128::from_be_bytes(head)
 }
 
+/// Reads a string straight into shared text: one allocation, where going through a `String`
+/// took two (the string, then its copy into the `Arc`).
+struct SharedTextVisitor;
+
+impl serde::de::Visitor<'_> for SharedTextVisitor {
+    type Value = Arc<str>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Arc<str>, E> {
+        Ok(Arc::from(text))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, text: String) -> Result<Arc<str>, E> {
+        Ok(Arc::from(text))
+    }
+}
+
 macro_rules! string_id {
     ($(#[$meta:meta])* $name:ident, $kind:literal) => {
         $(#[$meta])*
@@ -126,7 +146,7 @@ macro_rules! string_id {
 
         impl<'de> Deserialize<'de> for $name {
             fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-                String::deserialize(deserializer).map(|s| Self::wrap(Arc::from(s)))
+                deserializer.deserialize_str(SharedTextVisitor).map(Self::wrap)
             }
         }
 

@@ -136,12 +136,18 @@ fn config() -> Config {
     bincode::config::standard().with_limit::<MAX_PAYLOAD_LEN>()
 }
 
-fn payload_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+/// Appends `value`'s payload to `frame`.
+fn append_payload<T: Serialize>(frame: &mut Vec<u8>, value: &T) {
     // Serializing plain data structs into a Vec cannot fail; the limit only guards decoding, and
     // `validate` bounds every list well below it.
-    bincode::serde::encode_to_vec(value, config())
-        .unwrap_or_else(|err| unreachable!("bincode cannot fail to encode a message struct: {err}"))
+    bincode::serde::encode_into_std_write(value, frame, config()).unwrap_or_else(|err| {
+        unreachable!("bincode cannot fail to encode a message struct: {err}")
+    });
 }
+
+/// Room a frame starts with: every message but a long heartbeat or register fits, so encoding
+/// allocates once.
+const FRAME_START_CAPACITY: usize = 256;
 
 /// Encodes `message` as one frame.
 ///
@@ -149,28 +155,30 @@ fn payload_bytes<T: Serialize>(value: &T) -> Vec<u8> {
 /// If the encoded payload would exceed [`MAX_PAYLOAD_LEN`]: only a message that breaks its own
 /// limits (see [`Message::validate`]) can do that, and that is a bug in the caller.
 pub fn encode(message: &Message) -> Vec<u8> {
-    let payload = match message {
-        Message::Handshake(m) => payload_bytes(m.as_ref()),
-        Message::Register(m) => payload_bytes(m),
-        Message::WriteDone(m) => payload_bytes(m),
-        Message::WriteFailed(m) => payload_bytes(m),
-        Message::Cancel(m) => payload_bytes(m),
-        Message::CancelAck(m) => payload_bytes(m),
-        Message::Heartbeat(m) => payload_bytes(m),
-        Message::Release(m) => payload_bytes(m),
-    };
-    assert!(
-        payload.len() <= MAX_PAYLOAD_LEN,
-        "message of {} bytes breaks the wire limit",
-        payload.len()
-    );
-    let mut frame = Vec::with_capacity(HEADER_LEN + payload.len());
+    let mut frame = Vec::with_capacity(FRAME_START_CAPACITY);
     frame.extend_from_slice(&MAGIC);
     frame.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     frame.push(message.kind() as u8);
     frame.push(0);
-    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&payload);
+    // The payload's length, filled in once the payload is written after it.
+    frame.extend_from_slice(&[0; 4]);
+    debug_assert_eq!(frame.len(), HEADER_LEN);
+    match message {
+        Message::Handshake(m) => append_payload(&mut frame, m.as_ref()),
+        Message::Register(m) => append_payload(&mut frame, m),
+        Message::WriteDone(m) => append_payload(&mut frame, m),
+        Message::WriteFailed(m) => append_payload(&mut frame, m),
+        Message::Cancel(m) => append_payload(&mut frame, m),
+        Message::CancelAck(m) => append_payload(&mut frame, m),
+        Message::Heartbeat(m) => append_payload(&mut frame, m),
+        Message::Release(m) => append_payload(&mut frame, m),
+    }
+    let payload_len = frame.len() - HEADER_LEN;
+    assert!(
+        payload_len <= MAX_PAYLOAD_LEN,
+        "message of {payload_len} bytes breaks the wire limit"
+    );
+    frame[HEADER_LEN - 4..HEADER_LEN].copy_from_slice(&(payload_len as u32).to_le_bytes());
     frame
 }
 

@@ -15,9 +15,10 @@ pub(crate) struct Machines<K: Ord, M> {
     slots: BTreeMap<K, Slot<M>>,
 }
 
-/// The place of one machine in [`Machines`]; empty only inside a transition.
+/// The place of one machine in [`Machines`]; empty only inside a transition. Boxed, so that the
+/// B-tree's nodes hold pointers, not machines: inserting or removing a key shifts 8-byte values.
 #[derive(Debug)]
-pub(crate) struct Slot<M>(Option<M>);
+pub(crate) struct Slot<M>(Box<Option<M>>);
 
 impl<M> Slot<M> {
     /// Takes the machine out for a transition.
@@ -30,11 +31,11 @@ impl<M> Slot<M> {
     /// Puts the machine's successor back.
     pub(crate) fn put(&mut self, machine: M) {
         assert!(self.0.is_none(), "a slot holds one machine");
-        self.0 = Some(machine);
+        *self.0 = Some(machine);
     }
 
     fn get(&self) -> &M {
-        self.0
+        (*self.0)
             .as_ref()
             .unwrap_or_else(|| unreachable!("only a transition empties a slot"))
     }
@@ -68,7 +69,7 @@ impl<K: Ord, M> Machines<K, M> {
     /// For changes a machine makes to itself outside a transition (queueing a message).
     pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut M> {
         self.slots.get_mut(key).map(|slot| {
-            slot.0
+            (*slot.0)
                 .as_mut()
                 .unwrap_or_else(|| unreachable!("only a transition empties a slot"))
         })
@@ -76,7 +77,7 @@ impl<K: Ord, M> Machines<K, M> {
 
     /// Adds a machine for a key that has none.
     pub(crate) fn insert(&mut self, key: K, machine: M) {
-        let previous = self.slots.insert(key, Slot(Some(machine)));
+        let previous = self.slots.insert(key, Slot(Box::new(Some(machine))));
         assert!(previous.is_none(), "one machine per key");
     }
 

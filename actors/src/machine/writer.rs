@@ -184,7 +184,9 @@ impl Writer {
         if let Some((cause, epoch)) = settled_by_peer {
             // D gave up on (or never needed) this key before P finished: free at once. A
             // registration still pending is for an attempt D gave up on: nobody waits for it.
-            self.take_pending(&common.key);
+            if pending_epoch.is_some() {
+                self.take_pending(&common.key);
+            }
             self.file_ended(
                 now,
                 PrefillEnded {
@@ -212,7 +214,7 @@ impl Writer {
                 },
                 fx,
             );
-            if let Some(pending) = self.take_pending(&key) {
+            if let Some(pending) = pending_epoch.and_then(|_| self.take_pending(&key)) {
                 let epoch = pending.register.epoch;
                 let failure = WriteFailure::Unavailable;
                 self.answer_unbound(now, &pending.from, &key, epoch, failure, fx);
@@ -225,7 +227,8 @@ impl Writer {
             .insert(key.clone(), PrefillRequest::held(common, now, &self.config));
         self.request_timers
             .set(key.clone(), now + self.config.lease_duration);
-        if let Some(pending) = self.take_pending(&key) {
+        // Only a registration seen above can be pending: nothing ran in between.
+        if let Some(pending) = pending_epoch.and_then(|_| self.take_pending(&key)) {
             fx.counters.decode_registered_first += 1;
             let input = PrefillInput::Registered {
                 from: pending.from,
@@ -269,7 +272,8 @@ impl Writer {
             return;
         }
         let key = register.key.clone();
-        if self.requests.contains_key(&key)
+        let request = self.requests.get(&key);
+        if request.is_some()
             && self
                 .epoch_floor(&key)
                 .is_some_and(|floor| register.epoch <= floor)
@@ -279,11 +283,7 @@ impl Writer {
             fx.drop_input(DropReason::Late);
             return;
         }
-        if let Some(bound) = self
-            .requests
-            .get(&key)
-            .and_then(PrefillRequest::bound_epoch)
-        {
+        if let Some(bound) = request.and_then(PrefillRequest::bound_epoch) {
             if register.epoch > bound {
                 // The blocks serve one attempt; a newer one cannot have them. Answered here,
                 // not by the request, so that the answer raises the key's floor.
@@ -299,7 +299,7 @@ impl Writer {
                 return;
             }
         }
-        if let Some(request) = self.requests.get(&key) {
+        if let Some(request) = request {
             match request {
                 // Only a first registration meeting held blocks is the race; a repeat is not.
                 PrefillRequest::Held(_) => fx.counters.prefill_finished_first += 1,
