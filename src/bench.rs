@@ -46,7 +46,10 @@ pub struct ControlOptions {
     /// Engine calls per [`KvConnector::submit`] in the actix run, like one scheduler step's
     /// worth (default 256; also bounded by the free blocks).
     pub actix_batch: usize,
-    /// Limit of the actix run (default 60 s).
+    /// Rounds of each measurement (default 5); the report gives each one and their median, so
+    /// that one disturbed round on a shared machine does not decide the figure.
+    pub rounds: usize,
+    /// Limit of each actix round (default 60 s).
     pub timeout: Duration,
 }
 
@@ -54,13 +57,17 @@ impl Default for ControlOptions {
     fn default() -> Self {
         ControlOptions {
             requests: 100_000,
-            actix_requests: 20_000,
+            actix_requests: 50_000,
             actix_pool_blocks: 1024,
             actix_batch: 256,
+            rounds: 5,
             timeout: Duration::from_secs(60),
         }
     }
 }
+
+/// Most rounds one run may ask for.
+pub const MAX_ROUNDS: usize = 101;
 
 /// Why a benchmark could not produce numbers.
 #[derive(Debug, thiserror::Error)]
@@ -83,21 +90,27 @@ pub enum BenchError {
 }
 
 /// The pure-machine loop's numbers.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MachineNumbers {
-    /// Requests per order.
+    /// Requests per order and round.
     pub requests: u64,
-    /// ns per request, D registers first.
+    /// ns per request, D registers first: the median round.
     pub decode_registers_first_ns: f64,
-    /// ns per request, P finishes first.
+    /// ns per request, P finishes first: the median round.
     pub prefill_finishes_first_ns: f64,
+    /// Every round's ns per request, D registers first, in the order they ran.
+    pub decode_registers_first_rounds_ns: Vec<f64>,
+    /// Every round's ns per request, P finishes first, in the order they ran.
+    pub prefill_finishes_first_rounds_ns: Vec<f64>,
 }
 
-/// The actix run's numbers.
+/// The actix run's numbers: its median round, and every round's rate.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ActixNumbers {
-    /// Requests.
+    /// Requests per round.
     pub requests: u64,
+    /// Blocks in each engine's pool (the most requests a side has in flight).
+    pub pool_blocks: u32,
     /// Most engine calls submitted together (one `KvConnector::submit`) per side.
     pub batch: u64,
     /// From the first call to the last event, ms.
@@ -108,16 +121,49 @@ pub struct ActixNumbers {
     pub sent: u64,
     /// Races as P's endpoint counted them.
     pub races: Races,
+    /// Every round's requests per second, in the order they ran.
+    pub rounds_requests_per_sec: Vec<f64>,
+}
+
+impl ActixNumbers {
+    /// Requests per second of this round.
+    fn rate(&self) -> f64 {
+        if self.wall_ms > 0.0 {
+            self.requests as f64 / (self.wall_ms / 1e3)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The median of `values` (the mean of the middle two for an even count); 0 for none.
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// "min–max" of `values`.
+fn spread(values: &[f64]) -> (f64, f64) {
+    values.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
+        (lo.min(*v), hi.max(*v))
+    })
 }
 
 /// What `bench control` measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ControlReport {
-    /// ns per request lifecycle through the pure machines, both sides, D registering first.
+    /// ns per request lifecycle through the pure machines, both sides, D registering first
+    /// (median of the rounds).
     pub machine_ns_per_request: f64,
     /// The same with P finishing first.
     pub machine_ns_per_request_prefill_first: f64,
-    /// Request lifecycles per second through the actix system over the in-memory transport.
+    /// Request lifecycles per second through the actix system over the in-memory transport
+    /// (median of the rounds).
     pub actix_requests_per_sec: f64,
     /// Details of the machine loop.
     pub machine: MachineNumbers,
@@ -130,37 +176,35 @@ impl ControlReport {
     pub fn render_table(&self) -> String {
         let mut out = String::from("kvhandoff bench control: the control path without bytes\n");
         let rows = [
-            (
-                "machines, D first",
+            ("machines, D first", {
+                let (lo, hi) = spread(&self.machine.decode_registers_first_rounds_ns);
                 format!(
-                    "{:>10.0} ns/request  ({:.2} M requests/s, {} requests, one thread)",
-                    self.machine_ns_per_request,
-                    1e3 / self.machine_ns_per_request.max(f64::MIN_POSITIVE),
-                    self.machine.requests
-                ),
-            ),
-            (
-                "machines, P first",
+                        "{:>10.0} ns/request  (median of {} rounds of {} requests, one thread; {lo:.0}–{hi:.0})",
+                        self.machine_ns_per_request,
+                        self.machine.decode_registers_first_rounds_ns.len(),
+                        self.machine.requests
+                    )
+            }),
+            ("machines, P first", {
+                let (lo, hi) = spread(&self.machine.prefill_finishes_first_rounds_ns);
                 format!(
-                    "{:>10.0} ns/request  ({:.2} M requests/s)",
+                    "{:>10.0} ns/request  ({lo:.0}–{hi:.0})",
                     self.machine_ns_per_request_prefill_first,
-                    1e3 / self
-                        .machine_ns_per_request_prefill_first
-                        .max(f64::MIN_POSITIVE)
-                ),
-            ),
-            (
-                "actix over mem",
+                )
+            }),
+            ("actix over mem", {
+                let (lo, hi) = spread(&self.actix.rounds_requests_per_sec);
                 format!(
-                    "{:>10.0} requests/s  ({} requests in {:.1} ms, batches of {}; races D first {} / P first {})",
-                    self.actix_requests_per_sec,
-                    self.actix.requests,
-                    self.actix.wall_ms,
-                    self.actix.batch,
-                    self.actix.races.decode_registers_first,
-                    self.actix.races.prefill_finishes_first
-                ),
-            ),
+                        "{:>10.0} requests/s  (median of {} rounds of {} requests, {lo:.0}–{hi:.0}; {} blocks a side, batches of {}; median round: races D first {} / P first {})",
+                        self.actix_requests_per_sec,
+                        self.actix.rounds_requests_per_sec.len(),
+                        self.actix.requests,
+                        self.actix.pool_blocks,
+                        self.actix.batch,
+                        self.actix.races.decode_registers_first,
+                        self.actix.races.prefill_finishes_first
+                    )
+            }),
         ];
         for (name, value) in rows {
             let _ = writeln!(out, "  {name:<18} {value}");
@@ -185,22 +229,42 @@ pub fn control(options: &ControlOptions) -> Result<ControlReport, BenchError> {
     if options.actix_pool_blocks == 0 {
         return Err(BenchError::Options("the pool needs blocks".into()));
     }
-    let decode_first = machine_loop(options.requests, Order::DecodeFirst)?;
-    let prefill_first = machine_loop(options.requests, Order::PrefillFirst)?;
-    let actix = actix_run(options)?;
-    let per_sec = if actix.wall_ms > 0.0 {
-        actix.requests as f64 / (actix.wall_ms / 1e3)
-    } else {
-        0.0
-    };
+    if options.rounds == 0 || options.rounds > MAX_ROUNDS {
+        return Err(BenchError::Options(format!(
+            "rounds must be 1 to {MAX_ROUNDS}"
+        )));
+    }
+    let mut decode_first = Vec::with_capacity(options.rounds);
+    let mut prefill_first = Vec::with_capacity(options.rounds);
+    for _ in 0..options.rounds {
+        decode_first.push(machine_loop(options.requests, Order::DecodeFirst)?);
+        prefill_first.push(machine_loop(options.requests, Order::PrefillFirst)?);
+    }
+    let mut rounds = Vec::with_capacity(options.rounds);
+    for _ in 0..options.rounds {
+        rounds.push(actix_run(options)?);
+    }
+    let rates: Vec<f64> = rounds.iter().map(ActixNumbers::rate).collect();
+    let actix_requests_per_sec = median(&rates);
+    // The round whose rate is nearest the median stands for the run in the details.
+    let mut actix = rounds
+        .into_iter()
+        .min_by(|a, b| {
+            let off = |r: &ActixNumbers| (r.rate() - actix_requests_per_sec).abs();
+            off(a).total_cmp(&off(b))
+        })
+        .ok_or_else(|| BenchError::Options("no rounds".into()))?;
+    actix.rounds_requests_per_sec = rates;
     Ok(ControlReport {
-        machine_ns_per_request: decode_first,
-        machine_ns_per_request_prefill_first: prefill_first,
-        actix_requests_per_sec: per_sec,
+        machine_ns_per_request: median(&decode_first),
+        machine_ns_per_request_prefill_first: median(&prefill_first),
+        actix_requests_per_sec,
         machine: MachineNumbers {
             requests: options.requests as u64,
-            decode_registers_first_ns: decode_first,
-            prefill_finishes_first_ns: prefill_first,
+            decode_registers_first_ns: median(&decode_first),
+            prefill_finishes_first_ns: median(&prefill_first),
+            decode_registers_first_rounds_ns: decode_first,
+            prefill_finishes_first_rounds_ns: prefill_first,
         },
         actix,
     })
@@ -585,8 +649,8 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
     // P and D are separate engines: each rank gets a thread of its own, as in separate
     // processes.
     let mut runtime = Runtime::start()?;
-    let p_handle = runtime.add_rank_on_own_thread(p_setup)?;
-    let d_handle = runtime.add_rank_on_own_thread(d_setup)?;
+    let p_handle = runtime.add_rank_on_own_threads(p_setup)?;
+    let d_handle = runtime.add_rank_on_own_threads(d_setup)?;
     let p_rank = p_handle.rank.clone();
     let ident = |name| demo::identity(name).map_err(|e| BenchError::Options(e.to_string()));
     let p_conn = KvConnector::new(ident(PREFILL_ENGINE)?, p_handle);
@@ -646,6 +710,7 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
     let counters = counters.unwrap_or_default();
     Ok(ActixNumbers {
         requests: n as u64,
+        pool_blocks: options.actix_pool_blocks,
         batch: options.actix_batch as u64,
         wall_ms: end.saturating_duration_since(start).as_secs_f64() * 1e3,
         ready: d.good,
@@ -654,6 +719,7 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
             decode_registers_first: counters.decode_registered_first,
             prefill_finishes_first: counters.prefill_finished_first,
         },
+        rounds_requests_per_sec: Vec::new(),
     })
 }
 
@@ -661,6 +727,43 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
 mod tests {
     use super::*;
     use crate::{ConnectorError, ConnectorReply};
+
+    #[test]
+    fn medians_and_spreads() {
+        assert_eq!(median(&[]), 0.0);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(
+            median(&[5.0, 100.0, 1.0, 4.0, 6.0]),
+            5.0,
+            "one outlier moves nothing"
+        );
+        assert_eq!(spread(&[5.0, 100.0, 1.0]), (1.0, 100.0));
+    }
+
+    #[test]
+    fn bad_options_are_refused() {
+        for options in [
+            ControlOptions {
+                rounds: 0,
+                ..ControlOptions::default()
+            },
+            ControlOptions {
+                rounds: MAX_ROUNDS + 1,
+                ..ControlOptions::default()
+            },
+            ControlOptions {
+                actix_batch: 0,
+                ..ControlOptions::default()
+            },
+            ControlOptions {
+                requests: 0,
+                ..ControlOptions::default()
+            },
+        ] {
+            assert!(matches!(control(&options), Err(BenchError::Options(_))));
+        }
+    }
 
     #[test]
     fn submit_returns_one_result_per_call_in_order() {

@@ -192,12 +192,15 @@ struct TransferArgs {
 
 #[derive(Debug, Args)]
 struct ControlArgs {
-    /// Requests per race order through the pure machines.
+    /// Requests per race order and round through the pure machines.
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
     requests: u32,
-    /// Requests through the actix system.
-    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    /// Requests through the actix system per round.
+    #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     actix_requests: u32,
+    /// Rounds of each measurement; the figures are the medians.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=101))]
+    rounds: u32,
     /// Blocks in each engine's pool in the actix run (one per request: the most requests each
     /// side has in flight).
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65_536))]
@@ -280,6 +283,7 @@ fn run_bench(command: BenchCommand) -> ExitCode {
                 actix_requests: args.actix_requests as usize,
                 actix_pool_blocks: args.actix_pool_blocks,
                 actix_batch: args.actix_batch as usize,
+                rounds: args.rounds as usize,
                 ..ControlOptions::default()
             };
             conclude(

@@ -249,9 +249,15 @@ fn bench_control_reports_positive_numbers() {
         actix_requests: 300,
         actix_pool_blocks: 64,
         actix_batch: 16,
+        rounds: 3,
         timeout: Duration::from_secs(30),
     })
     .expect("the bench runs");
+    assert_eq!(report.machine.decode_registers_first_rounds_ns.len(), 3);
+    assert_eq!(report.actix.rounds_requests_per_sec.len(), 3);
+    let mut rates = report.actix.rounds_requests_per_sec.clone();
+    rates.sort_by(f64::total_cmp);
+    assert_eq!(report.actix_requests_per_sec, rates[1], "the median round");
     assert!(report.machine_ns_per_request > 0.0);
     assert!(report.machine_ns_per_request_prefill_first > 0.0);
     assert!(report.actix_requests_per_sec > 0.0);

@@ -161,7 +161,35 @@ pub fn start_rank<T>(setup: RankSetup<T>, directory: &Directory) -> RankHandle
 where
     T: Transport + Unpin + 'static,
 {
-    spawn_rank(setup, link::LinkMode::InProcess(directory.clone()), None)
+    spawn_rank(
+        setup,
+        link::LinkMode::InProcess(directory.clone()),
+        None,
+        Actor::start,
+    )
+}
+
+/// [`start_rank`] with the rank's writer (its transport calls: posting, sending, polling) on
+/// the arbiter `writer_arbiter`, so that the transport's work runs in parallel with the
+/// endpoint's.
+///
+/// Must be called inside a running actix system.
+pub fn start_rank_split<T>(
+    setup: RankSetup<T>,
+    directory: &Directory,
+    writer_arbiter: &actix::ArbiterHandle,
+) -> RankHandle
+where
+    T: Transport + Unpin + Send + 'static,
+{
+    let start_writer =
+        |writer: WriterActor<T>| WriterActor::start_in_arbiter(writer_arbiter, move |_| writer);
+    spawn_rank(
+        setup,
+        link::LinkMode::InProcess(directory.clone()),
+        None,
+        start_writer,
+    )
 }
 
 /// Starts the three actors of one rank with the given [`Handshaker`]. For
@@ -189,7 +217,7 @@ where
                 listener: Some(listener),
                 config,
             };
-            Ok(spawn_rank(setup, mode, Some(addr)))
+            Ok(spawn_rank(setup, mode, Some(addr), Actor::start))
         }
     }
 }
@@ -198,6 +226,7 @@ fn spawn_rank<T>(
     setup: RankSetup<T>,
     mode: link::LinkMode,
     listen: Option<std::net::SocketAddr>,
+    start_writer: impl FnOnce(WriterActor<T>) -> actix::Addr<WriterActor<T>>,
 ) -> RankHandle
 where
     T: Transport + Unpin + 'static,
@@ -213,13 +242,12 @@ where
     // to it first.
     let rank_ctx = actix::Context::<RankActor>::new();
     let rank_addr = rank_ctx.address();
-    let writer = WriterActor::new(
+    let writer = start_writer(WriterActor::new(
         transport,
         info.clone(),
         rank_addr.clone().recipient(),
         shell.poll_interval,
-    )
-    .start();
+    ));
     let directory = match &mode {
         link::LinkMode::InProcess(directory) => Some(directory.clone()),
         link::LinkMode::Tcp { .. } => None,

@@ -6,7 +6,9 @@ use std::thread::JoinHandle;
 
 use actix::{Arbiter, ArbiterHandle, System};
 
-use super::{start_rank, start_rank_with, Directory, Handshaker, RankHandle, RankSetup};
+use super::{
+    start_rank, start_rank_split, start_rank_with, Directory, Handshaker, RankHandle, RankSetup,
+};
 use crate::transport::Transport;
 
 /// Why the runtime could not do what was asked.
@@ -103,21 +105,57 @@ impl Runtime {
     where
         T: Transport + Unpin + Send + 'static,
     {
-        // Arbiters are made inside the system's thread, which registers them with the system.
+        let arbiter = self.new_arbiter()?;
+        let directory = self.directory.clone();
+        self.start_on(arbiter, move || start_rank(setup, &directory))
+    }
+
+    /// Like [`Self::add_rank_on_own_thread`], with the rank's writer (its transport calls) on a
+    /// second thread of its own: the endpoint's work and the transport's run in parallel.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Stopped`] if the runtime is gone.
+    pub fn add_rank_on_own_threads<T>(
+        &mut self,
+        setup: RankSetup<T>,
+    ) -> Result<RankHandle, RuntimeError>
+    where
+        T: Transport + Unpin + Send + 'static,
+    {
+        let rank_arbiter = self.new_arbiter()?;
+        let writer_arbiter = self.new_arbiter()?;
+        let writer = writer_arbiter.handle();
+        self.arbiters.push(writer_arbiter);
+        let directory = self.directory.clone();
+        self.start_on(rank_arbiter, move || {
+            start_rank_split(setup, &directory, &writer)
+        })
+    }
+
+    /// Runs `start` on `arbiter` (which the runtime keeps) and returns the rank it started.
+    fn start_on(
+        &mut self,
+        arbiter: Arbiter,
+        start: impl FnOnce() -> RankHandle + Send + 'static,
+    ) -> Result<RankHandle, RuntimeError> {
+        let (tx, rx) = mpsc::channel();
+        let spawned = arbiter.spawn_fn(move || {
+            let _ = tx.send(start());
+        });
+        self.arbiters.push(arbiter);
+        if !spawned {
+            return Err(RuntimeError::Stopped);
+        }
+        rx.recv().map_err(|_| RuntimeError::Stopped)
+    }
+
+    /// A new arbiter thread of the system (made inside the system's thread, which registers it
+    /// with the system).
+    fn new_arbiter(&self) -> Result<Arbiter, RuntimeError> {
         let (tx, rx) = mpsc::channel();
         let spawned = self.arbiter.spawn_fn(move || {
             let _ = tx.send(Arbiter::new());
         });
-        if !spawned {
-            return Err(RuntimeError::Stopped);
-        }
-        let arbiter = rx.recv().map_err(|_| RuntimeError::Stopped)?;
-        let (tx, rx) = mpsc::channel();
-        let directory = self.directory.clone();
-        let spawned = arbiter.spawn_fn(move || {
-            let _ = tx.send(start_rank(setup, &directory));
-        });
-        self.arbiters.push(arbiter);
         if !spawned {
             return Err(RuntimeError::Stopped);
         }
