@@ -17,7 +17,7 @@ use super::config::ConfigError;
 use super::decode::{DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput, DecodeRequest};
 use super::effects::{Effects, Step};
 use super::peer::{Peer, PeerInput};
-use super::tables::{Machines, TimerIndex, Tombstones};
+use super::tables::{Machines, Tombstones};
 use super::types::{
     Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent, FreeProof, Input,
     Output, Rejected, Time,
@@ -79,11 +79,9 @@ pub struct Endpoint {
     config: Config,
     decodes: Machines<PairingKey, DecodeRequest>,
     decode_by_request: BTreeMap<RequestId, PairingKey>,
-    decode_timers: TimerIndex<PairingKey>,
     decode_tombstones: Tombstones<PairingKey, Epoch>,
     writer: Writer,
     peers: Machines<PeerAddr, Peer>,
-    peer_timers: TimerIndex<PeerAddr>,
     out: VecDeque<Output>,
     counters: Counters,
     /// Set by [`Input::Shutdown`]: no new requests are taken.
@@ -104,9 +102,7 @@ impl Endpoint {
             config,
             decodes: Machines::default(),
             decode_by_request: BTreeMap::new(),
-            decode_timers: TimerIndex::default(),
             peers: Machines::default(),
-            peer_timers: TimerIndex::default(),
             out: VecDeque::new(),
             counters: Counters::default(),
             shutting_down: false,
@@ -155,10 +151,10 @@ impl Endpoint {
     /// When [`Endpoint::handle_timeout`] must next be called.
     pub fn poll_timeout(&self) -> Option<Time> {
         [
-            self.decode_timers.next(),
+            self.decodes.next_timer(),
             self.decode_tombstones.next_expiry(),
             self.writer.next_timer(),
-            self.peer_timers.next(),
+            self.peers.next_timer(),
         ]
         .into_iter()
         .flatten()
@@ -225,7 +221,7 @@ impl Endpoint {
 
     /// Fires every timer due at `now`.
     pub fn handle_timeout(&mut self, now: Time) {
-        for key in self.decode_timers.take_due(now) {
+        for key in self.decodes.take_due(now) {
             self.step_decode(now, &key, DecodeInput::Timeout);
         }
         self.decode_tombstones.expire(now);
@@ -236,7 +232,7 @@ impl Endpoint {
             };
             self.writer.on_timeout(now, &mut fx);
         }
-        for peer in self.peer_timers.take_due(now) {
+        for peer in self.peers.take_due(now) {
             self.peer_input(now, &peer, PeerInput::Timeout);
         }
         self.check_invariants();
@@ -300,8 +296,8 @@ impl Endpoint {
         self.decode_by_request
             .insert(common.request.clone(), key.clone());
         let request = DecodeRequest::new(common);
-        self.decode_timers.set(key.clone(), request.next_timer());
-        self.decodes.insert(key.clone(), request);
+        let timer = request.next_timer();
+        self.decodes.insert(key.clone(), request, timer);
         if self.peers.get(&peer).is_some_and(Peer::is_connected) {
             self.step_decode(now, &key, DecodeInput::PeerConnected);
         } else {
@@ -368,32 +364,31 @@ impl Endpoint {
     }
 
     fn step_decode(&mut self, now: Time, key: &PairingKey, input: DecodeInput) {
-        let Some(slot) = self.decodes.slot(key) else {
-            return;
-        };
-        let request = slot.take();
         let ctx = DecodeCtx {
             now,
             own: &self.own,
             config: &self.config,
         };
-        let epoch = request.common().epoch;
-        let _span =
-            tracing::debug_span!("decode", key = %key, epoch = %epoch, rank = self.own.rank)
-                .entered();
         let mut fx = Effects {
             out: &mut self.out,
             counters: &mut self.counters,
         };
-        match request.handle(&ctx, input, &mut fx) {
-            Step::Live(next) => {
-                self.decode_timers.set(key.clone(), next.next_timer());
-                slot.put(next);
+        let transition = |request: DecodeRequest| {
+            let epoch = request.common().epoch;
+            let _span =
+                tracing::debug_span!("decode", key = %key, epoch = %epoch, rank = ctx.own.rank)
+                    .entered();
+            match request.handle(&ctx, input, &mut fx) {
+                Step::Live(next) => (Some(next), None),
+                Step::Ended(ended) => (None, Some(ended)),
             }
-            Step::Ended(ended) => {
-                self.decodes.remove_ended(key);
-                self.decode_ended(now, ended);
-            }
+        };
+        let ended = self
+            .decodes
+            .step(key, transition, DecodeRequest::next_timer)
+            .flatten();
+        if let Some(ended) = ended {
+            self.decode_ended(now, ended);
         }
     }
 
@@ -404,7 +399,6 @@ impl Endpoint {
             proof,
         } = ended;
         tracing::debug!(key = %common.key, epoch = %common.epoch, ?outcome, ?proof, "decode request ended");
-        self.decode_timers.clear(&common.key);
         self.decode_by_request.remove(&common.request);
         self.decode_tombstones.insert(
             common.key.clone(),
@@ -560,8 +554,8 @@ impl Endpoint {
         assert!(self.decodes.len() <= self.config.max_requests);
         assert!(self.peers.len() <= self.config.max_peers);
         assert_eq!(self.decodes.len(), self.decode_by_request.len());
-        assert_eq!(self.decodes.len(), self.decode_timers.len());
-        assert_eq!(self.peers.len(), self.peer_timers.len());
+        assert!(self.decodes.all_armed(), "every D request has a timer");
+        assert!(self.peers.all_armed(), "every peer has a timer");
         for (key, request) in self.decodes.iter() {
             let common = request.common();
             assert_eq!(&common.key, key);

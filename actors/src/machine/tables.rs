@@ -7,49 +7,55 @@ use std::hash::Hash;
 
 use super::types::Time;
 
-/// Live machines by key. A transition takes a machine out of its slot and puts its successor
-/// back into the same slot ([`Slot`]): one search per step, where removing and re-inserting
-/// moved machine-sized values along the B-tree's nodes twice.
+/// Live machines by key, each with its one timer.
+///
+/// A transition ([`Self::step`]) takes a machine out of its slot and puts its successor back
+/// into the same slot, re-arming the machine's timer on the way: one search per step, where a
+/// separate timer index and a remove-and-reinsert cost four. Timers are kept the way
+/// [`TimerIndex`] keeps them — a queue of every time armed, stale entries skipped — with each
+/// slot knowing which of its entries is live.
 #[derive(Debug)]
-pub(crate) struct Machines<K: Ord, M> {
+pub(crate) struct Machines<K: Ord + Clone, M> {
     slots: BTreeMap<K, Slot<M>>,
+    /// Every timer armed, earliest first (ties by key). An entry is live while its slot's
+    /// `armed` holds its time; the front is always live.
+    timers: BinaryHeap<Reverse<(Time, K)>>,
 }
 
-/// The place of one machine in [`Machines`]; empty only inside a transition. Boxed, so that the
-/// B-tree's nodes hold pointers, not machines: inserting or removing a key shifts 8-byte values.
+/// One machine's place. The machine is boxed so that the B-tree's nodes hold pointers, not
+/// machines (inserting or removing a key shifts small values), and is out of its box only
+/// inside a transition.
 #[derive(Debug)]
-pub(crate) struct Slot<M>(Box<Option<M>>);
+struct Slot<M> {
+    machine: Box<Option<M>>,
+    /// The time of the machine's live timer entry; `None` while a due timer waits for its step.
+    armed: Option<Time>,
+}
 
 impl<M> Slot<M> {
-    /// Takes the machine out for a transition.
-    pub(crate) fn take(&mut self) -> M {
-        self.0
-            .take()
-            .unwrap_or_else(|| unreachable!("a slot is refilled before its transition returns"))
-    }
-
-    /// Puts the machine's successor back.
-    pub(crate) fn put(&mut self, machine: M) {
-        assert!(self.0.is_none(), "a slot holds one machine");
-        *self.0 = Some(machine);
-    }
-
     fn get(&self) -> &M {
-        (*self.0)
+        (*self.machine)
             .as_ref()
             .unwrap_or_else(|| unreachable!("only a transition empties a slot"))
     }
+
+    fn take(&mut self) -> M {
+        (*self.machine)
+            .take()
+            .unwrap_or_else(|| unreachable!("a transition runs on a present machine"))
+    }
 }
 
-impl<K: Ord, M> Default for Machines<K, M> {
+impl<K: Ord + Clone, M> Default for Machines<K, M> {
     fn default() -> Self {
         Self {
             slots: BTreeMap::new(),
+            timers: BinaryHeap::new(),
         }
     }
 }
 
-impl<K: Ord, M> Machines<K, M> {
+impl<K: Ord + Clone, M> Machines<K, M> {
     pub(crate) fn len(&self) -> usize {
         self.slots.len()
     }
@@ -66,34 +72,141 @@ impl<K: Ord, M> Machines<K, M> {
         self.slots.get(key).map(Slot::get)
     }
 
-    /// For changes a machine makes to itself outside a transition (queueing a message).
+    /// For changes a machine makes to itself that leave its timer alone (queueing a message).
     pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut M> {
         self.slots.get_mut(key).map(|slot| {
-            (*slot.0)
+            (*slot.machine)
                 .as_mut()
                 .unwrap_or_else(|| unreachable!("only a transition empties a slot"))
         })
     }
 
-    /// Adds a machine for a key that has none.
-    pub(crate) fn insert(&mut self, key: K, machine: M) {
-        let previous = self.slots.insert(key, Slot(Box::new(Some(machine))));
+    /// Adds a machine, with its timer at `at`, for a key that has none.
+    pub(crate) fn insert(&mut self, key: K, machine: M, at: Time) {
+        let slot = Slot {
+            machine: Box::new(Some(machine)),
+            armed: Some(at),
+        };
+        let previous = self.slots.insert(key.clone(), slot);
         assert!(previous.is_none(), "one machine per key");
+        self.timers.push(Reverse((at, key)));
+        self.compact_timers();
     }
 
-    /// The slot of `key`'s machine, for a transition ([`Slot::take`], then [`Slot::put`] or
-    /// [`Self::remove_ended`]).
-    pub(crate) fn slot(&mut self, key: &K) -> Option<&mut Slot<M>> {
-        self.slots.get_mut(key)
+    /// Runs `transition` on `key`'s machine, if there is one, and returns what it says besides
+    /// the successor. A successor takes the slot with its timer at `timer_of(successor)`; no
+    /// successor (the machine ended) frees the slot.
+    pub(crate) fn step<R>(
+        &mut self,
+        key: &K,
+        transition: impl FnOnce(M) -> (Option<M>, R),
+        timer_of: impl FnOnce(&M) -> Time,
+    ) -> Option<R> {
+        let slot = self.slots.get_mut(key)?;
+        let (next, said) = transition(slot.take());
+        let old = slot.armed;
+        let disarmed = match next {
+            Some(next) => {
+                let at = timer_of(&next);
+                *slot.machine = Some(next);
+                if old == Some(at) {
+                    None
+                } else {
+                    slot.armed = Some(at);
+                    self.timers.push(Reverse((at, key.clone())));
+                    old
+                }
+            }
+            None => {
+                self.slots.remove(key);
+                old
+            }
+        };
+        self.after_disarm(disarmed);
+        self.compact_timers();
+        Some(said)
     }
 
-    /// Forgets the slot of a machine that ended in its transition.
-    pub(crate) fn remove_ended(&mut self, key: &K) {
-        let slot = self.slots.remove(key);
-        assert!(
-            slot.is_some_and(|slot| slot.0.is_none()),
-            "only a machine taken out for its last transition is removed"
-        );
+    /// [`Self::step`] for a transition that never hastens the machine's timer: the armed timer
+    /// stays (a timer that fires early finds the machine re-checking its deadlines), unless none
+    /// is armed.
+    pub(crate) fn step_keeping_timer<R>(
+        &mut self,
+        key: &K,
+        transition: impl FnOnce(M) -> (M, R),
+        timer_of: impl FnOnce(&M) -> Time,
+    ) -> Option<R> {
+        let slot = self.slots.get_mut(key)?;
+        let (next, said) = transition(slot.take());
+        if slot.armed.is_none() {
+            let at = timer_of(&next);
+            slot.armed = Some(at);
+            self.timers.push(Reverse((at, key.clone())));
+        }
+        *slot.machine = Some(next);
+        Some(said)
+    }
+
+    /// The earliest timer.
+    pub(crate) fn next_timer(&self) -> Option<Time> {
+        self.timers.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Every key whose timer is at or before `now`, earliest first; their timers are disarmed
+    /// until their machines step again (the caller steps each one).
+    pub(crate) fn take_due(&mut self, now: Time) -> Vec<K> {
+        let mut due = Vec::new();
+        while self.next_timer().is_some_and(|at| at <= now) {
+            let Some(Reverse((at, key))) = self.timers.pop() else {
+                break;
+            };
+            if let Some(slot) = self.slots.get_mut(&key) {
+                if slot.armed == Some(at) {
+                    slot.armed = None;
+                    due.push(key);
+                }
+            }
+        }
+        self.drop_stale_front();
+        due
+    }
+
+    /// Whether every machine has a live timer (true outside `handle_timeout`).
+    pub(crate) fn all_armed(&self) -> bool {
+        self.slots.values().all(|slot| slot.armed.is_some())
+            && self.timers.len() >= self.slots.len()
+    }
+
+    /// A timer that was at `old` is no longer live: if its entry may be the front, drop stale
+    /// entries from the front so that [`Self::next_timer`] stays exact.
+    fn after_disarm(&mut self, old: Option<Time>) {
+        if old.is_some_and(|old| self.next_timer() == Some(old)) {
+            self.drop_stale_front();
+        }
+    }
+
+    fn drop_stale_front(&mut self) {
+        while let Some(Reverse((at, key))) = self.timers.peek() {
+            let live = self
+                .slots
+                .get(key)
+                .is_some_and(|slot| slot.armed == Some(*at));
+            if live {
+                return;
+            }
+            self.timers.pop();
+        }
+    }
+
+    /// Rebuilds the queue from the slots when stale entries outnumber live ones.
+    fn compact_timers(&mut self) {
+        if self.timers.len() > 2 * self.slots.len() + STALE_TIMER_SLACK {
+            self.timers = self
+                .slots
+                .iter()
+                .filter_map(|(key, slot)| slot.armed.map(|at| Reverse((at, key.clone()))))
+                .collect();
+        }
     }
 
     pub(crate) fn keys(&self) -> impl Iterator<Item = &K> {

@@ -45,7 +45,6 @@ pub(crate) struct Writer {
     by_request: BTreeMap<RequestId, PairingKey>,
     pending: BTreeMap<PairingKey, PendingRegistration>,
     writes: BTreeMap<WriteId, PairingKey>,
-    request_timers: TimerIndex<PairingKey>,
     pending_timers: TimerIndex<PairingKey>,
     tombstones: Tombstones<PairingKey, PrefillTombstone>,
     next_write: u64,
@@ -60,7 +59,6 @@ impl Writer {
             by_request: BTreeMap::new(),
             pending: BTreeMap::new(),
             writes: BTreeMap::new(),
-            request_timers: TimerIndex::default(),
             pending_timers: TimerIndex::default(),
             tombstones: Tombstones::new(config.max_tombstones),
             next_write: 1,
@@ -94,7 +92,7 @@ impl Writer {
 
     pub(crate) fn next_timer(&self) -> Option<Time> {
         [
-            self.request_timers.next(),
+            self.requests.next_timer(),
             self.pending_timers.next(),
             self.tombstones.next_expiry(),
         ]
@@ -105,34 +103,41 @@ impl Writer {
 
     /// Runs one input through the request for `key` and files the result.
     fn step(&mut self, now: Time, key: &PairingKey, input: PrefillInput, fx: &mut Effects<'_>) {
-        let Some(slot) = self.requests.slot(key) else {
-            return;
-        };
-        let request = slot.take();
-        let before = request.write();
         let ctx = PrefillCtx {
             now,
             own_rank: self.rank,
             config: &self.config,
             next_write: WriteId(self.next_write),
         };
-        let _span = tracing::debug_span!("prefill", key = %key, rank = self.rank).entered();
-        match request.handle(&ctx, input, fx) {
-            Step::Live(next) => {
-                let after = next.write();
-                if after != before {
-                    assert_eq!(before, None, "a request posts at most one write");
-                    if let Some(write) = after {
-                        assert_eq!(write, ctx.next_write);
-                        self.next_write += 1;
-                        self.writes.insert(write, key.clone());
-                    }
+        let (mut before, mut after) = (None, None);
+        let transition = |request: PrefillRequest| {
+            before = request.write();
+            let _span = tracing::debug_span!("prefill", key = %key, rank = ctx.own_rank).entered();
+            match request.handle(&ctx, input, fx) {
+                Step::Live(next) => {
+                    after = next.write();
+                    (Some(next), None)
                 }
-                self.request_timers.set(key.clone(), next.next_timer());
-                slot.put(next);
+                Step::Ended(ended) => (None, Some(ended)),
             }
-            Step::Ended(ended) => {
-                self.requests.remove_ended(key);
+        };
+        let Some(ended) = self
+            .requests
+            .step(key, transition, PrefillRequest::next_timer)
+        else {
+            return;
+        };
+        match ended {
+            None if after != before => {
+                assert_eq!(before, None, "a request posts at most one write");
+                if let Some(write) = after {
+                    assert_eq!(write, WriteId(self.next_write));
+                    self.next_write += 1;
+                    self.writes.insert(write, key.clone());
+                }
+            }
+            None => {}
+            Some(ended) => {
                 if let Some(write) = before {
                     self.writes.remove(&write);
                 }
@@ -223,10 +228,9 @@ impl Writer {
         }
         let key = common.key.clone();
         self.by_request.insert(common.request.clone(), key.clone());
-        self.requests
-            .insert(key.clone(), PrefillRequest::held(common, now, &self.config));
-        self.request_timers
-            .set(key.clone(), now + self.config.lease_duration);
+        let request = PrefillRequest::held(common, now, &self.config);
+        let timer = request.next_timer();
+        self.requests.insert(key.clone(), request, timer);
         // Only a registration seen above can be pending: nothing ran in between.
         if let Some(pending) = pending_epoch.and_then(|_| self.take_pending(&key)) {
             fx.counters.decode_registered_first += 1;
@@ -530,7 +534,7 @@ impl Writer {
 
     /// Fires every timer due at `now`.
     pub(crate) fn on_timeout(&mut self, now: Time, fx: &mut Effects<'_>) {
-        for key in self.request_timers.take_due(now) {
+        for key in self.requests.take_due(now) {
             self.step(now, &key, PrefillInput::Timeout, fx);
         }
         for key in self.pending_timers.take_due(now) {
@@ -551,7 +555,7 @@ impl Writer {
         assert!(self.pending.len() <= self.config.max_pending_registrations);
         assert!(self.tombstones.len() <= self.config.max_tombstones);
         assert_eq!(self.requests.len(), self.by_request.len());
-        assert_eq!(self.requests.len(), self.request_timers.len());
+        assert!(self.requests.all_armed(), "every P request has a timer");
         assert_eq!(self.pending.len(), self.pending_timers.len());
         for (key, request) in self.requests.iter() {
             assert_eq!(&request.common().key, key);

@@ -16,72 +16,63 @@ impl Endpoint {
     /// table once and leaves the timer alone: hearing from a peer only pushes its liveness
     /// deadline later, and a timer that fires early is answered by the machine re-checking.
     pub(super) fn heard(&mut self, now: Time, peer: &PeerAddr) -> bool {
-        let Some(slot) = self.peers.slot(peer) else {
-            return false;
+        let config = &self.config;
+        let transition = |current: Peer| {
+            if !current.is_connected() {
+                return (current, false);
+            }
+            let (next, notice) = current.handle(now, config, PeerInput::Heard);
+            debug_assert_eq!(notice, PeerNotice::Quiet);
+            (next, true)
         };
-        let current = slot.take();
-        if !current.is_connected() {
-            slot.put(current);
-            return false;
-        }
-        let before = current.next_timer(&self.config);
-        let (next, notice) = current.handle(now, &self.config, PeerInput::Heard);
-        debug_assert_eq!(notice, PeerNotice::Quiet);
-        debug_assert!(
-            next.next_timer(&self.config) >= before,
-            "hearing never hastens a timer"
-        );
-        slot.put(next);
-        true
+        self.peers
+            .step_keeping_timer(peer, transition, |p| p.next_timer(config))
+            .unwrap_or(false)
     }
 
     /// Runs one input through a peer's machine and acts on what it says.
     pub(super) fn peer_input(&mut self, now: Time, peer: &PeerAddr, input: PeerInput) {
-        let notice = if let Some(slot) = self.peers.slot(peer) {
-            let (next, notice) = slot.take().handle(now, &self.config, input);
-            if matches!(notice, PeerNotice::ConnectFailed(_) | PeerNotice::Forget) {
-                self.peers.remove_ended(peer);
-                self.peer_timers.clear(peer);
-            } else {
-                self.peer_timers
-                    .set(peer.clone(), next.next_timer(&self.config));
-                slot.put(next);
-            }
-            notice
-        } else {
-            match input {
-                PeerInput::ConnectRequested => {
-                    if self.peers.len() >= self.config.max_peers {
-                        self.fail_waiting_decodes(now, peer);
-                        return;
-                    }
-                    self.out.push_back(Output::Connect { peer: peer.clone() });
-                    let fresh = Peer::connecting(now, &self.config);
-                    self.peer_timers
-                        .set(peer.clone(), fresh.next_timer(&self.config));
-                    self.peers.insert(peer.clone(), fresh);
-                    return;
-                }
-                PeerInput::Connected => {
-                    if self.peers.len() >= self.config.max_peers {
-                        self.counters.drop(DropReason::TableFull);
-                        return;
-                    }
-                    // A peer that connected to us: as if it had been known and dead.
-                    let unknown = Peer::Dead(PeerDown { until: now });
-                    let (next, notice) = unknown.handle(now, &self.config, input);
-                    self.peer_timers
-                        .set(peer.clone(), next.next_timer(&self.config));
-                    self.peers.insert(peer.clone(), next);
-                    notice
-                }
-                PeerInput::ConnectFailed(_) | PeerInput::Lost | PeerInput::Timeout => return,
-                PeerInput::Heard => {
-                    self.counters.drop(DropReason::UnknownPeer);
-                    return;
-                }
-            }
+        let config = &self.config;
+        let transition = |current: Peer| {
+            let (next, notice) = current.handle(now, config, input.clone());
+            let forget = matches!(notice, PeerNotice::ConnectFailed(_) | PeerNotice::Forget);
+            ((!forget).then_some(next), notice)
         };
+        let notice =
+            if let Some(notice) = self.peers.step(peer, transition, |p| p.next_timer(config)) {
+                notice
+            } else {
+                match input {
+                    PeerInput::ConnectRequested => {
+                        if self.peers.len() >= self.config.max_peers {
+                            self.fail_waiting_decodes(now, peer);
+                            return;
+                        }
+                        self.out.push_back(Output::Connect { peer: peer.clone() });
+                        let fresh = Peer::connecting(now, &self.config);
+                        let timer = fresh.next_timer(&self.config);
+                        self.peers.insert(peer.clone(), fresh, timer);
+                        return;
+                    }
+                    PeerInput::Connected => {
+                        if self.peers.len() >= self.config.max_peers {
+                            self.counters.drop(DropReason::TableFull);
+                            return;
+                        }
+                        // A peer that connected to us: as if it had been known and dead.
+                        let unknown = Peer::Dead(PeerDown { until: now });
+                        let (next, notice) = unknown.handle(now, &self.config, input);
+                        let timer = next.next_timer(&self.config);
+                        self.peers.insert(peer.clone(), next, timer);
+                        notice
+                    }
+                    PeerInput::ConnectFailed(_) | PeerInput::Lost | PeerInput::Timeout => return,
+                    PeerInput::Heard => {
+                        self.counters.drop(DropReason::UnknownPeer);
+                        return;
+                    }
+                }
+            };
         match notice {
             PeerNotice::Quiet | PeerNotice::Forget => {}
             PeerNotice::Connect => self.out.push_back(Output::Connect { peer: peer.clone() }),

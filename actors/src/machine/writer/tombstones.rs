@@ -80,7 +80,6 @@ impl Writer {
             epoch,
         } = ended;
         tracing::debug!(key = %common.key, ?epoch, ?outcome, "prefill request ended");
-        self.request_timers.clear(&common.key);
         self.by_request.remove(&common.request);
         // Never lower the floor an older request of the key left behind.
         self.tombstones
