@@ -496,6 +496,86 @@ mod tests {
         }
     }
 
+    /// Machines and their timers against a plain map of (machine, timer) under a long
+    /// pseudo-random mix of inserts, transitions that move or keep the timer, endings and
+    /// expiries: the same machines, the same next timer, the same due keys in the same order,
+    /// and a bounded queue.
+    #[test]
+    fn machine_timers_match_a_plain_model() {
+        let mut machines: Machines<u32, u64> = Machines::default();
+        let mut model: BTreeMap<u32, (u64, Time)> = BTreeMap::new();
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut random = |below: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % below
+        };
+        let mut now = 0u64;
+        for _ in 0..20_000 {
+            let key = random(40) as u32;
+            let value = random(1_000);
+            let at = Time::from_nanos(now + random(500));
+            match random(12) {
+                0..=2 => {
+                    if !model.contains_key(&key) {
+                        machines.insert(key, value, at);
+                        model.insert(key, (value, at));
+                    }
+                }
+                3..=6 => {
+                    let said = machines.step(&key, |old| (Some(old + value), old), |_| at);
+                    assert_eq!(said, model.get(&key).map(|(old, _)| *old));
+                    if let Some(entry) = model.get_mut(&key) {
+                        *entry = (entry.0 + value, at);
+                    }
+                }
+                7 => {
+                    let said = machines.step(&key, |old| (None, old), |_| at);
+                    assert_eq!(said, model.remove(&key).map(|(old, _)| old));
+                }
+                8 => {
+                    // Keeps the armed timer: the model's timer does not move.
+                    let said = machines.step_keeping_timer(&key, |old| (old + 1, ()), |_| at);
+                    assert_eq!(said.is_some(), model.contains_key(&key));
+                    if let Some(entry) = model.get_mut(&key) {
+                        entry.0 += 1;
+                    }
+                }
+                _ => {
+                    now += random(100);
+                    let now = Time::from_nanos(now);
+                    let mut expected: Vec<(Time, u32)> = model
+                        .iter()
+                        .filter(|(_, (_, at))| *at <= now)
+                        .map(|(key, (_, at))| (*at, *key))
+                        .collect();
+                    expected.sort();
+                    let expected: Vec<u32> = expected.into_iter().map(|(_, key)| key).collect();
+                    assert_eq!(machines.take_due(now), expected);
+                    // Every due machine steps again, as `handle_timeout` does: a later timer.
+                    for key in expected {
+                        let later = Time::from_nanos(now.as_nanos() + 1 + random(500));
+                        machines.step(&key, |old| (Some(old), ()), |_| later);
+                        if let Some(entry) = model.get_mut(&key) {
+                            entry.1 = later;
+                        }
+                    }
+                }
+            }
+            assert!(machines.all_armed());
+            assert_eq!(machines.len(), model.len());
+            assert_eq!(
+                machines.next_timer(),
+                model.values().map(|(_, at)| *at).min()
+            );
+            for (key, (value, _)) in &model {
+                assert_eq!(machines.get(key), Some(value));
+            }
+            assert!(machines.timers.len() <= 2 * model.len() + STALE_TIMER_SLACK + 1);
+        }
+    }
+
     #[test]
     fn tombstones_expire_and_stay_bounded() {
         let mut t = Tombstones::new(2);
