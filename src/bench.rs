@@ -572,15 +572,16 @@ impl Engine {
             let events = self.conn.poll_events();
             self.handle(events, &mut r);
             // One engine step: every request that has blocks, up to the batch, in one call.
-            let mut calls = Vec::new();
-            let mut taken = Vec::new();
+            let mut calls = Vec::with_capacity(self.batch);
+            // The one block of each call, to take back if the call is refused.
+            let mut taken = Vec::with_capacity(self.batch);
             while next < n && calls.len() < self.batch {
                 let Some(blocks) = self.free.alloc(1) else {
                     break;
                 };
                 let (p_id, d_id) = &ids[next];
+                taken.extend(blocks.first().copied());
                 let blocks = BlockIds::single_group(blocks);
-                taken.push(blocks.clone());
                 calls.push(if self.decode {
                     ConnectorCall::RequestAllocated {
                         request: d_id.clone(),
@@ -598,10 +599,10 @@ impl Engine {
                 next += 1;
             }
             if !calls.is_empty() {
-                for (result, blocks) in self.conn.submit(calls).into_iter().zip(taken) {
+                for (result, block) in self.conn.submit(calls).into_iter().zip(taken) {
                     if let Err(e) = result {
                         failed_calls += 1;
-                        self.free.release(&blocks);
+                        self.free.release(&BlockIds::single_group(vec![block]));
                         if r.errors.len() < 8 {
                             r.errors.push(e.to_string());
                         }

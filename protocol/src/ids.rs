@@ -156,9 +156,10 @@ macro_rules! string_id {
             /// # Errors
             /// [`IdError`] when the value is empty, longer than [`MAX_ID_LEN`] bytes or holds a
             /// control character.
-            pub fn new(value: impl Into<String>) -> Result<Self, IdError> {
-                let value = value.into();
-                check_id($kind, &value)?;
+            pub fn new(value: impl AsRef<str>) -> Result<Self, IdError> {
+                let value = value.as_ref();
+                check_id($kind, value)?;
+                // Straight from the text into shared text: one allocation.
                 Ok(Self::wrap(Arc::from(value)))
             }
 

@@ -262,6 +262,7 @@ impl MemFabric {
             allocated: 0,
             next_incarnation: 1,
             regions: BTreeMap::new(),
+            scratch: Vec::new(),
             agents: BTreeMap::new(),
         };
         Self {
@@ -471,6 +472,8 @@ struct Fabric {
     next_incarnation: u64,
     regions: BTreeMap<u64, Region>,
     agents: BTreeMap<AgentName, AgentState>,
+    /// Bytes on their way from one span to another (the two may share a region).
+    scratch: Vec<u8>,
 }
 
 struct Region {

@@ -269,8 +269,11 @@ impl Fabric {
                 Op::Write => (d.local_addr, d.remote_addr),
                 Op::Read => (d.remote_addr, d.local_addr),
             };
-            let data = self.slice(src, len).to_vec();
+            let mut data = std::mem::take(&mut self.scratch);
+            data.clear();
+            data.extend_from_slice(self.slice(src, len));
             self.slice(dst, len).copy_from_slice(&data);
+            self.scratch = data;
             left -= len;
         }
         budget - left
