@@ -600,6 +600,42 @@ fn fault_drop_notifications() {
 }
 
 #[test]
+fn arrival_hook_rings_once_per_drained_inbox() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let mut t = Pair::new();
+    let rings = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&rings);
+    t.d.set_arrival_hook(Arc::new(move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+    }));
+    let d_addr = t.d_addr.clone();
+    t.p.send_notification(&d_addr, b"one".to_vec()).unwrap();
+    t.p.send_notification(&d_addr, b"two".to_vec()).unwrap();
+    assert_eq!(
+        rings.load(Ordering::SeqCst),
+        1,
+        "one ring for a queue that was empty"
+    );
+    assert_eq!(t.d_notes().len(), 2);
+    // A landing write's notification rings too, once the queue was drained.
+    t.write(1, &[t.desc(0, 8)], Some(b"landed"));
+    assert_eq!(
+        rings.load(Ordering::SeqCst),
+        1,
+        "nothing arrived before the landing"
+    );
+    assert_eq!(t.p_poll(), vec![ok(1)]);
+    assert_eq!(rings.load(Ordering::SeqCst), 2);
+    assert_eq!(t.d_notes()[0].bytes, b"landed");
+    // P has no hook: what arrives for P rings nothing.
+    let p_addr = t.p_addr.clone();
+    t.d.send_notification(&p_addr, b"to p".to_vec()).unwrap();
+    assert_eq!(rings.load(Ordering::SeqCst), 2);
+}
+
+#[test]
 fn fault_hang_never_lands_until_abandoned() {
     let mut t = Pair::new();
     t.src.fill(5);

@@ -1,6 +1,8 @@
 //! `WriterActor`: the only caller of one rank's transport.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient};
@@ -76,6 +78,8 @@ pub struct WriterActor<T: Transport> {
     completions: Vec<Completion>,
     notifications: Vec<Notification>,
     stats: WriterStats,
+    /// A [`PollNow`] from the arrival hook is in the mailbox.
+    arrival_poll_queued: Arc<AtomicBool>,
 }
 
 impl<T: Transport> WriterActor<T> {
@@ -99,6 +103,7 @@ impl<T: Transport> WriterActor<T> {
             completions: Vec::new(),
             notifications: Vec::new(),
             stats: WriterStats::default(),
+            arrival_poll_queued: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -223,6 +228,17 @@ impl<T: Transport + Unpin + 'static> Actor for WriterActor<T> {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        // A transport that can tell when a notification arrives gets the writer polling at
+        // once rather than on its next tick; the flag keeps one poll request in the mailbox.
+        let writer = ctx.address().downgrade();
+        let queued = Arc::clone(&self.arrival_poll_queued);
+        self.transport.set_arrival_hook(Arc::new(move || {
+            if !queued.swap(true, Ordering::AcqRel) {
+                if let Some(writer) = writer.upgrade() {
+                    writer.do_send(PollNow);
+                }
+            }
+        }));
         // Prepared block lists are an optimisation: without them posts take the dynamic path.
         if let Err(error) = self.transport.prepare_blocks(None, &self.own.regions) {
             tracing::warn!(%error, "own region table not prepared; posting dynamically");
@@ -243,6 +259,20 @@ impl<T: Transport + Unpin + 'static> Handler<WriterOps> for WriterActor<T> {
             self.rank.do_send(Feed(feed));
         }
         // A transport may land small writes within the post; report them without waiting.
+        self.poll();
+    }
+}
+
+/// The transport said a notification arrived: poll now.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+struct PollNow;
+
+impl<T: Transport + Unpin + 'static> Handler<PollNow> for WriterActor<T> {
+    type Result = ();
+
+    fn handle(&mut self, _: PollNow, _: &mut Context<Self>) {
+        self.arrival_poll_queued.store(false, Ordering::Release);
         self.poll();
     }
 }

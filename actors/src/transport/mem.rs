@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use kvhandoff_protocol::{AgentName, MAX_REGIONS};
 
 use super::{
-    AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
+    AddrRange, ArrivalHook, Completion, Descriptor, Notification, Transport, TransportError,
     MAX_NOTIFICATION_LEN,
 };
 use crate::{PeerAddr, WriteId};
@@ -263,6 +263,7 @@ impl MemFabric {
             next_incarnation: 1,
             regions: BTreeMap::new(),
             scratch: Vec::new(),
+            arrivals: Vec::new(),
             agents: BTreeMap::new(),
         };
         Self {
@@ -474,6 +475,8 @@ struct Fabric {
     agents: BTreeMap<AgentName, AgentState>,
     /// Bytes on their way from one span to another (the two may share a region).
     scratch: Vec<u8>,
+    /// Arrival hooks to call once the fabric's lock is released.
+    arrivals: Vec<ArrivalHook>,
 }
 
 struct Region {
@@ -501,6 +504,8 @@ struct AgentState {
     done: VecDeque<Done>,
     inbox: VecDeque<(AgentName, Vec<u8>)>,
     inbox_bytes: usize,
+    /// Called when a notification reaches an empty inbox.
+    arrival_hook: Option<ArrivalHook>,
 }
 
 impl AgentState {
@@ -519,6 +524,7 @@ impl AgentState {
             done: VecDeque::new(),
             inbox: VecDeque::new(),
             inbox_bytes: 0,
+            arrival_hook: None,
         }
     }
 
@@ -531,6 +537,7 @@ impl AgentState {
         self.done.clear();
         self.inbox.clear();
         self.inbox_bytes = 0;
+        self.arrival_hook = None;
     }
 
     fn is(&self, incarnation: u64) -> bool {

@@ -449,4 +449,16 @@ pub trait Transport {
         let _ = (peer, regions);
         Ok(())
     }
+
+    /// Asks the transport to call `hook` (from any thread, without blocking) when a
+    /// notification arrives for this agent while none is waiting to be polled, so that the
+    /// caller may poll at once instead of on its next tick. Purely an optimisation: a
+    /// transport that cannot tell (NIXL has no arrival callback) keeps the default, which
+    /// never calls it, and notifications wait for the next poll.
+    fn set_arrival_hook(&mut self, hook: ArrivalHook) {
+        let _ = hook;
+    }
 }
+
+/// What [`Transport::set_arrival_hook`] calls.
+pub type ArrivalHook = std::sync::Arc<dyn Fn() + Send + Sync>;

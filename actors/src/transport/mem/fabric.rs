@@ -2,6 +2,7 @@
 //! notifications. Everything here runs under the fabric's one lock.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
 use kvhandoff_protocol::AgentName;
@@ -11,6 +12,16 @@ use super::{
     Xfer,
 };
 use crate::{PeerAddr, WriteId};
+
+/// Releases the fabric's lock, then calls the arrival hooks the locked work collected (a hook
+/// may do anything but touch the fabric while it is locked).
+pub(super) fn unlock_and_announce(mut fab: MutexGuard<'_, Fabric>) {
+    let hooks = std::mem::take(&mut fab.arrivals);
+    drop(fab);
+    for hook in hooks {
+        hook();
+    }
+}
 
 /// Whether `[addr, addr + len)` lies inside one of `regions` (base -> len).
 fn within(regions: &BTreeMap<u64, u64>, addr: u64, len: u64) -> bool {
@@ -307,6 +318,12 @@ impl Fabric {
         target.inbox_bytes += bytes.len();
         target.inbox.push_back((name.clone(), bytes));
         target.stats.notifications_received += 1;
+        if target.inbox.len() == 1 {
+            // The first since the target last polled: tell it (once the lock is released).
+            if let Some(hook) = &target.arrival_hook {
+                self.arrivals.push(Arc::clone(hook));
+            }
+        }
     }
 
     pub(super) fn notify(

@@ -5,12 +5,14 @@ use std::collections::VecDeque;
 
 use kvhandoff_protocol::AgentName;
 
+use super::fabric::unlock_and_announce;
 use super::metadata::{decode_metadata, encode_metadata};
 #[cfg(doc)]
 use super::MemLimits;
 use super::{
-    AddrRange, Completion, Descriptor, Done, MemFabric, MemFaults, MemRegion, MemStats,
-    MemTransport, Notification, Op, Peer, Region, RemoteMd, Transport, TransportError, Xfer, PAGE,
+    AddrRange, ArrivalHook, Completion, Descriptor, Done, MemFabric, MemFaults, MemRegion,
+    MemStats, MemTransport, Notification, Op, Peer, Region, RemoteMd, Transport, TransportError,
+    Xfer, PAGE,
 };
 use crate::{PeerAddr, WriteId};
 
@@ -111,7 +113,7 @@ impl MemTransport {
             notification,
         );
         let me = fab.me_mut(&self.name, self.incarnation);
-        match result {
+        let result = match result {
             Ok(land_now) => {
                 me.stats.posted += 1;
                 if land_now {
@@ -123,7 +125,9 @@ impl MemTransport {
                 me.stats.post_errors += 1;
                 Err(err)
             }
-        }
+        };
+        unlock_and_announce(guard);
+        result
     }
 }
 
@@ -326,7 +330,8 @@ impl Transport for MemTransport {
     }
 
     fn poll_completions(&mut self, out: &mut Vec<Completion>) {
-        let mut fab = self.fabric.lock();
+        let mut guard = self.fabric.lock();
+        let fab = &mut *guard;
         let me = fab.me_mut(&self.name, self.incarnation);
         me.polls += 1;
         me.stats.polls += 1;
@@ -344,6 +349,7 @@ impl Transport for MemTransport {
         }
         me.done = later;
         me.stats.completions += (out.len() - before) as u64;
+        unlock_and_announce(guard);
     }
 
     fn send_notification(&mut self, peer: &PeerAddr, bytes: Vec<u8>) -> Result<(), TransportError> {
@@ -354,6 +360,7 @@ impl Transport for MemTransport {
                 .stats
                 .notification_errors += 1;
         }
+        unlock_and_announce(fab);
         result
     }
 
@@ -369,5 +376,10 @@ impl Transport for MemTransport {
 
     fn max_notification_len(&self) -> usize {
         self.fabric.lock().limits.max_notification_len
+    }
+
+    fn set_arrival_hook(&mut self, hook: ArrivalHook) {
+        let mut fab = self.fabric.lock();
+        fab.me_mut(&self.name, self.incarnation).arrival_hook = Some(hook);
     }
 }
