@@ -518,9 +518,9 @@ mod tests {
             let at = Time::from_nanos(now + random(500));
             match random(12) {
                 0..=2 => {
-                    if !model.contains_key(&key) {
+                    if let std::collections::btree_map::Entry::Vacant(entry) = model.entry(key) {
                         machines.insert(key, value, at);
-                        model.insert(key, (value, at));
+                        entry.insert((value, at));
                     }
                 }
                 3..=6 => {
