@@ -256,7 +256,7 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
 
     // 1. Bytes that are not a valid frame, each with the typed error `wire::decode` gives it.
     let register = |engine_name: &str, rank: u32, blocks: Vec<u32>, id: &str| {
-        Message::Register(Register {
+        Message::Register(Box::new(Register {
             key: key_of(id),
             epoch: Epoch::FIRST,
             decode_engine: engine(engine_name),
@@ -264,7 +264,7 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
             decode_rank: rank,
             blocks: BlockIds::single_group(blocks),
             num_tokens: 8,
-        })
+        }))
     };
     let valid = wire::encode(&register("hostile", 0, vec![1], "cmpl-h1-0-aaaaaaaa"));
     let cancel = wire::encode(&Message::Cancel(Cancel {

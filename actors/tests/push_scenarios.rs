@@ -249,10 +249,18 @@ fn register_not_matching_its_sender_is_dropped() {
 
     let mut other_engine = register(1, &[500]);
     other_engine.decode_engine = engine("someone-else");
-    h.inject(&d_addr(), &p_addr(), Message::Register(other_engine));
+    h.inject(
+        &d_addr(),
+        &p_addr(),
+        Message::Register(Box::new(other_engine)),
+    );
     let mut other_rank = register(1, &[500]);
     other_rank.decode_rank = 3;
-    h.inject(&d_addr(), &p_addr(), Message::Register(other_rank));
+    h.inject(
+        &d_addr(),
+        &p_addr(),
+        Message::Register(Box::new(other_rank)),
+    );
 
     assert_eq!(h.p().counters().dropped(DropReason::Unexpected), 2);
     assert!(h.posted.is_empty());
@@ -264,7 +272,11 @@ fn register_not_matching_its_sender_is_dropped() {
     );
 
     // The genuine registration still matches.
-    h.inject(&d_addr(), &p_addr(), Message::Register(register(1, &[500])));
+    h.inject(
+        &d_addr(),
+        &p_addr(),
+        Message::Register(Box::new(register(1, &[500]))),
+    );
     assert_eq!(h.posted.len(), 1);
 }
 
@@ -275,7 +287,11 @@ fn message_from_unconnected_peer_is_dropped() {
     let mut h = Harness::new();
     h.prefill(prefill_start(1, &[10])).unwrap();
     let peers_before = h.p().stats().peers;
-    h.inject(&d_addr(), &p_addr(), Message::Register(register(1, &[500])));
+    h.inject(
+        &d_addr(),
+        &p_addr(),
+        Message::Register(Box::new(register(1, &[500]))),
+    );
     assert_eq!(h.p().counters().dropped(DropReason::UnknownPeer), 1);
     assert_eq!(h.p().stats().peers, peers_before);
     assert!(h.posted.is_empty());

@@ -307,7 +307,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
         h.extend_from_slice(&len.to_le_bytes());
         h
     };
-    let register = wire::encode(&Message::Register(Register {
+    let register = wire::encode(&Message::Register(Box::new(Register {
         key: PairingKey::new("k-1").unwrap(),
         epoch: Epoch::FIRST,
         decode_engine: engine("raw-d"),
@@ -315,7 +315,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
         decode_rank: 0,
         blocks: BlockIds::single_group(vec![1]),
         num_tokens: 4,
-    }));
+    })));
     let mut malformed = header(1, 20);
     malformed.extend_from_slice(&[0xff; 20]);
     let slow_loris = good_frame[..HEADER_LEN + 10].to_vec();

@@ -288,7 +288,7 @@ pub enum Message {
     /// Side-channel handshake.
     Handshake(Box<Handshake>),
     /// D registers its blocks.
-    Register(Register),
+    Register(Box<Register>),
     /// P's writes landed.
     WriteDone(WriteDone),
     /// P's writes failed or will not happen; nothing is in flight.

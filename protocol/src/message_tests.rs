@@ -43,7 +43,7 @@ fn one_of_each() -> Vec<Message> {
             modes: vec![],
             clock_sample_us: 0,
         })),
-        Message::Register(Register {
+        Message::Register(Box::new(Register {
             key: key(),
             epoch: Epoch(1),
             decode_engine: EngineId::new("d").unwrap(),
@@ -51,7 +51,7 @@ fn one_of_each() -> Vec<Message> {
             decode_rank: 0,
             blocks: BlockIds::default(),
             num_tokens: 0,
-        }),
+        })),
         Message::WriteDone(WriteDone {
             key: key(),
             epoch: Epoch(2),
@@ -196,7 +196,7 @@ fn block_id_rules() {
 #[test]
 fn the_first_broken_rule_is_reported() {
     // A register with a zero epoch and a duplicate block: the epoch is checked first.
-    let m = Message::Register(Register {
+    let m = Message::Register(Box::new(Register {
         key: key(),
         epoch: Epoch(0),
         decode_engine: EngineId::new("d").unwrap(),
@@ -204,7 +204,7 @@ fn the_first_broken_rule_is_reported() {
         decode_rank: 0,
         blocks: BlockIds::single_group(vec![1, 1]),
         num_tokens: 0,
-    });
+    }));
     assert_eq!(m.validate(), Err(FieldError::ZeroEpoch));
 }
 

@@ -268,7 +268,7 @@ pub fn decode(bytes: &[u8]) -> Result<Message, WireError> {
     let kind = header.kind;
     let message = match kind {
         MessageKind::Handshake => Message::Handshake(Box::new(payload(kind, body)?)),
-        MessageKind::Register => Message::Register(payload(kind, body)?),
+        MessageKind::Register => Message::Register(Box::new(payload(kind, body)?)),
         MessageKind::WriteDone => Message::WriteDone(payload(kind, body)?),
         MessageKind::WriteFailed => Message::WriteFailed(payload(kind, body)?),
         MessageKind::Cancel => Message::Cancel(payload(kind, body)?),

@@ -275,7 +275,7 @@ fn invalid_field_too_long_id() {
 #[test]
 fn invalid_field_control_character() {
     for (id, at) in [("a\nb", 1), ("\0", 0), ("é\u{7f}", 2), ("x\u{85}", 1)] {
-        let m = Message::Register(Register {
+        let m = Message::Register(Box::new(Register {
             key: key(),
             epoch: Epoch(1),
             decode_engine: EngineId::new("decode-0").unwrap(),
@@ -283,7 +283,7 @@ fn invalid_field_control_character() {
             decode_rank: 0,
             blocks: BlockIds::single_group(vec![1]),
             num_tokens: 16,
-        });
+        }));
         assert_eq!(
             field_error(&m),
             FieldError::Id(IdError::ControlCharacter {
@@ -296,7 +296,7 @@ fn invalid_field_control_character() {
 }
 
 fn register_with(blocks: BlockIds) -> Message {
-    Message::Register(Register {
+    Message::Register(Box::new(Register {
         key: key(),
         epoch: Epoch(1),
         decode_engine: EngineId::new("decode-0").unwrap(),
@@ -304,7 +304,7 @@ fn register_with(blocks: BlockIds) -> Message {
         decode_rank: 0,
         blocks,
         num_tokens: 1,
-    })
+    }))
 }
 
 #[test]

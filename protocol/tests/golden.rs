@@ -120,7 +120,7 @@ fn handshake() -> Message {
 }
 
 fn register() -> Message {
-    Message::Register(Register {
+    Message::Register(Box::new(Register {
         key: key(),
         epoch: Epoch(2),
         decode_engine: EngineId::new("decode-1").unwrap(),
@@ -131,7 +131,7 @@ fn register() -> Message {
             groups: vec![vec![7, 8, 9, 300, 70_000], vec![12, 11], vec![5]],
         },
         num_tokens: 130,
-    })
+    }))
 }
 
 fn write_done() -> Message {

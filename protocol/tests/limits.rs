@@ -33,7 +33,7 @@ fn fits_and_round_trips(message: &Message) -> usize {
 }
 
 fn register(groups: Vec<Vec<u32>>) -> Message {
-    Message::Register(Register {
+    Message::Register(Box::new(Register {
         key: PairingKey::new(long_id(1)).unwrap(),
         epoch: Epoch(u64::MAX),
         decode_engine: EngineId::new(long_id(2)).unwrap(),
@@ -41,7 +41,7 @@ fn register(groups: Vec<Vec<u32>>) -> Message {
         decode_rank: u32::MAX,
         blocks: BlockIds { groups },
         num_tokens: u64::MAX,
-    })
+    }))
 }
 
 /// `n` distinct ids that each take the longest (5-byte) varint.

@@ -36,7 +36,7 @@ proptest! {
 
     #[test]
     fn register_round_trips(m in register()) {
-        round_trip(&Message::Register(m))?;
+        round_trip(&Message::Register(Box::new(m)))?;
     }
 
     #[test]

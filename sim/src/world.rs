@@ -428,7 +428,7 @@ impl World {
             };
             match output {
                 Output::Send { to, message } => self.send(node, &to, message),
-                Output::PostWrite(order) => self.post_write(node, order),
+                Output::PostWrite(order) => self.post_write(node, *order),
                 Output::AbandonWrite { write } => self.abandon_write(node, write),
                 Output::Connect { peer } => self.connect(node, &peer),
                 Output::Invalidate { peer } => {

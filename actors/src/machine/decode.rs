@@ -122,7 +122,7 @@ impl DecodeCommon {
     }
 
     fn register_message(&self, own: &PeerAddr) -> Message {
-        Message::Register(Register {
+        Message::Register(Box::new(Register {
             key: self.key.clone(),
             epoch: self.epoch,
             decode_engine: own.engine.clone(),
@@ -130,7 +130,7 @@ impl DecodeCommon {
             decode_rank: own.rank,
             blocks: self.blocks.clone(),
             num_tokens: self.num_tokens,
-        })
+        }))
     }
 
     fn cancel_message(&self, reason: CancelReason) -> Message {

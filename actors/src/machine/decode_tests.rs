@@ -145,7 +145,7 @@ fn failed(expected_writes: u32, reason: DecodeFailure, proof: FreeProof) -> Next
 fn register_sent() -> Output {
     Output::Send {
         to: prefill(),
-        message: Message::Register(Register {
+        message: Message::Register(Box::new(Register {
             key: key(),
             epoch: Epoch(2),
             decode_engine: own().engine,
@@ -153,7 +153,7 @@ fn register_sent() -> Output {
             decode_rank: 3,
             blocks: BlockIds::single_group(vec![500, 501]),
             num_tokens: 40,
-        }),
+        })),
     }
 }
 

@@ -97,14 +97,27 @@ pub(crate) struct PrefillEnded {
 /// because P learns its epoch from the registration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum PrefillInput {
-    Registered { from: PeerAddr, register: Register },
+    Registered {
+        from: PeerAddr,
+        register: Box<Register>,
+    },
     Heartbeat,
-    Cancel { from: PeerAddr, epoch: Epoch },
-    Release { epoch: Epoch, reason: ReleaseReason },
+    Cancel {
+        from: PeerAddr,
+        epoch: Epoch,
+    },
+    Release {
+        epoch: Epoch,
+        reason: ReleaseReason,
+    },
     Abort,
     WriteCompleted,
-    WriteFailed { failure: WriteFailure },
-    PeerDead { peer: PeerAddr },
+    WriteFailed {
+        failure: WriteFailure,
+    },
+    PeerDead {
+        peer: PeerAddr,
+    },
     Timeout,
 }
 
@@ -278,7 +291,7 @@ impl Held {
             );
         };
         let write = ctx.next_write;
-        fx.emit(Output::PostWrite(WriteOrder {
+        fx.emit(Output::PostWrite(Box::new(WriteOrder {
             write,
             to: from.clone(),
             key: register.key.clone(),
@@ -290,7 +303,7 @@ impl Held {
                 epoch: register.epoch,
                 prefill_rank: ctx.own_rank,
             }),
-        }));
+        })));
         fx.counters.writes_posted += 1;
         Step::Live(PrefillRequest::Writing(Writing {
             common: self.common,
@@ -311,7 +324,7 @@ impl Held {
     ) -> PrefillStep {
         match input {
             PrefillInput::Registered { from, register } => {
-                self.start_write(ctx, from, register, fx)
+                self.start_write(ctx, from, *register, fx)
             }
             PrefillInput::Heartbeat => {
                 self.lease_until = self.lease_until.max(ctx.now + ctx.config.lease_extension);

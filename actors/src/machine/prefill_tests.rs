@@ -79,7 +79,7 @@ fn common() -> PrefillCommon {
 fn register_from(from: &PeerAddr, epoch: Epoch, blocks: BlockIds) -> PrefillInput {
     PrefillInput::Registered {
         from: from.clone(),
-        register: Register {
+        register: Box::new(Register {
             key: key(),
             epoch,
             decode_engine: from.engine.clone(),
@@ -87,7 +87,7 @@ fn register_from(from: &PeerAddr, epoch: Epoch, blocks: BlockIds) -> PrefillInpu
             decode_rank: from.rank,
             blocks,
             num_tokens: 40,
-        },
+        }),
     }
 }
 
@@ -212,7 +212,7 @@ fn cancel_ack() -> Output {
 }
 
 fn post(to: &PeerAddr, local: BlockIds, remote: BlockIds) -> Output {
-    Output::PostWrite(WriteOrder {
+    Output::PostWrite(Box::new(WriteOrder {
         write: WRITE,
         to: to.clone(),
         key: key(),
@@ -224,7 +224,7 @@ fn post(to: &PeerAddr, local: BlockIds, remote: BlockIds) -> Output {
             epoch: EPOCH,
             prefill_rank: OWN_RANK,
         }),
-    })
+    }))
 }
 
 fn abandon() -> Output {

@@ -210,7 +210,7 @@ pub enum Output {
         message: Message,
     },
     /// Post a write.
-    PostWrite(WriteOrder),
+    PostWrite(Box<WriteOrder>),
     /// Make sure a write never lands, then report it with [`Input::WriteCompleted`] (it had
     /// landed) or [`Input::WriteFailed`].
     AbandonWrite {

@@ -32,7 +32,7 @@ pub(crate) use tombstones::PrefillTombstone;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PendingRegistration {
     pub(crate) from: PeerAddr,
-    pub(crate) register: Register,
+    pub(crate) register: Box<Register>,
     pub(crate) expires: Time,
 }
 
@@ -267,7 +267,7 @@ impl Writer {
         &mut self,
         now: Time,
         from: PeerAddr,
-        register: Register,
+        register: Box<Register>,
         fx: &mut Effects<'_>,
     ) {
         if register.decode_engine != from.engine || register.decode_rank != from.rank {

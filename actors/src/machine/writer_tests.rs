@@ -74,8 +74,8 @@ fn d_blocks() -> BlockIds {
     BlockIds::single_group(vec![500, 501])
 }
 
-fn registration(from: &PeerAddr, epoch: Epoch) -> Register {
-    Register {
+fn registration(from: &PeerAddr, epoch: Epoch) -> Box<Register> {
+    Box::new(Register {
         key: key(),
         epoch,
         decode_engine: from.engine.clone(),
@@ -83,7 +83,7 @@ fn registration(from: &PeerAddr, epoch: Epoch) -> Register {
         decode_rank: from.rank,
         blocks: d_blocks(),
         num_tokens: 40,
-    }
+    })
 }
 
 fn start_with(request: RequestId, blocks: BlockIds) -> PrefillStart {
@@ -102,7 +102,7 @@ fn start() -> PrefillStart {
 
 #[derive(Debug, Clone)]
 enum WInput {
-    Register(PeerAddr, Register),
+    Register(PeerAddr, Box<Register>),
     Cancel(PeerAddr, Epoch),
     Release(Epoch, ReleaseReason),
     Heartbeat(Vec<PairingKey>),
@@ -419,7 +419,7 @@ fn ack(epoch: Epoch) -> Output {
 }
 
 fn post(epoch: Epoch) -> Output {
-    Output::PostWrite(WriteOrder {
+    Output::PostWrite(Box::new(WriteOrder {
         write: W1,
         to: d(),
         key: key(),
@@ -431,7 +431,7 @@ fn post(epoch: Epoch) -> Output {
             epoch,
             prefill_rank: RANK,
         }),
-    })
+    }))
 }
 
 fn none() -> Counters {
@@ -2428,7 +2428,7 @@ fn second_held(now: Time, tombstone: PrefillTombstone) -> KeyState {
 
 /// The write P posts when `register` (from `to`) meets blocks held for `key()`.
 fn post_to(write: WriteId, to: &PeerAddr, epoch: Epoch) -> Output {
-    Output::PostWrite(WriteOrder {
+    Output::PostWrite(Box::new(WriteOrder {
         write,
         to: to.clone(),
         key: key(),
@@ -2440,7 +2440,7 @@ fn post_to(write: WriteId, to: &PeerAddr, epoch: Epoch) -> Output {
             epoch,
             prefill_rank: RANK,
         }),
-    })
+    }))
 }
 
 /// After P answered a registration for epoch e, P finishes a new request for the key: a

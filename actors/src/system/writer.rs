@@ -26,7 +26,7 @@ pub enum WriterOp {
         message: WireMessage,
     },
     /// Plan and post a write.
-    Post(WriteOrder),
+    Post(Box<WriteOrder>),
     /// Make sure a write never lands.
     Abandon(WriteId),
     /// Cut a dead peer off.
@@ -107,7 +107,7 @@ impl<T: Transport> WriterActor<T> {
         }
     }
 
-    fn post(&mut self, order: WriteOrder) -> Option<Input> {
+    fn post(&mut self, order: &WriteOrder) -> Option<Input> {
         let failed = |write| {
             Some(Input::WriteFailed {
                 write,
@@ -172,7 +172,7 @@ impl<T: Transport> WriterActor<T> {
                     }
                 }
             }
-            WriterOp::Post(order) => feed.extend(self.post(order)),
+            WriterOp::Post(order) => feed.extend(self.post(&order)),
             WriterOp::Abandon(write) => {
                 // On refusal the write stays in flight and its completion still comes; the
                 // endpoint invalidates the peer if it never does.

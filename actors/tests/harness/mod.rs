@@ -796,7 +796,7 @@ impl Harness {
                     self.feed(from, Input::PeerConnectFailed { peer, reason });
                 }
             },
-            Output::PostWrite(order) => self.post(from, order),
+            Output::PostWrite(order) => self.post(from, *order),
             Output::AbandonWrite { write } => {
                 let id = (from.clone(), write);
                 if let Some(w) = self.writes.remove(&id) {

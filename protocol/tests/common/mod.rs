@@ -368,7 +368,7 @@ pub fn release() -> impl Strategy<Value = Release> {
 pub fn message() -> impl Strategy<Value = Message> {
     prop_oneof![
         handshake().prop_map(|h| Message::Handshake(Box::new(h))),
-        register().prop_map(Message::Register),
+        register().prop_map(|r| Message::Register(Box::new(r))),
         write_done().prop_map(Message::WriteDone),
         write_failed().prop_map(Message::WriteFailed),
         cancel().prop_map(Message::Cancel),
