@@ -39,6 +39,12 @@ impl<M> Slot<M> {
             .unwrap_or_else(|| unreachable!("only a transition empties a slot"))
     }
 
+    fn get_mut(&mut self) -> &mut M {
+        (*self.machine)
+            .as_mut()
+            .unwrap_or_else(|| unreachable!("only a transition empties a slot"))
+    }
+
     fn take(&mut self) -> M {
         (*self.machine)
             .take()
@@ -74,11 +80,7 @@ impl<K: Ord + Clone, M> Machines<K, M> {
 
     /// For changes a machine makes to itself that leave its timer alone (queueing a message).
     pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut M> {
-        self.slots.get_mut(key).map(|slot| {
-            (*slot.machine)
-                .as_mut()
-                .unwrap_or_else(|| unreachable!("only a transition empties a slot"))
-        })
+        self.slots.get_mut(key).map(Slot::get_mut)
     }
 
     /// Adds a machine, with its timer at `at`, for a key that has none.
@@ -222,9 +224,11 @@ impl<K: Ord + Clone, M> Machines<K, M> {
     }
 }
 
-/// Which entry of which table a timer belongs to; one timer per entry.
+/// Which entry of which table a timer belongs to; one timer per entry. For tables of plain
+/// entries (P's pending registrations, whose timers move with every renewal); machines keep
+/// their timers in [`Machines`].
 ///
-/// Timers move on nearly every step, so moving one costs one search: `by_key` holds each key's
+/// Moving a timer costs one search: `by_key` holds each key's
 /// live time, and `queue` every time ever set, earliest first (ties by key), stale entries
 /// included. A stale entry is skipped when it reaches the front, the front is always live (so
 /// [`Self::next`] is exact), and `queue` is rebuilt from `by_key` when stale entries outnumber
