@@ -555,11 +555,10 @@ async fn fake_listener(answer: Option<fn(Handshake) -> Handshake>) -> SocketAddr
 async fn initiator_failures_are_typed() {
     let fabric = MemFabric::new();
     let mut d = start(&fabric, "decode", quick());
-    let refused = {
-        // A port nothing listens on any more.
-        let l = std::net::TcpListener::bind(loopback()).unwrap();
-        l.local_addr().unwrap()
-    };
+    // A port nothing listens on once the other listeners are up: held until then, so that the
+    // system cannot hand the same port to one of them (which turned "refused" into "echo").
+    let refused_holder = std::net::TcpListener::bind(loopback()).unwrap();
+    let refused = refused_holder.local_addr().unwrap();
     add_peer(&d, "p-refused", refused).await;
     add_peer(&d, "p-silent", fake_listener(None).await).await;
     add_peer(&d, "p-echo", fake_listener(Some(|theirs| theirs)).await).await;
@@ -584,6 +583,7 @@ async fn initiator_failures_are_typed() {
         .await,
     )
     .await;
+    drop(refused_holder);
     let cases = [
         ("p-unknown", RejectReason::NoAddress),
         ("p-refused", RejectReason::ConnectRefused),
