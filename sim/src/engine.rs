@@ -61,7 +61,6 @@ pub(crate) fn draw_rates(rng: &mut ChaCha8Rng, faults: Faults) -> Rates {
         rates.fail_later = pick(&[0.0, 0.02, 0.05]);
         rates.hang = pick(&[0.0, 0.01, 0.03]);
         rates.slow_write = pick(&[0.0, 0.05, 0.2]);
-        rates.broken_abandon = pick(&[0.0, 0.2]);
         rates.abort = pick(&[0.0, 0.03, 0.1]);
         rates.retry = pick(&[0.0, 0.3, 0.6]);
         rates.connect_fail = pick(&[0.0, 0.02, 0.1]);
@@ -161,6 +160,8 @@ impl World {
         let r = self.requests[request].clone();
         let node = r.d_node;
         let Some(attempt) = r.d.iter().position(|a| a.status == Status::Pending) else {
+            // Nothing to start (a duplicate start): pass the wake-up on.
+            self.wake_waiters(node, 1);
             return;
         };
         let a = r.d[attempt].clone();
@@ -175,9 +176,9 @@ impl World {
             None
         };
         let Some(blocks) = blocks else {
-            // No memory or no process: the engine tries again later.
-            let later = micros(&mut self.rng, 2_000, 10_000);
-            self.schedule(later, Ev::DecodeStart { request });
+            // No memory or no process: the engine waits until blocks are freed (or the
+            // process is back), as a real scheduler's queue does.
+            self.alloc_waiters[node].push_back((request, true));
             return;
         };
         let inc = self.nodes[node].incarnation;
@@ -187,6 +188,7 @@ impl World {
             node_inc: inc,
             started: self.now,
         };
+        self.last_progress = self.now;
         let start = DecodeStart {
             request: a.id,
             key: r.key.clone(),
@@ -202,6 +204,7 @@ impl World {
     pub(crate) fn prefill_start(&mut self, request: usize) {
         let r = self.requests[request].clone();
         let Some(attempt) = r.p.iter().position(|a| a.status == Status::Pending) else {
+            self.wake_waiters(0, 1);
             return;
         };
         let a = r.p[attempt].clone();
@@ -209,6 +212,7 @@ impl World {
         if r.p.iter().any(|x| matches!(x.status, Status::Live { .. })) {
             self.requests[request].p[attempt].status = Status::Skipped;
             *self.outcomes.entry("prefill.skipped".into()).or_insert(0) += 1;
+            self.wake_waiters(0, 1);
             return;
         }
         let owner = Owner {
@@ -222,8 +226,7 @@ impl World {
             None
         };
         let Some(blocks) = blocks else {
-            let later = micros(&mut self.rng, 2_000, 10_000);
-            self.schedule(later, Ev::PrefillStart { request });
+            self.alloc_waiters[0].push_back((request, false));
             return;
         };
         for (index, &b) in blocks.iter().enumerate() {
@@ -236,12 +239,30 @@ impl World {
             node_inc: inc,
             started: self.now,
         };
+        self.last_progress = self.now;
         let start = PrefillStart {
             request: a.id,
             key: r.key.clone(),
             blocks: BlockIds::single_group(blocks),
         };
         self.feed(0, Input::PrefillFinished(start));
+    }
+
+    /// `freed` blocks came back on `node` (or the node restarted, `usize::MAX`): the engine
+    /// retries that many waiting allocations, oldest first.
+    pub(crate) fn wake_waiters(&mut self, node: NodeId, freed: usize) {
+        for _ in 0..freed {
+            let Some((request, decode)) = self.alloc_waiters[node].pop_front() else {
+                return;
+            };
+            let later = micros(&mut self.rng, 0, 2_000);
+            let ev = if decode {
+                Ev::DecodeStart { request }
+            } else {
+                Ev::PrefillStart { request }
+            };
+            self.schedule(later, ev);
+        }
     }
 
     pub(crate) fn abort(&mut self, request: usize, decode: bool) {
@@ -308,9 +329,11 @@ impl World {
             return;
         }
         let addr = self.nodes[node].addr.clone();
-        let endpoint =
+        let mut endpoint =
             Endpoint::new(addr.engine, addr.rank, self.cfg.machine.clone()).expect("valid config");
+        endpoint.set_mutation(self.cfg.mutation);
         self.nodes[node].endpoint = Some(endpoint);
+        self.wake_waiters(node, usize::MAX);
     }
 
     pub(crate) fn absorb_counters(&mut self, endpoint: &Endpoint) {
@@ -321,6 +344,9 @@ impl World {
         self.counters.peers_declared_dead += c.peers_declared_dead;
         self.counters.writes_abandoned += c.writes_abandoned;
         self.counters.cancel_resends += c.cancel_resends;
+        self.counters.fence_frees += c.fence_frees;
+        self.counters.stuck_writes += c.stuck_writes;
+        self.tombstones_evicted += endpoint.tombstones_evicted();
         for (reason, n) in &c.dropped {
             *self.counters.dropped.entry(*reason).or_insert(0) += n;
         }
@@ -428,6 +454,36 @@ impl World {
             }
         }
         parts.join("; ")
+    }
+
+    /// Who holds each block still leased: the node, the block, its owner's attempt and where
+    /// that attempt is (and, for a live D request, that its machine still has it).
+    pub(crate) fn explain_leaks(&self) -> Vec<String> {
+        let mut leaks = Vec::new();
+        for (n, node) in self.nodes.iter().enumerate() {
+            for (block, owner) in node.pool.leased_blocks() {
+                let r = &self.requests[owner.request];
+                let attempts = if n == 0 { &r.p } else { &r.d };
+                let attempt = attempts.iter().find(|a| a.epoch == owner.epoch);
+                let held_by = match attempt {
+                    Some(a) => {
+                        let in_machine = node.endpoint.as_ref().is_some_and(|e| {
+                            e.live_decode_blocks().any(|(id, _)| id == &a.id)
+                                || e.live_prefill_requests().any(|id| id == &a.id)
+                        });
+                        let machine = if in_machine {
+                            "its machine still holds the request"
+                        } else {
+                            "no machine holds the request"
+                        };
+                        format!("{} ({:?}; {machine})", a.id, a.status)
+                    }
+                    None => format!("unknown attempt {owner:?}"),
+                };
+                leaks.push(format!("node {n} ({}) block {block}: {held_by}", node.addr));
+            }
+        }
+        leaks
     }
 
     /// Every attempt ended, nothing is queued, every table and pool is empty.

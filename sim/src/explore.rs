@@ -192,6 +192,9 @@ pub struct Exhaustive {
     pub states: usize,
     /// Paths cut by the depth bound.
     pub depth_cut: usize,
+    /// Every state within the depth bound was visited (the search did not stop at
+    /// `max_states`, nor at a violation).
+    pub complete: bool,
     /// The first violation, with the path of choices that reaches it.
     pub violation: Option<(crate::Violation, Vec<Action>)>,
 }
@@ -217,7 +220,8 @@ pub fn exhaustive(cfg: &WorldConfig, max_depth: usize, max_states: usize) -> Exh
         }
         result.states += 1;
         if result.states >= max_states {
-            break;
+            // Stopped at the cap: `complete` stays false and says so.
+            return result;
         }
         if path.len() >= max_depth {
             result.depth_cut += 1;
@@ -229,5 +233,6 @@ pub fn exhaustive(cfg: &WorldConfig, max_depth: usize, max_states: usize) -> Exh
             stack.push(next);
         }
     }
+    result.complete = true;
     result
 }

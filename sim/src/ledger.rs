@@ -190,6 +190,14 @@ impl Pool {
         Ok(())
     }
 
+    /// Every leased block and its owner, in block order.
+    pub fn leased_blocks(&self) -> impl Iterator<Item = (u32, Owner)> + '_ {
+        self.blocks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| Some((i as u32, b.owner?)))
+    }
+
     /// Blocks still leased (a leak once everything ended).
     pub fn leased(&self) -> usize {
         self.blocks.len() - self.free.len()

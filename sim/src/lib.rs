@@ -18,8 +18,10 @@ mod nixl;
 mod world;
 
 use std::collections::BTreeMap;
-use std::ops::Range;
+use std::ops::{Range, RangeInclusive};
 
+use kvhandoff_actors::machine::Mutation;
+use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -72,6 +74,11 @@ pub const COVERAGE_MARKS: &[&str] = &[
     "crash_restart",
     "quarantine_free",
     "message_lost_with_connection",
+    "write_landed_after_invalidate",
+    "write_landed_after_abandon",
+    "false_death_peer_alive",
+    "tombstone_evicted",
+    "fence_free",
 ];
 
 /// What to run.
@@ -79,14 +86,54 @@ pub const COVERAGE_MARKS: &[&str] = &[
 pub struct SimOptions {
     /// Seeds to run, one world each.
     pub seeds: Range<u64>,
-    /// Requests per world.
-    pub requests: usize,
-    /// Faults to inject.
+    /// Requests per world: drawn per seed from this range (one value: a fixed load).
+    pub requests: RangeInclusive<usize>,
+    /// Blocks per rank: drawn per seed from this range. Small pools mean contention and blocks
+    /// reused soon after they are freed; large ones, many requests in flight at a fault.
+    pub pool_blocks: RangeInclusive<u32>,
+    /// Which faults to inject.
     pub faults: Faults,
-    /// Four times the requests over four times the virtual time.
+    /// Four times the virtual time over which requests start.
     pub long: bool,
-    /// Turn on the deliberate bug `mutation_free_on_deadline` (the simulator must catch it).
-    pub mutation: bool,
+    /// The deliberate bug every endpoint runs with (the simulator must catch it).
+    pub mutation: Option<Mutation>,
+}
+
+impl SimOptions {
+    /// `requests` requests per seed, the default pool, no mutation.
+    pub fn new(seeds: Range<u64>, requests: usize, faults: Faults) -> SimOptions {
+        SimOptions {
+            seeds,
+            requests: requests..=requests,
+            pool_blocks: DEFAULT_POOL_BLOCKS..=DEFAULT_POOL_BLOCKS,
+            faults,
+            long: false,
+            mutation: None,
+        }
+    }
+
+    /// The long sweep's load: 10–300 requests and 8–128 blocks per rank, drawn per seed, over
+    /// four times the virtual time.
+    pub fn long_sweep(seeds: Range<u64>, faults: Faults) -> SimOptions {
+        SimOptions {
+            requests: 10..=300,
+            pool_blocks: 8..=128,
+            long: true,
+            ..SimOptions::new(seeds, 50, faults)
+        }
+    }
+}
+
+/// Blocks per rank unless a sweep says otherwise.
+pub const DEFAULT_POOL_BLOCKS: u32 = 24;
+
+/// The load of one seed: drawn from the options by the seed alone (not from the world's
+/// stream), so a seed replays with the same load whatever else runs.
+pub fn seed_load(opts: &SimOptions, seed: u64) -> (usize, u32) {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x6c6f_6164_6c6f_6164);
+    let requests = rng.gen_range(opts.requests.clone());
+    let pool = rng.gen_range(opts.pool_blocks.clone());
+    (requests, pool)
 }
 
 /// The result of a sweep. Identical for identical options, whatever the thread count.
@@ -94,20 +141,39 @@ pub struct SimOptions {
 pub struct SimReport {
     /// Seeds run.
     pub seeds: u64,
-    /// Requests per seed.
+    /// Requests per seed (the most any seed ran when the load varies).
     pub requests: usize,
+    /// Requests per seed were drawn from `[lo, hi]`.
+    pub requests_range: [usize; 2],
+    /// Blocks per rank were drawn from `[lo, hi]`.
+    pub pool_blocks_range: [u32; 2],
+    /// Requests run over all seeds.
+    pub total_requests: u64,
+    /// The deliberate bug the run had, if any.
+    pub mutation: Option<String>,
     /// Terminal outcomes by kind (`decode.Ready`, `prefill.Sent`, ...).
     pub outcomes: BTreeMap<String, u64>,
     /// Every broken invariant, with its seed, step and last steps.
     pub violations: Vec<Violation>,
     /// Blocks still leased when a run ended.
     pub leaked_blocks: u64,
+    /// Each leaked block: seed, node, block and who held it (at most 64 listed).
+    pub leaks: Vec<String>,
     /// Writes that landed in a block not leased to their (key, epoch).
     pub stale_writes: u64,
     /// Coverage marks and how often they were hit.
     pub coverage: BTreeMap<String, u64>,
+    /// Machine counters worth watching, summed (fence frees, stuck writes, evictions...).
+    pub counters: BTreeMap<String, u64>,
     /// SHA-256 (hex) over every step of every seed, in seed order.
     pub trace_hash: String,
+}
+
+impl SimReport {
+    /// No violation, no leak, no stale write.
+    pub fn clean(&self) -> bool {
+        self.violations.is_empty() && self.leaked_blocks == 0 && self.stale_writes == 0
+    }
 }
 
 /// One seed's result.
@@ -121,6 +187,12 @@ pub struct SeedResult {
     pub violations: Vec<Violation>,
     /// Blocks still leased at the end.
     pub leaked_blocks: u64,
+    /// Who held each leaked block.
+    pub leaks: Vec<String>,
+    /// Requests the seed ran.
+    pub requests: usize,
+    /// Machine counters worth watching.
+    pub counters: BTreeMap<&'static str, u64>,
     /// Stale landings.
     pub stale_writes: u64,
     /// Coverage marks.
@@ -167,7 +239,7 @@ pub fn run_seed(
     requests: usize,
     faults: Faults,
     long: bool,
-    mutation: bool,
+    mutation: Option<Mutation>,
 ) -> SeedResult {
     let mut cfg = WorldConfig::seeded(requests, faults, mutation);
     if long {
@@ -176,10 +248,14 @@ pub fn run_seed(
     run_world(cfg, seed)
 }
 
+/// How long after faults stop (and after the last attempt started or ended, whichever is
+/// later) the world must be quiescent: a backlog of requests waiting for blocks is progress,
+/// not a liveness failure, as long as something starts or ends within this window.
+pub const LIVENESS_WINDOW: std::time::Duration = std::time::Duration::from_secs(40);
+
 /// Runs one seeded world of any shape (see [`run_seed`]).
 pub fn run_world(cfg: WorldConfig, seed: u64) -> SeedResult {
     let mut world = World::new(cfg, seed);
-    let limit_after = std::time::Duration::from_secs(40);
     loop {
         if !world.violations().is_empty() {
             break;
@@ -187,10 +263,12 @@ pub fn run_world(cfg: WorldConfig, seed: u64) -> SeedResult {
         if world.now() >= world.heal && world.quiescent() {
             break;
         }
-        if world.now() > world.heal + limit_after {
+        if world.now() > world.heal.max(world.last_progress) + LIVENESS_WINDOW {
             let left = world.unfinished();
             world.violate(format!(
-                "L2: not quiescent 40 s after faults stopped: {left}"
+                "L2: not quiescent {} s after faults stopped and the last attempt started or \
+                 ended: {left}",
+                LIVENESS_WINDOW.as_secs()
             ));
             break;
         }
@@ -224,9 +302,23 @@ impl World {
         self.coverage
             .insert("prefill_finished_first", c.prefill_finished_first);
         self.coverage.insert("quarantine_free", c.quarantine_frees);
+        self.coverage.insert("tombstone_evicted", self.tombstones_evicted);
+        let counters = BTreeMap::from([
+            ("quarantine_frees", c.quarantine_frees),
+            ("fence_frees", c.fence_frees),
+            ("stuck_writes", c.stuck_writes),
+            ("tombstones_evicted", self.tombstones_evicted),
+            ("peers_declared_dead", c.peers_declared_dead),
+            ("writes_abandoned", c.writes_abandoned),
+            ("cancel_resends", c.cancel_resends),
+            ("fenced_block_us", self.fenced_block_us),
+        ]);
         SeedResult {
             seed,
             leaked_blocks: self.nodes.iter().map(|n| n.pool.leased() as u64).sum(),
+            leaks: self.explain_leaks(),
+            requests: self.cfg.requests,
+            counters,
             stale_writes: self.stale_writes,
             trace_hash: self.trace_hash(),
             steps: self.step,
@@ -240,15 +332,18 @@ impl World {
 /// Runs every seed of `opts` (on two threads) and merges the results in seed order.
 pub fn run_seeds(opts: &SimOptions) -> SimReport {
     let seeds: Vec<u64> = opts.seeds.clone().collect();
-    let requests = if opts.long {
-        opts.requests * 4
-    } else {
-        opts.requests
-    };
     let run = |chunk: &[u64]| -> Vec<SeedResult> {
         chunk
             .iter()
-            .map(|&s| run_seed(s, requests, opts.faults, opts.long, opts.mutation))
+            .map(|&s| {
+                let (requests, pool) = seed_load(opts, s);
+                let mut cfg = WorldConfig::seeded(requests, opts.faults, opts.mutation);
+                cfg.pool_blocks = pool;
+                if opts.long {
+                    cfg.span *= 4;
+                }
+                run_world(cfg, s)
+            })
             .collect()
     };
     let half = seeds.len().div_ceil(2);
@@ -262,23 +357,105 @@ pub fn run_seeds(opts: &SimOptions) -> SimReport {
     results.sort_by_key(|r| r.seed);
     let mut report = SimReport {
         seeds: seeds.len() as u64,
-        requests,
+        requests_range: [*opts.requests.start(), *opts.requests.end()],
+        pool_blocks_range: [*opts.pool_blocks.start(), *opts.pool_blocks.end()],
+        mutation: opts.mutation.map(|m| m.name().to_string()),
         coverage: COVERAGE_MARKS.iter().map(|m| (m.to_string(), 0)).collect(),
         ..SimReport::default()
     };
     let mut hash = Sha256::new();
     for r in results {
+        report.requests = report.requests.max(r.requests);
+        report.total_requests += r.requests as u64;
         for (k, v) in r.outcomes {
             *report.outcomes.entry(k).or_insert(0) += v;
         }
         for (k, v) in r.coverage {
             *report.coverage.entry(k.to_string()).or_insert(0) += v;
         }
+        for (k, v) in r.counters {
+            *report.counters.entry(k.to_string()).or_insert(0) += v;
+        }
         report.violations.extend(r.violations);
         report.leaked_blocks += r.leaked_blocks;
+        for leak in r.leaks {
+            if report.leaks.len() < 64 {
+                report.leaks.push(format!("seed {}: {leak}", r.seed));
+            }
+        }
         report.stale_writes += r.stale_writes;
         hash.update(r.trace_hash);
     }
     report.trace_hash = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    report
+}
+
+/// One scope of the exhaustive check: requests, crashes and the depth bound.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ExhaustiveScope {
+    /// Requests in the small world.
+    pub requests: usize,
+    /// Most crashes.
+    pub crashes: u32,
+    /// Depth bound (choices per path).
+    pub depth: usize,
+    /// Distinct states visited.
+    pub states: usize,
+    /// Paths cut by the depth bound.
+    pub depth_cut: usize,
+    /// Every state within the depth bound was visited.
+    pub complete: bool,
+}
+
+/// The exhaustive check over the CI scopes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ExhaustiveReport {
+    /// States over all scopes.
+    pub states: usize,
+    /// Every scope completed (no cap reached, no violation).
+    pub complete: bool,
+    /// Violations, each with the choice path that reaches it.
+    pub violations: Vec<String>,
+    /// The deliberate bug the run had, if any.
+    pub mutation: Option<String>,
+    /// Each scope.
+    pub scopes: Vec<ExhaustiveScope>,
+}
+
+/// The scopes CI checks exhaustively: one request with a crash, and two requests, each at the
+/// depth where the search still completes well under `max_states`.
+pub const EXHAUSTIVE_SCOPES: &[(usize, u32, usize)] = &[(1, 1, 11), (2, 0, 9)];
+
+/// Cap on distinct states per scope (a search that reaches it reports `complete: false`).
+pub const EXHAUSTIVE_MAX_STATES: usize = 400_000;
+
+/// Runs the exhaustive check over [`EXHAUSTIVE_SCOPES`] with an optional deliberate bug.
+pub fn run_exhaustive(mutation: Option<Mutation>) -> ExhaustiveReport {
+    let mut report = ExhaustiveReport {
+        states: 0,
+        complete: true,
+        violations: Vec::new(),
+        mutation: mutation.map(|m| m.name().to_string()),
+        scopes: Vec::new(),
+    };
+    for &(requests, crashes, depth) in EXHAUSTIVE_SCOPES {
+        let cfg = WorldConfig::small(requests, crashes, mutation);
+        let result = exhaustive(&cfg, depth, EXHAUSTIVE_MAX_STATES);
+        report.states += result.states;
+        report.complete &= result.complete;
+        if let Some((v, path)) = &result.violation {
+            report
+                .violations
+                .push(format!("{} (path {path:?})", v.message));
+        }
+        report.scopes.push(ExhaustiveScope {
+            requests,
+            crashes,
+            depth,
+            states: result.states,
+            depth_cut: result.depth_cut,
+            complete: result.complete,
+        });
+    }
     report
 }

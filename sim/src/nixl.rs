@@ -1,9 +1,23 @@
 //! The simulated NIXL: writes from P's registered blocks into D's, with real bytes, landing at
 //! a chosen later time; posts that fail, transfers that fail later (possibly after part of the
-//! data landed — NIXL does not roll back), hang, or are cut by invalidation. NIXL's rules are
+//! data landed — NIXL does not roll back), or hang until the fabric's bound. NIXL's rules are
 //! assertions here: no repost of an active write, no release of a block while a transfer reads
 //! or writes it (checked by the ledger's pins), and the notification leaves only after the data
 //! landed.
+//!
+//! As hostile as the NIXL we measured (`actors/tests/nixl_transport.rs`, NIXL 1.5.1, UCX):
+//! - releasing or abandoning a transfer in progress does not stop it
+//!   (`abandon_of_an_in_progress_write_is_refused`, `released_write_still_lands`): here an
+//!   abandon changes nothing, and the write lands or fails on its own;
+//! - invalidating the peer does not stop it either: bytes landed up to 1.5 s after an
+//!   invalidation (`invalidate_does_not_fence_in_flight_writes`): here neither side's
+//!   invalidation touches a posted write, and a write posted on a connection the target has
+//!   torn down still reaches the target's registered memory;
+//! - a write to a process that died fails (`write_to_dead_agent_fails`): a target crash fails
+//!   every write to it;
+//! - assumed, not measured: every write ends (lands or fails) within `max_write_life` of its
+//!   post; a hung write ends at that bound, and a write held up by a partition lands after it
+//!   heals if the bound allows, else fails.
 
 use kvhandoff_actors::machine::{Input, WriteOrder};
 use kvhandoff_actors::WriteId;
@@ -42,11 +56,15 @@ pub(crate) struct SimWrite {
     pub local: Vec<u32>,
     pub remote: Vec<u32>,
     pub notification: Message,
+    /// When it was posted (it ends by `posted + max_write_life`).
+    pub posted: kvhandoff_actors::machine::Time,
+    /// The poster asked to abandon it (NIXL went on with it).
+    pub abandoned: bool,
     pub phase: Phase,
     pub reported: bool,
+    /// D's target blocks are pinned (until the write lands or fails). P's source blocks are
+    /// pinned until the report, whatever happens to the connection.
     pub d_pinned: bool,
-    /// P's source blocks are pinned (until the report, or an invalidation).
-    pub p_pinned: bool,
 }
 
 impl SimWrite {
@@ -98,10 +116,17 @@ impl World {
             }
         }
         self.nodes[node].pool.pin(&local, 1);
-        let target_inc = self.nodes[target].incarnation;
+        // A write posted while the target is down is aimed at the dead incarnation's memory:
+        // it fails, even if a new incarnation is up by the time it would land.
+        let target_inc = if self.alive(target) {
+            self.nodes[target].incarnation
+        } else {
+            u32::MAX
+        };
         let conn = self.view(node, target);
-        // On a torn-down connection nothing can reach the target's memory.
-        let d_pinned = self.alive(target) && conn == self.conn(node, target);
+        // A connection the target tore down (invalidated) still reaches its registered memory:
+        // only the target's death stops a write.
+        let d_pinned = self.alive(target);
         if d_pinned {
             self.nodes[target].pool.pin(&remote, 1);
         }
@@ -119,10 +144,11 @@ impl World {
             local,
             remote,
             notification: order.notification,
+            posted: self.now,
+            abandoned: false,
             phase: Phase::Posted,
             reported: false,
             d_pinned,
-            p_pinned: true,
         };
         self.active_writes.insert((node, inc, order.write), seq);
         if self.chance(self.rates.post_fail) {
@@ -133,17 +159,17 @@ impl World {
             self.schedule_report(seq, Some(WriteFailure::PostFailed), 0, 0);
             return;
         }
-        if self.chance(self.rates.hang) {
+        let life = self.cfg.machine.max_write_life;
+        let delay = if self.chance(self.rates.hang) {
+            // Hangs until the fabric's bound, then lands or fails.
             write.phase = Phase::Hung;
-            self.writes.insert(seq, write);
-            self.next_seq = self.next_seq.max(seq + 1);
-            return;
-        }
+            life
+        } else if self.chance(self.rates.slow_write) {
+            micros(&mut self.rng, 200_000, 1_500_000).min(life)
+        } else {
+            micros(&mut self.rng, 100, 3_000)
+        };
         self.writes.insert(seq, write);
-        let mut delay = micros(&mut self.rng, 100, 3_000);
-        if self.chance(self.rates.slow_write) {
-            delay = micros(&mut self.rng, 200_000, 1_500_000);
-        }
         let scheduled = self.schedule(delay, Ev::Land { write: seq });
         assert_eq!(scheduled, seq, "the write's id is its landing event's");
     }
@@ -196,18 +222,32 @@ impl World {
             return;
         };
         self.record(format!("land {} of node {} fail={fail}", w.id, w.poster));
-        if w.phase != Phase::Posted {
+        if !w.in_flight() {
             return;
         }
+        let end_by = w.posted + self.cfg.machine.max_write_life;
+        let mut fail = fail;
         if let Some(until) = self.partitioned(w.poster, w.target, self.now) {
-            let delay = until.saturating_since(self.now) + micros(&mut self.rng, 0, 500);
-            self.schedule_at_seq(seq, delay);
-            return;
+            if until < end_by {
+                let delay = until.saturating_since(self.now) + micros(&mut self.rng, 0, 500);
+                let delay = delay.min(end_by.saturating_since(self.now));
+                self.schedule_at_seq(seq, delay);
+                return;
+            }
+            // The partition outlasts the write's life: it fails (the bound holds).
+            fail = true;
         }
-        let target_gone = !self.alive(w.target)
-            || self.nodes[w.target].incarnation != w.target_inc
-            || w.conn != self.conn(w.poster, w.target);
+        let target_gone =
+            !self.alive(w.target) || self.nodes[w.target].incarnation != w.target_inc;
         let fail = fail || target_gone || self.chance(self.rates.fail_later);
+        if !fail {
+            if w.conn != self.conn(w.poster, w.target) {
+                self.mark("write_landed_after_invalidate");
+            }
+            if w.abandoned {
+                self.mark("write_landed_after_abandon");
+            }
+        }
         if fail {
             if !target_gone && self.chance(0.5) {
                 self.mark("partial_landing");
@@ -259,7 +299,7 @@ impl World {
         self.unpin_target(&mut w);
         self.active_writes.remove(&(w.poster, w.poster_inc, w.id));
         let poster_current = self.nodes[w.poster].incarnation == w.poster_inc;
-        if poster_current && w.p_pinned {
+        if poster_current {
             self.nodes[w.poster].pool.pin(&w.local, -1);
         }
         let (poster, id, owner) = (w.poster, w.id, w.p_owner);
@@ -278,7 +318,9 @@ impl World {
         self.feed(poster, input);
     }
 
-    /// P's endpoint abandons a write: cut it unless it landed, then report.
+    /// P's endpoint abandons a write. Real NIXL refuses to stop a transfer in progress
+    /// (releasing it leaves its bytes landing), so nothing changes: the write lands or fails on
+    /// its own, within `max_write_life`, and is reported then.
     pub(crate) fn abandon_write(&mut self, node: NodeId, id: WriteId) {
         let inc = self.nodes[node].incarnation;
         let Some(&seq) = self.active_writes.get(&(node, inc, id)) else {
@@ -287,57 +329,25 @@ impl World {
         };
         let phase = self.writes.get(&seq).map(|w| w.phase);
         self.record(format!("abandon {id} of node {node}: {phase:?}"));
-        let Some(w) = self.writes.get(&seq) else {
+        let Some(w) = self.writes.get_mut(&seq) else {
             return;
         };
         if !w.in_flight() {
             return; // landed or cut: its report is on the way
         }
-        if self.chance(self.rates.broken_abandon) {
-            self.mark("abandon_unconfirmed");
-            return;
-        }
-        self.unschedule(seq);
-        let mut w = self.writes.remove(&seq).expect("present");
-        self.unpin_target(&mut w);
-        w.phase = Phase::Cut;
-        self.writes.insert(seq, w);
-        self.schedule_report(seq, Some(WriteFailure::TransferFailed), 0, 1_000);
+        w.abandoned = true;
+        self.mark("abandon_unconfirmed");
     }
 
-    /// `node` invalidated its connection to `peer`: nothing between them lands any more.
+    /// `node` invalidated its connection to `peer`: control messages on the old connection are
+    /// lost, but writes in flight go on (measured: invalidation does not fence them).
     pub(crate) fn invalidate(&mut self, node: NodeId, peer: NodeId) {
         self.bump_conn(node, peer);
         self.record(format!("invalidate {node}->{peer}"));
-        let seqs: Vec<u64> = self
-            .writes
-            .iter()
-            .filter(|(_, w)| {
-                (w.poster == node && w.target == peer) || (w.poster == peer && w.target == node)
-            })
-            .map(|(s, _)| *s)
-            .collect();
-        let mut outstanding = false;
-        for seq in seqs {
-            let in_flight = self.writes[&seq].in_flight();
-            outstanding |= !self.writes[&seq].reported;
-            // Assumption (to verify on real NIXL): once the connection is invalidated the
-            // local NIC no longer reads the source blocks either, so P may reuse them.
-            let mut w = self.writes.remove(&seq).expect("present");
-            if w.p_pinned && self.nodes[w.poster].incarnation == w.poster_inc {
-                self.nodes[w.poster].pool.pin(&w.local, -1);
-            }
-            w.p_pinned = false;
-            self.writes.insert(seq, w);
-            if in_flight {
-                self.unschedule(seq);
-                let mut w = self.writes.remove(&seq).expect("present");
-                self.unpin_target(&mut w);
-                w.phase = Phase::Cut;
-                self.writes.insert(seq, w);
-                self.schedule_report(seq, Some(WriteFailure::TransferFailed), 0, 1_000);
-            }
-        }
+        let outstanding = self.writes.values().any(|w| {
+            !w.reported
+                && ((w.poster == node && w.target == peer) || (w.poster == peer && w.target == node))
+        });
         if outstanding {
             self.mark("peer_died_with_write_outstanding");
         }

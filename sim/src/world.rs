@@ -6,7 +6,7 @@ mod net;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{Config, Endpoint, Input, Output, Time};
+use kvhandoff_actors::machine::{Config, Endpoint, Input, Mutation, Output, Time};
 use kvhandoff_actors::{PeerAddr, WriteId};
 use kvhandoff_protocol::{EngineId, Message, PairingKey, WriteFailure};
 use rand::{Rng, SeedableRng};
@@ -50,13 +50,14 @@ pub struct WorldConfig {
     /// duplicate, but a protocol that survives it needs fewer assumptions; on by default in
     /// seeded runs (it found the bug of `tests/regressions.rs`).
     pub dup_control: bool,
+    /// The deliberate bug every endpoint runs with (the mutation check), if any.
+    pub mutation: Option<Mutation>,
 }
 
 impl WorldConfig {
     /// A seeded world of `requests` requests with the fast machine configuration.
-    pub fn seeded(requests: usize, faults: Faults, mutation: bool) -> WorldConfig {
-        let mut machine = Config::fast();
-        machine.mutation_free_on_deadline = mutation;
+    pub fn seeded(requests: usize, faults: Faults, mutation: Option<Mutation>) -> WorldConfig {
+        let machine = Config::fast();
         WorldConfig {
             requests,
             decode_engines: 2,
@@ -67,12 +68,13 @@ impl WorldConfig {
             pool_blocks: 24,
             span: Duration::from_millis(10 * requests as u64 + 50),
             dup_control: true,
+            mutation,
         }
     }
 
     /// A small world for the ordering fuzz and the exhaustive check: 1 P, 1 D, short
     /// deadlines and slow heartbeats, so that few timer steps reach every deadline.
-    pub fn small(requests: usize, max_crashes: u32, mutation: bool) -> WorldConfig {
+    pub fn small(requests: usize, max_crashes: u32, mutation: Option<Mutation>) -> WorldConfig {
         let ms = Duration::from_millis;
         let machine = Config {
             lease_duration: ms(3_000),
@@ -84,11 +86,12 @@ impl WorldConfig {
             registration_ttl: ms(200),
             write_timeout: ms(300),
             abandon_timeout: ms(100),
+            max_write_life: ms(500),
+            max_message_delay: ms(100),
             cancel_retry_interval: ms(50),
             max_cancel_retries: 1,
             quarantine: ms(2_000),
             tombstone_ttl: ms(3_000),
-            mutation_free_on_deadline: mutation,
             ..Config::default()
         };
         WorldConfig {
@@ -101,6 +104,7 @@ impl WorldConfig {
             pool_blocks: 4,
             span: Duration::ZERO,
             dup_control: false,
+            mutation,
         }
     }
 }
@@ -174,7 +178,6 @@ pub(crate) struct Rates {
     pub fail_later: f64,
     pub hang: f64,
     pub slow_write: f64,
-    pub broken_abandon: f64,
     pub abort: f64,
     pub retry: f64,
     pub connect_fail: f64,
@@ -237,6 +240,14 @@ pub struct World {
     pub(crate) notifs_delivered: BTreeMap<(NodeId, u32, usize, u64), u32>,
     pub(crate) landed: BTreeMap<(NodeId, u32, usize, u64), u32>,
     pub(crate) counters: kvhandoff_actors::machine::Counters,
+    /// Tombstones the endpoints evicted at capacity (summed over incarnations).
+    pub(crate) tombstones_evicted: u64,
+    /// Block-microseconds D blocks were held by a fence or quarantine (the fence's cost).
+    pub(crate) fenced_block_us: u64,
+    /// When an attempt last started or ended (the liveness window runs from here).
+    pub(crate) last_progress: Time,
+    /// Per node: starts waiting for free blocks (or for the process), oldest first.
+    pub(crate) alloc_waiters: Vec<VecDeque<(usize, bool)>>,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
     pub print_trace: bool,
 }
@@ -266,8 +277,9 @@ impl World {
             };
             let addr = PeerAddr::new(EngineId::new(name).expect("valid engine id"), 0);
             by_addr.insert(addr.clone(), i);
-            let endpoint = Endpoint::new(addr.engine.clone(), 0, cfg.machine.clone())
+            let mut endpoint = Endpoint::new(addr.engine.clone(), 0, cfg.machine.clone())
                 .expect("valid machine config");
+            endpoint.set_mutation(cfg.mutation);
             nodes.push(Node {
                 addr,
                 endpoint: Some(endpoint),
@@ -312,8 +324,13 @@ impl World {
             notifs_delivered: BTreeMap::new(),
             landed: BTreeMap::new(),
             counters: Default::default(),
+            tombstones_evicted: 0,
+            fenced_block_us: 0,
+            last_progress: Time::ZERO,
+            alloc_waiters: Vec::new(),
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),
         };
+        world.alloc_waiters = vec![VecDeque::new(); world.nodes.len()];
         world.setup_requests();
         world
     }
@@ -433,6 +450,11 @@ impl World {
                 Output::Connect { peer } => self.connect(node, &peer),
                 Output::Invalidate { peer } => {
                     if let Some(&other) = self.by_addr.get(&peer) {
+                        if self.alive(other) {
+                            // Declared dead while its process runs (a partition, lost
+                            // heartbeats): its writes go on.
+                            self.mark("false_death_peer_alive");
+                        }
                         self.invalidate(node, other);
                     }
                 }

@@ -31,13 +31,23 @@ pub struct Config {
     pub write_timeout: Duration,
     /// How long after abandoning a write the transport has to confirm it.
     pub abandon_timeout: Duration,
+    /// The longest a posted write can stay in flight whatever P does: NIXL cannot stop a
+    /// transfer once posted (releasing it or invalidating the peer leaves its bytes landing;
+    /// measured in `actors/tests/nixl_transport.rs`), so every fence that frees blocks a write
+    /// may target waits at least this long. An assumption about the fabric, not a timeout P
+    /// enforces; the simulator ends every write within it.
+    pub max_write_life: Duration,
+    /// The longest a control message can travel before it is delivered or lost. A fence must
+    /// also outlast a registration still on its way to P.
+    pub max_message_delay: Duration,
     /// How often D repeats an unanswered cancel.
     pub cancel_retry_interval: Duration,
     /// How many times D repeats an unanswered cancel.
     pub max_cancel_retries: u32,
-    /// How long after a cancel D frees its blocks without any proof. Must exceed the longest P
-    /// may still start a write after D's last renewal (`registration_ttl` plus a heartbeat) plus
-    /// the longest a write can stay in flight (`write_timeout` plus `abandon_timeout`).
+    /// How long after a cancel, or after declaring P dead, D frees its blocks without any proof
+    /// (the fence). Must exceed the longest P may still start a write after D's last renewal
+    /// (`registration_ttl` plus a heartbeat, plus `max_message_delay` for a registration on its
+    /// way) plus the longest a posted write can stay in flight (`max_write_life`).
     pub quarantine: Duration,
     /// How long ended keys are remembered to swallow late messages.
     pub tombstone_ttl: Duration,
@@ -51,11 +61,6 @@ pub struct Config {
     pub max_peers: usize,
     /// Most messages queued for a peer whose handshake is in progress.
     pub max_queued_per_peer: usize,
-    /// TEST ONLY — breaks the safety rule on purpose: D hands its blocks back as soon as its
-    /// deadline passes, without waiting for P to acknowledge the cancel. The simulator, the
-    /// ordering fuzz and the exhaustive check must each catch this (the mutation check).
-    #[doc(hidden)]
-    pub mutation_free_on_deadline: bool,
 }
 
 impl Default for Config {
@@ -70,16 +75,17 @@ impl Default for Config {
             registration_ttl: Duration::from_secs(120),
             write_timeout: Duration::from_secs(10),
             abandon_timeout: Duration::from_secs(5),
+            max_write_life: Duration::from_secs(60),
+            max_message_delay: Duration::from_secs(10),
             cancel_retry_interval: Duration::from_secs(1),
             max_cancel_retries: 5,
-            quarantine: Duration::from_secs(150),
+            quarantine: Duration::from_secs(200),
             tombstone_ttl: Duration::from_secs(60),
             max_requests: 1 << 16,
             max_pending_registrations: 1 << 16,
             max_tombstones: 1 << 17,
             max_peers: 1024,
             max_queued_per_peer: 1024,
-            mutation_free_on_deadline: false,
         }
     }
 }
@@ -111,6 +117,8 @@ impl Config {
             ("registration_ttl", self.registration_ttl),
             ("write_timeout", self.write_timeout),
             ("abandon_timeout", self.abandon_timeout),
+            ("max_write_life", self.max_write_life),
+            ("max_message_delay", self.max_message_delay),
             ("cancel_retry_interval", self.cancel_retry_interval),
             ("quarantine", self.quarantine),
             ("tombstone_ttl", self.tombstone_ttl),
@@ -147,11 +155,16 @@ impl Config {
                 "lease_extension must exceed heartbeat_interval, or leases lapse between heartbeats",
             ));
         }
-        let longest_write_start = self.registration_ttl + self.heartbeat_interval;
-        if self.quarantine <= longest_write_start + self.write_timeout + self.abandon_timeout {
+        if self.max_write_life < self.write_timeout + self.abandon_timeout {
             return Err(ConfigError::Contradiction(
-                "quarantine must exceed registration_ttl + heartbeat_interval + write_timeout + \
-                 abandon_timeout (the latest a late write can land after a lost cancel)",
+                "max_write_life must cover write_timeout + abandon_timeout: P gives up on a write \
+                 before the fabric can be assumed to have ended it",
+            ));
+        }
+        if self.quarantine <= self.fence_floor() {
+            return Err(ConfigError::Contradiction(
+                "quarantine must exceed registration_ttl + heartbeat_interval + max_message_delay + \
+                 max_write_life (the latest a write can land after D's last renewal)",
             ));
         }
         if self.tombstone_ttl < self.peer_timeout {
@@ -160,6 +173,14 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// The latest a write for a lease can land after D's last renewal of it: P may still match a
+    /// registration until `registration_ttl` after the renewal (plus a heartbeat of slack, plus
+    /// a registration still travelling), and the write it posts may stay in flight for
+    /// `max_write_life`. `quarantine` must exceed it.
+    pub fn fence_floor(&self) -> Duration {
+        self.registration_ttl + self.heartbeat_interval + self.max_message_delay + self.max_write_life
     }
 
     /// A configuration with short deadlines for tests and demos: heartbeats every 100 ms.
@@ -175,9 +196,11 @@ impl Config {
             registration_ttl: ms(5_000),
             write_timeout: ms(1_000),
             abandon_timeout: ms(500),
+            max_write_life: ms(2_000),
+            max_message_delay: ms(1_000),
             cancel_retry_interval: ms(100),
             max_cancel_retries: 5,
-            quarantine: ms(7_000),
+            quarantine: ms(8_500),
             tombstone_ttl: ms(5_000),
             ..Config::default()
         }

@@ -7,8 +7,10 @@
 //!                                                  |--deadline/abort: send Cancel
 //!                                                  v
 //!                                              Cancelling --CancelAck / WriteFailed / WriteDone
-//!                                                  |           / PeerDead / quarantine--> [Failed]
+//!                                                  |           / quarantine --> [Failed]
 //!                                                  '--resend timer: send Cancel again
+//!   Registered --PeerDead--> Cancelling (no cancel to send: fenced until the quarantine ends
+//!                            or a proof from the old incarnation arrives)
 //! ```
 //!
 //! The rule this machine exists for: once a `Register` naming D's blocks has been sent, the
@@ -23,7 +25,7 @@ use kvhandoff_protocol::{
 
 use super::effects::{Effects, Step};
 use super::types::{DecodeFailure, DecodeOutcome, DecodeStart, DropReason, FreeProof, Time};
-use super::Config;
+use super::{ActiveMutation, Config, Mutation};
 use crate::PeerAddr;
 
 /// What every state of a D request knows.
@@ -159,6 +161,13 @@ pub(crate) struct DecodeCtx<'a> {
     pub(crate) now: Time,
     pub(crate) own: &'a PeerAddr,
     pub(crate) config: &'a Config,
+    pub(crate) mutation: ActiveMutation,
+}
+
+impl DecodeCtx<'_> {
+    fn mutation(&self, which: Mutation) -> bool {
+        self.mutation.is(which)
+    }
 }
 
 impl DecodeRequest {
@@ -254,6 +263,19 @@ impl Connecting {
 }
 
 impl Registered {
+    /// P is declared dead or replaced: nothing can be sent to it, so no cancel; the blocks
+    /// wait for the fence (`quarantine`) or for a proof the old incarnation still sends.
+    fn fence(self, ctx: &DecodeCtx<'_>) -> DecodeStep {
+        Step::Live(DecodeRequest::Cancelling(Cancelling {
+            common: self.common,
+            reason: DecodeFailure::PeerDead,
+            settled: self.landed,
+            next_resend: ctx.now,
+            resends_left: 0,
+            quarantine_until: ctx.now + ctx.config.quarantine,
+        }))
+    }
+
     fn cancel(
         self,
         ctx: &DecodeCtx<'_>,
@@ -304,14 +326,20 @@ impl Registered {
                 }
                 self.cancel(ctx, failure, fx)
             }
-            DecodeInput::PeerDead => self.common.end(
-                DecodeOutcome::Failed(DecodeFailure::PeerDead),
-                FreeProof::PeerInvalidated,
-            ),
+            DecodeInput::PeerDead if ctx.mutation(Mutation::FreeOnPeerDead) => {
+                // The deliberate bug: trusts the invalidation to stop P's writes.
+                self.common.end(
+                    DecodeOutcome::Failed(DecodeFailure::PeerDead),
+                    FreeProof::DeadPeerFence,
+                )
+            }
+            // NIXL cannot stop P's writes, and a peer declared dead may be alive (a partition,
+            // a stall): the blocks are fenced, not freed (see `Cancelling`).
+            DecodeInput::PeerDead => self.fence(ctx),
             DecodeInput::Abort => self.cancel(ctx, DecodeFailure::Aborted, fx),
             DecodeInput::Shutdown => self.cancel(ctx, DecodeFailure::Shutdown, fx),
             DecodeInput::Timeout
-                if ctx.now >= self.common.deadline && ctx.config.mutation_free_on_deadline =>
+                if ctx.now >= self.common.deadline && ctx.mutation(Mutation::FreeOnDeadline) =>
             {
                 // The deliberate bug of the mutation check: no proof that P stopped writing.
                 fx.send(
@@ -364,11 +392,28 @@ impl Cancelling {
             // Each source rank acknowledges for itself; the blocks come back once every rank
             // that may write has settled.
             DecodeInput::CancelAck { rank } => self.settle(rank, FreeProof::CancelAcknowledged, fx),
-            DecodeInput::PeerDead => self.common.end(outcome, FreeProof::PeerInvalidated),
+            DecodeInput::PeerDead if ctx.mutation(Mutation::FreeOnPeerDead) => {
+                self.common.end(outcome, FreeProof::DeadPeerFence)
+            }
+            // Nobody to resend the cancel to; the quarantine already runs from the cancel, when
+            // renewals stopped, so it bounds the old incarnation's writes too.
+            DecodeInput::PeerDead => {
+                self.resends_left = 0;
+                Step::Live(DecodeRequest::Cancelling(self))
+            }
             DecodeInput::WriteDone { rank } => self.settle(rank, FreeProof::WritesCompleted, fx),
             DecodeInput::WriteFailed { rank, .. } => self.settle(rank, FreeProof::PeerQuiesced, fx),
             DecodeInput::Timeout if ctx.now >= self.quarantine_until => {
-                self.common.end(outcome, FreeProof::Quarantine)
+                let proof = match self.reason {
+                    DecodeFailure::PeerDead => FreeProof::DeadPeerFence,
+                    DecodeFailure::Deadline
+                    | DecodeFailure::WriteFailed(_)
+                    | DecodeFailure::Aborted
+                    | DecodeFailure::Shutdown
+                    | DecodeFailure::HandshakeFailed
+                    | DecodeFailure::Incompatible => FreeProof::Quarantine,
+                };
+                self.common.end(outcome, proof)
             }
             DecodeInput::Timeout if self.resends_left > 0 && ctx.now >= self.next_resend => {
                 fx.send(

@@ -23,7 +23,7 @@ use super::types::{
     Output, Rejected, Time,
 };
 use super::writer::Writer;
-use super::Config;
+use super::{ActiveMutation, Config};
 use crate::{PeerAddr, WriteId};
 
 /// Sizes of an endpoint's tables, for reports and leak checks.
@@ -86,6 +86,8 @@ pub struct Endpoint {
     counters: Counters,
     /// Set by [`Input::Shutdown`]: no new requests are taken.
     shutting_down: bool,
+    /// The deliberate bug in force (simulator only; see [`super::Mutation`]).
+    mutation: ActiveMutation,
 }
 
 impl Endpoint {
@@ -106,7 +108,16 @@ impl Endpoint {
             out: VecDeque::new(),
             counters: Counters::default(),
             shutting_down: false,
+            mutation: ActiveMutation::default(),
         })
+    }
+
+    /// Runs this endpoint with a deliberate bug, for the simulator's mutation check.
+    #[cfg(feature = "mutations")]
+    #[doc(hidden)]
+    pub fn set_mutation(&mut self, mutation: Option<super::Mutation>) {
+        self.mutation = ActiveMutation(mutation);
+        self.writer.set_mutation(self.mutation);
     }
 
     /// This endpoint's own address.
@@ -135,6 +146,12 @@ impl Endpoint {
             tombstones: self.decode_tombstones.len() + self.writer.tombstones(),
             queued_outputs: self.out.len(),
         }
+    }
+
+    /// Tombstones evicted at capacity so far, both sides (each one a key whose late messages
+    /// may now look new).
+    pub fn tombstones_evicted(&self) -> u64 {
+        self.decode_tombstones.evicted() + self.writer.tombstones_evicted()
     }
 
     /// True while any request is live or any output is queued: the engine loop must keep
@@ -368,6 +385,7 @@ impl Endpoint {
             now,
             own: &self.own,
             config: &self.config,
+            mutation: self.mutation,
         };
         let mut fx = Effects {
             out: &mut self.out,
@@ -405,8 +423,13 @@ impl Endpoint {
             common.epoch,
             now + self.config.tombstone_ttl,
         );
-        if proof == FreeProof::Quarantine {
-            self.counters.quarantine_frees += 1;
+        match proof {
+            FreeProof::Quarantine => self.counters.quarantine_frees += 1,
+            FreeProof::DeadPeerFence => self.counters.fence_frees += 1,
+            FreeProof::NeverExposed
+            | FreeProof::WritesCompleted
+            | FreeProof::CancelAcknowledged
+            | FreeProof::PeerQuiesced => {}
         }
         let gave_up_before_registering = proof == FreeProof::NeverExposed
             && matches!(
@@ -474,7 +497,8 @@ impl Endpoint {
                     out: &mut self.out,
                     counters: &mut self.counters,
                 };
-                self.writer.on_heartbeat(now, heartbeat.leases, &mut fx);
+                self.writer
+                    .on_heartbeat(now, &from, heartbeat.leases, &mut fx);
             }
             Message::WriteDone(m) => {
                 let input = DecodeInput::WriteDone {
@@ -522,7 +546,9 @@ impl Endpoint {
             self.counters.drop(DropReason::Unexpected);
             return;
         }
-        if epoch < common.epoch {
+        let stale_accepted = self.mutation.is(super::Mutation::AcceptStaleWriteDone)
+            && matches!(input, DecodeInput::WriteDone { .. });
+        if epoch < common.epoch && !stale_accepted {
             self.counters.drop(DropReason::StaleEpoch);
             return;
         }
@@ -564,13 +590,21 @@ impl Endpoint {
                 self.decode_tombstones.get(key).is_none(),
                 "a live key is not tombstoned"
             );
-            let peer = self.peers.get(&common.prefill);
-            assert!(
-                peer.is_some_and(|p| !p.is_dead()),
-                "a live D request's peer is known and not dead"
-            );
+            // A request fenced after its peer's death outlives the peer's entry.
+            if !matches!(request, DecodeRequest::Cancelling(_)) {
+                let peer = self.peers.get(&common.prefill);
+                assert!(
+                    peer.is_some_and(|p| !p.is_dead()),
+                    "a D request that may still register or be written has a live peer"
+                );
+            }
         }
         self.writer.check_invariants();
+    }
+
+    /// Engine ids of every live P request (for leak checks in tests and the simulator).
+    pub fn live_prefill_requests(&self) -> impl Iterator<Item = &RequestId> {
+        self.writer.live_request_iter()
     }
 
     /// Blocks of every live D request (for leak checks in tests and the simulator).

@@ -12,6 +12,7 @@ mod config;
 mod decode;
 mod effects;
 mod endpoint;
+mod mutation;
 mod peer;
 mod prefill;
 mod tables;
@@ -20,6 +21,8 @@ mod writer;
 
 pub use config::{Config, ConfigError};
 pub use endpoint::{Endpoint, EndpointStats};
+pub use mutation::Mutation;
+pub(crate) use mutation::ActiveMutation;
 pub use types::{
     ConnectFailure, Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent,
     FreeProof, Input, Output, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time,

@@ -10,7 +10,9 @@
 //! ```
 //!
 //! P never frees blocks that a posted write may still read, and never answers a cancel before
-//! the epoch's write is drained.
+//! the epoch's write is drained. An abandon the transport does not confirm leaves the request
+//! `Draining` (counted in `Counters::stuck_writes`) until the transport reports the write's end:
+//! NIXL cannot stop a posted write, so no deadline may free its source blocks.
 
 use kvhandoff_protocol::{
     BlockIds, CancelAck, Epoch, Message, PairingKey, Register, ReleaseReason, RequestId, WriteDone,
@@ -19,7 +21,7 @@ use kvhandoff_protocol::{
 
 use super::effects::{Effects, Step};
 use super::types::{DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder};
-use super::Config;
+use super::{ActiveMutation, Config, Mutation};
 use crate::{PeerAddr, WriteId};
 
 /// What every state of a P request knows.
@@ -72,6 +74,8 @@ pub(crate) struct Draining {
     pub(crate) cancel_requested: bool,
     /// Whether the transport was told to abandon the write.
     pub(crate) abandoned: bool,
+    /// Whether the abandon went unconfirmed past `abandon_timeout` (counted once).
+    pub(crate) stuck: bool,
     /// When to abandon (if not yet) or give up on the transport (if abandoned).
     pub(crate) deadline: Time,
 }
@@ -130,6 +134,7 @@ pub(crate) struct PrefillCtx<'a> {
     pub(crate) config: &'a Config,
     /// The id the next posted write gets; the writer advances it when one is used.
     pub(crate) next_write: WriteId,
+    pub(crate) mutation: ActiveMutation,
 }
 
 impl PrefillCommon {
@@ -382,6 +387,7 @@ impl Writing {
             cause,
             cancel_requested: cause == DrainCause::Cancelled,
             abandoned: abandon_now,
+            stuck: false,
             deadline,
         }))
     }
@@ -531,13 +537,28 @@ impl Draining {
                 self.deadline = ctx.now + ctx.config.abandon_timeout;
                 Step::Live(PrefillRequest::Draining(self))
             }
-            PrefillInput::Timeout if ctx.now >= self.deadline => {
-                // The transport broke its promise to confirm an abandoned write. Invalidating
-                // the peer cuts the connection, so the write cannot land after this.
+            PrefillInput::Timeout
+                if ctx.now >= self.deadline && ctx.mutation.is(Mutation::FreeSourceOnAbandon) =>
+            {
+                // The deliberate bug: trusts an invalidation to stop the write's reads.
                 fx.emit(Output::Invalidate {
                     peer: self.binding.to.clone(),
                 });
                 self.finish(ctx, false, WriteFailure::TransferTimedOut, fx)
+            }
+            PrefillInput::Timeout if ctx.now >= self.deadline => {
+                // The transport has not confirmed the abandon: NIXL cannot stop a posted write
+                // (nor does invalidating the peer), so the write may still read these blocks
+                // and land with its notification. They stay held until the transport reports
+                // the write's end; the fabric bounds that by `max_write_life`.
+                if !self.stuck {
+                    self.stuck = true;
+                    fx.counters.stuck_writes += 1;
+                    tracing::warn!(key = %self.common.key, epoch = %epoch, write = %self.binding.write,
+                        "abandoned write not confirmed; its source blocks stay held");
+                }
+                self.deadline = ctx.now + ctx.config.max_write_life;
+                Step::Live(PrefillRequest::Draining(self))
             }
             PrefillInput::Registered { from, register } => {
                 let binding = &self.binding;

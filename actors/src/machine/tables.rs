@@ -3,6 +3,7 @@
 use std::cmp::Reverse;
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::fmt;
 use std::hash::Hash;
 
 use super::types::Time;
@@ -338,11 +339,38 @@ impl<K: Ord + Clone> TimerIndex<K> {
 /// any output: the machines stay a function of their inputs. The hasher is foldhash, seeded at
 /// random per process (a peer cannot aim the ids it chooses at one bucket without first
 /// learning the seed) and several times cheaper than `std`'s SipHash on ids of ~50 bytes.
-#[derive(Debug)]
+/// Its `Debug` text lists the records sorted, so that it too is a function of the inputs (the
+/// exhaustive check hashes it to recognise states it has seen).
 pub(crate) struct Tombstones<K: Hash + Eq + Clone, V> {
     entries: HashMap<K, (V, Time), foldhash::fast::RandomState>,
     order: VecDeque<(Time, K)>,
     limit: usize,
+    /// Records forgotten at capacity before they expired.
+    evicted: u64,
+}
+
+impl<K: Hash + Eq + Clone + fmt::Debug, V: fmt::Debug> fmt::Debug for Tombstones<K, V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut records: Vec<String> = self
+            .entries
+            .iter()
+            .map(|(k, (v, at))| format!("{k:?}: {v:?} until {at}"))
+            .collect();
+        records.sort_unstable();
+        let live = |(at, k): &&(Time, K)| self.entries.get(k).is_some_and(|(_, exp)| exp == at);
+        let order: Vec<String> = self
+            .order
+            .iter()
+            .filter(live)
+            .map(|(at, k)| format!("{k:?}@{at}"))
+            .collect();
+        f.debug_struct("Tombstones")
+            .field("records", &records)
+            .field("order", &order)
+            .field("limit", &self.limit)
+            .field("evicted", &self.evicted)
+            .finish()
+    }
 }
 
 impl<K: Hash + Eq + Clone, V> Tombstones<K, V> {
@@ -352,7 +380,13 @@ impl<K: Hash + Eq + Clone, V> Tombstones<K, V> {
             entries: HashMap::default(),
             order: VecDeque::new(),
             limit,
+            evicted: 0,
         }
+    }
+
+    /// Records forgotten at capacity before they expired.
+    pub(crate) fn evicted(&self) -> u64 {
+        self.evicted
     }
 
     /// Remembers `key` until `expires` (replacing an older record of it).
@@ -407,6 +441,7 @@ impl<K: Hash + Eq + Clone, V> Tombstones<K, V> {
         while let Some((at, key)) = self.order.pop_front() {
             if self.entries.get(&key).is_some_and(|(_, exp)| *exp == at) {
                 self.entries.remove(&key);
+                self.evicted += 1;
                 return;
             }
         }

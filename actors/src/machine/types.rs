@@ -273,9 +273,11 @@ pub enum FreeProof {
     CancelAcknowledged,
     /// P reported that nothing of the epoch is or will be in flight.
     PeerQuiesced,
-    /// P was declared dead and its connection invalidated.
-    PeerInvalidated,
-    /// Only a quarantine passed: a deadline, not a proof.
+    /// P was declared dead (or replaced), and the fence passed: `Config::quarantine` since the
+    /// death, longer than any write of the old incarnation can take to land. A deadline, not
+    /// a proof; reported apart from [`FreeProof::Quarantine`] so that false deaths are visible.
+    DeadPeerFence,
+    /// Only a quarantine after a cancel passed: a deadline, not a proof.
     Quarantine,
 }
 
@@ -414,8 +416,16 @@ pub struct Counters {
     pub dropped: BTreeMap<DropReason, u64>,
     /// Cancels sent again because no answer came.
     pub cancel_resends: u64,
-    /// D blocks freed by quarantine alone.
+    /// D blocks freed by quarantine alone (after a cancel).
     pub quarantine_frees: u64,
+    /// D blocks freed by the fence after their P was declared dead or replaced.
+    pub fence_frees: u64,
+    /// P writes whose abandon the transport did not confirm in time: their source blocks stay
+    /// held until the transport reports the write's end.
+    pub stuck_writes: u64,
+    /// Tombstones evicted at capacity before they expired (their keys' late messages then look
+    /// new; see the safety story in docs/architecture.md).
+    pub tombstones_evicted: u64,
     /// Heartbeats sent.
     pub heartbeats_sent: u64,
     /// Leases renewed by heartbeats.

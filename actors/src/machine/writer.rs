@@ -22,7 +22,7 @@ use super::effects::{Effects, Step};
 use super::prefill::{PrefillCommon, PrefillCtx, PrefillEnded, PrefillInput, PrefillRequest};
 use super::tables::{Machines, TimerIndex, Tombstones};
 use super::types::{DropReason, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time};
-use super::Config;
+use super::{ActiveMutation, Config, Mutation};
 use crate::{PeerAddr, WriteId};
 
 use tombstones::floor_of;
@@ -48,6 +48,7 @@ pub(crate) struct Writer {
     pending_timers: TimerIndex<PairingKey>,
     tombstones: Tombstones<PairingKey, PrefillTombstone>,
     next_write: u64,
+    mutation: ActiveMutation,
 }
 
 impl Writer {
@@ -62,7 +63,18 @@ impl Writer {
             pending_timers: TimerIndex::default(),
             tombstones: Tombstones::new(config.max_tombstones),
             next_write: 1,
+            mutation: ActiveMutation::default(),
         }
+    }
+
+    #[cfg(feature = "mutations")]
+    pub(crate) fn set_mutation(&mut self, mutation: ActiveMutation) {
+        self.mutation = mutation;
+    }
+
+    /// Tombstones evicted at capacity so far.
+    pub(crate) fn tombstones_evicted(&self) -> u64 {
+        self.tombstones.evicted()
     }
 
     pub(crate) fn live_requests(&self) -> usize {
@@ -83,6 +95,11 @@ impl Writer {
 
     pub(crate) fn has_request(&self, request: &RequestId) -> bool {
         self.by_request.contains_key(request)
+    }
+
+    /// The engine ids of every live request, in order, borrowed.
+    pub(crate) fn live_request_iter(&self) -> impl Iterator<Item = &RequestId> {
+        self.by_request.keys()
     }
 
     /// The engine ids of every live request, in order.
@@ -108,6 +125,7 @@ impl Writer {
             own_rank: self.rank,
             config: &self.config,
             next_write: WriteId(self.next_write),
+            mutation: self.mutation,
         };
         let (mut before, mut after) = (None, None);
         let transition = |request: PrefillRequest| {
@@ -278,6 +296,7 @@ impl Writer {
         let key = register.key.clone();
         let request = self.requests.get(&key);
         if request.is_some()
+            && !self.mutation.is(Mutation::SkipEpochFloor)
             && self
                 .epoch_floor(&key)
                 .is_some_and(|floor| register.epoch <= floor)
@@ -471,12 +490,26 @@ impl Writer {
         );
     }
 
-    /// D renews leases.
-    pub(crate) fn on_heartbeat(&mut self, now: Time, leases: Vec<LeaseRef>, fx: &mut Effects<'_>) {
+    /// D renews leases. A pending registration is renewed only by the rank that sent it, for
+    /// its own epoch: another D's heartbeat (a second D with the same key, or a retry's newer
+    /// epoch) must not keep alive a registration whose D may have freed its blocks.
+    pub(crate) fn on_heartbeat(
+        &mut self,
+        now: Time,
+        from: &PeerAddr,
+        leases: Vec<LeaseRef>,
+        fx: &mut Effects<'_>,
+    ) {
+        let any_sender = self.mutation.is(Mutation::IgnoreHeartbeatSender);
         for lease in leases {
             if self.requests.contains_key(&lease.key) {
                 self.step(now, &lease.key, PrefillInput::Heartbeat, fx);
             } else if let Some(pending) = self.pending.get_mut(&lease.key) {
+                let own = &pending.from == from && pending.register.epoch == lease.epoch;
+                if !own && !any_sender {
+                    fx.drop_input(DropReason::Unexpected);
+                    continue;
+                }
                 pending.expires = pending.expires.max(now + self.config.registration_ttl);
                 self.pending_timers.set(lease.key, pending.expires);
                 fx.counters.leases_renewed += 1;

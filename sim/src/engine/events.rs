@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{DecodeOutcome, EngineEvent};
+use kvhandoff_actors::machine::{DecodeOutcome, EngineEvent, FreeProof, Time};
 
 use super::{rid, Attempt, Status};
 use crate::ledger::{pattern, Owner, BLOCK_BYTES};
@@ -78,7 +78,8 @@ impl World {
                     self.check_ready(node, request, a.epoch, &flat, p_blocks - d_blocks);
                 }
                 self.step_decode_events.push(request);
-                let _ = proof;
+                self.check_proof(node, request, a.epoch, *proof, started);
+                *self.outcomes.entry(format!("proof.{proof:?}")).or_insert(0) += 1;
                 format!("decode.{outcome:?}")
             }
             EngineEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
@@ -108,9 +109,11 @@ impl World {
         for e in self.nodes[node].pool.free(&flat, owner) {
             self.violate(format!("node {node}: {e}"));
         }
+        self.wake_waiters(node, flat.len());
         let r = &mut self.requests[request];
         let attempts = if decode { &mut r.d } else { &mut r.p };
         attempts[ai].status = Status::Done;
+        self.last_progress = self.now;
         let failed = matches!(
             &event,
             EngineEvent::Decode {
@@ -120,6 +123,59 @@ impl World {
         );
         if decode && failed && a.epoch < 3 && self.chance(self.rates.retry) {
             self.retry(request, a.epoch + 1);
+        }
+    }
+
+    /// The ledger's check of D's `FreeProof` against the ghost state: a request freed as never
+    /// exposed sent no registration; any other proof needs that no write of the attempt can
+    /// still land in its blocks (the simulated NIXL knows every write in flight).
+    fn check_proof(
+        &mut self,
+        node: NodeId,
+        request: usize,
+        epoch: u64,
+        proof: FreeProof,
+        started: Time,
+    ) {
+        let inc = self.nodes[node].incarnation;
+        let in_flight = self
+            .writes
+            .values()
+            .filter(|w| {
+                w.target == node
+                    && w.target_inc == inc
+                    && w.request == request
+                    && w.epoch == epoch
+                    && w.in_flight()
+            })
+            .count();
+        match proof {
+            FreeProof::NeverExposed => {
+                if self.registers_sent.contains(&(request, epoch)) {
+                    self.violate(format!(
+                        "proof: request {request} e{epoch} freed as NeverExposed after a Register was sent"
+                    ));
+                }
+            }
+            FreeProof::WritesCompleted
+            | FreeProof::CancelAcknowledged
+            | FreeProof::PeerQuiesced
+            | FreeProof::DeadPeerFence
+            | FreeProof::Quarantine => {
+                if in_flight > 0 {
+                    self.violate(format!(
+                        "proof: request {request} e{epoch} freed by {proof:?} while {in_flight} write(s) of it may still land"
+                    ));
+                }
+            }
+        }
+        if matches!(proof, FreeProof::DeadPeerFence | FreeProof::Quarantine) {
+            if proof == FreeProof::DeadPeerFence {
+                self.mark("fence_free");
+            }
+            let blocks = self.requests[request].d_blocks as u64;
+            let held = self.now.saturating_since(started).as_micros() as u64;
+            self.fenced_block_us += blocks * held;
         }
     }
 

@@ -1,0 +1,101 @@
+//! Deliberate bugs for the simulator's mutation check: each breaks one safety rule on purpose,
+//! and the simulator must catch every one of them (`kvhandoff sim --mutation NAME`).
+//!
+//! A mutation is not part of [`Config`](super::Config): it is set on an endpoint with
+//! `Endpoint::set_mutation`, which exists only with the crate feature `mutations` (enabled by
+//! the simulator). Without the feature no endpoint can carry one and every check below is the
+//! constant `false`.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// One deliberate bug.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Mutation {
+    /// D frees its blocks at its deadline without P's cancel ack.
+    FreeOnDeadline,
+    /// D frees its blocks as soon as it declares P dead, trusting the invalidation.
+    FreeOnPeerDead,
+    /// D treats every handshake of a connected peer as a restart (even a duplicate of the live
+    /// incarnation's) and frees what was bound to it.
+    HandshakeAlwaysRestart,
+    /// D counts a `WriteDone` of an older epoch as one of the current epoch.
+    AcceptStaleWriteDone,
+    /// P lets a registration below the key's epoch floor reach a new request's blocks.
+    SkipEpochFloor,
+    /// P frees the source blocks of an abandoned write the transport never confirmed.
+    FreeSourceOnAbandon,
+    /// P lets any peer's heartbeat renew a pending registration, whatever its sender and epoch.
+    IgnoreHeartbeatSender,
+}
+
+impl Mutation {
+    /// Every mutation, in a fixed order.
+    pub const ALL: [Mutation; 7] = [
+        Mutation::FreeOnDeadline,
+        Mutation::FreeOnPeerDead,
+        Mutation::HandshakeAlwaysRestart,
+        Mutation::AcceptStaleWriteDone,
+        Mutation::SkipEpochFloor,
+        Mutation::FreeSourceOnAbandon,
+        Mutation::IgnoreHeartbeatSender,
+    ];
+
+    /// The mutation's name on the command line.
+    ///
+    /// ```
+    /// use kvhandoff_actors::machine::Mutation;
+    /// assert_eq!(Mutation::FreeOnDeadline.name(), "free_on_deadline");
+    /// assert_eq!("free_on_peer_dead".parse::<Mutation>(), Ok(Mutation::FreeOnPeerDead));
+    /// ```
+    pub const fn name(self) -> &'static str {
+        match self {
+            Mutation::FreeOnDeadline => "free_on_deadline",
+            Mutation::FreeOnPeerDead => "free_on_peer_dead",
+            Mutation::HandshakeAlwaysRestart => "handshake_always_restart",
+            Mutation::AcceptStaleWriteDone => "accept_stale_write_done",
+            Mutation::SkipEpochFloor => "skip_epoch_floor",
+            Mutation::FreeSourceOnAbandon => "free_source_on_abandon",
+            Mutation::IgnoreHeartbeatSender => "ignore_heartbeat_sender",
+        }
+    }
+}
+
+impl fmt::Display for Mutation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Mutation {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Mutation, String> {
+        Mutation::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Mutation::ALL.iter().map(|m| m.name()).collect();
+                format!("unknown mutation {s:?} (one of: {})", names.join(", "))
+            })
+    }
+}
+
+/// The mutation an endpoint runs with: always `None` without the feature `mutations`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ActiveMutation(#[cfg(feature = "mutations")] pub(crate) Option<Mutation>);
+
+impl ActiveMutation {
+    /// Whether `which` is the deliberate bug in force.
+    #[inline]
+    pub(crate) fn is(self, which: Mutation) -> bool {
+        #[cfg(feature = "mutations")]
+        {
+            self.0 == Some(which)
+        }
+        #[cfg(not(feature = "mutations"))]
+        {
+            let _ = which;
+            false
+        }
+    }
+}
