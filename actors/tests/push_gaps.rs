@@ -37,8 +37,9 @@ fn writing() -> Harness {
 // -------------------------------------------------------------------------------------------
 
 // Scenario: P dies while D waits for its prefill (vLLM: D hangs, issue 46283). D declares P
-// dead within peer_timeout + one heartbeat interval, invalidates it, and fails with proof
-// PeerInvalidated.
+// dead within peer_timeout + one heartbeat interval and invalidates it; its blocks, exposed to
+// P, stay fenced for the quarantine (NIXL cannot stop a write a falsely-dead P still posts),
+// then come back with proof DeadPeerFence — a bounded wait, never a hang.
 #[test]
 fn p_death_before_the_write_is_detected_in_bounded_time() {
     let mut h = Harness::new();
@@ -46,20 +47,23 @@ fn p_death_before_the_write_is_detected_in_bounded_time() {
     h.advance(ms(1_000));
     let crashed = h.now;
     h.crash(&p_addr());
-    h.advance(ms(1_000));
+    let config = h.d().config().clone();
+    h.advance(config.peer_timeout + config.heartbeat_interval);
+    assert_eq!(h.d().counters().peers_declared_dead, 1, "declared dead in time");
+    assert!(h.d_results().is_empty(), "fenced, not freed");
+    h.advance(config.quarantine);
 
     assert_eq!(
         h.d_results(),
         vec![(
             DecodeOutcome::Failed(DecodeFailure::PeerDead),
-            FreeProof::PeerInvalidated
+            FreeProof::DeadPeerFence
         )]
     );
-    let config = h.d().config().clone();
     let failed = h.event_time(&d_addr(), &d_request(1)).unwrap();
     assert!(
-        failed <= crashed + config.peer_timeout + config.heartbeat_interval,
-        "declared dead at {failed}, crash at {crashed}"
+        failed <= crashed + config.peer_timeout + config.heartbeat_interval + config.quarantine,
+        "freed at {failed}, crash at {crashed}"
     );
     let invalidated = &h.nodes[&d_addr()].invalidated;
     assert_eq!(invalidated.len(), 1);
@@ -72,19 +76,22 @@ fn p_death_before_the_write_is_detected_in_bounded_time() {
     h.assert_no_leak();
 }
 
-// Scenario: P dies with its write in flight. D invalidates P before it hands its blocks back,
-// so the orphaned write can never land afterwards.
+// Scenario: P dies with its write in flight. D invalidates P and keeps its blocks fenced for
+// the quarantine, longer than any write of P can stay in flight, before handing them back.
 #[test]
 fn p_death_during_the_write_cuts_the_write() {
     let mut h = writing();
     h.advance(ms(300));
     h.crash(&p_addr());
     h.advance(ms(300));
+    assert!(h.d_results().is_empty(), "fenced, not freed");
+    let quarantine = h.d().config().quarantine;
+    h.advance(quarantine);
     assert_eq!(
         h.d_results(),
         vec![(
             DecodeOutcome::Failed(DecodeFailure::PeerDead),
-            FreeProof::PeerInvalidated
+            FreeProof::DeadPeerFence
         )]
     );
     assert!(
@@ -95,18 +102,21 @@ fn p_death_during_the_write_cuts_the_write() {
     h.assert_no_leak();
 }
 
-// Scenario: the transport reports P lost (side channel closed): D fails at once, with the
-// invalidation first.
+// Scenario: the transport reports P lost (side channel closed): D invalidates P at once and
+// fences its blocks; they come back after the quarantine.
 #[test]
 fn peer_lost_fails_d_at_once() {
     let mut h = writing();
     h.input(&d_addr(), Input::PeerLost { peer: p_addr() })
         .unwrap();
+    assert!(h.d_results().is_empty(), "fenced, not freed");
+    let quarantine = h.d().config().quarantine;
+    h.advance(quarantine);
     assert_eq!(
         h.d_results(),
         vec![(
             DecodeOutcome::Failed(DecodeFailure::PeerDead),
-            FreeProof::PeerInvalidated
+            FreeProof::DeadPeerFence
         )]
     );
     assert_eq!(h.nodes[&d_addr()].invalidated.len(), 1);
@@ -917,18 +927,21 @@ fn d_death_during_the_write_releases_p() {
 // -------------------------------------------------------------------------------------------
 
 // Scenario: P restarts (PeerConnected again while connected): the old incarnation is dead
-// (the transport replaced it before reporting the new one), so D fails its requests with
-// PeerInvalidated at once, without cutting the new incarnation; the old write cannot land.
+// (the transport replaced it before reporting the new one), so D fails its requests without
+// cutting the new incarnation; their blocks stay fenced for the quarantine.
 #[test]
 fn p_restart_fails_the_old_incarnation() {
     let mut h = writing();
     h.advance(ms(50));
     h.restart(&p_addr(), Config::fast(), &d_addr());
+    assert!(h.d_results().is_empty(), "fenced, not freed");
+    let quarantine = h.d().config().quarantine;
+    h.advance(quarantine);
     assert_eq!(
         h.d_results(),
         vec![(
             DecodeOutcome::Failed(DecodeFailure::PeerDead),
-            FreeProof::PeerInvalidated
+            FreeProof::DeadPeerFence
         )]
     );
     assert!(
@@ -1045,11 +1058,13 @@ fn partition_during_the_write_ends_both_sides_without_landing() {
     let mut h = writing();
     h.set_filter(|_| Rule::Drop);
     h.advance(ms(1_000));
+    let quarantine = h.d().config().quarantine;
+    h.advance(quarantine);
     assert_eq!(
         h.d_results(),
         vec![(
             DecodeOutcome::Failed(DecodeFailure::PeerDead),
-            FreeProof::PeerInvalidated
+            FreeProof::DeadPeerFence
         )]
     );
     assert_eq!(h.p_results().len(), 1);

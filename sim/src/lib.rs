@@ -20,12 +20,12 @@ mod world;
 use std::collections::BTreeMap;
 use std::ops::{Range, RangeInclusive};
 
-use kvhandoff_actors::machine::Mutation;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 pub use explore::{exhaustive, Action, Exhaustive, Kind};
+pub use kvhandoff_actors::machine::Mutation;
 pub use ledger::{pattern, BLOCK_BYTES};
 pub use world::{NodeId, Violation, World, WorldConfig};
 

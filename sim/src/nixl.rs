@@ -116,17 +116,13 @@ impl World {
             }
         }
         self.nodes[node].pool.pin(&local, 1);
-        // A write posted while the target is down is aimed at the dead incarnation's memory:
-        // it fails, even if a new incarnation is up by the time it would land.
-        let target_inc = if self.alive(target) {
-            self.nodes[target].incarnation
-        } else {
-            u32::MAX
-        };
+        // Aimed at the memory of the incarnation P shook hands with: if that one died, the
+        // write fails, even if a new incarnation is up by the time it would land.
+        let target_inc = self.known_incarnation(node, target);
         let conn = self.view(node, target);
         // A connection the target tore down (invalidated) still reaches its registered memory:
         // only the target's death stops a write.
-        let d_pinned = self.alive(target);
+        let d_pinned = self.alive(target) && self.nodes[target].incarnation == target_inc;
         if d_pinned {
             self.nodes[target].pool.pin(&remote, 1);
         }

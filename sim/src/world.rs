@@ -220,6 +220,9 @@ pub struct World {
     pub(crate) conns: BTreeMap<(NodeId, NodeId), u64>,
     /// The generation each node's last handshake with a peer made (what it sends and posts on).
     pub(crate) views: BTreeMap<(NodeId, NodeId), u64>,
+    /// The incarnation of `b` that `a` met at its last handshake with `b`: what `a`'s writes and
+    /// messages are aimed at (a restarted `b` is another agent, with other memory).
+    pub(crate) known: BTreeMap<(NodeId, NodeId), u32>,
     pub(crate) requests: Vec<Request>,
     pub(crate) keys: BTreeMap<PairingKey, usize>,
     pub(crate) crashes_left: u32,
@@ -307,6 +310,7 @@ impl World {
             partitions: Vec::new(),
             conns: BTreeMap::new(),
             views: BTreeMap::new(),
+            known: BTreeMap::new(),
             requests: Vec::new(),
             keys: BTreeMap::new(),
             step: 0,

@@ -2,11 +2,11 @@
 //! drops, duplicates, reorders, timers at any point and at most one crash, up to a depth bound,
 //! checked against the same invariants as the simulator after every step.
 
-use kvhandoff_sim::{exhaustive, WorldConfig};
+use kvhandoff_sim::{exhaustive, Mutation, WorldConfig};
 
 #[test]
 fn one_request_every_ordering_with_a_crash() {
-    let result = exhaustive(&WorldConfig::small(1, 1, false), 11, 40_000);
+    let result = exhaustive(&WorldConfig::small(1, 1, None), 11, 40_000);
     if let Some((v, path)) = &result.violation {
         panic!("{}\npath: {path:?}\n{}", v.message, v.trace.join("\n"));
     }
@@ -19,7 +19,7 @@ fn one_request_every_ordering_with_a_crash() {
 
 #[test]
 fn two_requests_every_ordering() {
-    let result = exhaustive(&WorldConfig::small(2, 0, false), 9, 25_000);
+    let result = exhaustive(&WorldConfig::small(2, 0, None), 9, 25_000);
     if let Some((v, path)) = &result.violation {
         panic!("{}\npath: {path:?}\n{}", v.message, v.trace.join("\n"));
     }
@@ -32,7 +32,7 @@ fn two_requests_every_ordering() {
 
 #[test]
 fn exhaustive_catches_free_on_deadline() {
-    let result = exhaustive(&WorldConfig::small(1, 0, true), 10, 200_000);
+    let result = exhaustive(&WorldConfig::small(1, 0, Some(Mutation::FreeOnDeadline)), 10, 200_000);
     let (v, path) = result
         .violation
         .expect("the exhaustive check must find the mutation");

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 
-use kvhandoff_sim::{Action, Kind, World, WorldConfig};
+use kvhandoff_sim::{Action, Kind, Mutation, World, WorldConfig};
 
 /// One scheduler choice: a kind and which of the enabled choices of that kind.
 #[derive(Debug, Clone)]
@@ -73,8 +73,10 @@ pub fn apply_choice(world: &mut World, choice: &Choice) {
     }
 }
 
-fn mutation() -> bool {
-    std::env::var_os("KVHANDOFF_SIM_MUTATION").is_some()
+/// `KVHANDOFF_SIM_MUTATION=NAME` runs the fuzz with that deliberate bug (it must then fail).
+fn mutation() -> Option<Mutation> {
+    let name = std::env::var("KVHANDOFF_SIM_MUTATION").ok()?;
+    Some(name.parse().expect("a mutation name (kvhandoff sim --list-mutations)"))
 }
 
 struct Fuzz;
@@ -122,7 +124,7 @@ fn fuzz_catches_free_on_deadline() {
     });
     let strategy = proptest::collection::vec(Scheduler::transitions(&false), 1..40);
     let result = runner.run(&strategy, |choices| {
-        let mut world = World::new(WorldConfig::small(1, 0, true), 0);
+        let mut world = World::new(WorldConfig::small(1, 0, Some(Mutation::FreeOnDeadline)), 0);
         for c in &choices {
             apply_choice(&mut world, c);
             prop_assert!(

@@ -9,7 +9,7 @@ use kvhandoff_sim::{exhaustive, run_world, Action, Faults, WorldConfig};
 #[test]
 fn duplicated_register_after_answer_writes_freed_blocks() {
     // Path found by the exhaustive check with duplication of D→P messages on.
-    let mut cfg = WorldConfig::small(2, 0, false);
+    let mut cfg = WorldConfig::small(2, 0, None);
     cfg.dup_control = true;
     let path = [
         Action::Run(0),
@@ -29,7 +29,7 @@ fn duplicated_register_after_answer_writes_freed_blocks() {
     assert!(world.violations().is_empty(), "{:#?}", world.violations());
     let result = exhaustive(&cfg, 9, 25_000);
     assert!(result.violation.is_none(), "{:?}", result.violation);
-    let mut seeded = WorldConfig::seeded(50, Faults::Chaos, false);
+    let mut seeded = WorldConfig::seeded(50, Faults::Chaos, None);
     seeded.dup_control = true;
     for seed in 0..300 {
         let r = run_world(seeded.clone(), seed);
@@ -43,7 +43,7 @@ fn duplicated_register_after_answer_writes_freed_blocks() {
 /// freed. Fixed by every cancel raising the key's floor (`Writer::raise_floor`).
 #[test]
 fn seed_7403_cancel_after_abort_raises_the_floor() {
-    let result = run_world(WorldConfig::seeded(50, Faults::Chaos, false), 7403);
+    let result = run_world(WorldConfig::seeded(50, Faults::Chaos, None), 7403);
     assert!(result.violations.is_empty(), "{:#?}", result.violations);
     assert_eq!(result.stale_writes, 0);
     assert_eq!(result.leaked_blocks, 0);
@@ -53,7 +53,7 @@ fn seed_7403_cancel_after_abort_raises_the_floor() {
 #[test]
 fn seeds_7390_to_7420_are_clean() {
     for seed in 7390..7420 {
-        let r = run_world(WorldConfig::seeded(50, Faults::Chaos, false), seed);
+        let r = run_world(WorldConfig::seeded(50, Faults::Chaos, None), seed);
         assert!(r.violations.is_empty(), "seed {seed}: {:#?}", r.violations);
     }
 }

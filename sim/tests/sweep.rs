@@ -1,27 +1,32 @@
-//! Seeded swarm simulation (tier T3): chaos sweeps must find no violation and no leak, must
-//! reach every coverage mark, must be deterministic, and must catch the deliberate bug.
+//! Seeded swarm simulation (tier T3): chaos sweeps at loads drawn per seed must find no
+//! violation and no leak, must reach every coverage mark, must be deterministic, and must catch
+//! every deliberate bug.
 
-use kvhandoff_sim::{run_seed, run_seeds, Faults, SimOptions};
+use kvhandoff_sim::{run_seed, run_seeds, seed_load, Faults, Mutation, SimOptions};
 
-fn opts(seeds: std::ops::Range<u64>, requests: usize, faults: Faults) -> SimOptions {
+/// CI's chaos tier: request counts and pool sizes drawn per seed, from light to heavy load and
+/// from contended pools (blocks reused soon after they are freed) to roomy ones.
+fn ci_chaos(seeds: std::ops::Range<u64>) -> SimOptions {
     SimOptions {
-        seeds,
-        requests,
-        faults,
-        long: false,
-        mutation: false,
+        requests: 10..=160,
+        pool_blocks: 8..=64,
+        ..SimOptions::new(seeds, 50, Faults::Chaos)
     }
 }
 
+fn first_violation(report: &kvhandoff_sim::SimReport) -> String {
+    report
+        .violations
+        .first()
+        .map(|v| format!("seed {}: {}\n{}", v.seed, v.message, v.trace.join("\n")))
+        .unwrap_or_default()
+}
+
 #[test]
-fn chaos_500_seeds_50_requests() {
-    let report = run_seeds(&opts(0..500, 50, Faults::Chaos));
-    assert!(
-        report.violations.is_empty(),
-        "{:#?}",
-        &report.violations[..1]
-    );
-    assert_eq!(report.leaked_blocks, 0);
+fn chaos_sweep_at_varied_load_is_clean_and_hits_every_mark() {
+    let report = run_seeds(&ci_chaos(0..700));
+    assert!(report.violations.is_empty(), "{}", first_violation(&report));
+    assert_eq!(report.leaked_blocks, 0, "{:?}", report.leaks);
     assert_eq!(report.stale_writes, 0);
     for mark in kvhandoff_sim::COVERAGE_MARKS {
         assert!(
@@ -31,27 +36,31 @@ fn chaos_500_seeds_50_requests() {
         );
     }
     assert!(
-        report.outcomes["decode.Ready"] > 10_000,
+        report.outcomes["decode.Ready"] > 20_000,
         "{:?}",
         report.outcomes
     );
+    // The load really varied.
+    let loads: Vec<(usize, u32)> = (0..700).map(|s| seed_load(&ci_chaos(0..1), s)).collect();
+    assert!(loads.iter().any(|&(r, _)| r < 30) && loads.iter().any(|&(r, _)| r > 140));
+    assert!(loads.iter().any(|&(_, p)| p < 12) && loads.iter().any(|&(_, p)| p > 56));
 }
 
 #[test]
 fn no_faults_and_network_faults_are_clean() {
     for faults in [Faults::None, Faults::Network] {
-        let report = run_seeds(&opts(0..100, 50, faults));
+        let report = run_seeds(&SimOptions::new(0..100, 50, faults));
         assert!(
             report.violations.is_empty(),
-            "{faults:?}: {:#?}",
-            &report.violations[..1]
+            "{faults:?}: {}",
+            first_violation(&report)
         );
         assert_eq!(report.leaked_blocks, 0);
         assert!(report.coverage["decode_registered_first"] > 0);
         assert!(report.coverage["prefill_finished_first"] > 0);
     }
     // Without faults every request is ready.
-    let report = run_seeds(&opts(0..20, 50, Faults::None));
+    let report = run_seeds(&SimOptions::new(0..20, 50, Faults::None));
     let failed: u64 = report
         .outcomes
         .iter()
@@ -63,14 +72,14 @@ fn no_faults_and_network_faults_are_clean() {
 
 #[test]
 fn same_seed_same_trace_whatever_the_threads() {
-    let a = run_seeds(&opts(10..30, 30, Faults::Chaos));
-    let b = run_seeds(&opts(10..30, 30, Faults::Chaos));
+    let a = run_seeds(&ci_chaos(10..30));
+    let b = run_seeds(&ci_chaos(10..30));
     assert_eq!(a, b);
-    let one = run_seed(17, 30, Faults::Chaos, false, false);
-    let again = run_seed(17, 30, Faults::Chaos, false, false);
+    let one = run_seed(17, 30, Faults::Chaos, false, None);
+    let again = run_seed(17, 30, Faults::Chaos, false, None);
     assert_eq!(one.trace_hash, again.trace_hash);
     assert_eq!(one.steps, again.steps);
-    let other = run_seed(18, 30, Faults::Chaos, false, false);
+    let other = run_seed(18, 30, Faults::Chaos, false, None);
     assert_ne!(one.trace_hash, other.trace_hash);
     let json = serde_json::to_value(&a).unwrap();
     let mut keys: Vec<&str> = json
@@ -83,29 +92,45 @@ fn same_seed_same_trace_whatever_the_threads() {
     assert_eq!(
         keys,
         [
+            "counters",
             "coverage",
             "leaked_blocks",
+            "leaks",
+            "mutation",
             "outcomes",
+            "pool_blocks_range",
             "requests",
+            "requests_range",
             "seeds",
             "stale_writes",
+            "total_requests",
             "trace_hash",
             "violations"
         ]
     );
 }
 
+/// Every deliberate bug is caught by 300 chaos seeds of 40 requests (the mutation check).
 #[test]
-fn the_simulator_catches_free_on_deadline() {
-    let mut o = opts(0..200, 50, Faults::Chaos);
-    o.mutation = true;
-    let report = run_seeds(&o);
-    assert!(
-        report
-            .violations
-            .iter()
-            .any(|v| v.message.contains("S1") || v.message.contains("S2")),
-        "the mutation went unnoticed: {:?}",
-        report.coverage
-    );
+fn every_mutation_is_caught() {
+    for mutation in Mutation::ALL {
+        let mut options = SimOptions::new(0..300, 40, Faults::Chaos);
+        options.mutation = Some(mutation);
+        let report = run_seeds(&options);
+        assert!(
+            !report.clean(),
+            "mutation {mutation} went unnoticed: {:?} {:?}",
+            report.coverage,
+            report.counters
+        );
+        eprintln!(
+            "mutation {mutation}: {} violations, first: {}",
+            report.violations.len(),
+            report
+                .violations
+                .first()
+                .map(|v| v.message.as_str())
+                .unwrap_or("(a leak or stale write)")
+        );
+    }
 }

@@ -30,10 +30,10 @@ const DEADLINE_MS: u64 = 6_000;
 /// The fixtures' `Cancelling` state, as if it was entered at NOW: next resend and quarantine
 /// end (checked against the config by `fixtures_follow_the_config`).
 const RESEND_MS: u64 = 1_100;
-const QUARANTINE_MS: u64 = 8_000;
+const QUARANTINE_MS: u64 = 9_500;
 
 fn config() -> Config {
-    // cancel_retry_interval 100 ms, max_cancel_retries 5, quarantine 7000 ms.
+    // cancel_retry_interval 100 ms, max_cancel_retries 5, quarantine 8500 ms.
     Config::fast()
 }
 
@@ -251,7 +251,7 @@ fn cases() -> Vec<Case> {
                 settled,
                 next_resend: ms(NOW_MS + 100),
                 resends_left: 5,
-                quarantine_until: ms(NOW_MS + 7_000),
+                quarantine_until: ms(NOW_MS + 8_500),
             }
             .build(),
         )
@@ -368,10 +368,43 @@ fn cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
-            "registered + peer dead: PeerDead, invalidated",
+            "registered + peer dead: fenced (no cancel to a dead peer)",
             registered(2, &[0]),
             I::PeerDead,
-            failed(2, F::PeerDead, P::PeerInvalidated),
+            live(
+                CancellingAt::new(2)
+                    .reason(F::PeerDead)
+                    .settled(&[0])
+                    .resends(0, ms(NOW_MS))
+                    .build(),
+            ),
+            vec![],
+            no_counters(),
+        ),
+        case(
+            "fenced + timeout before the quarantine: still fenced",
+            CancellingAt::new(1)
+                .reason(F::PeerDead)
+                .resends(0, ms(NOW_MS))
+                .build(),
+            I::Timeout,
+            live(
+                CancellingAt::new(1)
+                    .reason(F::PeerDead)
+                    .resends(0, ms(NOW_MS))
+                    .build(),
+            ),
+            vec![],
+            no_counters(),
+        ),
+        case(
+            "fenced + write done (old incarnation's proof): writes completed",
+            CancellingAt::new(1)
+                .reason(F::PeerDead)
+                .resends(0, ms(NOW_MS))
+                .build(),
+            write_done(0),
+            failed(1, F::PeerDead, P::WritesCompleted),
             vec![],
             no_counters(),
         ),
@@ -491,7 +524,7 @@ fn cases() -> Vec<Case> {
                     settled: &[],
                     next_resend: ms(DEADLINE_MS + 100),
                     resends_left: 5,
-                    quarantine_until: ms(DEADLINE_MS + 7_000),
+                    quarantine_until: ms(DEADLINE_MS + 8_500),
                 }
                 .build(),
             ),
@@ -517,10 +550,15 @@ fn cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
-            "cancelling + peer dead: invalidated",
+            "cancelling + peer dead: no more resends; the quarantine from the cancel stands",
             CancellingAt::new(2).settled(&[0]).build(),
             I::PeerDead,
-            failed(2, F::Aborted, P::PeerInvalidated),
+            live(
+                CancellingAt::new(2)
+                    .settled(&[0])
+                    .resends(0, ms(RESEND_MS))
+                    .build(),
+            ),
             vec![],
             no_counters(),
         ),
@@ -743,6 +781,7 @@ fn step(state: DecodeRequest, now: Time, input: DecodeInput) -> (Next, Vec<Outpu
         now,
         own: &own,
         config: &config,
+        mutation: Default::default(),
     };
     let mut out = VecDeque::new();
     let mut counters = Counters::default();

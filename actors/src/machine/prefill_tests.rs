@@ -150,8 +150,26 @@ fn draining_until(
         cause,
         cancel_requested,
         abandoned,
+        stuck: false,
         deadline,
     })
+}
+
+/// Abandoned, unconfirmed past the abandon deadline at `now`: the source blocks stay held.
+fn stuck_at(cause: DrainCause, cancel_requested: bool, now: Time) -> PrefillRequest {
+    PrefillRequest::Draining(Draining {
+        common: common(),
+        binding: binding(),
+        cause,
+        cancel_requested,
+        abandoned: true,
+        stuck: true,
+        deadline: now + config().max_write_life,
+    })
+}
+
+fn stuck_counted() -> Counters {
+    counted(|c| c.stuck_writes = 1)
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -229,10 +247,6 @@ fn post(to: &PeerAddr, local: BlockIds, remote: BlockIds) -> Output {
 
 fn abandon() -> Output {
     Output::AbandonWrite { write: WRITE }
-}
-
-fn invalidate() -> Output {
-    Output::Invalidate { peer: d() }
 }
 
 fn no_counters() -> Counters {
@@ -765,16 +779,12 @@ fn draining_end_cases() -> Vec<Case> {
         )
         .at(due),
         case(
-            "draining(cancelled, abandoned) + timeout at deadline: invalidate, fail, ack",
+            "draining(cancelled, abandoned) + timeout at deadline: unconfirmed, source blocks held (stuck)",
             draining(C::Cancelled, true, true),
             I::Timeout,
-            cancelled(),
-            vec![
-                invalidate(),
-                write_failed(W::TransferTimedOut),
-                cancel_ack(),
-            ],
-            no_counters(),
+            live(stuck_at(C::Cancelled, true, due)),
+            vec![],
+            stuck_counted(),
         )
         .at(due),
         // Aborted: P's own abort; D learns PrefillAborted unless the data landed.
@@ -861,22 +871,21 @@ fn draining_end_cases() -> Vec<Case> {
         )
         .at(due),
         case(
-            "draining(aborted, abandoned) + timeout at deadline: invalidate, PrefillAborted",
+            "draining(aborted, abandoned) + timeout at deadline: unconfirmed, source blocks held (stuck)",
             draining(C::Aborted, false, true),
             I::Timeout,
-            aborted(),
-            vec![invalidate(), write_failed(W::PrefillAborted)],
-            no_counters(),
+            live(stuck_at(C::Aborted, false, due)),
+            vec![],
+            stuck_counted(),
         )
         .at(due),
         case(
-            "draining(aborted, cancel requested, abandoned) + timeout after deadline: \
-             invalidate, PrefillAborted, ack",
+            "draining(aborted, cancel requested, abandoned) + timeout after deadline: unconfirmed, source blocks held (stuck)",
             draining(C::Aborted, true, true),
             I::Timeout,
-            aborted(),
-            vec![invalidate(), write_failed(W::PrefillAborted), cancel_ack()],
-            no_counters(),
+            live(stuck_at(C::Aborted, true, ms(WRITE_DL_MS + 3))),
+            vec![],
+            stuck_counted(),
         )
         .at(ms(WRITE_DL_MS + 3)),
         // PeerDead: nothing is sent to a dead peer.
@@ -913,21 +922,21 @@ fn draining_end_cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
-            "draining(peer dead) + timeout at deadline: invalidate only",
+            "draining(peer dead) + timeout at deadline: unconfirmed, source blocks held (stuck)",
             draining(C::PeerDead, false, true),
             I::Timeout,
-            dead(),
-            vec![invalidate()],
-            no_counters(),
+            live(stuck_at(C::PeerDead, false, due)),
+            vec![],
+            stuck_counted(),
         )
         .at(due),
         case(
-            "draining(peer dead, cancel requested) + timeout at deadline: invalidate only",
+            "draining(peer dead, cancel requested) + timeout at deadline: unconfirmed, source blocks held (stuck)",
             draining(C::PeerDead, true, true),
             I::Timeout,
-            dead(),
-            vec![invalidate()],
-            no_counters(),
+            live(stuck_at(C::PeerDead, true, due)),
+            vec![],
+            stuck_counted(),
         )
         .at(due),
         // TimedOut: D learns TransferTimedOut unless the data landed.
@@ -964,26 +973,21 @@ fn draining_end_cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
-            "draining(timed out) + timeout at deadline: invalidate, TransferTimedOut",
+            "draining(timed out) + timeout at deadline: unconfirmed, source blocks held (stuck)",
             draining(C::TimedOut, false, true),
             I::Timeout,
-            timed_out(),
-            vec![invalidate(), write_failed(W::TransferTimedOut)],
-            no_counters(),
+            live(stuck_at(C::TimedOut, false, due)),
+            vec![],
+            stuck_counted(),
         )
         .at(due),
         case(
-            "draining(timed out, cancel requested) + timeout at deadline: \
-             invalidate, TransferTimedOut, ack",
+            "draining(timed out, cancel requested) + timeout at deadline: unconfirmed, source blocks held (stuck)",
             draining(C::TimedOut, true, true),
             I::Timeout,
-            timed_out(),
-            vec![
-                invalidate(),
-                write_failed(W::TransferTimedOut),
-                cancel_ack(),
-            ],
-            no_counters(),
+            live(stuck_at(C::TimedOut, true, due)),
+            vec![],
+            stuck_counted(),
         )
         .at(due),
     ]
@@ -1193,6 +1197,7 @@ fn step(state: PrefillRequest, now: Time, input: PrefillInput) -> (Next, Vec<Out
         own_rank: OWN_RANK,
         config: &config,
         next_write: WRITE,
+        mutation: Default::default(),
     };
     let mut out = VecDeque::new();
     let mut counters = Counters::default();

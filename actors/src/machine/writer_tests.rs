@@ -132,7 +132,7 @@ fn apply(w: &mut Writer, now: Time, input: WInput, fx: &mut Effects<'_>) -> Resu
                 .into_iter()
                 .map(|key| LeaseRef { key, epoch: EPOCH })
                 .collect();
-            w.on_heartbeat(now, leases, fx);
+            w.on_heartbeat(now, &d(), leases, fx);
         }
         WInput::Finished(start) => return w.finished(now, start, fx),
         WInput::Abort(request) => return w.abort(now, &request, fx),
@@ -364,6 +364,7 @@ fn is_draining(
         cause,
         cancel_requested,
         abandoned,
+        stuck: false,
         deadline,
     }))
 }

@@ -19,6 +19,11 @@ impl World {
         self.views.get(&(a, b)).copied().unwrap_or(0)
     }
 
+    /// The incarnation of `b` that `a` knows from its last handshake.
+    pub(crate) fn known_incarnation(&self, a: NodeId, b: NodeId) -> u32 {
+        self.known.get(&(a, b)).copied().unwrap_or(0)
+    }
+
     /// Tears the connection between `a` and `b` down (a handshake or an invalidation).
     pub(crate) fn bump_conn(&mut self, a: NodeId, b: NodeId) {
         *self.conns.entry((a.min(b), a.max(b))).or_insert(0) += 1;
@@ -66,7 +71,8 @@ impl World {
         let msg = NetMsg {
             from,
             to,
-            to_inc: self.nodes[to].incarnation,
+            // Aimed at the incarnation the sender shook hands with: lost if the peer restarted.
+            to_inc: self.known_incarnation(from, to),
             conn: self.view(from, to),
             message,
         };
@@ -131,6 +137,8 @@ impl World {
             let generation = self.conn(from, to);
             self.views.insert((from, to), generation);
             self.views.insert((to, from), generation);
+            self.known.insert((from, to), self.nodes[to].incarnation);
+            self.known.insert((to, from), self.nodes[from].incarnation);
             let back = self.nodes[from].addr.clone();
             self.feed(to, Input::PeerConnected { peer: back });
             self.feed(from, Input::PeerConnected { peer });
