@@ -171,6 +171,10 @@ struct SimArgs {
     /// seeded worlds.
     #[arg(long)]
     exhaustive: bool,
+    /// Engines retry failed allocations every few ms instead of queueing for freed blocks (the
+    /// engine model of the first regression seeds; slow at high load).
+    #[arg(long)]
+    poll_allocations: bool,
     /// Print the report as JSON instead of a summary.
     #[arg(long)]
     json: bool,
@@ -404,6 +408,7 @@ fn run_sim(args: SimArgs) -> ExitCode {
         options.pool_blocks = pool;
     }
     options.mutation = args.mutation;
+    options.poll_allocations = args.poll_allocations;
     let started = std::time::Instant::now();
     let report = kvhandoff_sim::run_seeds(&options);
     let elapsed = started.elapsed();

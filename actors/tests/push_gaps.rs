@@ -49,7 +49,11 @@ fn p_death_before_the_write_is_detected_in_bounded_time() {
     h.crash(&p_addr());
     let config = h.d().config().clone();
     h.advance(config.peer_timeout + config.heartbeat_interval);
-    assert_eq!(h.d().counters().peers_declared_dead, 1, "declared dead in time");
+    assert_eq!(
+        h.d().counters().peers_declared_dead,
+        1,
+        "declared dead in time"
+    );
     assert!(h.d_results().is_empty(), "fenced, not freed");
     h.advance(config.quarantine);
 

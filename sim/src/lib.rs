@@ -79,6 +79,7 @@ pub const COVERAGE_MARKS: &[&str] = &[
     "false_death_peer_alive",
     "tombstone_evicted",
     "fence_free",
+    "poster_crashed_mid_write",
 ];
 
 /// What to run.
@@ -97,6 +98,8 @@ pub struct SimOptions {
     pub long: bool,
     /// The deliberate bug every endpoint runs with (the simulator must catch it).
     pub mutation: Option<Mutation>,
+    /// See [`WorldConfig::poll_allocations`].
+    pub poll_allocations: bool,
 }
 
 impl SimOptions {
@@ -109,6 +112,7 @@ impl SimOptions {
             faults,
             long: false,
             mutation: None,
+            poll_allocations: false,
         }
     }
 
@@ -130,10 +134,40 @@ pub const DEFAULT_POOL_BLOCKS: u32 = 24;
 /// The load of one seed: drawn from the options by the seed alone (not from the world's
 /// stream), so a seed replays with the same load whatever else runs.
 pub fn seed_load(opts: &SimOptions, seed: u64) -> (usize, u32) {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x6c6f_6164_6c6f_6164);
+    let mut rng = load_rng(seed);
     let requests = rng.gen_range(opts.requests.clone());
     let pool = rng.gen_range(opts.pool_blocks.clone());
     (requests, pool)
+}
+
+fn load_rng(seed: u64) -> rand_chacha::ChaCha8Rng {
+    rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x6c6f_6164_6c6f_6164)
+}
+
+/// Tombstones per side in the seeds that run with a small table (one in eight): eviction at
+/// capacity happens, and late messages of evicted keys look new.
+pub const SMALL_TOMBSTONE_TABLE: usize = 24;
+
+/// The seed's world, at its drawn load: one seed in eight also runs with a small tombstone
+/// table ([`SMALL_TOMBSTONE_TABLE`]).
+pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
+    let (requests, pool) = seed_load(opts, seed);
+    let mut cfg = WorldConfig::seeded(requests, opts.faults, opts.mutation);
+    cfg.pool_blocks = pool;
+    cfg.poll_allocations = opts.poll_allocations;
+    if opts.long {
+        cfg.span *= 4;
+    }
+    // Drawn after the load, from the same stream, so the load of a seed is unchanged.
+    let mut rng = load_rng(seed);
+    let _ = (
+        rng.gen_range(opts.requests.clone()),
+        rng.gen_range(opts.pool_blocks.clone()),
+    );
+    if rng.gen_ratio(1, 8) {
+        cfg.machine.max_tombstones = SMALL_TOMBSTONE_TABLE;
+    }
+    cfg
 }
 
 /// The result of a sweep. Identical for identical options, whatever the thread count.
@@ -191,6 +225,10 @@ pub struct SeedResult {
     pub leaks: Vec<String>,
     /// Requests the seed ran.
     pub requests: usize,
+    /// When faults stopped (virtual time since the start).
+    pub heal: std::time::Duration,
+    /// When an attempt last started or ended.
+    pub last_progress: std::time::Duration,
     /// Machine counters worth watching.
     pub counters: BTreeMap<&'static str, u64>,
     /// Stale landings.
@@ -302,7 +340,8 @@ impl World {
         self.coverage
             .insert("prefill_finished_first", c.prefill_finished_first);
         self.coverage.insert("quarantine_free", c.quarantine_frees);
-        self.coverage.insert("tombstone_evicted", self.tombstones_evicted);
+        self.coverage
+            .insert("tombstone_evicted", self.tombstones_evicted);
         let counters = BTreeMap::from([
             ("quarantine_frees", c.quarantine_frees),
             ("fence_frees", c.fence_frees),
@@ -318,6 +357,8 @@ impl World {
             leaked_blocks: self.nodes.iter().map(|n| n.pool.leased() as u64).sum(),
             leaks: self.explain_leaks(),
             requests: self.cfg.requests,
+            heal: self.heal.since_origin(),
+            last_progress: self.last_progress.since_origin(),
             counters,
             stale_writes: self.stale_writes,
             trace_hash: self.trace_hash(),
@@ -335,15 +376,7 @@ pub fn run_seeds(opts: &SimOptions) -> SimReport {
     let run = |chunk: &[u64]| -> Vec<SeedResult> {
         chunk
             .iter()
-            .map(|&s| {
-                let (requests, pool) = seed_load(opts, s);
-                let mut cfg = WorldConfig::seeded(requests, opts.faults, opts.mutation);
-                cfg.pool_blocks = pool;
-                if opts.long {
-                    cfg.span *= 4;
-                }
-                run_world(cfg, s)
-            })
+            .map(|&s| run_world(seed_world(opts, s), s))
             .collect()
     };
     let half = seeds.len().div_ceil(2);

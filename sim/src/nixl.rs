@@ -233,8 +233,7 @@ impl World {
             // The partition outlasts the write's life: it fails (the bound holds).
             fail = true;
         }
-        let target_gone =
-            !self.alive(w.target) || self.nodes[w.target].incarnation != w.target_inc;
+        let target_gone = !self.alive(w.target) || self.nodes[w.target].incarnation != w.target_inc;
         let fail = fail || target_gone || self.chance(self.rates.fail_later);
         if !fail {
             if w.conn != self.conn(w.poster, w.target) {
@@ -342,7 +341,8 @@ impl World {
         self.record(format!("invalidate {node}->{peer}"));
         let outstanding = self.writes.values().any(|w| {
             !w.reported
-                && ((w.poster == node && w.target == peer) || (w.poster == peer && w.target == node))
+                && ((w.poster == node && w.target == peer)
+                    || (w.poster == peer && w.target == node))
         });
         if outstanding {
             self.mark("peer_died_with_write_outstanding");
@@ -360,6 +360,7 @@ impl World {
             .collect();
         for seq in seqs {
             if self.writes[&seq].in_flight() {
+                self.mark("poster_crashed_mid_write");
                 let partial = if self.cfg.explore {
                     false
                 } else {

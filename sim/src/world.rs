@@ -52,6 +52,10 @@ pub struct WorldConfig {
     pub dup_control: bool,
     /// The deliberate bug every endpoint runs with (the mutation check), if any.
     pub mutation: Option<Mutation>,
+    /// Engines retry a failed allocation every 2–10 ms instead of waiting in a queue for blocks
+    /// to be freed: the engine model in which the first regressions were found (their seeds
+    /// replay their paths only with it). Costly at high load.
+    pub poll_allocations: bool,
 }
 
 impl WorldConfig {
@@ -69,6 +73,7 @@ impl WorldConfig {
             span: Duration::from_millis(10 * requests as u64 + 50),
             dup_control: true,
             mutation,
+            poll_allocations: false,
         }
     }
 
@@ -105,6 +110,7 @@ impl WorldConfig {
             span: Duration::ZERO,
             dup_control: false,
             mutation,
+            poll_allocations: false,
         }
     }
 }

@@ -32,7 +32,11 @@ fn two_requests_every_ordering() {
 
 #[test]
 fn exhaustive_catches_free_on_deadline() {
-    let result = exhaustive(&WorldConfig::small(1, 0, Some(Mutation::FreeOnDeadline)), 10, 200_000);
+    let result = exhaustive(
+        &WorldConfig::small(1, 0, Some(Mutation::FreeOnDeadline)),
+        10,
+        200_000,
+    );
     let (v, path) = result
         .violation
         .expect("the exhaustive check must find the mutation");

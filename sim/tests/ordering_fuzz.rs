@@ -76,7 +76,10 @@ pub fn apply_choice(world: &mut World, choice: &Choice) {
 /// `KVHANDOFF_SIM_MUTATION=NAME` runs the fuzz with that deliberate bug (it must then fail).
 fn mutation() -> Option<Mutation> {
     let name = std::env::var("KVHANDOFF_SIM_MUTATION").ok()?;
-    Some(name.parse().expect("a mutation name (kvhandoff sim --list-mutations)"))
+    Some(
+        name.parse()
+            .expect("a mutation name (kvhandoff sim --list-mutations)"),
+    )
 }
 
 struct Fuzz;

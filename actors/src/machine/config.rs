@@ -180,7 +180,10 @@ impl Config {
     /// a registration still travelling), and the write it posts may stay in flight for
     /// `max_write_life`. `quarantine` must exceed it.
     pub fn fence_floor(&self) -> Duration {
-        self.registration_ttl + self.heartbeat_interval + self.max_message_delay + self.max_write_life
+        self.registration_ttl
+            + self.heartbeat_interval
+            + self.max_message_delay
+            + self.max_write_life
     }
 
     /// A configuration with short deadlines for tests and demos: heartbeats every 100 ms.

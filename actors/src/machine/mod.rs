@@ -21,8 +21,8 @@ mod writer;
 
 pub use config::{Config, ConfigError};
 pub use endpoint::{Endpoint, EndpointStats};
-pub use mutation::Mutation;
 pub(crate) use mutation::ActiveMutation;
+pub use mutation::Mutation;
 pub use types::{
     ConnectFailure, Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent,
     FreeProof, Input, Output, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time,

@@ -16,9 +16,6 @@ pub enum Mutation {
     FreeOnDeadline,
     /// D frees its blocks as soon as it declares P dead, trusting the invalidation.
     FreeOnPeerDead,
-    /// D treats every handshake of a connected peer as a restart (even a duplicate of the live
-    /// incarnation's) and frees what was bound to it.
-    HandshakeAlwaysRestart,
     /// D counts a `WriteDone` of an older epoch as one of the current epoch.
     AcceptStaleWriteDone,
     /// P lets a registration below the key's epoch floor reach a new request's blocks.
@@ -31,10 +28,9 @@ pub enum Mutation {
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 7] = [
+    pub const ALL: [Mutation; 6] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
-        Mutation::HandshakeAlwaysRestart,
         Mutation::AcceptStaleWriteDone,
         Mutation::SkipEpochFloor,
         Mutation::FreeSourceOnAbandon,
@@ -52,7 +48,6 @@ impl Mutation {
         match self {
             Mutation::FreeOnDeadline => "free_on_deadline",
             Mutation::FreeOnPeerDead => "free_on_peer_dead",
-            Mutation::HandshakeAlwaysRestart => "handshake_always_restart",
             Mutation::AcceptStaleWriteDone => "accept_stale_write_done",
             Mutation::SkipEpochFloor => "skip_epoch_floor",
             Mutation::FreeSourceOnAbandon => "free_source_on_abandon",

@@ -1253,7 +1253,7 @@ fn draining_cases() -> Vec<Case> {
         )
         .at(ms(WRITE_DL_MS)),
         case(
-            "draining, abandoned + timeout at deadline: invalidate, fail, acknowledge",
+            "draining, abandoned + timeout at deadline: unconfirmed, source blocks held (stuck)",
             || {
                 let mut w = draining();
                 let mut out = VecDeque::new();
@@ -1267,14 +1267,20 @@ fn draining_cases() -> Vec<Case> {
                 w
             },
             WInput::Timeout,
-            tomb(settled(EPOCH)),
-            vec![
-                Output::Invalidate { peer: d() },
-                write_failed(EPOCH, WriteFailure::TransferTimedOut),
-                ack(EPOCH),
-                released(ReleaseCause::CancelledByPeer),
-            ],
-            none(),
+            floor(KeyState {
+                request: Some(PrefillRequest::Draining(Draining {
+                    common: common(),
+                    binding: binding(EPOCH),
+                    cause: DrainCause::Cancelled,
+                    cancel_requested: true,
+                    abandoned: true,
+                    stuck: true,
+                    deadline: ms(WRITE_DL_MS + 500) + config().max_write_life,
+                })),
+                ..is_draining(DrainCause::Cancelled, true, true, ms(WRITE_DL_MS))
+            }),
+            vec![],
+            counted(|c| c.stuck_writes = 1),
         )
         .at(ms(WRITE_DL_MS + 500)),
     ]
