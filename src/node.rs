@@ -171,8 +171,7 @@ impl NodeTiming {
                 c.lease_duration, c.heartbeat_interval
             ));
         }
-        let latest_write =
-            c.registration_ttl + c.heartbeat_interval + c.write_timeout + c.abandon_timeout;
+        let latest_write = c.fence_floor();
         if c.quarantine <= latest_write {
             c.quarantine = latest_write + c.heartbeat_interval;
         }

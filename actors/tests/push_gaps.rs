@@ -432,14 +432,16 @@ fn d_abort_during_a_write_that_never_lands() {
 // No late write into reused blocks
 // -------------------------------------------------------------------------------------------
 
-/// D's deadline (500 ms) comes long before P's write deadline (2 s). The quarantine must
-/// still exceed registration_ttl + heartbeat_interval + write_timeout + abandon_timeout
-/// (5 s + 100 ms + 2 s + 500 ms).
+/// D's deadline (500 ms) comes long before P's write deadline (2 s). A write may live as long
+/// as P waits for it (2 s + 500 ms of abandon), and the quarantine must still exceed
+/// registration_ttl + heartbeat_interval + max_message_delay + max_write_life
+/// (5 s + 100 ms + 1 s + 2.5 s).
 fn short_deadline() -> Config {
     Config {
         decode_deadline: ms(500),
         write_timeout: ms(2_000),
-        quarantine: ms(8_000),
+        max_write_life: ms(2_500),
+        quarantine: ms(9_000),
         ..Config::fast()
     }
 }

@@ -141,6 +141,7 @@ impl World {
                     .as_ref()
                     .and_then(|e| e.poll_timeout());
                 if let Some(t) = due {
+                    self.end_writes_before(t);
                     self.now = self.now.max(t);
                     self.fire_timer(node);
                 }
@@ -151,6 +152,30 @@ impl World {
                     self.crash(node);
                     self.check_step();
                 }
+            }
+        }
+    }
+
+    /// The fabric ends every write within `max_write_life` (see `nixl.rs`): before time moves
+    /// to `t`, every write still in flight whose life ends earlier lands then (its `Land` event
+    /// runs; the explorer chose no failure for it).
+    fn end_writes_before(&mut self, t: kvhandoff_actors::machine::Time) {
+        let life = self.cfg.machine.max_write_life;
+        loop {
+            let due = self
+                .writes
+                .iter()
+                .filter(|(seq, w)| {
+                    w.in_flight() && w.posted + life <= t && self.queue.contains_key(seq)
+                })
+                .map(|(seq, w)| (w.posted + life, *seq))
+                .min();
+            let Some((end, seq)) = due else {
+                return;
+            };
+            self.now = self.now.max(end);
+            if let Some((_, ev)) = self.unschedule(seq) {
+                self.run_event(ev);
             }
         }
     }
