@@ -73,6 +73,15 @@ pub(crate) fn draw_rates(rng: &mut ChaCha8Rng, faults: Faults) -> Rates {
     rates
 }
 
+/// The engine event that (re)tries to start `request` on D (`decode`) or P.
+fn start_event(request: usize, decode: bool) -> Ev {
+    if decode {
+        Ev::DecodeStart { request }
+    } else {
+        Ev::PrefillStart { request }
+    }
+}
+
 fn rid(side: &str, request: usize, attempt: u64) -> RequestId {
     RequestId::new(format!("{side}{request}a{attempt}")).expect("valid request id")
 }
@@ -255,12 +264,7 @@ impl World {
     fn wait_for_blocks(&mut self, node: NodeId, request: usize, decode: bool) {
         if self.cfg.poll_allocations {
             let later = micros(&mut self.rng, 2_000, 10_000);
-            let ev = if decode {
-                Ev::DecodeStart { request }
-            } else {
-                Ev::PrefillStart { request }
-            };
-            self.schedule(later, ev);
+            self.schedule(later, start_event(request, decode));
         } else {
             self.alloc_waiters[node].push_back((request, decode));
         }
@@ -277,12 +281,7 @@ impl World {
                 return;
             };
             let later = micros(&mut self.rng, 0, 2_000);
-            let ev = if decode {
-                Ev::DecodeStart { request }
-            } else {
-                Ev::PrefillStart { request }
-            };
-            self.schedule(later, ev);
+            self.schedule(later, start_event(request, decode));
         }
     }
 

@@ -32,8 +32,9 @@ pub struct Config {
     /// How long after abandoning a write the transport has to confirm it.
     pub abandon_timeout: Duration,
     /// The longest a posted write can stay in flight whatever P does: NIXL cannot stop a
-    /// transfer once posted (releasing it or invalidating the peer leaves its bytes landing;
-    /// measured in `actors/tests/nixl_transport.rs`), so every fence that frees blocks a write
+    /// transfer once posted (abandoning it is refused, invalidating the peer leaves its bytes
+    /// landing: `tcp_in_progress_semantics` in `actors/tests/nixl_transport.rs`), so every fence
+    /// that frees blocks a write
     /// may target waits at least this long. An assumption about the fabric, not a timeout P
     /// enforces; the simulator ends every write within it.
     pub max_write_life: Duration,

@@ -102,9 +102,9 @@ impl Writer {
         self.by_request.keys()
     }
 
-    /// The engine ids of every live request, in order.
+    /// The engine ids of every live request, in order, owned (for callers that then step them).
     pub(crate) fn live_request_ids(&self) -> Vec<RequestId> {
-        self.by_request.keys().cloned().collect()
+        self.live_request_iter().cloned().collect()
     }
 
     pub(crate) fn next_timer(&self) -> Option<Time> {
