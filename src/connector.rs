@@ -18,8 +18,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use kvhandoff_actors::machine::{
-    DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, Input, PrefillOutcome, PrefillStart,
-    Rejected, ReleaseCause,
+    DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input, PrefillOutcome,
+    PrefillStart, Rejected, ReleaseCause,
 };
 use kvhandoff_actors::system::{AddPeerAddress, EngineCalls, RankHandle};
 use kvhandoff_actors::PeerAddr;
@@ -122,6 +122,9 @@ pub enum ConnectorEvent {
         request: RequestId,
         /// Why.
         reason: DecodeFailure,
+        /// What made it safe to hand the blocks back (`DeadPeerFence` or `Quarantine`: a
+        /// deadline passed, not a proof; the request waited for it).
+        proof: FreeProof,
         /// The blocks, free to reuse.
         blocks: BlockIds,
     },
@@ -523,11 +526,13 @@ impl KvConnector {
                 EngineEvent::Decode {
                     request,
                     outcome: DecodeOutcome::Failed(reason),
+                    proof,
                     blocks,
                     ..
                 } => ConnectorEvent::Failed {
                     request,
                     reason,
+                    proof,
                     blocks,
                 },
                 EngineEvent::Prefill {

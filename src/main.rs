@@ -110,6 +110,18 @@ struct NodeArgs {
     /// How long D waits for P's data after allocating, ms (default 120000).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     decode_deadline_ms: Option<u64>,
+    /// How long P keeps a registration whose prefill has not finished without renewal, ms
+    /// (default 120000). Give both nodes the same value: D's fence is sized on it.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    registration_ttl_ms: Option<u64>,
+    /// The longest a posted write may stay in flight, ms (default 60000); P's write deadline
+    /// and abandon wait fit inside it. Give both nodes the same value.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(3..=3_600_000))]
+    max_write_life_ms: Option<u64>,
+    /// The longest a control message may travel, ms (default 10000). Give both nodes the same
+    /// value.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    max_message_delay_ms: Option<u64>,
     /// How long P stays after its last event waiting for D to exit, ms.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     linger_ms: u64,
@@ -534,6 +546,9 @@ fn run_node(args: NodeArgs) -> ExitCode {
         heartbeat: args.heartbeat_ms.map(ms),
         lease: args.lease_ms.map(ms),
         decode_deadline: args.decode_deadline_ms.map(ms),
+        registration_ttl: args.registration_ttl_ms.map(ms),
+        max_write_life: args.max_write_life_ms.map(ms),
+        max_message_delay: args.max_message_delay_ms.map(ms),
     };
     conclude(
         node::run_full(&options),

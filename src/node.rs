@@ -134,6 +134,14 @@ pub struct NodeTiming {
     pub lease: Option<Duration>,
     /// How long D waits for P's data after allocating.
     pub decode_deadline: Option<Duration>,
+    /// How long P keeps a registration whose prefill has not finished, without renewal. Both
+    /// sides must agree: D's fence is sized on P's value.
+    pub registration_ttl: Option<Duration>,
+    /// The longest a posted write may stay in flight (the fabric's bound; both sides must
+    /// agree). P's write deadline and abandon wait shrink to fit inside it.
+    pub max_write_life: Option<Duration>,
+    /// The longest a control message may travel (both sides must agree).
+    pub max_message_delay: Option<Duration>,
 }
 
 impl NodeTiming {
@@ -171,8 +179,26 @@ impl NodeTiming {
                 c.lease_duration, c.heartbeat_interval
             ));
         }
+        if let Some(ttl) = self.registration_ttl {
+            c.registration_ttl = ttl;
+        }
+        if let Some(delay) = self.max_message_delay {
+            c.max_message_delay = delay;
+        }
+        if let Some(life) = self.max_write_life {
+            c.max_write_life = life;
+            if c.write_timeout + c.abandon_timeout > life {
+                // P gives up on a write, and waits for the abandon, within the write's life.
+                c.write_timeout = life * 2 / 3;
+                c.abandon_timeout = life - c.write_timeout;
+            }
+        }
         let latest_write = c.fence_floor();
-        if c.quarantine <= latest_write {
+        let fence_given = self.registration_ttl.is_some()
+            || self.max_write_life.is_some()
+            || self.max_message_delay.is_some();
+        if fence_given || c.quarantine <= latest_write {
+            // The fence is sized on the bounds given: one heartbeat above its floor.
             c.quarantine = latest_write + c.heartbeat_interval;
         }
         c.tombstone_ttl = c.tombstone_ttl.max(c.peer_timeout);

@@ -11,6 +11,7 @@ fn timing_flags_give_a_valid_config() {
         heartbeat: Some(ms(200)),
         lease: Some(ms(3000)),
         decode_deadline: Some(ms(1500)),
+        ..NodeTiming::default()
     }
     .config()
     .unwrap();
@@ -38,6 +39,21 @@ fn timing_flags_give_a_valid_config() {
         ..NodeTiming::default()
     };
     assert!(tiny.config().is_err());
+    // The fence flags: P's write deadline and abandon wait fit inside the write's life, and the
+    // quarantine moves above the fence floor they make.
+    let fenced = NodeTiming {
+        heartbeat: Some(ms(200)),
+        registration_ttl: Some(ms(1000)),
+        max_write_life: Some(ms(1500)),
+        max_message_delay: Some(ms(500)),
+        ..NodeTiming::default()
+    }
+    .config()
+    .unwrap();
+    assert_eq!(fenced.write_timeout + fenced.abandon_timeout, ms(1500));
+    assert_eq!(fenced.fence_floor(), ms(1000 + 200 + 500 + 1500));
+    assert!(fenced.quarantine > fenced.fence_floor());
+    assert!(fenced.quarantine < ms(4000), "{:?}", fenced.quarantine);
 }
 
 #[test]

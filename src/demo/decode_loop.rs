@@ -236,10 +236,11 @@ fn on_event(
         ConnectorEvent::Failed {
             request,
             reason,
+            proof,
             blocks,
         } => {
             note(&mut st.errors, format!("D: {request} failed: {reason:?}"));
-            (request, blocks, Some(reason))
+            (request, blocks, Some((reason, proof)))
         }
         ConnectorEvent::BlocksFree { .. } => {
             st.unknown += 1;
@@ -279,7 +280,8 @@ fn on_event(
         st.verifying.push_back((i, list, 0));
     } else {
         r.failed = true;
-        r.failure = failure;
+        r.failure = failure.map(|(reason, _)| reason);
+        r.proof = failure.map(|(_, proof)| proof);
         st.free.release(&blocks);
         st.done += 1;
     }

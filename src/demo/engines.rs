@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::machine::{DecodeFailure, ReleaseCause};
+use kvhandoff_actors::machine::{DecodeFailure, FreeProof, ReleaseCause};
 use kvhandoff_protocol::BlockIds;
 
 use crate::{ConnectorEvent, KvConnector, KvTransferParams};
@@ -161,6 +161,8 @@ pub(crate) struct DecodeRecord {
     pub(crate) failed: bool,
     /// Why it failed, for `Failed`.
     pub(crate) failure: Option<DecodeFailure>,
+    /// What freed its blocks, for `Failed`.
+    pub(crate) proof: Option<FreeProof>,
     pub(crate) verified: bool,
     pub(crate) byte_errors: u64,
     pub(crate) abandoned: bool,

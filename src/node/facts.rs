@@ -68,6 +68,7 @@ impl FactsInput<'_> {
             peer_timeout_ms: ms(self.config.peer_timeout),
             lease_ms: ms(self.config.lease_duration),
             decode_deadline_ms: ms(self.config.decode_deadline),
+            quarantine_ms: ms(self.config.quarantine),
             expect_peer_loss: self.options.expect_peer_loss,
             schedule_start_unix_ms: self.clock.unix_ms(self.start),
             pool: PoolSummary {
@@ -118,6 +119,7 @@ pub(super) fn prefill_ends(
                 called_unix_ms: r.finish_call.map(|t| clock.unix_ms(t)),
                 ended_unix_ms: r.ended_at.map(|t| clock.unix_ms(t)),
                 byte_errors: 0,
+                proof: None,
             }
         })
         .collect();
@@ -152,6 +154,7 @@ pub(super) fn decode_ends(
                 called_unix_ms: r.allocate_call.map(|t| clock.unix_ms(t)),
                 ended_unix_ms: r.ended_at.map(|t| clock.unix_ms(t)),
                 byte_errors: r.byte_errors,
+                proof: r.proof.map(|p| format!("{p:?}")),
             }
         })
         .collect();

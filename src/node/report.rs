@@ -272,6 +272,9 @@ pub struct RequestEnd {
     pub ended_unix_ms: Option<f64>,
     /// D: bytes found wrong (of a `Ready` request).
     pub byte_errors: u64,
+    /// D, for a failed request: what freed its blocks (`FreeProof`'s `Debug` name).
+    #[serde(default)]
+    pub proof: Option<String>,
 }
 
 /// The pool at the end of the run (the leak check).
@@ -301,6 +304,8 @@ pub struct NodeFacts {
     pub lease_ms: f64,
     /// D's deadline in force, ms.
     pub decode_deadline_ms: f64,
+    /// The quarantine (D's fence after a cancel or a peer's death) in force, ms.
+    pub quarantine_ms: f64,
     /// Whether the node ran as a survivor (`--expect-peer-loss`).
     pub expect_peer_loss: bool,
     /// The schedule's time zero (the handshake), unix ms.
@@ -417,8 +422,13 @@ impl NodeRun {
             (
                 "timing",
                 format!(
-                    "heartbeat {:.0} ms, peer timeout {:.0} ms, lease {:.0} ms, D deadline {:.0} ms",
-                    n.heartbeat_ms, n.peer_timeout_ms, n.lease_ms, n.decode_deadline_ms
+                    "heartbeat {:.0} ms, peer timeout {:.0} ms, lease {:.0} ms, D deadline {:.0} ms, \
+                     quarantine {:.0} ms",
+                    n.heartbeat_ms,
+                    n.peer_timeout_ms,
+                    n.lease_ms,
+                    n.decode_deadline_ms,
+                    n.quarantine_ms
                 ),
             ),
             (
