@@ -369,11 +369,13 @@ pub trait Transport {
         metadata: &[u8],
     ) -> Result<(), TransportError>;
 
-    /// Forgets a peer (NIXL: `invalidate_remote_md`, after releasing its pending requests).
-    /// Every pending transfer to it that has not landed is reported with an `Err` completion and
-    /// never lands; later posts and notifications to it fail with
-    /// [`TransportError::PeerInvalidated`] until it is loaded again. A no-op for an unknown peer
-    /// except that later calls report it as invalidated.
+    /// Forgets a peer (NIXL: `invalidate_remote_md`). Later posts and notifications to it fail
+    /// with [`TransportError::PeerInvalidated`] until it is loaded again. A pending transfer to
+    /// it is still reported exactly once, and never as failed while its bytes may still land: a
+    /// transport that can stop it (the in-memory one) reports it failed at once; one that cannot
+    /// (NIXL: an invalidation does not stop a transfer in progress) reports it with its real
+    /// end, keeping what it needs to learn it. A no-op for an unknown peer except that later
+    /// calls report it as invalidated.
     fn invalidate_remote(&mut self, peer: &PeerAddr);
 
     /// Posts a write of local memory into the peer's memory, with an optional notification

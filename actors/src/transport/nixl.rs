@@ -15,7 +15,7 @@
 //! | [`Transport::register_region`] | `register_memory` (one per [`HostBuffer`]) |
 //! | [`Transport::local_metadata`] | `get_local_md` |
 //! | [`Transport::load_remote`] | `load_remote_md` (returned name checked against `agent`) |
-//! | [`Transport::invalidate_remote`] | `get_xfer_status` + release of the peer's requests, then `invalidate_remote_md` |
+//! | [`Transport::invalidate_remote`] | `get_xfer_status` of the peer's requests; `invalidate_remote_md` once none is in progress (deferred until the last one ends) |
 //! | [`Transport::post_write`] / [`Transport::post_read`] | two DRAM `XferDescList`s, `create_xfer_req` (notification in its `OptArgs`), `post_xfer_req`; or, when every descriptor is one prepared block, `make_xfer_req` with block indices (see below) |
 //! | [`Transport::prepare_blocks`] | `prepare_xfer_dlist` of one block-granular list per region table (`""` = the initiator's own, NIXL's `NIXL_INIT_AGENT`) |
 //! | [`Transport::poll_completions`] | `get_xfer_status` on every pending request; finished ones are released |
@@ -48,12 +48,15 @@
 //!   reports the real outcome of one that finished; it never reports
 //!   [`TransportError::Abandoned`].
 //! - **Invalidation.** `get_xfer_status` must not be called once the remote's metadata is
-//!   invalidated (NIXL fails or, in older releases, frees the request), so
-//!   [`Transport::invalidate_remote`] settles the peer's requests first: finished ones report
-//!   their outcome, in-progress ones are released and reported as
-//!   [`TransportError::PeerInvalidated`] — but, as above, **their bytes may still land in the
-//!   peer's memory** (never their notification). A peer that reuses the target blocks of an
-//!   invalidated writer must expect late bytes.
+//!   invalidated (NIXL fails or, in older releases, frees the request), and releasing an
+//!   in-progress request does not stop its bytes (above). So
+//!   [`Transport::invalidate_remote`] reports the peer's finished requests, refuses new posts
+//!   and notifications to the peer at once, but keeps the requests still in progress pending —
+//!   **never reporting a transfer failed while it may still read the local blocks or land in
+//!   the peer's** — and invalidates the metadata only when the last of them has ended and been
+//!   reported with its real result (`draining`). Reloading the same agent meanwhile cancels the
+//!   deferred invalidation. A peer that reuses the target blocks of an invalidated writer must
+//!   still expect late bytes: that is D's fence (`Config::quarantine`).
 //! - **Dead peers.** Once a remote agent is gone (dropped in-process, mid-write over TCP), NIXL
 //!   reports `NIXL_ERR_REMOTE_DISCONNECT` at once (within ~0.1 ms), but the C API collapses it
 //!   into a generic backend error, and NIXL keeps the remote's metadata. So an in-flight write
@@ -95,7 +98,7 @@ mod memory;
 mod prepared;
 mod transport;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fmt;
 use std::path::Path;
@@ -304,6 +307,10 @@ pub struct NixlTransport {
     agents: HashMap<AgentName, PeerAddr>,
     /// Invalidated peers, oldest first (bounded by `max_peers`).
     tombstones: VecDeque<PeerAddr>,
+    /// Agents invalidated while transfers to them were in progress: NIXL cannot stop those, so
+    /// their metadata stays loaded (for `get_xfer_status`) until the last one ends and is
+    /// reported with its real result; then it is invalidated.
+    draining: BTreeSet<AgentName>,
     notifications: Unshared<NotificationMap>,
     /// `OptArgs` naming the UCX backend, for registrations.
     reg_args: Unshared<OptArgs>,

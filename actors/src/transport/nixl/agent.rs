@@ -1,7 +1,7 @@
 //! [`NixlTransport`]'s own methods: creating the agent and its UCX backend, the peer table,
 //! and posting and settling NIXL requests.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use kvhandoff_protocol::AgentName;
 use nixl_sys::{
@@ -76,6 +76,7 @@ impl NixlTransport {
             peers: HashMap::new(),
             agents: HashMap::new(),
             tombstones: VecDeque::new(),
+            draining: BTreeSet::new(),
             notifications: Unshared(notifications),
             reg_args: Unshared(reg_args),
             xfer_args: Unshared(xfer_args),
@@ -350,6 +351,22 @@ impl NixlTransport {
             Err(err) => Some(Err(TransportError::TransferFailed {
                 reason: format!("NIXL get_xfer_status: {err}"),
             })),
+        }
+    }
+
+    /// Invalidates the metadata of every draining agent whose last transfer has ended.
+    pub(super) fn finish_draining(&mut self) {
+        let done: Vec<AgentName> = self
+            .draining
+            .iter()
+            .filter(|agent| !self.in_flight.values().any(|x| &x.agent == *agent))
+            .cloned()
+            .collect();
+        for agent in done {
+            self.draining.remove(&agent);
+            if let Err(err) = self.agent.invalidate_remote_md(agent.as_str()) {
+                tracing::debug!(%agent, %err, "NIXL invalidate_remote_md failed");
+            }
         }
     }
 

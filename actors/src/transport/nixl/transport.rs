@@ -97,8 +97,11 @@ impl Transport for NixlTransport {
             }
         })?;
         if found != agent.as_str() {
-            // Undo the load, unless it refreshed an agent this transport uses for another peer.
-            if !self.agents.keys().any(|a| a.as_str() == found) {
+            // Undo the load, unless it refreshed an agent this transport uses for another peer
+            // or one whose transfers are still draining.
+            if !self.agents.keys().any(|a| a.as_str() == found)
+                && !self.draining.iter().any(|a| a.as_str() == found)
+            {
                 if let Err(err) = self.agent.invalidate_remote_md(&found) {
                     tracing::debug!(%found, %err, "could not unload mismatched metadata");
                 }
@@ -113,6 +116,8 @@ impl Transport for NixlTransport {
                 },
             });
         }
+        // Loaded again: a deferred invalidation of this agent no longer applies.
+        self.draining.remove(agent);
         self.tombstones.retain(|p| p != peer);
         // The peer's regions may have changed: its prepared list (if any) is stale.
         self.peer_blocks.remove(peer);
@@ -128,23 +133,28 @@ impl Transport for NixlTransport {
             self.remember_invalidated(peer);
             return;
         };
-        // Settle the peer's requests before NIXL forgets the remote: `get_xfer_status` must not
-        // see a request whose remote metadata is gone.
+        // Settle the peer's finished requests. One still in progress cannot be stopped (NIXL
+        // keeps moving its bytes after a release or an invalidation: `tcp_in_progress_semantics`
+        // in tests/nixl_transport.rs), so it is not reported failed: it stays pending and is
+        // reported with its real end, and the remote's metadata stays loaded until then
+        // (`get_xfer_status` must not see a request whose remote metadata is gone).
         let seqs: Vec<u64> = self
             .in_flight
             .iter()
             .filter(|(_, x)| &x.peer == peer)
             .map(|(&seq, _)| seq)
             .collect();
+        let mut in_progress = 0;
         for seq in seqs {
-            let result = match self.in_flight.get(&seq).and_then(|x| self.status(x)) {
-                Some(result) => result,
-                // Released below; its bytes may still land (see the module documentation).
-                None => Err(TransportError::PeerInvalidated { peer: peer.clone() }),
-            };
-            self.finish(seq, result);
+            match self.in_flight.get(&seq).and_then(|x| self.status(x)) {
+                Some(result) => self.finish(seq, result),
+                None => in_progress += 1,
+            }
         }
-        if let Err(err) = self.agent.invalidate_remote_md(agent.as_str()) {
+        if in_progress > 0 {
+            tracing::debug!(%peer, %agent, in_progress, "invalidation waits for transfers NIXL cannot stop");
+            self.draining.insert(agent.clone());
+        } else if let Err(err) = self.agent.invalidate_remote_md(agent.as_str()) {
             tracing::debug!(%peer, %agent, %err, "NIXL invalidate_remote_md failed");
         }
         self.agents.remove(&agent);
@@ -202,6 +212,9 @@ impl Transport for NixlTransport {
             .collect();
         for (seq, result) in finished {
             self.finish(seq, result);
+        }
+        if !self.draining.is_empty() {
+            self.finish_draining();
         }
         out.extend(self.done.drain(..));
     }
