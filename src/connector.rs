@@ -584,12 +584,12 @@ fn pairing_key(
 }
 
 fn epoch(params: &KvTransferParams) -> Result<Epoch, ConnectorError> {
-    match params.epoch {
+    match params.epoch.map(Epoch) {
         None => Ok(Epoch::FIRST),
-        Some(0) => Err(ConnectorError::InvalidParam {
+        Some(epoch) if epoch.is_valid() => Ok(epoch),
+        Some(epoch) => Err(ConnectorError::InvalidParam {
             name: "epoch",
-            why: "epochs start at 1".into(),
+            why: format!("{epoch} is out of range: epochs run 1..={}", Epoch::MAX),
         }),
-        Some(n) => Ok(Epoch(n)),
     }
 }

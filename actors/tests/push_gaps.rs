@@ -1252,3 +1252,58 @@ fn shutdown_cancels_and_still_waits_for_the_proof() {
     );
     h.assert_no_leak();
 }
+
+// -------------------------------------------------------------------------------------------
+// Engine inputs past the limits: typed refusals, nothing changes
+// -------------------------------------------------------------------------------------------
+
+// Scenario: a block list larger than a message can carry (it would have panicked in the codec)
+// and an epoch past `Epoch::MAX` are refused at the call with typed errors; nothing is sent or
+// held, and the endpoint goes on serving.
+#[test]
+fn block_lists_and_epochs_past_the_limits_are_refused_typed() {
+    use kvhandoff_protocol::{BlockIds, FieldError, MAX_BLOCKS_PER_GROUP};
+    let mut h = Harness::new();
+    let too_many: Vec<u32> = (0..=MAX_BLOCKS_PER_GROUP as u32).collect();
+    let mut start = decode_start(1, &[500]);
+    start.blocks = BlockIds::single_group(too_many.clone());
+    assert!(matches!(
+        h.decode(start),
+        Err(Rejected::BlockList(FieldError::TooMany { .. }))
+    ));
+    let mut start = prefill_start(1, &[10]);
+    start.blocks = BlockIds::single_group(too_many);
+    assert!(matches!(
+        h.prefill(start),
+        Err(Rejected::BlockList(FieldError::TooMany { .. }))
+    ));
+    let mut start = decode_start(1, &[500, 500]);
+    start.blocks = BlockIds::single_group(vec![500, 500]);
+    assert!(matches!(
+        h.decode(start),
+        Err(Rejected::BlockList(FieldError::DuplicateBlock {
+            block: 500
+        }))
+    ));
+    for bad in [Epoch(0), Epoch(Epoch::MAX.0 + 1), Epoch(u64::MAX)] {
+        let mut start = decode_start(1, &[500]);
+        start.epoch = bad;
+        assert_eq!(h.decode(start), Err(Rejected::EpochOutOfRange(bad)));
+    }
+    assert!(h.d().stats().decode_requests == 0 && h.p().stats().prefill_requests == 0);
+    // A key whose last attempt used Epoch::MAX cannot be retried: refused, typed.
+    let mut last = decode_start(1, &[500]);
+    last.epoch = Epoch::MAX;
+    h.decode(last).unwrap();
+    h.prefill(prefill_start(1, &[10])).unwrap();
+    h.complete_writes();
+    assert_eq!(h.d_results()[0].0, DecodeOutcome::Ready);
+    let retry = decode_start(1, &[501]);
+    assert_eq!(h.decode(retry), Err(Rejected::EpochOutOfRange(Epoch::MAX)));
+    // The endpoint still serves other keys.
+    h.decode(decode_start(2, &[600])).unwrap();
+    h.prefill(prefill_start(2, &[20])).unwrap();
+    h.complete_writes();
+    assert_eq!(h.d_results()[1].0, DecodeOutcome::Ready);
+    h.assert_no_leak();
+}

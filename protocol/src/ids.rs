@@ -276,7 +276,7 @@ impl PairingKey {
 /// ```
 /// use kvhandoff_protocol::Epoch;
 /// let first = Epoch::FIRST;
-/// assert!(first.next() > first);
+/// assert!(first.next() > Some(first));
 /// ```
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
@@ -288,10 +288,26 @@ impl Epoch {
     /// The epoch of the first attempt.
     pub const FIRST: Epoch = Epoch(1);
 
-    /// The epoch of the next attempt (saturating; 2^64 attempts never happen).
+    /// The largest epoch an attempt may use. Epochs never saturate: every retry needs a
+    /// strictly larger one, so an attempt past this bound is refused (a typed error at the
+    /// engine's call) instead of reusing an epoch.
+    pub const MAX: Epoch = Epoch(1 << 53);
+
+    /// The epoch of the next attempt, or `None` past [`Epoch::MAX`].
+    ///
+    /// ```
+    /// use kvhandoff_protocol::Epoch;
+    /// assert_eq!(Epoch::FIRST.next(), Some(Epoch(2)));
+    /// assert_eq!(Epoch::MAX.next(), None);
+    /// ```
     #[must_use]
-    pub fn next(self) -> Epoch {
-        Epoch(self.0.saturating_add(1))
+    pub fn next(self) -> Option<Epoch> {
+        (self < Epoch::MAX).then(|| Epoch(self.0 + 1))
+    }
+
+    /// Whether an attempt may use this epoch (`1..=MAX`).
+    pub fn is_valid(self) -> bool {
+        self >= Epoch::FIRST && self <= Epoch::MAX
     }
 }
 
@@ -431,8 +447,10 @@ mod tests {
 
     #[test]
     fn epochs_order_and_advance() {
-        assert_eq!(Epoch::FIRST.next(), Epoch(2));
-        assert_eq!(Epoch(u64::MAX).next(), Epoch(u64::MAX));
+        assert_eq!(Epoch::FIRST.next(), Some(Epoch(2)));
+        assert_eq!(Epoch::MAX.next(), None);
+        assert_eq!(Epoch(u64::MAX).next(), None);
+        assert!(!Epoch(0).is_valid() && !Epoch(u64::MAX).is_valid() && Epoch::MAX.is_valid());
         assert_eq!(Epoch(7).to_string(), "e7");
     }
 }

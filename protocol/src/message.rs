@@ -58,7 +58,21 @@ impl BlockIds {
         self.groups.iter().all(Vec::is_empty)
     }
 
-    fn validate(&self) -> Result<(), FieldError> {
+    /// Checks the wire limits ([`MAX_CACHE_GROUPS`], [`MAX_BLOCKS_PER_GROUP`],
+    /// [`MAX_BLOCKS_PER_REQUEST`]) and that no group lists a block twice: a list that passes
+    /// fits in a message. Engines' lists are checked with it before anything is sent.
+    ///
+    /// ```
+    /// use kvhandoff_protocol::{BlockIds, MAX_BLOCKS_PER_GROUP};
+    /// assert!(BlockIds::single_group(vec![1, 2, 3]).validate().is_ok());
+    /// assert!(BlockIds::single_group(vec![1, 1]).validate().is_err());
+    /// let huge = BlockIds::single_group((0..=MAX_BLOCKS_PER_GROUP as u32).collect());
+    /// assert!(huge.validate().is_err());
+    /// ```
+    ///
+    /// # Errors
+    /// The first broken limit.
+    pub fn validate(&self) -> Result<(), FieldError> {
         if self.groups.len() > MAX_CACHE_GROUPS {
             return Err(FieldError::TooMany {
                 field: "block id groups",

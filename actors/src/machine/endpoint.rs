@@ -291,17 +291,20 @@ impl Endpoint {
         if start.expected_writes == 0 {
             return Err(Rejected::Invalid("expected_writes must be at least 1"));
         }
-        if start.epoch.0 == 0 {
-            return Err(Rejected::Invalid("epochs start at 1"));
+        if !start.epoch.is_valid() {
+            return Err(Rejected::EpochOutOfRange(start.epoch));
         }
+        start.blocks.validate().map_err(Rejected::BlockList)?;
         if start.prefill.engine == self.own.engine {
             return Err(Rejected::Invalid("the prefill peer is this engine"));
         }
         let mut start = start;
-        if let Some(ended) = self.decode_tombstones.remove(&start.key) {
+        if let Some(&ended) = self.decode_tombstones.get(&start.key) {
             // A new attempt at a recently ended key must not be confused with the old one's
             // late messages.
-            start.epoch = start.epoch.max(ended.next());
+            let next = ended.next().ok_or(Rejected::EpochOutOfRange(ended))?;
+            self.decode_tombstones.remove(&start.key);
+            start.epoch = start.epoch.max(next);
         }
         if start.blocks.is_empty() {
             return self.full_prefix_hit(now, start);

@@ -374,6 +374,12 @@ pub enum Rejected {
     /// The request's fields break a rule.
     #[error("invalid request: {0}")]
     Invalid(&'static str),
+    /// The block list breaks a wire limit (it could not be sent).
+    #[error("invalid block list: {0}")]
+    BlockList(kvhandoff_protocol::FieldError),
+    /// The epoch is 0 or beyond [`Epoch::MAX`], or a retry of the key would need one beyond it.
+    #[error("epoch {0} is out of range (1..={max})", max = Epoch::MAX)]
+    EpochOutOfRange(Epoch),
     /// The endpoint is shutting down and takes no new requests.
     #[error("the endpoint is shutting down")]
     ShuttingDown,

@@ -171,6 +171,8 @@ impl Writer {
         start: PrefillStart,
         fx: &mut Effects<'_>,
     ) -> Result<(), Rejected> {
+        // A list past the wire limits could never be sent to D: refuse it here, typed.
+        start.blocks.validate().map_err(Rejected::BlockList)?;
         if self.by_request.contains_key(&start.request) {
             return Err(Rejected::DuplicateRequest(start.request));
         }
