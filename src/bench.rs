@@ -32,7 +32,9 @@ use kvhandoff_protocol::{BlockIds, EngineId, Epoch, KvGeometry, KvLayout, Pairin
 use serde::{Deserialize, Serialize};
 
 use crate::demo::{self, FreeList, Races, DECODE_ENGINE, PREFILL_ENGINE};
-use crate::{ConnectorCall, ConnectorEvent, KvConnector, KvTransferParams, Runtime};
+use crate::{
+    ConnectorCall, ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, Runtime,
+};
 
 /// What `bench control` runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -496,6 +498,8 @@ fn tiny_geometry() -> KvGeometry {
 struct Engine {
     conn: KvConnector,
     free: FreeList,
+    /// The block of each call whose verdict came late, until its event or refusal.
+    late: std::collections::HashMap<RequestId, u32>,
     ids: Arc<Vec<(RequestId, RequestId)>>,
     decode: bool,
     batch: usize,
@@ -513,6 +517,10 @@ impl Engine {
     fn handle(&mut self, events: Vec<ConnectorEvent>, r: &mut EngineResult) {
         for event in events {
             r.last_event = Some(Instant::now());
+            if !matches!(event, ConnectorEvent::Refused { .. }) && !self.late.is_empty() {
+                // A late call was accepted after all: its event brings the block back.
+                self.late.remove(event.request());
+            }
             let (why_bad, blocks) = match event {
                 ConnectorEvent::BlocksReady { blocks, .. } => (
                     (!self.decode).then(|| "P got BlocksReady".to_string()),
@@ -530,6 +538,18 @@ impl Engine {
                 }
                 ConnectorEvent::Failed { reason, blocks, .. } => {
                     (Some(format!("D failed: {reason:?}")), blocks)
+                }
+                ConnectorEvent::Refused { request, error } => {
+                    let Some(block) = self.late.remove(&request) else {
+                        r.bad += 1;
+                        r.errors
+                            .push(format!("refusal of an unknown call: {request}"));
+                        continue;
+                    };
+                    (
+                        Some(format!("refused late: {error}")),
+                        BlockIds::single_group(vec![block]),
+                    )
                 }
             };
             match why_bad {
@@ -573,14 +593,15 @@ impl Engine {
             self.handle(events, &mut r);
             // One engine step: every request that has blocks, up to the batch, in one call.
             let mut calls = Vec::with_capacity(self.batch);
-            // The one block of each call, to take back if the call is refused.
+            // The one block and the request of each call, to take back if the call is refused.
             let mut taken = Vec::with_capacity(self.batch);
             while next < n && calls.len() < self.batch {
                 let Some(blocks) = self.free.alloc(1) else {
                     break;
                 };
                 let (p_id, d_id) = &ids[next];
-                taken.extend(blocks.first().copied());
+                let request = if self.decode { d_id } else { p_id };
+                taken.extend(blocks.first().map(|&b| (b, request.clone())));
                 let blocks = BlockIds::single_group(blocks);
                 calls.push(if self.decode {
                     ConnectorCall::RequestAllocated {
@@ -599,12 +620,19 @@ impl Engine {
                 next += 1;
             }
             if !calls.is_empty() {
-                for (result, block) in self.conn.submit(calls).into_iter().zip(taken) {
-                    if let Err(e) = result {
-                        failed_calls += 1;
-                        self.free.release(&BlockIds::single_group(vec![block]));
-                        if r.errors.len() < 8 {
-                            r.errors.push(e.to_string());
+                for (result, (block, request)) in self.conn.submit(calls).into_iter().zip(taken) {
+                    match result {
+                        Ok(_) => {}
+                        // It may still be applied: the block stays out until its event tells.
+                        Err(ConnectorError::VerdictLate) => {
+                            self.late.insert(request, block);
+                        }
+                        Err(e) => {
+                            failed_calls += 1;
+                            self.free.release(&BlockIds::single_group(vec![block]));
+                            if r.errors.len() < 8 {
+                                r.errors.push(e.to_string());
+                            }
                         }
                     }
                 }
@@ -669,6 +697,7 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
     let start = Instant::now();
     let deadline = start + options.timeout;
     let make = |conn, decode| Engine {
+        late: std::collections::HashMap::new(),
         conn,
         free: FreeList::new(options.actix_pool_blocks),
         ids: Arc::clone(&ids),
@@ -842,6 +871,84 @@ mod tests {
             Err(ConnectorError::Rejected(_))
         ));
         assert!(conn.submit(Vec::new()).is_empty());
+        runtime.shutdown();
+    }
+
+    /// A call whose verdict is late is not reported as "nothing changed": it is `VerdictLate`,
+    /// the connector keeps counting it as pending work, and its fate comes through
+    /// `poll_events` — the request's event if it was accepted, `Refused` if not.
+    #[test]
+    fn a_late_verdict_is_settled_by_poll_events() {
+        let fabric = MemFabric::new();
+        let engine = EngineId::new(PREFILL_ENGINE).unwrap();
+        let (setup, _pool) = build_mem_rank(
+            &fabric,
+            &engine,
+            tiny_geometry(),
+            &demo::model(),
+            8,
+            Config::default(),
+            ShellConfig::default(),
+        )
+        .unwrap();
+        let mut runtime = Runtime::start().unwrap();
+        let handle = runtime.add_rank_on_own_thread(setup).unwrap();
+        let mut conn = KvConnector::new(demo::identity(PREFILL_ENGINE).unwrap(), handle);
+        let finished = |request: &str| ConnectorCall::RequestFinished {
+            request: RequestId::new(request).unwrap(),
+            blocks: BlockIds::single_group(vec![1]),
+            params: KvTransferParams::default(),
+        };
+        // No wait at all: the rank (on its own thread) cannot answer in time.
+        conn.set_call_timeout(Duration::ZERO);
+        let late = |conn: &mut KvConnector, request: &str| {
+            match conn.submit(vec![finished(request)]).pop().unwrap() {
+                Err(ConnectorError::VerdictLate) => true,
+                // Answered within no time at all.
+                Err(ConnectorError::Rejected(_)) | Ok(_) => false,
+                Err(other) => panic!("{other:?}"),
+            }
+        };
+        assert!(late(&mut conn, "p-late"), "the verdict was never late");
+        assert!(conn.has_pending_work(), "a late call is pending work");
+        // The same request again: a refusal, also late.
+        assert!(
+            late(&mut conn, "p-late"),
+            "the refusal's verdict was never late"
+        );
+        conn.set_call_timeout(KvConnector::CALL_TIMEOUT);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut refused = Vec::new();
+        while Instant::now() < deadline && refused.is_empty() {
+            for event in conn.poll_events() {
+                match event {
+                    ConnectorEvent::Refused { request, error } => refused.push((request, error)),
+                    other => panic!("no other event yet: {other:?}"),
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0].0.as_str(), "p-late");
+        assert!(matches!(
+            refused[0].1,
+            ConnectorError::Rejected(kvhandoff_actors::machine::Rejected::DuplicateRequest(_))
+        ));
+        // The accepted one is live: aborting it brings its one event, then no work is left.
+        conn.abort(&RequestId::new("p-late").unwrap()).unwrap();
+        let mut freed = 0;
+        while Instant::now() < deadline && conn.has_pending_work() {
+            for event in conn.poll_events() {
+                assert!(
+                    matches!(event, ConnectorEvent::BlocksFree { .. }),
+                    "{event:?}"
+                );
+                freed += 1;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(freed, 1);
+        assert!(!conn.has_pending_work());
         runtime.shutdown();
     }
 }

@@ -72,8 +72,9 @@ pub struct KvTransferParams {
     pub transfer_mode: Option<String>,
 }
 
-/// Why a connector call failed. Nothing changed.
-#[derive(Debug, thiserror::Error)]
+/// Why a connector call failed. Nothing changed — except for [`ConnectorError::VerdictLate`],
+/// which says that it is not known yet.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConnectorError {
     /// The endpoint refused the input.
     #[error(transparent)]
@@ -92,9 +93,16 @@ pub enum ConnectorError {
     /// The request asks for something this build does not do yet.
     #[error("unsupported: {0}")]
     Unsupported(&'static str),
-    /// The runtime did not answer in time, or is gone.
-    #[error("the kvhandoff runtime did not answer")]
+    /// The runtime is gone (or refused the call before taking it): nothing changed.
+    #[error("the kvhandoff runtime is not running")]
     Unavailable,
+    /// The runtime took the call but gave no verdict within [`KvConnector::CALL_TIMEOUT`]. The
+    /// call may still be applied, so nothing may be assumed: keep the request's blocks. Its
+    /// fate comes through [`KvConnector::poll_events`] — the request's one event if it was
+    /// accepted, or [`ConnectorEvent::Refused`] if not — and
+    /// [`KvConnector::has_pending_work`] stays true until then.
+    #[error("the kvhandoff runtime took the call but has not answered yet; its event will tell")]
+    VerdictLate,
 }
 
 impl ConnectorError {
@@ -128,6 +136,14 @@ pub enum ConnectorEvent {
         /// The blocks, free to reuse.
         blocks: BlockIds,
     },
+    /// A call whose verdict came late ([`ConnectorError::VerdictLate`]) was refused after all:
+    /// nothing changed, and its blocks are the engine's again.
+    Refused {
+        /// The request of the refused call.
+        request: RequestId,
+        /// Why.
+        error: ConnectorError,
+    },
     /// P: the request's blocks may be freed.
     BlocksFree {
         /// The request.
@@ -137,6 +153,14 @@ pub enum ConnectorEvent {
         /// The blocks, free to reuse.
         blocks: BlockIds,
     },
+}
+
+/// Why a batch has no verdict.
+enum Late {
+    /// It never reached the runtime (or the runtime dropped it): nothing changed.
+    NotSent,
+    /// The runtime took it; its verdict will come on this channel.
+    NoVerdict(mpsc::Receiver<Verdicts>),
 }
 
 /// One engine hook call, for [`KvConnector::submit`].
@@ -171,6 +195,30 @@ pub enum ConnectorCall {
     Shutdown,
 }
 
+impl ConnectorEvent {
+    /// The request the event is about.
+    pub fn request(&self) -> &RequestId {
+        match self {
+            ConnectorEvent::BlocksReady { request, .. }
+            | ConnectorEvent::Failed { request, .. }
+            | ConnectorEvent::Refused { request, .. }
+            | ConnectorEvent::BlocksFree { request, .. } => request,
+        }
+    }
+}
+
+impl ConnectorCall {
+    /// The request the call is about (none for `Shutdown`).
+    pub fn request(&self) -> Option<&RequestId> {
+        match self {
+            ConnectorCall::RequestAllocated { request, .. }
+            | ConnectorCall::RequestFinished { request, .. }
+            | ConnectorCall::Abort { request } => Some(request),
+            ConnectorCall::Shutdown => None,
+        }
+    }
+}
+
 /// What an accepted [`ConnectorCall`] returns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConnectorReply {
@@ -199,13 +247,33 @@ pub struct ConnectorIdentity {
 pub struct KvConnector {
     identity: ConnectorIdentity,
     rank: RankHandle,
-    live: usize,
+    /// Requests accepted whose event has not been polled yet. Signed: an event of a call
+    /// whose verdict came late may be polled before the verdict.
+    live: i64,
+    /// Batches the runtime took without answering in time; their verdicts settle `live` (and
+    /// refusals become [`ConnectorEvent::Refused`]) when they come.
+    late: Vec<LateBatch>,
+    /// How long a call waits for its verdict ([`Self::CALL_TIMEOUT`] unless a test shortens it).
+    call_timeout: Duration,
     /// Side-channel addresses already handed to the rank's link, per engine.
     known_peers: BTreeMap<EngineId, SocketAddr>,
 }
 
 /// Most remote engines whose side-channel address a connector remembers.
 const MAX_KNOWN_PEERS: usize = 4096;
+
+/// Most batches waiting for a late verdict; past it the runtime is taken as hung and calls are
+/// refused (`Unavailable`) without being sent.
+const MAX_LATE_BATCHES: usize = 1024;
+
+type Verdicts = Vec<Result<(), Rejected>>;
+
+/// A batch the runtime took without answering in time.
+struct LateBatch {
+    verdicts: mpsc::Receiver<Verdicts>,
+    /// Per input: its request (if any) and whether an acceptance starts a request.
+    inputs: Vec<(Option<RequestId>, bool)>,
+}
 
 impl KvConnector {
     /// How long a call waits for the runtime's verdict.
@@ -217,8 +285,16 @@ impl KvConnector {
             identity,
             rank,
             live: 0,
+            late: Vec::new(),
+            call_timeout: Self::CALL_TIMEOUT,
             known_peers: BTreeMap::new(),
         }
+    }
+
+    /// Shortens (or lengthens) the wait for a call's verdict; for tests of late verdicts.
+    #[doc(hidden)]
+    pub fn set_call_timeout(&mut self, timeout: Duration) {
+        self.call_timeout = timeout;
     }
 
     /// The rank this connector serves.
@@ -248,13 +324,14 @@ impl KvConnector {
     ) -> Vec<Result<ConnectorReply, ConnectorError>> {
         let mut results = Vec::with_capacity(calls.len());
         let mut inputs = Vec::with_capacity(calls.len());
-        // Per input: its result's index, and whether it starts a request.
+        // Per input: its result's index, its request, and whether it starts a request.
         let mut slots = Vec::with_capacity(calls.len());
         for call in calls {
             let starts = !matches!(call, ConnectorCall::Abort { .. } | ConnectorCall::Shutdown);
+            let request = call.request().cloned();
             match self.prepare(call) {
                 Ok((input, reply)) => {
-                    slots.push((results.len(), starts));
+                    slots.push((results.len(), request, starts));
                     inputs.push(input);
                     results.push(Ok(reply));
                 }
@@ -264,29 +341,40 @@ impl KvConnector {
         if inputs.is_empty() {
             return results;
         }
-        let mut verdicts = match self.call_batch(inputs) {
-            Ok(verdicts) => verdicts.into_iter(),
-            Err(_) => Vec::new().into_iter(),
-        };
-        for (slot, starts) in slots {
-            match verdicts.next() {
-                Some(Ok(())) => {
-                    if starts {
-                        self.live += 1;
+        match self.call_batch(inputs) {
+            Ok(verdicts) => {
+                let mut verdicts = verdicts.into_iter();
+                for (slot, _, starts) in slots {
+                    match verdicts.next() {
+                        Some(Ok(())) => self.live += i64::from(starts),
+                        Some(Err(rejected)) => results[slot] = Err(ConnectorError::from(rejected)),
+                        None => results[slot] = Err(ConnectorError::Unavailable),
                     }
                 }
-                Some(Err(rejected)) => results[slot] = Err(ConnectorError::from(rejected)),
-                None => results[slot] = Err(ConnectorError::Unavailable),
+            }
+            Err(Late::NotSent) => {
+                for (slot, _, _) in slots {
+                    results[slot] = Err(ConnectorError::Unavailable);
+                }
+            }
+            Err(Late::NoVerdict(verdicts)) => {
+                let mut inputs = Vec::with_capacity(slots.len());
+                for (slot, request, starts) in slots {
+                    results[slot] = Err(ConnectorError::VerdictLate);
+                    inputs.push((request, starts));
+                }
+                self.late.push(LateBatch { verdicts, inputs });
             }
         }
         results
     }
 
-    /// Sends `inputs` to the rank as one message and waits for their verdicts.
-    fn call_batch(
-        &mut self,
-        inputs: Vec<Input>,
-    ) -> Result<Vec<Result<(), Rejected>>, ConnectorError> {
+    /// Sends `inputs` to the rank as one message and waits for their verdicts, up to
+    /// [`Self::CALL_TIMEOUT`]; past it the batch may still be applied ([`Late::NoVerdict`]).
+    fn call_batch(&mut self, inputs: Vec<Input>) -> Result<Verdicts, Late> {
+        if self.late.len() >= MAX_LATE_BATCHES {
+            return Err(Late::NotSent);
+        }
         let (tx, rx) = mpsc::sync_channel(1);
         let calls = EngineCalls {
             inputs,
@@ -299,10 +387,43 @@ impl KvConnector {
                 self.rank.batches.do_send(calls);
                 Ok(())
             }
-            actix::prelude::SendError::Closed(_) => Err(ConnectorError::Unavailable),
+            actix::prelude::SendError::Closed(_) => Err(Late::NotSent),
         })?;
-        rx.recv_timeout(Self::CALL_TIMEOUT)
-            .map_err(|_| ConnectorError::Unavailable)
+        match rx.recv_timeout(self.call_timeout) {
+            Ok(verdicts) => Ok(verdicts),
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(Late::NoVerdict(rx)),
+            // The runtime dropped the batch unanswered: it is gone.
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Late::NotSent),
+        }
+    }
+
+    /// Settles the late batches whose verdicts have come: acceptances count as live requests,
+    /// refusals become [`ConnectorEvent::Refused`].
+    fn settle_late(&mut self, events: &mut Vec<ConnectorEvent>) {
+        let mut still_late = Vec::new();
+        for batch in std::mem::take(&mut self.late) {
+            match batch.verdicts.try_recv() {
+                Ok(verdicts) => {
+                    for ((request, starts), verdict) in batch.inputs.into_iter().zip(verdicts) {
+                        match verdict {
+                            Ok(()) => self.live += i64::from(starts),
+                            Err(rejected) => {
+                                if let Some(request) = request {
+                                    events.push(ConnectorEvent::Refused {
+                                        request,
+                                        error: ConnectorError::from(rejected),
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(mpsc::TryRecvError::Empty) => still_late.push(batch),
+                // The runtime is gone without a verdict: nothing more will come for them.
+                Err(mpsc::TryRecvError::Disconnected) => {}
+            }
+        }
+        self.late = still_late;
     }
 
     /// One call, through [`KvConnector::submit`].
@@ -514,8 +635,11 @@ impl KvConnector {
     /// Everything that happened since the last call; exactly one event per request.
     pub fn poll_events(&mut self) -> Vec<ConnectorEvent> {
         let mut events = Vec::new();
+        if !self.late.is_empty() {
+            self.settle_late(&mut events);
+        }
         while let Ok(event) = self.rank.events.try_recv() {
-            self.live = self.live.saturating_sub(1);
+            self.live -= 1;
             events.push(match event {
                 EngineEvent::Decode {
                     request,
@@ -565,9 +689,10 @@ impl KvConnector {
         }
     }
 
-    /// True while a request accepted by this connector has not had its event yet.
+    /// True while a request accepted by this connector has not had its event yet, or a call's
+    /// verdict is still late.
     pub fn has_pending_work(&self) -> bool {
-        self.live > 0
+        self.live > 0 || !self.late.is_empty()
     }
 }
 

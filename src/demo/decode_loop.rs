@@ -14,7 +14,7 @@ use super::engines::{
 };
 use super::pattern::pattern_block;
 use super::schedule::Planned;
-use crate::{ConnectorEvent, KvConnector, KvTransferParams};
+use crate::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams};
 
 /// Runs D's side of `plan` on `conn` until every request is verified (or failed) or
 /// `run.deadline`.
@@ -190,6 +190,11 @@ impl DecodeLoop<'_> {
                     &mut st.errors,
                     format!("D request_allocated({}): {e}", p.decode_id),
                 );
+                if matches!(e, ConnectorError::VerdictLate) {
+                    // It may still be applied: the blocks stay held until its event (or its
+                    // refusal) comes.
+                    return true;
+                }
                 if let Some(blocks) = st.held[i].take() {
                     st.free.release(&BlockIds::single_group(blocks));
                 }
@@ -241,6 +246,22 @@ fn on_event(
         } => {
             note(&mut st.errors, format!("D: {request} failed: {reason:?}"));
             (request, blocks, Some((reason, proof)))
+        }
+        ConnectorEvent::Refused { request, error } => {
+            // A call whose verdict came late was refused: its blocks are ours again.
+            note(
+                &mut st.errors,
+                format!("D: {request} refused late: {error}"),
+            );
+            if let Some(&i) = index.get(&request) {
+                if let Some(blocks) = st.held[i].take() {
+                    st.free.release(&BlockIds::single_group(blocks));
+                }
+                st.records[i].events += 1;
+                st.records[i].failed = true;
+                st.done += 1;
+            }
+            return;
         }
         ConnectorEvent::BlocksFree { .. } => {
             st.unknown += 1;

@@ -14,7 +14,7 @@ use super::engines::{
 };
 use super::pattern::pattern_block;
 use super::schedule::Planned;
-use crate::{ConnectorEvent, KvConnector, KvTransferParams};
+use crate::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams};
 
 /// Runs P's side of `plan` on `conn` until every request had its event or `run.deadline`.
 pub(crate) fn run_prefill(
@@ -188,14 +188,19 @@ impl PrefillLoop<'_> {
                     &mut st.errors,
                     format!("P request_finished({}): {e}", p.prefill_id),
                 );
+                if let PrefillPacing::Router(to_decode) = &self.run.pacing {
+                    let _ = to_decode.send(ToDecode::Abandoned { index: i });
+                }
+                if matches!(e, ConnectorError::VerdictLate) {
+                    // It may still be applied: the blocks stay held until its event (or its
+                    // refusal) comes, and that event counts the request as done.
+                    return;
+                }
                 if let Some(blocks) = st.held[i].take() {
                     st.free.release(&BlockIds::single_group(blocks));
                 }
                 // No event will come: count the request as done (the error fails the verdict).
                 st.done += 1;
-                if let PrefillPacing::Router(to_decode) = &self.run.pacing {
-                    let _ = to_decode.send(ToDecode::Abandoned { index: i });
-                }
             }
         }
     }
@@ -203,6 +208,21 @@ impl PrefillLoop<'_> {
 
 /// Handles one of P's events: the request's blocks come back.
 fn on_event(event: ConnectorEvent, index: &BTreeMap<RequestId, usize>, st: &mut State) {
+    if let ConnectorEvent::Refused { request, error } = &event {
+        // A call whose verdict came late was refused: its blocks are ours again.
+        note(
+            &mut st.errors,
+            format!("P: {request} refused late: {error}"),
+        );
+        if let Some(&i) = index.get(request) {
+            if let Some(blocks) = st.held[i].take() {
+                st.free.release(&BlockIds::single_group(blocks));
+            }
+            st.records[i].events += 1;
+            st.done += 1;
+        }
+        return;
+    }
     let ConnectorEvent::BlocksFree {
         request,
         released,
