@@ -605,6 +605,13 @@ impl Endpoint {
         self.writer.check_invariants();
     }
 
+    /// The state of the live D request of `key`, as text (for the simulator's check that a
+    /// stale message changes nothing).
+    #[doc(hidden)]
+    pub fn decode_state(&self, key: &PairingKey) -> Option<String> {
+        self.decodes.get(key).map(|r| format!("{r:?}"))
+    }
+
     /// Engine ids of every live P request (for leak checks in tests and the simulator).
     pub fn live_prefill_requests(&self) -> impl Iterator<Item = &RequestId> {
         self.writer.live_request_iter()

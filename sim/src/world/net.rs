@@ -4,6 +4,7 @@
 use kvhandoff_actors::machine::Input;
 use kvhandoff_actors::PeerAddr;
 use kvhandoff_protocol::Message;
+use rand::Rng;
 
 use super::{micros, Ev, NetMsg, NodeId, World};
 use kvhandoff_actors::machine::Time;
@@ -95,7 +96,14 @@ impl World {
         }
         let notification = is_notification(&msg.message);
         if (notification || self.cfg.dup_control) && self.chance(self.rates.dup) {
-            let extra = micros(&mut self.rng, 0, 30_000);
+            // Mostly right behind the original; one in five much later, up to the delivery
+            // bound (a copy that arrives after the attempt it belongs to was retried).
+            let bound = self.cfg.machine.max_message_delay.saturating_sub(delay);
+            let extra = if self.rng.gen_bool(0.2) && bound > std::time::Duration::from_millis(30) {
+                micros(&mut self.rng, 30_000, bound.as_micros() as u64)
+            } else {
+                micros(&mut self.rng, 0, 30_000)
+            };
             self.schedule(delay + extra, Ev::Deliver(msg.clone()));
         }
         self.schedule(delay, Ev::Deliver(msg));
@@ -148,6 +156,12 @@ impl World {
         }
     }
 
+    /// The state of D `node`'s live request for `request`'s key, as text.
+    fn decode_state_of(&self, node: NodeId, request: usize) -> Option<String> {
+        let key = &self.requests[request].key;
+        self.nodes[node].endpoint.as_ref()?.decode_state(key)
+    }
+
     /// Delivers a network message to its destination.
     pub(crate) fn deliver(&mut self, msg: NetMsg) {
         let line = format!("deliver {}", describe(&msg));
@@ -161,7 +175,10 @@ impl World {
             return;
         }
         let stale_key = self.note_delivered(&msg);
+        // S5: a P→D message for an epoch D does not hold changes nothing of D's live request.
+        let before = stale_key.map(|request| (request, self.decode_state_of(msg.to, request)));
         let from = self.nodes[msg.from].addr.clone();
+        let kind = describe(&msg);
         self.feed(
             msg.to,
             Input::Received {
@@ -169,10 +186,14 @@ impl World {
                 message: msg.message,
             },
         );
-        if let Some(request) = stale_key {
+        if let Some((request, before)) = before {
             if self.step_decode_events.contains(&request) {
                 self.violate(format!(
-                    "S5: a stale-epoch message ended request {request} on D"
+                    "S5: a stale-epoch message ended request {request} on D ({kind})"
+                ));
+            } else if self.decode_state_of(msg.to, request) != before {
+                self.violate(format!(
+                    "S5: a stale-epoch message changed request {request} on D ({kind})"
                 ));
             }
         }
