@@ -100,6 +100,8 @@ pub struct SimOptions {
     pub mutation: Option<Mutation>,
     /// See [`WorldConfig::poll_allocations`].
     pub poll_allocations: bool,
+    /// See [`WorldConfig::late_control_copies`].
+    pub late_control_copies: bool,
 }
 
 impl SimOptions {
@@ -113,6 +115,7 @@ impl SimOptions {
             long: false,
             mutation: None,
             poll_allocations: false,
+            late_control_copies: false,
         }
     }
 
@@ -155,6 +158,7 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     let mut cfg = WorldConfig::seeded(requests, opts.faults, opts.mutation);
     cfg.pool_blocks = pool;
     cfg.poll_allocations = opts.poll_allocations;
+    cfg.late_control_copies = opts.late_control_copies;
     if opts.long {
         cfg.span *= 4;
     }

@@ -56,6 +56,11 @@ pub struct WorldConfig {
     /// to be freed: the engine model in which the first regressions were found (their seeds
     /// replay their paths only with it). Costly at high load.
     pub poll_allocations: bool,
+    /// Duplicated D→P control messages (registrations, cancels) may also arrive late, up to
+    /// `max_message_delay`. Off by default: with tombstone eviction at capacity it reaches a
+    /// known, open hole (an evicted epoch floor lets a late registration copy reach a later
+    /// request's blocks; docs/architecture.md). P→D notification copies arrive late either way.
+    pub late_control_copies: bool,
 }
 
 impl WorldConfig {
@@ -74,6 +79,7 @@ impl WorldConfig {
             dup_control: true,
             mutation,
             poll_allocations: false,
+            late_control_copies: false,
         }
     }
 
@@ -111,6 +117,7 @@ impl WorldConfig {
             dup_control: false,
             mutation,
             poll_allocations: false,
+            late_control_copies: false,
         }
     }
 }
