@@ -795,13 +795,12 @@ mod tests {
         }
     }
 
-    #[test]
-    fn submit_returns_one_result_per_call_in_order() {
+    /// One in-memory rank of `engine` on its own runtime, and its connector.
+    fn one_rank(engine: &str) -> (Runtime, KvConnector) {
         let fabric = MemFabric::new();
-        let engine = EngineId::new(DECODE_ENGINE).unwrap();
         let (setup, _pool) = build_mem_rank(
             &fabric,
-            &engine,
+            &EngineId::new(engine).unwrap(),
             tiny_geometry(),
             &demo::model(),
             8,
@@ -811,7 +810,13 @@ mod tests {
         .unwrap();
         let mut runtime = Runtime::start().unwrap();
         let handle = runtime.add_rank_on_own_thread(setup).unwrap();
-        let mut conn = KvConnector::new(demo::identity(DECODE_ENGINE).unwrap(), handle);
+        let conn = KvConnector::new(demo::identity(engine).unwrap(), handle);
+        (runtime, conn)
+    }
+
+    #[test]
+    fn submit_returns_one_result_per_call_in_order() {
+        let (runtime, mut conn) = one_rank(DECODE_ENGINE);
         let router = KvTransferParams {
             do_remote_prefill: true,
             remote_engine_id: Some(PREFILL_ENGINE.into()),
@@ -879,21 +884,7 @@ mod tests {
     /// `poll_events` — the request's event if it was accepted, `Refused` if not.
     #[test]
     fn a_late_verdict_is_settled_by_poll_events() {
-        let fabric = MemFabric::new();
-        let engine = EngineId::new(PREFILL_ENGINE).unwrap();
-        let (setup, _pool) = build_mem_rank(
-            &fabric,
-            &engine,
-            tiny_geometry(),
-            &demo::model(),
-            8,
-            Config::default(),
-            ShellConfig::default(),
-        )
-        .unwrap();
-        let mut runtime = Runtime::start().unwrap();
-        let handle = runtime.add_rank_on_own_thread(setup).unwrap();
-        let mut conn = KvConnector::new(demo::identity(PREFILL_ENGINE).unwrap(), handle);
+        let (runtime, mut conn) = one_rank(PREFILL_ENGINE);
         let finished = |request: &str| ConnectorCall::RequestFinished {
             request: RequestId::new(request).unwrap(),
             blocks: BlockIds::single_group(vec![1]),
