@@ -28,7 +28,9 @@ use kvhandoff_actors::machine::{
 use kvhandoff_actors::system::{build_mem_rank, BuildError, RuntimeError, ShellConfig};
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_actors::PeerAddr;
-use kvhandoff_protocol::{BlockIds, EngineId, Epoch, KvGeometry, KvLayout, PairingKey, RequestId};
+use kvhandoff_protocol::{
+    BlockIds, EngineId, Epoch, Incarnation, KvGeometry, KvLayout, PairingKey, RequestId,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::demo::{self, FreeList, Races, DECODE_ENGINE, PREFILL_ENGINE};
@@ -335,10 +337,24 @@ impl Pair {
             Output::Connect { .. } => {
                 let (this, other, me, them) = self.side(side);
                 let (me, them) = (me.clone(), them.clone());
-                this.handle(now, Input::PeerConnected { peer: them })
-                    .map_err(bug)?;
+                // One process run each for the whole bench.
+                let incarnation = Incarnation(1);
+                this.handle(
+                    now,
+                    Input::PeerConnected {
+                        peer: them,
+                        incarnation,
+                    },
+                )
+                .map_err(bug)?;
                 other
-                    .handle(now, Input::PeerConnected { peer: me })
+                    .handle(
+                        now,
+                        Input::PeerConnected {
+                            peer: me,
+                            incarnation,
+                        },
+                    )
                     .map_err(bug)?;
             }
             Output::PostWrite(order) => {

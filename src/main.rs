@@ -130,6 +130,11 @@ struct NodeArgs {
     /// even if requests failed.
     #[arg(long)]
     expect_peer_loss: bool,
+    /// This many ms into the schedule, send this rank's handshake to the peer again, twice: a
+    /// second dial through the link and a raw copy from a plain socket (a test of repeated
+    /// handshakes: the peer must change nothing).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    repeat_handshake_ms: Option<u64>,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -547,6 +552,7 @@ fn run_node(args: NodeArgs) -> ExitCode {
     options.start_at = args.start_at as usize;
     options.linger = ms(args.linger_ms);
     options.expect_peer_loss = args.expect_peer_loss;
+    options.repeat_handshake_after = args.repeat_handshake_ms.map(ms);
     options.timing = node::NodeTiming {
         heartbeat: args.heartbeat_ms.map(ms),
         lease: args.lease_ms.map(ms),

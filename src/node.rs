@@ -55,6 +55,8 @@
 //! - Every node reports, besides its role's report, a [`NodeFacts`] section (`"node"` in the
 //!   JSON): each request's typed outcome and when it ended (unix ms), the pool's free blocks at
 //!   the end, and the peer deaths its endpoint declared (with when the node saw each).
+//! - `--repeat-handshake-ms T` sends the peer this rank's handshake again T ms into the
+//!   schedule, as a second dial and as a raw copy ([`NodeOptions::repeat_handshake_after`]).
 //! - `--expect-peer-loss` makes the node a survivor: it exits 0 when [`NodeFacts::ok`] holds
 //!   (every request has exactly one typed outcome, no byte error in a `Ready` request, every
 //!   block back, nothing else went wrong) even if some requests failed; without it a node also
@@ -123,6 +125,11 @@ pub struct NodeOptions {
     /// The peer is expected to die during the run: the exit status follows [`NodeFacts::ok`]
     /// alone (default false).
     pub expect_peer_loss: bool,
+    /// This long into the schedule, send the peer this rank's handshake again: once through
+    /// the link (a second dial) and once as a raw copy from a plain socket (what a late
+    /// duplicate or a third party delivers). Both repeat the live incarnation, so the peer must
+    /// change nothing ([`NodeFacts::repeated_handshakes`] counts them there). Default: never.
+    pub repeat_handshake_after: Option<Duration>,
 }
 
 /// The protocol timing of a node; `None` keeps [`Config::default`]'s value.
@@ -228,6 +235,7 @@ impl NodeOptions {
             start_at: 0,
             timing: NodeTiming::default(),
             expect_peer_loss: false,
+            repeat_handshake_after: None,
         }
     }
 }

@@ -229,6 +229,7 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
         regions: Vec::new(),
         geometry: geometry(),
         compat: p.info.compat,
+        incarnation: kvhandoff_protocol::Incarnation::random(),
     };
     for rank in [&p, &d] {
         let loaded = rank.handle.rank.send(LinkUp(hostile_info.clone())).await;

@@ -651,9 +651,20 @@ fn heartbeats_renew_p_lease_while_d_waits() {
     let mut h = late_registration(false);
     assert!(h.p_results().is_empty(), "the lease did not expire");
     assert!(h.p().counters().leases_renewed >= 10);
-    assert_eq!(h.held.len(), 1);
+    // The registration and each of D's resends of it (nothing had landed) were held.
+    let resends = h.d().config().max_register_retries as usize;
+    assert_eq!(h.held.len(), 1 + resends);
+    assert_eq!(h.d().counters().register_resends, resends as u64);
     h.deliver_all_held();
-    assert_eq!(h.posted.len(), 1);
+    assert_eq!(
+        h.posted.len(),
+        1,
+        "P took one copy; the others are duplicates"
+    );
+    assert_eq!(
+        h.p().counters().dropped(DropReason::Duplicate),
+        resends as u64
+    );
     h.complete_writes();
     assert_eq!(h.p_results(), vec![PrefillOutcome::Sent]);
     assert_eq!(

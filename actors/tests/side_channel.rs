@@ -1,7 +1,8 @@
 //! The TCP side channel over real loopback sockets (127.0.0.1 only), on the real clock: two
 //! ranks handshake over TCP and complete push requests end to end (both races); a listening rank
-//! rejects hostile peers, counting each by reason, and keeps serving; an initiator reports typed
-//! failures.
+//! rejects hostile peers (and engines it does not accept), counting each by reason, and keeps
+//! serving; a repeated handshake of a live incarnation changes nothing, a new incarnation is a
+//! restart; an initiator reports typed failures.
 //!
 //! Both ranks share one `MemFabric` in process (MemTransport metadata is only valid there): the
 //! point is the TCP handshake, not the transport.
@@ -13,19 +14,20 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::machine::{
-    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
+    Config, Counters, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
     PrefillOutcome, PrefillStart,
 };
 use kvhandoff_actors::system::{
-    build_mem_rank, start_rank_with, AddPeerAddress, Handshaker, KvPool, PeerInfo,
-    QuerySideChannel, RankHandle, RejectReason, ShellConfig, SideChannelConfig, SideChannelStats,
+    build_mem_rank, start_rank_with, AcceptPolicy, AddPeerAddress, Handshaker, KvPool, PeerInfo,
+    QueryCounters, QuerySideChannel, RankHandle, RejectReason, ShellConfig, SideChannelConfig,
+    SideChannelStats,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_actors::PeerAddr;
 use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
 use kvhandoff_protocol::{
-    BlockIds, CompatHash, EngineId, Epoch, Handshake, KvLayout, Message, PairingKey, Register,
-    RequestId, TransferMode,
+    BlockIds, CompatHash, EngineId, Epoch, Handshake, Incarnation, KvLayout, Message, PairingKey,
+    Register, RequestId, TransferMode, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -34,11 +36,18 @@ fn loopback() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))
 }
 
-/// Short real timeouts, so hostile peers are cut quickly.
+/// A listener that also takes handshakes from these engines (D engines that dial a P whose
+/// peer book does not name them).
+fn accepting(names: &[&str]) -> AcceptPolicy {
+    AcceptPolicy::Known(names.iter().map(|n| engine(n)).collect())
+}
+
+/// Short real timeouts, so hostile peers are cut quickly; takes `decode` and `raw-d`.
 fn quick() -> SideChannelConfig {
     SideChannelConfig {
         connect_timeout: Duration::from_millis(300),
         io_timeout: Duration::from_millis(300),
+        accept: accepting(&["decode", "raw-d"]),
         ..SideChannelConfig::new(loopback())
     }
 }
@@ -383,7 +392,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
         ),
         (
             "handshake protocol version",
-            with(&|h: &mut Handshake| h.protocol_version = 2),
+            with(&|h: &mut Handshake| h.protocol_version = PROTOCOL_VERSION + 1),
             false,
             RejectReason::ProtocolVersion,
         ),
@@ -432,6 +441,12 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
             with(&|h: &mut Handshake| h.engine_id = engine("prefill")),
             false,
             RejectReason::OwnEngine,
+        ),
+        (
+            "an engine neither in the peer book nor accepted",
+            with(&|h: &mut Handshake| h.engine_id = engine("stranger")),
+            false,
+            RejectReason::NotAccepted,
         ),
     ];
     let timeout = quick().io_timeout;
@@ -489,6 +504,7 @@ async fn a_full_listener_closes_new_connections_at_once() {
     let config = SideChannelConfig {
         max_concurrent: 2,
         io_timeout: Duration::from_millis(1_500),
+        accept: accepting(&["decode"]),
         ..SideChannelConfig::new(loopback())
     };
     let mut p = start(&fabric, "prefill", config);
@@ -663,22 +679,67 @@ async fn the_peer_book_is_bounded_and_a_restart_reconnects() {
         .unwrap();
     assert!(full.is_err(), "{full:?}");
 
-    // The same engine handshakes twice (a restart, as far as the listener can tell): both are
-    // served, loaded and reported.
+    // An engine the book does not name (and the policy does not list) is refused, counted.
     let raw = unstarted_info(&fabric, "raw-d");
-    for n in 1..=2u64 {
-        let mut stream = TcpStream::connect(p.addr).await.unwrap();
-        stream
-            .write_all(&frame_of(raw.handshake(vec![], n)))
-            .await
-            .unwrap();
-        let mut answer = Vec::new();
-        stream.read_to_end(&mut answer).await.unwrap();
-        assert!(
-            matches!(wire::decode(&answer), Ok(Message::Handshake(_))),
-            "handshake {n}"
-        );
-        let s = stats(&p).await;
-        assert_eq!(s.incoming_ok, n, "{s:?}");
+    let (got, _) = probe(p.addr, &frame_of(raw.handshake(vec![], 1)), false).await;
+    assert!(got.is_empty(), "a refusal writes nothing: {got:?}");
+    let s = stats(&p).await;
+    assert_eq!(s.rejections(RejectReason::NotAccepted), 1, "{s:?}");
+    assert_eq!(s.incoming_ok, 0, "{s:?}");
+}
+
+/// Sends `info`'s handshake to `addr` as a raw client; true if a handshake came back.
+async fn handshake_once(addr: SocketAddr, info: &PeerInfo, clock: u64) -> bool {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(&frame_of(info.handshake(vec![], clock)))
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    matches!(wire::decode(&answer), Ok(Message::Handshake(_)))
+}
+
+async fn counters(rank: &Rank) -> Counters {
+    rank.handle.rank.send(QueryCounters).await.unwrap()
+}
+
+#[actix_rt::test]
+async fn a_repeated_handshake_changes_nothing_and_a_new_incarnation_is_a_restart() {
+    let fabric = MemFabric::new();
+    let p = start(&fabric, "prefill", quick());
+    let raw = unstarted_info(&fabric, "raw-d");
+    // The first handshake connects; copies of it (a late concurrent dial, a replay by anyone
+    // who can reach the port) are answered and change nothing: no restart, no death.
+    for n in 1..=3u64 {
+        assert!(handshake_once(p.addr, &raw, n).await, "handshake {n}");
     }
+    let s = stats(&p).await;
+    assert_eq!(s.incoming_ok, 3, "{s:?}");
+    let c = counters(&p).await;
+    assert_eq!(
+        (
+            c.repeated_handshakes,
+            c.peer_restarts,
+            c.peers_declared_dead
+        ),
+        (2, 0, 0),
+        "{c:?}"
+    );
+    // Another incarnation of the same engine is a restart.
+    let restarted = PeerInfo {
+        incarnation: Incarnation::random(),
+        ..raw.clone()
+    };
+    assert!(handshake_once(p.addr, &restarted, 4).await);
+    let c = counters(&p).await;
+    assert_eq!(
+        (
+            c.repeated_handshakes,
+            c.peer_restarts,
+            c.peers_declared_dead
+        ),
+        (2, 1, 1),
+        "{c:?}"
+    );
 }

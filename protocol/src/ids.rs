@@ -317,6 +317,37 @@ impl fmt::Display for Epoch {
     }
 }
 
+/// One run of a rank's process: a random 128-bit id (a UUID v4) made when the rank starts and
+/// sent in every handshake it makes or answers.
+///
+/// It is what tells a late or repeated handshake from a restart: a handshake that repeats the
+/// incarnation a rank is connected to changes nothing; one with another incarnation means the
+/// old process is gone (its writes may still land until the fence ends, see
+/// docs/architecture.md).
+///
+/// ```
+/// use kvhandoff_protocol::Incarnation;
+/// let a = Incarnation::random();
+/// assert_ne!(a, Incarnation::random());
+/// assert_eq!(a.to_string().len(), 36); // printed as a UUID
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Incarnation(pub u128);
+
+impl Incarnation {
+    /// A new random incarnation (UUID v4).
+    pub fn random() -> Incarnation {
+        Incarnation(uuid::Uuid::new_v4().as_u128())
+    }
+}
+
+impl fmt::Display for Incarnation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        uuid::Uuid::from_u128(self.0).hyphenated().fmt(f)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

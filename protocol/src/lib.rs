@@ -26,7 +26,9 @@ pub use geometry::{
     CacheGroup, CacheGroupKind, GeometryError, KvGeometry, KvLayout, RegionDesc, RegionKind,
     RegionSpec, MAX_CACHE_GROUPS, MAX_LAYERS, MAX_PARALLEL,
 };
-pub use ids::{AgentName, EngineId, Epoch, IdError, PairingKey, RequestId, MAX_ID_LEN};
+pub use ids::{
+    AgentName, EngineId, Epoch, IdError, Incarnation, PairingKey, RequestId, MAX_ID_LEN,
+};
 pub use message::{
     BlockIds, Cancel, CancelAck, CancelReason, CompatHash, FieldError, Handshake, Heartbeat,
     LeaseRef, Message, MessageKind, Register, Release, ReleaseReason, TransferMode, WriteDone,

@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::geometry::{KvGeometry, RegionDesc, MAX_CACHE_GROUPS};
-use crate::ids::{AgentName, EngineId, Epoch, IdError, PairingKey, RequestId};
+use crate::ids::{AgentName, EngineId, Epoch, IdError, Incarnation, PairingKey, RequestId};
 
 /// Most logical blocks one cache group of one request may list.
 pub const MAX_BLOCKS_PER_GROUP: usize = 1 << 16;
@@ -136,6 +136,9 @@ pub struct Handshake {
     pub protocol_version: u16,
     /// The sending engine.
     pub engine_id: EngineId,
+    /// The sending rank's process run: the same in every handshake of one run, new after a
+    /// restart.
+    pub incarnation: Incarnation,
     /// The NIXL agent name of the sending rank.
     pub agent_name: AgentName,
     /// NIXL agent metadata, for `load_remote_md` on the receiver.

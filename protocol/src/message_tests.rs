@@ -30,6 +30,7 @@ fn one_of_each() -> Vec<Message> {
         Message::Handshake(Box::new(Handshake {
             protocol_version: crate::PROTOCOL_VERSION,
             engine_id: EngineId::new("p").unwrap(),
+            incarnation: crate::Incarnation(1),
             agent_name: AgentName::new("p-0").unwrap(),
             agent_metadata: vec![],
             regions: vec![RegionDesc {

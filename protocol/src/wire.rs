@@ -37,7 +37,7 @@ use crate::message::{FieldError, Message, MessageKind};
 
 /// The protocol version this build speaks. Any change to the wire format or the meaning of a
 /// message changes it.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"KVHO";
 /// Bytes in a frame header.
@@ -297,7 +297,7 @@ mod tests {
 
     #[test]
     fn constants_are_the_documented_ones() {
-        assert_eq!(PROTOCOL_VERSION, 1);
+        assert_eq!(PROTOCOL_VERSION, 2);
         assert_eq!(&MAGIC, b"KVHO");
         assert_eq!(HEADER_LEN, 12);
         assert_eq!(MAX_PAYLOAD_LEN, 2 * 1024 * 1024);
@@ -307,7 +307,7 @@ mod tests {
     fn header_layout() {
         let bytes = encode(&ack());
         assert_eq!(&bytes[0..4], b"KVHO");
-        assert_eq!(&bytes[4..6], &[1, 0]);
+        assert_eq!(&bytes[4..6], &[2, 0]);
         assert_eq!(bytes[6], MessageKind::CancelAck as u8);
         assert_eq!(bytes[7], 0);
         assert_eq!(
@@ -350,6 +350,7 @@ mod tests {
         let h = Handshake {
             protocol_version: PROTOCOL_VERSION,
             engine_id: crate::EngineId::new("p").unwrap(),
+            incarnation: crate::Incarnation(1),
             agent_name: crate::AgentName::new("a").unwrap(),
             agent_metadata: vec![0; MAX_PAYLOAD_LEN],
             regions: vec![],
@@ -378,8 +379,8 @@ mod tests {
     #[test]
     fn errors_display() {
         assert_eq!(
-            WireError::UnsupportedVersion { found: 2 }.to_string(),
-            "protocol version 2 is not supported (this build speaks 1)"
+            WireError::UnsupportedVersion { found: 1 }.to_string(),
+            "protocol version 1 is not supported (this build speaks 2)"
         );
         assert_eq!(
             WireError::BadMagic { found: *b"GET " }.to_string(),

@@ -490,6 +490,7 @@ fn small_handshake() -> Handshake {
     Handshake {
         protocol_version: PROTOCOL_VERSION,
         engine_id: EngineId::new("prefill-0").unwrap(),
+        incarnation: kvhandoff_protocol::Incarnation(7),
         agent_name: AgentName::new("prefill-0-tp0").unwrap(),
         agent_metadata: vec![1, 2, 3],
         regions,

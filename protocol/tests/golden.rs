@@ -34,7 +34,7 @@ use kvhandoff_protocol::{
 /// The protocol version the golden files were made with. If this test fails because
 /// `PROTOCOL_VERSION` changed, bless the files and update this constant in the same change; if
 /// the files changed, `PROTOCOL_VERSION` must change too.
-const GOLDEN_PROTOCOL_VERSION: u16 = 1;
+const GOLDEN_PROTOCOL_VERSION: u16 = 2;
 
 #[test]
 fn goldens_pin_the_protocol_version() {
@@ -109,6 +109,7 @@ fn handshake() -> Message {
     Message::Handshake(Box::new(Handshake {
         protocol_version: PROTOCOL_VERSION,
         engine_id: EngineId::new("prefill-0").unwrap(),
+        incarnation: kvhandoff_protocol::Incarnation(0x0123_4567_89ab_4cde_8f01_2345_6789_abcd),
         agent_name: AgentName::new("prefill-0-pp0-tp1").unwrap(),
         agent_metadata: b"nixl-agent-metadata\x00\x01\x02\xff".to_vec(),
         regions,
@@ -333,7 +334,7 @@ fn the_release_vector_reads_as_documented() {
     let bytes = wire::encode(&release());
     let expected: Vec<u8> = [
         &b"KVHO"[..],     // magic
-        &[0x01, 0x00],    // version 1, little endian
+        &[0x02, 0x00],    // version 2, little endian
         &[0x08],          // kind: Release
         &[0x00],          // flags
         &[0x0a, 0, 0, 0], // payload length 10, little endian

@@ -125,6 +125,7 @@ fn the_largest_handshake_fits() {
     let message = Message::Handshake(Box::new(Handshake {
         protocol_version: PROTOCOL_VERSION,
         engine_id: EngineId::new(long_id(1)).unwrap(),
+        incarnation: kvhandoff_protocol::Incarnation(u128::MAX),
         agent_name: AgentName::new(long_id(2)).unwrap(),
         agent_metadata: vec![0xff; MAX_AGENT_METADATA],
         regions,

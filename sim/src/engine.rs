@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kvhandoff_actors::machine::{DecodeStart, Endpoint, Input, PrefillStart, Time};
 use kvhandoff_protocol::{BlockIds, Epoch, Message, PairingKey, RequestId};
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::ledger::{Owner, Pool};
@@ -165,6 +165,15 @@ impl World {
                 let node = self.rng.gen_range(0..self.nodes.len());
                 let at = micros(&mut self.rng, 0, span.max(1));
                 self.schedule(at, Ev::Crash { node });
+            }
+            // Late copies of handshakes (a concurrent dial finishing late, a replay), from a
+            // stream of their own so the rest of a seed's schedule stays as it was.
+            let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6861_6e64_7368_616b);
+            for _ in 0..rng.gen_range(0..=3) {
+                let d = 1 + rng.gen_range(0..self.cfg.decode_engines);
+                let (a, b) = if rng.gen_bool(0.5) { (0, d) } else { (d, 0) };
+                let at = micros(&mut rng, 0, span.max(1));
+                self.schedule(at, Ev::RepeatHandshake { a, b });
             }
         }
     }
@@ -362,8 +371,12 @@ impl World {
         self.counters.prefill_finished_first += c.prefill_finished_first;
         self.counters.quarantine_frees += c.quarantine_frees;
         self.counters.peers_declared_dead += c.peers_declared_dead;
+        self.counters.peer_restarts += c.peer_restarts;
+        self.counters.repeated_handshakes += c.repeated_handshakes;
         self.counters.writes_abandoned += c.writes_abandoned;
         self.counters.cancel_resends += c.cancel_resends;
+        self.counters.register_resends += c.register_resends;
+        self.counters.stale_settles_ignored += c.stale_settles_ignored;
         self.counters.fence_frees += c.fence_frees;
         self.counters.stuck_writes += c.stuck_writes;
         self.tombstones_evicted += endpoint.tombstones_evicted();

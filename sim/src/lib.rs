@@ -80,6 +80,10 @@ pub const COVERAGE_MARKS: &[&str] = &[
     "tombstone_evicted",
     "fence_free",
     "poster_crashed_mid_write",
+    "duplicate_handshake_same_incarnation",
+    "new_incarnation_while_connected",
+    "register_resent",
+    "stale_cancel_newer_epoch",
 ];
 
 /// What to run.
@@ -344,6 +348,9 @@ impl World {
         self.coverage
             .insert("prefill_finished_first", c.prefill_finished_first);
         self.coverage.insert("quarantine_free", c.quarantine_frees);
+        self.coverage.insert("register_resent", c.register_resends);
+        self.coverage
+            .insert("stale_cancel_newer_epoch", c.stale_settles_ignored);
         self.coverage
             .insert("tombstone_evicted", self.tombstones_evicted);
         let counters = BTreeMap::from([
@@ -352,8 +359,11 @@ impl World {
             ("stuck_writes", c.stuck_writes),
             ("tombstones_evicted", self.tombstones_evicted),
             ("peers_declared_dead", c.peers_declared_dead),
+            ("peer_restarts", c.peer_restarts),
+            ("repeated_handshakes", c.repeated_handshakes),
             ("writes_abandoned", c.writes_abandoned),
             ("cancel_resends", c.cancel_resends),
+            ("register_resends", c.register_resends),
             ("fenced_block_us", self.fenced_block_us),
         ]);
         SeedResult {

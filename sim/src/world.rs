@@ -179,6 +179,12 @@ pub(crate) enum Ev {
     Restart {
         node: NodeId,
     },
+    /// A late copy of a handshake between `a` and `b` (as each is now) completes: a repeat if
+    /// both are connected to each other's live incarnation.
+    RepeatHandshake {
+        a: NodeId,
+        b: NodeId,
+    },
 }
 
 /// Fault rates drawn per seed (swarm testing).
@@ -563,6 +569,14 @@ impl World {
             Ev::Abort { request, decode } => self.abort(request, decode),
             Ev::Crash { node } => self.crash(node),
             Ev::Restart { node } => self.restart(node),
+            Ev::RepeatHandshake { a, b } => {
+                let line = format!("repeat handshake {a}<->{b}");
+                self.record(line);
+                if self.alive(a) {
+                    let inc = self.nodes[a].incarnation;
+                    self.connect_done(a, inc, b, true);
+                }
+            }
         }
         self.check_step();
     }

@@ -82,18 +82,24 @@ fn assert_clean(r: &kvhandoff_sim::SeedResult) {
 /// an invalidation; the real one does not), and P, crashing mid-write, landed part of a write in
 /// a block D had freed. Fixed by the fence: a dead (or replaced) P's blocks wait the quarantine,
 /// longer than any write can stay in flight, unless a proof arrives first.
+///
+/// The model keeps changing (register resends, repeated handshakes), so the exact trace of
+/// 900416 drifts: the test runs the first seed from 900416 on that reaches the precondition, and
+/// fails if none of the next 400 does.
 #[test]
 fn seed_900416_false_death_then_crash_mid_write_is_fenced() {
-    let r = reported(80, 900416);
     // The precondition: a live P declared dead, P crashing with writes in flight, and D
     // holding blocks exposed to it.
-    assert!(r.coverage["false_death_peer_alive"] > 0, "{:?}", r.coverage);
-    assert!(
-        r.coverage["poster_crashed_mid_write"] > 0,
-        "{:?}",
-        r.coverage
-    );
-    assert!(r.coverage["fence_free"] > 0, "{:?}", r.coverage);
+    let reached = |r: &kvhandoff_sim::SeedResult| {
+        r.coverage["false_death_peer_alive"] > 0
+            && r.coverage["poster_crashed_mid_write"] > 0
+            && r.coverage["fence_free"] > 0
+    };
+    let r = (900416..900816)
+        .map(|seed| reported(80, seed))
+        .find(|r| reached(r))
+        .expect("a seed from 900416 to 900815 reaches the precondition");
+    eprintln!("precondition reached at seed {}", r.seed);
     assert_clean(&r);
 }
 

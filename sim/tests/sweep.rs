@@ -118,6 +118,7 @@ const CAUGHT: &[(&str, u64, bool)] = &[
     ("free_on_deadline", 300, false),
     ("free_on_peer_dead", 300, false),
     ("free_source_on_abandon", 300, false),
+    ("handshake_always_restart", 300, false),
     ("skip_epoch_floor", 300, true),
     // A stale `WriteDone` reaching a newer epoch needs a retry and a late copy: rarer.
     ("accept_stale_write_done", 700, true),

@@ -5,11 +5,16 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+
 use kvhandoff_actors::system::{
-    agent_name, build_rank, RankActor, RankMemory, ShellConfig, SideChannelConfig,
+    agent_name, build_rank, Connect, PeerInfo, RankActor, RankMemory, ShellConfig,
+    SideChannelConfig,
 };
 use kvhandoff_actors::transport::TransportError;
-use kvhandoff_protocol::{AgentName, EngineId};
+use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::{wire, AgentName, EngineId, Message, TransferMode};
 
 use super::facts::{decode_ends, lateness, prefill_ends, push, summary, FactsInput, Outcome};
 use super::wait::{await_decode, await_exit, await_prefill, side_channel};
@@ -171,6 +176,7 @@ where
         config.clone(),
         shell,
     )?;
+    let own_info = setup.info.clone();
     let runtime = Runtime::start()?;
     let handle = runtime.add_rank_with(
         setup,
@@ -232,6 +238,17 @@ where
         clock,
         start,
     };
+    let repeater = options.repeat_handshake_after.map(|after| {
+        let to = PeerAddr::new(other.clone(), 0);
+        let dial = link.clone().recipient();
+        repeat_handshake(
+            dial,
+            own_info,
+            to,
+            options.peer,
+            (start + after).min(deadline),
+        )
+    });
 
     let run = match options.role {
         NodeRole::Decode => {
@@ -256,6 +273,7 @@ where
             let counters = query_counters(&rank);
             let deaths = watch.finish();
             errors.extend(side.errors);
+            join_repeater(repeater, &mut errors);
             let bytes = plan
                 .iter()
                 .zip(&side.records)
@@ -321,6 +339,7 @@ where
             let counters = query_counters(&rank);
             let deaths = watch.finish();
             let stats = side_channel(&link);
+            join_repeater(repeater, &mut errors);
             drop(rank);
             runtime.shutdown();
             errors.extend(side.errors);
@@ -403,4 +422,52 @@ where
         }
     };
     Ok(run)
+}
+
+/// At `at`, sends `peer` this rank's handshake again: a second dial through the link, and a raw
+/// copy of the frame from a plain socket (whose answer is read and dropped). Both repeat the
+/// live incarnation. Returns what went wrong, if anything, from its thread.
+fn repeat_handshake(
+    link: actix::Recipient<Connect>,
+    own: PeerInfo,
+    to: PeerAddr,
+    addr: SocketAddr,
+    at: Instant,
+) -> thread::JoinHandle<Result<(), String>> {
+    thread::spawn(move || {
+        thread::sleep(at.saturating_duration_since(Instant::now()));
+        link.do_send(Connect(to));
+        let frame = wire::encode(&Message::Handshake(Box::new(
+            own.handshake(vec![TransferMode::Push], 0),
+        )));
+        let io = |e: std::io::Error| format!("the raw handshake copy to {addr}: {e}");
+        let limit = Duration::from_secs(5);
+        let mut stream = TcpStream::connect_timeout(&addr, limit).map_err(io)?;
+        stream.set_read_timeout(Some(limit)).map_err(io)?;
+        stream.set_write_timeout(Some(limit)).map_err(io)?;
+        stream.write_all(&frame).map_err(io)?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).map_err(io)?;
+        match wire::decode(&answer) {
+            Ok(Message::Handshake(_)) => {
+                eprintln!("kvhandoff node: repeated the handshake (second dial, raw copy)");
+                Ok(())
+            }
+            other => Err(format!(
+                "the raw handshake copy to {addr} was not answered with a handshake: {other:?}"
+            )),
+        }
+    })
+}
+
+fn join_repeater(
+    repeater: Option<thread::JoinHandle<Result<(), String>>>,
+    errors: &mut Vec<String>,
+) {
+    let Some(thread) = repeater else { return };
+    match thread.join() {
+        Ok(Ok(())) => {}
+        Ok(Err(why)) => errors.push(why),
+        Err(_) => errors.push("the handshake repeater panicked".into()),
+    }
 }

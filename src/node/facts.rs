@@ -78,6 +78,8 @@ impl FactsInput<'_> {
                 bad_ids: o.free.bad_ids,
             },
             peer_deaths: o.counters.map_or(0, |c| c.peers_declared_dead),
+            repeated_handshakes: o.counters.map_or(0, |c| c.repeated_handshakes),
+            peer_restarts: o.counters.map_or(0, |c| c.peer_restarts),
             peer_deaths_seen_unix_ms: o.deaths.iter().map(|&t| self.clock.unix_ms(t)).collect(),
             outcomes,
             requests: o.ends,

@@ -314,6 +314,10 @@ pub struct NodeFacts {
     pub pool: PoolSummary,
     /// Peers the endpoint declared dead (`Counters::peers_declared_dead`, restarts included).
     pub peer_deaths: u64,
+    /// Handshakes that repeated the connected incarnation of the peer (nothing changed).
+    pub repeated_handshakes: u64,
+    /// Handshakes with a new incarnation of a connected peer (restarts).
+    pub peer_restarts: u64,
     /// When the node saw each of those deaths (it polls the counters every 10 ms), unix ms.
     pub peer_deaths_seen_unix_ms: Vec<f64>,
     /// Requests per outcome (`"none"` for those without one).

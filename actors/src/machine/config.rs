@@ -41,6 +41,11 @@ pub struct Config {
     /// The longest a control message can travel before it is delivered or lost. A fence must
     /// also outlast a registration still on its way to P.
     pub max_message_delay: Duration,
+    /// How often D repeats a registration that nothing answered yet (no write landed): a lost
+    /// `Register` would otherwise leave the request waiting until its deadline.
+    pub register_retry_interval: Duration,
+    /// How many times D repeats a registration.
+    pub max_register_retries: u32,
     /// How often D repeats an unanswered cancel.
     pub cancel_retry_interval: Duration,
     /// How many times D repeats an unanswered cancel.
@@ -78,6 +83,8 @@ impl Default for Config {
             abandon_timeout: Duration::from_secs(5),
             max_write_life: Duration::from_secs(60),
             max_message_delay: Duration::from_secs(10),
+            register_retry_interval: Duration::from_secs(5),
+            max_register_retries: 3,
             cancel_retry_interval: Duration::from_secs(1),
             max_cancel_retries: 5,
             quarantine: Duration::from_secs(200),
@@ -120,6 +127,7 @@ impl Config {
             ("abandon_timeout", self.abandon_timeout),
             ("max_write_life", self.max_write_life),
             ("max_message_delay", self.max_message_delay),
+            ("register_retry_interval", self.register_retry_interval),
             ("cancel_retry_interval", self.cancel_retry_interval),
             ("quarantine", self.quarantine),
             ("tombstone_ttl", self.tombstone_ttl),
@@ -202,6 +210,8 @@ impl Config {
             abandon_timeout: ms(500),
             max_write_life: ms(2_000),
             max_message_delay: ms(1_000),
+            register_retry_interval: ms(500),
+            max_register_retries: 3,
             cancel_retry_interval: ms(100),
             max_cancel_retries: 5,
             quarantine: ms(8_500),

@@ -2,7 +2,9 @@
 //!
 //! ```text
 //!   Connecting --PeerConnected/send Register--> Registered --all WriteDone--> [Ready]
-//!       |                                          |   \--WriteFailed(all)-----> [Failed]
+//!       |                             resend timer |   \--WriteFailed(all)-----> [Failed]
+//!       |          (nothing landed yet, bounded):  |
+//!       |          send Register again             |
 //!       |--fail/abort/deadline/dead--> [Failed]    |--PeerDead-----------------> [Failed]
 //!                                                  |--deadline/abort: send Cancel
 //!                                                  v
@@ -54,6 +56,25 @@ pub(crate) struct Registered {
     pub(crate) common: DecodeCommon,
     /// P ranks whose writes of this epoch have landed.
     pub(crate) landed: BTreeSet<u32>,
+    /// When the registration is sent again if nothing landed by then.
+    pub(crate) next_register: Time,
+    /// Resends of the registration left.
+    pub(crate) registers_left: u32,
+}
+
+impl Registered {
+    /// Whether the registration is due again: nothing answered it, and resends are left.
+    fn register_due(&self, now: Time) -> bool {
+        self.registers_left > 0 && self.landed.is_empty() && now >= self.next_register
+    }
+
+    fn next_timer(&self) -> Time {
+        if self.registers_left > 0 && self.landed.is_empty() {
+            self.next_register.min(self.common.deadline)
+        } else {
+            self.common.deadline
+        }
+    }
 }
 
 /// D gave up; waiting for proof that no write can still land.
@@ -203,7 +224,7 @@ impl DecodeRequest {
     pub(crate) fn next_timer(&self) -> Time {
         match self {
             DecodeRequest::Connecting(s) => s.common.deadline,
-            DecodeRequest::Registered(s) => s.common.deadline,
+            DecodeRequest::Registered(s) => s.next_timer(),
             DecodeRequest::Cancelling(s) => {
                 if s.resends_left > 0 {
                     s.next_resend.min(s.quarantine_until)
@@ -241,6 +262,8 @@ impl Connecting {
                 Step::Live(DecodeRequest::Registered(Registered {
                     common: self.common,
                     landed: BTreeSet::new(),
+                    next_register: ctx.now + ctx.config.register_retry_interval,
+                    registers_left: ctx.config.max_register_retries,
                 }))
             }
             DecodeInput::PeerConnectFailed => failed(self, DecodeFailure::HandshakeFailed),
@@ -353,6 +376,15 @@ impl Registered {
             }
             DecodeInput::Timeout if ctx.now >= self.common.deadline => {
                 self.cancel(ctx, DecodeFailure::Deadline, fx)
+            }
+            DecodeInput::Timeout if self.register_due(ctx.now) => {
+                // A lost `Register` must not cost the whole deadline. P takes a copy of a
+                // registration it holds as a duplicate.
+                fx.send(&self.common.prefill, self.common.register_message(ctx.own));
+                fx.counters.register_resends += 1;
+                self.registers_left -= 1;
+                self.next_register = ctx.now + ctx.config.register_retry_interval;
+                Step::Live(DecodeRequest::Registered(self))
             }
             DecodeInput::Timeout => Step::Live(DecodeRequest::Registered(self)),
             // A reconnect does not change what was registered.

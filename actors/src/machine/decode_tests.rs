@@ -66,11 +66,26 @@ fn connecting() -> DecodeRequest {
     DecodeRequest::new(common(1))
 }
 
-fn registered(expected_writes: u32, landed: &[u32]) -> DecodeRequest {
+/// The fixtures' `Registered` state, as if it was entered at NOW: the registration's resend.
+const REGISTER_AGAIN_MS: u64 = NOW_MS + 500;
+
+fn registered_with(
+    expected_writes: u32,
+    landed: &[u32],
+    next_register: Time,
+    registers_left: u32,
+) -> DecodeRequest {
     DecodeRequest::Registered(Registered {
         common: common(expected_writes),
         landed: landed.iter().copied().collect(),
+        next_register,
+        registers_left,
     })
+}
+
+fn registered(expected_writes: u32, landed: &[u32]) -> DecodeRequest {
+    let left = config().max_register_retries;
+    registered_with(expected_writes, landed, ms(REGISTER_AGAIN_MS), left)
 }
 
 struct CancellingAt {
@@ -505,14 +520,44 @@ fn cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
-            "registered + timeout before deadline: waits",
+            "registered + timeout before deadline, resends spent: waits",
+            registered_with(1, &[], ms(REGISTER_AGAIN_MS), 0),
+            I::Timeout,
+            live(registered_with(1, &[], ms(REGISTER_AGAIN_MS), 0)),
+            vec![],
+            no_counters(),
+        )
+        .at(ms(DEADLINE_MS - 1)),
+        case(
+            "registered + timeout before the resend: waits",
             registered(1, &[]),
             I::Timeout,
             live(registered(1, &[])),
             vec![],
             no_counters(),
         )
-        .at(ms(DEADLINE_MS - 1)),
+        .at(ms(REGISTER_AGAIN_MS - 1)),
+        case(
+            "registered + timeout at the resend, nothing landed: Register again",
+            registered(1, &[]),
+            I::Timeout,
+            live(registered_with(1, &[], ms(REGISTER_AGAIN_MS + 500), 2)),
+            vec![register_sent()],
+            Counters {
+                register_resends: 1,
+                ..Counters::default()
+            },
+        )
+        .at(ms(REGISTER_AGAIN_MS)),
+        case(
+            "registered + timeout at the resend, a write landed: P has it, waits",
+            registered(2, &[0]),
+            I::Timeout,
+            live(registered(2, &[0])),
+            vec![],
+            no_counters(),
+        )
+        .at(ms(REGISTER_AGAIN_MS)),
         case(
             "registered + timeout at deadline: cancel (Deadline)",
             registered(1, &[]),
@@ -845,6 +890,13 @@ fn timers_and_leases_per_state() {
     let table = [
         (connecting(), ms(DEADLINE_MS), false),
         (registered(2, &[0]), ms(DEADLINE_MS), true),
+        // Nothing landed: the registration's resend comes first, until the resends are spent.
+        (registered(1, &[]), ms(REGISTER_AGAIN_MS), true),
+        (
+            registered_with(1, &[], ms(REGISTER_AGAIN_MS), 0),
+            ms(DEADLINE_MS),
+            true,
+        ),
         (CancellingAt::new(1).build(), ms(RESEND_MS), false),
         (
             CancellingAt::new(1).resends(0, ms(RESEND_MS)).build(),
@@ -875,6 +927,10 @@ fn timers_and_leases_per_state() {
 fn fixtures_follow_the_config() {
     let config = config();
     assert_eq!(ms(RESEND_MS), ms(NOW_MS) + config.cancel_retry_interval);
+    assert_eq!(
+        ms(REGISTER_AGAIN_MS),
+        ms(NOW_MS) + config.register_retry_interval
+    );
     assert_eq!(ms(QUARANTINE_MS), ms(NOW_MS) + config.quarantine);
     config.validate().unwrap();
 }

@@ -10,7 +10,7 @@ mod peers;
 use std::collections::{BTreeMap, VecDeque};
 
 use kvhandoff_protocol::{
-    BlockIds, EngineId, Epoch, Message, PairingKey, Release, ReleaseReason, RequestId,
+    BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason, RequestId,
 };
 
 use super::config::ConfigError;
@@ -50,7 +50,7 @@ pub struct EndpointStats {
 /// ```
 /// use kvhandoff_actors::machine::{Config, DecodeStart, Endpoint, Input, Output, Time};
 /// use kvhandoff_actors::PeerAddr;
-/// use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Message, PairingKey, RequestId};
+/// use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, RequestId};
 ///
 /// let mut d = Endpoint::new(EngineId::new("decode").unwrap(), 0, Config::default()).unwrap();
 /// let p = PeerAddr::new(EngineId::new("prefill").unwrap(), 0);
@@ -66,7 +66,8 @@ pub struct EndpointStats {
 /// })).unwrap();
 /// // D needs a handshake with P before it registers.
 /// assert_eq!(d.poll_output(), Some(Output::Connect { peer: p.clone() }));
-/// d.handle(Time::ZERO, Input::PeerConnected { peer: p.clone() }).unwrap();
+/// let incarnation = Incarnation::random(); // from P's handshake
+/// d.handle(Time::ZERO, Input::PeerConnected { peer: p.clone(), incarnation }).unwrap();
 /// assert!(matches!(
 ///     d.poll_output(),
 ///     Some(Output::Send { message: Message::Register(_), .. })
@@ -133,6 +134,13 @@ impl Endpoint {
     /// Counters of drops, renewals, races and the like.
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The incarnation `peer` is connected to, if it is connected. A handshake naming this
+    /// incarnation is a repeat: the shell must not reload the peer for it (see
+    /// [`Input::PeerConnected`]).
+    pub fn connected_incarnation(&self, peer: &PeerAddr) -> Option<Incarnation> {
+        self.peers.get(peer).and_then(Peer::incarnation)
     }
 
     /// Sizes of every table.
@@ -211,8 +219,8 @@ impl Endpoint {
                 self.counters.drop(DropReason::Malformed);
                 Ok(())
             }
-            Input::PeerConnected { peer } => {
-                self.peer_input(now, &peer, PeerInput::Connected);
+            Input::PeerConnected { peer, incarnation } => {
+                self.peer_input(now, &peer, PeerInput::Connected(incarnation));
                 Ok(())
             }
             Input::PeerConnectFailed { peer, reason } => {

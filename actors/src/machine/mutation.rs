@@ -24,17 +24,20 @@ pub enum Mutation {
     FreeSourceOnAbandon,
     /// P lets any peer's heartbeat renew a pending registration, whatever its sender and epoch.
     IgnoreHeartbeatSender,
+    /// A handshake repeating the connected incarnation is taken as a restart.
+    HandshakeAlwaysRestart,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 6] = [
+    pub const ALL: [Mutation; 7] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
         Mutation::SkipEpochFloor,
         Mutation::FreeSourceOnAbandon,
         Mutation::IgnoreHeartbeatSender,
+        Mutation::HandshakeAlwaysRestart,
     ];
 
     /// The mutation's name on the command line.
@@ -52,6 +55,7 @@ impl Mutation {
             Mutation::SkipEpochFloor => "skip_epoch_floor",
             Mutation::FreeSourceOnAbandon => "free_source_on_abandon",
             Mutation::IgnoreHeartbeatSender => "ignore_heartbeat_sender",
+            Mutation::HandshakeAlwaysRestart => "handshake_always_restart",
         }
     }
 }

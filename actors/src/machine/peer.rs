@@ -2,14 +2,20 @@
 //!
 //! ```text
 //!   Connecting --Connected--> Connected --silence > peer_timeout / Lost--> Dead --ttl--> (forgotten)
-//!      |  \--failed / deadline--> (forgotten)   ^  \--Connected again: the peer restarted
-//!      '-------------------------------------------'    (old incarnation dead, new one up)
+//!      |  \--failed / deadline--> (forgotten)   ^  |\--Connected(another incarnation): the peer
+//!      '-------------------------------------------'  |   restarted (old one dead, new one up)
+//!                                                     '--Connected(same incarnation): a repeated
+//!                                                         handshake; heard from, nothing else
 //!   Dead --ConnectRequested--> Connecting;  Dead --Connected--> Connected
 //! ```
+//!
+//! A handshake names the sender's [`Incarnation`]: only a new one is a restart. A late copy of
+//! a concurrent handshake, a second dial or a replay of the live incarnation's handshake must not
+//! fail the requests the live peer is serving.
 
 use std::collections::VecDeque;
 
-use kvhandoff_protocol::Message;
+use kvhandoff_protocol::{Incarnation, Message};
 
 use super::types::{ConnectFailure, Time};
 use super::Config;
@@ -26,6 +32,8 @@ pub(crate) struct PeerConnecting {
 pub(crate) struct PeerUp {
     pub(crate) last_heard: Time,
     pub(crate) next_heartbeat: Time,
+    /// The process run this connection reaches.
+    pub(crate) incarnation: Incarnation,
 }
 
 /// The peer was declared dead; remembered until `until` so its late messages are recognised.
@@ -47,8 +55,8 @@ pub(crate) enum Peer {
 pub(crate) enum PeerInput {
     /// A request needs the peer.
     ConnectRequested,
-    /// A handshake finished.
-    Connected,
+    /// A handshake finished with this incarnation of the peer.
+    Connected(Incarnation),
     /// A handshake failed.
     ConnectFailed(ConnectFailure),
     /// A message arrived from the peer.
@@ -71,6 +79,9 @@ pub(crate) enum PeerNotice {
     /// The peer restarted: its old incarnation is dead (invalidate, fail its requests), and the
     /// new one is up.
     Restarted,
+    /// A handshake repeated the connected incarnation: nothing changes (it counts as hearing
+    /// from the peer).
+    Repeated,
     /// The handshake failed: fail the requests waiting for it; queued messages are dropped.
     ConnectFailed(ConnectFailure),
     /// The peer is dead: invalidate it and fail every request bound to it.
@@ -93,11 +104,20 @@ impl Peer {
     }
 
     /// A new peer that connected to us.
-    pub(crate) fn connected(now: Time, config: &Config) -> Peer {
+    pub(crate) fn connected(now: Time, config: &Config, incarnation: Incarnation) -> Peer {
         Peer::Connected(PeerUp {
             last_heard: now,
             next_heartbeat: now + config.heartbeat_interval,
+            incarnation,
         })
+    }
+
+    /// The incarnation a connected peer's connection reaches.
+    pub(crate) fn incarnation(&self) -> Option<Incarnation> {
+        match self {
+            Peer::Connected(s) => Some(s.incarnation),
+            Peer::Connecting(_) | Peer::Dead(_) => None,
+        }
     }
 
     pub(crate) fn is_connected(&self) -> bool {
@@ -154,8 +174,8 @@ fn dead(now: Time, config: &Config) -> Peer {
 impl PeerConnecting {
     fn handle(self, now: Time, config: &Config, input: PeerInput) -> (Peer, PeerNotice) {
         match input {
-            PeerInput::Connected => (
-                Peer::connected(now, config),
+            PeerInput::Connected(incarnation) => (
+                Peer::connected(now, config, incarnation),
                 PeerNotice::Up(self.queued.into_iter().collect()),
             ),
             PeerInput::ConnectFailed(reason) => {
@@ -184,7 +204,14 @@ impl PeerUp {
                 self.last_heard = self.last_heard.max(now);
                 (Peer::Connected(self), PeerNotice::Quiet)
             }
-            PeerInput::Connected => (Peer::connected(now, config), PeerNotice::Restarted),
+            PeerInput::Connected(incarnation) if incarnation == self.incarnation => {
+                self.last_heard = self.last_heard.max(now);
+                (Peer::Connected(self), PeerNotice::Repeated)
+            }
+            PeerInput::Connected(incarnation) => (
+                Peer::connected(now, config, incarnation),
+                PeerNotice::Restarted,
+            ),
             PeerInput::Lost => (dead(now, config), PeerNotice::Died),
             PeerInput::Timeout if now >= self.last_heard + config.peer_timeout => {
                 (dead(now, config), PeerNotice::Died)
@@ -204,7 +231,10 @@ impl PeerDown {
     fn handle(self, now: Time, config: &Config, input: PeerInput) -> (Peer, PeerNotice) {
         match input {
             PeerInput::ConnectRequested => (Peer::connecting(now, config), PeerNotice::Connect),
-            PeerInput::Connected => (Peer::connected(now, config), PeerNotice::Up(Vec::new())),
+            PeerInput::Connected(incarnation) => (
+                Peer::connected(now, config, incarnation),
+                PeerNotice::Up(Vec::new()),
+            ),
             PeerInput::Heard => (Peer::Dead(self), PeerNotice::NotConnected),
             PeerInput::Timeout if now >= self.until => (Peer::Dead(self), PeerNotice::Forget),
             PeerInput::Timeout | PeerInput::Lost | PeerInput::ConnectFailed(_) => {

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use kvhandoff_protocol::{Epoch, Message, PairingKey, Release, ReleaseReason};
+use kvhandoff_protocol::{Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason};
 
 use super::{Peer, PeerConnecting, PeerDown, PeerInput, PeerNotice, PeerUp};
 use crate::machine::types::{ConnectFailure, Time};
@@ -42,11 +42,21 @@ fn connecting() -> Peer {
     })
 }
 
-fn up(last_heard: Time, next_heartbeat: Time) -> Peer {
+/// The incarnation the `Connected` fixture reaches.
+const LIVE: Incarnation = Incarnation(0x11);
+/// Another incarnation of the same peer (a restart).
+const NEXT: Incarnation = Incarnation(0x22);
+
+fn up_to(last_heard: Time, next_heartbeat: Time, incarnation: Incarnation) -> Peer {
     Peer::Connected(PeerUp {
         last_heard,
         next_heartbeat,
+        incarnation,
     })
+}
+
+fn up(last_heard: Time, next_heartbeat: Time) -> Peer {
+    up_to(last_heard, next_heartbeat, LIVE)
 }
 
 fn connected() -> Peer {
@@ -105,7 +115,7 @@ fn cases() -> Vec<Case> {
         case(
             "connecting + connected: up, queued messages in order",
             connecting(),
-            I::Connected,
+            I::Connected(LIVE),
             fresh(NOW_MS),
             N::Up(vec![message(1), message(2)]),
         ),
@@ -170,11 +180,18 @@ fn cases() -> Vec<Case> {
             N::Quiet,
         ),
         case(
-            "connected + connected again: the peer restarted",
+            "connected + connected to another incarnation: the peer restarted",
             connected(),
-            I::Connected,
-            fresh(NOW_MS),
+            I::Connected(NEXT),
+            up_to(ms(NOW_MS), ms(NOW_MS + 100), NEXT),
             N::Restarted,
+        ),
+        case(
+            "connected + connected to the same incarnation: a repeat, heard from, nothing else",
+            connected(),
+            I::Connected(LIVE),
+            up(ms(NOW_MS), ms(HEARTBEAT_MS)),
+            N::Repeated,
         ),
         case(
             "connected + connect failed: quiet (a stale handshake)",
@@ -251,7 +268,7 @@ fn cases() -> Vec<Case> {
         case(
             "dead + connected: a new incarnation is up",
             dead(),
-            I::Connected,
+            I::Connected(LIVE),
             fresh(NOW_MS),
             N::Up(vec![]),
         ),
@@ -312,7 +329,7 @@ fn state_name(state: &Peer) -> &'static str {
 fn input_name(input: &PeerInput) -> &'static str {
     match input {
         PeerInput::ConnectRequested => "ConnectRequested",
-        PeerInput::Connected => "Connected",
+        PeerInput::Connected(_) => "Connected",
         PeerInput::ConnectFailed(_) => "ConnectFailed",
         PeerInput::Heard => "Heard",
         PeerInput::Lost => "Lost",
@@ -364,7 +381,7 @@ fn constructors_timers_and_predicates() {
         })
     );
     assert_eq!(
-        Peer::connected(now, &config),
+        Peer::connected(now, &config, LIVE),
         up(now, now + config.heartbeat_interval)
     );
     // (peer, next timer, connected, dead)
@@ -397,7 +414,7 @@ fn only_a_connecting_peer_queues_and_only_up_to_its_bound() {
     assert!(peer.queue(message(1), &config));
     assert!(peer.queue(message(2), &config));
     assert!(!peer.queue(message(3), &config), "the queue is bounded");
-    let (_, notice) = peer.handle(ms(1), &config, PeerInput::Connected);
+    let (_, notice) = peer.handle(ms(1), &config, PeerInput::Connected(LIVE));
     assert_eq!(notice, PeerNotice::Up(vec![message(1), message(2)]));
 
     let mut up = connected();

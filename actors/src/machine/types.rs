@@ -6,7 +6,8 @@ use std::ops::{Add, Sub};
 use std::time::Duration;
 
 use kvhandoff_protocol::{
-    BlockIds, Epoch, Message, PairingKey, ReleaseReason, RequestId, WireError, WriteFailure,
+    BlockIds, Epoch, Incarnation, Message, PairingKey, ReleaseReason, RequestId, WireError,
+    WriteFailure,
 };
 
 use crate::{PeerAddr, WriteId};
@@ -144,14 +145,17 @@ pub enum Input {
         /// Why they did not decode.
         error: WireError,
     },
-    /// The handshake with a peer finished (whichever side started it), and the peer is loaded
-    /// in the transport. A `PeerConnected` for a peer that is already connected means it
-    /// restarted: the shell must already have replaced the old incarnation in the transport
-    /// (nothing the old one posted can land any more); the endpoint then fails everything bound
-    /// to the old incarnation without asking for an invalidation.
+    /// The handshake with a peer finished (whichever side started it). For a peer that is
+    /// connected to `incarnation` already ([`Endpoint::connected_incarnation`](super::Endpoint::connected_incarnation)), it is a repeated
+    /// handshake: the shell must not reload the peer, and the endpoint changes nothing but the
+    /// peer's liveness. Otherwise the shell has loaded the peer in the transport first; for a
+    /// peer connected to another incarnation that load replaced the old one (a restart), and the
+    /// endpoint fails everything bound to the old incarnation, fencing its blocks.
     PeerConnected {
         /// The peer.
         peer: PeerAddr,
+        /// The peer's process run, from its handshake.
+        incarnation: Incarnation,
     },
     /// A handshake this endpoint asked for failed.
     PeerConnectFailed {
@@ -422,6 +426,11 @@ pub struct Counters {
     pub dropped: BTreeMap<DropReason, u64>,
     /// Cancels sent again because no answer came.
     pub cancel_resends: u64,
+    /// Registrations sent again because no write had landed.
+    pub register_resends: u64,
+    /// Cancels and releases for an attempt an older request of the key had settled, which
+    /// reached a newer request of the key: ignored (a cancel is still acknowledged).
+    pub stale_settles_ignored: u64,
     /// D blocks freed by quarantine alone (after a cancel).
     pub quarantine_frees: u64,
     /// D blocks freed by the fence after their P was declared dead or replaced.
@@ -436,8 +445,13 @@ pub struct Counters {
     pub heartbeats_sent: u64,
     /// Leases renewed by heartbeats.
     pub leases_renewed: u64,
-    /// Peers declared dead.
+    /// Peers declared dead (silence, loss, or a restart).
     pub peers_declared_dead: u64,
+    /// Handshakes with another incarnation of a connected peer (restarts).
+    pub peer_restarts: u64,
+    /// Handshakes repeating the connected incarnation (late copies, second dials, replays):
+    /// nothing changed.
+    pub repeated_handshakes: u64,
     /// Writes posted.
     pub writes_posted: u64,
     /// Writes abandoned after their deadline or their peer's death.

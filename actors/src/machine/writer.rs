@@ -433,6 +433,15 @@ impl Writer {
             fx.drop_input(DropReason::Unexpected);
             return;
         }
+        if self.settled_before(&key, epoch) {
+            // A cancel of an attempt an older request of the key settled (a late copy): the
+            // live request serves a newer attempt and must not end. Nothing of that epoch is in
+            // flight here, so it is still acknowledged.
+            fx.counters.stale_settles_ignored += 1;
+            fx.drop_input(DropReason::StaleEpoch);
+            fx.send(&from, cancel_ack_message(&key, epoch, self.rank));
+            return;
+        }
         if self.requests.contains_key(&key) {
             self.step(now, &key, PrefillInput::Cancel { from, epoch }, fx);
             // Whatever the request did with it, the cancelled epoch is settled for the key.
@@ -449,14 +458,18 @@ impl Writer {
         // Nothing of this epoch is or will be in flight: remember the cancel so that a
         // registration it overtook is swallowed, and acknowledge.
         self.raise_floor(now, &key, epoch);
-        fx.send(
-            &from,
-            Message::CancelAck(CancelAck {
-                key,
-                epoch,
-                prefill_rank: self.rank,
-            }),
-        );
+        fx.send(&from, cancel_ack_message(&key, epoch, self.rank));
+    }
+
+    /// Whether a cancel or release for `epoch` of `key` is about an attempt that an older
+    /// request of the key already settled, while a newer request of the key holds blocks that
+    /// no attempt claimed yet. (A request bound to an attempt tells epochs apart itself.)
+    fn settled_before(&self, key: &PairingKey, epoch: Epoch) -> bool {
+        let unbound = self
+            .requests
+            .get(key)
+            .is_some_and(|r| r.bound_epoch().is_none());
+        unbound && self.epoch_floor(key).is_some_and(|floor| epoch <= floor)
     }
 
     /// D does not need P's blocks for `key`.
@@ -471,6 +484,12 @@ impl Writer {
     ) {
         if !self.may_settle(&key, from) {
             fx.drop_input(DropReason::Unexpected);
+            return;
+        }
+        if self.settled_before(&key, epoch) {
+            // As for a cancel: an older attempt's release must not end a newer request.
+            fx.counters.stale_settles_ignored += 1;
+            fx.drop_input(DropReason::StaleEpoch);
             return;
         }
         if self.requests.contains_key(&key) {
@@ -619,6 +638,14 @@ fn write_failed(key: &PairingKey, epoch: Epoch, rank: u32, reason: WriteFailure)
         epoch,
         prefill_rank: rank,
         reason,
+    })
+}
+
+fn cancel_ack_message(key: &PairingKey, epoch: Epoch, prefill_rank: u32) -> Message {
+    Message::CancelAck(CancelAck {
+        key: key.clone(),
+        epoch,
+        prefill_rank,
     })
 }
 

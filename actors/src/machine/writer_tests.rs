@@ -2734,3 +2734,57 @@ fn blocks_finishing_after_their_registrant_died_are_released_at_once() {
     );
     assert_eq!(w.live_requests(), 0);
 }
+
+/// A cancel or release of an attempt an older request of the key settled (a late copy) reaches
+/// a newer request of the key whose blocks no attempt claimed yet: it must not end it (D's next
+/// attempt would find the blocks gone). A cancel is still acknowledged; a cancel of a newer
+/// attempt still ends the request.
+#[test]
+fn a_stale_cancel_or_release_never_ends_a_newer_request() {
+    let newer = || WInput::Finished(start_with(RequestId::new("req-p2").unwrap(), p_blocks()));
+    let stale = [
+        (cancel(EPOCH), vec![ack(EPOCH)]),
+        (WInput::Release(EPOCH, ReleaseReason::FullPrefixHit), vec![]),
+    ];
+    for (input, answer) in stale {
+        // The first request was sent for EPOCH; a second one for the key is held.
+        let mut w = tomb_sent();
+        let mut out = VecDeque::new();
+        let mut counters = Counters::default();
+        let mut fx = Effects {
+            out: &mut out,
+            counters: &mut counters,
+        };
+        apply(&mut w, ms(NOW_MS), newer(), &mut fx).unwrap();
+        // The precondition: a held request of the key, and EPOCH settled below it.
+        assert!(matches!(
+            w.requests.get(&key()),
+            Some(PrefillRequest::Held(_))
+        ));
+        assert_eq!(w.epoch_floor(&key()), Some(EPOCH));
+        apply(&mut w, ms(NOW_MS), input.clone(), &mut fx).unwrap();
+        w.check_invariants();
+        assert!(
+            matches!(w.requests.get(&key()), Some(PrefillRequest::Held(_))),
+            "{input:?} ended the newer request"
+        );
+        assert_eq!(out.into_iter().collect::<Vec<_>>(), answer, "{input:?}");
+        assert_eq!(counters.stale_settles_ignored, 1, "{input:?}");
+        assert_eq!(counters.dropped(DropReason::StaleEpoch), 1, "{input:?}");
+    }
+    // A cancel of a newer attempt than the floor is D giving up on the live one: it ends it.
+    let mut w = tomb_sent();
+    let mut out = VecDeque::new();
+    let mut counters = Counters::default();
+    let mut fx = Effects {
+        out: &mut out,
+        counters: &mut counters,
+    };
+    apply(&mut w, ms(NOW_MS), newer(), &mut fx).unwrap();
+    apply(&mut w, ms(NOW_MS), cancel(Epoch(EPOCH.0 + 1)), &mut fx).unwrap();
+    assert!(
+        w.requests.get(&key()).is_none(),
+        "the newer attempt's cancel ends it"
+    );
+    assert_eq!(counters.stale_settles_ignored, 0);
+}

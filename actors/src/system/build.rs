@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use kvhandoff_protocol::{
-    compatibility_hash, AgentName, EngineId, GeometryError, IdError, KvGeometry, ModelIdentity,
-    RegionDesc, RegionSpec,
+    compatibility_hash, AgentName, EngineId, GeometryError, IdError, Incarnation, KvGeometry,
+    ModelIdentity, RegionDesc, RegionSpec,
 };
 
 use super::{PeerInfo, RankSetup, ShellConfig};
@@ -198,6 +198,7 @@ pub fn build_rank<T: RankMemory>(
         regions: descs,
         compat: compatibility_hash(model, &geometry),
         geometry: geometry.clone(),
+        incarnation: Incarnation::random(),
     };
     let endpoint = Endpoint::new(engine.clone(), rank, config)?;
     let pool = KvPool {

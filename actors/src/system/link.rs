@@ -216,7 +216,9 @@ impl Handler<AddPeerAddress> for LinkActor {
 
     fn handle(&mut self, msg: AddPeerAddress, _: &mut Context<Self>) -> Self::Result {
         let AddPeerAddress { engine, addr } = msg;
-        if let Some(old) = self.book.insert(engine.clone(), addr)? {
+        let old = self.book.insert(engine.clone(), addr)?;
+        self.shared.know(&engine);
+        if let Some(old) = old {
             if old != addr {
                 tracing::info!(%engine, %old, new = %addr, "peer side channel moved");
             }

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use actix::{Actor, Addr, AsyncContext, Recipient};
-use kvhandoff_protocol::{AgentName, CompatHash, KvGeometry, RegionDesc};
+use kvhandoff_protocol::{AgentName, CompatHash, Incarnation, KvGeometry, RegionDesc};
 
 pub use build::{
     agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
@@ -35,8 +35,8 @@ pub use rank::{
 };
 pub use runtime::{Runtime, RuntimeError};
 pub use side_channel::{
-    AddPeerAddress, ClockEstimate, HandshakeError, PeerBook, PeerBookFull, QuerySideChannel,
-    RejectReason, SideChannelConfig, SideChannelStats,
+    AcceptPolicy, AddPeerAddress, ClockEstimate, HandshakeError, PeerBook, PeerBookFull,
+    QuerySideChannel, RejectReason, SideChannelConfig, SideChannelStats,
 };
 pub use writer::{LoadPeer, QueryWriterStats, WriterActor, WriterOp, WriterOps, WriterStats};
 
@@ -59,6 +59,8 @@ pub struct PeerInfo {
     pub geometry: KvGeometry,
     /// Its compatibility hash.
     pub compat: CompatHash,
+    /// Its process run: made when the rank is built, the same in every handshake of the run.
+    pub incarnation: Incarnation,
 }
 
 /// Where in-process ranks find each other: a shared table of handshake payloads and link

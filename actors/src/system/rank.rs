@@ -235,9 +235,19 @@ impl Handler<QueryCounters> for RankActor {
 impl Handler<LinkUp> for RankActor {
     type Result = actix::AtomicResponse<Self, Result<(), ConnectFailure>>;
 
-    fn handle(&mut self, LinkUp(info): LinkUp, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, LinkUp(info): LinkUp, ctx: &mut Context<Self>) -> Self::Result {
         use actix::{ActorFutureExt, WrapFuture};
         let peer = info.peer.clone();
+        let incarnation = info.incarnation;
+        if self.endpoint.connected_incarnation(&peer) == Some(incarnation) {
+            // A repeated handshake of the live incarnation (a late copy, a second dial, a
+            // replay): reloading would cut the live connection, so only the endpoint hears it.
+            let _ = self
+                .endpoint
+                .handle(self.now(), Input::PeerConnected { peer, incarnation });
+            self.flush(ctx);
+            return actix::AtomicResponse::new(Box::pin(actix::fut::ready(Ok(()))));
+        }
         let load = self.loader.send(LoadPeer(info));
         actix::AtomicResponse::new(Box::pin(load.into_actor(self).map(
             move |loaded, act, ctx| {
@@ -248,7 +258,7 @@ impl Handler<LinkUp> for RankActor {
                     Err(_) => Err(ConnectFailure::Refused("writer unavailable".into())),
                 };
                 let input = match &result {
-                    Ok(()) => Input::PeerConnected { peer },
+                    Ok(()) => Input::PeerConnected { peer, incarnation },
                     Err(reason) => Input::PeerConnectFailed {
                         peer,
                         reason: reason.clone(),

@@ -19,8 +19,11 @@
 //!    ([`LinkUp`]).
 //!
 //! This is exactly what the in-process [`Directory`](super::Directory) path does. A handshake
-//! from an engine that connected before (a restart) is loaded and reported again; the endpoint
-//! handles the restart. An initiator whose handshake fails feeds
+//! names the sender's incarnation: one repeating the incarnation the rank is connected to (a
+//! late copy, a second dial, a replay) is answered but changes nothing (the peer is not
+//! reloaded); one with a new incarnation is a restart, loaded and reported, and the endpoint
+//! fails what the old incarnation served. The listener takes handshakes only from the engines
+//! its [`AcceptPolicy`] admits (by default those in its [`PeerBook`]). An initiator whose handshake fails feeds
 //! `Input::PeerConnectFailed` ([`HandshakeError::connect_failure`]).
 //!
 //! **A rejection is a close with nothing written**: the protocol has no rejection message, and a
@@ -48,7 +51,7 @@ mod error;
 mod handshake;
 mod tasks;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -80,11 +83,54 @@ pub struct SideChannelConfig {
     /// Transfer modes this rank advertises. A peer that advertises modes none of which are ours
     /// is rejected; an empty list on either side accepts any.
     pub modes: Vec<TransferMode>,
+    /// Which engines' incoming handshakes the listener takes.
+    pub accept: AcceptPolicy,
+}
+
+/// Which engines' incoming handshakes a listener takes. A handshake is what makes a rank load a
+/// peer and, for a new incarnation of a connected one, fail what the old one was serving: so it
+/// is taken only from engines the rank has reason to talk to.
+///
+/// ```
+/// use std::collections::BTreeSet;
+/// use kvhandoff_actors::system::AcceptPolicy;
+/// use kvhandoff_protocol::EngineId;
+/// let prefill = EngineId::new("prefill-0").unwrap();
+/// let policy = AcceptPolicy::Known(BTreeSet::from([prefill.clone()]));
+/// assert!(policy.lists(&prefill));
+/// assert!(!AcceptPolicy::default().lists(&prefill));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AcceptPolicy {
+    /// Engines whose side-channel address the rank was given ([`AddPeerAddress`]), and the
+    /// engines listed here (for a P whose D engines dial it first). The default, with an empty
+    /// list.
+    Known(BTreeSet<EngineId>),
+    /// Any engine with a valid, compatible handshake: only where every host that can reach the
+    /// port is trusted (a replayed handshake with a new incarnation makes the rank fail the
+    /// requests of the engine it names; the fence keeps that safe, not free).
+    AnyEngine,
+}
+
+impl Default for AcceptPolicy {
+    fn default() -> Self {
+        AcceptPolicy::Known(BTreeSet::new())
+    }
+}
+
+impl AcceptPolicy {
+    /// Whether the policy itself names `engine` (the peer book is the other source).
+    pub fn lists(&self, engine: &EngineId) -> bool {
+        match self {
+            AcceptPolicy::Known(listed) => listed.contains(engine),
+            AcceptPolicy::AnyEngine => true,
+        }
+    }
 }
 
 impl SideChannelConfig {
     /// Defaults (5 s timeouts as vLLM's side channel, 64 concurrent handshakes, 4096 engines,
-    /// push mode) listening on `listen`.
+    /// push mode, handshakes taken from known engines only) listening on `listen`.
     pub fn new(listen: SocketAddr) -> Self {
         SideChannelConfig {
             listen,
@@ -93,6 +139,7 @@ impl SideChannelConfig {
             max_concurrent: 64,
             max_peer_addresses: 4096,
             modes: vec![TransferMode::Push],
+            accept: AcceptPolicy::default(),
         }
     }
 }
@@ -230,6 +277,8 @@ pub enum RejectReason {
     UnexpectedRank,
     /// The rank could not load the peer.
     LoadFailed,
+    /// The listener does not accept handshakes from the engine ([`AcceptPolicy`]).
+    NotAccepted,
     /// No address is known for the engine (initiator).
     NoAddress,
     /// The TCP connect failed (initiator).

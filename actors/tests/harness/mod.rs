@@ -850,8 +850,24 @@ impl Harness {
         self.cut.remove(&(b.clone(), a.clone()));
         // The accepting side learns first, so it already knows the peer when its first message
         // arrives.
-        self.feed(b, Input::PeerConnected { peer: a.clone() });
-        self.feed(a, Input::PeerConnected { peer: b.clone() });
+        let incarnation_of = |w: &Self, x: &PeerAddr| {
+            kvhandoff_protocol::Incarnation(u128::from(w.node(x).incarnation))
+        };
+        let (of_a, of_b) = (incarnation_of(self, a), incarnation_of(self, b));
+        self.feed(
+            b,
+            Input::PeerConnected {
+                peer: a.clone(),
+                incarnation: of_a,
+            },
+        );
+        self.feed(
+            a,
+            Input::PeerConnected {
+                peer: b.clone(),
+                incarnation: of_b,
+            },
+        );
     }
 
     fn post(&mut self, from: &PeerAddr, order: WriteOrder) {

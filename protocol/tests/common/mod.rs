@@ -189,12 +189,23 @@ pub fn handshake() -> impl Strategy<Value = Handshake> {
         any::<[u8; 32]>(),
         vec(transfer_mode(), 0..=8),
         any::<u64>(),
+        any::<u128>(),
     )
         .prop_map(
-            |(engine_id, agent_name, agent_metadata, (geometry, regions), hash, modes, clock)| {
+            |(
+                engine_id,
+                agent_name,
+                agent_metadata,
+                (geometry, regions),
+                hash,
+                modes,
+                clock,
+                incarnation,
+            )| {
                 Handshake {
                     protocol_version: PROTOCOL_VERSION,
                     engine_id,
+                    incarnation: kvhandoff_protocol::Incarnation(incarnation),
                     agent_name,
                     agent_metadata,
                     regions,

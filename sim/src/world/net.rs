@@ -3,7 +3,7 @@
 
 use kvhandoff_actors::machine::Input;
 use kvhandoff_actors::PeerAddr;
-use kvhandoff_protocol::Message;
+use kvhandoff_protocol::{Incarnation, Message};
 use rand::Rng;
 
 use super::{micros, Ev, NetMsg, NodeId, World};
@@ -23,6 +23,17 @@ impl World {
     /// The incarnation of `b` that `a` knows from its last handshake.
     pub(crate) fn known_incarnation(&self, a: NodeId, b: NodeId) -> u32 {
         self.known.get(&(a, b)).copied().unwrap_or(0)
+    }
+
+    /// The incarnation id `node`'s current process sends in its handshakes.
+    pub(crate) fn incarnation_id(&self, node: NodeId) -> Incarnation {
+        Incarnation(((node as u128) << 64) | u128::from(self.nodes[node].incarnation))
+    }
+
+    /// The incarnation of `b` that `a`'s endpoint is connected to, if any.
+    fn connected_incarnation(&self, a: NodeId, b: NodeId) -> Option<Incarnation> {
+        let peer = &self.nodes[b].addr;
+        self.nodes[a].endpoint.as_ref()?.connected_incarnation(peer)
     }
 
     /// Tears the connection between `a` and `b` down (a handshake or an invalidation).
@@ -98,10 +109,11 @@ impl World {
         if (notification || self.cfg.dup_control) && self.chance(self.rates.dup) {
             // Mostly right behind the original; one in five much later, up to the delivery
             // bound (a copy that arrives after the attempt it belongs to was retried). Late
-            // copies of D→P control messages only with `late_control_copies` (they reach the
-            // open eviction hole of docs/architecture.md).
+            // copies of a `Register` only with `late_control_copies` (they reach the open
+            // eviction hole of docs/architecture.md); cancels and releases always.
             let bound = self.cfg.machine.max_message_delay.saturating_sub(delay);
-            let late_ok = notification || self.cfg.late_control_copies;
+            let settles = matches!(msg.message, Message::Cancel(_) | Message::Release(_));
+            let late_ok = notification || settles || self.cfg.late_control_copies;
             let extra = if late_ok
                 && self.rng.gen_bool(0.2)
                 && bound > std::time::Duration::from_millis(30)
@@ -145,6 +157,22 @@ impl World {
         }
         let peer = self.nodes[to].addr.clone();
         if ok && self.alive(to) {
+            let (live_from, live_to) = (self.incarnation_id(from), self.incarnation_id(to));
+            if self.connected_incarnation(from, to) == Some(live_to)
+                && self.connected_incarnation(to, from) == Some(live_from)
+            {
+                // Both shells see the incarnation they are connected to: nothing is reloaded.
+                self.repeated_handshake(from, to);
+                return;
+            }
+            for (a, b, live) in [(from, to, live_to), (to, from, live_from)] {
+                if self
+                    .connected_incarnation(a, b)
+                    .is_some_and(|known| known != live)
+                {
+                    self.mark("new_incarnation_while_connected");
+                }
+            }
             // The shell replaces whatever incarnation it knew: the old connection's writes
             // and messages are gone.
             self.invalidate(from, to);
@@ -154,11 +182,61 @@ impl World {
             self.known.insert((from, to), self.nodes[to].incarnation);
             self.known.insert((to, from), self.nodes[from].incarnation);
             let back = self.nodes[from].addr.clone();
-            self.feed(to, Input::PeerConnected { peer: back });
-            self.feed(from, Input::PeerConnected { peer });
+            self.feed(
+                to,
+                Input::PeerConnected {
+                    peer: back,
+                    incarnation: live_from,
+                },
+            );
+            self.feed(
+                from,
+                Input::PeerConnected {
+                    peer,
+                    incarnation: live_to,
+                },
+            );
         } else {
             let reason = kvhandoff_actors::machine::ConnectFailure::Refused("simulated".into());
             self.feed(from, Input::PeerConnectFailed { peer, reason });
+        }
+    }
+
+    /// A handshake between two ranks connected to each other's live incarnations completes
+    /// again. S9: it changes nothing (no death declared, no request of either side touched).
+    fn repeated_handshake(&mut self, a: NodeId, b: NodeId) {
+        self.mark("duplicate_handshake_same_incarnation");
+        let snapshot = |w: &World| {
+            let deaths: Vec<u64> = [a, b]
+                .iter()
+                .map(|&n| {
+                    w.nodes[n]
+                        .endpoint
+                        .as_ref()
+                        .map_or(0, |e| e.counters().peers_declared_dead)
+                })
+                .collect();
+            let states: Vec<Option<String>> = (0..w.requests.len())
+                .filter(|&r| [a, b].contains(&w.requests[r].d_node))
+                .map(|r| w.decode_state_of(w.requests[r].d_node, r))
+                .collect();
+            (deaths, states)
+        };
+        let before = snapshot(self);
+        for (x, y) in [(b, a), (a, b)] {
+            let peer = self.nodes[y].addr.clone();
+            let incarnation = self.incarnation_id(y);
+            self.feed(x, Input::PeerConnected { peer, incarnation });
+        }
+        let after = snapshot(self);
+        if before.0 != after.0 {
+            self.violate(format!(
+                "S9: a repeated handshake between {a} and {b} declared a peer dead"
+            ));
+        } else if before.1 != after.1 || !self.step_decode_events.is_empty() {
+            self.violate(format!(
+                "S9: a repeated handshake between {a} and {b} changed a request"
+            ));
         }
     }
 

@@ -8,6 +8,7 @@ use crate::machine::decode::{DecodeInput, DecodeRequest};
 use crate::machine::effects::Effects;
 use crate::machine::peer::{Peer, PeerDown, PeerInput, PeerNotice};
 use crate::machine::types::{DropReason, Output, Time};
+use crate::machine::Mutation;
 use crate::PeerAddr;
 
 impl Endpoint {
@@ -54,7 +55,7 @@ impl Endpoint {
                         self.peers.insert(peer.clone(), fresh, timer);
                         return;
                     }
-                    PeerInput::Connected => {
+                    PeerInput::Connected(_) => {
                         if self.peers.len() >= self.config.max_peers {
                             self.counters.drop(DropReason::TableFull);
                             return;
@@ -87,7 +88,16 @@ impl Endpoint {
                 }
                 self.wake_connecting_decodes(now, peer);
             }
+            PeerNotice::Repeated if self.mutation.is(Mutation::HandshakeAlwaysRestart) => {
+                self.counters.peer_restarts += 1;
+                self.peer_died(now, peer, false);
+            }
+            PeerNotice::Repeated => {
+                tracing::debug!(peer = %peer, "repeated handshake of the connected incarnation");
+                self.counters.repeated_handshakes += 1;
+            }
             PeerNotice::Restarted => {
+                self.counters.peer_restarts += 1;
                 tracing::info!(peer = %peer, "peer restarted; its old incarnation is dead");
                 // The shell replaced the old incarnation before reporting the new one (see
                 // `Input::PeerConnected`): invalidating now would cut the new one.

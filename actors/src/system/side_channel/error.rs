@@ -82,6 +82,9 @@ pub enum HandshakeError {
     /// The rank could not load the peer.
     #[error("could not load the peer: {0}")]
     Load(String),
+    /// The listener does not accept handshakes from this engine ([`AcceptPolicy`](super::AcceptPolicy)).
+    #[error("handshakes from engine {0} are not accepted here")]
+    NotAccepted(EngineId),
     /// No address is known for the engine.
     #[error("no address for engine")]
     NoAddress,
@@ -117,6 +120,7 @@ impl HandshakeError {
             HandshakeError::UnexpectedEngine { .. } => RejectReason::UnexpectedEngine,
             HandshakeError::UnexpectedRank { .. } => RejectReason::UnexpectedRank,
             HandshakeError::Load(_) => RejectReason::LoadFailed,
+            HandshakeError::NotAccepted(_) => RejectReason::NotAccepted,
             HandshakeError::NoAddress => RejectReason::NoAddress,
             HandshakeError::Connect { .. } => RejectReason::ConnectRefused,
             HandshakeError::ConnectTimedOut(_) => RejectReason::ConnectTimedOut,
@@ -151,6 +155,7 @@ impl HandshakeError {
             | RejectReason::UnexpectedEngine
             | RejectReason::UnexpectedRank
             | RejectReason::LoadFailed
+            | RejectReason::NotAccepted
             | RejectReason::NoAddress
             | RejectReason::ConnectRefused => ConnectFailure::Refused(self.to_string()),
         }
@@ -172,6 +177,7 @@ impl HandshakeError {
                 | RejectReason::RegionTable
                 | RejectReason::InvalidGeometry
                 | RejectReason::LoadFailed
+                | RejectReason::NotAccepted
         )
     }
 

@@ -17,6 +17,7 @@ impl PeerInfo {
         Handshake {
             protocol_version: PROTOCOL_VERSION,
             engine_id: self.peer.engine.clone(),
+            incarnation: self.incarnation,
             agent_name: self.agent.clone(),
             agent_metadata: self.metadata.clone(),
             regions: self.regions.clone(),
@@ -36,6 +37,7 @@ impl PeerInfo {
             regions: handshake.regions,
             geometry: handshake.geometry,
             compat: handshake.compat_hash,
+            incarnation: handshake.incarnation,
         }
     }
 }
@@ -148,6 +150,7 @@ pub(crate) fn validate_handshake(
         regions: handshake.regions.clone(),
         geometry: handshake.geometry.clone(),
         compat: handshake.compat_hash,
+        incarnation: handshake.incarnation,
     };
     if let Some(field) = layout_mismatch(own, &as_peer) {
         return Err(HandshakeError::Incompatible(field));

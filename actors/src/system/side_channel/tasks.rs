@@ -1,6 +1,7 @@
 //! The connection tasks: what both sides know about this rank ([`Local`]), the state they share
 //! with the link actor ([`Shared`]), the listener's accept loop and the initiator's half.
 
+use std::collections::BTreeSet;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -15,8 +16,8 @@ use tokio::sync::Semaphore;
 
 use super::handshake::{read_handshake, validate_handshake, write_frame};
 use super::{
-    wire, ClockEstimate, HandshakeError, LinkUp, Message, RejectReason, SideChannelConfig,
-    SideChannelStats,
+    wire, AcceptPolicy, ClockEstimate, HandshakeError, LinkUp, Message, RejectReason,
+    SideChannelConfig, SideChannelStats,
 };
 use crate::system::PeerInfo;
 use crate::PeerAddr;
@@ -59,6 +60,8 @@ impl Local {
 /// State shared by the link actor and its connection tasks.
 pub(crate) struct Shared {
     stats: Mutex<SideChannelStats>,
+    /// Engines in the link's peer book: the listener takes their handshakes.
+    known: Mutex<BTreeSet<EngineId>>,
     max_clocks: usize,
 }
 
@@ -69,8 +72,24 @@ impl Shared {
                 listen,
                 ..SideChannelStats::default()
             }),
+            known: Mutex::new(BTreeSet::new()),
             max_clocks,
         }
+    }
+
+    /// `engine` is in the peer book now.
+    pub(crate) fn know(&self, engine: &EngineId) {
+        let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        known.insert(engine.clone());
+    }
+
+    fn accepts(&self, policy: &AcceptPolicy, engine: &EngineId) -> bool {
+        policy.lists(engine)
+            || self
+                .known
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(engine)
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut SideChannelStats) -> R) -> R {
@@ -146,7 +165,7 @@ pub(crate) async fn accept_loop(
         let (local, shared, up) = (local.clone(), shared.clone(), up.clone());
         actix::spawn(async move {
             let mut stream = stream;
-            match serve(&local, &mut stream, &up).await {
+            match serve(&local, &shared, &mut stream, &up).await {
                 Ok((info, clock)) => {
                     tracing::info!(peer = %info.peer, %from, "side channel handshake served");
                     shared.record_clock(&info.peer.engine, clock);
@@ -174,6 +193,7 @@ pub(crate) async fn accept_loop(
 /// The listener's half: read, validate, hand to the rank, answer.
 async fn serve(
     local: &Local,
+    shared: &Shared,
     stream: &mut TcpStream,
     up: &Recipient<LinkUp>,
 ) -> Result<(PeerInfo, ClockEstimate), HandshakeError> {
@@ -181,6 +201,9 @@ async fn serve(
     let handshake = read_handshake(stream, deadline).await?;
     let t_recv = local.now_us();
     validate_handshake(&local.info, &local.config.modes, &handshake, None)?;
+    if !shared.accepts(&local.config.accept, &handshake.engine_id) {
+        return Err(HandshakeError::NotAccepted(handshake.engine_id));
+    }
     let clock = ClockEstimate::one_way(handshake.clock_sample_us, t_recv);
     let info = PeerInfo::from_handshake(handshake);
     link_up(up, info.clone()).await?;
