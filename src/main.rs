@@ -192,10 +192,6 @@ struct SimArgs {
     /// engine model of the first regression seeds; slow at high load).
     #[arg(long)]
     poll_allocations: bool,
-    /// Duplicated D→P control messages may also arrive late (up to the delivery bound). Off by
-    /// default: it reaches the open tombstone-eviction hole (docs/architecture.md).
-    #[arg(long)]
-    late_control_copies: bool,
     /// Print the report as JSON instead of a summary.
     #[arg(long)]
     json: bool,
@@ -430,7 +426,6 @@ fn run_sim(args: SimArgs) -> ExitCode {
     }
     options.mutation = args.mutation;
     options.poll_allocations = args.poll_allocations;
-    options.late_control_copies = args.late_control_copies;
     let started = std::time::Instant::now();
     let report = kvhandoff_sim::run_seeds(&options);
     let elapsed = started.elapsed();

@@ -208,7 +208,10 @@ impl NodeTiming {
             // The fence is sized on the bounds given: one heartbeat above its floor.
             c.quarantine = latest_write + c.heartbeat_interval;
         }
-        c.tombstone_ttl = c.tombstone_ttl.max(c.peer_timeout);
+        c.tombstone_ttl = c
+            .tombstone_ttl
+            .max(c.peer_timeout)
+            .max(c.tombstone_min_life());
         c.validate().map_err(|e| e.to_string())?;
         Ok(c)
     }

@@ -876,8 +876,9 @@ fn tcp_in_progress_semantics() {
 
 /// Abandon while in progress is refused and the write completes in its own time; invalidating
 /// the peer does not stop an in-progress write either, so the transport never reports it failed
-/// (`PeerInvalidated`) while its bytes may still land: it is reported with its real end; a peer
-/// dropped mid-write fails it within the deadline.
+/// (`PeerInvalidated`) while its bytes may still land: it is reported with its real end; the
+/// target invalidating the poster does not stop it; a peer dropped mid-write fails it within
+/// the deadline.
 #[test]
 #[ignore = "started by tcp_in_progress_semantics"]
 fn child_tcp_in_progress() {
@@ -939,9 +940,31 @@ fn child_tcp_in_progress() {
         "exactly one completion"
     );
 
-    // 3. The peer dies mid-write.
+    // 3. The target invalidates the poster while a write is in progress (what D does when it
+    //    declares P dead): that does not stop the write either.
     a.t.load_remote(&b.addr, &b.name, &b.t.local_metadata().unwrap())
         .unwrap();
+    b.buf.fill(0);
+    a.t.post_write(WriteId(6), &b.addr, &d, Some(b"six".to_vec()))
+        .unwrap();
+    b.t.invalidate_remote(&a.addr);
+    let result = wait_completion(&mut a.t, WriteId(6)).result;
+    thread::sleep(Duration::from_secs(1));
+    let landed = b.buf.to_vec().iter().filter(|&&x| x == 0xC3).count();
+    let notes = quiet_notifications(&mut b.t);
+    println!(
+        "tcp: target invalidated the poster during a 64 MiB write: {result:?}; bytes landed \
+         within 1 s: {landed} of {LEN}; notifications the target still took: {}",
+        notes.len()
+    );
+    if result.is_ok() {
+        assert_eq!(
+            landed as u64, LEN,
+            "reported landed, so every byte is there"
+        );
+    }
+
+    // 4. The peer dies mid-write.
     a.t.post_write(WriteId(3), &b.addr, &d, Some(b"three".to_vec()))
         .unwrap();
     let b_addr = b.addr.clone();
@@ -960,7 +983,7 @@ fn child_tcp_in_progress() {
     println!("tcp: next write to the dropped peer: {next:?}");
     assert!(next.is_err());
 
-    // 4. Dropping a transport with a write in progress neither hangs nor crashes (the
+    // 5. Dropping a transport with a write in progress neither hangs nor crashes (the
     //    parent's deadline covers a hang); the agent is destroyed before its buffers are freed.
     let (mut a, b) = pair("kvh-tcp2", LEN);
     a.t.post_write(

@@ -6,7 +6,7 @@ mod events;
 
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{DecodeStart, Endpoint, Input, PrefillStart, Time};
+use kvhandoff_actors::machine::{DecodeStart, Endpoint, Input, PrefillStart, Rejected, Time};
 use kvhandoff_protocol::{BlockIds, Epoch, Message, PairingKey, RequestId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -29,6 +29,8 @@ pub(crate) enum Status {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Attempt {
     pub id: RequestId,
+    /// The node it runs on: P's, the request's D, or another D (a second decode of the key).
+    pub node: NodeId,
     /// D: the epoch; P: the attempt number.
     pub epoch: u64,
     pub blocks: Vec<u32>,
@@ -110,12 +112,14 @@ impl World {
                 d_blocks,
                 d: vec![Attempt {
                     id: rid("d", i, 1),
+                    node: d_node,
                     epoch: 1,
                     blocks: vec![],
                     status: Status::Pending,
                 }],
                 p: vec![Attempt {
                     id: rid("p", i, 1),
+                    node: 0,
                     epoch: 1,
                     blocks: vec![],
                     status: Status::Pending,
@@ -175,18 +179,70 @@ impl World {
                 let at = micros(&mut rng, 0, span.max(1));
                 self.schedule(at, Ev::RepeatHandshake { a, b });
             }
+            // Second decodes of a key on another D engine, from a stream of their own too.
+            if self.cfg.decode_engines >= 2 {
+                let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x7365_636f_6e64_6431);
+                let rate = [0.0, 0.02, 0.05][rng.gen_range(0..3)];
+                for request in 0..self.requests.len() {
+                    if rng.gen_bool(rate) {
+                        let at = micros(&mut rng, 0, span.max(1) + 20_000);
+                        self.schedule(at, Ev::SecondDecode { request });
+                    }
+                }
+            }
         }
     }
 
     pub(crate) fn decode_start(&mut self, request: usize) {
-        let r = self.requests[request].clone();
+        let r = &self.requests[request];
         let node = r.d_node;
-        let Some(attempt) = r.d.iter().position(|a| a.status == Status::Pending) else {
+        let pending =
+            r.d.iter()
+                .position(|a| a.node == node && a.status == Status::Pending);
+        let Some(attempt) = pending else {
             // Nothing to start (a duplicate start): pass the wake-up on.
             self.wake_waiters(node, 1);
             return;
         };
+        self.decode_start_at(request, attempt, true);
+    }
+
+    /// A second D engine allocates for a key another D engine serves (the router sent the
+    /// decode leg twice, or failed over): same key, the current epoch, its own blocks. P serves
+    /// one of the two registrations; the other D waits for its deadline and the fence.
+    pub(crate) fn second_decode(&mut self, request: usize) {
+        let r = &self.requests[request];
+        let Some(current) = r.d.iter().rev().find(|a| a.node == r.d_node) else {
+            return;
+        };
+        let epoch = current.epoch;
+        let node = 1 + (r.d_node % self.cfg.decode_engines);
+        if node == r.d_node || r.d.iter().any(|a| a.node == node) {
+            return;
+        }
+        self.requests[request].d.push(Attempt {
+            id: rid("d2-", request, epoch),
+            node,
+            epoch,
+            blocks: vec![],
+            status: Status::Pending,
+        });
+        let attempt = self.requests[request].d.len() - 1;
+        self.decode_start_at(request, attempt, false);
+        if matches!(
+            self.requests[request].d[attempt].status,
+            Status::Live { .. }
+        ) {
+            self.mark("second_decode_same_key");
+        }
+    }
+
+    /// Starts D attempt `attempt` of `request` on its node. A primary attempt that finds no
+    /// blocks (or no room for its tombstone) waits and tries again; a second decode gives up.
+    fn decode_start_at(&mut self, request: usize, attempt: usize, primary: bool) {
+        let r = self.requests[request].clone();
         let a = r.d[attempt].clone();
+        let node = a.node;
         self.record(format!("engine: D allocates {} {}", r.key, a.id));
         let owner = Owner {
             request,
@@ -198,29 +254,78 @@ impl World {
             None
         };
         let Some(blocks) = blocks else {
+            if !primary {
+                self.requests[request].d[attempt].status = Status::Skipped;
+                return;
+            }
             // No memory or no process: the engine waits until blocks are freed (or the
             // process is back), as a real scheduler's queue does.
             self.wait_for_blocks(node, request, true);
             return;
         };
-        let inc = self.nodes[node].incarnation;
-        let r = &mut self.requests[request];
-        r.d[attempt].blocks = blocks.clone();
-        r.d[attempt].status = Status::Live {
-            node_inc: inc,
-            started: self.now,
-        };
-        self.last_progress = self.now;
         let start = DecodeStart {
             request: a.id,
             key: r.key.clone(),
             epoch: Epoch(a.epoch),
             prefill: self.nodes[0].addr.clone(),
-            blocks: BlockIds::single_group(blocks),
+            blocks: BlockIds::single_group(blocks.clone()),
             num_tokens: 16 * r.d_blocks as u64,
             expected_writes: 1,
         };
-        self.feed(node, Input::DecodeAllocated(start));
+        let input = Input::DecodeAllocated(start);
+        let retry = primary.then(|| start_event(request, true));
+        if !self.engine_call(node, input, &blocks, owner, retry) {
+            if !primary {
+                self.requests[request].d[attempt].status = Status::Skipped;
+            }
+            return;
+        }
+        let inc = self.nodes[node].incarnation;
+        let r = &mut self.requests[request];
+        r.d[attempt].blocks = blocks;
+        r.d[attempt].status = Status::Live {
+            node_inc: inc,
+            started: self.now,
+        };
+        self.last_progress = self.now;
+        self.drain(node);
+    }
+
+    /// An engine's start call (`DecodeAllocated`, `PrefillFinished`) with `blocks` allocated:
+    /// true if the endpoint took it (its outputs are not drained yet). Refused for lack of
+    /// tombstone room (admission control), the engine gives the blocks back and calls again a
+    /// little later (`retry`), as a scheduler would; any other refusal is a violation.
+    fn engine_call(
+        &mut self,
+        node: NodeId,
+        input: Input,
+        blocks: &[u32],
+        owner: Owner,
+        retry: Option<Ev>,
+    ) -> bool {
+        let now = self.now;
+        let Some(endpoint) = self.nodes[node].endpoint.as_mut() else {
+            return false;
+        };
+        match endpoint.handle(now, input) {
+            Ok(()) => true,
+            Err(Rejected::TableFull { .. }) => {
+                self.mark("admission_refused");
+                for error in self.nodes[node].pool.free(blocks, owner) {
+                    self.violate(error);
+                }
+                self.wake_waiters(node, blocks.len());
+                if let Some(retry) = retry {
+                    let later = micros(&mut self.rng, 200_000, 1_000_000);
+                    self.schedule(later, retry);
+                }
+                false
+            }
+            Err(rejected) => {
+                self.violate(format!("engine input refused by node {node}: {rejected}"));
+                false
+            }
+        }
     }
 
     pub(crate) fn prefill_start(&mut self, request: usize) {
@@ -254,20 +359,24 @@ impl World {
         for (index, &b) in blocks.iter().enumerate() {
             self.nodes[0].pool.fill(b, request, 0, index);
         }
+        let start = PrefillStart {
+            request: a.id,
+            key: r.key.clone(),
+            blocks: BlockIds::single_group(blocks.clone()),
+        };
+        let input = Input::PrefillFinished(start);
+        if !self.engine_call(0, input, &blocks, owner, Some(Ev::PrefillStart { request })) {
+            return;
+        }
         let inc = self.nodes[0].incarnation;
         let r = &mut self.requests[request];
-        r.p[attempt].blocks = blocks.clone();
+        r.p[attempt].blocks = blocks;
         r.p[attempt].status = Status::Live {
             node_inc: inc,
             started: self.now,
         };
         self.last_progress = self.now;
-        let start = PrefillStart {
-            request: a.id,
-            key: r.key.clone(),
-            blocks: BlockIds::single_group(blocks),
-        };
-        self.feed(0, Input::PrefillFinished(start));
+        self.drain(0);
     }
 
     fn wait_for_blocks(&mut self, node: NodeId, request: usize, decode: bool) {
@@ -297,7 +406,7 @@ impl World {
     pub(crate) fn abort(&mut self, request: usize, decode: bool) {
         let r = &self.requests[request];
         let (node, a) = if decode {
-            (r.d_node, r.d.last())
+            (r.d_node, r.d.iter().rev().find(|a| a.node == r.d_node))
         } else {
             (0, r.p.last())
         };
@@ -330,14 +439,8 @@ impl World {
         self.nodes[node].pool = Pool::new(self.cfg.pool_blocks);
         self.nodes[node].posts_seen = 0;
         for r in &mut self.requests {
-            let attempts = if node == 0 {
-                &mut r.p
-            } else if r.d_node == node {
-                &mut r.d
-            } else {
-                continue;
-            };
-            for a in attempts.iter_mut() {
+            let attempts = if node == 0 { &mut r.p } else { &mut r.d };
+            for a in attempts.iter_mut().filter(|a| a.node == node) {
                 if matches!(a.status, Status::Live { .. }) {
                     a.status = Status::Lost;
                     let side = if node == 0 { "prefill" } else { "decode" };
@@ -397,7 +500,7 @@ impl World {
         match message {
             Message::Register(r) => {
                 if let Some(&i) = self.keys.get(&r.key) {
-                    self.registers_sent.insert((i, r.epoch.0));
+                    self.registers_sent.insert((from, i, r.epoch.0));
                 }
             }
             Message::Cancel(c) if c.reason == kvhandoff_protocol::CancelReason::Deadline => {
@@ -421,12 +524,12 @@ impl World {
         let (key, epoch) = match &msg.message {
             Message::Register(r) => {
                 let i = *self.keys.get(&r.key)?;
-                self.registers_delivered.insert((i, r.epoch.0));
+                self.registers_delivered.insert((msg.from, i, r.epoch.0));
                 return None;
             }
             Message::Cancel(c) => {
                 let i = *self.keys.get(&c.key)?;
-                let pair = (i, c.epoch.0);
+                let pair = (msg.from, i, c.epoch.0);
                 if self.registers_sent.contains(&pair) && !self.registers_delivered.contains(&pair)
                 {
                     self.mark("cancel_overtook_registration");
@@ -439,10 +542,12 @@ impl World {
             _ => return None,
         };
         let i = *self.keys.get(key)?;
+        // The epoch the receiving D holds for the key (a second decode on another D engine
+        // holds its own).
         let live = self.requests[i]
             .d
             .iter()
-            .find(|a| matches!(a.status, Status::Live { .. }))
+            .find(|a| a.node == msg.to && matches!(a.status, Status::Live { .. }))
             .map(|a| a.epoch);
         if matches!(msg.message, Message::WriteDone(_)) {
             let count = self
@@ -497,7 +602,9 @@ impl World {
             for (block, owner) in node.pool.leased_blocks() {
                 let r = &self.requests[owner.request];
                 let attempts = if n == 0 { &r.p } else { &r.d };
-                let attempt = attempts.iter().find(|a| a.epoch == owner.epoch);
+                let attempt = attempts
+                    .iter()
+                    .find(|a| a.node == n && a.epoch == owner.epoch);
                 let held_by = match attempt {
                     Some(a) => {
                         let in_machine = node.endpoint.as_ref().is_some_and(|e| {

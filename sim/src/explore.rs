@@ -142,6 +142,7 @@ impl World {
                     .and_then(|e| e.poll_timeout());
                 if let Some(t) = due {
                     self.end_writes_before(t);
+                    self.lose_messages_before(t);
                     self.now = self.now.max(t);
                     self.fire_timer(node);
                 }
@@ -176,6 +177,24 @@ impl World {
             self.now = self.now.max(end);
             if let Some((_, ev)) = self.unschedule(seq) {
                 self.run_event(ev);
+            }
+        }
+    }
+
+    /// Control messages arrive within `max_message_delay` or never (see `world/net.rs`): before
+    /// time moves to `t`, every message still travelling whose bound ends by then is lost.
+    fn lose_messages_before(&mut self, t: kvhandoff_actors::machine::Time) {
+        let bound = self.cfg.machine.max_message_delay;
+        let late: Vec<u64> = self
+            .queue
+            .iter()
+            .filter(|(_, (at, ev))| matches!(ev, Ev::Deliver(_)) && *at + bound <= t)
+            .map(|(&seq, _)| seq)
+            .collect();
+        for seq in late {
+            if let Some((_, Ev::Deliver(msg))) = self.unschedule(seq) {
+                let line = format!("net lost past its bound {}", crate::world::describe(&msg));
+                self.record(line);
             }
         }
     }

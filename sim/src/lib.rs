@@ -84,6 +84,8 @@ pub const COVERAGE_MARKS: &[&str] = &[
     "new_incarnation_while_connected",
     "register_resent",
     "stale_cancel_newer_epoch",
+    "admission_refused",
+    "second_decode_same_key",
 ];
 
 /// What to run.
@@ -104,8 +106,6 @@ pub struct SimOptions {
     pub mutation: Option<Mutation>,
     /// See [`WorldConfig::poll_allocations`].
     pub poll_allocations: bool,
-    /// See [`WorldConfig::late_control_copies`].
-    pub late_control_copies: bool,
 }
 
 impl SimOptions {
@@ -119,7 +119,6 @@ impl SimOptions {
             long: false,
             mutation: None,
             poll_allocations: false,
-            late_control_copies: false,
         }
     }
 
@@ -162,7 +161,6 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     let mut cfg = WorldConfig::seeded(requests, opts.faults, opts.mutation);
     cfg.pool_blocks = pool;
     cfg.poll_allocations = opts.poll_allocations;
-    cfg.late_control_copies = opts.late_control_copies;
     if opts.long {
         cfg.span *= 4;
     }

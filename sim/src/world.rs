@@ -56,11 +56,6 @@ pub struct WorldConfig {
     /// to be freed: the engine model in which the first regressions were found (their seeds
     /// replay their paths only with it). Costly at high load.
     pub poll_allocations: bool,
-    /// Duplicated D→P control messages (registrations, cancels) may also arrive late, up to
-    /// `max_message_delay`. Off by default: with tombstone eviction at capacity it reaches a
-    /// known, open hole (an evicted epoch floor lets a late registration copy reach a later
-    /// request's blocks; docs/architecture.md). P→D notification copies arrive late either way.
-    pub late_control_copies: bool,
 }
 
 impl WorldConfig {
@@ -79,7 +74,6 @@ impl WorldConfig {
             dup_control: true,
             mutation,
             poll_allocations: false,
-            late_control_copies: false,
         }
     }
 
@@ -101,6 +95,9 @@ impl WorldConfig {
             max_message_delay: ms(100),
             cancel_retry_interval: ms(50),
             max_cancel_retries: 1,
+            // Registration resends would multiply the timer orderings; the seeded sweeps
+            // cover them.
+            max_register_retries: 0,
             quarantine: ms(2_000),
             tombstone_ttl: ms(3_000),
             ..Config::default()
@@ -117,7 +114,6 @@ impl WorldConfig {
             dup_control: false,
             mutation,
             poll_allocations: false,
-            late_control_copies: false,
         }
     }
 }
@@ -184,6 +180,10 @@ pub(crate) enum Ev {
     RepeatHandshake {
         a: NodeId,
         b: NodeId,
+    },
+    /// Another D engine starts a decode for this request's key.
+    SecondDecode {
+        request: usize,
     },
 }
 
@@ -257,8 +257,9 @@ pub struct World {
     pub(crate) mute_decided: BTreeSet<PairingKey>,
     /// Decode keys that got a terminal event during the current step.
     pub(crate) step_decode_events: Vec<usize>,
-    pub(crate) registers_sent: BTreeSet<(usize, u64)>,
-    pub(crate) registers_delivered: BTreeSet<(usize, u64)>,
+    /// Registrations sent and delivered, by (sending D node, request, epoch).
+    pub(crate) registers_sent: BTreeSet<(NodeId, usize, u64)>,
+    pub(crate) registers_delivered: BTreeSet<(NodeId, usize, u64)>,
     pub(crate) notifs_delivered: BTreeMap<(NodeId, u32, usize, u64), u32>,
     pub(crate) landed: BTreeMap<(NodeId, u32, usize, u64), u32>,
     pub(crate) counters: kvhandoff_actors::machine::Counters,
@@ -569,6 +570,7 @@ impl World {
             Ev::Abort { request, decode } => self.abort(request, decode),
             Ev::Crash { node } => self.crash(node),
             Ev::Restart { node } => self.restart(node),
+            Ev::SecondDecode { request } => self.second_decode(request),
             Ev::RepeatHandshake { a, b } => {
                 let line = format!("repeat handshake {a}<->{b}");
                 self.record(line);

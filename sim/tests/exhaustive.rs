@@ -2,36 +2,29 @@
 //! drops, duplicates, reorders, timers at any point and at most one crash, up to a depth bound,
 //! checked against the same invariants as the simulator after every step.
 
-use kvhandoff_sim::{exhaustive, Mutation, WorldConfig};
+use kvhandoff_sim::{exhaustive, run_exhaustive, Mutation, WorldConfig, EXHAUSTIVE_SCOPES};
 
+/// The CI scopes of `kvhandoff sim --exhaustive` (one request with a crash to depth 11, two
+/// requests to depth 9): every state within the depth bound visited, no violation.
 #[test]
-fn one_request_every_ordering_with_a_crash() {
-    let result = exhaustive(&WorldConfig::small(1, 1, None), 11, 40_000);
-    if let Some((v, path)) = &result.violation {
-        panic!("{}\npath: {path:?}\n{}", v.message, v.trace.join("\n"));
+fn the_ci_scopes_complete_without_a_violation() {
+    let report = run_exhaustive(None);
+    for scope in &report.scopes {
+        eprintln!(
+            "exhaustive {} request(s), {} crash(es), depth {}: {} states, {} cut at depth, \
+             complete: {}",
+            scope.requests,
+            scope.crashes,
+            scope.depth,
+            scope.states,
+            scope.depth_cut,
+            scope.complete
+        );
     }
-    eprintln!(
-        "exhaustive 1 request: {} states, {} cut at depth",
-        result.states, result.depth_cut
-    );
-    assert!(result.states > 1_000);
-    // Not complete yet at this cap (see `kvhandoff sim --exhaustive`, which says so).
-    eprintln!("complete: {}", result.complete);
-}
-
-#[test]
-fn two_requests_every_ordering() {
-    let result = exhaustive(&WorldConfig::small(2, 0, None), 9, 25_000);
-    if let Some((v, path)) = &result.violation {
-        panic!("{}\npath: {path:?}\n{}", v.message, v.trace.join("\n"));
-    }
-    eprintln!(
-        "exhaustive 2 requests: {} states, {} cut at depth",
-        result.states, result.depth_cut
-    );
-    assert!(result.states > 1_000);
-    // Not complete yet at this cap (see `kvhandoff sim --exhaustive`, which says so).
-    eprintln!("complete: {}", result.complete);
+    assert!(report.violations.is_empty(), "{:#?}", report.violations);
+    assert_eq!(report.scopes.len(), EXHAUSTIVE_SCOPES.len());
+    assert!(report.complete, "a scope stopped at its cap");
+    assert!(report.states > 100_000, "{}", report.states);
 }
 
 #[test]

@@ -1,6 +1,9 @@
 //! Bugs the simulator found, each a named test with its seed or path.
 
-use kvhandoff_sim::{exhaustive, run_world, Action, Faults, WorldConfig};
+use kvhandoff_sim::{
+    exhaustive, run_world, seed_world, Action, Faults, Mutation, SimOptions, WorldConfig,
+    SMALL_TOMBSTONE_TABLE,
+};
 
 /// Found by the exhaustive check: P accepted a second copy of a registration whose pending wait
 /// had expired (P had answered `RegistrationExpired`) once the prefill for the key finished, and
@@ -174,4 +177,54 @@ fn writes_to_a_restarted_decode_fail() {
         );
         assert_clean(&r);
     }
+}
+
+/// Found by `kvhandoff sim --seeds 1..20000 --requests 200` once duplicated registrations could
+/// arrive up to `max_message_delay` late: in a seed with a 24-entry tombstone table, P evicted a
+/// key's epoch floor at capacity less than a second after setting it, a late copy of the key's
+/// old `Register` then matched a later prefill of the key, and P wrote into blocks D had given
+/// to another request (S1). Fixed by admission control: P never evicts a record younger than
+/// `Config::tombstone_min_life`, and refuses requests (and leaves unanswered the messages whose
+/// answer needs a record) while the table holds no room for them.
+///
+/// Since second decodes joined the chaos schedule the seed no longer reaches the exact
+/// interleaving (the mutation `evict_young_tombstones` found it at 14753 only, before); the bug
+/// itself is replayed deterministically by the unit test
+/// `writer::tests::a_young_floor_evicted_lets_a_late_registration_copy_bind`. This test keeps
+/// the seed's world (a 24-entry table under admission pressure) and asserts it clean.
+#[test]
+fn seed_14753_a_young_epoch_floor_is_never_evicted() {
+    let options = SimOptions::new(14753..14754, 200, Faults::Chaos);
+    let cfg = seed_world(&options, 14753);
+    // The precondition: a small table, filled with young records (admission refused work).
+    assert_eq!(cfg.machine.max_tombstones, SMALL_TOMBSTONE_TABLE);
+    let r = run_world(cfg, 14753);
+    assert!(r.coverage["admission_refused"] > 0, "{:?}", r.coverage);
+    assert_clean(&r);
+}
+
+/// The check that catches `ignore_heartbeat_sender` (a heartbeat renews a pending registration
+/// whatever its sender): a second D engine serving the same key keeps renewing the first one's
+/// registration after the first gave up, so P still holds it when the first D's fence hands the
+/// blocks back, and the next prefill of the key would be written into them. Seed 399 at 200
+/// requests reaches it (the first of seven in `--seeds 1..20000`); without the mutation it is
+/// clean.
+#[test]
+fn seed_399_a_second_decode_never_keeps_a_freed_registration_alive() {
+    let options = SimOptions::new(399..400, 200, Faults::Chaos);
+    let cfg = seed_world(&options, 399);
+    let r = run_world(cfg.clone(), 399);
+    // The precondition: second decodes of a key on another D engine.
+    assert!(r.coverage["second_decode_same_key"] > 0, "{:?}", r.coverage);
+    assert_clean(&r);
+    let mut mutated = cfg;
+    mutated.mutation = Some(Mutation::IgnoreHeartbeatSender);
+    let r = run_world(mutated, 399);
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| v.message.contains("while P still holds its registration")),
+        "{:#?}",
+        r.violations
+    );
 }

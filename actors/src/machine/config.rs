@@ -176,6 +176,12 @@ impl Config {
                  max_write_life (the latest a write can land after D's last renewal)",
             ));
         }
+        if self.tombstone_ttl < self.tombstone_min_life() {
+            return Err(ConfigError::Contradiction(
+                "tombstone_ttl must cover max_register_retries * register_retry_interval + \
+                 max_message_delay, or a late registration copy outlives the epoch floor",
+            ));
+        }
         if self.tombstone_ttl < self.peer_timeout {
             return Err(ConfigError::Contradiction(
                 "tombstone_ttl must cover at least peer_timeout, or late messages look new",
@@ -193,6 +199,15 @@ impl Config {
             + self.heartbeat_interval
             + self.max_message_delay
             + self.max_write_life
+    }
+
+    /// How long a copy of a registration can still arrive after P settled its attempt: D
+    /// repeats a registration for at most `max_register_retries × register_retry_interval`
+    /// after sending it (P cannot settle an attempt before its registration arrived), and every
+    /// copy arrives within `max_message_delay`. P's tombstone of an attempt (its epoch floor) is
+    /// never evicted younger than this; `tombstone_ttl` must cover it.
+    pub fn tombstone_min_life(&self) -> Duration {
+        self.register_retry_interval * self.max_register_retries + self.max_message_delay
     }
 
     /// A configuration with short deadlines for tests and demos: heartbeats every 100 ms.

@@ -22,7 +22,7 @@ use super::types::{
     Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent, FreeProof, Input,
     Output, Rejected, Time,
 };
-use super::writer::Writer;
+use super::writer::{assert_old_record_to_evict, young_cutoff, Writer};
 use super::{ActiveMutation, Config};
 use crate::{PeerAddr, WriteId};
 
@@ -306,6 +306,20 @@ impl Endpoint {
         if start.prefill.engine == self.own.engine {
             return Err(Rejected::Invalid("the prefill peer is this engine"));
         }
+        let young = self
+            .decode_tombstones
+            .written_after(young_cutoff(now, &self.config));
+        if self.decodes.len() + young >= self.config.max_tombstones
+            && !self.mutation.is(super::Mutation::EvictYoungTombstones)
+        {
+            // Every live D request leaves a record of its ended epoch, which a new attempt at
+            // the key must get past (see below); a young one is never evicted, so the request
+            // waits until older records have aged.
+            return Err(Rejected::TableFull {
+                table: "decode tombstones (young)",
+                limit: self.config.max_tombstones,
+            });
+        }
         let mut start = start;
         if let Some(&ended) = self.decode_tombstones.get(&start.key) {
             // A new attempt at a recently ended key must not be confused with the old one's
@@ -334,6 +348,17 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Remembers that `key` ended at `epoch`, so that a new attempt at the key starts above it
+    /// (and late messages of the old one are told apart). Admission (`decode_allocated`) kept
+    /// room: a full table evicts an old record, never a young one.
+    fn remember_decode(&mut self, now: Time, key: PairingKey, epoch: Epoch) {
+        if !self.mutation.is(super::Mutation::EvictYoungTombstones) {
+            assert_old_record_to_evict(&mut self.decode_tombstones, now, &key, &self.config);
+        }
+        self.decode_tombstones
+            .insert(key, epoch, now + self.config.tombstone_ttl);
+    }
+
     /// D already holds every token: P may free its blocks, and D is ready at once.
     fn full_prefix_hit(&mut self, now: Time, start: DecodeStart) -> Result<(), Rejected> {
         let release = Message::Release(Release {
@@ -342,11 +367,7 @@ impl Endpoint {
             reason: ReleaseReason::FullPrefixHit,
         });
         self.send_or_queue(now, &start.prefill, release);
-        self.decode_tombstones.insert(
-            start.key.clone(),
-            start.epoch,
-            now + self.config.tombstone_ttl,
-        );
+        self.remember_decode(now, start.key.clone(), start.epoch);
         self.out.push_back(Output::Event(EngineEvent::Decode {
             request: start.request,
             key: start.key,
@@ -429,11 +450,7 @@ impl Endpoint {
         } = ended;
         tracing::debug!(key = %common.key, epoch = %common.epoch, ?outcome, ?proof, "decode request ended");
         self.decode_by_request.remove(&common.request);
-        self.decode_tombstones.insert(
-            common.key.clone(),
-            common.epoch,
-            now + self.config.tombstone_ttl,
-        );
+        self.remember_decode(now, common.key.clone(), common.epoch);
         match proof {
             FreeProof::Quarantine => self.counters.quarantine_frees += 1,
             FreeProof::DeadPeerFence => self.counters.fence_frees += 1,
@@ -618,6 +635,13 @@ impl Endpoint {
     #[doc(hidden)]
     pub fn decode_state(&self, key: &PairingKey) -> Option<String> {
         self.decodes.get(key).map(|r| format!("{r:?}"))
+    }
+
+    /// The registration P holds pending for `key` (waiting for its prefill): who sent it, for
+    /// which epoch (for the simulator's check that no freed attempt can still be written).
+    #[doc(hidden)]
+    pub fn pending_registration(&self, key: &PairingKey) -> Option<(&PeerAddr, Epoch)> {
+        self.writer.pending_of(key)
     }
 
     /// Engine ids of every live P request (for leak checks in tests and the simulator).

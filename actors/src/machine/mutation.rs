@@ -26,11 +26,14 @@ pub enum Mutation {
     IgnoreHeartbeatSender,
     /// A handshake repeating the connected incarnation is taken as a restart.
     HandshakeAlwaysRestart,
+    /// P admits requests and answers without keeping room for their tombstones: a full table
+    /// evicts records still young enough to stop a late registration copy.
+    EvictYoungTombstones,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 7] = [
+    pub const ALL: [Mutation; 8] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -38,6 +41,7 @@ impl Mutation {
         Mutation::FreeSourceOnAbandon,
         Mutation::IgnoreHeartbeatSender,
         Mutation::HandshakeAlwaysRestart,
+        Mutation::EvictYoungTombstones,
     ];
 
     /// The mutation's name on the command line.
@@ -56,6 +60,7 @@ impl Mutation {
             Mutation::FreeSourceOnAbandon => "free_source_on_abandon",
             Mutation::IgnoreHeartbeatSender => "ignore_heartbeat_sender",
             Mutation::HandshakeAlwaysRestart => "handshake_always_restart",
+            Mutation::EvictYoungTombstones => "evict_young_tombstones",
         }
     }
 }

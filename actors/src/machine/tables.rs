@@ -389,13 +389,42 @@ impl<K: Hash + Eq + Clone, V> Tombstones<K, V> {
         self.evicted
     }
 
-    /// Remembers `key` until `expires` (replacing an older record of it).
-    pub(crate) fn insert(&mut self, key: K, value: V, expires: Time) {
+    /// Remembers `key` until `expires` (replacing an older record of it); true if the key was
+    /// not remembered before (a new record).
+    pub(crate) fn insert(&mut self, key: K, value: V, expires: Time) -> bool {
         if self.entries.len() >= self.limit && !self.entries.contains_key(&key) {
             self.evict_oldest();
         }
-        self.entries.insert(key.clone(), (value, expires));
+        let new = self.entries.insert(key.clone(), (value, expires)).is_none();
         self.push_order(expires, key);
+        new
+    }
+
+    /// Whether inserting a new key now would evict a record (the table is full).
+    pub(crate) fn is_full(&self) -> bool {
+        self.entries.len() >= self.limit
+    }
+
+    pub(crate) fn contains(&self, key: &K) -> bool {
+        self.entries.contains_key(key)
+    }
+
+    /// Records written (made or refreshed) with an expiry after `cutoff`, counting a refreshed
+    /// key's older writes too: at least the live records expiring after `cutoff`. Records all
+    /// live the same time, so `order` is sorted by expiry and the young ones are its tail.
+    pub(crate) fn written_after(&self, cutoff: Time) -> usize {
+        self.order.len() - self.order.partition_point(|(at, _)| *at <= cutoff)
+    }
+
+    /// When the record an insert at capacity would evict expires (the oldest live one).
+    pub(crate) fn oldest_expiry(&mut self) -> Option<Time> {
+        while let Some((at, key)) = self.order.front() {
+            if self.entries.get(key).is_some_and(|(_, exp)| exp == at) {
+                return Some(*at);
+            }
+            self.order.pop_front();
+        }
+        None
     }
 
     fn push_order(&mut self, expires: Time, key: K) {
@@ -409,23 +438,31 @@ impl<K: Hash + Eq + Clone, V> Tombstones<K, V> {
     }
 
     /// Remembers `key` until `expires` with the value `value` makes of its current record (if
-    /// any): [`Self::get`] then [`Self::insert`], with one search of the table.
-    pub(crate) fn upsert(&mut self, key: K, expires: Time, value: impl FnOnce(Option<&V>) -> V) {
+    /// any): [`Self::get`] then [`Self::insert`], with one search of the table. True if the key
+    /// was not remembered before.
+    pub(crate) fn upsert(
+        &mut self,
+        key: K,
+        expires: Time,
+        value: impl FnOnce(Option<&V>) -> V,
+    ) -> bool {
         if self.entries.len() >= self.limit {
             let value = value(self.get(&key));
-            self.insert(key, value, expires);
-            return;
+            return self.insert(key, value, expires);
         }
-        match self.entries.entry(key.clone()) {
+        let new = match self.entries.entry(key.clone()) {
             Entry::Occupied(mut entry) => {
                 let value = value(Some(&entry.get().0));
                 entry.insert((value, expires));
+                false
             }
             Entry::Vacant(entry) => {
                 entry.insert((value(None), expires));
+                true
             }
-        }
+        };
         self.push_order(expires, key);
+        new
     }
 
     pub(crate) fn get(&self, key: &K) -> Option<&V> {

@@ -27,6 +27,7 @@ use crate::{PeerAddr, WriteId};
 
 use tombstones::floor_of;
 pub(crate) use tombstones::PrefillTombstone;
+pub(crate) use tombstones::{assert_old_record_to_evict, young_cutoff};
 
 /// A registration that arrived before its prefill finished.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,6 +84,10 @@ impl Writer {
 
     pub(crate) fn pending_registrations(&self) -> usize {
         self.pending.len()
+    }
+
+    pub(crate) fn pending_of(&self, key: &PairingKey) -> Option<(&PeerAddr, Epoch)> {
+        self.pending.get(key).map(|p| (&p.from, p.register.epoch))
     }
 
     pub(crate) fn writes_in_flight(&self) -> usize {
@@ -183,6 +188,14 @@ impl Writer {
             return Err(Rejected::TableFull {
                 table: "prefill requests",
                 limit: self.config.max_requests,
+            });
+        }
+        if !self.tombstone_room(now) {
+            // Every live request must be able to leave a tombstone without evicting a young
+            // one (see `Births`): the engine retries once older records have aged.
+            return Err(Rejected::TableFull {
+                table: "prefill tombstones (young)",
+                limit: self.config.max_tombstones,
             });
         }
         let common = PrefillCommon {
@@ -346,6 +359,12 @@ impl Writer {
                 newer,
             }) => {
                 let same_attempt = epoch.is_some_and(|bound| register.epoch <= bound);
+                if !same_attempt && !self.tombstone_room(now) {
+                    // The answer would raise the floor, which makes the record young again;
+                    // without room for that, no answer (D repeats, or gives up at its deadline).
+                    fx.drop_input(DropReason::TableFull);
+                    return;
+                }
                 let answer = if same_attempt { replay } else { Some(newer) };
                 fx.drop_input(if same_attempt && epoch == Some(register.epoch) {
                     DropReason::Duplicate
@@ -361,14 +380,14 @@ impl Writer {
                 if !same_attempt {
                     // Every epoch P answers raises the floor, so that a copy of this
                     // registration can never reach blocks a later request of the key holds.
-                    self.tombstones.insert(
+                    self.remember(
+                        now,
                         key,
                         PrefillTombstone::Ended {
                             epoch: Some(register.epoch),
                             replay,
                             newer,
                         },
-                        now + self.config.tombstone_ttl,
                     );
                 }
                 return;
@@ -394,6 +413,11 @@ impl Writer {
                 });
                 return;
             }
+        } else if !self.tombstone_room(now) {
+            // No room to remember an answer, nor to admit the registration: left unanswered
+            // (D repeats it, or gives up at its deadline).
+            fx.drop_input(DropReason::TableFull);
+            return;
         } else if self.pending.len() >= self.config.max_pending_registrations {
             fx.drop_input(DropReason::TableFull);
             self.answer_unbound(
@@ -448,6 +472,14 @@ impl Writer {
             self.raise_floor(now, &key, epoch);
             return;
         }
+        if !self.pending.contains_key(&key) && !self.tombstone_room(now) {
+            // Acknowledging needs a tombstone record (the floor that swallows the registration
+            // this cancel may have overtaken: a new record, or an old one made young again),
+            // and none can be made without evicting a young one: no answer; D frees at its
+            // quarantine.
+            fx.drop_input(DropReason::TableFull);
+            return;
+        }
         if self
             .pending
             .get(&key)
@@ -500,14 +532,19 @@ impl Writer {
             fx.drop_input(DropReason::Late);
             return;
         }
+        if !self.pending.contains_key(&key) && !self.tombstone_room(now) {
+            // No room for the record: the blocks, when they finish, wait for their lease.
+            fx.drop_input(DropReason::TableFull);
+            return;
+        }
         // P has not finished yet: remember, so its blocks are released as soon as they finish.
-        self.tombstones.insert(
+        self.remember(
+            now,
             key,
             PrefillTombstone::GaveUpEarly {
                 epoch,
                 cause: ReleaseCause::ReleasedByPeer(reason),
             },
-            now + self.config.tombstone_ttl,
         );
     }
 
@@ -569,13 +606,13 @@ impl Writer {
             if let Some(pending) = self.take_pending(&key) {
                 // Nobody will claim these blocks: release them the moment they finish rather
                 // than at the end of their lease.
-                self.tombstones.insert(
+                self.remember(
+                    now,
                     key,
                     PrefillTombstone::GaveUpEarly {
                         epoch: pending.register.epoch,
                         cause: ReleaseCause::PeerDead,
                     },
-                    now + self.config.tombstone_ttl,
                 );
             }
         }

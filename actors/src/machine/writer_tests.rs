@@ -2788,3 +2788,150 @@ fn a_stale_cancel_or_release_never_ends_a_newer_request() {
     );
     assert_eq!(counters.stale_settles_ignored, 0);
 }
+
+/// Admission control of P's tombstones: with a 3-record table, three requests ending fill it
+/// with young records; while they are young a new request is refused (typed, nothing kept), a
+/// cancel for a key P holds nothing for gets no answer (its acknowledgement would need a
+/// record), and no record is evicted. Once the records are older than `tombstone_min_life`,
+/// work is admitted again and an old record is what makes room.
+#[test]
+fn young_tombstones_are_never_evicted() {
+    let config = Config {
+        max_tombstones: 3,
+        ..config()
+    };
+    let life = config.tombstone_min_life();
+    let mut w = Writer::new(RANK, &config);
+    let mut out = VecDeque::new();
+    let mut counters = Counters::default();
+    let mut fx = Effects {
+        out: &mut out,
+        counters: &mut counters,
+    };
+    let start_of = |n: u32| {
+        let request = RequestId::new(format!("req-{n}")).unwrap();
+        PrefillStart {
+            key: PairingKey::new(format!("key-{n}")).unwrap(),
+            request,
+            blocks: p_blocks(),
+        }
+    };
+    let t0 = ms(T0_MS);
+    // Two requests live while one record exists: room for each to leave one.
+    w.finished(t0, start_of(1), &mut fx).unwrap();
+    w.finished(t0, start_of(2), &mut fx).unwrap();
+    w.abort(t0, &RequestId::new("req-1").unwrap(), &mut fx)
+        .unwrap();
+    w.abort(t0, &RequestId::new("req-2").unwrap(), &mut fx)
+        .unwrap();
+    w.finished(t0, start_of(3), &mut fx).unwrap();
+    w.abort(t0, &RequestId::new("req-3").unwrap(), &mut fx)
+        .unwrap();
+    assert_eq!(w.tombstones(), 3, "three young records");
+    // The precondition: the table is full of young records.
+    let young = t0 + life / 2;
+    assert_eq!(w.young_tombstones(young), 3);
+    let refused = w.finished(young, start_of(4), &mut fx);
+    assert!(
+        matches!(refused, Err(Rejected::TableFull { .. })),
+        "{refused:?}"
+    );
+    let outputs_before = fx.out.len();
+    let unknown = PairingKey::new("key-unknown").unwrap();
+    w.on_cancel(young, d(), unknown.clone(), EPOCH, &mut fx);
+    assert_eq!(
+        fx.out.len(),
+        outputs_before,
+        "no acknowledgement without a record"
+    );
+    assert_eq!(fx.counters.dropped(DropReason::TableFull), 1);
+    assert_eq!(w.tombstones_evicted(), 0);
+    w.check_invariants();
+    // Aged past the window: admitted again; the records it evicts are old ones.
+    let old = t0 + life;
+    w.finished(old, start_of(4), &mut fx).unwrap();
+    w.on_cancel(old, d(), unknown.clone(), EPOCH, &mut fx);
+    assert!(
+        matches!(
+            fx.out.back(),
+            Some(Output::Send { message: Message::CancelAck(a), .. }) if a.key == unknown
+        ),
+        "acknowledged once a record can be made"
+    );
+    assert_eq!(w.tombstones_evicted(), 1, "one old record made room");
+    w.check_invariants();
+}
+
+/// The bug admission control prevents, shown directly (the sweeps reach it only rarely): with a
+/// one-record table, a key sent for EPOCH leaves its floor; another key ending then evicts that
+/// young record, the key's next prefill is held, and a late copy of the old registration binds
+/// it: P writes the new prefill into blocks D freed after EPOCH. With admission control the
+/// other key is refused while the floor is young, and the late copy stays below the floor.
+#[test]
+fn a_young_floor_evicted_lets_a_late_registration_copy_bind() {
+    let small = Config {
+        max_tombstones: 1,
+        ..config()
+    };
+    let other = || start_with(RequestId::new("req-other").unwrap(), p_blocks());
+    let other = || PrefillStart {
+        key: other_key(),
+        ..other()
+    };
+    let next = || start_with(RequestId::new("req-next").unwrap(), p_blocks());
+    let run = |mutated: bool| {
+        let mut w = setup(
+            small.clone(),
+            vec![
+                WInput::Finished(start()),
+                register(EPOCH),
+                WInput::WriteCompleted(W1),
+            ],
+        );
+        #[cfg(not(feature = "mutations"))]
+        let _ = mutated;
+        #[cfg(feature = "mutations")]
+        if mutated {
+            w.set_mutation(super::super::ActiveMutation(Some(
+                super::super::Mutation::EvictYoungTombstones,
+            )));
+        }
+        let mut out = VecDeque::new();
+        let mut counters = Counters::default();
+        let mut fx = Effects {
+            out: &mut out,
+            counters: &mut counters,
+        };
+        let now = ms(NOW_MS);
+        assert_eq!(
+            w.epoch_floor(&key()),
+            Some(EPOCH),
+            "the precondition: a floor"
+        );
+        let admitted = w.finished(now, other(), &mut fx).is_ok();
+        if admitted {
+            w.abort(now, &RequestId::new("req-other").unwrap(), &mut fx)
+                .unwrap();
+        }
+        let held = w.finished(now, next(), &mut fx).is_ok();
+        let before = fx.out.len();
+        w.on_register(now, d(), registration(&d(), EPOCH), &mut fx);
+        let posted = fx
+            .out
+            .iter()
+            .skip(before)
+            .any(|o| matches!(o, Output::PostWrite(_)));
+        (admitted, held, posted, w.tombstones_evicted())
+    };
+    assert_eq!(
+        run(false),
+        (false, false, false, 0),
+        "admission control: both prefills wait while the floor is young; the copy is stale"
+    );
+    #[cfg(feature = "mutations")]
+    assert_eq!(
+        run(true),
+        (true, true, true, 1),
+        "without it: the young floor is evicted and the late copy is written"
+    );
+}

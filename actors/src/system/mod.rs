@@ -14,6 +14,7 @@
 //! No routing or matching happens here: everything is decided by the endpoint.
 
 mod build;
+mod driver;
 mod link;
 mod rank;
 mod runtime;
@@ -29,6 +30,7 @@ use kvhandoff_protocol::{AgentName, CompatHash, Incarnation, KvGeometry, RegionD
 pub use build::{
     agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
 };
+pub use driver::{connected_input, handshake_step, HandshakeStep, TransportDriver};
 pub use link::{Connect, Hello, LinkActor};
 pub use rank::{
     EngineCall, EngineCalls, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict, Verdicts,

@@ -4,6 +4,7 @@ use actix::clock::Instant;
 use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::driver::{connected_input, handshake_step, HandshakeStep};
 use super::link::Connect;
 use super::writer::{LoadPeer, WriterOp, WriterOps};
 use super::PeerInfo;
@@ -237,18 +238,14 @@ impl Handler<LinkUp> for RankActor {
 
     fn handle(&mut self, LinkUp(info): LinkUp, ctx: &mut Context<Self>) -> Self::Result {
         use actix::{ActorFutureExt, WrapFuture};
-        let peer = info.peer.clone();
-        let incarnation = info.incarnation;
-        if self.endpoint.connected_incarnation(&peer) == Some(incarnation) {
+        if let HandshakeStep::Repeat(input) = handshake_step(&self.endpoint, &info) {
             // A repeated handshake of the live incarnation (a late copy, a second dial, a
             // replay): reloading would cut the live connection, so only the endpoint hears it.
-            let _ = self
-                .endpoint
-                .handle(self.now(), Input::PeerConnected { peer, incarnation });
+            let _ = self.endpoint.handle(self.now(), input);
             self.flush(ctx);
             return actix::AtomicResponse::new(Box::pin(actix::fut::ready(Ok(()))));
         }
-        let load = self.loader.send(LoadPeer(info));
+        let load = self.loader.send(LoadPeer(info.clone()));
         actix::AtomicResponse::new(Box::pin(load.into_actor(self).map(
             move |loaded, act, ctx| {
                 let now = act.now();
@@ -257,14 +254,7 @@ impl Handler<LinkUp> for RankActor {
                     Ok(Err(error)) => Err(ConnectFailure::Refused(error.to_string())),
                     Err(_) => Err(ConnectFailure::Refused("writer unavailable".into())),
                 };
-                let input = match &result {
-                    Ok(()) => Input::PeerConnected { peer, incarnation },
-                    Err(reason) => Input::PeerConnectFailed {
-                        peer,
-                        reason: reason.clone(),
-                    },
-                };
-                let _ = act.endpoint.handle(now, input);
+                let _ = act.endpoint.handle(now, connected_input(&info, &result));
                 act.flush(ctx);
                 result
             },

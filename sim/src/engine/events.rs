@@ -121,7 +121,8 @@ impl World {
                 ..
             }
         );
-        if decode && failed && a.epoch < 3 && self.chance(self.rates.retry) {
+        let primary = a.node == r.d_node;
+        if decode && primary && failed && a.epoch < 3 && self.chance(self.rates.retry) {
             self.retry(request, a.epoch + 1);
         }
     }
@@ -151,7 +152,7 @@ impl World {
             .count();
         match proof {
             FreeProof::NeverExposed => {
-                if self.registers_sent.contains(&(request, epoch)) {
+                if self.registers_sent.contains(&(node, request, epoch)) {
                     self.violate(format!(
                         "proof: request {request} e{epoch} freed as NeverExposed after a Register was sent"
                     ));
@@ -168,6 +169,20 @@ impl World {
                     ));
                 }
             }
+        }
+        // Nor may P still hold this attempt's registration: it would be matched with the next
+        // prefill of the key and written into blocks D is handing back now.
+        let key = self.requests[request].key.clone();
+        let d_addr = &self.nodes[node].addr;
+        let p_holds = self.nodes[0]
+            .endpoint
+            .as_ref()
+            .and_then(|p| p.pending_registration(&key))
+            .is_some_and(|(from, e)| from == d_addr && e.0 == epoch);
+        if p_holds && self.known_incarnation(0, node) == inc {
+            self.violate(format!(
+                "proof: request {request} e{epoch} freed by {proof:?} while P still holds its registration"
+            ));
         }
         if matches!(proof, FreeProof::DeadPeerFence | FreeProof::Quarantine) {
             if proof == FreeProof::DeadPeerFence {
@@ -218,8 +233,10 @@ impl World {
 
     fn retry(&mut self, request: usize, epoch: u64) {
         let r = &mut self.requests[request];
+        let d_node = r.d_node;
         r.d.push(Attempt {
             id: rid("d", request, epoch),
+            node: d_node,
             epoch,
             blocks: vec![],
             status: Status::Pending,
@@ -232,6 +249,7 @@ impl World {
             let p_next = r.p.len() as u64 + 1;
             r.p.push(Attempt {
                 id: rid("p", request, p_next),
+                node: 0,
                 epoch: p_next,
                 blocks: vec![],
                 status: Status::Pending,

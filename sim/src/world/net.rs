@@ -108,16 +108,10 @@ impl World {
         let notification = is_notification(&msg.message);
         if (notification || self.cfg.dup_control) && self.chance(self.rates.dup) {
             // Mostly right behind the original; one in five much later, up to the delivery
-            // bound (a copy that arrives after the attempt it belongs to was retried). Late
-            // copies of a `Register` only with `late_control_copies` (they reach the open
-            // eviction hole of docs/architecture.md); cancels and releases always.
+            // bound (a copy that arrives after the attempt it belongs to was retried, or after
+            // its key's tombstone was evicted).
             let bound = self.cfg.machine.max_message_delay.saturating_sub(delay);
-            let settles = matches!(msg.message, Message::Cancel(_) | Message::Release(_));
-            let late_ok = notification || settles || self.cfg.late_control_copies;
-            let extra = if late_ok
-                && self.rng.gen_bool(0.2)
-                && bound > std::time::Duration::from_millis(30)
-            {
+            let extra = if self.rng.gen_bool(0.2) && bound > std::time::Duration::from_millis(30) {
                 micros(&mut self.rng, 30_000, bound.as_micros() as u64)
             } else {
                 micros(&mut self.rng, 0, 30_000)

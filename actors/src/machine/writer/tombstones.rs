@@ -2,12 +2,16 @@
 //! request, and the rules that keep a key's epoch floor (an ended, cancelled or answered attempt
 //! never reaches blocks again).
 
+use std::hash::Hash;
+
 use kvhandoff_protocol::{Epoch, PairingKey, WriteFailure};
 
 use super::{write_failed, Writer};
 use crate::machine::effects::Effects;
 use crate::machine::prefill::{PrefillEnded, PrefillRequest};
+use crate::machine::tables::Tombstones;
 use crate::machine::types::{EngineEvent, Output, PrefillOutcome, ReleaseCause, Time};
+use crate::machine::{Config, Mutation};
 use crate::PeerAddr;
 
 /// What P remembers about a key it holds no blocks for.
@@ -62,6 +66,29 @@ pub(super) fn tombstone_for(outcome: PrefillOutcome, epoch: Option<Epoch>) -> Pr
     }
 }
 
+/// Records of a table expiring after this were written less than `tombstone_min_life` ago
+/// (every record lives `tombstone_ttl`, which `Config::validate` keeps above it).
+pub(crate) fn young_cutoff(now: Time, config: &Config) -> Time {
+    now + (config.tombstone_ttl - config.tombstone_min_life())
+}
+
+/// The rule admission control keeps, on either side: a new record in a full table evicts an
+/// old record, never a young one.
+pub(crate) fn assert_old_record_to_evict<K: Hash + Eq + Clone, V>(
+    table: &mut Tombstones<K, V>,
+    now: Time,
+    key: &K,
+    config: &Config,
+) {
+    if table.is_full() && !table.contains(key) {
+        let oldest = table.oldest_expiry();
+        assert!(
+            oldest.is_some_and(|expiry| expiry <= young_cutoff(now, config)),
+            "a full tombstone table would evict a young record (expiring at {oldest:?}, now {now})"
+        );
+    }
+}
+
 /// The highest epoch `tombstone` settled (see [`Writer::epoch_floor`]).
 pub(super) fn floor_of(tombstone: &PrefillTombstone) -> Option<Epoch> {
     match tombstone {
@@ -72,7 +99,43 @@ pub(super) fn floor_of(tombstone: &PrefillTombstone) -> Option<Epoch> {
     }
 }
 
+// Admission control. A record written (made or refreshed: a raised floor makes a record young
+// again) less than `Config::tombstone_min_life` ago may still be the only thing between a late
+// registration copy and a later prefill's blocks, so it is never evicted: P admits a request or
+// a pending registration only while every live one can still leave a record without evicting a
+// young one (`requests + pending + young < max_tombstones`), and leaves unanswered the peer
+// messages whose answer would write a record when there is no such room. Then the table, when
+// full, always holds an old record to evict.
 impl Writer {
+    /// Tombstone writes within the last `tombstone_min_life`: at least the young records (a
+    /// record written twice, or removed early, still counts: an over-estimate, on the safe
+    /// side).
+    pub(super) fn young_tombstones(&mut self, now: Time) -> usize {
+        self.tombstones
+            .written_after(young_cutoff(now, &self.config))
+    }
+
+    /// Whether P can take on one more thing that may end in a new tombstone (a request, a
+    /// pending registration, an answer or a cancel for a key it holds nothing for).
+    pub(super) fn tombstone_room(&mut self, now: Time) -> bool {
+        if self.mutation.is(Mutation::EvictYoungTombstones) {
+            return true;
+        }
+        let reserved = self.requests.len() + self.pending.len();
+        reserved + self.young_tombstones(now) < self.config.max_tombstones
+    }
+
+    /// The rule admission keeps: a new record in a full table evicts an old one, never a young
+    /// one.
+    /// Remembers `tombstone` for `key`.
+    pub(super) fn remember(&mut self, now: Time, key: PairingKey, tombstone: PrefillTombstone) {
+        if !self.mutation.is(Mutation::EvictYoungTombstones) {
+            assert_old_record_to_evict(&mut self.tombstones, now, &key, &self.config);
+        }
+        self.tombstones
+            .insert(key, tombstone, now + self.config.tombstone_ttl);
+    }
+
     pub(super) fn file_ended(&mut self, now: Time, ended: PrefillEnded, fx: &mut Effects<'_>) {
         let PrefillEnded {
             common,
@@ -81,7 +144,11 @@ impl Writer {
         } = ended;
         tracing::debug!(key = %common.key, ?epoch, ?outcome, "prefill request ended");
         self.by_request.remove(&common.request);
-        // Never lower the floor an older request of the key left behind.
+        // Never lower the floor an older request of the key left behind. The request's
+        // admission reserved room for this record (see `Births`).
+        if !self.mutation.is(Mutation::EvictYoungTombstones) {
+            assert_old_record_to_evict(&mut self.tombstones, now, &common.key, &self.config);
+        }
         self.tombstones
             .upsert(common.key.clone(), now + self.config.tombstone_ttl, |old| {
                 tombstone_for(outcome, epoch.max(old.and_then(floor_of)))
@@ -137,8 +204,7 @@ impl Writer {
             }),
         };
         if let Some(tombstone) = raised {
-            self.tombstones
-                .insert(key.clone(), tombstone, now + self.config.tombstone_ttl);
+            self.remember(now, key.clone(), tombstone);
         }
     }
 
@@ -157,13 +223,13 @@ impl Writer {
         if self.epoch_floor(key).is_some_and(|floor| floor >= epoch) {
             return;
         }
-        self.tombstones.insert(
+        self.remember(
+            now,
             key.clone(),
             PrefillTombstone::Answered {
                 epoch,
                 replay: failure,
             },
-            now + self.config.tombstone_ttl,
         );
     }
 }

@@ -1,0 +1,248 @@
+//! `TransportDriver`: the shell's half of the sans-IO contract, without the actor. It turns the
+//! endpoint's transport outputs ([`WriterOp`]) into transport calls and everything the
+//! transport reports (completions, notifications, refusals) into endpoint [`Input`]s, and it
+//! decides what a finished handshake means for the rank ([`handshake_step`]).
+//!
+//! The actix shells drive it (`WriterActor` owns one; `RankActor` asks [`handshake_step`]);
+//! the tests drive it directly over the in-memory transport and its fault switches. Every
+//! decision the shell makes lives here, so a test of this type is a test of the shell:
+//! - a write that cannot be planned or posted is `WriteFailed(PostFailed)`;
+//! - a notification the transport refuses because the peer is unreachable or invalidated is
+//!   `PeerLost` (any other send error is counted and dropped: the endpoint's timers cover it);
+//! - an abandon the transport refuses changes nothing (the write's end still comes);
+//! - a failed transfer is `WriteFailed(TransferFailed)`; bytes that do not decode are
+//!   `Malformed`; a notification from an agent the transport does not know is counted and
+//!   dropped.
+
+use std::collections::BTreeMap;
+
+use kvhandoff_protocol::planner::{PlanInput, Planner};
+use kvhandoff_protocol::{wire, RegionSpec, WriteFailure};
+
+use super::writer::{WriterOp, WriterStats};
+use super::PeerInfo;
+use crate::machine::{Endpoint, Input, WriteOrder};
+use crate::transport::{Completion, Descriptor, Notification, Transport, TransportError};
+
+/// The transport of one rank and what the shell knows around it: the rank's own handshake
+/// payload, the peers loaded, the planner and its buffers.
+pub struct TransportDriver<T: Transport> {
+    transport: T,
+    own: PeerInfo,
+    specs: Vec<RegionSpec>,
+    peers: BTreeMap<crate::PeerAddr, PeerInfo>,
+    planner: Planner,
+    descriptors: Vec<Descriptor>,
+    completions: Vec<Completion>,
+    notifications: Vec<Notification>,
+    stats: WriterStats,
+}
+
+impl<T: Transport> TransportDriver<T> {
+    /// A driver for `transport`, whose registered regions `own` describes.
+    pub fn new(transport: T, own: PeerInfo) -> Self {
+        // The rank's own geometry was validated before its regions were registered.
+        let specs = own.geometry.regions().unwrap_or_default();
+        TransportDriver {
+            transport,
+            own,
+            specs,
+            peers: BTreeMap::new(),
+            planner: Planner::new(),
+            descriptors: Vec::new(),
+            completions: Vec::new(),
+            notifications: Vec::new(),
+            stats: WriterStats::default(),
+        }
+    }
+
+    /// The transport, for what the shell sets up around it (an arrival hook).
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.transport
+    }
+
+    /// What the driver did so far.
+    pub fn stats(&self) -> WriterStats {
+        self.stats
+    }
+
+    /// Prepares the rank's own block lists (an optimisation: without them posts take the
+    /// dynamic path).
+    pub fn prepare_own(&mut self) {
+        if let Err(error) = self.transport.prepare_blocks(None, &self.own.regions) {
+            tracing::warn!(%error, "own region table not prepared; posting dynamically");
+        }
+    }
+
+    /// Loads a handshaken peer, replacing whatever incarnation of it was loaded.
+    ///
+    /// # Errors
+    /// The transport's refusal (bad metadata, a conflicting agent, too many peers).
+    pub fn load_peer(&mut self, info: PeerInfo) -> Result<(), TransportError> {
+        self.transport.invalidate_remote(&info.peer);
+        self.transport
+            .load_remote(&info.peer, &info.agent, &info.metadata)?;
+        if let Err(error) = self
+            .transport
+            .prepare_blocks(Some(&info.peer), &info.regions)
+        {
+            tracing::warn!(peer = %info.peer, %error, "peer region table not prepared; posting dynamically");
+        }
+        self.peers.insert(info.peer.clone(), info);
+        Ok(())
+    }
+
+    /// Performs one operation; what it means for the endpoint goes to `feed`.
+    pub fn perform(&mut self, op: WriterOp, feed: &mut Vec<Input>) {
+        match op {
+            WriterOp::Send { to, message } => {
+                let bytes = wire::encode(&message);
+                if let Err(error) = self.transport.send_notification(&to, bytes) {
+                    tracing::debug!(peer = %to, %error, "notification not sent");
+                    self.stats.send_failures += 1;
+                    if matches!(
+                        error,
+                        TransportError::PeerUnreachable { .. }
+                            | TransportError::PeerInvalidated { .. }
+                    ) {
+                        feed.push(Input::PeerLost { peer: to });
+                    }
+                }
+            }
+            WriterOp::Post(order) => feed.extend(self.post(&order)),
+            WriterOp::Abandon(write) => {
+                // On refusal the write stays in flight and its completion still comes; the
+                // endpoint invalidates the peer if it never does.
+                if let Err(error) = self.transport.abandon_write(write) {
+                    tracing::warn!(%write, %error, "abandon refused");
+                }
+            }
+            WriterOp::Invalidate(peer) => {
+                self.transport.invalidate_remote(&peer);
+                self.peers.remove(&peer);
+            }
+        }
+    }
+
+    fn post(&mut self, order: &WriteOrder) -> Option<Input> {
+        let failed = |write| {
+            Some(Input::WriteFailed {
+                write,
+                failure: WriteFailure::PostFailed,
+            })
+        };
+        let Some(peer) = self.peers.get(&order.to) else {
+            tracing::warn!(peer = %order.to, write = %order.write, "write to an unloaded peer");
+            self.stats.post_failures += 1;
+            return failed(order.write);
+        };
+        let input = PlanInput::new(
+            &self.own.regions,
+            &peer.regions,
+            &self.specs,
+            &order.local,
+            &order.remote,
+            self.own.geometry.kernel_blocks_per_logical,
+        );
+        let summary = match self.planner.plan_into(&input, &mut self.descriptors) {
+            Ok(summary) => summary,
+            Err(error) => {
+                tracing::warn!(key = %order.key, epoch = %order.epoch, %error, "write plan failed");
+                self.stats.post_failures += 1;
+                return failed(order.write);
+            }
+        };
+        let notification = wire::encode(&order.notification);
+        match self.transport.post_write(
+            order.write,
+            &order.to,
+            &self.descriptors,
+            Some(notification),
+        ) {
+            Ok(()) => {
+                self.stats.posted += 1;
+                self.stats.descriptors += summary.descriptors as u64;
+                self.stats.bytes += summary.bytes;
+                None
+            }
+            Err(error) => {
+                tracing::warn!(key = %order.key, epoch = %order.epoch, %error, "write post failed");
+                self.stats.post_failures += 1;
+                failed(order.write)
+            }
+        }
+    }
+
+    /// Collects what the transport reports (write ends, notifications) into `feed`.
+    pub fn poll(&mut self, feed: &mut Vec<Input>) {
+        self.transport.poll_completions(&mut self.completions);
+        for completion in self.completions.drain(..) {
+            feed.push(match completion.result {
+                Ok(()) => Input::WriteCompleted {
+                    write: completion.write,
+                },
+                Err(error) => {
+                    tracing::debug!(write = %completion.write, %error, "write failed");
+                    Input::WriteFailed {
+                        write: completion.write,
+                        failure: WriteFailure::TransferFailed,
+                    }
+                }
+            });
+        }
+        self.transport.poll_notifications(&mut self.notifications);
+        for note in self.notifications.drain(..) {
+            let Some(from) = note.peer else {
+                self.stats.unknown_senders += 1;
+                continue;
+            };
+            feed.push(match wire::decode(&note.bytes) {
+                Ok(message) => Input::Received { from, message },
+                Err(error) => Input::Malformed {
+                    from: Some(from),
+                    error,
+                },
+            });
+        }
+    }
+}
+
+/// What a finished handshake means for a rank whose endpoint is `endpoint`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandshakeStep {
+    /// It repeats the incarnation the endpoint is connected to: feed this input and nothing
+    /// else (reloading the peer would cut the live connection).
+    Repeat(Input),
+    /// A new peer or a new incarnation: load the peer into the transport first, then feed
+    /// [`connected_input`] with the load's result.
+    Load,
+}
+
+/// Decides what a handshake from `peer` means (see [`HandshakeStep`]).
+pub fn handshake_step(endpoint: &Endpoint, peer: &PeerInfo) -> HandshakeStep {
+    if endpoint.connected_incarnation(&peer.peer) == Some(peer.incarnation) {
+        HandshakeStep::Repeat(Input::PeerConnected {
+            peer: peer.peer.clone(),
+            incarnation: peer.incarnation,
+        })
+    } else {
+        HandshakeStep::Load
+    }
+}
+
+/// The input that reports a handshake whose load into the transport ended with `loaded`.
+pub fn connected_input(
+    peer: &PeerInfo,
+    loaded: &Result<(), crate::machine::ConnectFailure>,
+) -> Input {
+    match loaded {
+        Ok(()) => Input::PeerConnected {
+            peer: peer.peer.clone(),
+            incarnation: peer.incarnation,
+        },
+        Err(reason) => Input::PeerConnectFailed {
+            peer: peer.peer.clone(),
+            reason: reason.clone(),
+        },
+    }
+}
