@@ -10,10 +10,12 @@
 //! - abandoning a transfer in progress is refused, and it completes in its own time: here an
 //!   abandon changes nothing, and the write lands or fails on its own;
 //! - invalidating the peer does not stop it either: bytes still landed after an invalidation
-//!   (up to the whole 64 MiB within 1.5 s): here neither side's invalidation touches a posted
-//!   write, and a write posted on a connection the target has torn down still reaches the
-//!   target's registered memory;
-//! - a write to an agent that was dropped fails (`write_to_dropped_peer_fails_typed`, and step 3
+//!   (up to the whole 64 MiB within 1.5 s, step 2 of the child), and the target invalidating
+//!   the poster (what D does when it declares P dead, step 3) did not stop it either — all
+//!   64 MiB landed and the target still took the notification: here neither side's
+//!   invalidation touches a posted write, and a write posted on a connection the target has
+//!   torn down still reaches the target's registered memory;
+//! - a write to an agent that was dropped fails (`write_to_dropped_peer_fails_typed`, and step 4
 //!   of the child above): a write aimed at an incarnation that died fails;
 //! - assumed, not measured: every write ends (lands or fails) within `max_write_life` of its
 //!   post; a hung write ends at that bound, and a write held up by a partition lands after it
