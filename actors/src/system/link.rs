@@ -146,7 +146,8 @@ impl LinkActor {
             };
             // The rank loads the peer and feeds `PeerConnected`, or `PeerConnectFailed` if the
             // load fails.
-            match side_channel::link_up(&up, info).await {
+            let limit = local.config.io_timeout;
+            match side_channel::link_up(&up, info, limit).await {
                 Ok(()) => {
                     tracing::info!(peer = %peer, ?clock, "side channel handshake completed");
                     side_channel::outgoing_ok(&shared, &peer.engine, clock);
@@ -200,11 +201,13 @@ impl Handler<Hello> for LinkActor {
     fn handle(&mut self, Hello(info): Hello, _: &mut Context<Self>) -> Self::Result {
         let checked = Self::check_compatible(&self.local.info, &info);
         let up = self.up.clone();
+        let limit = self.timeout;
         let load = async move {
             checked?;
-            // The rank loads the peer, then feeds `PeerConnected`.
-            up.send(LinkUp(info))
+            // The rank loads the peer, then feeds `PeerConnected` (bounded, as every wait).
+            tokio::time::timeout(limit, up.send(LinkUp(info)))
                 .await
+                .map_err(|_| ConnectFailure::TimedOut)?
                 .map_err(|_| Self::refused("rank unavailable"))?
         };
         Box::pin(load.into_actor(self))

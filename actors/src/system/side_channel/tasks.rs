@@ -206,7 +206,7 @@ async fn serve(
     }
     let clock = ClockEstimate::one_way(handshake.clock_sample_us, t_recv);
     let info = PeerInfo::from_handshake(handshake);
-    link_up(up, info.clone()).await?;
+    link_up(up, info.clone(), local.config.io_timeout).await?;
     let (answer, _) = local.frame();
     let deadline = Instant::now() + local.config.io_timeout;
     write_frame(stream, &answer, deadline).await?;
@@ -214,12 +214,22 @@ async fn serve(
 }
 
 /// Hands a handshaken peer to the rank, which loads it and feeds `PeerConnected` (or, if the
-/// load fails, `PeerConnectFailed`) atomically.
-pub(crate) async fn link_up(up: &Recipient<LinkUp>, info: PeerInfo) -> Result<(), HandshakeError> {
-    match up.send(LinkUp(info)).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(failure)) => Err(HandshakeError::Load(format!("{failure:?}"))),
-        Err(_) => Err(HandshakeError::Load("rank unavailable".into())),
+/// load fails, `PeerConnectFailed`) atomically. Waits at most `limit` for the rank's answer:
+/// past it the handshake is reported failed here, and the rank may still complete the load
+/// (its `LinkUp` is already queued) — harmless, since the peer's next handshake repeats the
+/// incarnation the rank then holds and changes nothing.
+pub(crate) async fn link_up(
+    up: &Recipient<LinkUp>,
+    info: PeerInfo,
+    limit: Duration,
+) -> Result<(), HandshakeError> {
+    match tokio::time::timeout(limit, up.send(LinkUp(info))).await {
+        Ok(Ok(Ok(()))) => Ok(()),
+        Ok(Ok(Err(failure))) => Err(HandshakeError::Load(format!("{failure:?}"))),
+        Ok(Err(_)) => Err(HandshakeError::Load("rank unavailable".into())),
+        Err(_) => Err(HandshakeError::Load(format!(
+            "the rank did not load the peer within {limit:?}"
+        ))),
     }
 }
 
