@@ -638,9 +638,10 @@ impl Endpoint {
     }
 
     /// The registration P holds pending for `key` (waiting for its prefill): who sent it, for
-    /// which epoch (for the simulator's check that no freed attempt can still be written).
+    /// which epoch, until when (for the simulator's check that no freed attempt can still be
+    /// written).
     #[doc(hidden)]
-    pub fn pending_registration(&self, key: &PairingKey) -> Option<(&PeerAddr, Epoch)> {
+    pub fn pending_registration(&self, key: &PairingKey) -> Option<(&PeerAddr, Epoch, Time)> {
         self.writer.pending_of(key)
     }
 

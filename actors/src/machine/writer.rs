@@ -86,8 +86,10 @@ impl Writer {
         self.pending.len()
     }
 
-    pub(crate) fn pending_of(&self, key: &PairingKey) -> Option<(&PeerAddr, Epoch)> {
-        self.pending.get(key).map(|p| (&p.from, p.register.epoch))
+    pub(crate) fn pending_of(&self, key: &PairingKey) -> Option<(&PeerAddr, Epoch, Time)> {
+        self.pending
+            .get(key)
+            .map(|p| (&p.from, p.register.epoch, p.expires))
     }
 
     pub(crate) fn writes_in_flight(&self) -> usize {
@@ -176,6 +178,7 @@ impl Writer {
         start: PrefillStart,
         fx: &mut Effects<'_>,
     ) -> Result<(), Rejected> {
+        self.expire_pending(now, fx);
         // A list past the wire limits could never be sent to D: refuse it here, typed.
         start.blocks.validate().map_err(Rejected::BlockList)?;
         if self.by_request.contains_key(&start.request) {
@@ -303,6 +306,7 @@ impl Writer {
         register: Box<Register>,
         fx: &mut Effects<'_>,
     ) {
+        self.expire_pending(now, fx);
         if register.decode_engine != from.engine || register.decode_rank != from.rank {
             // A registration must come from the rank whose blocks it names.
             fx.drop_input(DropReason::Unexpected);
@@ -451,6 +455,7 @@ impl Writer {
         epoch: Epoch,
         fx: &mut Effects<'_>,
     ) {
+        self.expire_pending(now, fx);
         if !self.may_settle(&key, &from) {
             // Only the D that registered the key may cancel it: another peer's cancel would
             // free blocks, or stop a write, that a different request waits for.
@@ -514,6 +519,7 @@ impl Writer {
         reason: ReleaseReason,
         fx: &mut Effects<'_>,
     ) {
+        self.expire_pending(now, fx);
         if !self.may_settle(&key, from) {
             fx.drop_input(DropReason::Unexpected);
             return;
@@ -558,6 +564,7 @@ impl Writer {
         leases: Vec<LeaseRef>,
         fx: &mut Effects<'_>,
     ) {
+        self.expire_pending(now, fx);
         let any_sender = self.mutation.is(Mutation::IgnoreHeartbeatSender);
         for lease in leases {
             if self.requests.contains_key(&lease.key) {
@@ -628,6 +635,15 @@ impl Writer {
         for key in self.requests.take_due(now) {
             self.step(now, &key, PrefillInput::Timeout, fx);
         }
+        self.expire_pending(now, fx);
+        self.tombstones.expire(now);
+    }
+
+    /// Answers every registration whose wait ended by `now`. Run before anything uses the
+    /// pending table, not only on the timer: a shell that runs late (a stalled process, a busy
+    /// loop) must not match a registration D may already have given up on — D's fence counts
+    /// on it expiring `registration_ttl` after D's last renewal.
+    fn expire_pending(&mut self, now: Time, fx: &mut Effects<'_>) {
         for key in self.pending_timers.take_due(now) {
             if let Some(pending) = self.pending.remove(&key) {
                 // Nothing was posted for it: D may fail fast.
@@ -636,7 +652,6 @@ impl Writer {
                 self.answer_unbound(now, &pending.from, &key, epoch, failure, fx);
             }
         }
-        self.tombstones.expire(now);
     }
 
     /// Checks the table's invariants (cheap enough for every step in debug builds).

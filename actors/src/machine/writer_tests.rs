@@ -2935,3 +2935,35 @@ fn a_young_floor_evicted_lets_a_late_registration_copy_bind() {
         "without it: the young floor is evicted and the late copy is written"
     );
 }
+
+/// A shell that runs late (a stalled process) calls `finished` after a pending registration's
+/// wait ended, before the timer: the registration is answered as expired first and never
+/// matched — D may already have handed its blocks back, its fence counting on this expiry.
+#[test]
+fn a_registration_past_its_wait_is_never_matched_even_if_the_timer_is_late() {
+    let mut w = pending();
+    let mut out = VecDeque::new();
+    let mut counters = Counters::default();
+    let mut fx = Effects {
+        out: &mut out,
+        counters: &mut counters,
+    };
+    // The precondition: the registration waits until PENDING_MS, and no timer has run.
+    assert!(w.pending.contains_key(&key()));
+    let late = ms(PENDING_MS + 1);
+    w.finished(late, start(), &mut fx).unwrap();
+    w.check_invariants();
+    let outputs: Vec<Output> = out.into_iter().collect();
+    assert!(
+        !outputs.iter().any(|o| matches!(o, Output::PostWrite(_))),
+        "no write for an expired registration: {outputs:?}"
+    );
+    assert!(
+        outputs.contains(&write_failed(EPOCH, WriteFailure::RegistrationExpired)),
+        "{outputs:?}"
+    );
+    assert!(matches!(
+        w.requests.get(&key()),
+        Some(PrefillRequest::Held(_))
+    ));
+}

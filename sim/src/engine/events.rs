@@ -170,15 +170,16 @@ impl World {
                 }
             }
         }
-        // Nor may P still hold this attempt's registration: it would be matched with the next
-        // prefill of the key and written into blocks D is handing back now.
+        // Nor may P still hold this attempt's registration, unexpired: it would be matched with
+        // the next prefill of the key and written into blocks D is handing back now.
         let key = self.requests[request].key.clone();
         let d_addr = &self.nodes[node].addr;
+        let now = self.now;
         let p_holds = self.nodes[0]
             .endpoint
             .as_ref()
             .and_then(|p| p.pending_registration(&key))
-            .is_some_and(|(from, e)| from == d_addr && e.0 == epoch);
+            .is_some_and(|(from, e, expires)| from == d_addr && e.0 == epoch && expires > now);
         if p_holds && self.known_incarnation(0, node) == inc {
             self.violate(format!(
                 "proof: request {request} e{epoch} freed by {proof:?} while P still holds its registration"
