@@ -31,6 +31,28 @@ fn count(report: &serde_json::Value, field: &str) -> u64 {
     report["node"][field].as_u64().unwrap_or(u64::MAX)
 }
 
+/// Waits for `nodes`; each must exit 0 with one typed outcome per request, every block back and
+/// no wrong byte. Returns their reports (in order) and everything they printed.
+fn finish_clean(nodes: Vec<Node>) -> (Vec<serde_json::Value>, String) {
+    let done = finish_all(nodes, Instant::now() + WAIT);
+    let all: String = done.iter().map(Finished::show).collect();
+    let reports = done
+        .iter()
+        .map(|node| {
+            assert!(
+                node.status.is_some_and(|s| s.success()),
+                "{} did not exit 0\n{all}",
+                node.name
+            );
+            let report = node.json(&all);
+            check_node(&report, REQUESTS, &all);
+            no_byte_errors(&report, &all);
+            report
+        })
+        .collect();
+    (reports, all)
+}
+
 /// (a) Both sides' handshakes arrive again mid-run: P's at 600 ms into the schedule, D's at
 /// 900 ms, each as a second dial and as a raw copy. The run is a clean one: both exit 0 with the
 /// strict verdict (every request handed off), and each side counted the repeats and nothing
@@ -55,33 +77,23 @@ fn a_repeated_handshake_mid_run_changes_nothing() {
         p_addr,
         &["--requests", &requests, "--repeat-handshake-ms", "900"],
     );
-    let done = finish_all(vec![p, d], Instant::now() + WAIT);
-    let all: String = done.iter().map(Finished::show).collect();
-    for node in &done {
-        assert!(
-            node.status.is_some_and(|s| s.success()),
-            "{} did not exit 0\n{all}",
-            node.name
-        );
-        let report = node.json(&all);
-        check_node(&report, REQUESTS, &all);
-        no_byte_errors(&report, &all);
+    let (reports, all) = finish_clean(vec![p, d]);
+    for (report, name) in reports.iter().zip(["P", "D"]) {
         // Each side gets the other's second dial and raw copy, and the answer to its own dial.
         assert!(
-            count(&report, "repeated_handshakes") >= 2,
-            "{}: repeats not seen\n{all}",
-            node.name
+            count(report, "repeated_handshakes") >= 2,
+            "{name}: repeats not seen\n{all}"
         );
-        assert_eq!(count(&report, "peer_restarts"), 0, "{}\n{all}", node.name);
-        assert_eq!(count(&report, "peer_deaths"), 0, "{}\n{all}", node.name);
+        assert_eq!(count(report, "peer_restarts"), 0, "{name}\n{all}");
+        assert_eq!(count(report, "peer_deaths"), 0, "{name}\n{all}");
     }
-    let d = done[1].json(&all);
+    let d = &reports[1];
     let ready = d["node"]["outcomes"]["Ready"].as_u64().unwrap_or(0);
     assert_eq!(ready, REQUESTS, "every request Ready on D\n{all}");
     eprintln!(
         "repeated handshakes: P counted {}, D counted {}; {ready} requests Ready, 0 byte errors",
-        count(&done[0].json(&all), "repeated_handshakes"),
-        count(&d, "repeated_handshakes")
+        count(&reports[0], "repeated_handshakes"),
+        count(d, "repeated_handshakes")
     );
 }
 
@@ -106,20 +118,9 @@ fn a_stopped_prefill_is_fenced_and_both_sides_recover() {
     let stopped = p.signal("STOP");
     thread::sleep(Duration::from_millis(1_200));
     let resumed = p.signal("CONT");
-    let done = finish_all(vec![p, d], Instant::now() + WAIT);
-    let all: String = done.iter().map(Finished::show).collect();
-    for node in &done {
-        assert!(
-            node.status.is_some_and(|s| s.success()),
-            "{} did not exit 0\n{all}",
-            node.name
-        );
-        let report = node.json(&all);
-        check_node(&report, REQUESTS, &all);
-        no_byte_errors(&report, &all);
-    }
-    let d = done[1].json(&all);
-    let deaths = count(&d, "peer_deaths");
+    let (reports, all) = finish_clean(vec![p, d]);
+    let d = &reports[1];
+    let deaths = count(d, "peer_deaths");
     assert!(deaths >= 1, "D declared no death of the stopped P\n{all}");
     let seen = d["node"]["peer_deaths_seen_unix_ms"][0]
         .as_f64()
@@ -128,7 +129,7 @@ fn a_stopped_prefill_is_fenced_and_both_sides_recover() {
         seen >= stopped && seen <= resumed + SLACK_MS,
         "D saw the death at {seen:.0}, stopped {stopped:.0}, resumed {resumed:.0}\n{all}"
     );
-    assert_eq!(count(&d, "peer_restarts"), 0, "P never restarted\n{all}");
+    assert_eq!(count(d, "peer_restarts"), 0, "P never restarted\n{all}");
     let outcomes = &d["node"]["outcomes"];
     eprintln!(
         "P stopped {:.0} ms: D declared it dead {:.0} ms after the stop; D outcomes {outcomes}",

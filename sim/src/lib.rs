@@ -19,6 +19,7 @@ mod world;
 
 use std::collections::BTreeMap;
 use std::ops::{Range, RangeInclusive};
+use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -154,8 +155,26 @@ fn load_rng(seed: u64) -> rand_chacha::ChaCha8Rng {
 /// capacity happens, and late messages of evicted keys look new.
 pub const SMALL_TOMBSTONE_TABLE: usize = 24;
 
+/// The delivery bound of the seeds with a slow network: messages (and late copies) take up to
+/// several seconds.
+pub const SLOW_NETWORK_DELAY: Duration = Duration::from_secs(4);
+
+/// A world whose slow messages take seconds: `max_message_delay` [`SLOW_NETWORK_DELAY`], slow
+/// messages up to 90 % of it, and the bounds that depend on it moved so that the machine
+/// configuration stays valid (the quarantine one heartbeat above its floor, tombstones living
+/// past their minimum).
+pub fn slow_network(cfg: &mut WorldConfig) {
+    let m = &mut cfg.machine;
+    m.max_message_delay = SLOW_NETWORK_DELAY;
+    m.quarantine = m.quarantine.max(m.fence_floor() + m.heartbeat_interval);
+    m.tombstone_ttl = m
+        .tombstone_ttl
+        .max(m.tombstone_min_life() + m.heartbeat_interval);
+    cfg.slow_message_max = SLOW_NETWORK_DELAY * 9 / 10;
+}
+
 /// The seed's world, at its drawn load: one seed in eight also runs with a small tombstone
-/// table ([`SMALL_TOMBSTONE_TABLE`]).
+/// table ([`SMALL_TOMBSTONE_TABLE`]), one in eight with a slow network ([`slow_network`]).
 pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     let (requests, pool) = seed_load(opts, seed);
     let mut cfg = WorldConfig::seeded(requests, opts.faults, opts.mutation);
@@ -172,6 +191,9 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     );
     if rng.gen_ratio(1, 8) {
         cfg.machine.max_tombstones = SMALL_TOMBSTONE_TABLE;
+    }
+    if rng.gen_ratio(1, 8) {
+        slow_network(&mut cfg);
     }
     cfg
 }

@@ -56,6 +56,9 @@ pub struct WorldConfig {
     /// to be freed: the engine model in which the first regressions were found (their seeds
     /// replay their paths only with it). Costly at high load.
     pub poll_allocations: bool,
+    /// The longest a slow message takes (chaos and network faults slow some messages down).
+    /// Kept below `machine.max_message_delay`.
+    pub slow_message_max: Duration,
 }
 
 impl WorldConfig {
@@ -74,6 +77,7 @@ impl WorldConfig {
             dup_control: true,
             mutation,
             poll_allocations: false,
+            slow_message_max: Duration::from_millis(140),
         }
     }
 
@@ -114,6 +118,7 @@ impl WorldConfig {
             dup_control: false,
             mutation,
             poll_allocations: false,
+            slow_message_max: Duration::from_millis(140),
         }
     }
 }

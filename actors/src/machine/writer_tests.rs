@@ -2749,44 +2749,47 @@ fn a_stale_cancel_or_release_never_ends_a_newer_request() {
     for (input, answer) in stale {
         // The first request was sent for EPOCH; a second one for the key is held.
         let mut w = tomb_sent();
-        let mut out = VecDeque::new();
-        let mut counters = Counters::default();
-        let mut fx = Effects {
-            out: &mut out,
-            counters: &mut counters,
-        };
-        apply(&mut w, ms(NOW_MS), newer(), &mut fx).unwrap();
+        drive(&mut w, ms(NOW_MS), vec![newer()]);
         // The precondition: a held request of the key, and EPOCH settled below it.
         assert!(matches!(
             w.requests.get(&key()),
             Some(PrefillRequest::Held(_))
         ));
         assert_eq!(w.epoch_floor(&key()), Some(EPOCH));
-        apply(&mut w, ms(NOW_MS), input.clone(), &mut fx).unwrap();
-        w.check_invariants();
+        let (out, counters) = drive(&mut w, ms(NOW_MS), vec![input.clone()]);
         assert!(
             matches!(w.requests.get(&key()), Some(PrefillRequest::Held(_))),
             "{input:?} ended the newer request"
         );
-        assert_eq!(out.into_iter().collect::<Vec<_>>(), answer, "{input:?}");
+        assert_eq!(out, answer, "{input:?}");
         assert_eq!(counters.stale_settles_ignored, 1, "{input:?}");
         assert_eq!(counters.dropped(DropReason::StaleEpoch), 1, "{input:?}");
     }
     // A cancel of a newer attempt than the floor is D giving up on the live one: it ends it.
     let mut w = tomb_sent();
+    let newer_cancel = cancel(Epoch(EPOCH.0 + 1));
+    let (_, counters) = drive(&mut w, ms(NOW_MS), vec![newer(), newer_cancel]);
+    assert!(
+        w.requests.get(&key()).is_none(),
+        "the newer attempt's cancel ends it"
+    );
+    assert_eq!(counters.stale_settles_ignored, 0);
+}
+
+/// Applies `inputs` at `now` (each accepted), checking the invariants after each; returns the
+/// outputs and counters they made.
+fn drive(w: &mut Writer, now: Time, inputs: Vec<WInput>) -> (Vec<Output>, Counters) {
     let mut out = VecDeque::new();
     let mut counters = Counters::default();
     let mut fx = Effects {
         out: &mut out,
         counters: &mut counters,
     };
-    apply(&mut w, ms(NOW_MS), newer(), &mut fx).unwrap();
-    apply(&mut w, ms(NOW_MS), cancel(Epoch(EPOCH.0 + 1)), &mut fx).unwrap();
-    assert!(
-        w.requests.get(&key()).is_none(),
-        "the newer attempt's cancel ends it"
-    );
-    assert_eq!(counters.stale_settles_ignored, 0);
+    for input in inputs {
+        apply(w, now, input, &mut fx).unwrap();
+        w.check_invariants();
+    }
+    (out.into_iter().collect(), counters)
 }
 
 /// Admission control of P's tombstones: with a 3-record table, three requests ending fill it

@@ -90,7 +90,8 @@ impl World {
         };
         let mut delay = micros(&mut self.rng, 50, 2_000);
         if self.chance(self.rates.slow_msg) {
-            delay = micros(&mut self.rng, 20_000, 140_000);
+            let slowest = self.cfg.slow_message_max.as_micros() as u64;
+            delay = micros(&mut self.rng, 20_000, slowest.max(20_001));
         }
         if let Some(until) = self.partitioned(from, to, self.now) {
             delay = delay.max(until.saturating_since(self.now));
