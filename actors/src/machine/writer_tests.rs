@@ -148,16 +148,7 @@ fn apply(w: &mut Writer, now: Time, input: WInput, fx: &mut Effects<'_>) -> Resu
 
 fn setup(config: Config, inputs: Vec<WInput>) -> Writer {
     let mut w = Writer::new(RANK, &config);
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
-    for input in inputs {
-        apply(&mut w, ms(T0_MS), input, &mut fx).unwrap();
-        w.check_invariants();
-    }
+    drive(&mut w, ms(T0_MS), inputs);
     w
 }
 
