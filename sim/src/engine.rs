@@ -427,6 +427,14 @@ impl World {
             return;
         };
         self.mark("crash_restart");
+        self.nodes[node].shell = None;
+        let agent =
+            crate::transport::agent_name(&self.nodes[node].addr, self.nodes[node].incarnation);
+        for other in self.nodes.iter_mut() {
+            if let Some(shell) = other.shell.as_mut() {
+                shell.transport_mut().agent_died(agent.clone());
+            }
+        }
         self.absorb_counters(&endpoint);
         self.writes_of_crashed(node);
         // Its connections die with the process: nothing in flight on them arrives.
@@ -465,6 +473,8 @@ impl World {
             Endpoint::new(addr.engine, addr.rank, self.cfg.machine.clone()).expect("valid config");
         endpoint.set_mutation(self.cfg.mutation);
         self.nodes[node].endpoint = Some(endpoint);
+        let info = self.info_of(node);
+        self.nodes[node].shell = Some(crate::transport::shell(node, info));
         self.wake_waiters(node, usize::MAX);
     }
 

@@ -209,6 +209,10 @@ impl World {
             node.incarnation.hash(&mut h);
             node.pool.hash(&mut h);
             format!("{:?}", node.endpoint).hash(&mut h);
+            node.shell
+                .as_ref()
+                .map(|s| s.transport().view())
+                .hash(&mut h);
         }
         let mut events: Vec<String> = self
             .queue

@@ -15,6 +15,7 @@ mod engine;
 mod explore;
 mod ledger;
 mod nixl;
+mod transport;
 mod world;
 
 use std::collections::BTreeMap;
@@ -87,6 +88,8 @@ pub const COVERAGE_MARKS: &[&str] = &[
     "stale_cancel_newer_epoch",
     "admission_refused",
     "second_decode_same_key",
+    "shell_post_refused",
+    "shell_send_refused",
 ];
 
 /// What to run.

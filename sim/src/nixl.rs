@@ -1,5 +1,7 @@
 //! The simulated NIXL: writes from P's registered blocks into D's, with real bytes, landing at
-//! a chosen later time; posts that fail, transfers that fail later (possibly after part of the
+//! a chosen later time (posts reach it through the shell's driver and the simulated transport
+//! of `transport.rs`, which also refuses posts, as NIXL's `post_xfer_req` may); transfers that
+//! fail later (possibly after part of the
 //! data landed — NIXL does not roll back), or hang until the fabric's bound. NIXL's rules are
 //! assertions here: no repost of an active write, no release of a block while a transfer reads
 //! or writes it (checked by the ledger's pins), and the notification leaves only after the data
@@ -21,7 +23,7 @@
 //!   post; a hung write ends at that bound, and a write held up by a partition lands after it
 //!   heals if the bound allows, else fails.
 
-use kvhandoff_actors::machine::{Input, WriteOrder};
+use kvhandoff_actors::machine::WriteOrder;
 use kvhandoff_actors::WriteId;
 use kvhandoff_protocol::{Message, WriteFailure};
 use rand::Rng;
@@ -77,7 +79,6 @@ impl SimWrite {
 
 impl World {
     pub(crate) fn post_write(&mut self, node: NodeId, order: WriteOrder) {
-        self.nodes[node].posts_seen += 1;
         let inc = self.nodes[node].incarnation;
         if self.active_writes.contains_key(&(node, inc, order.write)) {
             self.violate(format!("S6: write {} reposted while active", order.write));
@@ -149,14 +150,6 @@ impl World {
             d_pinned,
         };
         self.active_writes.insert((node, inc, order.write), seq);
-        if self.chance(self.rates.post_fail) {
-            self.unpin_target(&mut write);
-            write.phase = Phase::Cut;
-            self.writes.insert(seq, write);
-            self.next_seq = self.next_seq.max(seq + 1);
-            self.schedule_report(seq, Some(WriteFailure::PostFailed), 0, 0);
-            return;
-        }
         let life = self.cfg.machine.max_write_life;
         let delay = if self.chance(self.rates.hang) {
             // Hangs until the fabric's bound, then lands or fails.
@@ -308,11 +301,8 @@ impl World {
         if owner.is_some_and(|o| !self.p_attempt_live(o)) {
             self.mark("completion_after_lease");
         }
-        let input = match failure {
-            None => Input::WriteCompleted { write: id },
-            Some(failure) => Input::WriteFailed { write: id, failure },
-        };
-        self.feed(poster, input);
+        // The poster's transport reports the end; its shell makes the input of it.
+        self.shell_completion(poster, id, failure.is_some());
     }
 
     /// P's endpoint abandons a write. Real NIXL refuses to stop a transfer in progress

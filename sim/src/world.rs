@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use kvhandoff_actors::machine::{Config, Endpoint, Input, Mutation, Output, Time};
+use kvhandoff_actors::system::WriterOp;
 use kvhandoff_actors::{PeerAddr, WriteId};
 use kvhandoff_protocol::{EngineId, Message, PairingKey, WriteFailure};
 use rand::{Rng, SeedableRng};
@@ -211,11 +212,18 @@ pub(crate) struct Rates {
     pub mute_answers: f64,
 }
 
+/// The incarnation id `node`'s process number `inc` sends in its handshakes.
+pub(crate) fn incarnation_of(node: NodeId, inc: u32) -> kvhandoff_protocol::Incarnation {
+    kvhandoff_protocol::Incarnation(((node as u128) << 64) | u128::from(inc))
+}
+
 /// One engine rank.
 #[derive(Debug)]
 pub(crate) struct Node {
     pub addr: PeerAddr,
     pub endpoint: Option<Endpoint>,
+    /// The shell's transport driver over the simulated transport (`None` while crashed).
+    pub shell: Option<crate::transport::Shell>,
     pub incarnation: u32,
     pub pool: Pool,
     /// `writes_posted` of earlier incarnations' counters plus this one's posts seen.
@@ -308,7 +316,10 @@ impl World {
             let mut endpoint = Endpoint::new(addr.engine.clone(), 0, cfg.machine.clone())
                 .expect("valid machine config");
             endpoint.set_mutation(cfg.mutation);
+            let info =
+                crate::transport::peer_info(i, &addr, incarnation_of(i, 0), 0, cfg.pool_blocks);
             nodes.push(Node {
+                shell: Some(crate::transport::shell(i, info)),
                 addr,
                 endpoint: Some(endpoint),
                 incarnation: 0,
@@ -472,10 +483,13 @@ impl World {
             else {
                 return;
             };
+            // Transport outputs go through the shell's own driver (`transport.rs`).
             match output {
-                Output::Send { to, message } => self.send(node, &to, message),
-                Output::PostWrite(order) => self.post_write(node, *order),
-                Output::AbandonWrite { write } => self.abandon_write(node, write),
+                Output::Send { to, message } => {
+                    self.shell_op(node, WriterOp::Send { to, message });
+                }
+                Output::PostWrite(order) => self.shell_op(node, WriterOp::Post(order)),
+                Output::AbandonWrite { write } => self.shell_op(node, WriterOp::Abandon(write)),
                 Output::Connect { peer } => self.connect(node, &peer),
                 Output::Invalidate { peer } => {
                     if let Some(&other) = self.by_addr.get(&peer) {
@@ -486,6 +500,7 @@ impl World {
                         }
                         self.invalidate(node, other);
                     }
+                    self.shell_op(node, WriterOp::Invalidate(peer));
                 }
                 Output::Event(event) => self.engine_event(node, event),
             }

@@ -38,6 +38,16 @@ pub struct TransportDriver<T: Transport> {
     stats: WriterStats,
 }
 
+impl<T: Transport + std::fmt::Debug> std::fmt::Debug for TransportDriver<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransportDriver")
+            .field("transport", &self.transport)
+            .field("peers", &self.peers.keys().collect::<Vec<_>>())
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<T: Transport> TransportDriver<T> {
     /// A driver for `transport`, whose registered regions `own` describes.
     pub fn new(transport: T, own: PeerInfo) -> Self {
@@ -59,6 +69,11 @@ impl<T: Transport> TransportDriver<T> {
     /// The transport, for what the shell sets up around it (an arrival hook).
     pub fn transport_mut(&mut self) -> &mut T {
         &mut self.transport
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.transport
     }
 
     /// What the driver did so far.

@@ -27,7 +27,7 @@ impl World {
 
     /// The incarnation id `node`'s current process sends in its handshakes.
     pub(crate) fn incarnation_id(&self, node: NodeId) -> Incarnation {
-        Incarnation(((node as u128) << 64) | u128::from(self.nodes[node].incarnation))
+        super::incarnation_of(node, self.nodes[node].incarnation)
     }
 
     /// The incarnation of `b` that `a`'s endpoint is connected to, if any.
@@ -176,21 +176,10 @@ impl World {
             self.views.insert((to, from), generation);
             self.known.insert((from, to), self.nodes[to].incarnation);
             self.known.insert((to, from), self.nodes[from].incarnation);
-            let back = self.nodes[from].addr.clone();
-            self.feed(
-                to,
-                Input::PeerConnected {
-                    peer: back,
-                    incarnation: live_from,
-                },
-            );
-            self.feed(
-                from,
-                Input::PeerConnected {
-                    peer,
-                    incarnation: live_to,
-                },
-            );
+            // Each side's shell loads the other (the accepting side first, as the listener
+            // answers only once it has) and tells its endpoint.
+            self.shell_handshake(to, from);
+            self.shell_handshake(from, to);
         } else {
             let reason = kvhandoff_actors::machine::ConnectFailure::Refused("simulated".into());
             self.feed(from, Input::PeerConnectFailed { peer, reason });
@@ -219,9 +208,7 @@ impl World {
         };
         let before = snapshot(self);
         for (x, y) in [(b, a), (a, b)] {
-            let peer = self.nodes[y].addr.clone();
-            let incarnation = self.incarnation_id(y);
-            self.feed(x, Input::PeerConnected { peer, incarnation });
+            self.shell_handshake(x, y);
         }
         let after = snapshot(self);
         if before.0 != after.0 {
@@ -256,15 +243,8 @@ impl World {
         let stale_key = self.note_delivered(&msg);
         // S5: a P→D message for an epoch D does not hold changes nothing of D's live request.
         let before = stale_key.map(|request| (request, self.decode_state_of(msg.to, request)));
-        let from = self.nodes[msg.from].addr.clone();
         let kind = describe(&msg);
-        self.feed(
-            msg.to,
-            Input::Received {
-                from,
-                message: msg.message,
-            },
-        );
+        self.shell_notification(msg.to, msg.from, &msg.message);
         if let Some((request, before)) = before {
             if self.step_decode_events.contains(&request) {
                 self.violate(format!(
