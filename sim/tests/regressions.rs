@@ -207,7 +207,7 @@ fn seed_14753_a_young_epoch_floor_is_never_evicted() {
 /// whatever its sender): a second D engine serving the same key keeps renewing the first one's
 /// registration after the first gave up, so P still holds it when the first D's fence hands the
 /// blocks back, and the next prefill of the key would be written into them. Seed 399 at 200
-/// requests reaches it (the first of seven in `--seeds 1..20000`); without the mutation it is
+/// requests reaches it (the first of four in `--seeds 1..20000`); without the mutation it is
 /// clean.
 #[test]
 fn seed_399_a_second_decode_never_keeps_a_freed_registration_alive() {
