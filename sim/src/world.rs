@@ -6,8 +6,8 @@ mod net;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{Config, Endpoint, Input, Mutation, Output, Time};
-use kvhandoff_actors::system::WriterOp;
+use kvhandoff_actors::machine::{Config, Endpoint, Input, Mutation, Time};
+use kvhandoff_actors::system::{route, Routed, WriterOp};
 use kvhandoff_actors::{PeerAddr, WriteId};
 use kvhandoff_protocol::{EngineId, Message, PairingKey, WriteFailure};
 use rand::{Rng, SeedableRng};
@@ -483,15 +483,10 @@ impl World {
             else {
                 return;
             };
-            // Transport outputs go through the shell's own driver (`transport.rs`).
-            match output {
-                Output::Send { to, message } => {
-                    self.shell_op(node, WriterOp::Send { to, message });
-                }
-                Output::PostWrite(order) => self.shell_op(node, WriterOp::Post(order)),
-                Output::AbandonWrite { write } => self.shell_op(node, WriterOp::Abandon(write)),
-                Output::Connect { peer } => self.connect(node, &peer),
-                Output::Invalidate { peer } => {
+            // Routed as the actix shell routes; transport outputs go through the shell's own
+            // driver (`transport.rs`).
+            match route(output) {
+                Routed::Transport(WriterOp::Invalidate(peer)) => {
                     if let Some(&other) = self.by_addr.get(&peer) {
                         if self.alive(other) {
                             // Declared dead while its process runs (a partition, lost
@@ -502,7 +497,9 @@ impl World {
                     }
                     self.shell_op(node, WriterOp::Invalidate(peer));
                 }
-                Output::Event(event) => self.engine_event(node, event),
+                Routed::Transport(op) => self.shell_op(node, op),
+                Routed::Connect(peer) => self.connect(node, &peer),
+                Routed::Event(event) => self.engine_event(node, event),
             }
         }
     }

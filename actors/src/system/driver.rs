@@ -21,8 +21,9 @@ use kvhandoff_protocol::{wire, RegionSpec, WriteFailure};
 
 use super::writer::{WriterOp, WriterStats};
 use super::PeerInfo;
-use crate::machine::{Endpoint, Input, WriteOrder};
+use crate::machine::{Endpoint, EngineEvent, Input, Output, WriteOrder};
 use crate::transport::{Completion, Descriptor, Notification, Transport, TransportError};
+use crate::PeerAddr;
 
 /// The transport of one rank and what the shell knows around it: the rank's own handshake
 /// payload, the peers loaded, the planner and its buffers.
@@ -30,7 +31,7 @@ pub struct TransportDriver<T: Transport> {
     transport: T,
     own: PeerInfo,
     specs: Vec<RegionSpec>,
-    peers: BTreeMap<crate::PeerAddr, PeerInfo>,
+    peers: BTreeMap<PeerAddr, PeerInfo>,
     planner: Planner,
     descriptors: Vec<Descriptor>,
     completions: Vec<Completion>,
@@ -219,6 +220,29 @@ impl<T: Transport> TransportDriver<T> {
                 },
             });
         }
+    }
+}
+
+/// Where a shell sends one endpoint output.
+#[derive(Debug)]
+pub enum Routed {
+    /// To the transport's driver ([`TransportDriver::perform`]).
+    Transport(WriterOp),
+    /// To the link: start a handshake with the peer.
+    Connect(PeerAddr),
+    /// To the engine.
+    Event(EngineEvent),
+}
+
+/// Routes one endpoint output (the one mapping every shell uses).
+pub fn route(output: Output) -> Routed {
+    match output {
+        Output::Send { to, message } => Routed::Transport(WriterOp::Send { to, message }),
+        Output::PostWrite(order) => Routed::Transport(WriterOp::Post(order)),
+        Output::AbandonWrite { write } => Routed::Transport(WriterOp::Abandon(write)),
+        Output::Invalidate { peer } => Routed::Transport(WriterOp::Invalidate(peer)),
+        Output::Connect { peer } => Routed::Connect(peer),
+        Output::Event(event) => Routed::Event(event),
     }
 }
 

@@ -30,7 +30,7 @@ use kvhandoff_protocol::{AgentName, CompatHash, Incarnation, KvGeometry, RegionD
 pub use build::{
     agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
 };
-pub use driver::{connected_input, handshake_step, HandshakeStep, TransportDriver};
+pub use driver::{connected_input, handshake_step, route, HandshakeStep, Routed, TransportDriver};
 pub use link::{Connect, Hello, LinkActor};
 pub use rank::{
     EngineCall, EngineCalls, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict, Verdicts,

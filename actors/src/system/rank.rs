@@ -4,12 +4,12 @@ use actix::clock::Instant;
 use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::driver::{connected_input, handshake_step, HandshakeStep};
+use super::driver::{connected_input, handshake_step, route, HandshakeStep, Routed};
 use super::link::Connect;
-use super::writer::{LoadPeer, WriterOp, WriterOps};
+use super::writer::{LoadPeer, WriterOps};
 use super::PeerInfo;
 use crate::machine::{
-    ConnectFailure, Counters, Endpoint, EndpointStats, EngineEvent, Input, Output, Rejected, Time,
+    ConnectFailure, Counters, Endpoint, EndpointStats, EngineEvent, Input, Rejected, Time,
 };
 
 /// Receives whether an engine input was accepted.
@@ -115,13 +115,10 @@ impl RankActor {
     fn flush(&mut self, ctx: &mut Context<Self>) {
         let mut ops = Vec::new();
         while let Some(output) = self.endpoint.poll_output() {
-            match output {
-                Output::Send { to, message } => ops.push(WriterOp::Send { to, message }),
-                Output::PostWrite(order) => ops.push(WriterOp::Post(order)),
-                Output::AbandonWrite { write } => ops.push(WriterOp::Abandon(write)),
-                Output::Invalidate { peer } => ops.push(WriterOp::Invalidate(peer)),
-                Output::Connect { peer } => self.link.do_send(Connect(peer)),
-                Output::Event(event) => {
+            match route(output) {
+                Routed::Transport(op) => ops.push(op),
+                Routed::Connect(peer) => self.link.do_send(Connect(peer)),
+                Routed::Event(event) => {
                     // The engine may have gone away; its events then have nowhere to go.
                     let _ = self.events.send(event);
                 }
