@@ -2,7 +2,7 @@
 //! drops, duplicates, reorders, timers at any point and at most one crash, up to a depth bound,
 //! checked against the same invariants as the simulator after every step.
 
-use kvhandoff_sim::{exhaustive, run_exhaustive, Mutation, WorldConfig, EXHAUSTIVE_SCOPES};
+use kvhandoff_sim::{exhaustive, run_exhaustive, Mutation, World, WorldConfig, EXHAUSTIVE_SCOPES};
 
 /// The CI scopes of `kvhandoff sim --exhaustive` (one request with a crash to depth 11, two
 /// requests to depth 9): every state within the depth bound visited, no violation.
@@ -46,4 +46,24 @@ fn exhaustive_catches_free_on_deadline() {
         "{}",
         v.message
     );
+}
+
+/// A late shell: P's prefill finishes after the wait of D's registration ended but before P's
+/// timer ran, while D has freed its blocks at the quarantine. With the mutation
+/// `match_expired_registration` (P expires registrations only on its timer) P matches it and
+/// writes into the freed blocks (S1); found at depth 13 of one request. The same path without
+/// the mutation is clean.
+#[test]
+fn exhaustive_catches_match_expired_registration() {
+    let cfg = WorldConfig::small(1, 0, Some(Mutation::MatchExpiredRegistration));
+    let result = exhaustive(&cfg, 13, 200_000);
+    let (v, path) = result
+        .violation
+        .expect("the exhaustive check must find the mutation");
+    assert!(v.message.starts_with("S1"), "{}", v.message);
+    let mut world = World::new(WorldConfig::small(1, 0, None), 0);
+    for &a in &path {
+        world.apply(a);
+    }
+    assert!(world.violations().is_empty(), "{:#?}", world.violations());
 }

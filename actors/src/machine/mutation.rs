@@ -29,11 +29,14 @@ pub enum Mutation {
     /// P admits requests and answers without keeping room for their tombstones: a full table
     /// evicts records still young enough to stop a late registration copy.
     EvictYoungTombstones,
+    /// P expires pending registrations only when its timer fires, so a late shell can match
+    /// one whose wait has ended.
+    MatchExpiredRegistration,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 8] = [
+    pub const ALL: [Mutation; 9] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -42,6 +45,7 @@ impl Mutation {
         Mutation::IgnoreHeartbeatSender,
         Mutation::HandshakeAlwaysRestart,
         Mutation::EvictYoungTombstones,
+        Mutation::MatchExpiredRegistration,
     ];
 
     /// The mutation's name on the command line.
@@ -61,6 +65,7 @@ impl Mutation {
             Mutation::IgnoreHeartbeatSender => "ignore_heartbeat_sender",
             Mutation::HandshakeAlwaysRestart => "handshake_always_restart",
             Mutation::EvictYoungTombstones => "evict_young_tombstones",
+            Mutation::MatchExpiredRegistration => "match_expired_registration",
         }
     }
 }

@@ -178,7 +178,7 @@ impl Writer {
         start: PrefillStart,
         fx: &mut Effects<'_>,
     ) -> Result<(), Rejected> {
-        self.expire_pending(now, fx);
+        self.expire_pending_before_use(now, fx);
         // A list past the wire limits could never be sent to D: refuse it here, typed.
         start.blocks.validate().map_err(Rejected::BlockList)?;
         if self.by_request.contains_key(&start.request) {
@@ -306,7 +306,7 @@ impl Writer {
         register: Box<Register>,
         fx: &mut Effects<'_>,
     ) {
-        self.expire_pending(now, fx);
+        self.expire_pending_before_use(now, fx);
         if register.decode_engine != from.engine || register.decode_rank != from.rank {
             // A registration must come from the rank whose blocks it names.
             fx.drop_input(DropReason::Unexpected);
@@ -455,7 +455,7 @@ impl Writer {
         epoch: Epoch,
         fx: &mut Effects<'_>,
     ) {
-        self.expire_pending(now, fx);
+        self.expire_pending_before_use(now, fx);
         if !self.may_settle(&key, &from) {
             // Only the D that registered the key may cancel it: another peer's cancel would
             // free blocks, or stop a write, that a different request waits for.
@@ -519,7 +519,7 @@ impl Writer {
         reason: ReleaseReason,
         fx: &mut Effects<'_>,
     ) {
-        self.expire_pending(now, fx);
+        self.expire_pending_before_use(now, fx);
         if !self.may_settle(&key, from) {
             fx.drop_input(DropReason::Unexpected);
             return;
@@ -564,7 +564,7 @@ impl Writer {
         leases: Vec<LeaseRef>,
         fx: &mut Effects<'_>,
     ) {
-        self.expire_pending(now, fx);
+        self.expire_pending_before_use(now, fx);
         let any_sender = self.mutation.is(Mutation::IgnoreHeartbeatSender);
         for lease in leases {
             if self.requests.contains_key(&lease.key) {
@@ -643,6 +643,13 @@ impl Writer {
     /// pending table, not only on the timer: a shell that runs late (a stalled process, a busy
     /// loop) must not match a registration D may already have given up on — D's fence counts
     /// on it expiring `registration_ttl` after D's last renewal.
+    fn expire_pending_before_use(&mut self, now: Time, fx: &mut Effects<'_>) {
+        if !self.mutation.is(Mutation::MatchExpiredRegistration) {
+            self.expire_pending(now, fx);
+        }
+    }
+
+    /// Answers every registration whose wait ended by `now` (the timer's half).
     fn expire_pending(&mut self, now: Time, fx: &mut Effects<'_>) {
         for key in self.pending_timers.take_due(now) {
             if let Some(pending) = self.pending.remove(&key) {
