@@ -21,13 +21,13 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::machine::{
+use kvhandoff_actors::system::{build_mem_rank, BuildError, RuntimeError, ShellConfig};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_protocol::machine::{
     Config, DecodeOutcome, DecodeStart, Endpoint, EngineEvent, Input, Output, PrefillOutcome,
     PrefillStart, Time,
 };
-use kvhandoff_actors::system::{build_mem_rank, BuildError, RuntimeError, ShellConfig};
-use kvhandoff_actors::transport::mem::MemFabric;
-use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{
     BlockIds, EngineId, Epoch, Incarnation, KvGeometry, KvLayout, PairingKey, RequestId,
 };
@@ -325,7 +325,7 @@ impl Pair {
     }
 
     fn deliver(&mut self, side: Side, now: Time, output: Output) -> Result<(), BenchError> {
-        let bug = |e: kvhandoff_actors::machine::Rejected| BenchError::Machine(e.to_string());
+        let bug = |e: kvhandoff_protocol::machine::Rejected| BenchError::Machine(e.to_string());
         match output {
             Output::Send { message, .. } => {
                 let (_, other, me, _) = self.side(side);
@@ -417,7 +417,7 @@ fn vllm_like_base(i: usize) -> String {
 
 /// ns per request lifecycle over `n` requests in `order`.
 fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
-    let bug = |e: kvhandoff_actors::machine::Rejected| BenchError::Machine(e.to_string());
+    let bug = |e: kvhandoff_protocol::machine::Rejected| BenchError::Machine(e.to_string());
     let engine = |name: &str| EngineId::new(name).map_err(|e| BenchError::Options(e.to_string()));
     let (p_engine, d_engine) = (engine(PREFILL_ENGINE)?, engine(DECODE_ENGINE)?);
     let config = Config {
@@ -939,7 +939,7 @@ mod tests {
         assert_eq!(refused[0].0.as_str(), "p-late");
         assert!(matches!(
             refused[0].1,
-            ConnectorError::Rejected(kvhandoff_actors::machine::Rejected::DuplicateRequest(_))
+            ConnectorError::Rejected(kvhandoff_protocol::machine::Rejected::DuplicateRequest(_))
         ));
         // The accepted one is live: aborting it brings its one event, then no work is left.
         conn.abort(&RequestId::new("p-late").unwrap()).unwrap();

@@ -17,12 +17,12 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{
+use kvhandoff_actors::system::{AddPeerAddress, EngineCalls, RankHandle};
+use kvhandoff_protocol::machine::{
     DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input, PrefillOutcome,
     PrefillStart, Rejected, ReleaseCause,
 };
-use kvhandoff_actors::system::{AddPeerAddress, EngineCalls, RankHandle};
-use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{BlockIds, EngineId, Epoch, IdError, PairingKey, RequestId};
 use serde::{Deserialize, Serialize};
 

@@ -180,7 +180,7 @@ struct SimArgs {
     long: bool,
     /// Run every endpoint with this deliberate bug (see --list-mutations): the run must fail.
     #[arg(long, value_parser = parse_mutation)]
-    mutation: Option<kvhandoff_actors::machine::Mutation>,
+    mutation: Option<kvhandoff_protocol::machine::Mutation>,
     /// Print the name of every deliberate bug, one per line, and exit.
     #[arg(long)]
     list_mutations: bool,
@@ -232,7 +232,7 @@ fn parse_pool_blocks(text: &str) -> Result<std::ops::RangeInclusive<u32>, String
     parse_inclusive(text, 4, 1 << 16)
 }
 
-fn parse_mutation(text: &str) -> Result<kvhandoff_actors::machine::Mutation, String> {
+fn parse_mutation(text: &str) -> Result<kvhandoff_protocol::machine::Mutation, String> {
     text.parse()
 }
 
@@ -394,7 +394,7 @@ fn run_bench_transfer(args: TransferArgs) -> ExitCode {
 
 fn run_sim(args: SimArgs) -> ExitCode {
     if args.list_mutations {
-        for mutation in kvhandoff_actors::machine::Mutation::ALL {
+        for mutation in kvhandoff_protocol::machine::Mutation::ALL {
             println!("{mutation}");
         }
         return ExitCode::SUCCESS;

@@ -78,9 +78,9 @@ mod wait;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvhandoff_actors::machine::Config;
 use kvhandoff_actors::system::{AddPeerAddress, Connect, Handshaker, RankMemory, SideChannelStats};
 use kvhandoff_actors::transport::TransportError;
+use kvhandoff_protocol::machine::Config;
 use kvhandoff_protocol::AgentName;
 use serde::{Deserialize, Serialize};
 

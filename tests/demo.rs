@@ -324,6 +324,9 @@ fn node_options(
             max_prompt_tokens: 16,
             pool_blocks: 32,
             mean_arrival_gap: Duration::from_millis(12),
+            // The two sides start their schedules a few milliseconds apart and a busy machine
+            // delays calls by as much: a skew well above both keeps both races in P's count.
+            max_call_skew: Duration::from_millis(60),
             timeout: Duration::from_secs(30),
             ..DemoOptions::default()
         },

@@ -1,9 +1,7 @@
-//! kvhandoff's actors: the sans-IO state machines, their actix shells and the transports.
+//! kvhandoff's shells: the actix actors that host the sans-IO machines of
+//! [`kvhandoff_protocol::machine`], the TCP side channel, and the transports (in-memory and
+//! NIXL) that implement [`kvhandoff_protocol::transport::Transport`].
 #![warn(missing_docs)]
 
-mod addr;
-pub mod machine;
 pub mod system;
 pub mod transport;
-
-pub use addr::{PeerAddr, WriteId};

@@ -7,21 +7,21 @@
 mod fixture;
 use fixture::{geometry, model};
 
-use kvhandoff_actors::machine::{Config, ConnectFailure, Input, Time, WriteOrder};
-use kvhandoff_actors::system::{
-    build_mem_rank, connected_input, handshake_step, HandshakeStep, PeerInfo, ShellConfig,
-    TransportDriver, WriterOp,
-};
+use kvhandoff_actors::system::{build_mem_rank, ShellConfig};
 use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
-use kvhandoff_actors::{PeerAddr, WriteId};
+use kvhandoff_protocol::driver::{
+    connected_input, handshake_step, HandshakeStep, PeerInfo, TransportDriver, WriterOp,
+};
+use kvhandoff_protocol::machine::{Config, ConnectFailure, Input, Time, WriteOrder};
 use kvhandoff_protocol::{
     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, WriteDone, WriteFailure,
 };
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 struct Side {
     driver: TransportDriver<MemTransport>,
     info: PeerInfo,
-    endpoint: kvhandoff_actors::machine::Endpoint,
+    endpoint: kvhandoff_protocol::machine::Endpoint,
 }
 
 fn side(fabric: &MemFabric, name: &str) -> Side {

@@ -18,18 +18,19 @@ use fixture::{call, fill, geometry, model, wrong_bytes};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::machine::{
-    Config, Counters, DecodeOutcome, DecodeStart, DropReason, EngineEvent, Input, PrefillOutcome,
-    PrefillStart,
-};
 use kvhandoff_actors::system::{
-    agent_name, build_mem_rank, start_rank, Directory, KvPool, LinkUp, PeerInfo, QueryCounters,
-    QueryWriterStats, RankHandle, ShellConfig, WriterStats,
+    agent_name, build_mem_rank, start_rank, Directory, KvPool, LinkUp, QueryCounters,
+    QueryWriterStats, RankHandle, ShellConfig,
 };
 use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
 use kvhandoff_actors::transport::{Transport, TransportError, MAX_NOTIFICATION_LEN};
-use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::driver::{PeerInfo, WriterStats};
+use kvhandoff_protocol::machine::{
+    Config, Counters, DecodeOutcome, DecodeStart, DropReason, EngineEvent, Input, PrefillOutcome,
+    PrefillStart,
+};
 use kvhandoff_protocol::wire::{self, WireError, HEADER_LEN, MAGIC, MAX_PAYLOAD_LEN};
+use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{
     BlockIds, Cancel, CancelAck, CancelReason, EngineId, Epoch, Heartbeat, Message, MessageKind,
     PairingKey, Register, RequestId, TransferMode, WriteDone, WriteFailed, WriteFailure,

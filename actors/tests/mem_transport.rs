@@ -7,8 +7,8 @@ use kvhandoff_actors::transport::mem::{MemFabric, MemFaults, MemLimits, MemRegio
 use kvhandoff_actors::transport::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
 };
-use kvhandoff_actors::{PeerAddr, WriteId};
 use kvhandoff_protocol::{AgentName, EngineId};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 use proptest::prelude::*;
 
 const LEN: u64 = 4096;

@@ -27,8 +27,8 @@ use kvhandoff_actors::transport::nixl::{
 use kvhandoff_actors::transport::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
 };
-use kvhandoff_actors::{PeerAddr, WriteId};
 use kvhandoff_protocol::{AgentName, EngineId, RegionDesc};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 /// Every wait in this file polls against this deadline; nothing waits unbounded.
 const DEADLINE: Duration = Duration::from_secs(30);

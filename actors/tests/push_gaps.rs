@@ -5,7 +5,7 @@
 mod harness;
 
 use harness::*;
-use kvhandoff_actors::machine::{
+use kvhandoff_protocol::machine::{
     Config, ConnectFailure, DecodeFailure, DecodeOutcome, DropReason, EngineEvent, FreeProof,
     Input, PrefillOutcome, Rejected, ReleaseCause, Time,
 };
@@ -1091,7 +1091,7 @@ fn partition_during_the_write_ends_both_sides_without_landing() {
 #[test]
 fn notification_from_another_prefill_engine_is_ignored() {
     let mut h = writing();
-    let other = kvhandoff_actors::PeerAddr::new(engine("other-prefill"), 0);
+    let other = kvhandoff_protocol::PeerAddr::new(engine("other-prefill"), 0);
     h.add_endpoint(other.clone(), Config::fast());
     h.connect(&other, &d_addr());
     let done = Message::WriteDone(kvhandoff_protocol::WriteDone {

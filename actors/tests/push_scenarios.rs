@@ -4,7 +4,7 @@
 mod harness;
 
 use harness::*;
-use kvhandoff_actors::machine::{
+use kvhandoff_protocol::machine::{
     DecodeFailure, DecodeOutcome, DropReason, FreeProof, Input, PrefillOutcome, PrefillStart,
     Rejected, ReleaseCause,
 };
@@ -22,7 +22,7 @@ fn is_cancel(m: &Message) -> bool {
 }
 
 /// The one write posted so far.
-fn only_posted(h: &Harness) -> kvhandoff_actors::machine::WriteOrder {
+fn only_posted(h: &Harness) -> kvhandoff_protocol::machine::WriteOrder {
     assert_eq!(h.posted.len(), 1, "exactly one WRITE: {:?}", h.posted);
     h.posted[0].1.clone()
 }
@@ -447,7 +447,7 @@ fn p_empty_blocks_fail_a_waiting_registration_fast() {
             FreeProof::PeerQuiesced
         )]
     );
-    assert_eq!(h.now, kvhandoff_actors::machine::Time::ZERO);
+    assert_eq!(h.now, kvhandoff_protocol::machine::Time::ZERO);
     h.assert_no_leak();
 }
 
@@ -534,7 +534,7 @@ fn d_full_prefix_hit_releases_p_at_once() {
         ))]
     );
     assert!(h.posted.is_empty());
-    assert_eq!(h.now, kvhandoff_actors::machine::Time::ZERO);
+    assert_eq!(h.now, kvhandoff_protocol::machine::Time::ZERO);
     h.assert_no_leak();
 }
 
@@ -685,7 +685,7 @@ fn without_renewal_the_lease_expires_and_d_fails_fast() {
     );
     assert_eq!(
         h.event_time(&p_addr(), &p_request(1)),
-        Some(kvhandoff_actors::machine::Time::from_duration(ms(3_000)))
+        Some(kvhandoff_protocol::machine::Time::from_duration(ms(3_000)))
     );
     assert_eq!(h.p().counters().leases_renewed, 0);
     h.deliver_all_held();
@@ -718,7 +718,7 @@ fn partial_prefix_hit_trims_p_blocks() {
     h.complete_writes();
     // P hands back all of its blocks, not only the written ones.
     match &h.events_p()[0] {
-        kvhandoff_actors::machine::EngineEvent::Prefill { blocks: b, .. } => {
+        kvhandoff_protocol::machine::EngineEvent::Prefill { blocks: b, .. } => {
             assert_eq!(b, &blocks(&[10, 11, 12, 13, 14]));
         }
         other => panic!("{other:?}"),

@@ -13,18 +13,19 @@ use fixture::{call, fill, geometry, model, wrong_bytes};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::machine::{
-    Config, Counters, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
-    PrefillOutcome, PrefillStart,
-};
 use kvhandoff_actors::system::{
-    build_mem_rank, start_rank_with, AcceptPolicy, AddPeerAddress, Handshaker, KvPool, PeerInfo,
+    build_mem_rank, start_rank_with, AcceptPolicy, AddPeerAddress, Handshaker, KvPool,
     QueryCounters, QuerySideChannel, RankHandle, RejectReason, ShellConfig, SideChannelConfig,
     SideChannelStats,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
-use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::driver::PeerInfo;
+use kvhandoff_protocol::machine::{
+    Config, Counters, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
+    PrefillOutcome, PrefillStart,
+};
 use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
+use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{
     BlockIds, CompatHash, EngineId, Epoch, Handshake, Incarnation, KvLayout, Message, PairingKey,
     Register, RequestId, TransferMode, PROTOCOL_VERSION,

@@ -6,15 +6,15 @@ use fixture::{call, fill, geometry, model, wrong_bytes};
 
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{
-    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
-    PrefillOutcome, PrefillStart, Rejected,
-};
 use kvhandoff_actors::system::{
     build_mem_rank, start_rank, Directory, KvPool, RankHandle, ShellConfig,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
-use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::machine::{
+    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
+    PrefillOutcome, PrefillStart, Rejected,
+};
+use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{BlockIds, EngineId, Epoch, PairingKey, RequestId};
 
 struct Rank {

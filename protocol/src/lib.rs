@@ -1,8 +1,12 @@
-//! The pure protocol of kvhandoff: identifiers and epochs, KV geometry, the messages that cross
-//! between prefill (P) and decode (D) engines, and their versioned wire codec.
+//! The sans-IO core of kvhandoff, as quinn-proto is quinn's: identifiers and epochs, KV
+//! geometry, the messages that cross between prefill (P) and decode (D) engines and their
+//! versioned wire codec ([`wire`]), the write planner ([`planner`]), the state machines of
+//! every request and peer ([`machine`]), the [`transport::Transport`] trait the shells implement
+//! and the [`driver`] that translates between the two.
 //!
-//! Nothing here does I/O, spawns, sleeps or reads a clock, so every function is deterministic and
-//! safe to call from state machines, the simulator and fuzzers alike.
+//! Nothing here does I/O, spawns, sleeps or reads a clock, and the crate depends on no runtime
+//! (no actix, tokio, NIXL or CUDA): every function is deterministic and safe to call from the
+//! actix shells (`kvhandoff-actors`), the simulator (`kvhandoff-sim`) and fuzzers alike.
 //!
 //! ```
 //! use kvhandoff_protocol::{wire, Epoch, Message, PairingKey, RequestId, WriteDone};
@@ -14,12 +18,18 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod addr;
 mod compat;
+pub mod driver;
 mod geometry;
 mod ids;
+pub mod machine;
 mod message;
 pub mod planner;
+pub mod transport;
 pub mod wire;
+
+pub use addr::{PeerAddr, WriteId};
 
 pub use compat::{compatibility_hash, ModelIdentity};
 pub use geometry::{

@@ -6,7 +6,7 @@ mod events;
 
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{DecodeStart, Endpoint, Input, PrefillStart, Rejected, Time};
+use kvhandoff_protocol::machine::{DecodeStart, Endpoint, Input, PrefillStart, Rejected, Time};
 use kvhandoff_protocol::{BlockIds, Epoch, Message, PairingKey, RequestId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

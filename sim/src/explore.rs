@@ -160,7 +160,7 @@ impl World {
     /// The fabric ends every write within `max_write_life` (see `nixl.rs`): before time moves
     /// to `t`, every write still in flight whose life ends earlier lands then (its `Land` event
     /// runs; the explorer chose no failure for it).
-    fn end_writes_before(&mut self, t: kvhandoff_actors::machine::Time) {
+    fn end_writes_before(&mut self, t: kvhandoff_protocol::machine::Time) {
         let life = self.cfg.machine.max_write_life;
         loop {
             let due = self
@@ -183,7 +183,7 @@ impl World {
 
     /// Control messages arrive within `max_message_delay` or never (see `world/net.rs`): before
     /// time moves to `t`, every message still travelling whose bound ends by then is lost.
-    fn lose_messages_before(&mut self, t: kvhandoff_actors::machine::Time) {
+    fn lose_messages_before(&mut self, t: kvhandoff_protocol::machine::Time) {
         let bound = self.cfg.machine.max_message_delay;
         let late: Vec<u64> = self
             .queue

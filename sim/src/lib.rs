@@ -1,7 +1,7 @@
 //! Deterministic simulation of kvhandoff engines.
 //!
 //! A [`World`] holds engine ranks (one P, one or more D) whose protocol state is the real
-//! [`kvhandoff_actors::machine::Endpoint`], a virtual clock, a simulated NIXL with real bytes,
+//! [`kvhandoff_protocol::machine::Endpoint`], a virtual clock, a simulated NIXL with real bytes,
 //! a simulated notification network with faults, crash and restart of engine processes, LIFO
 //! block allocators, and a ghost ledger that checks the safety properties after every step.
 //! Every choice comes from one ChaCha8 stream seeded by the run's seed, so a seed replays
@@ -27,7 +27,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 pub use explore::{exhaustive, Action, Exhaustive, Kind};
-pub use kvhandoff_actors::machine::Mutation;
+pub use kvhandoff_protocol::machine::Mutation;
 pub use ledger::{pattern, BLOCK_BYTES};
 pub use world::{NodeId, Violation, World, WorldConfig};
 

@@ -23,8 +23,8 @@
 //!   post; a hung write ends at that bound, and a write held up by a partition lands after it
 //!   heals if the bound allows, else fails.
 
-use kvhandoff_actors::machine::WriteOrder;
-use kvhandoff_actors::WriteId;
+use kvhandoff_protocol::machine::WriteOrder;
+use kvhandoff_protocol::WriteId;
 use kvhandoff_protocol::{Message, WriteFailure};
 use rand::Rng;
 
@@ -61,7 +61,7 @@ pub(crate) struct SimWrite {
     pub remote: Vec<u32>,
     pub notification: Message,
     /// When it was posted (it ends by `posted + max_write_life`).
-    pub posted: kvhandoff_actors::machine::Time,
+    pub posted: kvhandoff_protocol::machine::Time,
     /// The poster asked to abandon it (NIXL went on with it).
     pub abandoned: bool,
     pub phase: Phase,

@@ -14,18 +14,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvhandoff_actors::machine::{ConnectFailure, Input, WriteOrder};
-use kvhandoff_actors::system::{
+use kvhandoff_protocol::driver::{
     connected_input, handshake_step, HandshakeStep, PeerInfo, TransportDriver, WriterOp,
 };
-use kvhandoff_actors::transport::{
+use kvhandoff_protocol::machine::{ConnectFailure, Input, WriteOrder};
+use kvhandoff_protocol::transport::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
 };
-use kvhandoff_actors::{PeerAddr, WriteId};
 use kvhandoff_protocol::{
     compatibility_hash, wire, AgentName, BlockIds, Incarnation, KvGeometry, KvLayout, Message,
     ModelIdentity, RegionDesc,
 };
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 use crate::world::NodeId;
 

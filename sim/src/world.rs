@@ -6,10 +6,10 @@ mod net;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{Config, Endpoint, Input, Mutation, Time};
-use kvhandoff_actors::system::{route, Routed, WriterOp};
-use kvhandoff_actors::{PeerAddr, WriteId};
+use kvhandoff_protocol::driver::{route, Routed, WriterOp};
+use kvhandoff_protocol::machine::{Config, Endpoint, Input, Mutation, Time};
 use kvhandoff_protocol::{EngineId, Message, PairingKey, WriteFailure};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sha2::{Digest, Sha256};
@@ -275,7 +275,7 @@ pub struct World {
     pub(crate) registers_delivered: BTreeSet<(NodeId, usize, u64)>,
     pub(crate) notifs_delivered: BTreeMap<(NodeId, u32, usize, u64), u32>,
     pub(crate) landed: BTreeMap<(NodeId, u32, usize, u64), u32>,
-    pub(crate) counters: kvhandoff_actors::machine::Counters,
+    pub(crate) counters: kvhandoff_protocol::machine::Counters,
     /// Tombstones the endpoints evicted at capacity (summed over incarnations).
     pub(crate) tombstones_evicted: u64,
     /// Block-microseconds D blocks were held by a fence or quarantine (the fence's cost).

@@ -654,11 +654,11 @@ mod live {
     use std::thread;
     use std::time::{Duration, Instant};
 
-    use kvhandoff_actors::machine::Config;
     use kvhandoff_actors::system::{agent_name, build_rank, KvPool, RegionBytes, ShellConfig};
     use kvhandoff_actors::transport::nixl::{
         nixl_runtime_available, HostBuffer, NixlConfig, NixlTransport,
     };
+    use kvhandoff_protocol::machine::Config;
     use kvhandoff_protocol::planner::{Descriptor, PlanInput, Planner};
     use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, RegionDesc, RegionSpec, RequestId};
     use nixl_sys::{

@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::machine::{DecodeFailure, FreeProof, ReleaseCause};
+use kvhandoff_protocol::machine::{DecodeFailure, FreeProof, ReleaseCause};
 use kvhandoff_protocol::BlockIds;
 
 use crate::{ConnectorEvent, KvConnector, KvTransferParams};

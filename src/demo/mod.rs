@@ -46,12 +46,12 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::machine::{Config, Counters};
 use kvhandoff_actors::system::{
     build_rank, BuildError, QueryCounters, RankActor, RankMemory, RuntimeError, ShellConfig,
 };
 #[cfg(doc)]
 use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_protocol::machine::{Config, Counters};
 use kvhandoff_protocol::{EngineId, ModelIdentity};
 
 #[cfg(doc)]

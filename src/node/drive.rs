@@ -9,11 +9,11 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
 use kvhandoff_actors::system::{
-    agent_name, build_rank, Connect, PeerInfo, RankActor, RankMemory, ShellConfig,
-    SideChannelConfig,
+    agent_name, build_rank, Connect, RankActor, RankMemory, ShellConfig, SideChannelConfig,
 };
 use kvhandoff_actors::transport::TransportError;
-use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::driver::PeerInfo;
+use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{wire, AgentName, EngineId, Message, TransferMode};
 
 use super::facts::{decode_ends, lateness, prefill_ends, push, summary, FactsInput, Outcome};

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::machine::{Config, Counters};
+use kvhandoff_protocol::machine::{Config, Counters};
 
 use super::drive::UnixClock;
 use super::{LinkSummary, NodeFacts, NodeOptions, PoolSummary, RequestEnd, SideChannelStats};

@@ -5,8 +5,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{LinkActor, QuerySideChannel};
-use kvhandoff_actors::PeerAddr;
 use kvhandoff_protocol::EngineId;
+use kvhandoff_protocol::PeerAddr;
 
 use super::{Connect, SideChannelStats};
 use crate::demo::block_on_timeout;

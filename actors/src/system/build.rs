@@ -7,11 +7,12 @@ use kvhandoff_protocol::{
     ModelIdentity, RegionDesc, RegionSpec,
 };
 
-use super::{PeerInfo, RankSetup, ShellConfig};
-use crate::machine::{Config, ConfigError, Endpoint};
+use super::{RankSetup, ShellConfig};
 use crate::transport::mem::{MemFabric, MemRegion, MemTransport};
 use crate::transport::{AddrRange, Transport, TransportError};
-use crate::PeerAddr;
+use kvhandoff_protocol::driver::PeerInfo;
+use kvhandoff_protocol::machine::{Config, ConfigError, Endpoint};
+use kvhandoff_protocol::PeerAddr;
 
 /// Why a rank could not be built.
 #[derive(Debug, thiserror::Error)]

@@ -16,9 +16,10 @@ use super::side_channel::{
     self, AddPeerAddress, HandshakeError, Local, PeerBook, PeerBookFull, QuerySideChannel,
     SideChannelConfig,
 };
-use super::{Directory, PeerInfo};
-use crate::machine::{ConnectFailure, Input};
-use crate::PeerAddr;
+use super::Directory;
+use kvhandoff_protocol::driver::PeerInfo;
+use kvhandoff_protocol::machine::{ConnectFailure, Input};
+use kvhandoff_protocol::PeerAddr;
 
 /// The rank actor asks for a handshake with a peer.
 #[derive(Message, Debug)]

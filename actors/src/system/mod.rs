@@ -1,7 +1,7 @@
 //! The actix shells around the pure machines.
 //!
 //! Per engine rank there are three actors, and they only translate:
-//! - [`RankActor`] hosts the rank's [`Endpoint`](crate::machine::Endpoint): engine calls,
+//! - [`RankActor`] hosts the rank's [`Endpoint`](kvhandoff_protocol::machine::Endpoint): engine calls,
 //!   decoded messages, completions and handshake results become `handle(..)`; it keeps one timer
 //!   at `poll_timeout()`; its outputs go to the other two actors or to the engine's event queue.
 //! - [`WriterActor`] owns the rank's [`Transport`](crate::transport::Transport) and alone calls
@@ -14,7 +14,6 @@
 //! No routing or matching happens here: everything is decided by the endpoint.
 
 mod build;
-mod driver;
 mod link;
 mod rank;
 mod runtime;
@@ -25,12 +24,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use actix::{Actor, Addr, AsyncContext, Recipient};
-use kvhandoff_protocol::{AgentName, CompatHash, Incarnation, KvGeometry, RegionDesc};
+use kvhandoff_protocol::driver::PeerInfo;
 
 pub use build::{
     agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
 };
-pub use driver::{connected_input, handshake_step, route, HandshakeStep, Routed, TransportDriver};
 pub use link::{Connect, Hello, LinkActor};
 pub use rank::{
     EngineCall, EngineCalls, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict, Verdicts,
@@ -40,30 +38,11 @@ pub use side_channel::{
     AcceptPolicy, AddPeerAddress, ClockEstimate, HandshakeError, PeerBook, PeerBookFull,
     QuerySideChannel, RejectReason, SideChannelConfig, SideChannelStats,
 };
-pub use writer::{LoadPeer, QueryWriterStats, WriterActor, WriterOp, WriterOps, WriterStats};
+pub use writer::{LoadPeer, QueryWriterStats, WriterActor, WriterOps};
 
-use crate::machine::{Endpoint, EngineEvent};
 use crate::transport::Transport;
-use crate::PeerAddr;
-
-/// What a rank tells a peer about itself in a handshake.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerInfo {
-    /// The rank.
-    pub peer: PeerAddr,
-    /// Its transport agent.
-    pub agent: AgentName,
-    /// Its transport metadata, for `load_remote`.
-    pub metadata: Vec<u8>,
-    /// Its registered regions, in `KvGeometry::regions` order.
-    pub regions: Vec<RegionDesc>,
-    /// Its geometry.
-    pub geometry: KvGeometry,
-    /// Its compatibility hash.
-    pub compat: CompatHash,
-    /// Its process run: made when the rank is built, the same in every handshake of the run.
-    pub incarnation: Incarnation,
-}
+use kvhandoff_protocol::machine::{Endpoint, EngineEvent};
+use kvhandoff_protocol::PeerAddr;
 
 /// Where in-process ranks find each other: a shared table of handshake payloads and link
 /// actors. (Across processes the TCP side channel plays this role.)

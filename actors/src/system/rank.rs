@@ -4,11 +4,12 @@ use actix::clock::Instant;
 use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::driver::{connected_input, handshake_step, route, HandshakeStep, Routed};
 use super::link::Connect;
 use super::writer::{LoadPeer, WriterOps};
-use super::PeerInfo;
-use crate::machine::{
+use kvhandoff_protocol::driver::{
+    connected_input, handshake_step, route, HandshakeStep, PeerInfo, Routed,
+};
+use kvhandoff_protocol::machine::{
     ConnectFailure, Counters, Endpoint, EndpointStats, EngineEvent, Input, Rejected, Time,
 };
 

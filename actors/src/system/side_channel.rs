@@ -58,7 +58,7 @@ use std::time::Duration;
 use kvhandoff_protocol::{wire, EngineId, Message, TransferMode};
 
 use super::rank::LinkUp;
-use crate::machine::ConnectFailure;
+use kvhandoff_protocol::machine::ConnectFailure;
 
 use wire::{HEADER_LEN, MAGIC};
 

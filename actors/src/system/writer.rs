@@ -5,32 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient};
-use kvhandoff_protocol::Message as WireMessage;
+use kvhandoff_protocol::driver::{TransportDriver, WriterOp, WriterStats};
 
-use super::driver::TransportDriver;
 use super::rank::Feed;
-use super::PeerInfo;
-use crate::machine::WriteOrder;
 use crate::transport::{Transport, TransportError};
-use crate::{PeerAddr, WriteId};
-
-/// One thing the rank actor asks the writer to do.
-#[derive(Debug)]
-pub enum WriterOp {
-    /// Encode and send a control message as a notification.
-    Send {
-        /// The peer.
-        to: PeerAddr,
-        /// The message.
-        message: WireMessage,
-    },
-    /// Plan and post a write.
-    Post(Box<WriteOrder>),
-    /// Make sure a write never lands.
-    Abandon(WriteId),
-    /// Cut a dead peer off.
-    Invalidate(PeerAddr),
-}
+use kvhandoff_protocol::driver::PeerInfo;
 
 /// A batch of [`WriterOp`]s, in order.
 #[derive(Message, Debug)]
@@ -46,23 +25,6 @@ pub struct LoadPeer(pub PeerInfo);
 #[derive(Message)]
 #[rtype(result = "WriterStats")]
 pub struct QueryWriterStats;
-
-/// What the writer did, for reports.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct WriterStats {
-    /// Writes posted.
-    pub posted: u64,
-    /// Descriptors posted, over all writes.
-    pub descriptors: u64,
-    /// Bytes posted, over all writes.
-    pub bytes: u64,
-    /// Writes that failed to plan or post.
-    pub post_failures: u64,
-    /// Notifications that could not be sent.
-    pub send_failures: u64,
-    /// Notifications from agents the transport does not know.
-    pub unknown_senders: u64,
-}
 
 /// Owns the transport (through a [`TransportDriver`], where every translation lives): performs
 /// the rank's operations, polls on a tick and when the transport says something arrived.

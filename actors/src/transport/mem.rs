@@ -47,7 +47,7 @@ use super::{
     AddrRange, ArrivalHook, Completion, Descriptor, Notification, Transport, TransportError,
     MAX_NOTIFICATION_LEN,
 };
-use crate::{PeerAddr, WriteId};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 /// Address of the first region of every fabric.
 const FIRST_ADDR: u64 = 0x1_0000_0000;

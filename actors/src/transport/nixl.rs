@@ -115,7 +115,7 @@ use super::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
     MAX_NOTIFICATION_LEN,
 };
-use crate::{PeerAddr, WriteId};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 /// The C API library `nixl-sys`'s stubs `dlopen()`, by exactly this name.
 pub const NIXL_CAPI_LIB: &str = "libnixl_capi.so";

@@ -23,12 +23,12 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{
+use kvhandoff_protocol::machine::{
     Config, ConnectFailure, DecodeOutcome, DecodeStart, Endpoint, EngineEvent, FreeProof, Input,
     Output, PrefillOutcome, PrefillStart, Rejected, Time, WriteOrder,
 };
-use kvhandoff_actors::{PeerAddr, WriteId};
 use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Message, PairingKey, RequestId, WriteFailure};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 // ---------------------------------------------------------------------------------------------
 // Names and builders

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use kvhandoff_actors::machine::{DecodeOutcome, EngineEvent, FreeProof, Time};
+use kvhandoff_protocol::machine::{DecodeOutcome, EngineEvent, FreeProof, Time};
 
 use super::{rid, Attempt, Status};
 use crate::ledger::{pattern, Owner, BLOCK_BYTES};

@@ -1,13 +1,13 @@
 //! The simulated notification network: connection generations, partitions, handshakes, and
 //! sending and delivering control messages (with the faults chaos puts on them).
 
-use kvhandoff_actors::machine::Input;
-use kvhandoff_actors::PeerAddr;
+use kvhandoff_protocol::machine::Input;
+use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{Incarnation, Message};
 use rand::Rng;
 
 use super::{micros, Ev, NetMsg, NodeId, World};
-use kvhandoff_actors::machine::Time;
+use kvhandoff_protocol::machine::Time;
 
 impl World {
     /// The current connection generation between `a` and `b`.
@@ -181,7 +181,7 @@ impl World {
             self.shell_handshake(to, from);
             self.shell_handshake(from, to);
         } else {
-            let reason = kvhandoff_actors::machine::ConnectFailure::Refused("simulated".into());
+            let reason = kvhandoff_protocol::machine::ConnectFailure::Refused("simulated".into());
             self.feed(from, Input::PeerConnectFailed { peer, reason });
         }
     }

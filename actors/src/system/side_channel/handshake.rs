@@ -3,44 +3,12 @@
 
 use actix::clock::Instant;
 use kvhandoff_protocol::{
-    FieldError, Handshake, MessageKind, TransferMode, WireError, PROTOCOL_VERSION,
+    FieldError, Handshake, MessageKind, PeerAddr, TransferMode, WireError, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::{wire, HandshakeError, Message, HEADER_LEN, MAGIC};
-use crate::system::PeerInfo;
-use crate::PeerAddr;
-
-impl PeerInfo {
-    /// This rank's handshake message, advertising `modes`, stamped with `clock_sample_us`.
-    pub fn handshake(&self, modes: Vec<TransferMode>, clock_sample_us: u64) -> Handshake {
-        Handshake {
-            protocol_version: PROTOCOL_VERSION,
-            engine_id: self.peer.engine.clone(),
-            incarnation: self.incarnation,
-            agent_name: self.agent.clone(),
-            agent_metadata: self.metadata.clone(),
-            regions: self.regions.clone(),
-            geometry: self.geometry.clone(),
-            compat_hash: self.compat,
-            modes,
-            clock_sample_us,
-        }
-    }
-
-    /// The peer a received handshake describes: rank = its `geometry.tp_rank`.
-    pub fn from_handshake(handshake: Handshake) -> PeerInfo {
-        PeerInfo {
-            peer: PeerAddr::new(handshake.engine_id, handshake.geometry.tp_rank),
-            agent: handshake.agent_name,
-            metadata: handshake.agent_metadata,
-            regions: handshake.regions,
-            geometry: handshake.geometry,
-            compat: handshake.compat_hash,
-            incarnation: handshake.incarnation,
-        }
-    }
-}
+use kvhandoff_protocol::driver::PeerInfo;
 
 /// The geometry rules both sides apply until heterogeneous transfers exist: the same per-rank
 /// layout. Returns the first field that differs.

@@ -19,8 +19,8 @@ use super::{
     wire, AcceptPolicy, ClockEstimate, HandshakeError, LinkUp, Message, RejectReason,
     SideChannelConfig, SideChannelStats,
 };
-use crate::system::PeerInfo;
-use crate::PeerAddr;
+use kvhandoff_protocol::driver::PeerInfo;
+use kvhandoff_protocol::PeerAddr;
 
 /// What both sides of a handshake know about this rank.
 pub(crate) struct Local {

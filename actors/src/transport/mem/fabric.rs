@@ -11,7 +11,7 @@ use super::{
     AddrRange, AgentState, Completion, Descriptor, Done, Fabric, Fate, Op, Peer, TransportError,
     Xfer,
 };
-use crate::{PeerAddr, WriteId};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 /// Releases the fabric's lock, then calls the arrival hooks the locked work collected (a hook
 /// may do anything but touch the fabric while it is locked).

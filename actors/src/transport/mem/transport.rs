@@ -14,7 +14,7 @@ use super::{
     MemStats, MemTransport, Notification, Op, Peer, Region, RemoteMd, Transport, TransportError,
     Xfer, PAGE,
 };
-use crate::{PeerAddr, WriteId};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 impl MemTransport {
     /// The fabric this agent lives on.

@@ -13,7 +13,7 @@ use super::{
     backend_error, nixl_runtime_available, Completion, Descriptor, InFlight, NixlConfig,
     NixlTransport, PeerState, TransportError, Unshared, BACKEND,
 };
-use crate::{PeerAddr, WriteId};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 impl NixlTransport {
     /// Creates the agent `name` with a UCX backend.

@@ -6,7 +6,7 @@ use kvhandoff_protocol::RegionDesc;
 use nixl_sys::{MemType, XferDescList, XferDlistHandle};
 
 use super::{backend_error, NixlTransport, TransportError, Unshared};
-use crate::PeerAddr;
+use kvhandoff_protocol::PeerAddr;
 
 /// Most entries one prepared list may have (NIXL indexes them with `i32`). A larger table is
 /// refused and its posts take the dynamic path.

@@ -8,7 +8,7 @@ use super::{
     backend_error, AddrRange, Completion, Descriptor, HostBuffer, NixlTransport, Notification,
     PeerState, Registered, Transport, TransportError,
 };
-use crate::{PeerAddr, WriteId};
+use kvhandoff_protocol::{PeerAddr, WriteId};
 
 impl Transport for NixlTransport {
     type Region = HostBuffer;

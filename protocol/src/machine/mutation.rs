@@ -51,7 +51,7 @@ impl Mutation {
     /// The mutation's name on the command line.
     ///
     /// ```
-    /// use kvhandoff_actors::machine::Mutation;
+    /// use kvhandoff_protocol::machine::Mutation;
     /// assert_eq!(Mutation::FreeOnDeadline.name(), "free_on_deadline");
     /// assert_eq!("free_on_peer_dead".parse::<Mutation>(), Ok(Mutation::FreeOnPeerDead));
     /// ```

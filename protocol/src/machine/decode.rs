@@ -21,7 +21,7 @@
 
 use std::collections::BTreeSet;
 
-use kvhandoff_protocol::{
+use crate::{
     BlockIds, Cancel, CancelReason, Epoch, Message, PairingKey, Register, RequestId, WriteFailure,
 };
 

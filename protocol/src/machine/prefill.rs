@@ -14,7 +14,7 @@
 //! `Draining` (counted in `Counters::stuck_writes`) until the transport reports the write's end:
 //! NIXL cannot stop a posted write, so no deadline may free its source blocks.
 
-use kvhandoff_protocol::{
+use crate::{
     BlockIds, CancelAck, Epoch, Message, PairingKey, Register, ReleaseReason, RequestId, WriteDone,
     WriteFailed, WriteFailure,
 };

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 
-use kvhandoff_protocol::Message;
+use crate::Message;
 
 use super::types::{Counters, DropReason, Output};
 use crate::PeerAddr;

@@ -13,7 +13,7 @@ mod tombstones;
 
 use std::collections::BTreeMap;
 
-use kvhandoff_protocol::{
+use crate::{
     CancelAck, Epoch, LeaseRef, Message, PairingKey, Register, ReleaseReason, RequestId,
     WriteFailed, WriteFailure,
 };

@@ -16,14 +16,98 @@
 
 use std::collections::BTreeMap;
 
-use kvhandoff_protocol::planner::{PlanInput, Planner};
-use kvhandoff_protocol::{wire, RegionSpec, WriteFailure};
-
-use super::writer::{WriterOp, WriterStats};
-use super::PeerInfo;
 use crate::machine::{Endpoint, EngineEvent, Input, Output, WriteOrder};
+use crate::planner::{PlanInput, Planner};
 use crate::transport::{Completion, Descriptor, Notification, Transport, TransportError};
-use crate::PeerAddr;
+use crate::{
+    wire, AgentName, CompatHash, Handshake, Incarnation, KvGeometry, Message, PeerAddr, RegionDesc,
+    RegionSpec, TransferMode, WriteFailure, WriteId, PROTOCOL_VERSION,
+};
+
+/// What a rank tells a peer about itself in a handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The rank.
+    pub peer: PeerAddr,
+    /// Its transport agent.
+    pub agent: AgentName,
+    /// Its transport metadata, for `load_remote`.
+    pub metadata: Vec<u8>,
+    /// Its registered regions, in `KvGeometry::regions` order.
+    pub regions: Vec<RegionDesc>,
+    /// Its geometry.
+    pub geometry: KvGeometry,
+    /// Its compatibility hash.
+    pub compat: CompatHash,
+    /// Its process run: made when the rank is built, the same in every handshake of the run.
+    pub incarnation: Incarnation,
+}
+
+impl PeerInfo {
+    /// This rank's handshake message, advertising `modes`, stamped with `clock_sample_us`.
+    pub fn handshake(&self, modes: Vec<TransferMode>, clock_sample_us: u64) -> Handshake {
+        Handshake {
+            protocol_version: PROTOCOL_VERSION,
+            engine_id: self.peer.engine.clone(),
+            incarnation: self.incarnation,
+            agent_name: self.agent.clone(),
+            agent_metadata: self.metadata.clone(),
+            regions: self.regions.clone(),
+            geometry: self.geometry.clone(),
+            compat_hash: self.compat,
+            modes,
+            clock_sample_us,
+        }
+    }
+
+    /// The peer a received handshake describes: rank = its `geometry.tp_rank`.
+    pub fn from_handshake(handshake: Handshake) -> PeerInfo {
+        PeerInfo {
+            peer: PeerAddr::new(handshake.engine_id, handshake.geometry.tp_rank),
+            agent: handshake.agent_name,
+            metadata: handshake.agent_metadata,
+            regions: handshake.regions,
+            geometry: handshake.geometry,
+            compat: handshake.compat_hash,
+            incarnation: handshake.incarnation,
+        }
+    }
+}
+
+/// One thing the rank actor asks the writer to do.
+#[derive(Debug)]
+pub enum WriterOp {
+    /// Encode and send a control message as a notification.
+    Send {
+        /// The peer.
+        to: PeerAddr,
+        /// The message.
+        message: Message,
+    },
+    /// Plan and post a write.
+    Post(Box<WriteOrder>),
+    /// Make sure a write never lands.
+    Abandon(WriteId),
+    /// Cut a dead peer off.
+    Invalidate(PeerAddr),
+}
+
+/// What the writer did, for reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriterStats {
+    /// Writes posted.
+    pub posted: u64,
+    /// Descriptors posted, over all writes.
+    pub descriptors: u64,
+    /// Bytes posted, over all writes.
+    pub bytes: u64,
+    /// Writes that failed to plan or post.
+    pub post_failures: u64,
+    /// Notifications that could not be sent.
+    pub send_failures: u64,
+    /// Notifications from agents the transport does not know.
+    pub unknown_senders: u64,
+}
 
 /// The transport of one rank and what the shell knows around it: the rank's own handshake
 /// payload, the peers loaded, the planner and its buffers.

@@ -5,7 +5,7 @@ use std::fmt;
 use std::ops::{Add, Sub};
 use std::time::Duration;
 
-use kvhandoff_protocol::{
+use crate::{
     BlockIds, Epoch, Incarnation, Message, PairingKey, ReleaseReason, RequestId, WireError,
     WriteFailure,
 };
@@ -380,7 +380,7 @@ pub enum Rejected {
     Invalid(&'static str),
     /// The block list breaks a wire limit (it could not be sent).
     #[error("invalid block list: {0}")]
-    BlockList(kvhandoff_protocol::FieldError),
+    BlockList(crate::FieldError),
     /// The epoch is 0 or beyond [`Epoch::MAX`], or a retry of the key would need one beyond it.
     #[error("epoch {0} is out of range (1..={max})", max = Epoch::MAX)]
     EpochOutOfRange(Epoch),

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use kvhandoff_protocol::{
+use crate::{
     BlockIds, CancelAck, EngineId, Epoch, LeaseRef, Message, PairingKey, Register, ReleaseReason,
     RequestId, WriteDone, WriteFailed, WriteFailure,
 };

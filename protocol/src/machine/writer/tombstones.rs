@@ -4,7 +4,7 @@
 
 use std::hash::Hash;
 
-use kvhandoff_protocol::{Epoch, PairingKey, WriteFailure};
+use crate::{Epoch, PairingKey, WriteFailure};
 
 use super::{write_failed, Writer};
 use crate::machine::effects::Effects;

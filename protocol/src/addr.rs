@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use kvhandoff_protocol::EngineId;
+use crate::EngineId;
 
 /// One rank of a remote engine: the unit that has a NIXL agent, a region table and a liveness.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]

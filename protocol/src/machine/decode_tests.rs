@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use kvhandoff_protocol::{
+use crate::{
     BlockIds, Cancel, CancelReason, EngineId, Epoch, Message, PairingKey, Register, RequestId,
     WriteFailure,
 };

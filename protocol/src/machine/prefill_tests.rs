@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use kvhandoff_protocol::{
+use crate::{
     BlockIds, CancelAck, EngineId, Epoch, Message, PairingKey, Register, ReleaseReason, RequestId,
     WriteDone, WriteFailed, WriteFailure,
 };

@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 
-use kvhandoff_protocol::{Incarnation, Message};
+use crate::{Incarnation, Message};
 
 use super::types::{ConnectFailure, Time};
 use super::Config;

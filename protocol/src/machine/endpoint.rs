@@ -9,7 +9,7 @@ mod peers;
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kvhandoff_protocol::{
+use crate::{
     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason, RequestId,
 };
 
@@ -48,7 +48,7 @@ pub struct EndpointStats {
 /// One engine rank's protocol state machine.
 ///
 /// ```
-/// use kvhandoff_actors::machine::{Config, DecodeStart, Endpoint, Input, Output, Time};
+/// use kvhandoff_protocol::machine::{Config, DecodeStart, Endpoint, Input, Output, Time};
 /// use kvhandoff_actors::PeerAddr;
 /// use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, RequestId};
 ///
@@ -587,12 +587,7 @@ impl Endpoint {
         self.step_decode(now, key, input);
     }
 
-    fn write_result(
-        &mut self,
-        now: Time,
-        write: WriteId,
-        failure: Option<kvhandoff_protocol::WriteFailure>,
-    ) {
+    fn write_result(&mut self, now: Time, write: WriteId, failure: Option<crate::WriteFailure>) {
         let mut fx = Effects {
             out: &mut self.out,
             counters: &mut self.counters,

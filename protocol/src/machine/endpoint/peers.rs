@@ -1,7 +1,7 @@
 //! The endpoint's peer handling: running a peer's machine and acting on its notices (connect,
 //! wake or fail the D requests bound to it, declare it dead, send heartbeats).
 
-use kvhandoff_protocol::{Heartbeat, LeaseRef, Message, PairingKey, MAX_HEARTBEAT_LEASES};
+use crate::{Heartbeat, LeaseRef, Message, PairingKey, MAX_HEARTBEAT_LEASES};
 
 use super::Endpoint;
 use crate::machine::decode::{DecodeInput, DecodeRequest};

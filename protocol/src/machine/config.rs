@@ -6,7 +6,7 @@ use std::time::Duration;
 /// production values; tests shrink them.
 ///
 /// ```
-/// use kvhandoff_actors::machine::Config;
+/// use kvhandoff_protocol::machine::Config;
 /// let config = Config::default();
 /// config.validate().unwrap();
 /// assert!(config.peer_timeout < 2 * config.heartbeat_interval);

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use kvhandoff_protocol::{Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason};
+use crate::{Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason};
 
 use super::{Peer, PeerConnecting, PeerDown, PeerInput, PeerNotice, PeerUp};
 use crate::machine::types::{ConnectFailure, Time};
