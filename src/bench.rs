@@ -1,7 +1,7 @@
 //! `kvhandoff bench control`: what the control path costs, without the bytes.
 //!
 //! - **machines**: two pure [`Endpoint`]s (P and D) stepped directly in one thread: no actix, no
-//!   transport. Every `Output::Send` becomes the other side's `Input::Received`; a `Connect`
+//!   transport. Every `Output::Send` becomes the other side's `NetEvent::Received`; a `Connect`
 //!   is answered with `PeerConnected` on both sides; a `PostWrite` completes at once (its
 //!   notification goes to D, then `WriteCompleted` to P). One request lifecycle is D allocate →
 //!   register → P finish → match → write → done → both events (or P finish first). The figure is
@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use kvhandoff_actors::system::{build_mem_rank, BuildError, RuntimeError, ShellConfig};
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{
-    Config, DecodeOutcome, DecodeStart, Endpoint, EngineEvent, Input, Output, PrefillOutcome,
-    PrefillStart, Time,
+    Config, DecodeOutcome, DecodeStart, Endpoint, EngineCall, EngineEvent, NetEvent, Output,
+    PrefillOutcome, PrefillStart, Time,
 };
 use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{
@@ -325,52 +325,43 @@ impl Pair {
     }
 
     fn deliver(&mut self, side: Side, now: Time, output: Output) -> Result<(), BenchError> {
-        let bug = |e: kvhandoff_protocol::machine::Rejected| BenchError::Machine(e.to_string());
         match output {
             Output::Send { message, .. } => {
                 let (_, other, me, _) = self.side(side);
                 let from = me.clone();
-                other
-                    .handle(now, Input::Received { from, message })
-                    .map_err(bug)?;
+                other.handle_event(now, NetEvent::Received { from, message });
             }
             Output::Connect { .. } => {
                 let (this, other, me, them) = self.side(side);
                 let (me, them) = (me.clone(), them.clone());
                 // One process run each for the whole bench.
                 let incarnation = Incarnation(1);
-                this.handle(
+                this.handle_event(
                     now,
-                    Input::PeerConnected {
+                    NetEvent::PeerConnected {
                         peer: them,
                         incarnation,
                     },
-                )
-                .map_err(bug)?;
-                other
-                    .handle(
-                        now,
-                        Input::PeerConnected {
-                            peer: me,
-                            incarnation,
-                        },
-                    )
-                    .map_err(bug)?;
+                );
+                other.handle_event(
+                    now,
+                    NetEvent::PeerConnected {
+                        peer: me,
+                        incarnation,
+                    },
+                );
             }
             Output::PostWrite(order) => {
                 let (this, other, me, _) = self.side(side);
                 let from = me.clone();
-                other
-                    .handle(
-                        now,
-                        Input::Received {
-                            from,
-                            message: order.notification,
-                        },
-                    )
-                    .map_err(bug)?;
-                this.handle(now, Input::WriteCompleted { write: order.write })
-                    .map_err(bug)?;
+                other.handle_event(
+                    now,
+                    NetEvent::Received {
+                        from,
+                        message: order.notification,
+                    },
+                );
+                this.handle_event(now, NetEvent::WriteCompleted { write: order.write });
             }
             Output::AbandonWrite { write } => {
                 return Err(BenchError::Machine(format!("abandoned {write}")));
@@ -446,7 +437,7 @@ fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
             .map_err(|e| BenchError::Options(e.to_string()))?;
         let key = PairingKey::from_request_id(&p_id);
         let block = (i % 1024) as u32;
-        let decode = Input::DecodeAllocated(DecodeStart {
+        let decode = EngineCall::DecodeAllocated(DecodeStart {
             request: d_id,
             key: key.clone(),
             epoch: Epoch::FIRST,
@@ -455,7 +446,7 @@ fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
             num_tokens: 16,
             expected_writes: 1,
         });
-        let prefill = Input::PrefillFinished(PrefillStart {
+        let prefill = EngineCall::PrefillFinished(PrefillStart {
             request: p_id,
             key,
             blocks: BlockIds::single_group(vec![block]),
@@ -475,9 +466,9 @@ fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
         } else {
             (Side::P, Side::D)
         };
-        pair.side(a).0.handle(now, first).map_err(bug)?;
+        pair.side(a).0.handle_call(now, first).map_err(bug)?;
         pair.pump(now)?;
-        pair.side(b).0.handle(now, second).map_err(bug)?;
+        pair.side(b).0.handle_call(now, second).map_err(bug)?;
         pair.pump(now)?;
     }
     let elapsed = start.elapsed();

@@ -17,9 +17,9 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvhandoff_actors::system::{AddPeerAddress, EngineCalls, RankHandle};
+use kvhandoff_actors::system::{AddPeerAddress, Calls, RankHandle};
 use kvhandoff_protocol::machine::{
-    DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input, PrefillOutcome,
+    DecodeFailure, DecodeOutcome, DecodeStart, EngineCall, EngineEvent, FreeProof, PrefillOutcome,
     PrefillStart, Rejected, ReleaseCause,
 };
 use kvhandoff_protocol::PeerAddr;
@@ -371,13 +371,13 @@ impl KvConnector {
 
     /// Sends `inputs` to the rank as one message and waits for their verdicts, up to
     /// [`Self::CALL_TIMEOUT`]; past it the batch may still be applied ([`Late::NoVerdict`]).
-    fn call_batch(&mut self, inputs: Vec<Input>) -> Result<Verdicts, Late> {
+    fn call_batch(&mut self, inputs: Vec<EngineCall>) -> Result<Verdicts, Late> {
         if self.late.len() >= MAX_LATE_BATCHES {
             return Err(Late::NotSent);
         }
         let (tx, rx) = mpsc::sync_channel(1);
-        let calls = EngineCalls {
-            inputs,
+        let calls = Calls {
+            calls: inputs,
             reply: Some(Box::new(move |verdicts| {
                 let _ = tx.send(verdicts);
             })),
@@ -435,7 +435,10 @@ impl KvConnector {
 
     /// Checks one call and turns it into the endpoint's input and the reply it earns if
     /// accepted.
-    fn prepare(&mut self, call: ConnectorCall) -> Result<(Input, ConnectorReply), ConnectorError> {
+    fn prepare(
+        &mut self,
+        call: ConnectorCall,
+    ) -> Result<(EngineCall, ConnectorReply), ConnectorError> {
         match call {
             ConnectorCall::RequestAllocated {
                 request,
@@ -465,7 +468,7 @@ impl KvConnector {
                     transfer_mode: Some("push".into()),
                 });
                 Ok((
-                    Input::PrefillFinished(PrefillStart {
+                    EngineCall::PrefillFinished(PrefillStart {
                         request,
                         key,
                         blocks,
@@ -474,9 +477,9 @@ impl KvConnector {
                 ))
             }
             ConnectorCall::Abort { request } => {
-                Ok((Input::Abort { request }, ConnectorReply::Accepted))
+                Ok((EngineCall::Abort { request }, ConnectorReply::Accepted))
             }
-            ConnectorCall::Shutdown => Ok((Input::Shutdown, ConnectorReply::Accepted)),
+            ConnectorCall::Shutdown => Ok((EngineCall::Shutdown, ConnectorReply::Accepted)),
         }
     }
 
@@ -486,7 +489,7 @@ impl KvConnector {
         blocks: BlockIds,
         num_tokens: u64,
         params: &KvTransferParams,
-    ) -> Result<Input, ConnectorError> {
+    ) -> Result<EngineCall, ConnectorError> {
         if !params.do_remote_prefill {
             return Err(ConnectorError::InvalidParam {
                 name: "do_remote_prefill",
@@ -510,7 +513,7 @@ impl KvConnector {
         let key = pairing_key(&request, params)?;
         let epoch = epoch(params)?;
         self.learn_peer_address(&engine, params)?;
-        Ok(Input::DecodeAllocated(DecodeStart {
+        Ok(EngineCall::DecodeAllocated(DecodeStart {
             request,
             key,
             epoch,

@@ -291,5 +291,4 @@ where
 }
 
 #[cfg(test)]
-#[path = "node_tests.rs"]
 mod tests;

@@ -1,6 +1,6 @@
 //! The shell's translation, driven without actors: `TransportDriver` over the in-memory
 //! transport and its fault switches. Each case names the transport's behaviour and the endpoint
-//! input the shell must make of it (the actix `WriterActor` and `RankActor` only forward).
+//! input the shell must make of it (the actix `TransportActor` and `RankActor` only forward).
 
 // The shared fixture; this file needs only its geometry and model.
 #[allow(dead_code)]
@@ -10,9 +10,9 @@ use fixture::{geometry, model};
 use kvhandoff_actors::system::{build_mem_rank, ShellConfig};
 use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
 use kvhandoff_protocol::driver::{
-    connected_input, handshake_step, HandshakeStep, PeerInfo, TransportDriver, WriterOp,
+    connected_input, handshake_step, HandshakeStep, PeerInfo, TransportDriver, TransportOp,
 };
-use kvhandoff_protocol::machine::{Config, ConnectFailure, Input, Time, WriteOrder};
+use kvhandoff_protocol::machine::{Config, ConnectFailure, NetEvent, Time, WriteOrder};
 use kvhandoff_protocol::{
     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, WriteDone, WriteFailure,
 };
@@ -59,13 +59,13 @@ fn order(write: u64, to: &PeerAddr) -> WriteOrder {
     }
 }
 
-fn perform(side: &mut Side, op: WriterOp) -> Vec<Input> {
+fn perform(side: &mut Side, op: TransportOp) -> Vec<NetEvent> {
     let mut feed = Vec::new();
     side.driver.perform(op, &mut feed);
     feed
 }
 
-fn poll(side: &mut Side) -> Vec<Input> {
+fn poll(side: &mut Side) -> Vec<NetEvent> {
     let mut feed = Vec::new();
     // The in-memory fabric lands a transfer on the poll after its post.
     for _ in 0..3 {
@@ -74,8 +74,8 @@ fn poll(side: &mut Side) -> Vec<Input> {
     feed
 }
 
-fn post_failed(write: u64) -> Vec<Input> {
-    vec![Input::WriteFailed {
+fn post_failed(write: u64) -> Vec<NetEvent> {
+    vec![NetEvent::WriteFailed {
         write: WriteId(write),
         failure: WriteFailure::PostFailed,
     }]
@@ -87,7 +87,7 @@ fn writes_become_completions_failures_and_notifications() {
     let (mut p, mut d) = (side(&fabric, "prefill"), side(&fabric, "decode"));
     let to = d.info.peer.clone();
     // A write to a peer the transport has not loaded cannot be planned: PostFailed.
-    let feed = perform(&mut p, WriterOp::Post(Box::new(order(1, &to))));
+    let feed = perform(&mut p, TransportOp::Post(Box::new(order(1, &to))));
     assert_eq!(feed, post_failed(1));
     p.driver.load_peer(d.info.clone()).unwrap();
     d.driver.load_peer(p.info.clone()).unwrap();
@@ -96,28 +96,28 @@ fn writes_become_completions_failures_and_notifications() {
         .transport_mut()
         .update_faults(|f| f.fail_next_posts = 1);
     assert_eq!(
-        perform(&mut p, WriterOp::Post(Box::new(order(2, &to)))),
+        perform(&mut p, TransportOp::Post(Box::new(order(2, &to)))),
         post_failed(2)
     );
     // A good write: its completion on P, its notification on D.
-    assert!(perform(&mut p, WriterOp::Post(Box::new(order(3, &to)))).is_empty());
+    assert!(perform(&mut p, TransportOp::Post(Box::new(order(3, &to)))).is_empty());
     assert_eq!(
         poll(&mut p),
-        vec![Input::WriteCompleted { write: WriteId(3) }]
+        vec![NetEvent::WriteCompleted { write: WriteId(3) }]
     );
     let on_d = poll(&mut d);
     assert!(
-        matches!(&on_d[..], [Input::Received { from, message: Message::WriteDone(_) }] if *from == p.info.peer),
+        matches!(&on_d[..], [NetEvent::Received { from, message: Message::WriteDone(_) }] if *from == p.info.peer),
         "{on_d:?}"
     );
     // A transfer that fails in flight: TransferFailed.
     p.driver
         .transport_mut()
         .update_faults(|f| f.fail_next_transfers = 1);
-    assert!(perform(&mut p, WriterOp::Post(Box::new(order(4, &to)))).is_empty());
+    assert!(perform(&mut p, TransportOp::Post(Box::new(order(4, &to)))).is_empty());
     assert_eq!(
         poll(&mut p),
-        vec![Input::WriteFailed {
+        vec![NetEvent::WriteFailed {
             write: WriteId(4),
             failure: WriteFailure::TransferFailed,
         }]
@@ -127,8 +127,8 @@ fn writes_become_completions_failures_and_notifications() {
         f.hang_next_transfers = 1;
         f.refuse_abandon = true;
     });
-    assert!(perform(&mut p, WriterOp::Post(Box::new(order(5, &to)))).is_empty());
-    assert!(perform(&mut p, WriterOp::Abandon(WriteId(5))).is_empty());
+    assert!(perform(&mut p, TransportOp::Post(Box::new(order(5, &to)))).is_empty());
+    assert!(perform(&mut p, TransportOp::Abandon(WriteId(5))).is_empty());
     let stats = p.driver.stats();
     assert_eq!((stats.posted, stats.post_failures), (3, 2), "{stats:?}");
 }
@@ -143,15 +143,15 @@ fn a_send_to_an_invalidated_peer_is_the_peer_lost() {
         engine: p.info.peer.engine.clone(),
         leases: vec![],
     });
-    let send = |to: &PeerAddr| WriterOp::Send {
+    let send = |to: &PeerAddr| TransportOp::Send {
         to: to.clone(),
         message: message.clone(),
     };
     assert!(perform(&mut p, send(&to)).is_empty(), "delivered");
-    assert!(perform(&mut p, WriterOp::Invalidate(to.clone())).is_empty());
+    assert!(perform(&mut p, TransportOp::Invalidate(to.clone())).is_empty());
     assert_eq!(
         perform(&mut p, send(&to)),
-        vec![Input::PeerLost { peer: to.clone() }]
+        vec![NetEvent::PeerLost { peer: to.clone() }]
     );
     // A peer the transport never heard of is not a death: counted, dropped.
     let stranger = PeerAddr::new(EngineId::new("stranger").unwrap(), 0);
@@ -168,16 +168,16 @@ fn a_handshake_is_loaded_unless_it_repeats_the_connected_incarnation() {
     let connected = connected_input(&d.info, &Ok(()));
     assert_eq!(
         connected,
-        Input::PeerConnected {
+        NetEvent::PeerConnected {
             peer: d.info.peer.clone(),
             incarnation: d.info.incarnation,
         }
     );
-    p.endpoint.handle(Time::ZERO, connected).unwrap();
+    p.endpoint.handle_event(Time::ZERO, connected);
     // The same incarnation again: feed it, load nothing.
     assert_eq!(
         handshake_step(&p.endpoint, &d.info),
-        HandshakeStep::Repeat(Input::PeerConnected {
+        HandshakeStep::Repeat(NetEvent::PeerConnected {
             peer: d.info.peer.clone(),
             incarnation: d.info.incarnation,
         })
@@ -192,7 +192,7 @@ fn a_handshake_is_loaded_unless_it_repeats_the_connected_incarnation() {
     let refused = ConnectFailure::Refused("bad metadata".into());
     assert_eq!(
         connected_input(&restarted, &Err(refused.clone())),
-        Input::PeerConnectFailed {
+        NetEvent::PeerConnectFailed {
             peer: restarted.peer.clone(),
             reason: refused,
         }

@@ -5,7 +5,7 @@
 //! naming another engine, a `Heartbeat` for another engine, answers for keys nobody has, a
 //! handshake on the notification path, a `WriteDone` impersonating P for a live request), and
 //! notifications from an unknown agent. Every one must be dropped with a typed reason, counted
-//! (`Counters::dropped` by [`DropReason`], `WriterStats::unknown_senders`), nothing may panic,
+//! (`Counters::dropped` by [`DropReason`], `TransportStats::unknown_senders`), nothing may panic,
 //! and requests between the good ranks complete with every byte verified before, during and
 //! after the barrage.
 //!
@@ -20,14 +20,14 @@ use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{
     agent_name, build_mem_rank, start_rank, Directory, KvPool, LinkUp, QueryCounters,
-    QueryWriterStats, RankHandle, ShellConfig,
+    QueryTransportStats, RankHandle, ShellConfig,
 };
 use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
 use kvhandoff_actors::transport::{Transport, TransportError, MAX_NOTIFICATION_LEN};
-use kvhandoff_protocol::driver::{PeerInfo, WriterStats};
+use kvhandoff_protocol::driver::{PeerInfo, TransportStats};
 use kvhandoff_protocol::machine::{
-    Config, Counters, DecodeOutcome, DecodeStart, DropReason, EngineEvent, Input, PrefillOutcome,
-    PrefillStart,
+    Config, Counters, DecodeOutcome, DecodeStart, DropReason, EngineCall, EngineEvent,
+    PrefillOutcome, PrefillStart,
 };
 use kvhandoff_protocol::wire::{self, WireError, HEADER_LEN, MAGIC, MAX_PAYLOAD_LEN};
 use kvhandoff_protocol::PeerAddr;
@@ -80,9 +80,9 @@ async fn counters(rank: &RankHandle) -> Counters {
         .expect("the rank answers")
 }
 
-async fn writer_stats(rank: &RankHandle) -> WriterStats {
+async fn writer_stats(rank: &RankHandle) -> TransportStats {
     rank.writer
-        .send(QueryWriterStats)
+        .send(QueryTransportStats)
         .await
         .expect("the writer answers")
 }
@@ -103,7 +103,7 @@ async fn register_on_d(d: &Rank, base: &str) {
     let d_id = request(&format!("{base}-dddddddd"));
     call(
         &d.handle,
-        Input::DecodeAllocated(DecodeStart {
+        EngineCall::DecodeAllocated(DecodeStart {
             key: PairingKey::from_request_id(&d_id),
             request: d_id,
             epoch: Epoch::FIRST,
@@ -123,7 +123,7 @@ async fn finish_on_p(p: &mut Rank, d: &mut Rank, base: &str) {
     fill(&p.pool, base, &P_BLOCKS);
     call(
         &p.handle,
-        Input::PrefillFinished(PrefillStart {
+        EngineCall::PrefillFinished(PrefillStart {
             key: PairingKey::from_request_id(&p_id),
             request: p_id,
             blocks: BlockIds::single_group(P_BLOCKS.to_vec()),
@@ -191,7 +191,7 @@ fn dropped_since(now: &Counters, before: &Counters) -> BTreeMap<DropReason, u64>
 }
 
 /// Polls until `done` holds for the rank's counters and writer stats (2 s at most).
-async fn settle(rank: &RankHandle, done: impl Fn(&Counters, &WriterStats) -> bool) {
+async fn settle(rank: &RankHandle, done: impl Fn(&Counters, &TransportStats) -> bool) {
     let until = Instant::now() + Duration::from_secs(2);
     loop {
         let (c, w) = (counters(rank).await, writer_stats(rank).await);

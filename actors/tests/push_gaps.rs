@@ -6,8 +6,8 @@ mod harness;
 
 use harness::*;
 use kvhandoff_protocol::machine::{
-    Config, ConnectFailure, DecodeFailure, DecodeOutcome, DropReason, EngineEvent, FreeProof,
-    Input, PrefillOutcome, Rejected, ReleaseCause, Time,
+    Config, ConnectFailure, DecodeFailure, DecodeOutcome, DropReason, EngineCall, EngineEvent,
+    FreeProof, NetEvent, PrefillOutcome, Rejected, ReleaseCause, Time,
 };
 use kvhandoff_protocol::{Epoch, Message, PairingKey, ReleaseReason, RequestId, WriteFailure};
 
@@ -111,8 +111,7 @@ fn p_death_during_the_write_cuts_the_write() {
 #[test]
 fn peer_lost_fails_d_at_once() {
     let mut h = writing();
-    h.input(&d_addr(), Input::PeerLost { peer: p_addr() })
-        .unwrap();
+    h.event(&d_addr(), NetEvent::PeerLost { peer: p_addr() });
     assert!(h.d_results().is_empty(), "fenced, not freed");
     let quarantine = h.d().config().quarantine;
     h.advance(quarantine);
@@ -774,7 +773,7 @@ fn cancel_overtaking_its_registration_while_p_holds() {
 //
 // With the new tombstones, P's first request leaves `Ended { epoch: Some(1), replay: None }`
 // (formerly `Cancelled(1)`, which made any later finish for the key release at once);
-// `Writer::finished` removes an `Ended` tombstone, so the second request is `Held` and the late
+// `PrefillTable::finished` removes an `Ended` tombstone, so the second request is `Held` and the late
 // registration of epoch 1 is matched: a WRITE into D's freed blocks.
 #[test]
 fn refinished_key_must_not_serve_a_registration_its_cancel_overtook() {
@@ -1208,7 +1207,7 @@ fn lost_cancel_ack_is_recovered_by_the_resend() {
 #[test]
 fn shutdown_cancels_and_still_waits_for_the_proof() {
     let mut h = writing();
-    h.input(&d_addr(), Input::Shutdown).unwrap();
+    h.call(&d_addr(), EngineCall::Shutdown).unwrap();
     assert_eq!(
         h.count_sent(&d_addr(), |m| matches!(
             m,
@@ -1242,7 +1241,7 @@ fn shutdown_cancels_and_still_waits_for_the_proof() {
 
     // P's engine shuts down with a request held: released at once, and nothing new is taken.
     h.prefill(prefill_start(3, &[20])).unwrap();
-    h.input(&p_addr(), Input::Shutdown).unwrap();
+    h.call(&p_addr(), EngineCall::Shutdown).unwrap();
     assert!(h
         .p_results()
         .contains(&PrefillOutcome::Released(ReleaseCause::Aborted)));

@@ -5,7 +5,7 @@ mod harness;
 
 use harness::*;
 use kvhandoff_protocol::machine::{
-    DecodeFailure, DecodeOutcome, DropReason, FreeProof, Input, PrefillOutcome, PrefillStart,
+    DecodeFailure, DecodeOutcome, DropReason, FreeProof, NetEvent, PrefillOutcome, PrefillStart,
     Rejected, ReleaseCause,
 };
 use kvhandoff_protocol::{
@@ -205,22 +205,20 @@ fn malformed_bytes_are_counted_and_dropped() {
     let mut h = Harness::new();
     h.prefill(prefill_start(1, &[10])).unwrap();
     let before = h.p().stats();
-    h.input(
+    h.event(
         &p_addr(),
-        Input::Malformed {
+        NetEvent::Malformed {
             from: Some(d_addr()),
             error: WireError::TruncatedHeader { len: 3 },
         },
-    )
-    .unwrap();
-    h.input(
+    );
+    h.event(
         &p_addr(),
-        Input::Malformed {
+        NetEvent::Malformed {
             from: None,
             error: WireError::UnknownKind { code: 0xff },
         },
-    )
-    .unwrap();
+    );
     assert_eq!(h.p().counters().dropped(DropReason::Malformed), 2);
     assert_eq!(h.p().stats(), before, "nothing changed");
     assert!(h.posted.is_empty() && h.sent.is_empty());

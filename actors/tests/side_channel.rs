@@ -21,8 +21,8 @@ use kvhandoff_actors::system::{
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::driver::PeerInfo;
 use kvhandoff_protocol::machine::{
-    Config, Counters, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
-    PrefillOutcome, PrefillStart,
+    Config, Counters, DecodeFailure, DecodeOutcome, DecodeStart, EngineCall, EngineEvent,
+    FreeProof, PrefillOutcome, PrefillStart,
 };
 use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
 use kvhandoff_protocol::PeerAddr;
@@ -152,7 +152,7 @@ async fn push_d_first(
     let p_id = format!("{tag}-22222222");
     call(
         &d.handle,
-        Input::DecodeAllocated(decode_start(&d_id, "prefill", d_blocks.clone())),
+        EngineCall::DecodeAllocated(decode_start(&d_id, "prefill", d_blocks.clone())),
     )
     .await
     .unwrap();
@@ -160,7 +160,7 @@ async fn push_d_first(
     fill(&p.pool, tag, &p_blocks);
     call(
         &p.handle,
-        Input::PrefillFinished(prefill_start(&p_id, p_blocks)),
+        EngineCall::PrefillFinished(prefill_start(&p_id, p_blocks)),
     )
     .await
     .unwrap();
@@ -210,7 +210,7 @@ async fn tcp_ranks_deliver_both_races() {
     fill(&p.pool, "req-b", &p_blocks);
     call(
         &p.handle,
-        Input::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
+        EngineCall::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
     )
     .await
     .unwrap();
@@ -218,7 +218,7 @@ async fn tcp_ranks_deliver_both_races() {
     let d_blocks = vec![7, 8, 0];
     call(
         &d.handle,
-        Input::DecodeAllocated(decode_start("req-b-44444444", "prefill", d_blocks.clone())),
+        EngineCall::DecodeAllocated(decode_start("req-b-44444444", "prefill", d_blocks.clone())),
     )
     .await
     .unwrap();
@@ -613,7 +613,7 @@ async fn initiator_failures_are_typed() {
         let id = format!("{prefill}-req-{i}");
         call(
             &d.handle,
-            Input::DecodeAllocated(decode_start(&id, prefill, vec![1, 2])),
+            EngineCall::DecodeAllocated(decode_start(&id, prefill, vec![1, 2])),
         )
         .await
         .unwrap();

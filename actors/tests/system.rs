@@ -11,7 +11,7 @@ use kvhandoff_actors::system::{
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{
-    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineEvent, FreeProof, Input,
+    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineCall, EngineEvent, FreeProof,
     PrefillOutcome, PrefillStart, Rejected,
 };
 use kvhandoff_protocol::PeerAddr;
@@ -81,7 +81,7 @@ async fn both_races_deliver_every_byte() {
     let d_blocks = vec![3, 4, 5];
     call(
         &d.handle,
-        Input::DecodeAllocated(decode_start("req-a-11111111", d_blocks.clone())),
+        EngineCall::DecodeAllocated(decode_start("req-a-11111111", d_blocks.clone())),
     )
     .await
     .unwrap();
@@ -90,7 +90,7 @@ async fn both_races_deliver_every_byte() {
     fill(&p.pool, "req-a", &p_blocks);
     call(
         &p.handle,
-        Input::PrefillFinished(prefill_start("req-a-22222222", p_blocks)),
+        EngineCall::PrefillFinished(prefill_start("req-a-22222222", p_blocks)),
     )
     .await
     .unwrap();
@@ -128,7 +128,7 @@ async fn both_races_deliver_every_byte() {
     fill(&p.pool, "req-b", &p_blocks);
     call(
         &p.handle,
-        Input::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
+        EngineCall::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
     )
     .await
     .unwrap();
@@ -136,7 +136,7 @@ async fn both_races_deliver_every_byte() {
     let d_blocks = vec![7, 8, 0];
     call(
         &d.handle,
-        Input::DecodeAllocated(decode_start("req-b-44444444", d_blocks.clone())),
+        EngineCall::DecodeAllocated(decode_start("req-b-44444444", d_blocks.clone())),
     )
     .await
     .unwrap();
@@ -180,7 +180,7 @@ async fn engine_errors_come_back_typed() {
     assert_eq!(
         call(
             &d.handle,
-            Input::Abort {
+            EngineCall::Abort {
                 request: unknown.clone()
             }
         )
@@ -189,25 +189,18 @@ async fn engine_errors_come_back_typed() {
     );
     call(
         &d.handle,
-        Input::DecodeAllocated(decode_start("dup-1", vec![1])),
+        EngineCall::DecodeAllocated(decode_start("dup-1", vec![1])),
     )
     .await
     .unwrap();
     assert!(matches!(
         call(
             &d.handle,
-            Input::DecodeAllocated(decode_start("dup-1", vec![2]))
+            EngineCall::DecodeAllocated(decode_start("dup-1", vec![2]))
         )
         .await,
         Err(Rejected::DuplicateRequest(_))
     ));
-    let not_engine = Input::PeerLost {
-        peer: PeerAddr::new(EngineId::new("x").unwrap(), 0),
-    };
-    assert_eq!(
-        call(&d.handle, not_engine).await,
-        Err(Rejected::NotAnEngineInput)
-    );
 }
 
 #[actix_rt::test]
@@ -219,7 +212,7 @@ async fn d_fails_with_a_typed_outcome_when_p_is_missing() {
     // No P rank exists: the handshake fails and D hands its blocks back at once.
     call(
         &d.handle,
-        Input::DecodeAllocated(decode_start("lonely-1", vec![1, 2])),
+        EngineCall::DecodeAllocated(decode_start("lonely-1", vec![1, 2])),
     )
     .await
     .unwrap();

@@ -1,9 +1,9 @@
 //! `TransportDriver`: the shell's half of the sans-IO contract, without the actor. It turns the
-//! endpoint's transport outputs ([`WriterOp`]) into transport calls and everything the
-//! transport reports (completions, notifications, refusals) into endpoint [`Input`]s, and it
+//! endpoint's transport outputs ([`TransportOp`]) into transport calls and everything the
+//! transport reports (completions, notifications, refusals) into endpoint [`NetEvent`]s, and it
 //! decides what a finished handshake means for the rank ([`handshake_step`]).
 //!
-//! The actix shells drive it (`WriterActor` owns one; `RankActor` asks [`handshake_step`]);
+//! The actix shells drive it (`TransportActor` owns one; `RankActor` asks [`handshake_step`]);
 //! the tests drive it directly over the in-memory transport and its fault switches. Every
 //! decision the shell makes lives here, so a test of this type is a test of the shell:
 //! - a write that cannot be planned or posted is `WriteFailed(PostFailed)`;
@@ -16,7 +16,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::machine::{Endpoint, EngineEvent, Input, Output, WriteOrder};
+use crate::machine::{Endpoint, EngineEvent, NetEvent, Output, WriteOrder};
 use crate::planner::{PlanInput, Planner};
 use crate::transport::{Completion, Descriptor, Notification, Transport, TransportError};
 use crate::{
@@ -76,7 +76,7 @@ impl PeerInfo {
 
 /// One thing the rank actor asks the writer to do.
 #[derive(Debug)]
-pub enum WriterOp {
+pub enum TransportOp {
     /// Encode and send a control message as a notification.
     Send {
         /// The peer.
@@ -94,7 +94,7 @@ pub enum WriterOp {
 
 /// What the writer did, for reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct WriterStats {
+pub struct TransportStats {
     /// Writes posted.
     pub posted: u64,
     /// Descriptors posted, over all writes.
@@ -120,7 +120,7 @@ pub struct TransportDriver<T: Transport> {
     descriptors: Vec<Descriptor>,
     completions: Vec<Completion>,
     notifications: Vec<Notification>,
-    stats: WriterStats,
+    stats: TransportStats,
 }
 
 impl<T: Transport + std::fmt::Debug> std::fmt::Debug for TransportDriver<T> {
@@ -147,7 +147,7 @@ impl<T: Transport> TransportDriver<T> {
             descriptors: Vec::new(),
             completions: Vec::new(),
             notifications: Vec::new(),
-            stats: WriterStats::default(),
+            stats: TransportStats::default(),
         }
     }
 
@@ -162,7 +162,7 @@ impl<T: Transport> TransportDriver<T> {
     }
 
     /// What the driver did so far.
-    pub fn stats(&self) -> WriterStats {
+    pub fn stats(&self) -> TransportStats {
         self.stats
     }
 
@@ -193,9 +193,9 @@ impl<T: Transport> TransportDriver<T> {
     }
 
     /// Performs one operation; what it means for the endpoint goes to `feed`.
-    pub fn perform(&mut self, op: WriterOp, feed: &mut Vec<Input>) {
+    pub fn perform(&mut self, op: TransportOp, feed: &mut Vec<NetEvent>) {
         match op {
-            WriterOp::Send { to, message } => {
+            TransportOp::Send { to, message } => {
                 let bytes = wire::encode(&message);
                 if let Err(error) = self.transport.send_notification(&to, bytes) {
                     tracing::debug!(peer = %to, %error, "notification not sent");
@@ -205,28 +205,28 @@ impl<T: Transport> TransportDriver<T> {
                         TransportError::PeerUnreachable { .. }
                             | TransportError::PeerInvalidated { .. }
                     ) {
-                        feed.push(Input::PeerLost { peer: to });
+                        feed.push(NetEvent::PeerLost { peer: to });
                     }
                 }
             }
-            WriterOp::Post(order) => feed.extend(self.post(&order)),
-            WriterOp::Abandon(write) => {
+            TransportOp::Post(order) => feed.extend(self.post(&order)),
+            TransportOp::Abandon(write) => {
                 // On refusal the write stays in flight and its completion still comes; the
                 // endpoint invalidates the peer if it never does.
                 if let Err(error) = self.transport.abandon_write(write) {
                     tracing::warn!(%write, %error, "abandon refused");
                 }
             }
-            WriterOp::Invalidate(peer) => {
+            TransportOp::Invalidate(peer) => {
                 self.transport.invalidate_remote(&peer);
                 self.peers.remove(&peer);
             }
         }
     }
 
-    fn post(&mut self, order: &WriteOrder) -> Option<Input> {
+    fn post(&mut self, order: &WriteOrder) -> Option<NetEvent> {
         let failed = |write| {
-            Some(Input::WriteFailed {
+            Some(NetEvent::WriteFailed {
                 write,
                 failure: WriteFailure::PostFailed,
             })
@@ -274,16 +274,16 @@ impl<T: Transport> TransportDriver<T> {
     }
 
     /// Collects what the transport reports (write ends, notifications) into `feed`.
-    pub fn poll(&mut self, feed: &mut Vec<Input>) {
+    pub fn poll(&mut self, feed: &mut Vec<NetEvent>) {
         self.transport.poll_completions(&mut self.completions);
         for completion in self.completions.drain(..) {
             feed.push(match completion.result {
-                Ok(()) => Input::WriteCompleted {
+                Ok(()) => NetEvent::WriteCompleted {
                     write: completion.write,
                 },
                 Err(error) => {
                     tracing::debug!(write = %completion.write, %error, "write failed");
-                    Input::WriteFailed {
+                    NetEvent::WriteFailed {
                         write: completion.write,
                         failure: WriteFailure::TransferFailed,
                     }
@@ -297,8 +297,8 @@ impl<T: Transport> TransportDriver<T> {
                 continue;
             };
             feed.push(match wire::decode(&note.bytes) {
-                Ok(message) => Input::Received { from, message },
-                Err(error) => Input::Malformed {
+                Ok(message) => NetEvent::Received { from, message },
+                Err(error) => NetEvent::Malformed {
                     from: Some(from),
                     error,
                 },
@@ -311,7 +311,7 @@ impl<T: Transport> TransportDriver<T> {
 #[derive(Debug)]
 pub enum Routed {
     /// To the transport's driver ([`TransportDriver::perform`]).
-    Transport(WriterOp),
+    Transport(TransportOp),
     /// To the link: start a handshake with the peer.
     Connect(PeerAddr),
     /// To the engine.
@@ -321,10 +321,10 @@ pub enum Routed {
 /// Routes one endpoint output (the one mapping every shell uses).
 pub fn route(output: Output) -> Routed {
     match output {
-        Output::Send { to, message } => Routed::Transport(WriterOp::Send { to, message }),
-        Output::PostWrite(order) => Routed::Transport(WriterOp::Post(order)),
-        Output::AbandonWrite { write } => Routed::Transport(WriterOp::Abandon(write)),
-        Output::Invalidate { peer } => Routed::Transport(WriterOp::Invalidate(peer)),
+        Output::Send { to, message } => Routed::Transport(TransportOp::Send { to, message }),
+        Output::PostWrite(order) => Routed::Transport(TransportOp::Post(order)),
+        Output::AbandonWrite { write } => Routed::Transport(TransportOp::Abandon(write)),
+        Output::Invalidate { peer } => Routed::Transport(TransportOp::Invalidate(peer)),
         Output::Connect { peer } => Routed::Connect(peer),
         Output::Event(event) => Routed::Event(event),
     }
@@ -333,9 +333,9 @@ pub fn route(output: Output) -> Routed {
 /// What a finished handshake means for a rank whose endpoint is `endpoint`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandshakeStep {
-    /// It repeats the incarnation the endpoint is connected to: feed this input and nothing
+    /// It repeats the incarnation the endpoint is connected to: feed this event and nothing
     /// else (reloading the peer would cut the live connection).
-    Repeat(Input),
+    Repeat(NetEvent),
     /// A new peer or a new incarnation: load the peer into the transport first, then feed
     /// [`connected_input`] with the load's result.
     Load,
@@ -344,7 +344,7 @@ pub enum HandshakeStep {
 /// Decides what a handshake from `peer` means (see [`HandshakeStep`]).
 pub fn handshake_step(endpoint: &Endpoint, peer: &PeerInfo) -> HandshakeStep {
     if endpoint.connected_incarnation(&peer.peer) == Some(peer.incarnation) {
-        HandshakeStep::Repeat(Input::PeerConnected {
+        HandshakeStep::Repeat(NetEvent::PeerConnected {
             peer: peer.peer.clone(),
             incarnation: peer.incarnation,
         })
@@ -353,17 +353,17 @@ pub fn handshake_step(endpoint: &Endpoint, peer: &PeerInfo) -> HandshakeStep {
     }
 }
 
-/// The input that reports a handshake whose load into the transport ended with `loaded`.
+/// The event that reports a handshake whose load into the transport ended with `loaded`.
 pub fn connected_input(
     peer: &PeerInfo,
     loaded: &Result<(), crate::machine::ConnectFailure>,
-) -> Input {
+) -> NetEvent {
     match loaded {
-        Ok(()) => Input::PeerConnected {
+        Ok(()) => NetEvent::PeerConnected {
             peer: peer.peer.clone(),
             incarnation: peer.incarnation,
         },
-        Err(reason) => Input::PeerConnectFailed {
+        Err(reason) => NetEvent::PeerConnectFailed {
             peer: peer.peer.clone(),
             reason: reason.clone(),
         },

@@ -501,5 +501,4 @@ impl KvGeometry {
 }
 
 #[cfg(test)]
-#[path = "geometry_tests.rs"]
 mod tests;

@@ -509,5 +509,4 @@ impl Message {
 }
 
 #[cfg(test)]
-#[path = "message_tests.rs"]
 mod tests;

@@ -322,5 +322,4 @@ pub fn descriptor_count(input: &PlanInput<'_>) -> Result<usize, PlanError> {
 }
 
 #[cfg(test)]
-#[path = "planner_tests.rs"]
 mod tests;

@@ -6,7 +6,9 @@ mod events;
 
 use std::time::Duration;
 
-use kvhandoff_protocol::machine::{DecodeStart, Endpoint, Input, PrefillStart, Rejected, Time};
+use kvhandoff_protocol::machine::{
+    DecodeStart, Endpoint, EngineCall, PrefillStart, Rejected, Time,
+};
 use kvhandoff_protocol::{BlockIds, Epoch, Message, PairingKey, RequestId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -272,7 +274,7 @@ impl World {
             num_tokens: 16 * r.d_blocks as u64,
             expected_writes: 1,
         };
-        let input = Input::DecodeAllocated(start);
+        let input = EngineCall::DecodeAllocated(start);
         let retry = primary.then(|| start_event(request, true));
         if !self.engine_call(node, input, &blocks, owner, retry) {
             if !primary {
@@ -298,7 +300,7 @@ impl World {
     fn engine_call(
         &mut self,
         node: NodeId,
-        input: Input,
+        call: EngineCall,
         blocks: &[u32],
         owner: Owner,
         retry: Option<Ev>,
@@ -307,7 +309,7 @@ impl World {
         let Some(endpoint) = self.nodes[node].endpoint.as_mut() else {
             return false;
         };
-        match endpoint.handle(now, input) {
+        match endpoint.handle_call(now, call) {
             Ok(()) => true,
             Err(Rejected::TableFull { .. }) => {
                 self.mark("admission_refused");
@@ -364,7 +366,7 @@ impl World {
             key: r.key.clone(),
             blocks: BlockIds::single_group(blocks.clone()),
         };
-        let input = Input::PrefillFinished(start);
+        let input = EngineCall::PrefillFinished(start);
         if !self.engine_call(0, input, &blocks, owner, Some(Ev::PrefillStart { request })) {
             return;
         }
@@ -416,7 +418,7 @@ impl World {
             let now = self.now;
             let endpoint = self.nodes[node].endpoint.as_mut().expect("alive");
             // Refused only if the request just ended, which is fine.
-            let _ = endpoint.handle(now, Input::Abort { request: a.id });
+            let _ = endpoint.handle_call(now, EngineCall::Abort { request: a.id });
             self.drain(node);
         }
     }

@@ -1,5 +1,5 @@
 //! The simulated transport: a [`Transport`] that the shell's own [`TransportDriver`] drives,
-//! as the actix `WriterActor` drives NIXL. The driver plans each write into descriptors,
+//! as the actix `TransportActor` drives NIXL. The driver plans each write into descriptors,
 //! encodes every message, and turns what comes back into endpoint inputs (a refused post is
 //! `WriteFailed(PostFailed)`, a send to an invalidated peer is `PeerLost`, a failed transfer is
 //! `WriteFailed(TransferFailed)`, bytes that do not decode are `Malformed`); so the simulator
@@ -15,9 +15,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvhandoff_protocol::driver::{
-    connected_input, handshake_step, HandshakeStep, PeerInfo, TransportDriver, WriterOp,
+    connected_input, handshake_step, HandshakeStep, PeerInfo, TransportDriver, TransportOp,
 };
-use kvhandoff_protocol::machine::{ConnectFailure, Input, WriteOrder};
+use kvhandoff_protocol::machine::{ConnectFailure, NetEvent, WriteOrder};
 use kvhandoff_protocol::transport::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
 };
@@ -317,9 +317,9 @@ impl crate::world::World {
 
     /// Runs one of the endpoint's transport outputs through `node`'s shell, carries out what
     /// the shell asked the transport for, and feeds back what the shell made of it.
-    pub(crate) fn shell_op(&mut self, node: NodeId, op: WriterOp) {
+    pub(crate) fn shell_op(&mut self, node: NodeId, op: TransportOp) {
         let mut feed = Vec::new();
-        let post = matches!(op, WriterOp::Post(_));
+        let post = matches!(op, TransportOp::Post(_));
         // NIXL may refuse a post outright (`post_xfer_req` failing): the transport says so
         // and the shell makes it `WriteFailed(PostFailed)`.
         let refuse = post && self.chance(self.rates.post_fail);
@@ -350,8 +350,8 @@ impl crate::world::World {
         }
         for input in feed {
             match &input {
-                Input::PeerLost { .. } => self.mark("shell_send_refused"),
-                Input::WriteFailed { .. } => self.mark("shell_post_refused"),
+                NetEvent::PeerLost { .. } => self.mark("shell_send_refused"),
+                NetEvent::WriteFailed { .. } => self.mark("shell_post_refused"),
                 _ => {}
             }
             self.feed(node, input);

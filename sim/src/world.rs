@@ -6,8 +6,8 @@ mod net;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use kvhandoff_protocol::driver::{route, Routed, WriterOp};
-use kvhandoff_protocol::machine::{Config, Endpoint, Input, Mutation, Time};
+use kvhandoff_protocol::driver::{route, Routed, TransportOp};
+use kvhandoff_protocol::machine::{Config, Endpoint, Mutation, NetEvent, Time};
 use kvhandoff_protocol::{EngineId, Message, PairingKey, WriteFailure};
 use kvhandoff_protocol::{PeerAddr, WriteId};
 use rand::{Rng, SeedableRng};
@@ -459,16 +459,14 @@ impl World {
         self.nodes[node].endpoint.is_some()
     }
 
-    /// Feeds `input` to `node`'s endpoint and acts on everything it outputs.
-    pub(crate) fn feed(&mut self, node: NodeId, input: Input) -> bool {
+    /// Feeds `event` to `node`'s endpoint and acts on everything it outputs; false if the
+    /// node is down.
+    pub(crate) fn feed(&mut self, node: NodeId, event: NetEvent) -> bool {
         let now = self.now;
         let Some(endpoint) = self.nodes[node].endpoint.as_mut() else {
             return false;
         };
-        if let Err(rejected) = endpoint.handle(now, input) {
-            self.violate(format!("engine input refused by node {node}: {rejected}"));
-            return false;
-        }
+        endpoint.handle_event(now, event);
         self.drain(node);
         true
     }
@@ -486,7 +484,7 @@ impl World {
             // Routed as the actix shell routes; transport outputs go through the shell's own
             // driver (`transport.rs`).
             match route(output) {
-                Routed::Transport(WriterOp::Invalidate(peer)) => {
+                Routed::Transport(TransportOp::Invalidate(peer)) => {
                     if let Some(&other) = self.by_addr.get(&peer) {
                         if self.alive(other) {
                             // Declared dead while its process runs (a partition, lost
@@ -495,7 +493,7 @@ impl World {
                         }
                         self.invalidate(node, other);
                     }
-                    self.shell_op(node, WriterOp::Invalidate(peer));
+                    self.shell_op(node, TransportOp::Invalidate(peer));
                 }
                 Routed::Transport(op) => self.shell_op(node, op),
                 Routed::Connect(peer) => self.connect(node, &peer),

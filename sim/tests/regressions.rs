@@ -43,7 +43,7 @@ fn duplicated_register_after_answer_writes_freed_blocks() {
 /// Found by `kvhandoff sim --seeds 1..10000`: P aborted a held request (its tombstone had no
 /// epoch), D's cancel of epoch 1 arrived and was acknowledged without raising P's floor, a new
 /// prefill for the key finished, and D's overtaken `Register(e1)` was written into blocks D had
-/// freed. Fixed by every cancel raising the key's floor (`Writer::raise_floor`).
+/// freed. Fixed by every cancel raising the key's floor (`PrefillTable::raise_floor`).
 #[test]
 fn seed_7403_cancel_after_abort_raises_the_floor() {
     let result = run_world(WorldConfig::seeded(50, Faults::Chaos, None), 7403);

@@ -18,7 +18,7 @@ use super::side_channel::{
 };
 use super::Directory;
 use kvhandoff_protocol::driver::PeerInfo;
-use kvhandoff_protocol::machine::{ConnectFailure, Input};
+use kvhandoff_protocol::machine::{ConnectFailure, NetEvent};
 use kvhandoff_protocol::PeerAddr;
 
 /// The rank actor asks for a handshake with a peer.
@@ -119,7 +119,7 @@ impl LinkActor {
                 Ok(info) => act.up.do_send(LinkUp(info)),
                 Err(reason) => act
                     .rank
-                    .do_send(Feed(vec![Input::PeerConnectFailed { peer, reason }])),
+                    .do_send(Feed(vec![NetEvent::PeerConnectFailed { peer, reason }])),
             }
         }))
     }
@@ -141,7 +141,7 @@ impl LinkActor {
                     tracing::warn!(peer = %peer, %error, "side channel handshake failed");
                     shared.outgoing_failed(error.reason());
                     let reason = error.connect_failure();
-                    rank.do_send(Feed(vec![Input::PeerConnectFailed { peer, reason }]));
+                    rank.do_send(Feed(vec![NetEvent::PeerConnectFailed { peer, reason }]));
                     return;
                 }
             };

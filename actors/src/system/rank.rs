@@ -5,45 +5,46 @@ use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHand
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::link::Connect;
-use super::writer::{LoadPeer, WriterOps};
+use super::transport_actor::{LoadPeer, TransportOps};
 use kvhandoff_protocol::driver::{
     connected_input, handshake_step, route, HandshakeStep, PeerInfo, Routed,
 };
 use kvhandoff_protocol::machine::{
-    ConnectFailure, Counters, Endpoint, EndpointStats, EngineEvent, Input, Rejected, Time,
+    ConnectFailure, Counters, Endpoint, EndpointStats, EngineCall, EngineEvent, NetEvent, Rejected,
+    Time,
 };
 
 /// Receives whether an engine input was accepted.
 pub type Verdict = Box<dyn FnOnce(Result<(), Rejected>) + Send>;
 
-/// An engine's call into its rank: the input, and where to send the verdict.
+/// An engine's call into its rank, and where to send the verdict.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct EngineCall {
-    /// An engine input (`DecodeAllocated`, `PrefillFinished` or `Abort`).
-    pub input: Input,
-    /// Called with whether the input was accepted.
+pub struct Call {
+    /// The call.
+    pub call: EngineCall,
+    /// Called with whether the call was accepted.
     pub reply: Option<Verdict>,
 }
 
-/// Receives, in order, whether each input of an [`EngineCalls`] batch was accepted.
+/// Receives, in order, whether each call of a [`Calls`] batch was accepted.
 pub type Verdicts = Box<dyn FnOnce(Vec<Result<(), Rejected>>) + Send>;
 
 /// A batch of engine calls (one engine step's worth): the inputs are handled in order, the
 /// verdicts come back together, and the outputs are flushed once for the whole batch.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct EngineCalls {
-    /// Engine inputs (`DecodeAllocated`, `PrefillFinished` or `Abort`), in order.
-    pub inputs: Vec<Input>,
-    /// Called with one verdict per input, in the same order.
+pub struct Calls {
+    /// The calls, in order.
+    pub calls: Vec<EngineCall>,
+    /// Called with one verdict per call, in the same order.
     pub reply: Option<Verdicts>,
 }
 
-/// Inputs from the writer (completions, notifications) or the link (handshakes).
+/// Events from the transport actor (completions, notifications) or the link (handshakes).
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
-pub struct Feed(pub Vec<Input>);
+pub struct Feed(pub Vec<NetEvent>);
 
 /// Asks for the endpoint's table sizes.
 #[derive(Message)]
@@ -66,7 +67,7 @@ pub struct QueryCounters;
 pub struct RankActor {
     endpoint: Endpoint,
     origin: Instant,
-    writer: Recipient<WriterOps>,
+    writer: Recipient<TransportOps>,
     loader: Recipient<LoadPeer>,
     link: Recipient<Connect>,
     events: UnboundedSender<EngineEvent>,
@@ -76,7 +77,7 @@ pub struct RankActor {
 impl RankActor {
     pub(crate) fn new(
         endpoint: Endpoint,
-        writer: Recipient<WriterOps>,
+        writer: Recipient<TransportOps>,
         loader: Recipient<LoadPeer>,
         link: Recipient<Connect>,
         events: UnboundedSender<EngineEvent>,
@@ -96,22 +97,6 @@ impl RankActor {
         Time::from_duration(Instant::now().saturating_duration_since(self.origin))
     }
 
-    fn is_engine_input(input: &Input) -> bool {
-        match input {
-            Input::DecodeAllocated(_)
-            | Input::PrefillFinished(_)
-            | Input::Abort { .. }
-            | Input::Shutdown => true,
-            Input::Received { .. }
-            | Input::Malformed { .. }
-            | Input::PeerConnected { .. }
-            | Input::PeerConnectFailed { .. }
-            | Input::PeerLost { .. }
-            | Input::WriteCompleted { .. }
-            | Input::WriteFailed { .. } => false,
-        }
-    }
-
     /// Routes every queued output, then re-arms the timer.
     fn flush(&mut self, ctx: &mut Context<Self>) {
         let mut ops = Vec::new();
@@ -126,7 +111,7 @@ impl RankActor {
             }
         }
         if !ops.is_empty() {
-            self.writer.do_send(WriterOps(ops));
+            self.writer.do_send(TransportOps(ops));
         }
         self.arm_timer(ctx);
     }
@@ -161,16 +146,12 @@ impl Actor for RankActor {
     }
 }
 
-impl Handler<EngineCall> for RankActor {
+impl Handler<Call> for RankActor {
     type Result = ();
 
-    fn handle(&mut self, call: EngineCall, ctx: &mut Context<Self>) {
-        let verdict = if Self::is_engine_input(&call.input) {
-            let now = self.now();
-            self.endpoint.handle(now, call.input)
-        } else {
-            Err(Rejected::NotAnEngineInput)
-        };
+    fn handle(&mut self, call: Call, ctx: &mut Context<Self>) {
+        let now = self.now();
+        let verdict = self.endpoint.handle_call(now, call.call);
         if let Some(reply) = call.reply {
             reply(verdict);
         }
@@ -178,18 +159,14 @@ impl Handler<EngineCall> for RankActor {
     }
 }
 
-impl Handler<EngineCalls> for RankActor {
+impl Handler<Calls> for RankActor {
     type Result = ();
 
-    fn handle(&mut self, calls: EngineCalls, ctx: &mut Context<Self>) {
-        let mut verdicts = Vec::with_capacity(calls.inputs.len());
-        for input in calls.inputs {
-            verdicts.push(if Self::is_engine_input(&input) {
-                let now = self.now();
-                self.endpoint.handle(now, input)
-            } else {
-                Err(Rejected::NotAnEngineInput)
-            });
+    fn handle(&mut self, calls: Calls, ctx: &mut Context<Self>) {
+        let mut verdicts = Vec::with_capacity(calls.calls.len());
+        for call in calls.calls {
+            let now = self.now();
+            verdicts.push(self.endpoint.handle_call(now, call));
         }
         if let Some(reply) = calls.reply {
             reply(verdicts);
@@ -203,13 +180,8 @@ impl Handler<Feed> for RankActor {
 
     fn handle(&mut self, feed: Feed, ctx: &mut Context<Self>) {
         let now = self.now();
-        for input in feed.0 {
-            if Self::is_engine_input(&input) {
-                tracing::warn!(?input, "an engine input arrived through the feed; dropped");
-                continue;
-            }
-            // Inputs from peers and the transport are never refused.
-            let _ = self.endpoint.handle(now, input);
+        for event in feed.0 {
+            self.endpoint.handle_event(now, event);
         }
         self.flush(ctx);
     }
@@ -236,10 +208,11 @@ impl Handler<LinkUp> for RankActor {
 
     fn handle(&mut self, LinkUp(info): LinkUp, ctx: &mut Context<Self>) -> Self::Result {
         use actix::{ActorFutureExt, WrapFuture};
-        if let HandshakeStep::Repeat(input) = handshake_step(&self.endpoint, &info) {
+        if let HandshakeStep::Repeat(event) = handshake_step(&self.endpoint, &info) {
             // A repeated handshake of the live incarnation (a late copy, a second dial, a
             // replay): reloading would cut the live connection, so only the endpoint hears it.
-            let _ = self.endpoint.handle(self.now(), input);
+            let now = self.now();
+            self.endpoint.handle_event(now, event);
             self.flush(ctx);
             return actix::AtomicResponse::new(Box::pin(actix::fut::ready(Ok(()))));
         }
@@ -252,7 +225,8 @@ impl Handler<LinkUp> for RankActor {
                     Ok(Err(error)) => Err(ConnectFailure::Refused(error.to_string())),
                     Err(_) => Err(ConnectFailure::Refused("writer unavailable".into())),
                 };
-                let _ = act.endpoint.handle(now, connected_input(&info, &result));
+                act.endpoint
+                    .handle_event(now, connected_input(&info, &result));
                 act.flush(ctx);
                 result
             },

@@ -14,7 +14,7 @@
 //!    then exactly `payload_len` bytes, all under one deadline of
 //!    [`SideChannelConfig::io_timeout`]. It decodes and validates the handshake, hands the peer
 //!    to its rank ([`LinkUp`]: the rank loads it into the writer's transport and feeds
-//!    `Input::PeerConnected`, atomically), then answers with its own handshake frame and closes.
+//!    `NetEvent::PeerConnected`, atomically), then answers with its own handshake frame and closes.
 //! 3. The initiator reads and validates the answer the same way and hands the peer to its rank
 //!    ([`LinkUp`]).
 //!
@@ -24,7 +24,7 @@
 //! reloaded); one with a new incarnation is a restart, loaded and reported, and the endpoint
 //! fails what the old incarnation served. The listener takes handshakes only from the engines
 //! its [`AcceptPolicy`] admits (by default those in its [`PeerBook`]). An initiator whose handshake fails feeds
-//! `Input::PeerConnectFailed` ([`HandshakeError::connect_failure`]).
+//! `NetEvent::PeerConnectFailed` ([`HandshakeError::connect_failure`]).
 //!
 //! **A rejection is a close with nothing written**: the protocol has no rejection message, and a
 //! peer that breaks the rules learns nothing more from us. The initiator sees the connection
@@ -369,5 +369,4 @@ impl SideChannelStats {
 }
 
 #[cfg(test)]
-#[path = "side_channel_tests.rs"]
 mod tests;

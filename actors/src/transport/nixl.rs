@@ -93,7 +93,6 @@
 //! optimisation.
 
 mod agent;
-#[path = "nixl_memory.rs"]
 mod memory;
 mod prepared;
 mod transport;

@@ -24,8 +24,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
-    Config, ConnectFailure, DecodeOutcome, DecodeStart, Endpoint, EngineEvent, FreeProof, Input,
-    Output, PrefillOutcome, PrefillStart, Rejected, Time, WriteOrder,
+    Config, ConnectFailure, DecodeOutcome, DecodeStart, Endpoint, EngineCall, EngineEvent,
+    FreeProof, NetEvent, Output, PrefillOutcome, PrefillStart, Rejected, Time, WriteOrder,
 };
 use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Message, PairingKey, RequestId, WriteFailure};
 use kvhandoff_protocol::{PeerAddr, WriteId};
@@ -132,9 +132,9 @@ pub fn two_writers() -> Harness {
     h.add_endpoint(p1_addr(), Config::fast());
     h.connect(&d_addr(), &p1_addr());
     h.prefill(prefill_start(1, &[10, 11])).unwrap();
-    h.input(
+    h.call(
         &p1_addr(),
-        Input::PrefillFinished(prefill_start(1, &[20, 21])),
+        EngineCall::PrefillFinished(prefill_start(1, &[20, 21])),
     )
     .unwrap();
     let mut start = decode_start(1, &[500, 501]);
@@ -208,7 +208,7 @@ pub struct PendingWrite {
 pub struct Landing {
     /// When.
     pub at: Time,
-    /// Writer.
+    /// PrefillTable.
     pub from: PeerAddr,
     /// Target.
     pub to: PeerAddr,
@@ -490,7 +490,7 @@ impl Harness {
         for (from, to) in std::mem::take(&mut self.pending_connects) {
             self.feed(
                 &from,
-                Input::PeerConnectFailed {
+                NetEvent::PeerConnectFailed {
                     peer: to,
                     reason: reason.clone(),
                 },
@@ -507,33 +507,39 @@ impl Harness {
 
     // ---- engine and transport inputs ---------------------------------------------------------
 
-    /// Feeds `input` to `addr`, then runs until quiet.
-    pub fn input(&mut self, addr: &PeerAddr, input: Input) -> Result<(), Rejected> {
-        let result = self.push_input(addr, input);
+    /// The engine at `addr` makes `call`, then the world runs until quiet.
+    pub fn call(&mut self, addr: &PeerAddr, call: EngineCall) -> Result<(), Rejected> {
+        let result = self.push_call(addr, call);
         self.run_until_quiet();
         result
     }
 
+    /// Hands `event` to `addr` as its network or transport would, then runs until quiet.
+    pub fn event(&mut self, addr: &PeerAddr, event: NetEvent) {
+        self.feed(addr, event);
+        self.run_until_quiet();
+    }
+
     /// D's engine allocated blocks.
     pub fn decode(&mut self, start: DecodeStart) -> Result<(), Rejected> {
-        self.input(&d_addr(), Input::DecodeAllocated(start))
+        self.call(&d_addr(), EngineCall::DecodeAllocated(start))
     }
 
     /// P's engine finished a prefill.
     pub fn prefill(&mut self, start: PrefillStart) -> Result<(), Rejected> {
-        self.input(&p_addr(), Input::PrefillFinished(start))
+        self.call(&p_addr(), EngineCall::PrefillFinished(start))
     }
 
     /// The engine at `addr` aborts `request`.
     pub fn abort(&mut self, addr: &PeerAddr, request: RequestId) -> Result<(), Rejected> {
-        self.input(addr, Input::Abort { request })
+        self.call(addr, EngineCall::Abort { request })
     }
 
     /// Hands `message` to `to` as if `from` had sent it (bypassing the network).
     pub fn inject(&mut self, from: &PeerAddr, to: &PeerAddr, message: Message) {
         self.feed(
             to,
-            Input::Received {
+            NetEvent::Received {
                 from: from.clone(),
                 message,
             },
@@ -588,7 +594,7 @@ impl Harness {
     }
 
     /// `addr` comes back as a fresh endpoint and handshakes with `peer` (both get
-    /// `PeerConnected`). As `Input::PeerConnected` requires, the peer's transport replaces the
+    /// `PeerConnected`). As `NetEvent::PeerConnected` requires, the peer's transport replaces the
     /// old incarnation first: nothing the old one posted can land any more. The old
     /// incarnation's requests and events are gone with it.
     pub fn restart(&mut self, addr: &PeerAddr, config: Config, peer: &PeerAddr) {
@@ -725,28 +731,31 @@ impl Harness {
 
     // ---- internals ---------------------------------------------------------------------------
 
-    fn push_input(&mut self, addr: &PeerAddr, input: Input) -> Result<(), Rejected> {
+    fn push_call(&mut self, addr: &PeerAddr, call: EngineCall) -> Result<(), Rejected> {
         let now = self.now;
         let node = self.node_mut(addr);
         if !node.alive {
             return Ok(());
         }
-        let started = match &input {
-            Input::DecodeAllocated(s) => Some(s.request.clone()),
-            Input::PrefillFinished(s) => Some(s.request.clone()),
-            _ => None,
+        let started = match &call {
+            EngineCall::DecodeAllocated(s) => Some(s.request.clone()),
+            EngineCall::PrefillFinished(s) => Some(s.request.clone()),
+            EngineCall::Shutdown | EngineCall::Abort { .. } => None,
         };
-        let result = node.ep.handle(now, input);
+        let result = node.ep.handle_call(now, call);
         if let (Ok(()), Some(request)) = (&result, started) {
             node.started.push(request);
         }
         result
     }
 
-    /// Feeds a peer or transport input, which an endpoint never refuses.
-    fn feed(&mut self, addr: &PeerAddr, input: Input) {
-        self.push_input(addr, input)
-            .expect("peer and transport inputs are never refused");
+    /// Feeds a network or transport event (never refused).
+    fn feed(&mut self, addr: &PeerAddr, event: NetEvent) {
+        let now = self.now;
+        let node = self.node_mut(addr);
+        if node.alive {
+            node.ep.handle_event(now, event);
+        }
     }
 
     /// Drains every endpoint's outputs once; true if any output was handled.
@@ -788,12 +797,12 @@ impl Harness {
                         self.connect_pair(from, &peer);
                     } else {
                         let reason = ConnectFailure::Refused("unreachable".into());
-                        self.feed(from, Input::PeerConnectFailed { peer, reason });
+                        self.feed(from, NetEvent::PeerConnectFailed { peer, reason });
                     }
                 }
                 ConnectMode::Hold => self.pending_connects.push((from.clone(), peer)),
                 ConnectMode::Fail(reason) => {
-                    self.feed(from, Input::PeerConnectFailed { peer, reason });
+                    self.feed(from, NetEvent::PeerConnectFailed { peer, reason });
                 }
             },
             Output::PostWrite(order) => self.post(from, *order),
@@ -838,7 +847,7 @@ impl Harness {
             self.lost.push(env);
             return;
         }
-        let input = Input::Received {
+        let input = NetEvent::Received {
             from: env.from,
             message: env.message,
         };
@@ -856,14 +865,14 @@ impl Harness {
         let (of_a, of_b) = (incarnation_of(self, a), incarnation_of(self, b));
         self.feed(
             b,
-            Input::PeerConnected {
+            NetEvent::PeerConnected {
                 peer: a.clone(),
                 incarnation: of_a,
             },
         );
         self.feed(
             a,
-            Input::PeerConnected {
+            NetEvent::PeerConnected {
                 peer: b.clone(),
                 incarnation: of_b,
             },
@@ -900,8 +909,8 @@ impl Harness {
         }
         let write = w.order.write;
         let input = match failure {
-            None => Input::WriteCompleted { write },
-            Some(failure) => Input::WriteFailed { write, failure },
+            None => NetEvent::WriteCompleted { write },
+            Some(failure) => NetEvent::WriteFailed { write, failure },
         };
         self.feed(&w.from, input);
     }

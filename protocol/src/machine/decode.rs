@@ -468,5 +468,4 @@ impl Cancelling {
 }
 
 #[cfg(test)]
-#[path = "decode_tests.rs"]
 mod tests;

@@ -1,7 +1,7 @@
 //! `Endpoint`: one engine rank's whole protocol state, behind the sans-IO interface
 //! `handle` / `handle_timeout` / `poll_output` / `poll_timeout`.
 //!
-//! It hosts the D request machines, P's [`Writer`] and the [`Peer`] machines, and routes every
+//! It hosts the D request machines, P's [`PrefillTable`] and the [`Peer`] machines, and routes every
 //! input to them by pairing key or peer. Nothing outside it routes or matches, so the actix
 //! shells and the simulator run exactly this code.
 
@@ -17,12 +17,12 @@ use super::config::ConfigError;
 use super::decode::{DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput, DecodeRequest};
 use super::effects::{Effects, Step};
 use super::peer::{Peer, PeerInput};
+use super::prefill_table::{assert_old_record_to_evict, young_cutoff, PrefillTable};
 use super::tables::{Machines, Tombstones};
 use super::types::{
-    Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent, FreeProof, Input,
-    Output, Rejected, Time,
+    Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineCall, EngineEvent,
+    FreeProof, NetEvent, Output, Rejected, Time,
 };
-use super::writer::{assert_old_record_to_evict, young_cutoff, Writer};
 use super::{ActiveMutation, Config};
 use crate::{PeerAddr, WriteId};
 
@@ -55,7 +55,7 @@ pub struct EndpointStats {
 /// let mut d = Endpoint::new(EngineId::new("decode").unwrap(), 0, Config::default()).unwrap();
 /// let p = PeerAddr::new(EngineId::new("prefill").unwrap(), 0);
 /// let request = RequestId::new("cmpl-1-0-aaaaaaaa").unwrap();
-/// d.handle(Time::ZERO, Input::DecodeAllocated(DecodeStart {
+/// d.handle(Time::ZERO, EngineCall::DecodeAllocated(DecodeStart {
 ///     key: PairingKey::from_request_id(&request),
 ///     request,
 ///     epoch: Epoch::FIRST,
@@ -67,7 +67,7 @@ pub struct EndpointStats {
 /// // D needs a handshake with P before it registers.
 /// assert_eq!(d.poll_output(), Some(Output::Connect { peer: p.clone() }));
 /// let incarnation = Incarnation::random(); // from P's handshake
-/// d.handle(Time::ZERO, Input::PeerConnected { peer: p.clone(), incarnation }).unwrap();
+/// d.handle(Time::ZERO, NetEvent::PeerConnected { peer: p.clone(), incarnation }).unwrap();
 /// assert!(matches!(
 ///     d.poll_output(),
 ///     Some(Output::Send { message: Message::Register(_), .. })
@@ -81,11 +81,11 @@ pub struct Endpoint {
     decodes: Machines<PairingKey, DecodeRequest>,
     decode_by_request: BTreeMap<RequestId, PairingKey>,
     decode_tombstones: Tombstones<PairingKey, Epoch>,
-    writer: Writer,
+    prefills: PrefillTable,
     peers: Machines<PeerAddr, Peer>,
     out: VecDeque<Output>,
     counters: Counters,
-    /// Set by [`Input::Shutdown`]: no new requests are taken.
+    /// Set by [`EngineCall::Shutdown`]: no new requests are taken.
     shutting_down: bool,
     /// The deliberate bug in force (simulator only; see [`super::Mutation`]).
     mutation: ActiveMutation,
@@ -100,7 +100,7 @@ impl Endpoint {
         config.validate()?;
         Ok(Endpoint {
             own: PeerAddr::new(engine, rank),
-            writer: Writer::new(rank, &config),
+            prefills: PrefillTable::new(rank, &config),
             decode_tombstones: Tombstones::new(config.max_tombstones),
             config,
             decodes: Machines::default(),
@@ -118,7 +118,7 @@ impl Endpoint {
     #[doc(hidden)]
     pub fn set_mutation(&mut self, mutation: Option<super::Mutation>) {
         self.mutation = ActiveMutation(mutation);
-        self.writer.set_mutation(self.mutation);
+        self.prefills.set_mutation(self.mutation);
     }
 
     /// This endpoint's own address.
@@ -138,7 +138,7 @@ impl Endpoint {
 
     /// The incarnation `peer` is connected to, if it is connected. A handshake naming this
     /// incarnation is a repeat: the shell must not reload the peer for it (see
-    /// [`Input::PeerConnected`]).
+    /// [`NetEvent::PeerConnected`]).
     pub fn connected_incarnation(&self, peer: &PeerAddr) -> Option<Incarnation> {
         self.peers.get(peer).and_then(Peer::incarnation)
     }
@@ -147,11 +147,11 @@ impl Endpoint {
     pub fn stats(&self) -> EndpointStats {
         EndpointStats {
             decode_requests: self.decodes.len(),
-            prefill_requests: self.writer.live_requests(),
-            pending_registrations: self.writer.pending_registrations(),
-            writes_in_flight: self.writer.writes_in_flight(),
+            prefill_requests: self.prefills.live_requests(),
+            pending_registrations: self.prefills.pending_registrations(),
+            writes_in_flight: self.prefills.writes_in_flight(),
             peers: self.peers.len(),
-            tombstones: self.decode_tombstones.len() + self.writer.tombstones(),
+            tombstones: self.decode_tombstones.len() + self.prefills.tombstones(),
             queued_outputs: self.out.len(),
         }
     }
@@ -159,13 +159,13 @@ impl Endpoint {
     /// Tombstones evicted at capacity so far, both sides (each one a key whose late messages
     /// may now look new).
     pub fn tombstones_evicted(&self) -> u64 {
-        self.decode_tombstones.evicted() + self.writer.tombstones_evicted()
+        self.decode_tombstones.evicted() + self.prefills.tombstones_evicted()
     }
 
     /// True while any request is live or any output is queued: the engine loop must keep
     /// stepping.
     pub fn has_pending_work(&self) -> bool {
-        !self.decodes.is_empty() || self.writer.live_requests() > 0 || !self.out.is_empty()
+        !self.decodes.is_empty() || self.prefills.live_requests() > 0 || !self.out.is_empty()
     }
 
     /// The next thing for the shell to do.
@@ -178,7 +178,7 @@ impl Endpoint {
         [
             self.decodes.next_timer(),
             self.decode_tombstones.next_expiry(),
-            self.writer.next_timer(),
+            self.prefills.next_timer(),
             self.peers.next_timer(),
         ]
         .into_iter()
@@ -186,62 +186,57 @@ impl Endpoint {
         .min()
     }
 
-    /// Feeds one input. Inputs from the engine may be refused ([`Rejected`]), and then nothing
-    /// changed; inputs from peers and the transport are never refused — what cannot be used is
-    /// counted in [`Counters::dropped`].
+    /// Handles one call from the local engine. A refused call ([`Rejected`]) changed nothing.
     ///
     /// # Errors
-    /// [`Rejected`] for an engine input that breaks a rule.
-    pub fn handle(&mut self, now: Time, input: Input) -> Result<(), Rejected> {
-        let result = match input {
-            Input::DecodeAllocated(_) | Input::PrefillFinished(_) if self.shutting_down => {
+    /// [`Rejected`] for a call that breaks a rule.
+    pub fn handle_call(&mut self, now: Time, call: EngineCall) -> Result<(), Rejected> {
+        let result = match call {
+            EngineCall::DecodeAllocated(_) | EngineCall::PrefillFinished(_)
+                if self.shutting_down =>
+            {
                 Err(Rejected::ShuttingDown)
             }
-            Input::DecodeAllocated(start) => self.decode_allocated(now, start),
-            Input::Shutdown => {
+            EngineCall::DecodeAllocated(start) => self.decode_allocated(now, start),
+            EngineCall::Shutdown => {
                 self.shutdown(now);
                 Ok(())
             }
-            Input::PrefillFinished(start) => {
+            EngineCall::PrefillFinished(start) => {
                 let mut fx = Effects {
                     out: &mut self.out,
                     counters: &mut self.counters,
                 };
-                self.writer.finished(now, start, &mut fx)
+                self.prefills.finished(now, start, &mut fx)
             }
-            Input::Abort { request } => self.abort(now, &request),
-            Input::Received { from, message } => {
-                self.received(now, from, message);
-                Ok(())
-            }
-            Input::Malformed { from, error } => {
-                tracing::debug!(?from, %error, "malformed message dropped");
-                self.counters.drop(DropReason::Malformed);
-                Ok(())
-            }
-            Input::PeerConnected { peer, incarnation } => {
-                self.peer_input(now, &peer, PeerInput::Connected(incarnation));
-                Ok(())
-            }
-            Input::PeerConnectFailed { peer, reason } => {
-                self.peer_input(now, &peer, PeerInput::ConnectFailed(reason));
-                Ok(())
-            }
-            Input::PeerLost { peer } => {
-                self.peer_input(now, &peer, PeerInput::Lost);
-                Ok(())
-            }
-            Input::WriteCompleted { write } => {
-                self.write_result(now, write, None);
-                Ok(())
-            }
-            Input::WriteFailed { write, failure } => {
-                self.write_result(now, write, Some(failure));
-                Ok(())
-            }
+            EngineCall::Abort { request } => self.abort(now, &request),
         };
         self.check_invariants();
         result
+    }
+
+    /// Handles one report of the network or the transport. Events are never refused: what
+    /// cannot be used is counted in [`Counters::dropped`].
+    pub fn handle_event(&mut self, now: Time, event: NetEvent) {
+        match event {
+            NetEvent::Received { from, message } => self.received(now, from, message),
+            NetEvent::Malformed { from, error } => {
+                tracing::debug!(?from, %error, "malformed message dropped");
+                self.counters.drop(DropReason::Malformed);
+            }
+            NetEvent::PeerConnected { peer, incarnation } => {
+                self.peer_input(now, &peer, PeerInput::Connected(incarnation));
+            }
+            NetEvent::PeerConnectFailed { peer, reason } => {
+                self.peer_input(now, &peer, PeerInput::ConnectFailed(reason));
+            }
+            NetEvent::PeerLost { peer } => self.peer_input(now, &peer, PeerInput::Lost),
+            NetEvent::WriteCompleted { write } => self.write_result(now, write, None),
+            NetEvent::WriteFailed { write, failure } => {
+                self.write_result(now, write, Some(failure));
+            }
+        }
+        self.check_invariants();
     }
 
     /// Fires every timer due at `now`.
@@ -255,7 +250,7 @@ impl Endpoint {
                 out: &mut self.out,
                 counters: &mut self.counters,
             };
-            self.writer.on_timeout(now, &mut fx);
+            self.prefills.on_timeout(now, &mut fx);
         }
         for peer in self.peers.take_due(now) {
             self.peer_input(now, &peer, PeerInput::Timeout);
@@ -271,19 +266,19 @@ impl Endpoint {
         for key in keys {
             self.step_decode(now, &key, DecodeInput::Shutdown);
         }
-        for request in self.writer.live_request_ids() {
+        for request in self.prefills.live_request_ids() {
             let mut fx = Effects {
                 out: &mut self.out,
                 counters: &mut self.counters,
             };
             // Every listed request is live, so the abort cannot be refused.
-            let _ = self.writer.abort(now, &request, &mut fx);
+            let _ = self.prefills.abort(now, &request, &mut fx);
         }
     }
 
     fn decode_allocated(&mut self, now: Time, start: DecodeStart) -> Result<(), Rejected> {
         if self.decode_by_request.contains_key(&start.request)
-            || self.writer.has_request(&start.request)
+            || self.prefills.has_request(&start.request)
         {
             return Err(Rejected::DuplicateRequest(start.request));
         }
@@ -388,7 +383,7 @@ impl Endpoint {
             out: &mut self.out,
             counters: &mut self.counters,
         };
-        self.writer.abort(now, request, &mut fx)
+        self.prefills.abort(now, request, &mut fx)
     }
 
     /// Sends `message` to `peer` now, or after the handshake if one is needed.
@@ -497,14 +492,14 @@ impl Endpoint {
                     out: &mut self.out,
                     counters: &mut self.counters,
                 };
-                self.writer.on_register(now, from, register, &mut fx);
+                self.prefills.on_register(now, from, register, &mut fx);
             }
             Message::Cancel(cancel) => {
                 let mut fx = Effects {
                     out: &mut self.out,
                     counters: &mut self.counters,
                 };
-                self.writer
+                self.prefills
                     .on_cancel(now, from, cancel.key, cancel.epoch, &mut fx);
             }
             Message::Release(release) => {
@@ -513,7 +508,7 @@ impl Endpoint {
                     counters: &mut self.counters,
                 };
                 let (key, epoch, reason) = (release.key, release.epoch, release.reason);
-                self.writer
+                self.prefills
                     .on_release(now, &from, key, epoch, reason, &mut fx);
             }
             Message::Heartbeat(heartbeat) => {
@@ -525,7 +520,7 @@ impl Endpoint {
                     out: &mut self.out,
                     counters: &mut self.counters,
                 };
-                self.writer
+                self.prefills
                     .on_heartbeat(now, &from, heartbeat.leases, &mut fx);
             }
             Message::WriteDone(m) => {
@@ -592,7 +587,7 @@ impl Endpoint {
             out: &mut self.out,
             counters: &mut self.counters,
         };
-        self.writer.on_write_result(now, write, failure, &mut fx);
+        self.prefills.on_write_result(now, write, failure, &mut fx);
     }
 
     /// Asserts every cross-table invariant (debug builds only; O(table size)).
@@ -622,7 +617,7 @@ impl Endpoint {
                 );
             }
         }
-        self.writer.check_invariants();
+        self.prefills.check_invariants();
     }
 
     /// The state of the live D request of `key`, as text (for the simulator's check that a
@@ -637,12 +632,12 @@ impl Endpoint {
     /// written).
     #[doc(hidden)]
     pub fn pending_registration(&self, key: &PairingKey) -> Option<(&PeerAddr, Epoch, Time)> {
-        self.writer.pending_of(key)
+        self.prefills.pending_of(key)
     }
 
     /// Engine ids of every live P request (for leak checks in tests and the simulator).
     pub fn live_prefill_requests(&self) -> impl Iterator<Item = &RequestId> {
-        self.writer.live_request_iter()
+        self.prefills.live_request_iter()
     }
 
     /// Blocks of every live D request (for leak checks in tests and the simulator).

@@ -245,5 +245,4 @@ impl PeerDown {
 }
 
 #[cfg(test)]
-#[path = "peer_tests.rs"]
 mod tests;

@@ -587,5 +587,4 @@ impl Draining {
 }
 
 #[cfg(test)]
-#[path = "prefill_tests.rs"]
 mod tests;

@@ -115,9 +115,11 @@ pub enum ConnectFailure {
     TooManyPeers,
 }
 
-/// Everything an [`Endpoint`](super::Endpoint) reacts to.
+/// A call from the local engine into its rank's [`Endpoint`](super::Endpoint), through
+/// [`Endpoint::handle_call`](super::Endpoint::handle_call). Calls can be refused
+/// ([`Rejected`]); a refused call changed nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Input {
+pub enum EngineCall {
     /// D: blocks allocated for a remote prefill.
     DecodeAllocated(DecodeStart),
     /// P: prefill finished; blocks to send.
@@ -131,6 +133,13 @@ pub enum Input {
         /// The engine's request id.
         request: RequestId,
     },
+}
+
+/// What the network and the transport report to an [`Endpoint`](super::Endpoint), through
+/// [`Endpoint::handle_event`](super::Endpoint::handle_event). Events are never refused: what
+/// cannot be used is counted in [`Counters::dropped`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NetEvent {
     /// A decoded message from a peer.
     Received {
         /// Who sent it.
@@ -215,14 +224,14 @@ pub enum Output {
     },
     /// Post a write.
     PostWrite(Box<WriteOrder>),
-    /// Make sure a write never lands, then report it with [`Input::WriteCompleted`] (it had
-    /// landed) or [`Input::WriteFailed`].
+    /// Make sure a write never lands, then report it with [`NetEvent::WriteCompleted`] (it had
+    /// landed) or [`NetEvent::WriteFailed`].
     AbandonWrite {
         /// The write.
         write: WriteId,
     },
-    /// Start a handshake with a peer; answer with [`Input::PeerConnected`] or
-    /// [`Input::PeerConnectFailed`].
+    /// Start a handshake with a peer; answer with [`NetEvent::PeerConnected`] or
+    /// [`NetEvent::PeerConnectFailed`].
     Connect {
         /// The peer.
         peer: PeerAddr,
@@ -387,9 +396,6 @@ pub enum Rejected {
     /// The endpoint is shutting down and takes no new requests.
     #[error("the endpoint is shutting down")]
     ShuttingDown,
-    /// The input is not an engine input (use it through `handle` only from the shell).
-    #[error("the input came from a peer or transport, not the engine")]
-    NotAnEngineInput,
 }
 
 /// Why a message or completion from outside was ignored.

@@ -1,7 +1,7 @@
 //! The simulated notification network: connection generations, partitions, handshakes, and
 //! sending and delivering control messages (with the faults chaos puts on them).
 
-use kvhandoff_protocol::machine::Input;
+use kvhandoff_protocol::machine::NetEvent;
 use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{Incarnation, Message};
 use rand::Rng;
@@ -182,7 +182,7 @@ impl World {
             self.shell_handshake(from, to);
         } else {
             let reason = kvhandoff_protocol::machine::ConnectFailure::Refused("simulated".into());
-            self.feed(from, Input::PeerConnectFailed { peer, reason });
+            self.feed(from, NetEvent::PeerConnectFailed { peer, reason });
         }
     }
 

@@ -100,7 +100,7 @@ impl Endpoint {
                 self.counters.peer_restarts += 1;
                 tracing::info!(peer = %peer, "peer restarted; its old incarnation is dead");
                 // The shell replaced the old incarnation before reporting the new one (see
-                // `Input::PeerConnected`): invalidating now would cut the new one.
+                // `NetEvent::PeerConnected`): invalidating now would cut the new one.
                 self.peer_died(now, peer, false);
                 self.wake_connecting_decodes(now, peer);
             }
@@ -153,7 +153,7 @@ impl Endpoint {
             out: &mut self.out,
             counters: &mut self.counters,
         };
-        self.writer.on_peer_dead(now, peer, &mut fx);
+        self.prefills.on_peer_dead(now, peer, &mut fx);
     }
 
     /// A heartbeat to `peer`, naming every lease D wants P to keep (several messages if the

@@ -6,7 +6,7 @@ use std::hash::Hash;
 
 use crate::{Epoch, PairingKey, WriteFailure};
 
-use super::{write_failed, Writer};
+use super::{write_failed, PrefillTable};
 use crate::machine::effects::Effects;
 use crate::machine::prefill::{PrefillEnded, PrefillRequest};
 use crate::machine::tables::Tombstones;
@@ -89,7 +89,7 @@ pub(crate) fn assert_old_record_to_evict<K: Hash + Eq + Clone, V>(
     }
 }
 
-/// The highest epoch `tombstone` settled (see [`Writer::epoch_floor`]).
+/// The highest epoch `tombstone` settled (see [`PrefillTable::epoch_floor`]).
 pub(super) fn floor_of(tombstone: &PrefillTombstone) -> Option<Epoch> {
     match tombstone {
         PrefillTombstone::GaveUpEarly { epoch, .. } | PrefillTombstone::Answered { epoch, .. } => {
@@ -106,7 +106,7 @@ pub(super) fn floor_of(tombstone: &PrefillTombstone) -> Option<Epoch> {
 // young one (`requests + pending + young < max_tombstones`), and leaves unanswered the peer
 // messages whose answer would write a record when there is no such room. Then the table, when
 // full, always holds an old record to evict.
-impl Writer {
+impl PrefillTable {
     /// Tombstone writes within the last `tombstone_min_life`: at least the young records (a
     /// record written twice, or removed early, still counts: an over-estimate, on the safe
     /// side).

@@ -1,20 +1,20 @@
-//! `WriterActor`: the only caller of one rank's transport.
+//! `TransportActor`: the only caller of one rank's transport.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient};
-use kvhandoff_protocol::driver::{TransportDriver, WriterOp, WriterStats};
+use kvhandoff_protocol::driver::{TransportDriver, TransportOp, TransportStats};
 
 use super::rank::Feed;
 use crate::transport::{Transport, TransportError};
 use kvhandoff_protocol::driver::PeerInfo;
 
-/// A batch of [`WriterOp`]s, in order.
+/// A batch of [`TransportOp`]s, in order.
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
-pub struct WriterOps(pub Vec<WriterOp>);
+pub struct TransportOps(pub Vec<TransportOp>);
 
 /// Loads a peer into the transport (from the link actor, during a handshake).
 #[derive(Message, Debug)]
@@ -23,12 +23,12 @@ pub struct LoadPeer(pub PeerInfo);
 
 /// Asks for the writer's counters.
 #[derive(Message)]
-#[rtype(result = "WriterStats")]
-pub struct QueryWriterStats;
+#[rtype(result = "TransportStats")]
+pub struct QueryTransportStats;
 
 /// Owns the transport (through a [`TransportDriver`], where every translation lives): performs
 /// the rank's operations, polls on a tick and when the transport says something arrived.
-pub struct WriterActor<T: Transport> {
+pub struct TransportActor<T: Transport> {
     driver: TransportDriver<T>,
     rank: Recipient<Feed>,
     poll_interval: Duration,
@@ -36,14 +36,14 @@ pub struct WriterActor<T: Transport> {
     arrival_poll_queued: Arc<AtomicBool>,
 }
 
-impl<T: Transport> WriterActor<T> {
+impl<T: Transport> TransportActor<T> {
     pub(crate) fn new(
         transport: T,
         own: PeerInfo,
         rank: Recipient<Feed>,
         poll_interval: Duration,
     ) -> Self {
-        WriterActor {
+        TransportActor {
             driver: TransportDriver::new(transport, own),
             rank,
             poll_interval,
@@ -60,7 +60,7 @@ impl<T: Transport> WriterActor<T> {
     }
 }
 
-impl<T: Transport + Unpin + 'static> Actor for WriterActor<T> {
+impl<T: Transport + Unpin + 'static> Actor for TransportActor<T> {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
@@ -82,10 +82,10 @@ impl<T: Transport + Unpin + 'static> Actor for WriterActor<T> {
     }
 }
 
-impl<T: Transport + Unpin + 'static> Handler<WriterOps> for WriterActor<T> {
+impl<T: Transport + Unpin + 'static> Handler<TransportOps> for TransportActor<T> {
     type Result = ();
 
-    fn handle(&mut self, ops: WriterOps, _: &mut Context<Self>) {
+    fn handle(&mut self, ops: TransportOps, _: &mut Context<Self>) {
         let mut feed = Vec::new();
         for op in ops.0 {
             self.driver.perform(op, &mut feed);
@@ -103,7 +103,7 @@ impl<T: Transport + Unpin + 'static> Handler<WriterOps> for WriterActor<T> {
 #[rtype(result = "()")]
 struct PollNow;
 
-impl<T: Transport + Unpin + 'static> Handler<PollNow> for WriterActor<T> {
+impl<T: Transport + Unpin + 'static> Handler<PollNow> for TransportActor<T> {
     type Result = ();
 
     fn handle(&mut self, _: PollNow, _: &mut Context<Self>) {
@@ -112,7 +112,7 @@ impl<T: Transport + Unpin + 'static> Handler<PollNow> for WriterActor<T> {
     }
 }
 
-impl<T: Transport + Unpin + 'static> Handler<LoadPeer> for WriterActor<T> {
+impl<T: Transport + Unpin + 'static> Handler<LoadPeer> for TransportActor<T> {
     type Result = Result<(), TransportError>;
 
     fn handle(&mut self, LoadPeer(info): LoadPeer, _: &mut Context<Self>) -> Self::Result {
@@ -121,10 +121,10 @@ impl<T: Transport + Unpin + 'static> Handler<LoadPeer> for WriterActor<T> {
     }
 }
 
-impl<T: Transport + Unpin + 'static> Handler<QueryWriterStats> for WriterActor<T> {
-    type Result = actix::MessageResult<QueryWriterStats>;
+impl<T: Transport + Unpin + 'static> Handler<QueryTransportStats> for TransportActor<T> {
+    type Result = actix::MessageResult<QueryTransportStats>;
 
-    fn handle(&mut self, _: QueryWriterStats, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, _: QueryTransportStats, _: &mut Context<Self>) -> Self::Result {
         actix::MessageResult(self.driver.stats())
     }
 }

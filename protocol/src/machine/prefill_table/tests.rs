@@ -1,4 +1,4 @@
-//! Table-driven tests of `Writer`: every state a key can be in on P (unknown, pending
+//! Table-driven tests of `PrefillTable`: every state a key can be in on P (unknown, pending
 //! registration, held, writing, draining, and each tombstone kind) × every input of the table,
 //! with the exact result, outputs, counters and the key's next state.
 
@@ -10,7 +10,7 @@ use crate::{
 };
 
 use super::tombstones::tombstone_for;
-use super::{PendingRegistration, PrefillTombstone, Writer};
+use super::{PendingRegistration, PrefillTable, PrefillTombstone};
 use crate::machine::effects::Effects;
 use crate::machine::prefill::{
     Binding, DrainCause, Draining, Held, PrefillCommon, PrefillRequest, Writing,
@@ -122,7 +122,12 @@ fn cancel(epoch: Epoch) -> WInput {
     WInput::Cancel(d(), epoch)
 }
 
-fn apply(w: &mut Writer, now: Time, input: WInput, fx: &mut Effects<'_>) -> Result<(), Rejected> {
+fn apply(
+    w: &mut PrefillTable,
+    now: Time,
+    input: WInput,
+    fx: &mut Effects<'_>,
+) -> Result<(), Rejected> {
     match input {
         WInput::Register(from, register) => w.on_register(now, from, register, fx),
         WInput::Cancel(from, epoch) => w.on_cancel(now, from, key(), epoch, fx),
@@ -146,40 +151,40 @@ fn apply(w: &mut Writer, now: Time, input: WInput, fx: &mut Effects<'_>) -> Resu
 
 // ---- Fixtures: a writer with `key()` in a given state, set up at T0.
 
-fn setup(config: Config, inputs: Vec<WInput>) -> Writer {
-    let mut w = Writer::new(RANK, &config);
+fn setup(config: Config, inputs: Vec<WInput>) -> PrefillTable {
+    let mut w = PrefillTable::new(RANK, &config);
     drive(&mut w, ms(T0_MS), inputs);
     w
 }
 
-fn unknown() -> Writer {
+fn unknown() -> PrefillTable {
     setup(config(), vec![])
 }
 
-fn pending() -> Writer {
+fn pending() -> PrefillTable {
     setup(config(), vec![register(EPOCH)])
 }
 
-fn held() -> Writer {
+fn held() -> PrefillTable {
     setup(config(), vec![WInput::Finished(start())])
 }
 
-fn writing() -> Writer {
+fn writing() -> PrefillTable {
     setup(config(), vec![WInput::Finished(start()), register(EPOCH)])
 }
 
-fn draining() -> Writer {
+fn draining() -> PrefillTable {
     setup(
         config(),
         vec![WInput::Finished(start()), register(EPOCH), cancel(EPOCH)],
     )
 }
 
-fn tomb_cancelled() -> Writer {
+fn tomb_cancelled() -> PrefillTable {
     setup(config(), vec![cancel(EPOCH)])
 }
 
-fn tomb_released() -> Writer {
+fn tomb_released() -> PrefillTable {
     setup(
         config(),
         vec![WInput::Release(EPOCH, ReleaseReason::Aborted)],
@@ -187,7 +192,7 @@ fn tomb_released() -> Writer {
 }
 
 /// P aborted while it held the blocks: an `Ended` tombstone bound to no epoch.
-fn tomb_aborted() -> Writer {
+fn tomb_aborted() -> PrefillTable {
     setup(
         config(),
         vec![WInput::Finished(start()), WInput::Abort(req())],
@@ -196,7 +201,7 @@ fn tomb_aborted() -> Writer {
 
 /// D's registration for EPOCH waited in the pending table past its TTL: P answered it
 /// `RegistrationExpired` and remembers that (set up at `PENDING_MS`, not T0).
-fn tomb_answered() -> Writer {
+fn tomb_answered() -> PrefillTable {
     let mut w = setup(config(), vec![register(EPOCH)]);
     let mut out = VecDeque::new();
     let mut counters = Counters::default();
@@ -210,7 +215,7 @@ fn tomb_answered() -> Writer {
 }
 
 /// P's write for EPOCH completed: an `Ended` tombstone that swallows that epoch's registrations.
-fn tomb_sent() -> Writer {
+fn tomb_sent() -> PrefillTable {
     setup(
         config(),
         vec![
@@ -222,7 +227,7 @@ fn tomb_sent() -> Writer {
 }
 
 /// P's write for EPOCH failed: an `Ended` tombstone that replays the failure to that epoch.
-fn tomb_failed() -> Writer {
+fn tomb_failed() -> PrefillTable {
     setup(
         config(),
         vec![
@@ -242,7 +247,7 @@ struct KeyState {
     tombstone: Option<PrefillTombstone>,
 }
 
-fn snapshot(w: &Writer) -> KeyState {
+fn snapshot(w: &PrefillTable) -> KeyState {
     KeyState {
         request: w.requests.get(&key()).cloned(),
         pending: w.pending.get(&key()).cloned(),
@@ -446,7 +451,7 @@ fn counted(f: impl FnOnce(&mut Counters)) -> Counters {
 
 struct Case {
     name: &'static str,
-    build: fn() -> Writer,
+    build: fn() -> PrefillTable,
     now: Time,
     input: WInput,
     result: Result<(), Rejected>,
@@ -457,7 +462,7 @@ struct Case {
 
 fn case(
     name: &'static str,
-    build: fn() -> Writer,
+    build: fn() -> PrefillTable,
     input: WInput,
     next: KeyState,
     outputs: Vec<Output>,
@@ -2393,7 +2398,7 @@ fn newer_registration_after_an_early_give_up_fails_fast_once_the_blocks_are_gone
 // ---- Every epoch P answers raises the key's floor
 
 /// Feeds one input at `now`; the table must accept it and stay consistent.
-fn feed(w: &mut Writer, now: Time, input: WInput) -> (Vec<Output>, Counters) {
+fn feed(w: &mut PrefillTable, now: Time, input: WInput) -> (Vec<Output>, Counters) {
     let mut out = VecDeque::new();
     let mut counters = Counters::default();
     let mut fx = Effects {
@@ -2448,7 +2453,7 @@ fn post_to(write: WriteId, to: &PeerAddr, epoch: Epoch) -> Output {
 /// bound to an older attempt (Writing or Draining), and the floor outlives that request.
 fn assert_answered_copy_never_reaches_later_blocks(
     name: &str,
-    mut w: Writer,
+    mut w: PrefillTable,
     answered_floor: PrefillTombstone,
     copy: WInput,
     newer: (PeerAddr, Epoch),
@@ -2507,7 +2512,7 @@ fn registration_answered_by_an_ended_tombstone_never_reaches_a_later_request() {
     let cases = [
         (
             "sent",
-            tomb_sent as fn() -> Writer,
+            tomb_sent as fn() -> PrefillTable,
             Epoch(3),
             WriteFailure::Unavailable,
             settled(Epoch(3)),
@@ -2579,7 +2584,7 @@ fn newer_registration_answered_while_bound_never_reaches_a_later_request() {
     let cases = [
         (
             "writing",
-            writing as fn() -> Writer,
+            writing as fn() -> PrefillTable,
             is_writing(EPOCH, ms(WRITE_DL_MS)),
             WInput::WriteCompleted(W1),
             vec![event(PrefillOutcome::Sent)],
@@ -2769,7 +2774,7 @@ fn a_stale_cancel_or_release_never_ends_a_newer_request() {
 
 /// Applies `inputs` at `now` (each accepted), checking the invariants after each; returns the
 /// outputs and counters they made.
-fn drive(w: &mut Writer, now: Time, inputs: Vec<WInput>) -> (Vec<Output>, Counters) {
+fn drive(w: &mut PrefillTable, now: Time, inputs: Vec<WInput>) -> (Vec<Output>, Counters) {
     let mut out = VecDeque::new();
     let mut counters = Counters::default();
     let mut fx = Effects {
@@ -2795,7 +2800,7 @@ fn young_tombstones_are_never_evicted() {
         ..config()
     };
     let life = config.tombstone_min_life();
-    let mut w = Writer::new(RANK, &config);
+    let mut w = PrefillTable::new(RANK, &config);
     let mut out = VecDeque::new();
     let mut counters = Counters::default();
     let mut fx = Effects {

@@ -1,4 +1,4 @@
-//! `Writer`: P's table for one rank. It matches D's registrations with P's finished blocks,
+//! `PrefillTable`: P's table for one rank. It matches D's registrations with P's finished blocks,
 //! whichever arrives first, and hosts the `PrefillRequest` machines.
 //!
 //! Both races are ordinary:
@@ -39,7 +39,7 @@ pub(crate) struct PendingRegistration {
 
 /// P's matching table and request machines for one rank.
 #[derive(Debug)]
-pub(crate) struct Writer {
+pub(crate) struct PrefillTable {
     rank: u32,
     config: Config,
     requests: Machines<PairingKey, PrefillRequest>,
@@ -52,9 +52,9 @@ pub(crate) struct Writer {
     mutation: ActiveMutation,
 }
 
-impl Writer {
+impl PrefillTable {
     pub(crate) fn new(rank: u32, config: &Config) -> Self {
-        Writer {
+        PrefillTable {
             rank,
             config: config.clone(),
             requests: Machines::default(),
@@ -709,5 +709,4 @@ fn cancel_ack_message(key: &PairingKey, epoch: Epoch, prefill_rank: u32) -> Mess
 }
 
 #[cfg(test)]
-#[path = "writer_tests.rs"]
 mod tests;

@@ -4,7 +4,7 @@
 //! - [`RankActor`] hosts the rank's [`Endpoint`](kvhandoff_protocol::machine::Endpoint): engine calls,
 //!   decoded messages, completions and handshake results become `handle(..)`; it keeps one timer
 //!   at `poll_timeout()`; its outputs go to the other two actors or to the engine's event queue.
-//! - [`WriterActor`] owns the rank's [`Transport`](crate::transport::Transport) and alone calls
+//! - [`TransportActor`] owns the rank's [`Transport`](crate::transport::Transport) and alone calls
 //!   it: it plans and posts writes, sends notifications, abandons and invalidates, and polls
 //!   completions and notifications back into the rank actor.
 //! - [`LinkActor`] makes the peer connections: it runs the handshake (through an in-process
@@ -18,7 +18,7 @@ mod link;
 mod rank;
 mod runtime;
 pub mod side_channel;
-mod writer;
+mod transport_actor;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -31,14 +31,14 @@ pub use build::{
 };
 pub use link::{Connect, Hello, LinkActor};
 pub use rank::{
-    EngineCall, EngineCalls, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict, Verdicts,
+    Call, Calls, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict, Verdicts,
 };
 pub use runtime::{Runtime, RuntimeError};
 pub use side_channel::{
     AcceptPolicy, AddPeerAddress, ClockEstimate, HandshakeError, PeerBook, PeerBookFull,
     QuerySideChannel, RejectReason, SideChannelConfig, SideChannelStats,
 };
-pub use writer::{LoadPeer, QueryWriterStats, WriterActor, WriterOps};
+pub use transport_actor::{LoadPeer, QueryTransportStats, TransportActor, TransportOps};
 
 use crate::transport::Transport;
 use kvhandoff_protocol::machine::{Endpoint, EngineEvent};
@@ -115,11 +115,11 @@ pub struct RankHandle {
     /// `None` for an in-process rank.
     pub side_channel: Option<std::net::SocketAddr>,
     /// Where engine calls go, type-erased.
-    pub calls: Recipient<EngineCall>,
+    pub calls: Recipient<Call>,
     /// Where batches of engine calls go, type-erased.
-    pub batches: Recipient<EngineCalls>,
-    /// The rank's writer, for its counters ([`QueryWriterStats`]).
-    pub writer: Recipient<QueryWriterStats>,
+    pub batches: Recipient<Calls>,
+    /// The rank's writer, for its counters ([`QueryTransportStats`]).
+    pub writer: Recipient<QueryTransportStats>,
     /// The engine's events.
     pub events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
 }
@@ -165,8 +165,9 @@ pub fn start_rank_split<T>(
 where
     T: Transport + Unpin + Send + 'static,
 {
-    let start_writer =
-        |writer: WriterActor<T>| WriterActor::start_in_arbiter(writer_arbiter, move |_| writer);
+    let start_writer = |writer: TransportActor<T>| {
+        TransportActor::start_in_arbiter(writer_arbiter, move |_| writer)
+    };
     spawn_rank(
         setup,
         link::LinkMode::InProcess(directory.clone()),
@@ -209,7 +210,7 @@ fn spawn_rank<T>(
     setup: RankSetup<T>,
     mode: link::LinkMode,
     listen: Option<std::net::SocketAddr>,
-    start_writer: impl FnOnce(WriterActor<T>) -> actix::Addr<WriterActor<T>>,
+    start_writer: impl FnOnce(TransportActor<T>) -> actix::Addr<TransportActor<T>>,
 ) -> RankHandle
 where
     T: Transport + Unpin + 'static,
@@ -225,7 +226,7 @@ where
     // to it first.
     let rank_ctx = actix::Context::<RankActor>::new();
     let rank_addr = rank_ctx.address();
-    let writer = start_writer(WriterActor::new(
+    let writer = start_writer(TransportActor::new(
         transport,
         info.clone(),
         rank_addr.clone().recipient(),
