@@ -2,7 +2,7 @@
 //!
 //! The engine-facing surface is small: start a [`Runtime`], build a rank on a transport, and
 //! drive it through a [`KvConnector`] with the hooks an engine already calls each step. The
-//! protocol itself lives in pure state machines ([`actors::machine`]) that the simulator steps
+//! protocol itself lives in pure state machines ([`protocol::machine`]) that the simulator steps
 //! deterministically.
 //!
 //! ```

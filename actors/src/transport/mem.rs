@@ -188,7 +188,7 @@ pub struct MemStats {
 /// ```
 /// use kvhandoff_actors::transport::mem::MemFabric;
 /// use kvhandoff_actors::transport::{Descriptor, Transport};
-/// use kvhandoff_actors::{PeerAddr, WriteId};
+/// use kvhandoff_protocol::{PeerAddr, WriteId};
 /// use kvhandoff_protocol::{AgentName, EngineId};
 ///
 /// let fabric = MemFabric::new();

@@ -48,14 +48,17 @@ pub struct EndpointStats {
 /// One engine rank's protocol state machine.
 ///
 /// ```
-/// use kvhandoff_protocol::machine::{Config, DecodeStart, Endpoint, Input, Output, Time};
-/// use kvhandoff_actors::PeerAddr;
-/// use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, RequestId};
+/// use kvhandoff_protocol::machine::{
+///     Config, DecodeStart, Endpoint, EngineCall, NetEvent, Output, Time,
+/// };
+/// use kvhandoff_protocol::{
+///     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, PeerAddr, RequestId,
+/// };
 ///
 /// let mut d = Endpoint::new(EngineId::new("decode").unwrap(), 0, Config::default()).unwrap();
 /// let p = PeerAddr::new(EngineId::new("prefill").unwrap(), 0);
 /// let request = RequestId::new("cmpl-1-0-aaaaaaaa").unwrap();
-/// d.handle(Time::ZERO, EngineCall::DecodeAllocated(DecodeStart {
+/// d.handle_call(Time::ZERO, EngineCall::DecodeAllocated(DecodeStart {
 ///     key: PairingKey::from_request_id(&request),
 ///     request,
 ///     epoch: Epoch::FIRST,
@@ -67,7 +70,7 @@ pub struct EndpointStats {
 /// // D needs a handshake with P before it registers.
 /// assert_eq!(d.poll_output(), Some(Output::Connect { peer: p.clone() }));
 /// let incarnation = Incarnation::random(); // from P's handshake
-/// d.handle(Time::ZERO, NetEvent::PeerConnected { peer: p.clone(), incarnation }).unwrap();
+/// d.handle_event(Time::ZERO, NetEvent::PeerConnected { peer: p.clone(), incarnation });
 /// assert!(matches!(
 ///     d.poll_output(),
 ///     Some(Output::Send { message: Message::Register(_), .. })
