@@ -34,7 +34,8 @@ use kvhandoff_protocol::{
 use serde::{Deserialize, Serialize};
 
 use crate::demo::{self, FreeList, Races, DECODE_ENGINE, PREFILL_ENGINE};
-use crate::{
+use crate::stats::{median, spread};
+use kvhandoff::{
     ConnectorCall, ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, Runtime,
 };
 
@@ -138,24 +139,6 @@ impl ActixNumbers {
             0.0
         }
     }
-}
-
-/// The median of `values` (the mean of the middle two for an even count); 0 for none.
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    match sorted.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => sorted[n / 2],
-        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
-    }
-}
-
-/// "min–max" of `values`.
-fn spread(values: &[f64]) -> (f64, f64) {
-    values.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
-        (lo.min(*v), hi.max(*v))
-    })
 }
 
 /// What `bench control` measured.
@@ -763,20 +746,7 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ConnectorError, ConnectorReply};
-
-    #[test]
-    fn medians_and_spreads() {
-        assert_eq!(median(&[]), 0.0);
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
-        assert_eq!(
-            median(&[5.0, 100.0, 1.0, 4.0, 6.0]),
-            5.0,
-            "one outlier moves nothing"
-        );
-        assert_eq!(spread(&[5.0, 100.0, 1.0]), (1.0, 100.0));
-    }
+    use kvhandoff::{ConnectorError, ConnectorReply};
 
     #[test]
     fn bad_options_are_refused() {

@@ -55,8 +55,8 @@ use kvhandoff_protocol::machine::{Config, Counters};
 use kvhandoff_protocol::{EngineId, ModelIdentity};
 
 #[cfg(doc)]
-use crate::KvConnector;
-use crate::{ConnectorIdentity, KvTransferParams, Runtime};
+use kvhandoff::KvConnector;
+use kvhandoff::{ConnectorIdentity, KvTransferParams, Runtime};
 
 pub(crate) use decode_loop::run_decode;
 pub(crate) use engines::{
@@ -66,7 +66,7 @@ pub use pattern::{
     block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
 };
 pub(crate) use prefill_loop::run_prefill;
-pub(crate) use report::{build as build_report, human_bytes, Facts, Tallies};
+pub(crate) use report::{build as build_report, Facts, Tallies};
 pub use report::{
     DemoReport, EventCounts, GeometrySummary, Latency, Leaks, Outcomes, PrefillOutcomes, Races,
     ReportRole,
@@ -328,8 +328,8 @@ where
     let p_handle = runtime.add_rank(p_setup)?;
     let d_handle = runtime.add_rank(d_setup)?;
     let p_rank = p_handle.rank.clone();
-    let p_conn = crate::KvConnector::new(identity(PREFILL_ENGINE)?, p_handle);
-    let d_conn = crate::KvConnector::new(identity(DECODE_ENGINE)?, d_handle);
+    let p_conn = kvhandoff::KvConnector::new(identity(PREFILL_ENGINE)?, p_handle);
+    let d_conn = kvhandoff::KvConnector::new(identity(DECODE_ENGINE)?, d_handle);
 
     let (to_decode, from_prefill) = mpsc::channel();
     let start = Instant::now();

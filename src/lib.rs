@@ -1,33 +1,9 @@
-//! kvhandoff hands KV cache from prefill (P) to decode (D) engines of disaggregated LLM serving.
-//!
-//! The engine-facing surface is small: start a [`Runtime`], build a rank on a transport, and
-//! drive it through a [`KvConnector`] with the hooks an engine already calls each step. The
-//! protocol itself lives in pure state machines ([`protocol::machine`]) that the simulator steps
-//! deterministically.
-//!
-//! ```
-//! use kvhandoff::KvTransferParams;
-//! // What P hands the router after its prefill, and what D receives with the decode leg:
-//! let params = KvTransferParams {
-//!     do_remote_prefill: true,
-//!     remote_engine_id: Some("prefill-0".into()),
-//!     tp_size: Some(1),
-//!     ..KvTransferParams::default()
-//! };
-//! let json = serde_json::to_string(&params).unwrap();
-//! assert!(json.contains("\"remote_engine_id\":\"prefill-0\""));
-//! ```
+//! The `kvhandoff` command line's harnesses: the demo (both sides of the handoff in one
+//! process), the benchmarks, and the `node` role of a two-process run. They drive the library
+//! an engine links ([`kvhandoff`]) exactly as an engine would; nothing here is part of it.
 #![warn(missing_docs)]
 
 pub mod bench;
-mod connector;
 pub mod demo;
 pub mod node;
-
-pub use connector::{
-    ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply, KvConnector,
-    KvTransferParams,
-};
-pub use kvhandoff_actors as actors;
-pub use kvhandoff_actors::system::Runtime;
-pub use kvhandoff_protocol as protocol;
+pub mod stats;

@@ -3,9 +3,9 @@
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use kvhandoff::bench::{self, ControlOptions};
-use kvhandoff::demo::{self, DemoOptions, DemoTransport};
-use kvhandoff::node::{self, NodeOptions, NodeRole};
+use kvhandoff_cli::bench::{self, ControlOptions};
+use kvhandoff_cli::demo::{self, DemoOptions, DemoTransport};
+use kvhandoff_cli::node::{self, NodeOptions, NodeRole};
 
 /// kvhandoff: hands KV cache from prefill to decode engines over NIXL.
 #[derive(Debug, Parser)]

@@ -5,14 +5,14 @@
 use std::time::Duration;
 
 use kvhandoff::actors::transport::mem::MemFabric;
-use kvhandoff::bench::{self, ControlOptions};
-use kvhandoff::demo::{
+use kvhandoff::protocol::{KvLayout, PairingKey, RegionKind, RequestId};
+use kvhandoff_cli::bench::{self, ControlOptions};
+use kvhandoff_cli::demo::{
     self, block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
     DemoOptions,
 };
-use kvhandoff::demo::{DemoTransport, ReportRole};
-use kvhandoff::node::{self, NodeOptions, NodeReport, NodeRole};
-use kvhandoff::protocol::{KvLayout, PairingKey, RegionKind, RequestId};
+use kvhandoff_cli::demo::{DemoTransport, ReportRole};
+use kvhandoff_cli::node::{self, NodeOptions, NodeReport, NodeRole};
 
 /// A seed for which both races happen with 16 requests.
 const SEED: u64 = 7;

@@ -42,12 +42,13 @@
 //! [`NixlConfig::default`]: kvhandoff_actors::transport::nixl::NixlConfig
 //! [`build_rank`]: kvhandoff_actors::system::build_rank
 //! [`NixlTransport`]: kvhandoff_actors::transport::nixl::NixlTransport
-//! [`Runtime`]: crate::Runtime
-//! [`KvConnector`]: crate::KvConnector
+//! [`Runtime`]: kvhandoff::Runtime
+//! [`KvConnector`]: kvhandoff::KvConnector
 
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
+use crate::stats::{gbps, human_bytes, median, min, percentile};
 use kvhandoff_protocol::planner::{fragmented_70b_case, PlanInput, Planner, FRAGMENTED_70B_BLOCKS};
 use kvhandoff_protocol::{BlockIds, KvGeometry, KvLayout};
 use serde::{Deserialize, Serialize};
@@ -433,21 +434,6 @@ impl TransferReport {
     }
 }
 
-fn human_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if value.fract() == 0.0 {
-        format!("{value:.0} {}", UNITS[unit])
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Geometry and block tables.
 
@@ -478,7 +464,7 @@ pub struct BlockTable {
 /// The two block tables of `blocks` blocks, and the pool size (`2 × blocks`) they fit in.
 ///
 /// ```
-/// use kvhandoff::bench::transfer::block_tables;
+/// use kvhandoff_cli::bench::transfer::block_tables;
 /// let (pool, [contiguous, fragmented]) = block_tables(4);
 /// assert_eq!(pool, 8);
 /// assert_eq!(contiguous.local.groups[0], [0, 1, 2, 3]);
@@ -521,43 +507,6 @@ fn gcd(mut a: u32, mut b: u32) -> u32 {
 
 // ---------------------------------------------------------------------------------------------
 // Statistics.
-
-fn sorted(mut values: Vec<f64>) -> Vec<f64> {
-    values.sort_by(f64::total_cmp);
-    values
-}
-
-fn median(values: &[f64]) -> f64 {
-    let v = sorted(values.to_vec());
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
-/// Nearest-rank percentile.
-fn percentile(values: &[f64], p: f64) -> f64 {
-    let v = sorted(values.to_vec());
-    if v.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
-}
-
-#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-fn min(values: &[f64]) -> f64 {
-    values.iter().copied().fold(f64::INFINITY, f64::min)
-}
-
-fn gbps(bytes: u64, us: f64) -> f64 {
-    if us > 0.0 {
-        bytes as f64 / (us * 1e3)
-    } else {
-        0.0
-    }
-}
 
 fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
@@ -673,7 +622,7 @@ mod live {
         COARSE_POLL, DRIVER_POLL, TARGET_RATIO,
     };
     use crate::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
-    use crate::{ConnectorEvent, KvConnector, KvTransferParams, Runtime};
+    use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams, Runtime};
 
     fn nixl(what: &str) -> impl Fn(NixlError) -> TransferBenchError + '_ {
         move |e| TransferBenchError::Nixl(format!("{what}: {e}"))
@@ -1322,7 +1271,7 @@ mod live {
             };
             let (p_id, d_id) = (id(0x9e37_79b9)?, id(0x7f4a_7c15)?);
             let tokens = table.local.total() as u64 * u64::from(BLOCK_TOKENS);
-            let connector = |e: crate::ConnectorError| run_error(format!("connector: {e}"));
+            let connector = |e: kvhandoff::ConnectorError| run_error(format!("connector: {e}"));
 
             let p_start = Instant::now();
             let params = self
@@ -1567,17 +1516,6 @@ mod tests {
             assert_eq!(count(&c), specs.len());
             assert_eq!(count(&f), specs.len() * n as usize);
         }
-    }
-
-    #[test]
-    fn statistics() {
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 99.0), 4.0);
-        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 50.0), 2.0);
-        assert_eq!(gbps(1_000_000_000, 1e6), 1.0);
-        assert_eq!(human_bytes(32 * 1024), "32 KiB");
-        assert_eq!(human_bytes(256 << 20), "256 MiB");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::engines::{
 };
 use super::pattern::pattern_block;
 use super::schedule::Planned;
-use crate::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams};
+use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams};
 
 /// Runs D's side of `plan` on `conn` until every request is verified (or failed) or
 /// `run.deadline`.

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use kvhandoff_protocol::machine::{DecodeFailure, FreeProof, ReleaseCause};
 use kvhandoff_protocol::BlockIds;
 
-use crate::{ConnectorEvent, KvConnector, KvTransferParams};
+use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams};
 
 /// How long an engine loop sleeps between event polls when it has nothing to do.
 const IDLE_POLL: Duration = Duration::from_micros(100);

@@ -14,7 +14,7 @@ use super::engines::{
 };
 use super::pattern::pattern_block;
 use super::schedule::Planned;
-use crate::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams};
+use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams};
 
 /// Runs P's side of `plan` on `conn` until every request had its event or `run.deadline`.
 pub(crate) fn run_prefill(

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use super::engines::{note, DecodeRecord, PrefillRecord};
 use super::schedule::{Planned, Workload};
 use super::DemoOptions;
+use crate::stats::{human_bytes, percentile};
 
 /// Race counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -380,29 +381,6 @@ impl DemoReport {
     }
 }
 
-pub(crate) fn human_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.2} {}", UNITS[unit])
-    }
-}
-
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
 /// The run's facts that are not in the records.
 pub(crate) struct Tallies {
     pub(crate) races: Races,
@@ -570,17 +548,4 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
     report.ok = report.verdict_ok();
     report.verdict = report.verdict_line();
     report
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn percentiles_use_nearest_rank() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&v, 50.0), 50.0);
-        assert_eq!(percentile(&v, 99.0), 99.0);
-        assert_eq!(percentile(&[], 50.0), 0.0);
-    }
 }

@@ -27,7 +27,7 @@ use crate::demo::{
     run_decode, run_prefill, schedule, DecodePacing, DecodeRun, DemoError, Facts, Planned,
     PrefillOutcomes, PrefillPacing, PrefillRun, Races, Tallies, DECODE_ENGINE, PREFILL_ENGINE,
 };
-use crate::{ConnectorIdentity, KvConnector, KvTransferParams, Runtime};
+use kvhandoff::{ConnectorIdentity, KvConnector, KvTransferParams, Runtime};
 
 /// Wall-clock times of a run's instants.
 #[derive(Debug, Clone, Copy)]

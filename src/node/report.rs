@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 #[cfg(doc)]
 use super::run_on;
 use super::{DemoReport, NodeRole};
-use crate::demo::{human_bytes, PrefillOutcomes, Races};
+use crate::demo::{PrefillOutcomes, Races};
+use crate::stats::human_bytes;
 
 /// The side channel as this node saw it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
