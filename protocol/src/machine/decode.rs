@@ -25,7 +25,7 @@ use crate::{
     BlockIds, Cancel, CancelReason, Epoch, Message, PairingKey, Register, RequestId, WriteFailure,
 };
 
-use super::effects::{Effects, Step};
+use super::effects::{Outbox, Step};
 use super::types::{DecodeFailure, DecodeOutcome, DecodeStart, DropReason, FreeProof, Time};
 use super::{ActiveMutation, Config, Mutation};
 use crate::PeerAddr;
@@ -240,7 +240,7 @@ impl DecodeRequest {
         self,
         ctx: &DecodeCtx<'_>,
         input: DecodeInput,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) -> DecodeStep {
         match self {
             DecodeRequest::Connecting(s) => s.handle(ctx, input, fx),
@@ -251,7 +251,7 @@ impl DecodeRequest {
 }
 
 impl Connecting {
-    fn handle(self, ctx: &DecodeCtx<'_>, input: DecodeInput, fx: &mut Effects<'_>) -> DecodeStep {
+    fn handle(self, ctx: &DecodeCtx<'_>, input: DecodeInput, fx: &mut Outbox) -> DecodeStep {
         let failed = |s: Self, reason| {
             s.common
                 .end(DecodeOutcome::Failed(reason), FreeProof::NeverExposed)
@@ -299,12 +299,7 @@ impl Registered {
         }))
     }
 
-    fn cancel(
-        self,
-        ctx: &DecodeCtx<'_>,
-        reason: DecodeFailure,
-        fx: &mut Effects<'_>,
-    ) -> DecodeStep {
+    fn cancel(self, ctx: &DecodeCtx<'_>, reason: DecodeFailure, fx: &mut Outbox) -> DecodeStep {
         fx.send(
             &self.common.prefill,
             self.common.cancel_message(cancel_reason(reason)),
@@ -319,12 +314,7 @@ impl Registered {
         }))
     }
 
-    fn handle(
-        mut self,
-        ctx: &DecodeCtx<'_>,
-        input: DecodeInput,
-        fx: &mut Effects<'_>,
-    ) -> DecodeStep {
+    fn handle(mut self, ctx: &DecodeCtx<'_>, input: DecodeInput, fx: &mut Outbox) -> DecodeStep {
         match input {
             DecodeInput::WriteDone { rank } => {
                 if !self.landed.insert(rank) {
@@ -400,7 +390,7 @@ impl Registered {
 }
 
 impl Cancelling {
-    fn settle(mut self, rank: u32, proof: FreeProof, fx: &mut Effects<'_>) -> DecodeStep {
+    fn settle(mut self, rank: u32, proof: FreeProof, fx: &mut Outbox) -> DecodeStep {
         if !self.settled.insert(rank) {
             // As in `Registered`: the rank already settled; counted, and nothing changes.
             fx.drop_input(DropReason::Duplicate);
@@ -413,12 +403,7 @@ impl Cancelling {
         Step::Live(DecodeRequest::Cancelling(self))
     }
 
-    fn handle(
-        mut self,
-        ctx: &DecodeCtx<'_>,
-        input: DecodeInput,
-        fx: &mut Effects<'_>,
-    ) -> DecodeStep {
+    fn handle(mut self, ctx: &DecodeCtx<'_>, input: DecodeInput, fx: &mut Outbox) -> DecodeStep {
         let outcome = DecodeOutcome::Failed(self.reason);
         match input {
             // Each source rank acknowledges for itself; the blocks come back once every rank

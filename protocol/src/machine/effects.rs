@@ -1,5 +1,5 @@
-//! What a request machine's transition can do besides changing state: emit outputs and count
-//! drops. Every machine gets one `Effects` per transition.
+//! What a transition can do besides changing state: queue outputs and count drops, in the
+//! endpoint's one [`Outbox`].
 
 use std::collections::VecDeque;
 
@@ -8,13 +8,15 @@ use crate::Message;
 use super::types::{Counters, DropReason, Output};
 use crate::PeerAddr;
 
-/// The side effects of one transition.
-pub(crate) struct Effects<'a> {
-    pub(crate) out: &'a mut VecDeque<Output>,
-    pub(crate) counters: &'a mut Counters,
+/// The endpoint's outputs, in order, and its counters: every transition of every machine
+/// writes here and nowhere else.
+#[derive(Debug, Default)]
+pub(crate) struct Outbox {
+    pub(crate) out: VecDeque<Output>,
+    pub(crate) counters: Counters,
 }
 
-impl Effects<'_> {
+impl Outbox {
     pub(crate) fn send(&mut self, to: &PeerAddr, message: Message) {
         self.out.push_back(Output::Send {
             to: to.clone(),

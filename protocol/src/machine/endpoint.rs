@@ -7,7 +7,7 @@
 
 mod peers;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 use crate::{
     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason, RequestId,
@@ -15,7 +15,7 @@ use crate::{
 
 use super::config::ConfigError;
 use super::decode::{DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput, DecodeRequest};
-use super::effects::{Effects, Step};
+use super::effects::{Outbox, Step};
 use super::peer::{Peer, PeerInput};
 use super::prefill_table::{assert_old_record_to_evict, young_cutoff, PrefillTable};
 use super::tables::{Machines, Tombstones};
@@ -86,8 +86,7 @@ pub struct Endpoint {
     decode_tombstones: Tombstones<PairingKey, Epoch>,
     prefills: PrefillTable,
     peers: Machines<PeerAddr, Peer>,
-    out: VecDeque<Output>,
-    counters: Counters,
+    outbox: Outbox,
     /// Set by [`EngineCall::Shutdown`]: no new requests are taken.
     shutting_down: bool,
     /// The deliberate bug in force (simulator only; see [`super::Mutation`]).
@@ -109,8 +108,7 @@ impl Endpoint {
             decodes: Machines::default(),
             decode_by_request: BTreeMap::new(),
             peers: Machines::default(),
-            out: VecDeque::new(),
-            counters: Counters::default(),
+            outbox: Outbox::default(),
             shutting_down: false,
             mutation: ActiveMutation::default(),
         })
@@ -136,7 +134,7 @@ impl Endpoint {
 
     /// Counters of drops, renewals, races and the like.
     pub fn counters(&self) -> &Counters {
-        &self.counters
+        &self.outbox.counters
     }
 
     /// The incarnation `peer` is connected to, if it is connected. A handshake naming this
@@ -155,7 +153,7 @@ impl Endpoint {
             writes_in_flight: self.prefills.writes_in_flight(),
             peers: self.peers.len(),
             tombstones: self.decode_tombstones.len() + self.prefills.tombstones(),
-            queued_outputs: self.out.len(),
+            queued_outputs: self.outbox.out.len(),
         }
     }
 
@@ -168,12 +166,12 @@ impl Endpoint {
     /// True while any request is live or any output is queued: the engine loop must keep
     /// stepping.
     pub fn has_pending_work(&self) -> bool {
-        !self.decodes.is_empty() || self.prefills.live_requests() > 0 || !self.out.is_empty()
+        !self.decodes.is_empty() || self.prefills.live_requests() > 0 || !self.outbox.out.is_empty()
     }
 
     /// The next thing for the shell to do.
     pub fn poll_output(&mut self) -> Option<Output> {
-        self.out.pop_front()
+        self.outbox.out.pop_front()
     }
 
     /// When [`Endpoint::handle_timeout`] must next be called.
@@ -206,11 +204,8 @@ impl Endpoint {
                 Ok(())
             }
             EngineCall::PrefillFinished(start) => {
-                let mut fx = Effects {
-                    out: &mut self.out,
-                    counters: &mut self.counters,
-                };
-                self.prefills.finished(now, start, &mut fx)
+                let fx = &mut self.outbox;
+                self.prefills.finished(now, start, fx)
             }
             EngineCall::Abort { request } => self.abort(now, &request),
         };
@@ -225,7 +220,7 @@ impl Endpoint {
             NetEvent::Received { from, message } => self.received(now, from, message),
             NetEvent::Malformed { from, error } => {
                 tracing::debug!(?from, %error, "malformed message dropped");
-                self.counters.drop(DropReason::Malformed);
+                self.outbox.counters.drop(DropReason::Malformed);
             }
             NetEvent::PeerConnected { peer, incarnation } => {
                 self.peer_input(now, &peer, PeerInput::Connected(incarnation));
@@ -249,11 +244,8 @@ impl Endpoint {
         }
         self.decode_tombstones.expire(now);
         {
-            let mut fx = Effects {
-                out: &mut self.out,
-                counters: &mut self.counters,
-            };
-            self.prefills.on_timeout(now, &mut fx);
+            let fx = &mut self.outbox;
+            self.prefills.on_timeout(now, fx);
         }
         for peer in self.peers.take_due(now) {
             self.peer_input(now, &peer, PeerInput::Timeout);
@@ -270,12 +262,9 @@ impl Endpoint {
             self.step_decode(now, &key, DecodeInput::Shutdown);
         }
         for request in self.prefills.live_request_ids() {
-            let mut fx = Effects {
-                out: &mut self.out,
-                counters: &mut self.counters,
-            };
+            let fx = &mut self.outbox;
             // Every listed request is live, so the abort cannot be refused.
-            let _ = self.prefills.abort(now, &request, &mut fx);
+            let _ = self.prefills.abort(now, &request, fx);
         }
     }
 
@@ -366,14 +355,16 @@ impl Endpoint {
         });
         self.send_or_queue(now, &start.prefill, release);
         self.remember_decode(now, start.key.clone(), start.epoch);
-        self.out.push_back(Output::Event(EngineEvent::Decode {
-            request: start.request,
-            key: start.key,
-            epoch: start.epoch,
-            outcome: DecodeOutcome::Ready,
-            proof: FreeProof::NeverExposed,
-            blocks: start.blocks,
-        }));
+        self.outbox
+            .out
+            .push_back(Output::Event(EngineEvent::Decode {
+                request: start.request,
+                key: start.key,
+                epoch: start.epoch,
+                outcome: DecodeOutcome::Ready,
+                proof: FreeProof::NeverExposed,
+                blocks: start.blocks,
+            }));
         Ok(())
     }
 
@@ -382,17 +373,14 @@ impl Endpoint {
             self.step_decode(now, &key, DecodeInput::Abort);
             return Ok(());
         }
-        let mut fx = Effects {
-            out: &mut self.out,
-            counters: &mut self.counters,
-        };
-        self.prefills.abort(now, request, &mut fx)
+        let fx = &mut self.outbox;
+        self.prefills.abort(now, request, fx)
     }
 
     /// Sends `message` to `peer` now, or after the handshake if one is needed.
     fn send_or_queue(&mut self, now: Time, peer: &PeerAddr, message: Message) {
         if self.peers.get(peer).is_some_and(Peer::is_connected) {
-            self.out.push_back(Output::Send {
+            self.outbox.out.push_back(Output::Send {
                 to: peer.clone(),
                 message,
             });
@@ -406,7 +394,7 @@ impl Endpoint {
             .is_some_and(|p| p.queue(message, config));
         if !queued {
             // Best effort: P's lease frees its blocks anyway.
-            self.counters.drop(DropReason::TableFull);
+            self.outbox.counters.drop(DropReason::TableFull);
         }
     }
 
@@ -417,16 +405,13 @@ impl Endpoint {
             config: &self.config,
             mutation: self.mutation,
         };
-        let mut fx = Effects {
-            out: &mut self.out,
-            counters: &mut self.counters,
-        };
+        let fx = &mut self.outbox;
         let transition = |request: DecodeRequest| {
             let epoch = request.common().epoch;
             let _span =
                 tracing::debug_span!("decode", key = %key, epoch = %epoch, rank = ctx.own.rank)
                     .entered();
-            match request.handle(&ctx, input, &mut fx) {
+            match request.handle(&ctx, input, fx) {
                 Step::Live(next) => (Some(next), None),
                 Step::Ended(ended) => (None, Some(ended)),
             }
@@ -450,8 +435,8 @@ impl Endpoint {
         self.decode_by_request.remove(&common.request);
         self.remember_decode(now, common.key.clone(), common.epoch);
         match proof {
-            FreeProof::Quarantine => self.counters.quarantine_frees += 1,
-            FreeProof::DeadPeerFence => self.counters.fence_frees += 1,
+            FreeProof::Quarantine => self.outbox.counters.quarantine_frees += 1,
+            FreeProof::DeadPeerFence => self.outbox.counters.fence_frees += 1,
             FreeProof::NeverExposed
             | FreeProof::WritesCompleted
             | FreeProof::CancelAcknowledged
@@ -473,58 +458,46 @@ impl Endpoint {
             });
             self.send_or_queue(now, &common.prefill, release);
         }
-        self.out.push_back(Output::Event(EngineEvent::Decode {
-            request: common.request,
-            key: common.key,
-            epoch: common.epoch,
-            outcome,
-            proof,
-            blocks: common.blocks,
-        }));
+        self.outbox
+            .out
+            .push_back(Output::Event(EngineEvent::Decode {
+                request: common.request,
+                key: common.key,
+                epoch: common.epoch,
+                outcome,
+                proof,
+                blocks: common.blocks,
+            }));
     }
 
     fn received(&mut self, now: Time, from: PeerAddr, message: Message) {
         if !self.heard(now, &from) {
-            self.counters.drop(DropReason::UnknownPeer);
+            self.outbox.counters.drop(DropReason::UnknownPeer);
             return;
         }
         match message {
-            Message::Handshake(_) => self.counters.drop(DropReason::WrongPath),
+            Message::Handshake(_) => self.outbox.counters.drop(DropReason::WrongPath),
             Message::Register(register) => {
-                let mut fx = Effects {
-                    out: &mut self.out,
-                    counters: &mut self.counters,
-                };
-                self.prefills.on_register(now, from, register, &mut fx);
+                let fx = &mut self.outbox;
+                self.prefills.on_register(now, from, register, fx);
             }
             Message::Cancel(cancel) => {
-                let mut fx = Effects {
-                    out: &mut self.out,
-                    counters: &mut self.counters,
-                };
+                let fx = &mut self.outbox;
                 self.prefills
-                    .on_cancel(now, from, cancel.key, cancel.epoch, &mut fx);
+                    .on_cancel(now, from, cancel.key, cancel.epoch, fx);
             }
             Message::Release(release) => {
-                let mut fx = Effects {
-                    out: &mut self.out,
-                    counters: &mut self.counters,
-                };
+                let fx = &mut self.outbox;
                 let (key, epoch, reason) = (release.key, release.epoch, release.reason);
-                self.prefills
-                    .on_release(now, &from, key, epoch, reason, &mut fx);
+                self.prefills.on_release(now, &from, key, epoch, reason, fx);
             }
             Message::Heartbeat(heartbeat) => {
                 if heartbeat.engine != from.engine {
-                    self.counters.drop(DropReason::Unexpected);
+                    self.outbox.counters.drop(DropReason::Unexpected);
                     return;
                 }
-                let mut fx = Effects {
-                    out: &mut self.out,
-                    counters: &mut self.counters,
-                };
-                self.prefills
-                    .on_heartbeat(now, &from, heartbeat.leases, &mut fx);
+                let fx = &mut self.outbox;
+                self.prefills.on_heartbeat(now, &from, heartbeat.leases, fx);
             }
             Message::WriteDone(m) => {
                 let input = DecodeInput::WriteDone {
@@ -564,33 +537,30 @@ impl Endpoint {
             } else {
                 DropReason::UnknownKey
             };
-            self.counters.drop(reason);
+            self.outbox.counters.drop(reason);
             return;
         };
         let common = request.common();
         if common.prefill.engine != from.engine {
-            self.counters.drop(DropReason::Unexpected);
+            self.outbox.counters.drop(DropReason::Unexpected);
             return;
         }
         let stale_accepted = self.mutation.is(super::Mutation::AcceptStaleWriteDone)
             && matches!(input, DecodeInput::WriteDone { .. });
         if epoch < common.epoch && !stale_accepted {
-            self.counters.drop(DropReason::StaleEpoch);
+            self.outbox.counters.drop(DropReason::StaleEpoch);
             return;
         }
         if epoch > common.epoch {
-            self.counters.drop(DropReason::FutureEpoch);
+            self.outbox.counters.drop(DropReason::FutureEpoch);
             return;
         }
         self.step_decode(now, key, input);
     }
 
     fn write_result(&mut self, now: Time, write: WriteId, failure: Option<crate::WriteFailure>) {
-        let mut fx = Effects {
-            out: &mut self.out,
-            counters: &mut self.counters,
-        };
-        self.prefills.on_write_result(now, write, failure, &mut fx);
+        let fx = &mut self.outbox;
+        self.prefills.on_write_result(now, write, failure, fx);
     }
 
     /// Asserts every cross-table invariant (debug builds only; O(table size)).

@@ -19,7 +19,7 @@ use crate::{
     WriteFailed, WriteFailure,
 };
 
-use super::effects::{Effects, Step};
+use super::effects::{Outbox, Step};
 use super::types::{DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder};
 use super::{ActiveMutation, Config, Mutation};
 use crate::{PeerAddr, WriteId};
@@ -187,7 +187,7 @@ fn refuse_other_registration(
     binding: &Binding,
     from: &PeerAddr,
     register: &Register,
-    fx: &mut Effects<'_>,
+    fx: &mut Outbox,
 ) {
     if register.epoch == binding.epoch {
         fx.drop_input(DropReason::Duplicate);
@@ -261,7 +261,7 @@ impl PrefillRequest {
         self,
         ctx: &PrefillCtx<'_>,
         input: PrefillInput,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) -> PrefillStep {
         match self {
             PrefillRequest::Held(s) => s.handle(ctx, input, fx),
@@ -278,7 +278,7 @@ impl Held {
         ctx: &PrefillCtx<'_>,
         from: PeerAddr,
         register: Register,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) -> PrefillStep {
         let Some(local) = pair_blocks(&self.common.blocks, &register.blocks) else {
             fx.send(
@@ -321,12 +321,7 @@ impl Held {
         }))
     }
 
-    fn handle(
-        mut self,
-        ctx: &PrefillCtx<'_>,
-        input: PrefillInput,
-        fx: &mut Effects<'_>,
-    ) -> PrefillStep {
+    fn handle(mut self, ctx: &PrefillCtx<'_>, input: PrefillInput, fx: &mut Outbox) -> PrefillStep {
         match input {
             PrefillInput::Registered { from, register } => {
                 self.start_write(ctx, from, *register, fx)
@@ -367,7 +362,7 @@ impl Held {
 }
 
 impl Writing {
-    fn drain(self, ctx: &PrefillCtx<'_>, cause: DrainCause, fx: &mut Effects<'_>) -> PrefillStep {
+    fn drain(self, ctx: &PrefillCtx<'_>, cause: DrainCause, fx: &mut Outbox) -> PrefillStep {
         let abandon_now = matches!(cause, DrainCause::PeerDead | DrainCause::TimedOut);
         if abandon_now {
             fx.emit(Output::AbandonWrite {
@@ -392,12 +387,7 @@ impl Writing {
         }))
     }
 
-    fn handle(
-        self,
-        ctx: &PrefillCtx<'_>,
-        input: PrefillInput,
-        fx: &mut Effects<'_>,
-    ) -> PrefillStep {
+    fn handle(self, ctx: &PrefillCtx<'_>, input: PrefillInput, fx: &mut Outbox) -> PrefillStep {
         let epoch = self.binding.epoch;
         match input {
             PrefillInput::WriteCompleted => self.common.end(PrefillOutcome::Sent, Some(epoch)),
@@ -460,7 +450,7 @@ impl Draining {
         ctx: &PrefillCtx<'_>,
         landed: bool,
         failure: WriteFailure,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) -> PrefillStep {
         let epoch = self.binding.epoch;
         let key = &self.common.key;
@@ -493,12 +483,7 @@ impl Draining {
         self.common.end(outcome, Some(epoch))
     }
 
-    fn handle(
-        mut self,
-        ctx: &PrefillCtx<'_>,
-        input: PrefillInput,
-        fx: &mut Effects<'_>,
-    ) -> PrefillStep {
+    fn handle(mut self, ctx: &PrefillCtx<'_>, input: PrefillInput, fx: &mut Outbox) -> PrefillStep {
         let epoch = self.binding.epoch;
         match input {
             PrefillInput::WriteCompleted => {

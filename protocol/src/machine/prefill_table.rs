@@ -18,7 +18,7 @@ use crate::{
     WriteFailed, WriteFailure,
 };
 
-use super::effects::{Effects, Step};
+use super::effects::{Outbox, Step};
 use super::prefill::{PrefillCommon, PrefillCtx, PrefillEnded, PrefillInput, PrefillRequest};
 use super::tables::{Machines, TimerIndex, Tombstones};
 use super::types::{DropReason, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time};
@@ -126,7 +126,7 @@ impl PrefillTable {
     }
 
     /// Runs one input through the request for `key` and files the result.
-    fn step(&mut self, now: Time, key: &PairingKey, input: PrefillInput, fx: &mut Effects<'_>) {
+    fn step(&mut self, now: Time, key: &PairingKey, input: PrefillInput, fx: &mut Outbox) {
         let ctx = PrefillCtx {
             now,
             own_rank: self.rank,
@@ -176,7 +176,7 @@ impl PrefillTable {
         &mut self,
         now: Time,
         start: PrefillStart,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) -> Result<(), Rejected> {
         self.expire_pending_before_use(now, fx);
         // A list past the wire limits could never be sent to D: refuse it here, typed.
@@ -289,7 +289,7 @@ impl PrefillTable {
         &mut self,
         now: Time,
         request: &RequestId,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) -> Result<(), Rejected> {
         let Some(key) = self.by_request.get(request).cloned() else {
             return Err(Rejected::UnknownRequest(request.clone()));
@@ -304,7 +304,7 @@ impl PrefillTable {
         now: Time,
         from: PeerAddr,
         register: Box<Register>,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) {
         self.expire_pending_before_use(now, fx);
         if register.decode_engine != from.engine || register.decode_rank != from.rank {
@@ -453,7 +453,7 @@ impl PrefillTable {
         from: PeerAddr,
         key: PairingKey,
         epoch: Epoch,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) {
         self.expire_pending_before_use(now, fx);
         if !self.may_settle(&key, &from) {
@@ -517,7 +517,7 @@ impl PrefillTable {
         key: PairingKey,
         epoch: Epoch,
         reason: ReleaseReason,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) {
         self.expire_pending_before_use(now, fx);
         if !self.may_settle(&key, from) {
@@ -562,7 +562,7 @@ impl PrefillTable {
         now: Time,
         from: &PeerAddr,
         leases: Vec<LeaseRef>,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) {
         self.expire_pending_before_use(now, fx);
         let any_sender = self.mutation.is(Mutation::IgnoreHeartbeatSender);
@@ -588,7 +588,7 @@ impl PrefillTable {
         now: Time,
         write: WriteId,
         failure: Option<WriteFailure>,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) {
         let Some(key) = self.writes.get(&write).cloned() else {
             fx.drop_input(DropReason::UnknownWrite);
@@ -602,7 +602,7 @@ impl PrefillTable {
     }
 
     /// A D peer was declared dead (its connection is already invalidated).
-    pub(crate) fn on_peer_dead(&mut self, now: Time, peer: &PeerAddr, fx: &mut Effects<'_>) {
+    pub(crate) fn on_peer_dead(&mut self, now: Time, peer: &PeerAddr, fx: &mut Outbox) {
         let dropped: Vec<PairingKey> = self
             .pending
             .iter()
@@ -631,7 +631,7 @@ impl PrefillTable {
     }
 
     /// Fires every timer due at `now`.
-    pub(crate) fn on_timeout(&mut self, now: Time, fx: &mut Effects<'_>) {
+    pub(crate) fn on_timeout(&mut self, now: Time, fx: &mut Outbox) {
         for key in self.requests.take_due(now) {
             self.step(now, &key, PrefillInput::Timeout, fx);
         }
@@ -643,14 +643,14 @@ impl PrefillTable {
     /// pending table, not only on the timer: a shell that runs late (a stalled process, a busy
     /// loop) must not match a registration D may already have given up on — D's fence counts
     /// on it expiring `registration_ttl` after D's last renewal.
-    fn expire_pending_before_use(&mut self, now: Time, fx: &mut Effects<'_>) {
+    fn expire_pending_before_use(&mut self, now: Time, fx: &mut Outbox) {
         if !self.mutation.is(Mutation::MatchExpiredRegistration) {
             self.expire_pending(now, fx);
         }
     }
 
     /// Answers every registration whose wait ended by `now` (the timer's half).
-    fn expire_pending(&mut self, now: Time, fx: &mut Effects<'_>) {
+    fn expire_pending(&mut self, now: Time, fx: &mut Outbox) {
         for key in self.pending_timers.take_due(now) {
             if let Some(pending) = self.pending.remove(&key) {
                 // Nothing was posted for it: D may fail fast.

@@ -1,7 +1,7 @@
 //! Table-driven tests of `DecodeRequest`: every (state, input) pair, with the exact next state,
 //! outputs and counters.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 
 use crate::{
     BlockIds, Cancel, CancelReason, EngineId, Epoch, Message, PairingKey, Register, RequestId,
@@ -12,7 +12,7 @@ use super::{
     cancel_reason, Cancelling, Connecting, DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput,
     DecodeRequest, Registered,
 };
-use crate::machine::effects::{Effects, Step};
+use crate::machine::effects::{Outbox, Step};
 use crate::machine::types::{
     Counters, DecodeFailure, DecodeOutcome, DropReason, FreeProof, Output, Time,
 };
@@ -828,17 +828,12 @@ fn step(state: DecodeRequest, now: Time, input: DecodeInput) -> (Next, Vec<Outpu
         config: &config,
         mutation: Default::default(),
     };
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     let next = match state.handle(&ctx, input, &mut fx) {
         Step::Live(next) => Next::Live(next),
         Step::Ended(ended) => Next::Ended(ended),
     };
-    (next, out.into_iter().collect(), counters)
+    (next, fx.out.into_iter().collect(), fx.counters)
 }
 
 #[test]

@@ -5,7 +5,6 @@ use crate::{Heartbeat, LeaseRef, Message, PairingKey, MAX_HEARTBEAT_LEASES};
 
 use super::Endpoint;
 use crate::machine::decode::{DecodeInput, DecodeRequest};
-use crate::machine::effects::Effects;
 use crate::machine::peer::{Peer, PeerDown, PeerInput, PeerNotice};
 use crate::machine::types::{DropReason, Output, Time};
 use crate::machine::Mutation;
@@ -49,7 +48,9 @@ impl Endpoint {
                             self.fail_waiting_decodes(now, peer);
                             return;
                         }
-                        self.out.push_back(Output::Connect { peer: peer.clone() });
+                        self.outbox
+                            .out
+                            .push_back(Output::Connect { peer: peer.clone() });
                         let fresh = Peer::connecting(now, &self.config);
                         let timer = fresh.next_timer(&self.config);
                         self.peers.insert(peer.clone(), fresh, timer);
@@ -57,7 +58,7 @@ impl Endpoint {
                     }
                     PeerInput::Connected(_) => {
                         if self.peers.len() >= self.config.max_peers {
-                            self.counters.drop(DropReason::TableFull);
+                            self.outbox.counters.drop(DropReason::TableFull);
                             return;
                         }
                         // A peer that connected to us: as if it had been known and dead.
@@ -69,19 +70,22 @@ impl Endpoint {
                     }
                     PeerInput::ConnectFailed(_) | PeerInput::Lost | PeerInput::Timeout => return,
                     PeerInput::Heard => {
-                        self.counters.drop(DropReason::UnknownPeer);
+                        self.outbox.counters.drop(DropReason::UnknownPeer);
                         return;
                     }
                 }
             };
         match notice {
             PeerNotice::Quiet | PeerNotice::Forget => {}
-            PeerNotice::Connect => self.out.push_back(Output::Connect { peer: peer.clone() }),
-            PeerNotice::NotConnected => self.counters.drop(DropReason::UnknownPeer),
+            PeerNotice::Connect => self
+                .outbox
+                .out
+                .push_back(Output::Connect { peer: peer.clone() }),
+            PeerNotice::NotConnected => self.outbox.counters.drop(DropReason::UnknownPeer),
             PeerNotice::Up(queued) => {
                 tracing::debug!(peer = %peer, "peer connected");
                 for message in queued {
-                    self.out.push_back(Output::Send {
+                    self.outbox.out.push_back(Output::Send {
                         to: peer.clone(),
                         message,
                     });
@@ -89,15 +93,15 @@ impl Endpoint {
                 self.wake_connecting_decodes(now, peer);
             }
             PeerNotice::Repeated if self.mutation.is(Mutation::HandshakeAlwaysRestart) => {
-                self.counters.peer_restarts += 1;
+                self.outbox.counters.peer_restarts += 1;
                 self.peer_died(now, peer, false);
             }
             PeerNotice::Repeated => {
                 tracing::debug!(peer = %peer, "repeated handshake of the connected incarnation");
-                self.counters.repeated_handshakes += 1;
+                self.outbox.counters.repeated_handshakes += 1;
             }
             PeerNotice::Restarted => {
-                self.counters.peer_restarts += 1;
+                self.outbox.counters.peer_restarts += 1;
                 tracing::info!(peer = %peer, "peer restarted; its old incarnation is dead");
                 // The shell replaced the old incarnation before reporting the new one (see
                 // `NetEvent::PeerConnected`): invalidating now would cut the new one.
@@ -141,19 +145,17 @@ impl Endpoint {
     /// Invalidates the peer first, so that by the time a request learns of the death no write
     /// from the peer can land any more; then fails everything bound to it.
     fn peer_died(&mut self, now: Time, peer: &PeerAddr, invalidate: bool) {
-        self.counters.peers_declared_dead += 1;
+        self.outbox.counters.peers_declared_dead += 1;
         if invalidate {
-            self.out
+            self.outbox
+                .out
                 .push_back(Output::Invalidate { peer: peer.clone() });
         }
         for key in self.decodes_bound_to(peer) {
             self.step_decode(now, &key, DecodeInput::PeerDead);
         }
-        let mut fx = Effects {
-            out: &mut self.out,
-            counters: &mut self.counters,
-        };
-        self.prefills.on_peer_dead(now, peer, &mut fx);
+        let fx = &mut self.outbox;
+        self.prefills.on_peer_dead(now, peer, fx);
     }
 
     /// A heartbeat to `peer`, naming every lease D wants P to keep (several messages if the
@@ -176,8 +178,8 @@ impl Endpoint {
             chunks.push(Vec::new());
         }
         for leases in chunks {
-            self.counters.heartbeats_sent += 1;
-            self.out.push_back(Output::Send {
+            self.outbox.counters.heartbeats_sent += 1;
+            self.outbox.out.push_back(Output::Send {
                 to: peer.clone(),
                 message: Message::Heartbeat(Heartbeat {
                     engine: self.own.engine.clone(),

@@ -1,7 +1,7 @@
 //! Table-driven tests of `PrefillRequest`: every (state, input) pair — `Draining` once per
 //! `DrainCause` — with the exact next state, outputs and counters, plus `pair_blocks`.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 
 use crate::{
     BlockIds, CancelAck, EngineId, Epoch, Message, PairingKey, Register, ReleaseReason, RequestId,
@@ -12,7 +12,7 @@ use super::{
     pair_blocks, Binding, DrainCause, Draining, Held, PrefillCommon, PrefillCtx, PrefillEnded,
     PrefillInput, PrefillRequest, Writing,
 };
-use crate::machine::effects::{Effects, Step};
+use crate::machine::effects::{Outbox, Step};
 use crate::machine::types::{
     Counters, DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder,
 };
@@ -1199,17 +1199,12 @@ fn step(state: PrefillRequest, now: Time, input: PrefillInput) -> (Next, Vec<Out
         next_write: WRITE,
         mutation: Default::default(),
     };
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     let next = match state.handle(&ctx, input, &mut fx) {
         Step::Live(next) => Next::Live(next),
         Step::Ended(ended) => Next::Ended(ended),
     };
-    (next, out.into_iter().collect(), counters)
+    (next, fx.out.into_iter().collect(), fx.counters)
 }
 
 #[test]

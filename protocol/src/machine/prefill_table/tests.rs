@@ -2,7 +2,7 @@
 //! registration, held, writing, draining, and each tombstone kind) × every input of the table,
 //! with the exact result, outputs, counters and the key's next state.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 
 use crate::{
     BlockIds, CancelAck, EngineId, Epoch, LeaseRef, Message, PairingKey, Register, ReleaseReason,
@@ -11,7 +11,7 @@ use crate::{
 
 use super::tombstones::tombstone_for;
 use super::{PendingRegistration, PrefillTable, PrefillTombstone};
-use crate::machine::effects::Effects;
+use crate::machine::effects::Outbox;
 use crate::machine::prefill::{
     Binding, DrainCause, Draining, Held, PrefillCommon, PrefillRequest, Writing,
 };
@@ -122,12 +122,7 @@ fn cancel(epoch: Epoch) -> WInput {
     WInput::Cancel(d(), epoch)
 }
 
-fn apply(
-    w: &mut PrefillTable,
-    now: Time,
-    input: WInput,
-    fx: &mut Effects<'_>,
-) -> Result<(), Rejected> {
+fn apply(w: &mut PrefillTable, now: Time, input: WInput, fx: &mut Outbox) -> Result<(), Rejected> {
     match input {
         WInput::Register(from, register) => w.on_register(now, from, register, fx),
         WInput::Cancel(from, epoch) => w.on_cancel(now, from, key(), epoch, fx),
@@ -203,12 +198,7 @@ fn tomb_aborted() -> PrefillTable {
 /// `RegistrationExpired` and remembers that (set up at `PENDING_MS`, not T0).
 fn tomb_answered() -> PrefillTable {
     let mut w = setup(config(), vec![register(EPOCH)]);
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     w.on_timeout(ms(PENDING_MS), &mut fx);
     w.check_invariants();
     w
@@ -1252,14 +1242,9 @@ fn draining_cases() -> Vec<Case> {
             "draining, abandoned + timeout at deadline: unconfirmed, source blocks held (stuck)",
             || {
                 let mut w = draining();
-                let mut out = VecDeque::new();
-                let mut counters = Counters::default();
-                let mut fx = Effects {
-                    out: &mut out,
-                    counters: &mut counters,
-                };
+                let mut fx = Outbox::default();
                 w.on_timeout(ms(WRITE_DL_MS), &mut fx);
-                assert_eq!(out, [Output::AbandonWrite { write: W1 }]);
+                assert_eq!(fx.out, [Output::AbandonWrite { write: W1 }]);
                 w
             },
             WInput::Timeout,
@@ -2164,19 +2149,14 @@ fn every_state_and_input() {
         assert!(names.insert(name), "case names are unique: {name}");
         let mut w = (case.build)();
         w.check_invariants();
-        let mut out = VecDeque::new();
-        let mut counters = Counters::default();
-        let mut fx = Effects {
-            out: &mut out,
-            counters: &mut counters,
-        };
+        let mut fx = Outbox::default();
         let result = apply(&mut w, case.now, case.input.clone(), &mut fx);
         w.check_invariants();
-        let outputs: Vec<Output> = out.into_iter().collect();
+        let outputs: Vec<Output> = fx.out.into_iter().collect();
         assert_eq!(result, case.result, "case `{name}`: result");
         assert_eq!(snapshot(&w), case.next, "case `{name}`: next state");
         assert_eq!(outputs, case.outputs, "case `{name}`: outputs");
-        assert_eq!(counters, case.counters, "case `{name}`: counters");
+        assert_eq!(fx.counters, case.counters, "case `{name}`: fx.counters");
 
         // Safety: blocks are handed back only when no write of theirs is in flight.
         let freed = outputs
@@ -2191,7 +2171,7 @@ fn every_state_and_input() {
         // Safety: a cancel from the key's own D is answered now, or owed by a drain of that
         // very epoch (a cancel from another peer is refused, and counted).
         if let WInput::Cancel(from, epoch) = &case.input {
-            let refused = counters.dropped(DropReason::Unexpected) == 1 && outputs.is_empty();
+            let refused = fx.counters.dropped(DropReason::Unexpected) == 1 && outputs.is_empty();
             let acked = refused || outputs.contains(&ack_to(from, *epoch));
             let owed = matches!(
                 &case.next.request,
@@ -2311,12 +2291,7 @@ fn next_timer_is_the_earliest_of_every_table() {
 #[test]
 fn write_ids_are_never_reused() {
     let mut w = writing();
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     w.on_write_result(ms(NOW_MS), W1, None, &mut fx);
     let mut second = start_with(RequestId::new("req-p2").unwrap(), p_blocks());
     second.key = other_key();
@@ -2325,7 +2300,8 @@ fn write_ids_are_never_reused() {
     r.key = other_key();
     w.on_register(ms(NOW_MS), d(), r, &mut fx);
     w.check_invariants();
-    let posted: Vec<WriteId> = out
+    let posted: Vec<WriteId> = fx
+        .out
         .iter()
         .filter_map(|o| {
             if let Output::PostWrite(order) = o {
@@ -2351,20 +2327,15 @@ fn newer_registration_after_release_fails_fast() {
     for give_up in gave_up {
         let mut w = setup(config(), vec![WInput::Finished(start()), give_up.clone()]);
         assert_eq!(snapshot(&w), tomb(settled(EPOCH)), "{give_up:?}");
-        let mut out = VecDeque::new();
-        let mut counters = Counters::default();
-        let mut fx = Effects {
-            out: &mut out,
-            counters: &mut counters,
-        };
+        let mut fx = Outbox::default();
         w.on_register(ms(NOW_MS), d(), registration(&d(), Epoch(3)), &mut fx);
         w.check_invariants();
         assert_eq!(
-            out.into_iter().collect::<Vec<_>>(),
+            fx.out.into_iter().collect::<Vec<_>>(),
             [write_failed(Epoch(3), WriteFailure::Unavailable)],
             "{give_up:?}"
         );
-        assert_eq!(counters, dropped(DropReason::Late), "{give_up:?}");
+        assert_eq!(fx.counters, dropped(DropReason::Late), "{give_up:?}");
         assert!(w.pending.is_empty(), "{give_up:?}");
         assert_eq!(snapshot(&w), tomb(settled(Epoch(3))), "{give_up:?}");
     }
@@ -2374,19 +2345,14 @@ fn newer_registration_after_release_fails_fast() {
 #[test]
 fn newer_registration_after_an_early_give_up_fails_fast_once_the_blocks_are_gone() {
     let mut w = setup(config(), vec![cancel(EPOCH), WInput::Finished(start())]);
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     w.on_register(ms(NOW_MS), d(), registration(&d(), Epoch(3)), &mut fx);
     w.check_invariants();
     assert_eq!(
-        out.into_iter().collect::<Vec<_>>(),
+        fx.out.into_iter().collect::<Vec<_>>(),
         [write_failed(Epoch(3), WriteFailure::Unavailable)]
     );
-    assert_eq!(counters, dropped(DropReason::Late));
+    assert_eq!(fx.counters, dropped(DropReason::Late));
     assert!(w.pending.is_empty());
     assert_eq!(
         snapshot(&w),
@@ -2399,15 +2365,10 @@ fn newer_registration_after_an_early_give_up_fails_fast_once_the_blocks_are_gone
 
 /// Feeds one input at `now`; the table must accept it and stay consistent.
 fn feed(w: &mut PrefillTable, now: Time, input: WInput) -> (Vec<Output>, Counters) {
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     apply(w, now, input, &mut fx).unwrap();
     w.check_invariants();
-    (out.into_iter().collect(), counters)
+    (fx.out.into_iter().collect(), fx.counters)
 }
 
 fn second_req() -> RequestId {
@@ -2684,12 +2645,7 @@ fn registration_answered_by_an_empty_prefill_never_reaches_a_later_request() {
 #[test]
 fn a_cancel_from_another_peer_is_refused() {
     let mut w = setup(config(), vec![WInput::Finished(start()), register(EPOCH)]);
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     w.on_cancel(ms(NOW_MS), d2(), key(), EPOCH, &mut fx);
     w.on_release(
         ms(NOW_MS),
@@ -2700,8 +2656,8 @@ fn a_cancel_from_another_peer_is_refused() {
         &mut fx,
     );
     w.check_invariants();
-    assert!(out.is_empty(), "no ack and no drain: {out:?}");
-    assert_eq!(counters.dropped(DropReason::Unexpected), 2);
+    assert!(fx.out.is_empty(), "no ack and no drain: {:?}", fx.out);
+    assert_eq!(fx.counters.dropped(DropReason::Unexpected), 2);
     assert_eq!(snapshot(&w), is_writing(EPOCH, ms(T0_MS + 1_000)));
 }
 
@@ -2710,23 +2666,19 @@ fn a_cancel_from_another_peer_is_refused() {
 #[test]
 fn blocks_finishing_after_their_registrant_died_are_released_at_once() {
     let mut w = setup(config(), vec![register(EPOCH), WInput::PeerDead(d())]);
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     w.finished(ms(NOW_MS), start(), &mut fx).unwrap();
     w.check_invariants();
     assert!(
-        out.iter().any(|o| matches!(
+        fx.out.iter().any(|o| matches!(
             o,
             Output::Event(EngineEvent::Prefill {
                 outcome: PrefillOutcome::Released(ReleaseCause::PeerDead),
                 ..
             })
         )),
-        "{out:?}"
+        "{:?}",
+        fx.out
     );
     assert_eq!(w.live_requests(), 0);
 }
@@ -2775,17 +2727,12 @@ fn a_stale_cancel_or_release_never_ends_a_newer_request() {
 /// Applies `inputs` at `now` (each accepted), checking the invariants after each; returns the
 /// outputs and counters they made.
 fn drive(w: &mut PrefillTable, now: Time, inputs: Vec<WInput>) -> (Vec<Output>, Counters) {
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     for input in inputs {
         apply(w, now, input, &mut fx).unwrap();
         w.check_invariants();
     }
-    (out.into_iter().collect(), counters)
+    (fx.out.into_iter().collect(), fx.counters)
 }
 
 /// Admission control of P's tombstones: with a 3-record table, three requests ending fill it
@@ -2801,12 +2748,7 @@ fn young_tombstones_are_never_evicted() {
     };
     let life = config.tombstone_min_life();
     let mut w = PrefillTable::new(RANK, &config);
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     let start_of = |n: u32| {
         let request = RequestId::new(format!("req-{n}")).unwrap();
         PrefillStart {
@@ -2895,12 +2837,7 @@ fn a_young_floor_evicted_lets_a_late_registration_copy_bind() {
                 super::super::Mutation::EvictYoungTombstones,
             )));
         }
-        let mut out = VecDeque::new();
-        let mut counters = Counters::default();
-        let mut fx = Effects {
-            out: &mut out,
-            counters: &mut counters,
-        };
+        let mut fx = Outbox::default();
         let now = ms(NOW_MS);
         assert_eq!(
             w.epoch_floor(&key()),
@@ -2941,18 +2878,13 @@ fn a_young_floor_evicted_lets_a_late_registration_copy_bind() {
 #[test]
 fn a_registration_past_its_wait_is_never_matched_even_if_the_timer_is_late() {
     let mut w = pending();
-    let mut out = VecDeque::new();
-    let mut counters = Counters::default();
-    let mut fx = Effects {
-        out: &mut out,
-        counters: &mut counters,
-    };
+    let mut fx = Outbox::default();
     // The precondition: the registration waits until PENDING_MS, and no timer has run.
     assert!(w.pending.contains_key(&key()));
     let late = ms(PENDING_MS + 1);
     w.finished(late, start(), &mut fx).unwrap();
     w.check_invariants();
-    let outputs: Vec<Output> = out.into_iter().collect();
+    let outputs: Vec<Output> = fx.out.into_iter().collect();
     assert!(
         !outputs.iter().any(|o| matches!(o, Output::PostWrite(_))),
         "no write for an expired registration: {outputs:?}"

@@ -7,7 +7,7 @@ use std::hash::Hash;
 use crate::{Epoch, PairingKey, WriteFailure};
 
 use super::{write_failed, PrefillTable};
-use crate::machine::effects::Effects;
+use crate::machine::effects::Outbox;
 use crate::machine::prefill::{PrefillEnded, PrefillRequest};
 use crate::machine::tables::Tombstones;
 use crate::machine::types::{EngineEvent, Output, PrefillOutcome, ReleaseCause, Time};
@@ -136,7 +136,7 @@ impl PrefillTable {
             .insert(key, tombstone, now + self.config.tombstone_ttl);
     }
 
-    pub(super) fn file_ended(&mut self, now: Time, ended: PrefillEnded, fx: &mut Effects<'_>) {
+    pub(super) fn file_ended(&mut self, now: Time, ended: PrefillEnded, fx: &mut Outbox) {
         let PrefillEnded {
             common,
             outcome,
@@ -217,7 +217,7 @@ impl PrefillTable {
         key: &PairingKey,
         epoch: Epoch,
         failure: WriteFailure,
-        fx: &mut Effects<'_>,
+        fx: &mut Outbox,
     ) {
         fx.send(to, write_failed(key, epoch, self.rank, failure));
         if self.epoch_floor(key).is_some_and(|floor| floor >= epoch) {
