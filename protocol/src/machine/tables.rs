@@ -8,19 +8,89 @@ use std::hash::Hash;
 
 use super::types::Time;
 
+/// A queue of timers, each entry `(time, key)`, earliest first (ties by key), where an entry
+/// may have gone stale: its key's timer moved or went away. The owner knows which entries are
+/// live (`is_live`), so moving a timer costs one push instead of a search of the heap; stale
+/// entries are skipped when they reach the front, the front is kept live (so
+/// [`Self::next`] is exact), and the queue is rebuilt from the live timers when stale entries
+/// outnumber them. [`Machines`] and [`TimerIndex`] both keep their timers here.
+#[derive(Debug)]
+struct LazyTimers<K: Ord + Clone> {
+    queue: BinaryHeap<Reverse<(Time, K)>>,
+}
+
+impl<K: Ord + Clone> Default for LazyTimers<K> {
+    fn default() -> Self {
+        Self {
+            queue: BinaryHeap::new(),
+        }
+    }
+}
+
+impl<K: Ord + Clone> LazyTimers<K> {
+    fn push(&mut self, at: Time, key: K) {
+        self.queue.push(Reverse((at, key)));
+    }
+
+    fn next(&self) -> Option<Time> {
+        self.queue.peek().map(|Reverse((at, _))| *at)
+    }
+
+    fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Pops every entry due at `now`, earliest first, and returns the live ones (`take` says
+    /// whether an entry is live and disarms it).
+    fn pop_due(&mut self, now: Time, mut take: impl FnMut(&K, Time) -> bool) -> Vec<K> {
+        let mut due = Vec::new();
+        while self.next().is_some_and(|at| at <= now) {
+            let Some(Reverse((at, key))) = self.queue.pop() else {
+                break;
+            };
+            if take(&key, at) {
+                due.push(key);
+            }
+        }
+        due
+    }
+
+    /// A timer that was at `old` is no longer live: if its entry may be the front, drop stale
+    /// entries from the front so that [`Self::next`] stays exact.
+    fn after_disarm(&mut self, old: Time, is_live: impl Fn(&K, Time) -> bool) {
+        if self.next() == Some(old) {
+            self.drop_stale_front(is_live);
+        }
+    }
+
+    fn drop_stale_front(&mut self, is_live: impl Fn(&K, Time) -> bool) {
+        while let Some(Reverse((at, key))) = self.queue.peek() {
+            if is_live(key, *at) {
+                return;
+            }
+            self.queue.pop();
+        }
+    }
+
+    /// Rebuilds the queue from `live` when stale entries outnumber the `live_count` live ones.
+    fn compact(&mut self, live_count: usize, live: impl Iterator<Item = (Time, K)>) {
+        if self.queue.len() > 2 * live_count + STALE_TIMER_SLACK {
+            self.queue = live.map(Reverse).collect();
+        }
+    }
+}
+
 /// Live machines by key, each with its one timer.
 ///
 /// A transition ([`Self::step`]) takes a machine out of its slot and puts its successor back
 /// into the same slot, re-arming the machine's timer on the way: one search per step, where a
-/// separate timer index and a remove-and-reinsert cost four. Timers are kept the way
-/// [`TimerIndex`] keeps them — a queue of every time armed, stale entries skipped — with each
-/// slot knowing which of its entries is live.
+/// separate timer index and a remove-and-reinsert cost four. Timers live in a [`LazyTimers`]
+/// queue, each slot knowing which of its entries is live.
 #[derive(Debug)]
 pub(crate) struct Machines<K: Ord + Clone, M> {
     slots: BTreeMap<K, Slot<M>>,
-    /// Every timer armed, earliest first (ties by key). An entry is live while its slot's
-    /// `armed` holds its time; the front is always live.
-    timers: BinaryHeap<Reverse<(Time, K)>>,
+    /// Every timer armed. An entry is live while its slot's `armed` holds its time.
+    timers: LazyTimers<K>,
 }
 
 /// One machine's place. The machine is boxed so that the B-tree's nodes hold pointers, not
@@ -57,7 +127,7 @@ impl<K: Ord + Clone, M> Default for Machines<K, M> {
     fn default() -> Self {
         Self {
             slots: BTreeMap::new(),
-            timers: BinaryHeap::new(),
+            timers: LazyTimers::default(),
         }
     }
 }
@@ -92,7 +162,7 @@ impl<K: Ord + Clone, M> Machines<K, M> {
         };
         let previous = self.slots.insert(key.clone(), slot);
         assert!(previous.is_none(), "one machine per key");
-        self.timers.push(Reverse((at, key)));
+        self.timers.push(at, key);
         self.compact_timers();
     }
 
@@ -116,7 +186,7 @@ impl<K: Ord + Clone, M> Machines<K, M> {
                     None
                 } else {
                     slot.armed = Some(at);
-                    self.timers.push(Reverse((at, key.clone())));
+                    self.timers.push(at, key.clone());
                     old
                 }
             }
@@ -144,7 +214,7 @@ impl<K: Ord + Clone, M> Machines<K, M> {
         if slot.armed.is_none() {
             let at = timer_of(&next);
             slot.armed = Some(at);
-            self.timers.push(Reverse((at, key.clone())));
+            self.timers.push(at, key.clone());
         }
         *slot.machine = Some(next);
         Some(said)
@@ -152,25 +222,25 @@ impl<K: Ord + Clone, M> Machines<K, M> {
 
     /// The earliest timer.
     pub(crate) fn next_timer(&self) -> Option<Time> {
-        self.timers.peek().map(|Reverse((at, _))| *at)
+        self.timers.next()
     }
 
     /// Every key whose timer is at or before `now`, earliest first; their timers are disarmed
     /// until their machines step again (the caller steps each one).
     pub(crate) fn take_due(&mut self, now: Time) -> Vec<K> {
-        let mut due = Vec::new();
-        while self.next_timer().is_some_and(|at| at <= now) {
-            let Some(Reverse((at, key))) = self.timers.pop() else {
-                break;
-            };
-            if let Some(slot) = self.slots.get_mut(&key) {
-                if slot.armed == Some(at) {
+        let slots = &mut self.slots;
+        let due = self
+            .timers
+            .pop_due(now, |key, at| match slots.get_mut(key) {
+                Some(slot) if slot.armed == Some(at) => {
                     slot.armed = None;
-                    due.push(key);
+                    true
                 }
-            }
-        }
-        self.drop_stale_front();
+                Some(_) | None => false,
+            });
+        let slots = &self.slots;
+        self.timers
+            .drop_stale_front(|key, at| slots.get(key).is_some_and(|s| s.armed == Some(at)));
         due
     }
 
@@ -180,36 +250,21 @@ impl<K: Ord + Clone, M> Machines<K, M> {
             && self.timers.len() >= self.slots.len()
     }
 
-    /// A timer that was at `old` is no longer live: if its entry may be the front, drop stale
-    /// entries from the front so that [`Self::next_timer`] stays exact.
     fn after_disarm(&mut self, old: Option<Time>) {
-        if old.is_some_and(|old| self.next_timer() == Some(old)) {
-            self.drop_stale_front();
+        if let Some(old) = old {
+            let slots = &self.slots;
+            self.timers.after_disarm(old, |key, at| {
+                slots.get(key).is_some_and(|s| s.armed == Some(at))
+            });
         }
     }
 
-    fn drop_stale_front(&mut self) {
-        while let Some(Reverse((at, key))) = self.timers.peek() {
-            let live = self
-                .slots
-                .get(key)
-                .is_some_and(|slot| slot.armed == Some(*at));
-            if live {
-                return;
-            }
-            self.timers.pop();
-        }
-    }
-
-    /// Rebuilds the queue from the slots when stale entries outnumber live ones.
     fn compact_timers(&mut self) {
-        if self.timers.len() > 2 * self.slots.len() + STALE_TIMER_SLACK {
-            self.timers = self
-                .slots
-                .iter()
-                .filter_map(|(key, slot)| slot.armed.map(|at| Reverse((at, key.clone()))))
-                .collect();
-        }
+        let live = self
+            .slots
+            .iter()
+            .filter_map(|(key, slot)| slot.armed.map(|at| (at, key.clone())));
+        self.timers.compact(self.slots.len(), live);
     }
 
     pub(crate) fn keys(&self) -> impl Iterator<Item = &K> {
@@ -229,22 +284,19 @@ impl<K: Ord + Clone, M> Machines<K, M> {
 /// entries (P's pending registrations, whose timers move with every renewal); machines keep
 /// their timers in [`Machines`].
 ///
-/// Moving a timer costs one search: `by_key` holds each key's
-/// live time, and `queue` every time ever set, earliest first (ties by key), stale entries
-/// included. A stale entry is skipped when it reaches the front, the front is always live (so
-/// [`Self::next`] is exact), and `queue` is rebuilt from `by_key` when stale entries outnumber
-/// live ones.
+/// Moving a timer costs one search: `by_key` holds each key's live time, and the
+/// [`LazyTimers`] queue every time ever set.
 #[derive(Debug)]
 pub(crate) struct TimerIndex<K: Ord + Clone> {
     by_key: BTreeMap<K, Time>,
-    queue: BinaryHeap<Reverse<(Time, K)>>,
+    queue: LazyTimers<K>,
 }
 
 impl<K: Ord + Clone> Default for TimerIndex<K> {
     fn default() -> Self {
         Self {
             by_key: BTreeMap::new(),
-            queue: BinaryHeap::new(),
+            queue: LazyTimers::default(),
         }
     }
 }
@@ -264,17 +316,12 @@ impl<K: Ord + Clone> TimerIndex<K> {
                 None
             }
         };
-        self.queue.push(Reverse((at, key)));
+        self.queue.push(at, key);
         if let Some(old) = old {
             self.after_removal(old);
         }
-        if self.queue.len() > 2 * self.by_key.len() + STALE_TIMER_SLACK {
-            self.queue = self
-                .by_key
-                .iter()
-                .map(|(key, at)| Reverse((*at, key.clone())))
-                .collect();
-        }
+        let live = self.by_key.iter().map(|(key, at)| (*at, key.clone()));
+        self.queue.compact(self.by_key.len(), live);
     }
 
     /// Removes the timer of `key`, if any.
@@ -284,43 +331,31 @@ impl<K: Ord + Clone> TimerIndex<K> {
         }
     }
 
-    /// A timer that was due at `old` went away: if its entry may be the front, drop stale
-    /// entries from the front.
     fn after_removal(&mut self, old: Time) {
-        if self.queue.peek().is_some_and(|Reverse((at, _))| *at == old) {
-            self.drop_stale_front();
-        }
-    }
-
-    fn drop_stale_front(&mut self) {
-        while let Some(Reverse((at, key))) = self.queue.peek() {
-            if self.by_key.get(key) == Some(at) {
-                return;
-            }
-            self.queue.pop();
-        }
+        let by_key = &self.by_key;
+        self.queue
+            .after_disarm(old, |key, at| by_key.get(key) == Some(&at));
     }
 
     /// The earliest timer.
     pub(crate) fn next(&self) -> Option<Time> {
-        self.queue.peek().map(|Reverse((at, _))| *at)
+        self.queue.next()
     }
 
     /// Removes and returns every key whose timer is at or before `now`, earliest first.
     pub(crate) fn take_due(&mut self, now: Time) -> Vec<K> {
-        let mut due = Vec::new();
-        while let Some(Reverse((at, _))) = self.queue.peek() {
-            if *at > now {
-                break;
+        let by_key = &mut self.by_key;
+        let due = self.queue.pop_due(now, |key, at| {
+            if by_key.get(key) == Some(&at) {
+                by_key.remove(key);
+                true
+            } else {
+                false
             }
-            if let Some(Reverse((at, key))) = self.queue.pop() {
-                if self.by_key.get(&key) == Some(&at) {
-                    self.by_key.remove(&key);
-                    due.push(key);
-                }
-            }
-        }
-        self.drop_stale_front();
+        });
+        let by_key = &self.by_key;
+        self.queue
+            .drop_stale_front(|key, at| by_key.get(key) == Some(&at));
         due
     }
 
