@@ -1,8 +1,11 @@
 //! The sans-IO state machines of kvhandoff.
 //!
 //! One [`Endpoint`] per engine rank hosts every machine of that rank: a `DecodeRequest` per D
-//! request, P's `PrefillTable` (the table that matches D's registrations with P's finished blocks) and
-//! its `PrefillRequest`s, and a `Peer` per remote rank. The endpoint is driven the way
+//! request (in D's table), a `PrefillRequest` per P request (in P's `PrefillTable`, which also
+//! matches D's registrations with P's finished blocks, whichever comes first), and a `Peer` per
+//! remote rank. All three have one shape (the crate-private `Machine` trait: a state enum whose
+//! transition consumes the state, an input type, one timer), live in one kind of table with one
+//! timer queue, and write their outputs and counters to one outbox. The endpoint is driven the way
 //! quinn-proto and str0m are: [`Endpoint::handle_call`] (engine calls),
 //! [`Endpoint::handle_event`] (network and transport reports) and [`Endpoint::handle_timeout`]
 //! take the current [`Time`], [`Endpoint::poll_output`] yields what to do, and
@@ -17,6 +20,7 @@ mod mutation;
 mod peer;
 mod prefill;
 mod prefill_table;
+mod shape;
 mod tables;
 mod types;
 

@@ -26,6 +26,7 @@ use crate::{
 };
 
 use super::effects::{Outbox, Step};
+use super::shape::Machine;
 use super::types::{DecodeFailure, DecodeOutcome, DecodeStart, DropReason, FreeProof, Time};
 use super::{ActiveMutation, Config, Mutation};
 use crate::PeerAddr;
@@ -219,9 +220,15 @@ impl DecodeRequest {
             DecodeRequest::Registered(_) => true,
         }
     }
+}
+
+impl Machine for DecodeRequest {
+    type Ctx<'a> = DecodeCtx<'a>;
+    type Input = DecodeInput;
+    type Next = DecodeStep;
 
     /// When this request next needs [`DecodeInput::Timeout`].
-    pub(crate) fn next_timer(&self) -> Time {
+    fn next_timer(&self, _config: &Config) -> Time {
         match self {
             DecodeRequest::Connecting(s) => s.common.deadline,
             DecodeRequest::Registered(s) => s.next_timer(),
@@ -235,13 +242,7 @@ impl DecodeRequest {
         }
     }
 
-    /// The one transition function.
-    pub(crate) fn handle(
-        self,
-        ctx: &DecodeCtx<'_>,
-        input: DecodeInput,
-        fx: &mut Outbox,
-    ) -> DecodeStep {
+    fn handle(self, ctx: &Self::Ctx<'_>, input: Self::Input, fx: &mut Outbox) -> Self::Next {
         match self {
             DecodeRequest::Connecting(s) => s.handle(ctx, input, fx),
             DecodeRequest::Registered(s) => s.handle(ctx, input, fx),

@@ -18,6 +18,7 @@ use super::decode::{DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput, DecodeReq
 use super::effects::{Outbox, Step};
 use super::peer::{Peer, PeerInput};
 use super::prefill_table::{assert_old_record_to_evict, young_cutoff, PrefillTable};
+use super::shape::Machine;
 use super::tables::{Machines, Tombstones};
 use super::types::{
     Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineCall, EngineEvent,
@@ -325,8 +326,7 @@ impl Endpoint {
         self.decode_by_request
             .insert(common.request.clone(), key.clone());
         let request = DecodeRequest::new(common);
-        let timer = request.next_timer();
-        self.decodes.insert(key.clone(), request, timer);
+        self.decodes.insert(key.clone(), request, &self.config);
         if self.peers.get(&peer).is_some_and(Peer::is_connected) {
             self.step_decode(now, &key, DecodeInput::PeerConnected);
         } else {
@@ -416,10 +416,7 @@ impl Endpoint {
                 Step::Ended(ended) => (None, Some(ended)),
             }
         };
-        let ended = self
-            .decodes
-            .step(key, transition, DecodeRequest::next_timer)
-            .flatten();
+        let ended = self.decodes.step(key, &self.config, transition).flatten();
         if let Some(ended) = ended {
             self.decode_ended(now, ended);
         }

@@ -17,6 +17,8 @@ use std::collections::VecDeque;
 
 use crate::{Incarnation, Message};
 
+use super::effects::Outbox;
+use super::shape::Machine;
 use super::types::{ConnectFailure, Time};
 use super::Config;
 
@@ -134,15 +136,6 @@ impl Peer {
         }
     }
 
-    /// When the peer next needs [`PeerInput::Timeout`].
-    pub(crate) fn next_timer(&self, config: &Config) -> Time {
-        match self {
-            Peer::Connecting(s) => s.deadline,
-            Peer::Connected(s) => s.next_heartbeat.min(s.last_heard + config.peer_timeout),
-            Peer::Dead(s) => s.until,
-        }
-    }
-
     /// Queues a message until the handshake finishes. Returns false (and drops it) if the peer
     /// is not connecting or its queue is full.
     pub(crate) fn queue(&mut self, message: Message, config: &Config) -> bool {
@@ -154,9 +147,31 @@ impl Peer {
             Peer::Connecting(_) | Peer::Connected(_) | Peer::Dead(_) => false,
         }
     }
+}
 
-    /// The one transition function.
-    pub(crate) fn handle(self, now: Time, config: &Config, input: PeerInput) -> (Peer, PeerNotice) {
+/// What a peer transition reads besides the state.
+pub(crate) struct PeerCtx<'a> {
+    pub(crate) now: Time,
+    pub(crate) config: &'a Config,
+}
+
+impl Machine for Peer {
+    type Ctx<'a> = PeerCtx<'a>;
+    type Input = PeerInput;
+    /// A peer never ends by itself: its owner forgets it on the notices that say so.
+    type Next = (Peer, PeerNotice);
+
+    /// When the peer next needs [`PeerInput::Timeout`].
+    fn next_timer(&self, config: &Config) -> Time {
+        match self {
+            Peer::Connecting(s) => s.deadline,
+            Peer::Connected(s) => s.next_heartbeat.min(s.last_heard + config.peer_timeout),
+            Peer::Dead(s) => s.until,
+        }
+    }
+
+    fn handle(self, ctx: &Self::Ctx<'_>, input: Self::Input, _fx: &mut Outbox) -> Self::Next {
+        let (now, config) = (ctx.now, ctx.config);
         match self {
             Peer::Connecting(s) => s.handle(now, config, input),
             Peer::Connected(s) => s.handle(now, config, input),

@@ -20,6 +20,7 @@ use crate::{
 };
 
 use super::effects::{Outbox, Step};
+use super::shape::Machine;
 use super::types::{DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder};
 use super::{ActiveMutation, Config, Mutation};
 use crate::{PeerAddr, WriteId};
@@ -246,9 +247,15 @@ impl PrefillRequest {
             PrefillRequest::Draining(s) => Some(s.binding.write),
         }
     }
+}
+
+impl Machine for PrefillRequest {
+    type Ctx<'a> = PrefillCtx<'a>;
+    type Input = PrefillInput;
+    type Next = PrefillStep;
 
     /// When this request next needs [`PrefillInput::Timeout`].
-    pub(crate) fn next_timer(&self) -> Time {
+    fn next_timer(&self, _config: &Config) -> Time {
         match self {
             PrefillRequest::Held(s) => s.lease_until,
             PrefillRequest::Writing(s) => s.write_deadline,
@@ -256,13 +263,7 @@ impl PrefillRequest {
         }
     }
 
-    /// The one transition function.
-    pub(crate) fn handle(
-        self,
-        ctx: &PrefillCtx<'_>,
-        input: PrefillInput,
-        fx: &mut Outbox,
-    ) -> PrefillStep {
+    fn handle(self, ctx: &Self::Ctx<'_>, input: Self::Input, fx: &mut Outbox) -> Self::Next {
         match self {
             PrefillRequest::Held(s) => s.handle(ctx, input, fx),
             PrefillRequest::Writing(s) => s.handle(ctx, input, fx),

@@ -20,6 +20,7 @@ use crate::{
 
 use super::effects::{Outbox, Step};
 use super::prefill::{PrefillCommon, PrefillCtx, PrefillEnded, PrefillInput, PrefillRequest};
+use super::shape::Machine;
 use super::tables::{Machines, TimerIndex, Tombstones};
 use super::types::{DropReason, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time};
 use super::{ActiveMutation, Config, Mutation};
@@ -146,10 +147,7 @@ impl PrefillTable {
                 Step::Ended(ended) => (None, Some(ended)),
             }
         };
-        let Some(ended) = self
-            .requests
-            .step(key, transition, PrefillRequest::next_timer)
-        else {
+        let Some(ended) = self.requests.step(key, &self.config, transition) else {
             return;
         };
         match ended {
@@ -265,8 +263,7 @@ impl PrefillTable {
         let key = common.key.clone();
         self.by_request.insert(common.request.clone(), key.clone());
         let request = PrefillRequest::held(common, now, &self.config);
-        let timer = request.next_timer();
-        self.requests.insert(key.clone(), request, timer);
+        self.requests.insert(key.clone(), request, &self.config);
         // Only a registration seen above can be pending: nothing ran in between.
         if let Some(pending) = pending_epoch.and_then(|_| self.take_pending(&key)) {
             fx.counters.decode_registered_first += 1;

@@ -6,7 +6,9 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::fmt;
 use std::hash::Hash;
 
+use super::shape::Machine;
 use super::types::Time;
+use super::Config;
 
 /// A queue of timers, each entry `(time, key)`, earliest first (ties by key), where an entry
 /// may have gone stale: its key's timer moved or went away. The owner knows which entries are
@@ -132,7 +134,7 @@ impl<K: Ord + Clone, M> Default for Machines<K, M> {
     }
 }
 
-impl<K: Ord + Clone, M> Machines<K, M> {
+impl<K: Ord + Clone, M: Machine> Machines<K, M> {
     pub(crate) fn len(&self) -> usize {
         self.slots.len()
     }
@@ -154,8 +156,9 @@ impl<K: Ord + Clone, M> Machines<K, M> {
         self.slots.get_mut(key).map(Slot::get_mut)
     }
 
-    /// Adds a machine, with its timer at `at`, for a key that has none.
-    pub(crate) fn insert(&mut self, key: K, machine: M, at: Time) {
+    /// Adds a machine, with its timer armed, for a key that has none.
+    pub(crate) fn insert(&mut self, key: K, machine: M, config: &Config) {
+        let at = machine.next_timer(config);
         let slot = Slot {
             machine: Box::new(Some(machine)),
             armed: Some(at),
@@ -167,20 +170,20 @@ impl<K: Ord + Clone, M> Machines<K, M> {
     }
 
     /// Runs `transition` on `key`'s machine, if there is one, and returns what it says besides
-    /// the successor. A successor takes the slot with its timer at `timer_of(successor)`; no
-    /// successor (the machine ended) frees the slot.
+    /// the successor. A successor takes the slot with its timer at its
+    /// [`Machine::next_timer`]; no successor (the machine ended) frees the slot.
     pub(crate) fn step<R>(
         &mut self,
         key: &K,
+        config: &Config,
         transition: impl FnOnce(M) -> (Option<M>, R),
-        timer_of: impl FnOnce(&M) -> Time,
     ) -> Option<R> {
         let slot = self.slots.get_mut(key)?;
         let (next, said) = transition(slot.take());
         let old = slot.armed;
         let disarmed = match next {
             Some(next) => {
-                let at = timer_of(&next);
+                let at = next.next_timer(config);
                 *slot.machine = Some(next);
                 if old == Some(at) {
                     None
@@ -206,13 +209,13 @@ impl<K: Ord + Clone, M> Machines<K, M> {
     pub(crate) fn step_keeping_timer<R>(
         &mut self,
         key: &K,
+        config: &Config,
         transition: impl FnOnce(M) -> (M, R),
-        timer_of: impl FnOnce(&M) -> Time,
     ) -> Option<R> {
         let slot = self.slots.get_mut(key)?;
         let (next, said) = transition(slot.take());
         if slot.armed.is_none() {
-            let at = timer_of(&next);
+            let at = next.next_timer(config);
             slot.armed = Some(at);
             self.timers.push(at, key.clone());
         }
@@ -612,9 +615,29 @@ mod tests {
     /// pseudo-random mix of inserts, transitions that move or keep the timer, endings and
     /// expiries: the same machines, the same next timer, the same due keys in the same order,
     /// and a bounded queue.
+    /// A machine whose timer is whatever its last transition set.
+    #[derive(Debug)]
+    struct Timed {
+        value: u64,
+        at: Time,
+    }
+
+    impl Machine for Timed {
+        type Ctx<'a> = ();
+        type Input = ();
+        type Next = ();
+
+        fn handle(self, _: &(), _: (), _: &mut crate::machine::effects::Outbox) {}
+
+        fn next_timer(&self, _: &Config) -> Time {
+            self.at
+        }
+    }
+
     #[test]
     fn machine_timers_match_a_plain_model() {
-        let mut machines: Machines<u32, u64> = Machines::default();
+        let config = Config::default();
+        let mut machines: Machines<u32, Timed> = Machines::default();
         let mut model: BTreeMap<u32, (u64, Time)> = BTreeMap::new();
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
         let mut random = |below: u64| {
@@ -631,24 +654,40 @@ mod tests {
             match random(12) {
                 0..=2 => {
                     if let std::collections::btree_map::Entry::Vacant(entry) = model.entry(key) {
-                        machines.insert(key, value, at);
+                        machines.insert(key, Timed { value, at }, &config);
                         entry.insert((value, at));
                     }
                 }
                 3..=6 => {
-                    let said = machines.step(&key, |old| (Some(old + value), old), |_| at);
+                    let said = machines.step(&key, &config, |old| {
+                        (
+                            Some(Timed {
+                                value: old.value + value,
+                                at,
+                            }),
+                            old.value,
+                        )
+                    });
                     assert_eq!(said, model.get(&key).map(|(old, _)| *old));
                     if let Some(entry) = model.get_mut(&key) {
                         *entry = (entry.0 + value, at);
                     }
                 }
                 7 => {
-                    let said = machines.step(&key, |old| (None, old), |_| at);
+                    let said = machines.step(&key, &config, |old| (None, old.value));
                     assert_eq!(said, model.remove(&key).map(|(old, _)| old));
                 }
                 8 => {
                     // Keeps the armed timer: the model's timer does not move.
-                    let said = machines.step_keeping_timer(&key, |old| (old + 1, ()), |_| at);
+                    let said = machines.step_keeping_timer(&key, &config, |old| {
+                        (
+                            Timed {
+                                value: old.value + 1,
+                                at,
+                            },
+                            (),
+                        )
+                    });
                     assert_eq!(said.is_some(), model.contains_key(&key));
                     if let Some(entry) = model.get_mut(&key) {
                         entry.0 += 1;
@@ -668,7 +707,15 @@ mod tests {
                     // Every due machine steps again, as `handle_timeout` does: a later timer.
                     for key in expected {
                         let later = Time::from_nanos(now.as_nanos() + 1 + random(500));
-                        machines.step(&key, |old| (Some(old), ()), |_| later);
+                        machines.step(&key, &config, |old| {
+                            (
+                                Some(Timed {
+                                    value: old.value,
+                                    at: later,
+                                }),
+                                (),
+                            )
+                        });
                         if let Some(entry) = model.get_mut(&key) {
                             entry.1 = later;
                         }
@@ -682,7 +729,7 @@ mod tests {
                 model.values().map(|(_, at)| *at).min()
             );
             for (key, (value, _)) in &model {
-                assert_eq!(machines.get(key), Some(value));
+                assert_eq!(machines.get(key).map(|m| m.value), Some(*value));
             }
             assert!(machines.timers.len() <= 2 * model.len() + STALE_TIMER_SLACK + 1);
         }

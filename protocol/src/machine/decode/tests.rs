@@ -13,6 +13,7 @@ use super::{
     DecodeRequest, Registered,
 };
 use crate::machine::effects::{Outbox, Step};
+use crate::machine::shape::Machine;
 use crate::machine::types::{
     Counters, DecodeFailure, DecodeOutcome, DropReason, FreeProof, Output, Time,
 };
@@ -854,7 +855,10 @@ fn every_state_and_input() {
                 DecodeRequest::Registered(s) => s.common.deadline,
                 DecodeRequest::Cancelling(s) => s.quarantine_until,
             };
-            assert!(live.next_timer() <= bound, "case `{name}`: timer bound");
+            assert!(
+                live.next_timer(&config()) <= bound,
+                "case `{name}`: timer bound"
+            );
         }
     }
 }
@@ -912,7 +916,7 @@ fn timers_and_leases_per_state() {
         ),
     ];
     for (state, timer, lease) in table {
-        assert_eq!(state.next_timer(), timer, "{state:?}");
+        assert_eq!(state.next_timer(&Config::default()), timer, "{state:?}");
         assert_eq!(state.holds_lease(), lease, "{state:?}");
         assert_eq!(state.common().key, key());
     }

@@ -5,7 +5,8 @@ use crate::{Heartbeat, LeaseRef, Message, PairingKey, MAX_HEARTBEAT_LEASES};
 
 use super::Endpoint;
 use crate::machine::decode::{DecodeInput, DecodeRequest};
-use crate::machine::peer::{Peer, PeerDown, PeerInput, PeerNotice};
+use crate::machine::peer::{Peer, PeerCtx, PeerDown, PeerInput, PeerNotice};
+use crate::machine::shape::Machine;
 use crate::machine::types::{DropReason, Output, Time};
 use crate::machine::Mutation;
 use crate::PeerAddr;
@@ -17,64 +18,69 @@ impl Endpoint {
     /// deadline later, and a timer that fires early is answered by the machine re-checking.
     pub(super) fn heard(&mut self, now: Time, peer: &PeerAddr) -> bool {
         let config = &self.config;
+        let ctx = PeerCtx { now, config };
+        let fx = &mut self.outbox;
         let transition = |current: Peer| {
             if !current.is_connected() {
                 return (current, false);
             }
-            let (next, notice) = current.handle(now, config, PeerInput::Heard);
+            let (next, notice) = current.handle(&ctx, PeerInput::Heard, fx);
             debug_assert_eq!(notice, PeerNotice::Quiet);
             (next, true)
         };
         self.peers
-            .step_keeping_timer(peer, transition, |p| p.next_timer(config))
+            .step_keeping_timer(peer, config, transition)
             .unwrap_or(false)
     }
 
     /// Runs one input through a peer's machine and acts on what it says.
     pub(super) fn peer_input(&mut self, now: Time, peer: &PeerAddr, input: PeerInput) {
         let config = &self.config;
+        let ctx = PeerCtx { now, config };
+        let fx = &mut self.outbox;
         let transition = |current: Peer| {
-            let (next, notice) = current.handle(now, config, input.clone());
+            let (next, notice) = current.handle(&ctx, input.clone(), fx);
             let forget = matches!(notice, PeerNotice::ConnectFailed(_) | PeerNotice::Forget);
             ((!forget).then_some(next), notice)
         };
-        let notice =
-            if let Some(notice) = self.peers.step(peer, transition, |p| p.next_timer(config)) {
-                notice
-            } else {
-                match input {
-                    PeerInput::ConnectRequested => {
-                        if self.peers.len() >= self.config.max_peers {
-                            self.fail_waiting_decodes(now, peer);
-                            return;
-                        }
-                        self.outbox
-                            .out
-                            .push_back(Output::Connect { peer: peer.clone() });
-                        let fresh = Peer::connecting(now, &self.config);
-                        let timer = fresh.next_timer(&self.config);
-                        self.peers.insert(peer.clone(), fresh, timer);
+        let notice = if let Some(notice) = self.peers.step(peer, config, transition) {
+            notice
+        } else {
+            match input {
+                PeerInput::ConnectRequested => {
+                    if self.peers.len() >= self.config.max_peers {
+                        self.fail_waiting_decodes(now, peer);
                         return;
                     }
-                    PeerInput::Connected(_) => {
-                        if self.peers.len() >= self.config.max_peers {
-                            self.outbox.counters.drop(DropReason::TableFull);
-                            return;
-                        }
-                        // A peer that connected to us: as if it had been known and dead.
-                        let unknown = Peer::Dead(PeerDown { until: now });
-                        let (next, notice) = unknown.handle(now, &self.config, input);
-                        let timer = next.next_timer(&self.config);
-                        self.peers.insert(peer.clone(), next, timer);
-                        notice
-                    }
-                    PeerInput::ConnectFailed(_) | PeerInput::Lost | PeerInput::Timeout => return,
-                    PeerInput::Heard => {
-                        self.outbox.counters.drop(DropReason::UnknownPeer);
-                        return;
-                    }
+                    self.outbox
+                        .out
+                        .push_back(Output::Connect { peer: peer.clone() });
+                    let fresh = Peer::connecting(now, &self.config);
+                    self.peers.insert(peer.clone(), fresh, &self.config);
+                    return;
                 }
-            };
+                PeerInput::Connected(_) => {
+                    if self.peers.len() >= self.config.max_peers {
+                        self.outbox.counters.drop(DropReason::TableFull);
+                        return;
+                    }
+                    // A peer that connected to us: as if it had been known and dead.
+                    let unknown = Peer::Dead(PeerDown { until: now });
+                    let ctx = PeerCtx {
+                        now,
+                        config: &self.config,
+                    };
+                    let (next, notice) = unknown.handle(&ctx, input, &mut self.outbox);
+                    self.peers.insert(peer.clone(), next, &self.config);
+                    notice
+                }
+                PeerInput::ConnectFailed(_) | PeerInput::Lost | PeerInput::Timeout => return,
+                PeerInput::Heard => {
+                    self.outbox.counters.drop(DropReason::UnknownPeer);
+                    return;
+                }
+            }
+        };
         match notice {
             PeerNotice::Quiet | PeerNotice::Forget => {}
             PeerNotice::Connect => self

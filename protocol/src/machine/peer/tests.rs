@@ -4,7 +4,9 @@ use std::collections::{BTreeSet, VecDeque};
 
 use crate::{Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason};
 
-use super::{Peer, PeerConnecting, PeerDown, PeerInput, PeerNotice, PeerUp};
+use super::{Peer, PeerConnecting, PeerCtx, PeerDown, PeerInput, PeerNotice, PeerUp};
+use crate::machine::effects::Outbox;
+use crate::machine::shape::Machine;
 use crate::machine::types::{ConnectFailure, Time};
 use crate::machine::Config;
 
@@ -344,7 +346,14 @@ fn every_state_and_input() {
     for case in cases() {
         let name = case.name;
         assert!(names.insert(name), "case names are unique: {name}");
-        let (next, notice) = case.state.handle(case.now, &config, case.input);
+        let (next, notice) = case.state.handle(
+            &PeerCtx {
+                now: case.now,
+                config: &config,
+            },
+            case.input,
+            &mut Outbox::default(),
+        );
         assert_eq!(next, case.next, "case `{name}`: next state");
         assert_eq!(notice, case.notice, "case `{name}`: notice");
     }
@@ -414,7 +423,14 @@ fn only_a_connecting_peer_queues_and_only_up_to_its_bound() {
     assert!(peer.queue(message(1), &config));
     assert!(peer.queue(message(2), &config));
     assert!(!peer.queue(message(3), &config), "the queue is bounded");
-    let (_, notice) = peer.handle(ms(1), &config, PeerInput::Connected(LIVE));
+    let (_, notice) = peer.handle(
+        &PeerCtx {
+            now: ms(1),
+            config: &config,
+        },
+        PeerInput::Connected(LIVE),
+        &mut Outbox::default(),
+    );
     assert_eq!(notice, PeerNotice::Up(vec![message(1), message(2)]));
 
     let mut up = connected();

@@ -13,6 +13,7 @@ use super::{
     PrefillInput, PrefillRequest, Writing,
 };
 use crate::machine::effects::{Outbox, Step};
+use crate::machine::shape::Machine;
 use crate::machine::types::{
     Counters, DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder,
 };
@@ -1288,7 +1289,7 @@ fn timers_and_writes_per_state() {
         ),
     ];
     for (state, timer, write) in table {
-        assert_eq!(state.next_timer(), timer, "{state:?}");
+        assert_eq!(state.next_timer(&config()), timer, "{state:?}");
         assert_eq!(state.write(), write, "{state:?}");
         assert_eq!(state.common(), &common());
     }
