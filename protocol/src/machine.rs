@@ -14,6 +14,7 @@
 
 mod config;
 mod decode;
+mod decode_table;
 mod effects;
 mod endpoint;
 mod mutation;

@@ -7,19 +7,17 @@
 
 mod peers;
 
-use std::collections::BTreeMap;
-
 use crate::{
     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason, RequestId,
 };
 
 use super::config::ConfigError;
 use super::decode::{DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput, DecodeRequest};
-use super::effects::{Outbox, Step};
+use super::decode_table::DecodeTable;
+use super::effects::Outbox;
 use super::peer::{Peer, PeerInput};
-use super::prefill_table::{assert_old_record_to_evict, young_cutoff, PrefillTable};
-use super::shape::Machine;
-use super::tables::{Machines, Tombstones};
+use super::prefill_table::PrefillTable;
+use super::tables::Machines;
 use super::types::{
     Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineCall, EngineEvent,
     FreeProof, NetEvent, Output, Rejected, Time,
@@ -82,9 +80,7 @@ pub struct EndpointStats {
 pub struct Endpoint {
     own: PeerAddr,
     config: Config,
-    decodes: Machines<PairingKey, DecodeRequest>,
-    decode_by_request: BTreeMap<RequestId, PairingKey>,
-    decode_tombstones: Tombstones<PairingKey, Epoch>,
+    decodes: DecodeTable,
     prefills: PrefillTable,
     peers: Machines<PeerAddr, Peer>,
     outbox: Outbox,
@@ -104,10 +100,8 @@ impl Endpoint {
         Ok(Endpoint {
             own: PeerAddr::new(engine, rank),
             prefills: PrefillTable::new(rank, &config),
-            decode_tombstones: Tombstones::new(config.max_tombstones),
+            decodes: DecodeTable::new(&config),
             config,
-            decodes: Machines::default(),
-            decode_by_request: BTreeMap::new(),
             peers: Machines::default(),
             outbox: Outbox::default(),
             shutting_down: false,
@@ -153,7 +147,7 @@ impl Endpoint {
             pending_registrations: self.prefills.pending_registrations(),
             writes_in_flight: self.prefills.writes_in_flight(),
             peers: self.peers.len(),
-            tombstones: self.decode_tombstones.len() + self.prefills.tombstones(),
+            tombstones: self.decodes.tombstones() + self.prefills.tombstones(),
             queued_outputs: self.outbox.out.len(),
         }
     }
@@ -161,7 +155,7 @@ impl Endpoint {
     /// Tombstones evicted at capacity so far, both sides (each one a key whose late messages
     /// may now look new).
     pub fn tombstones_evicted(&self) -> u64 {
-        self.decode_tombstones.evicted() + self.prefills.tombstones_evicted()
+        self.decodes.tombstones_evicted() + self.prefills.tombstones_evicted()
     }
 
     /// True while any request is live or any output is queued: the engine loop must keep
@@ -179,7 +173,6 @@ impl Endpoint {
     pub fn poll_timeout(&self) -> Option<Time> {
         [
             self.decodes.next_timer(),
-            self.decode_tombstones.next_expiry(),
             self.prefills.next_timer(),
             self.peers.next_timer(),
         ]
@@ -243,7 +236,6 @@ impl Endpoint {
         for key in self.decodes.take_due(now) {
             self.step_decode(now, &key, DecodeInput::Timeout);
         }
-        self.decode_tombstones.expire(now);
         {
             let fx = &mut self.outbox;
             self.prefills.on_timeout(now, fx);
@@ -270,52 +262,15 @@ impl Endpoint {
     }
 
     fn decode_allocated(&mut self, now: Time, start: DecodeStart) -> Result<(), Rejected> {
-        if self.decode_by_request.contains_key(&start.request)
-            || self.prefills.has_request(&start.request)
-        {
-            return Err(Rejected::DuplicateRequest(start.request));
-        }
-        if self.decodes.contains_key(&start.key) {
-            return Err(Rejected::DuplicateKey(start.key));
-        }
-        if self.decodes.len() >= self.config.max_requests {
-            return Err(Rejected::TableFull {
-                table: "decode requests",
-                limit: self.config.max_requests,
-            });
-        }
-        if start.expected_writes == 0 {
-            return Err(Rejected::Invalid("expected_writes must be at least 1"));
-        }
-        if !start.epoch.is_valid() {
-            return Err(Rejected::EpochOutOfRange(start.epoch));
-        }
-        start.blocks.validate().map_err(Rejected::BlockList)?;
-        if start.prefill.engine == self.own.engine {
-            return Err(Rejected::Invalid("the prefill peer is this engine"));
-        }
-        let young = self
-            .decode_tombstones
-            .written_after(young_cutoff(now, &self.config));
-        if self.decodes.len() + young >= self.config.max_tombstones
-            && !self.mutation.is(super::Mutation::EvictYoungTombstones)
-        {
-            // Every live D request leaves a record of its ended epoch, which a new attempt at
-            // the key must get past (see below); a young one is never evicted, so the request
-            // waits until older records have aged.
-            return Err(Rejected::TableFull {
-                table: "decode tombstones (young)",
-                limit: self.config.max_tombstones,
-            });
-        }
-        let mut start = start;
-        if let Some(&ended) = self.decode_tombstones.get(&start.key) {
-            // A new attempt at a recently ended key must not be confused with the old one's
-            // late messages.
-            let next = ended.next().ok_or(Rejected::EpochOutOfRange(ended))?;
-            self.decode_tombstones.remove(&start.key);
-            start.epoch = start.epoch.max(next);
-        }
+        let on_prefill_side = self.prefills.has_request(&start.request);
+        let start = self.decodes.admit(
+            now,
+            start,
+            on_prefill_side,
+            &self.own.engine,
+            &self.config,
+            self.mutation,
+        )?;
         if start.blocks.is_empty() {
             return self.full_prefix_hit(now, start);
         }
@@ -323,27 +278,13 @@ impl Endpoint {
         let peer = start.prefill.clone();
         let common = DecodeCommon::from_start(start, now + self.config.decode_deadline);
         tracing::debug!(key = %key, epoch = %common.epoch, peer = %peer, "decode request allocated");
-        self.decode_by_request
-            .insert(common.request.clone(), key.clone());
-        let request = DecodeRequest::new(common);
-        self.decodes.insert(key.clone(), request, &self.config);
+        self.decodes.insert(common, &self.config);
         if self.peers.get(&peer).is_some_and(Peer::is_connected) {
             self.step_decode(now, &key, DecodeInput::PeerConnected);
         } else {
             self.peer_input(now, &peer, PeerInput::ConnectRequested);
         }
         Ok(())
-    }
-
-    /// Remembers that `key` ended at `epoch`, so that a new attempt at the key starts above it
-    /// (and late messages of the old one are told apart). Admission (`decode_allocated`) kept
-    /// room: a full table evicts an old record, never a young one.
-    fn remember_decode(&mut self, now: Time, key: PairingKey, epoch: Epoch) {
-        if !self.mutation.is(super::Mutation::EvictYoungTombstones) {
-            assert_old_record_to_evict(&mut self.decode_tombstones, now, &key, &self.config);
-        }
-        self.decode_tombstones
-            .insert(key, epoch, now + self.config.tombstone_ttl);
     }
 
     /// D already holds every token: P may free its blocks, and D is ready at once.
@@ -354,7 +295,13 @@ impl Endpoint {
             reason: ReleaseReason::FullPrefixHit,
         });
         self.send_or_queue(now, &start.prefill, release);
-        self.remember_decode(now, start.key.clone(), start.epoch);
+        self.decodes.remember(
+            now,
+            start.key.clone(),
+            start.epoch,
+            &self.config,
+            self.mutation,
+        );
         self.outbox
             .out
             .push_back(Output::Event(EngineEvent::Decode {
@@ -369,7 +316,7 @@ impl Endpoint {
     }
 
     fn abort(&mut self, now: Time, request: &RequestId) -> Result<(), Rejected> {
-        if let Some(key) = self.decode_by_request.get(request).cloned() {
+        if let Some(key) = self.decodes.key_of(request).cloned() {
             self.step_decode(now, &key, DecodeInput::Abort);
             return Ok(());
         }
@@ -405,40 +352,19 @@ impl Endpoint {
             config: &self.config,
             mutation: self.mutation,
         };
-        let fx = &mut self.outbox;
-        let transition = |request: DecodeRequest| {
-            let epoch = request.common().epoch;
-            let _span =
-                tracing::debug_span!("decode", key = %key, epoch = %epoch, rank = ctx.own.rank)
-                    .entered();
-            match request.handle(&ctx, input, fx) {
-                Step::Live(next) => (Some(next), None),
-                Step::Ended(ended) => (None, Some(ended)),
-            }
-        };
-        let ended = self.decodes.step(key, &self.config, transition).flatten();
-        if let Some(ended) = ended {
+        if let Some(ended) = self.decodes.step(&ctx, key, input, &mut self.outbox) {
             self.decode_ended(now, ended);
         }
     }
 
+    /// Reports a D request that ended (the table has done its bookkeeping), first letting P
+    /// free blocks it may hold for a request that never registered.
     fn decode_ended(&mut self, now: Time, ended: DecodeEnded) {
         let DecodeEnded {
             common,
             outcome,
             proof,
         } = ended;
-        tracing::debug!(key = %common.key, epoch = %common.epoch, ?outcome, ?proof, "decode request ended");
-        self.decode_by_request.remove(&common.request);
-        self.remember_decode(now, common.key.clone(), common.epoch);
-        match proof {
-            FreeProof::Quarantine => self.outbox.counters.quarantine_frees += 1,
-            FreeProof::DeadPeerFence => self.outbox.counters.fence_frees += 1,
-            FreeProof::NeverExposed
-            | FreeProof::WritesCompleted
-            | FreeProof::CancelAcknowledged
-            | FreeProof::PeerQuiesced => {}
-        }
         let gave_up_before_registering = proof == FreeProof::NeverExposed
             && matches!(
                 outcome,
@@ -529,7 +455,7 @@ impl Endpoint {
         input: DecodeInput,
     ) {
         let Some(request) = self.decodes.get(key) else {
-            let reason = if self.decode_tombstones.get(key).is_some() {
+            let reason = if self.decodes.ended_recently(key) {
                 DropReason::Late
             } else {
                 DropReason::UnknownKey
@@ -565,19 +491,11 @@ impl Endpoint {
         if !cfg!(debug_assertions) {
             return;
         }
-        assert!(self.decodes.len() <= self.config.max_requests);
+        self.decodes.check_invariants(&self.config);
         assert!(self.peers.len() <= self.config.max_peers);
-        assert_eq!(self.decodes.len(), self.decode_by_request.len());
-        assert!(self.decodes.all_armed(), "every D request has a timer");
         assert!(self.peers.all_armed(), "every peer has a timer");
-        for (key, request) in self.decodes.iter() {
+        for request in self.decodes.values() {
             let common = request.common();
-            assert_eq!(&common.key, key);
-            assert_eq!(self.decode_by_request.get(&common.request), Some(key));
-            assert!(
-                self.decode_tombstones.get(key).is_none(),
-                "a live key is not tombstoned"
-            );
             // A request fenced after its peer's death outlives the peer's entry.
             if !matches!(request, DecodeRequest::Cancelling(_)) {
                 let peer = self.peers.get(&common.prefill);
