@@ -15,6 +15,7 @@
 
 mod build;
 mod link;
+pub mod messages;
 mod rank;
 mod runtime;
 pub mod side_channel;
@@ -29,16 +30,18 @@ use kvhandoff_protocol::driver::PeerInfo;
 pub use build::{
     agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
 };
-pub use link::{Connect, Hello, LinkActor};
-pub use rank::{
-    Call, Calls, Feed, LinkUp, QueryCounters, QueryStats, RankActor, Verdict, Verdicts,
+pub use link::LinkActor;
+pub use messages::{
+    AddPeerAddress, Call, Calls, Connect, Feed, Hello, LinkUp, LoadPeer, QueryCounters,
+    QuerySideChannel, QueryStats, QueryTransportStats, TransportOps, Verdict, Verdicts,
 };
+pub use rank::RankActor;
 pub use runtime::{Runtime, RuntimeError};
 pub use side_channel::{
-    AcceptPolicy, AddPeerAddress, ClockEstimate, HandshakeError, PeerBook, PeerBookFull,
-    QuerySideChannel, RejectReason, SideChannelConfig, SideChannelStats,
+    AcceptPolicy, ClockEstimate, HandshakeError, PeerBook, PeerBookFull, RejectReason,
+    SideChannelConfig, SideChannelStats,
 };
-pub use transport_actor::{LoadPeer, QueryTransportStats, TransportActor, TransportOps};
+pub use transport_actor::TransportActor;
 
 use crate::transport::Transport;
 use kvhandoff_protocol::machine::{Endpoint, EngineEvent};

@@ -6,31 +6,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{
-    Actor, ActorFutureExt, AsyncContext, Context, Handler, Message, Recipient, ResponseActFuture,
-    WrapFuture,
+    Actor, ActorFutureExt, AsyncContext, Context, Handler, Recipient, ResponseActFuture, WrapFuture,
 };
 use tokio::net::TcpListener;
 
-use super::rank::{Feed, LinkUp};
-use super::side_channel::{
-    self, AddPeerAddress, HandshakeError, Local, PeerBook, PeerBookFull, QuerySideChannel,
-    SideChannelConfig,
-};
+use super::messages::{AddPeerAddress, Connect, Feed, Hello, LinkUp, QuerySideChannel};
+use super::side_channel::{self, HandshakeError, Local, PeerBook, PeerBookFull, SideChannelConfig};
 use super::Directory;
 use kvhandoff_protocol::driver::PeerInfo;
 use kvhandoff_protocol::machine::{ConnectFailure, NetEvent};
 use kvhandoff_protocol::PeerAddr;
-
-/// The rank actor asks for a handshake with a peer.
-#[derive(Message, Debug)]
-#[rtype(result = "()")]
-pub struct Connect(pub PeerAddr);
-
-/// A peer's handshake arrives in process: check it, and hand it to the rank ([`LinkUp`]: load,
-/// then `PeerConnected`).
-#[derive(Message, Debug)]
-#[rtype(result = "Result<(), ConnectFailure>")]
-pub struct Hello(pub PeerInfo);
 
 /// How a link reaches its peers.
 pub(crate) enum LinkMode {

@@ -1,67 +1,14 @@
 //! `RankActor`: hosts one rank's `Endpoint` and keeps its single timer.
 
 use actix::clock::Instant;
-use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHandle};
+use actix::{Actor, AsyncContext, Context, Handler, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::link::Connect;
-use super::transport_actor::{LoadPeer, TransportOps};
-use kvhandoff_protocol::driver::{
-    connected_input, handshake_step, route, HandshakeStep, PeerInfo, Routed,
+use super::messages::{
+    Call, Calls, Connect, Feed, LinkUp, LoadPeer, QueryCounters, QueryStats, TransportOps,
 };
-use kvhandoff_protocol::machine::{
-    ConnectFailure, Counters, Endpoint, EndpointStats, EngineCall, EngineEvent, NetEvent, Rejected,
-    Time,
-};
-
-/// Receives whether an engine input was accepted.
-pub type Verdict = Box<dyn FnOnce(Result<(), Rejected>) + Send>;
-
-/// An engine's call into its rank, and where to send the verdict.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct Call {
-    /// The call.
-    pub call: EngineCall,
-    /// Called with whether the call was accepted.
-    pub reply: Option<Verdict>,
-}
-
-/// Receives, in order, whether each call of a [`Calls`] batch was accepted.
-pub type Verdicts = Box<dyn FnOnce(Vec<Result<(), Rejected>>) + Send>;
-
-/// A batch of engine calls (one engine step's worth): the inputs are handled in order, the
-/// verdicts come back together, and the outputs are flushed once for the whole batch.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct Calls {
-    /// The calls, in order.
-    pub calls: Vec<EngineCall>,
-    /// Called with one verdict per call, in the same order.
-    pub reply: Option<Verdicts>,
-}
-
-/// Events from the transport actor (completions, notifications) or the link (handshakes).
-#[derive(Message, Debug)]
-#[rtype(result = "()")]
-pub struct Feed(pub Vec<NetEvent>);
-
-/// Asks for the endpoint's table sizes.
-#[derive(Message)]
-#[rtype(result = "EndpointStats")]
-pub struct QueryStats;
-
-/// A handshake finished: load the peer into the transport, then tell the endpoint. Handled
-/// atomically (no other message or timer runs in between), so every transport operation the
-/// endpoint asks for is ordered correctly around the load.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<(), ConnectFailure>")]
-pub struct LinkUp(pub PeerInfo);
-
-/// Asks for the endpoint's counters.
-#[derive(Message)]
-#[rtype(result = "Counters")]
-pub struct QueryCounters;
+use kvhandoff_protocol::driver::{connected_input, handshake_step, route, HandshakeStep, Routed};
+use kvhandoff_protocol::machine::{ConnectFailure, Endpoint, EngineEvent, Time};
 
 /// Hosts an [`Endpoint`]: translates messages into `handle` calls and outputs into actions.
 pub struct RankActor {

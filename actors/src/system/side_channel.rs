@@ -57,7 +57,7 @@ use std::time::Duration;
 
 use kvhandoff_protocol::{wire, EngineId, Message, TransferMode};
 
-use super::rank::LinkUp;
+use super::messages::LinkUp;
 use kvhandoff_protocol::machine::ConnectFailure;
 
 use wire::{HEADER_LEN, MAGIC};
@@ -210,23 +210,6 @@ impl PeerBook {
         self.entries.is_empty()
     }
 }
-
-/// Tells a rank's link where `engine`'s side channel listens (from the connector's
-/// `kv_transfer_params` `remote_host`/`remote_port`, or `kvhandoff node --peer`). Send it to
-/// [`RankHandle::link`](super::RankHandle::link).
-#[derive(actix::Message, Debug, Clone, PartialEq, Eq)]
-#[rtype(result = "Result<(), PeerBookFull>")]
-pub struct AddPeerAddress {
-    /// The remote engine.
-    pub engine: EngineId,
-    /// Its side channel.
-    pub addr: SocketAddr,
-}
-
-/// Asks a rank's link for its [`SideChannelStats`].
-#[derive(actix::Message, Debug, Clone, Copy)]
-#[rtype(result = "SideChannelStats")]
-pub struct QuerySideChannel;
 
 /// Why a handshake was rejected (listener) or failed (initiator).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -5,26 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient};
-use kvhandoff_protocol::driver::{TransportDriver, TransportOp, TransportStats};
+use kvhandoff_protocol::driver::TransportDriver;
 
-use super::rank::Feed;
+use super::messages::{Feed, LoadPeer, QueryTransportStats, TransportOps};
 use crate::transport::{Transport, TransportError};
 use kvhandoff_protocol::driver::PeerInfo;
-
-/// A batch of [`TransportOp`]s, in order.
-#[derive(Message, Debug)]
-#[rtype(result = "()")]
-pub struct TransportOps(pub Vec<TransportOp>);
-
-/// Loads a peer into the transport (from the link actor, during a handshake).
-#[derive(Message, Debug)]
-#[rtype(result = "Result<(), TransportError>")]
-pub struct LoadPeer(pub PeerInfo);
-
-/// Asks for the writer's counters.
-#[derive(Message)]
-#[rtype(result = "TransportStats")]
-pub struct QueryTransportStats;
 
 /// Owns the transport (through a [`TransportDriver`], where every translation lives): performs
 /// the rank's operations, polls on a tick and when the transport says something arrived.
