@@ -21,7 +21,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::system::{build_mem_rank, BuildError, RuntimeError, ShellConfig};
+use kvhandoff_actors::system::{
+    build_mem_rank, BuildError, Placement, RankOptions, RuntimeError, ShellConfig,
+};
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{
     Config, DecodeOutcome, DecodeStart, Endpoint, EngineCall, EngineEvent, NetEvent, Output,
@@ -668,8 +670,12 @@ fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
     // P and D are separate engines: each rank gets a thread of its own, as in separate
     // processes.
     let mut runtime = Runtime::start()?;
-    let p_handle = runtime.add_rank_on_own_threads(p_setup)?;
-    let d_handle = runtime.add_rank_on_own_threads(d_setup)?;
+    let own_threads = RankOptions {
+        placement: Placement::OwnThreads,
+        ..RankOptions::default()
+    };
+    let p_handle = runtime.add_rank(p_setup, own_threads.clone())?;
+    let d_handle = runtime.add_rank(d_setup, own_threads)?;
     let p_rank = p_handle.rank.clone();
     let ident = |name| demo::identity(name).map_err(|e| BenchError::Options(e.to_string()));
     let p_conn = KvConnector::new(ident(PREFILL_ENGINE)?, p_handle);
@@ -786,7 +792,11 @@ mod tests {
         )
         .unwrap();
         let mut runtime = Runtime::start().unwrap();
-        let handle = runtime.add_rank_on_own_thread(setup).unwrap();
+        let own_thread = RankOptions {
+            placement: Placement::OwnThread,
+            ..RankOptions::default()
+        };
+        let handle = runtime.add_rank(setup, own_thread).unwrap();
         let conn = KvConnector::new(demo::identity(engine).unwrap(), handle);
         (runtime, conn)
     }

@@ -39,15 +39,13 @@ mod prefill_loop;
 mod report;
 mod schedule;
 
-use std::future::Future;
 use std::sync::mpsc;
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{
-    build_rank, BuildError, QueryCounters, RankActor, RankMemory, RuntimeError, ShellConfig,
+    blocking::ask, build_rank, BuildError, QueryCounters, RankActor, RankMemory, RankOptions,
+    RuntimeError, ShellConfig,
 };
 #[cfg(doc)]
 use kvhandoff_actors::transport::mem::MemFabric;
@@ -324,9 +322,9 @@ where
         Config::default(),
         shell,
     )?;
-    let runtime = Runtime::start()?;
-    let p_handle = runtime.add_rank(p_setup)?;
-    let d_handle = runtime.add_rank(d_setup)?;
+    let mut runtime = Runtime::start()?;
+    let p_handle = runtime.add_rank(p_setup, RankOptions::default())?;
+    let d_handle = runtime.add_rank(d_setup, RankOptions::default())?;
     let p_rank = p_handle.rank.clone();
     let p_conn = kvhandoff::KvConnector::new(identity(PREFILL_ENGINE)?, p_handle);
     let d_conn = kvhandoff::KvConnector::new(identity(DECODE_ENGINE)?, d_handle);
@@ -421,36 +419,9 @@ pub(crate) fn races_of(c: &Counters) -> Races {
 // ---------------------------------------------------------------------------------------------
 // Blocking on an actix request from a plain thread.
 
-struct ThreadWaker(thread::Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Runs `future` on the calling thread until it is ready or `timeout` passes. For futures that
-/// need no executor of their own (actix's `Addr::send` answers through a channel).
-pub(crate) fn block_on_timeout<F: Future>(future: F, timeout: Duration) -> Option<F::Output> {
-    let deadline = Instant::now() + timeout;
-    let waker = Waker::from(Arc::new(ThreadWaker(thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut future = std::pin::pin!(future);
-    loop {
-        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
-            return Some(out);
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return None;
-        }
-        thread::park_timeout(deadline - now);
-    }
-}
-
 /// P's endpoint counters, asked for on its rank actor.
 pub(crate) fn query_counters(rank: &actix::Addr<RankActor>) -> Option<Counters> {
-    block_on_timeout(rank.send(QueryCounters), Duration::from_secs(5))?.ok()
+    ask(rank, QueryCounters, Duration::from_secs(5))
 }
 
 pub(crate) fn identity(engine: &str) -> Result<ConnectorIdentity, DemoError> {

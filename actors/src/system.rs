@@ -13,6 +13,7 @@
 //!
 //! No routing or matching happens here: everything is decided by the endpoint.
 
+pub mod blocking;
 mod build;
 mod link;
 pub mod messages;
@@ -139,64 +140,63 @@ pub struct RankSetup<T: Transport> {
     pub shell: ShellConfig,
 }
 
-/// Starts the three actors of one rank on the current actix arbiter and publishes the rank in
-/// `directory`.
-///
-/// Must be called inside a running actix system.
-pub fn start_rank<T>(setup: RankSetup<T>, directory: &Directory) -> RankHandle
-where
-    T: Transport + Unpin + 'static,
-{
-    spawn_rank(
-        setup,
-        link::LinkMode::InProcess(directory.clone()),
-        None,
-        Actor::start,
-    )
+/// Where a rank's actors run on a [`Runtime`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// On the runtime's own thread, beside its other shared ranks.
+    #[default]
+    Shared,
+    /// On a new thread of its own: ranks placed this way run in parallel, the way ranks of
+    /// separate engine processes do.
+    OwnThread,
+    /// The rank on one new thread and its transport actor (posting, sending, polling) on
+    /// another, so that the endpoint's work and the transport's run in parallel.
+    OwnThreads,
 }
 
-/// [`start_rank`] with the rank's writer (its transport calls: posting, sending, polling) on
-/// the arbiter `writer_arbiter`, so that the transport's work runs in parallel with the
-/// endpoint's.
+/// How [`Runtime::add_rank`] starts a rank: how it meets its peers, and where it runs.
 ///
-/// Must be called inside a running actix system.
-pub fn start_rank_split<T>(
-    setup: RankSetup<T>,
-    directory: &Directory,
-    writer_arbiter: &actix::ArbiterHandle,
-) -> RankHandle
-where
-    T: Transport + Unpin + Send + 'static,
-{
-    let start_writer = |writer: TransportActor<T>| {
-        TransportActor::start_in_arbiter(writer_arbiter, move |_| writer)
-    };
-    spawn_rank(
-        setup,
-        link::LinkMode::InProcess(directory.clone()),
-        None,
-        start_writer,
-    )
+/// ```
+/// use kvhandoff_actors::system::{Placement, RankOptions};
+/// let options = RankOptions { placement: Placement::OwnThreads, ..RankOptions::default() };
+/// assert!(options.handshaker.is_none()); // in process, through the runtime's directory
+/// ```
+#[derive(Clone, Default)]
+pub struct RankOptions {
+    /// How the rank meets its peers; `None`: in process, through the runtime's [`Directory`].
+    pub handshaker: Option<Handshaker>,
+    /// Where its actors run.
+    pub placement: Placement,
 }
 
-/// Starts the three actors of one rank with the given [`Handshaker`]. For
-/// [`Handshaker::Tcp`] the listener is bound before anything starts, and
-/// [`RankHandle::side_channel`] reports where.
-///
-/// Must be called inside a running actix system.
+/// Starts the three actors of one rank in the running actix system: the rank and link actors
+/// on the current arbiter, the transport actor there too or on `transport_arbiter`. An
+/// in-process rank is published in its [`Directory`]; for [`Handshaker::Tcp`] the listener is
+/// bound before anything starts, and [`RankHandle::side_channel`] reports where. (Engines use
+/// [`Runtime::add_rank`], which calls this on the runtime's threads.)
 ///
 /// # Errors
 /// For [`Handshaker::Tcp`]: the address cannot be bound, or the rank's own handshake breaks
 /// the wire limits (`InvalidInput`). [`Handshaker::InProcess`] never fails.
-pub fn start_rank_with<T>(
+pub fn start_rank<T>(
     setup: RankSetup<T>,
     handshaker: Handshaker,
+    transport_arbiter: Option<&actix::ArbiterHandle>,
 ) -> std::io::Result<RankHandle>
 where
-    T: Transport + Unpin + 'static,
+    T: Transport + Unpin + Send + 'static,
 {
+    let start_transport = |actor: TransportActor<T>| match transport_arbiter {
+        Some(arbiter) => TransportActor::start_in_arbiter(arbiter, move |_| actor),
+        None => actor.start(),
+    };
     match handshaker {
-        Handshaker::InProcess(directory) => Ok(start_rank(setup, &directory)),
+        Handshaker::InProcess(directory) => Ok(spawn_rank(
+            setup,
+            link::LinkMode::InProcess(directory),
+            None,
+            start_transport,
+        )),
         Handshaker::Tcp(config) => {
             side_channel::Local::new(setup.info.clone(), config.clone()).check_own()?;
             let (listener, addr) = side_channel::bind(config.listen)?;
@@ -204,7 +204,7 @@ where
                 listener: Some(listener),
                 config,
             };
-            Ok(spawn_rank(setup, mode, Some(addr), Actor::start))
+            Ok(spawn_rank(setup, mode, Some(addr), start_transport))
         }
     }
 }

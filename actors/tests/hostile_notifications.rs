@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{
-    agent_name, build_mem_rank, start_rank, Directory, KvPool, LinkUp, QueryCounters,
+    agent_name, build_mem_rank, start_rank, Directory, Handshaker, KvPool, LinkUp, QueryCounters,
     QueryTransportStats, RankHandle, ShellConfig,
 };
 use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
@@ -60,7 +60,7 @@ fn start(fabric: &MemFabric, directory: &Directory, name: &str) -> Rank {
     .unwrap();
     let info = setup.info.clone();
     Rank {
-        handle: start_rank(setup, directory),
+        handle: start_rank(setup, Handshaker::InProcess(directory.clone()), None).unwrap(),
         pool,
         info,
     }

@@ -14,9 +14,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{
-    build_mem_rank, start_rank_with, AcceptPolicy, AddPeerAddress, Handshaker, KvPool,
-    QueryCounters, QuerySideChannel, RankHandle, RejectReason, ShellConfig, SideChannelConfig,
-    SideChannelStats,
+    build_mem_rank, start_rank, AcceptPolicy, AddPeerAddress, Handshaker, KvPool, QueryCounters,
+    QuerySideChannel, RankHandle, RejectReason, ShellConfig, SideChannelConfig, SideChannelStats,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::driver::PeerInfo;
@@ -74,7 +73,7 @@ fn start(fabric: &MemFabric, name: &str, config: SideChannelConfig) -> Rank {
         ShellConfig::default(),
     )
     .unwrap();
-    let handle = start_rank_with(setup, Handshaker::Tcp(config)).unwrap();
+    let handle = start_rank(setup, Handshaker::Tcp(config), None).unwrap();
     let addr = handle.side_channel.expect("a TCP rank reports its address");
     assert_ne!(addr.port(), 0, "port 0 is resolved to the bound port");
     Rank { handle, pool, addr }

@@ -7,7 +7,7 @@ use fixture::{call, fill, geometry, model, wrong_bytes};
 use std::time::Duration;
 
 use kvhandoff_actors::system::{
-    build_mem_rank, start_rank, Directory, KvPool, RankHandle, ShellConfig,
+    build_mem_rank, start_rank, Directory, Handshaker, KvPool, RankHandle, ShellConfig,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{
@@ -35,7 +35,7 @@ fn start(fabric: &MemFabric, directory: &Directory, engine: &str) -> Rank {
     )
     .unwrap();
     Rank {
-        handle: start_rank(setup, directory),
+        handle: start_rank(setup, Handshaker::InProcess(directory.clone()), None).unwrap(),
         pool,
     }
 }

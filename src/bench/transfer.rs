@@ -48,7 +48,7 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use crate::stats::{gbps, human_bytes, median, min, percentile};
+use crate::stats::{gbps, human_bytes, median, percentile};
 use kvhandoff_protocol::planner::{fragmented_70b_case, PlanInput, Planner, FRAGMENTED_70B_BLOCKS};
 use kvhandoff_protocol::{BlockIds, KvGeometry, KvLayout};
 use serde::{Deserialize, Serialize};
@@ -603,7 +603,9 @@ mod live {
     use std::thread;
     use std::time::{Duration, Instant};
 
-    use kvhandoff_actors::system::{agent_name, build_rank, KvPool, RegionBytes, ShellConfig};
+    use kvhandoff_actors::system::{
+        agent_name, build_rank, KvPool, RankOptions, RegionBytes, ShellConfig,
+    };
     use kvhandoff_actors::transport::nixl::{
         nixl_runtime_available, HostBuffer, NixlConfig, NixlTransport,
     };
@@ -615,11 +617,13 @@ mod live {
         RegistrationHandle, XferDescList, XferOp, XferStatus,
     };
 
+    use crate::stats::min;
+
     use super::{
-        block_tables, gbps, median, memcpy_gbps, min, percentile, plan_fragmented_70b, us,
-        BlockTable, NotifyPoint, PushNumbers, RawNumbers, RequestShape, TableNumbers,
-        TransferBenchError, TransferOptions, TransferReport, BLOCK_TOKENS, COARSE_FRACTION,
-        COARSE_POLL, DRIVER_POLL, TARGET_RATIO,
+        block_tables, gbps, median, memcpy_gbps, percentile, plan_fragmented_70b, us, BlockTable,
+        NotifyPoint, PushNumbers, RawNumbers, RequestShape, TableNumbers, TransferBenchError,
+        TransferOptions, TransferReport, BLOCK_TOKENS, COARSE_FRACTION, COARSE_POLL, DRIVER_POLL,
+        TARGET_RATIO,
     };
     use crate::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
     use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams, Runtime};
@@ -1227,12 +1231,12 @@ mod live {
             let (d_setup, d_pool) = build(DECODE_ENGINE)?;
             let p_regions = p_setup.info.regions.clone();
             let d_regions = d_setup.info.regions.clone();
-            let runtime = Runtime::start().map_err(|e| run_error(e.to_string()))?;
+            let mut runtime = Runtime::start().map_err(|e| run_error(e.to_string()))?;
             let p_handle = runtime
-                .add_rank(p_setup)
+                .add_rank(p_setup, RankOptions::default())
                 .map_err(|e| run_error(e.to_string()))?;
             let d_handle = runtime
-                .add_rank(d_setup)
+                .add_rank(d_setup, RankOptions::default())
                 .map_err(|e| run_error(e.to_string()))?;
             let ident = |engine| demo::identity(engine).map_err(|e| run_error(e.to_string()));
             Ok(Push {

@@ -9,7 +9,8 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
 use kvhandoff_actors::system::{
-    agent_name, build_rank, Connect, RankActor, RankMemory, ShellConfig, SideChannelConfig,
+    agent_name, blocking::ask, build_rank, Connect, RankActor, RankMemory, RankOptions,
+    ShellConfig, SideChannelConfig,
 };
 use kvhandoff_actors::transport::TransportError;
 use kvhandoff_protocol::driver::PeerInfo;
@@ -23,9 +24,9 @@ use super::{
     PrefillReport,
 };
 use crate::demo::{
-    self, block_on_timeout, build_report, check_options, identity, model, query_counters, races_of,
-    run_decode, run_prefill, schedule, DecodePacing, DecodeRun, DemoError, Facts, Planned,
-    PrefillOutcomes, PrefillPacing, PrefillRun, Races, Tallies, DECODE_ENGINE, PREFILL_ENGINE,
+    self, build_report, check_options, identity, model, query_counters, races_of, run_decode,
+    run_prefill, schedule, DecodePacing, DecodeRun, DemoError, Facts, Planned, PrefillOutcomes,
+    PrefillPacing, PrefillRun, Races, Tallies, DECODE_ENGINE, PREFILL_ENGINE,
 };
 use kvhandoff::{ConnectorIdentity, KvConnector, KvTransferParams, Runtime};
 
@@ -177,10 +178,13 @@ where
         shell,
     )?;
     let own_info = setup.info.clone();
-    let runtime = Runtime::start()?;
-    let handle = runtime.add_rank_with(
+    let mut runtime = Runtime::start()?;
+    let handle = runtime.add_rank(
         setup,
-        Handshaker::Tcp(SideChannelConfig::new(options.listen)),
+        RankOptions {
+            handshaker: Some(Handshaker::Tcp(SideChannelConfig::new(options.listen))),
+            ..RankOptions::default()
+        },
     )?;
     let listen = handle.side_channel.unwrap_or(options.listen);
     eprintln!(
@@ -190,14 +194,15 @@ where
     let link = handle.link.clone();
     let rank = handle.rank.clone();
     let watch = DeathWatch::start(rank.clone());
-    let added = block_on_timeout(
-        link.send(AddPeerAddress {
+    let added = ask(
+        &link,
+        AddPeerAddress {
             engine: other.clone(),
             addr: options.peer,
-        }),
+        },
         Duration::from_secs(5),
     );
-    if !matches!(added, Some(Ok(Ok(())))) {
+    if !matches!(added, Some(Ok(()))) {
         return Err(DemoError::Options(format!(
             "the link did not take the peer's address {}",
             options.peer

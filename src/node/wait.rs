@@ -9,7 +9,7 @@ use kvhandoff_protocol::EngineId;
 use kvhandoff_protocol::PeerAddr;
 
 use super::{Connect, SideChannelStats};
-use crate::demo::block_on_timeout;
+use kvhandoff_actors::system::blocking::ask;
 
 /// How often the waits look again.
 const WAIT_POLL: Duration = Duration::from_millis(2);
@@ -17,7 +17,7 @@ const WAIT_POLL: Duration = Duration::from_millis(2);
 const PROBE_POLL: Duration = Duration::from_millis(20);
 
 pub(super) fn side_channel(link: &actix::Addr<LinkActor>) -> Option<SideChannelStats> {
-    block_on_timeout(link.send(QuerySideChannel), Duration::from_secs(5))?.ok()
+    ask(link, QuerySideChannel, Duration::from_secs(5))
 }
 
 /// Whether a TCP connection to `addr` is accepted now.

@@ -6,9 +6,7 @@ use std::thread::JoinHandle;
 
 use actix::{Arbiter, ArbiterHandle, System};
 
-use super::{
-    start_rank, start_rank_split, start_rank_with, Directory, Handshaker, RankHandle, RankSetup,
-};
+use super::{start_rank, Directory, Handshaker, Placement, RankHandle, RankOptions, RankSetup};
 use crate::transport::Transport;
 
 /// Why the runtime could not do what was asked.
@@ -73,71 +71,56 @@ impl Runtime {
         &self.directory
     }
 
-    /// Starts one rank's actors on the runtime and returns its handle.
+    /// Starts one rank's actors as `options` say and returns its handle.
     ///
     /// # Errors
-    /// [`RuntimeError::Stopped`] if the runtime is gone.
-    pub fn add_rank<T>(&self, setup: RankSetup<T>) -> Result<RankHandle, RuntimeError>
-    where
-        T: Transport + Unpin + Send + 'static,
-    {
-        let (tx, rx) = mpsc::channel();
-        let directory = self.directory.clone();
-        let spawned = self.arbiter.spawn_fn(move || {
-            let _ = tx.send(start_rank(setup, &directory));
-        });
-        if !spawned {
-            return Err(RuntimeError::Stopped);
-        }
-        rx.recv().map_err(|_| RuntimeError::Stopped)
-    }
-
-    /// Starts one rank's actors on a new arbiter thread of their own (in the same system, found
-    /// through the same [`Directory`]) and returns its handle. Ranks added this way run in
-    /// parallel with the runtime's other ranks, the way ranks of separate engine processes do.
-    ///
-    /// # Errors
-    /// [`RuntimeError::Stopped`] if the runtime is gone.
-    pub fn add_rank_on_own_thread<T>(
+    /// [`RuntimeError::Stopped`] if the runtime is gone; [`RuntimeError::SideChannel`] if a
+    /// TCP side channel cannot listen.
+    pub fn add_rank<T>(
         &mut self,
         setup: RankSetup<T>,
+        options: RankOptions,
     ) -> Result<RankHandle, RuntimeError>
     where
         T: Transport + Unpin + Send + 'static,
     {
-        let arbiter = self.new_arbiter()?;
-        let directory = self.directory.clone();
-        self.start_on(arbiter, move || start_rank(setup, &directory))
-    }
-
-    /// Like [`Self::add_rank_on_own_thread`], with the rank's writer (its transport calls) on a
-    /// second thread of its own: the endpoint's work and the transport's run in parallel.
-    ///
-    /// # Errors
-    /// [`RuntimeError::Stopped`] if the runtime is gone.
-    pub fn add_rank_on_own_threads<T>(
-        &mut self,
-        setup: RankSetup<T>,
-    ) -> Result<RankHandle, RuntimeError>
-    where
-        T: Transport + Unpin + Send + 'static,
-    {
-        let rank_arbiter = self.new_arbiter()?;
-        let writer_arbiter = self.new_arbiter()?;
-        let writer = writer_arbiter.handle();
-        self.arbiters.push(writer_arbiter);
-        let directory = self.directory.clone();
-        self.start_on(rank_arbiter, move || {
-            start_rank_split(setup, &directory, &writer)
-        })
+        let handshaker = options
+            .handshaker
+            .unwrap_or_else(|| Handshaker::InProcess(self.directory.clone()));
+        let started = match options.placement {
+            Placement::Shared => {
+                let (tx, rx) = mpsc::channel();
+                let spawned = self.arbiter.spawn_fn(move || {
+                    let _ = tx.send(start_rank(setup, handshaker, None));
+                });
+                if !spawned {
+                    return Err(RuntimeError::Stopped);
+                }
+                rx.recv().map_err(|_| RuntimeError::Stopped)?
+            }
+            Placement::OwnThread => {
+                let arbiter = self.new_arbiter()?;
+                self.start_on(arbiter, move || start_rank(setup, handshaker, None))?
+            }
+            Placement::OwnThreads => {
+                let rank_arbiter = self.new_arbiter()?;
+                let transport_arbiter = self.new_arbiter()?;
+                let transport = transport_arbiter.handle();
+                self.arbiters.push(transport_arbiter);
+                self.start_on(rank_arbiter, move || {
+                    start_rank(setup, handshaker, Some(&transport))
+                })?
+            }
+        };
+        started.map_err(RuntimeError::SideChannel)
     }
 
     /// Runs `start` on `arbiter` (which the runtime keeps) and returns the rank it started.
     fn start_on(
         &mut self,
         arbiter: Arbiter,
-        start: impl FnOnce() -> RankHandle + Send + 'static,
-    ) -> Result<RankHandle, RuntimeError> {
+        start: impl FnOnce() -> std::io::Result<RankHandle> + Send + 'static,
+    ) -> Result<std::io::Result<RankHandle>, RuntimeError> {
         let (tx, rx) = mpsc::channel();
         let spawned = arbiter.spawn_fn(move || {
             let _ = tx.send(start());
@@ -160,32 +143,6 @@ impl Runtime {
             return Err(RuntimeError::Stopped);
         }
         rx.recv().map_err(|_| RuntimeError::Stopped)
-    }
-
-    /// Starts one rank's actors with the given [`Handshaker`] (for example a TCP side channel)
-    /// and returns its handle.
-    ///
-    /// # Errors
-    /// [`RuntimeError::Stopped`] if the runtime is gone; [`RuntimeError::SideChannel`] if the
-    /// side channel cannot listen.
-    pub fn add_rank_with<T>(
-        &self,
-        setup: RankSetup<T>,
-        handshaker: Handshaker,
-    ) -> Result<RankHandle, RuntimeError>
-    where
-        T: Transport + Unpin + Send + 'static,
-    {
-        let (tx, rx) = mpsc::channel();
-        let spawned = self.arbiter.spawn_fn(move || {
-            let _ = tx.send(start_rank_with(setup, handshaker));
-        });
-        if !spawned {
-            return Err(RuntimeError::Stopped);
-        }
-        rx.recv()
-            .map_err(|_| RuntimeError::Stopped)?
-            .map_err(RuntimeError::SideChannel)
     }
 
     /// Stops the system and waits for its thread.
