@@ -258,6 +258,7 @@ where
         writer_ops,
         loader,
         link.clone().recipient(),
+        link.clone().recipient(),
         events_tx,
     ));
     let writer = writer.recipient();

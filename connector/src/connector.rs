@@ -12,8 +12,7 @@
 //! Calls are synchronous, for an engine's scheduler thread; each waits for its verdict for at
 //! most [`KvConnector::CALL_TIMEOUT`]. Never call them from inside the runtime's own thread.
 
-use std::collections::BTreeMap;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::ToSocketAddrs;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -255,18 +254,17 @@ pub struct KvConnector {
     late: Vec<LateBatch>,
     /// How long a call waits for its verdict ([`Self::CALL_TIMEOUT`] unless a test shortens it).
     call_timeout: Duration,
-    /// Side-channel addresses already handed to the rank's link, per engine.
-    known_peers: BTreeMap<EngineId, SocketAddr>,
 }
-
-/// Most remote engines whose side-channel address a connector remembers.
-const MAX_KNOWN_PEERS: usize = 4096;
 
 /// Most batches waiting for a late verdict; past it the runtime is taken as hung and calls are
 /// refused (`Unavailable`) without being sent.
 const MAX_LATE_BATCHES: usize = 1024;
 
 type Verdicts = Vec<Result<(), Rejected>>;
+
+/// A call checked by the connector: the endpoint's input, the side-channel address that
+/// travels with it, and the reply it earns if accepted.
+type Prepared = (EngineCall, Option<AddPeerAddress>, ConnectorReply);
 
 /// A batch the runtime took without answering in time.
 struct LateBatch {
@@ -287,7 +285,6 @@ impl KvConnector {
             live: 0,
             late: Vec::new(),
             call_timeout: Self::CALL_TIMEOUT,
-            known_peers: BTreeMap::new(),
         }
     }
 
@@ -324,15 +321,17 @@ impl KvConnector {
     ) -> Vec<Result<ConnectorReply, ConnectorError>> {
         let mut results = Vec::with_capacity(calls.len());
         let mut inputs = Vec::with_capacity(calls.len());
+        let mut addresses = Vec::new();
         // Per input: its result's index, its request, and whether it starts a request.
         let mut slots = Vec::with_capacity(calls.len());
         for call in calls {
             let starts = !matches!(call, ConnectorCall::Abort { .. } | ConnectorCall::Shutdown);
             let request = call.request().cloned();
             match self.prepare(call) {
-                Ok((input, reply)) => {
+                Ok((input, address, reply)) => {
                     slots.push((results.len(), request, starts));
                     inputs.push(input);
+                    addresses.extend(address);
                     results.push(Ok(reply));
                 }
                 Err(error) => results.push(Err(error)),
@@ -341,7 +340,7 @@ impl KvConnector {
         if inputs.is_empty() {
             return results;
         }
-        match self.call_batch(inputs) {
+        match self.call_batch(inputs, addresses) {
             Ok(verdicts) => {
                 let mut verdicts = verdicts.into_iter();
                 for (slot, _, starts) in slots {
@@ -371,13 +370,18 @@ impl KvConnector {
 
     /// Sends `inputs` to the rank as one message and waits for their verdicts, up to
     /// [`Self::CALL_TIMEOUT`]; past it the batch may still be applied ([`Late::NoVerdict`]).
-    fn call_batch(&mut self, inputs: Vec<EngineCall>) -> Result<Verdicts, Late> {
+    fn call_batch(
+        &mut self,
+        inputs: Vec<EngineCall>,
+        addresses: Vec<AddPeerAddress>,
+    ) -> Result<Verdicts, Late> {
         if self.late.len() >= MAX_LATE_BATCHES {
             return Err(Late::NotSent);
         }
         let (tx, rx) = mpsc::sync_channel(1);
         let calls = Calls {
             calls: inputs,
+            addresses,
             reply: Some(Box::new(move |verdicts| {
                 let _ = tx.send(verdicts);
             })),
@@ -433,22 +437,19 @@ impl KvConnector {
             .unwrap_or(Err(ConnectorError::Unavailable))
     }
 
-    /// Checks one call and turns it into the endpoint's input and the reply it earns if
-    /// accepted.
-    fn prepare(
-        &mut self,
-        call: ConnectorCall,
-    ) -> Result<(EngineCall, ConnectorReply), ConnectorError> {
+    /// Checks one call and turns it into the endpoint's input, the side-channel address that
+    /// travels with it (if any), and the reply it earns if accepted.
+    fn prepare(&mut self, call: ConnectorCall) -> Result<Prepared, ConnectorError> {
         match call {
             ConnectorCall::RequestAllocated {
                 request,
                 blocks,
                 num_tokens,
                 params,
-            } => Ok((
-                self.decode_input(request, blocks, num_tokens, &params)?,
-                ConnectorReply::Accepted,
-            )),
+            } => {
+                let (input, address) = self.decode_input(request, blocks, num_tokens, &params)?;
+                Ok((input, address, ConnectorReply::Accepted))
+            }
             ConnectorCall::RequestFinished {
                 request,
                 blocks,
@@ -473,13 +474,16 @@ impl KvConnector {
                         key,
                         blocks,
                     }),
+                    None,
                     reply,
                 ))
             }
-            ConnectorCall::Abort { request } => {
-                Ok((EngineCall::Abort { request }, ConnectorReply::Accepted))
-            }
-            ConnectorCall::Shutdown => Ok((EngineCall::Shutdown, ConnectorReply::Accepted)),
+            ConnectorCall::Abort { request } => Ok((
+                EngineCall::Abort { request },
+                None,
+                ConnectorReply::Accepted,
+            )),
+            ConnectorCall::Shutdown => Ok((EngineCall::Shutdown, None, ConnectorReply::Accepted)),
         }
     }
 
@@ -489,7 +493,7 @@ impl KvConnector {
         blocks: BlockIds,
         num_tokens: u64,
         params: &KvTransferParams,
-    ) -> Result<EngineCall, ConnectorError> {
+    ) -> Result<(EngineCall, Option<AddPeerAddress>), ConnectorError> {
         if !params.do_remote_prefill {
             return Err(ConnectorError::InvalidParam {
                 name: "do_remote_prefill",
@@ -512,8 +516,8 @@ impl KvConnector {
         }
         let key = pairing_key(&request, params)?;
         let epoch = epoch(params)?;
-        self.learn_peer_address(&engine, params)?;
-        Ok(EngineCall::DecodeAllocated(DecodeStart {
+        let address = self.peer_address(&engine, params)?;
+        let call = EngineCall::DecodeAllocated(DecodeStart {
             request,
             key,
             epoch,
@@ -521,7 +525,8 @@ impl KvConnector {
             blocks,
             num_tokens,
             expected_writes: 1,
-        }))
+        });
+        Ok((call, address))
     }
 
     /// D side: `blocks` were allocated for `request`, whose prefill ran on the engine named in
@@ -547,15 +552,16 @@ impl KvConnector {
         .map(|_| ())
     }
 
-    /// Tells a TCP rank's link where `engine`'s side channel is, from `remote_host` and
-    /// `remote_port` (an in-process rank finds its peers by itself and ignores them).
-    fn learn_peer_address(
-        &mut self,
+    /// Where `engine`'s side channel listens, from `remote_host` and `remote_port`, for a TCP
+    /// rank (it travels to the rank with the call); `None` for an in-process rank, which finds
+    /// its peers by itself.
+    fn peer_address(
+        &self,
         engine: &EngineId,
         params: &KvTransferParams,
-    ) -> Result<(), ConnectorError> {
+    ) -> Result<Option<AddPeerAddress>, ConnectorError> {
         if self.rank.side_channel.is_none() {
-            return Ok(());
+            return Ok(None);
         }
         let host = params
             .remote_host
@@ -573,21 +579,10 @@ impl KvConnector {
             .map_err(|e| bad_host(e.to_string()))?
             .next()
             .ok_or_else(|| bad_host(format!("{host} resolves to no address")))?;
-        if self.known_peers.get(engine) == Some(&addr) {
-            return Ok(());
-        }
-        if self.known_peers.len() >= MAX_KNOWN_PEERS && !self.known_peers.contains_key(engine) {
-            return Err(ConnectorError::Unsupported(
-                "more remote engines than the peer book holds",
-            ));
-        }
-        // Sent before the request, so the link knows the address when the handshake starts.
-        self.rank.link.do_send(AddPeerAddress {
+        Ok(Some(AddPeerAddress {
             engine: engine.clone(),
             addr,
-        });
-        self.known_peers.insert(engine.clone(), addr);
-        Ok(())
+        }))
     }
 
     /// P side: `request`'s prefill finished with its KV in `blocks`. `params` are the ones the

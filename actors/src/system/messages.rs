@@ -42,6 +42,10 @@ pub type Verdicts = Box<dyn FnOnce(Vec<Result<(), Rejected>>) + Send>;
 pub struct Calls {
     /// The calls, in order.
     pub calls: Vec<EngineCall>,
+    /// Where the peers these calls need listen (a TCP rank's side channel, from the router's
+    /// `remote_host`/`remote_port`): the rank hands them to its link before it runs the calls,
+    /// so an engine talks to its rank only. Empty for in-process ranks.
+    pub addresses: Vec<AddPeerAddress>,
     /// Called with one verdict per call, in the same order.
     pub reply: Option<Verdicts>,
 }

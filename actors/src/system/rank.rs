@@ -5,7 +5,8 @@ use actix::{Actor, AsyncContext, Context, Handler, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::messages::{
-    Call, Calls, Connect, Feed, LinkUp, LoadPeer, QueryCounters, QueryStats, TransportOps,
+    AddPeerAddress, Call, Calls, Connect, Feed, LinkUp, LoadPeer, QueryCounters, QueryStats,
+    TransportOps,
 };
 use kvhandoff_protocol::driver::{connected_input, handshake_step, route, HandshakeStep, Routed};
 use kvhandoff_protocol::machine::{ConnectFailure, Endpoint, EngineEvent, Time};
@@ -17,6 +18,8 @@ pub struct RankActor {
     writer: Recipient<TransportOps>,
     loader: Recipient<LoadPeer>,
     link: Recipient<Connect>,
+    /// The link's book of side-channel addresses.
+    book: Recipient<AddPeerAddress>,
     events: UnboundedSender<EngineEvent>,
     timer: Option<(Time, SpawnHandle)>,
 }
@@ -27,6 +30,7 @@ impl RankActor {
         writer: Recipient<TransportOps>,
         loader: Recipient<LoadPeer>,
         link: Recipient<Connect>,
+        book: Recipient<AddPeerAddress>,
         events: UnboundedSender<EngineEvent>,
     ) -> Self {
         RankActor {
@@ -35,6 +39,7 @@ impl RankActor {
             writer,
             loader,
             link,
+            book,
             events,
             timer: None,
         }
@@ -110,6 +115,11 @@ impl Handler<Calls> for RankActor {
     type Result = ();
 
     fn handle(&mut self, calls: Calls, ctx: &mut Context<Self>) {
+        for address in calls.addresses {
+            // A full book only fails the handshake that needed the address, as a typed
+            // `ConnectFailed` outcome of the request.
+            self.book.do_send(address);
+        }
         let mut verdicts = Vec::with_capacity(calls.calls.len());
         for call in calls.calls {
             let now = self.now();
