@@ -1,15 +1,16 @@
 //! The actix shells around the pure machines.
 //!
 //! Per engine rank there are three actors, and they only translate:
-//! - [`RankActor`] hosts the rank's [`Endpoint`](kvhandoff_protocol::machine::Endpoint): engine calls,
-//!   decoded messages, completions and handshake results become `handle(..)`; it keeps one timer
-//!   at `poll_timeout()`; its outputs go to the other two actors or to the engine's event queue.
-//! - [`TransportActor`] owns the rank's [`Transport`](crate::transport::Transport) and alone calls
+//! - [`RankActor`] hosts the rank's [`kvhandoff_protocol::machine::Endpoint`]: engine calls
+//!   become `handle_call(..)`; decoded messages, completions and handshake results become
+//!   `handle_event(..)`; it keeps one timer at `poll_timeout()`; its outputs go to the other two
+//!   actors or to the engine's event queue.
+//! - [`TransportActor`] owns the rank's [`crate::transport::Transport`] and alone calls
 //!   it: it plans and posts writes, sends notifications, abandons and invalidates, and polls
 //!   completions and notifications back into the rank actor.
 //! - [`LinkActor`] makes the peer connections: it runs the handshake (through an in-process
 //!   [`Directory`], or across processes through the TCP side channel, see [`side_channel`]) and
-//!   loads the peer into the writer's transport.
+//!   loads the peer into the transport actor's transport.
 //!
 //! No routing or matching happens here: everything is decided by the endpoint.
 

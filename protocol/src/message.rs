@@ -15,7 +15,7 @@ pub const MAX_BLOCKS_PER_GROUP: usize = 1 << 16;
 /// Most logical blocks one request may list over all its cache groups.
 ///
 /// Without this bound, [`MAX_CACHE_GROUPS`] full groups of large ids would encode to more than
-/// [`kvhandoff_protocol::wire::MAX_PAYLOAD_LEN`] bytes (making `encode` panic) or exceed the decoder's size
+/// [`crate::wire::MAX_PAYLOAD_LEN`] bytes (making `encode` panic) or exceed the decoder's size
 /// limit (making a valid message undecodable). At this bound a [`Register`] encodes to at most
 /// about 1.3 MiB.
 pub const MAX_BLOCKS_PER_REQUEST: usize = 1 << 18;
@@ -102,7 +102,7 @@ impl BlockIds {
 }
 
 /// The 32-byte SHA-256 over what must match between P and D; see
-/// [`kvhandoff_protocol::compatibility_hash`].
+/// [`crate::compatibility_hash`].
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CompatHash(pub [u8; 32]);
 
@@ -132,7 +132,7 @@ pub enum TransferMode {
 /// The side-channel handshake: everything a peer needs to move bytes to or from this rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Handshake {
-    /// The sender's protocol version ([`kvhandoff_protocol::PROTOCOL_VERSION`]).
+    /// The sender's protocol version ([`crate::PROTOCOL_VERSION`]).
     pub protocol_version: u16,
     /// The sending engine.
     pub engine_id: EngineId,
@@ -450,7 +450,7 @@ impl Message {
     }
 
     /// Checks every field rule that the type system does not: id rules, list bounds, epochs,
-    /// geometry. [`kvhandoff_protocol::wire::decode`] calls this on everything it decodes.
+    /// geometry. [`crate::wire::decode`] calls this on everything it decodes.
     ///
     /// # Errors
     /// The first broken rule.

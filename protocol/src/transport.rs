@@ -33,7 +33,7 @@
 use crate::{wire, AgentName, PeerAddr, RegionDesc, WriteId};
 
 /// Default bound on one notification's bytes: one wire frame of the largest message the protocol
-/// allows (a `Register` with many blocks can reach this; see `kvhandoff_protocol::wire`).
+/// allows (a `Register` with many blocks can reach this; see `crate::wire`).
 pub const MAX_NOTIFICATION_LEN: usize = wire::HEADER_LEN + wire::MAX_PAYLOAD_LEN;
 
 /// A contiguous range of registered memory, in its owner's address space.

@@ -102,7 +102,7 @@ pub struct SideChannelConfig {
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AcceptPolicy {
-    /// Engines whose side-channel address the rank was given ([`AddPeerAddress`]), and the
+    /// Engines whose side-channel address the rank was given ([`AddPeerAddress`](super::AddPeerAddress)), and the
     /// engines listed here (for a P whose D engines dial it first). The default, with an empty
     /// list.
     Known(BTreeSet<EngineId>),
