@@ -118,13 +118,17 @@ summary="$(printf '%s; ' "${SUMMARY[@]}")"
 echo "setup: ${summary}LD_LIBRARY_PATH+=$NIXL_HOME/.nixl_cu12.mesonpy.libs, NIXL_PLUGIN_DIR=$NIXL_PLUGIN_DIR"
 
 if [ "${KVHANDOFF_TEST_SKIP_LINT:-0}" = "1" ]; then
-    banner "fmt + clippy skipped (KVHANDOFF_TEST_SKIP_LINT=1)"
+    banner "fmt, clippy and doc skipped (KVHANDOFF_TEST_SKIP_LINT=1)"
 else
     banner "cargo fmt --all --check"
     cargo fmt --all --check
 
     banner "cargo clippy --workspace --all-targets --all-features -- -D warnings"
     cargo clippy --workspace --all-targets --all-features -- -D warnings
+
+    # Every rustdoc link resolves (the docs name the files and items a newcomer reads next).
+    banner "cargo doc --workspace --no-deps --all-features (-D warnings)"
+    RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features
 fi
 
 banner "cargo test --workspace --all-features"
