@@ -3,7 +3,7 @@
 # fmt --check, clippy -D warnings and the whole test suite with all features.
 #
 #   bash scripts/test.sh                        # everything (what CI runs)
-#   KVHANDOFF_TEST_SKIP_LINT=1 bash scripts/test.sh   # skip fmt + clippy
+#   KVHANDOFF_TEST_SKIP_LINT=1 bash scripts/test.sh   # skip fmt, clippy and doc
 #
 # Extra arguments are passed to `cargo test` (after the workspace flags), e.g.
 #   bash scripts/test.sh -- --nocapture
