@@ -1,0 +1,269 @@
+//! What `bench transfer` reports, and how it renders as a table.
+
+use super::*;
+
+/// The shape of the request moved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestShape {
+    /// Layers.
+    pub num_layers: u32,
+    /// KV heads.
+    pub kv_heads: u32,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// Tokens per kernel block.
+    pub block_tokens: u32,
+    /// Logical blocks moved.
+    pub blocks: u32,
+    /// Regions per rank (K and V per layer).
+    pub regions: usize,
+    /// Bytes of one block in one region.
+    pub block_bytes: u64,
+    /// Bytes moved per request.
+    pub request_bytes: u64,
+    /// Blocks in each side's pool.
+    pub pool_blocks: u32,
+}
+
+/// Raw NIXL on one block table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RawNumbers {
+    /// Request bytes over the time to the target's notification, GB/s (median).
+    pub gbps: f64,
+    /// Request bytes over the time to the initiator's completion, GB/s (median).
+    pub complete_gbps: f64,
+    /// Building the two descriptor lists, µs (median).
+    pub build_us: f64,
+    /// Inside `create_xfer_req` + `post_xfer_req`, µs (median).
+    pub post_us: f64,
+    /// First list entry to the initiator's `Success`, µs (median).
+    pub complete_us: f64,
+    /// First list entry to the notification at the target, µs (median).
+    pub total_us: f64,
+    /// Repetitions whose post already finished the transfer.
+    pub done_in_post: usize,
+}
+
+/// kvhandoff on one block table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PushNumbers {
+    /// Request bytes over the handoff latency, GB/s (median).
+    pub gbps: f64,
+    /// Start of D's call to D's `BlocksReady`, µs: median.
+    pub latency_p50_us: f64,
+    /// The same, 99th percentile (nearest rank).
+    pub latency_p99_us: f64,
+    /// The same, fastest.
+    pub latency_min_us: f64,
+    /// D's `request_allocated` call itself, µs (median).
+    pub d_call_us: f64,
+    /// P's `request_finished` call itself, µs (median).
+    pub p_call_us: f64,
+}
+
+/// One block table moved both ways.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TableNumbers {
+    /// `contiguous` or `fragmented`.
+    pub table: String,
+    /// Descriptors the planner makes for it (and both paths post).
+    pub descriptors: usize,
+    /// Raw NIXL.
+    pub raw: RawNumbers,
+    /// kvhandoff end to end.
+    pub kvhandoff: PushNumbers,
+    /// `kvhandoff.gbps / raw.gbps`.
+    pub ratio: f64,
+    /// Median over the repetitions of raw time ÷ kvhandoff latency, each pair run back to back
+    /// (less sensitive to slow drifts in machine load).
+    pub paired_ratio: f64,
+    /// Median kvhandoff latency minus median raw total, µs: what kvhandoff adds.
+    pub overhead_us: f64,
+}
+
+/// The fragmented Llama-70B planning case.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fragmented70b {
+    /// Descriptors planned.
+    pub descriptors: usize,
+    /// The least any valid plan has (118 × 160).
+    pub minimum: usize,
+    /// One plan with a reused planner, µs (median).
+    pub plan_us: f64,
+    /// The same, 99th percentile.
+    pub plan_us_p99: f64,
+    /// Plans timed.
+    pub plans: usize,
+    /// Minimal, and the median under [`TARGET_PLAN_US`].
+    pub met: bool,
+}
+
+/// The notification round trip with one agent setting.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NotifyPoint {
+    /// Whether the agents run NIXL's progress thread.
+    pub progress_thread: bool,
+    /// `pthr_delay_us` (meaningless without the progress thread).
+    pub pthr_delay_us: u64,
+    /// Round trip A → B → A, µs: median.
+    pub rtt_p50_us: f64,
+    /// The same, 99th percentile.
+    pub rtt_p99_us: f64,
+    /// The same, fastest.
+    pub rtt_min_us: f64,
+    /// A 32 MiB single-descriptor WRITE with a notification, to the target's notification,
+    /// GB/s (median of 5).
+    pub write_32mib_gbps: f64,
+    /// Round trips timed.
+    pub rounds: usize,
+}
+
+/// What `bench transfer` measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TransferReport {
+    /// One thread copying the request's bytes, GB/s (median).
+    pub memcpy_gbps: f64,
+    /// Raw NIXL on the headline table, GB/s.
+    pub raw_nixl_gbps: f64,
+    /// kvhandoff end to end on the headline table, GB/s.
+    pub kvhandoff_gbps: f64,
+    /// `kvhandoff_gbps / raw_nixl_gbps`.
+    pub ratio: f64,
+    /// Descriptors of the headline table.
+    pub descriptors: usize,
+    /// The headline table (`fragmented`: the realistic, harder one).
+    pub headline_table: String,
+    /// The lower ratio of the two tables.
+    pub ratio_min: f64,
+    /// [`TARGET_RATIO`].
+    pub target_ratio: f64,
+    /// Both tables at or above the target ratio.
+    pub ratio_met: bool,
+    /// Handoff latency of the headline table, µs: median.
+    pub handoff_latency_p50_us: f64,
+    /// The same, 99th percentile.
+    pub handoff_latency_p99_us: f64,
+    /// Raw create + post of the headline table, µs (median).
+    pub raw_post_us: f64,
+    /// Notification round trip with [`NixlConfig::default`]'s agent settings, µs (median).
+    ///
+    /// [`NixlConfig::default`]: kvhandoff_actors::transport::nixl::NixlConfig
+    pub notification_rtt_us: f64,
+    /// The planning case.
+    pub fragmented_70b: Fragmented70b,
+    /// The request moved.
+    pub request: RequestShape,
+    /// Timed repetitions per table and path.
+    pub repeats: usize,
+    /// The kvhandoff ranks' settings: progress thread, its delay, the writer's poll interval.
+    pub progress_thread: bool,
+    /// `pthr_delay_us` of both paths.
+    pub pthr_delay_us: u64,
+    /// The writer's transport poll interval, µs.
+    pub writer_poll_us: f64,
+    /// Per table.
+    pub tables: Vec<TableNumbers>,
+    /// The notification round trip per agent setting.
+    pub notification_sweep: Vec<NotifyPoint>,
+}
+
+impl TransferReport {
+    /// The report as a table for people.
+    pub fn render_table(&self) -> String {
+        let r = &self.request;
+        let mut out = format!(
+            "kvhandoff bench transfer: {} blocks x {} regions x {} = {} per request, \
+             {} repetitions (medians)\n",
+            r.blocks,
+            r.regions,
+            human_bytes(r.block_bytes),
+            human_bytes(r.request_bytes),
+            self.repeats
+        );
+        let _ = writeln!(
+            out,
+            "  {:<12} {:>6} {:>9} {:>9} {:>10} {:>7} {:>7} {:>11} {:>11} {:>11}",
+            "table",
+            "descs",
+            "raw GB/s",
+            "kvh GB/s",
+            "kvh/raw",
+            "paired",
+            "post ms",
+            "raw ms",
+            "kvh p50 ms",
+            "kvh p99 ms"
+        );
+        for t in &self.tables {
+            let _ = writeln!(
+                out,
+                "  {:<12} {:>6} {:>9.2} {:>9.2} {:>10.3} {:>7.3} {:>7.2} {:>11.2} {:>11.2} {:>11.2}",
+                t.table,
+                t.descriptors,
+                t.raw.gbps,
+                t.kvhandoff.gbps,
+                t.ratio,
+                t.paired_ratio,
+                t.raw.post_us / 1e3,
+                t.raw.total_us / 1e3,
+                t.kvhandoff.latency_p50_us / 1e3,
+                t.kvhandoff.latency_p99_us / 1e3,
+            );
+        }
+        let verdict = |met: bool| if met { "met" } else { "NOT met" };
+        let _ = writeln!(
+            out,
+            "  memcpy (one thread)       {:>8.2} GB/s",
+            self.memcpy_gbps
+        );
+        let _ = writeln!(
+            out,
+            "  kvhandoff / raw NIXL      {:>8.3} ({} table; lowest {:.3}; target >= {:.2}: {})",
+            self.ratio,
+            self.headline_table,
+            self.ratio_min,
+            self.target_ratio,
+            verdict(self.ratio_met)
+        );
+        let f = &self.fragmented_70b;
+        let _ = writeln!(
+            out,
+            "  fragmented 70B plan       {:>8.1} us median, p99 {:.1} us, {} descriptors \
+             (minimum {}; target < {TARGET_PLAN_US} us: {})",
+            f.plan_us,
+            f.plan_us_p99,
+            f.descriptors,
+            f.minimum,
+            verdict(f.met)
+        );
+        let _ = writeln!(
+            out,
+            "  notification round trip  {:>8.1} us (progress thread {}, pthr_delay_us {}; \
+             writer polls every {:.0} us)",
+            self.notification_rtt_us,
+            if self.progress_thread { "on" } else { "off" },
+            self.pthr_delay_us,
+            self.writer_poll_us
+        );
+        if !self.notification_sweep.is_empty() {
+            let _ = writeln!(
+                out,
+                "  {:<28} {:>10} {:>10} {:>10} {:>14}",
+                "agent setting", "rtt p50 us", "p99 us", "min us", "32 MiB GB/s"
+            );
+            for p in &self.notification_sweep {
+                let setting = if p.progress_thread {
+                    format!("progress thread, delay {}", p.pthr_delay_us)
+                } else {
+                    "no progress thread, polling".to_string()
+                };
+                let _ = writeln!(
+                    out,
+                    "  {:<28} {:>10.1} {:>10.1} {:>10.1} {:>14.2}",
+                    setting, p.rtt_p50_us, p.rtt_p99_us, p.rtt_min_us, p.write_32mib_gbps
+                );
+            }
+        }
+        out
+    }
+}
