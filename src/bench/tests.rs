@@ -1,0 +1,178 @@
+use super::runtime::tiny_geometry;
+use super::*;
+use kvhandoff::{ConnectorError, ConnectorReply};
+
+#[test]
+fn bad_options_are_refused() {
+    for options in [
+        ControlOptions {
+            rounds: 0,
+            ..ControlOptions::default()
+        },
+        ControlOptions {
+            rounds: MAX_ROUNDS + 1,
+            ..ControlOptions::default()
+        },
+        ControlOptions {
+            actix_batch: 0,
+            ..ControlOptions::default()
+        },
+        ControlOptions {
+            requests: 0,
+            ..ControlOptions::default()
+        },
+    ] {
+        assert!(matches!(control(&options), Err(BenchError::Options(_))));
+    }
+}
+
+/// One in-memory rank of `engine` on its own runtime, and its connector.
+fn one_rank(engine: &str) -> (Runtime, KvConnector) {
+    let fabric = MemFabric::new();
+    let (setup, _pool) = build_mem_rank(
+        &fabric,
+        &EngineId::new(engine).unwrap(),
+        tiny_geometry(),
+        &demo::model(),
+        8,
+        Config::default(),
+        ShellConfig::default(),
+    )
+    .unwrap();
+    let mut runtime = Runtime::start().unwrap();
+    let own_thread = RankOptions {
+        placement: Placement::OwnThread,
+        ..RankOptions::default()
+    };
+    let handle = runtime.add_rank(setup, own_thread).unwrap();
+    let conn = KvConnector::new(demo::identity(engine).unwrap(), handle);
+    (runtime, conn)
+}
+
+#[test]
+fn submit_returns_one_result_per_call_in_order() {
+    let (runtime, mut conn) = one_rank(DECODE_ENGINE);
+    let router = KvTransferParams {
+        do_remote_prefill: true,
+        remote_engine_id: Some(PREFILL_ENGINE.into()),
+        tp_size: Some(1),
+        ..KvTransferParams::default()
+    };
+    let id = |s: &str| RequestId::new(s).unwrap();
+    let allocated = |request: &str, params: &KvTransferParams| ConnectorCall::RequestAllocated {
+        request: id(request),
+        blocks: BlockIds::single_group(vec![0]),
+        num_tokens: 16,
+        params: params.clone(),
+    };
+    let not_remote = KvTransferParams {
+        do_remote_prefill: false,
+        ..router.clone()
+    };
+    let results = conn.submit(vec![
+        allocated("r1", &router),
+        allocated("r2", &not_remote),
+        allocated("r1", &router),
+        ConnectorCall::RequestFinished {
+            request: id("p1"),
+            blocks: BlockIds::single_group(vec![1]),
+            params: KvTransferParams::default(),
+        },
+        ConnectorCall::Abort {
+            request: id("nope"),
+        },
+    ]);
+    assert_eq!(results.len(), 5);
+    assert!(matches!(results[0], Ok(ConnectorReply::Accepted)));
+    assert!(matches!(
+        results[1],
+        Err(ConnectorError::InvalidParam {
+            name: "do_remote_prefill",
+            ..
+        })
+    ));
+    assert!(matches!(results[2], Err(ConnectorError::Rejected(_))));
+    match &results[3] {
+        Ok(ConnectorReply::DecodeParams(params)) => {
+            assert_eq!(params.remote_request_id.as_deref(), Some("p1"));
+            assert_eq!(params.remote_engine_id.as_deref(), Some(DECODE_ENGINE));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(results[4], Err(ConnectorError::Rejected(_))));
+    assert!(conn.has_pending_work());
+    // The single-call hooks go through the same path (r1 may already have failed: there is
+    // no P to connect to; p1 waits for its D).
+    let aborted = conn.abort(&id("p1"));
+    assert!(aborted.is_ok(), "{aborted:?}");
+    assert!(matches!(
+        conn.abort(&id("nope")),
+        Err(ConnectorError::Rejected(_))
+    ));
+    assert!(conn.submit(Vec::new()).is_empty());
+    runtime.shutdown();
+}
+
+/// A call whose verdict is late is not reported as "nothing changed": it is `VerdictLate`,
+/// the connector keeps counting it as pending work, and its fate comes through
+/// `poll_events` — the request's event if it was accepted, `Refused` if not.
+#[test]
+fn a_late_verdict_is_settled_by_poll_events() {
+    let (runtime, mut conn) = one_rank(PREFILL_ENGINE);
+    let finished = |request: &str| ConnectorCall::RequestFinished {
+        request: RequestId::new(request).unwrap(),
+        blocks: BlockIds::single_group(vec![1]),
+        params: KvTransferParams::default(),
+    };
+    // No wait at all: the rank (on its own thread) cannot answer in time.
+    conn.set_call_timeout(Duration::ZERO);
+    let late = |conn: &mut KvConnector, request: &str| {
+        match conn.submit(vec![finished(request)]).pop().unwrap() {
+            Err(ConnectorError::VerdictLate) => true,
+            // Answered within no time at all.
+            Err(ConnectorError::Rejected(_)) | Ok(_) => false,
+            Err(other) => panic!("{other:?}"),
+        }
+    };
+    assert!(late(&mut conn, "p-late"), "the verdict was never late");
+    assert!(conn.has_pending_work(), "a late call is pending work");
+    // The same request again: a refusal, also late.
+    assert!(
+        late(&mut conn, "p-late"),
+        "the refusal's verdict was never late"
+    );
+    conn.set_call_timeout(KvConnector::CALL_TIMEOUT);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut refused = Vec::new();
+    while Instant::now() < deadline && refused.is_empty() {
+        for event in conn.poll_events() {
+            match event {
+                ConnectorEvent::Refused { request, error } => refused.push((request, error)),
+                other => panic!("no other event yet: {other:?}"),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].0.as_str(), "p-late");
+    assert!(matches!(
+        refused[0].1,
+        ConnectorError::Rejected(kvhandoff_protocol::machine::Rejected::DuplicateRequest(_))
+    ));
+    // The accepted one is live: aborting it brings its one event, then no work is left.
+    conn.abort(&RequestId::new("p-late").unwrap()).unwrap();
+    let mut freed = 0;
+    while Instant::now() < deadline && conn.has_pending_work() {
+        for event in conn.poll_events() {
+            assert!(
+                matches!(event, ConnectorEvent::BlocksFree { .. }),
+                "{event:?}"
+            );
+            freed += 1;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(freed, 1);
+    assert!(!conn.has_pending_work());
+    runtime.shutdown();
+}
