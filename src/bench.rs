@@ -264,5 +264,16 @@ pub fn control(options: &ControlOptions) -> Result<ControlReport, BenchError> {
     })
 }
 
+/// The two engines of `bench control` and a configuration whose tables hold `n` requests.
+fn engines_and_config(n: usize) -> Result<(EngineId, EngineId, Config), BenchError> {
+    let engine = |name: &str| EngineId::new(name).map_err(|e| BenchError::Options(e.to_string()));
+    let config = Config {
+        max_requests: n.max(1 << 16),
+        max_tombstones: (2 * n).max(1 << 17),
+        ..Config::default()
+    };
+    Ok((engine(PREFILL_ENGINE)?, engine(DECODE_ENGINE)?, config))
+}
+
 #[cfg(test)]
 mod tests;

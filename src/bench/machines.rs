@@ -142,13 +142,7 @@ pub(super) fn vllm_like_base(i: usize) -> String {
 /// ns per request lifecycle over `n` requests in `order`.
 pub(super) fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
     let bug = |e: kvhandoff_protocol::machine::Rejected| BenchError::Machine(e.to_string());
-    let engine = |name: &str| EngineId::new(name).map_err(|e| BenchError::Options(e.to_string()));
-    let (p_engine, d_engine) = (engine(PREFILL_ENGINE)?, engine(DECODE_ENGINE)?);
-    let config = Config {
-        max_requests: n.max(1 << 16),
-        max_tombstones: (2 * n).max(1 << 17),
-        ..Config::default()
-    };
+    let (p_engine, d_engine, config) = engines_and_config(n)?;
     let mut pair = Pair {
         p: Endpoint::new(p_engine.clone(), 0, config.clone())
             .map_err(|e| BenchError::Options(e.to_string()))?,

@@ -167,13 +167,7 @@ impl Engine {
 pub(super) fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchError> {
     let n = options.actix_requests;
     let fabric = MemFabric::new();
-    let engine = |name: &str| EngineId::new(name).map_err(|e| BenchError::Options(e.to_string()));
-    let (p_engine, d_engine) = (engine(PREFILL_ENGINE)?, engine(DECODE_ENGINE)?);
-    let config = Config {
-        max_requests: n.max(1 << 16),
-        max_tombstones: (2 * n).max(1 << 17),
-        ..Config::default()
-    };
+    let (p_engine, d_engine, config) = engines_and_config(n)?;
     let build = |engine: &EngineId| {
         build_mem_rank(
             &fabric,
