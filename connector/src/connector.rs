@@ -18,141 +18,16 @@ use std::time::Duration;
 
 use kvhandoff_actors::system::{AddPeerAddress, Calls, RankHandle};
 use kvhandoff_protocol::machine::{
-    DecodeFailure, DecodeOutcome, DecodeStart, EngineCall, EngineEvent, FreeProof, PrefillOutcome,
-    PrefillStart, Rejected, ReleaseCause,
+    DecodeOutcome, DecodeStart, EngineCall, EngineEvent, PrefillOutcome, PrefillStart, Rejected,
 };
 use kvhandoff_protocol::PeerAddr;
-use kvhandoff_protocol::{BlockIds, EngineId, Epoch, IdError, PairingKey, RequestId};
-use serde::{Deserialize, Serialize};
+use kvhandoff_protocol::{BlockIds, EngineId, RequestId};
 
-/// The transfer parameters that travel through the router between P and D, with vLLM's key
-/// names plus ours (`transfer_id`, `epoch`). Unknown keys are ignored.
-///
-/// ```
-/// use kvhandoff::KvTransferParams;
-/// let params: KvTransferParams = serde_json::from_str(r#"{
-///     "do_remote_prefill": true, "remote_engine_id": "prefill-0",
-///     "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1
-/// }"#).unwrap();
-/// assert!(params.do_remote_prefill);
-/// assert_eq!(params.epoch, None);
-/// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvTransferParams {
-    /// D: the prefill ran remotely and its KV must be received.
-    #[serde(default)]
-    pub do_remote_prefill: bool,
-    /// P: the decode runs remotely and the KV must be kept for it.
-    #[serde(default)]
-    pub do_remote_decode: bool,
-    /// The other engine.
-    #[serde(default)]
-    pub remote_engine_id: Option<String>,
-    /// The other engine's side-channel host.
-    #[serde(default)]
-    pub remote_host: Option<String>,
-    /// The other engine's side-channel port.
-    #[serde(default)]
-    pub remote_port: Option<u16>,
-    /// The other engine's id of the request.
-    #[serde(default)]
-    pub remote_request_id: Option<String>,
-    /// The other engine's TP size.
-    #[serde(default)]
-    pub tp_size: Option<u32>,
-    /// An explicit pairing key chosen by the router; preferred over request-id pairing.
-    #[serde(default)]
-    pub transfer_id: Option<String>,
-    /// The attempt, chosen by the router on retries (default 1).
-    #[serde(default)]
-    pub epoch: Option<u64>,
-    /// `"push"` for this connector.
-    #[serde(default)]
-    pub transfer_mode: Option<String>,
-}
-
-/// Why a connector call failed. Nothing changed — except for [`ConnectorError::VerdictLate`],
-/// which says that it is not known yet.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConnectorError {
-    /// The endpoint refused the input.
-    #[error(transparent)]
-    Rejected(#[from] Rejected),
-    /// A required transfer parameter is missing.
-    #[error("kv_transfer_params lacks {0}")]
-    MissingParam(&'static str),
-    /// A transfer parameter or id is invalid.
-    #[error("invalid {name}: {why}")]
-    InvalidParam {
-        /// The parameter.
-        name: &'static str,
-        /// Why.
-        why: String,
-    },
-    /// The request asks for something this build does not do yet.
-    #[error("unsupported: {0}")]
-    Unsupported(&'static str),
-    /// The runtime is gone (or refused the call before taking it): nothing changed.
-    #[error("the kvhandoff runtime is not running")]
-    Unavailable,
-    /// The runtime took the call but gave no verdict within [`KvConnector::CALL_TIMEOUT`]. The
-    /// call may still be applied, so nothing may be assumed: keep the request's blocks. Its
-    /// fate comes through [`KvConnector::poll_events`] — the request's one event if it was
-    /// accepted, or [`ConnectorEvent::Refused`] if not — and
-    /// [`KvConnector::has_pending_work`] stays true until then.
-    #[error("the kvhandoff runtime took the call but has not answered yet; its event will tell")]
-    VerdictLate,
-}
-
-impl ConnectorError {
-    fn invalid(name: &'static str, err: IdError) -> Self {
-        ConnectorError::InvalidParam {
-            name,
-            why: err.to_string(),
-        }
-    }
-}
-
-/// What the engine learns each step.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ConnectorEvent {
-    /// D: the request's KV has arrived in its blocks; schedule it.
-    BlocksReady {
-        /// The request.
-        request: RequestId,
-        /// Its blocks, now holding the prompt's KV.
-        blocks: BlockIds,
-    },
-    /// D: the request's KV will not arrive; the blocks are free again.
-    Failed {
-        /// The request.
-        request: RequestId,
-        /// Why.
-        reason: DecodeFailure,
-        /// What made it safe to hand the blocks back (`DeadPeerFence` or `Quarantine`: a
-        /// deadline passed, not a proof; the request waited for it).
-        proof: FreeProof,
-        /// The blocks, free to reuse.
-        blocks: BlockIds,
-    },
-    /// A call whose verdict came late ([`ConnectorError::VerdictLate`]) was refused after all:
-    /// nothing changed, and its blocks are the engine's again.
-    Refused {
-        /// The request of the refused call.
-        request: RequestId,
-        /// Why.
-        error: ConnectorError,
-    },
-    /// P: the request's blocks may be freed.
-    BlocksFree {
-        /// The request.
-        request: RequestId,
-        /// `None` when the KV was sent; otherwise why it was released unsent.
-        released: Option<ReleaseCause>,
-        /// The blocks, free to reuse.
-        blocks: BlockIds,
-    },
-}
+use crate::params::{epoch, pairing_key};
+use crate::{
+    ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply,
+    KvTransferParams,
+};
 
 /// Why a batch has no verdict.
 enum Late {
@@ -160,86 +35,6 @@ enum Late {
     NotSent,
     /// The runtime took it; its verdict will come on this channel.
     NoVerdict(mpsc::Receiver<Verdicts>),
-}
-
-/// One engine hook call, for [`KvConnector::submit`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ConnectorCall {
-    /// D side, as [`KvConnector::request_allocated`].
-    RequestAllocated {
-        /// The request.
-        request: RequestId,
-        /// Its allocated blocks.
-        blocks: BlockIds,
-        /// Tokens expected.
-        num_tokens: u64,
-        /// The router's parameters.
-        params: KvTransferParams,
-    },
-    /// P side, as [`KvConnector::request_finished`].
-    RequestFinished {
-        /// The request.
-        request: RequestId,
-        /// Its blocks, holding the KV.
-        blocks: BlockIds,
-        /// The router's parameters for the prefill leg.
-        params: KvTransferParams,
-    },
-    /// Either side, as [`KvConnector::abort`].
-    Abort {
-        /// The request.
-        request: RequestId,
-    },
-    /// Either side, as [`KvConnector::shutdown`].
-    Shutdown,
-}
-
-impl ConnectorEvent {
-    /// The request the event is about.
-    pub fn request(&self) -> &RequestId {
-        match self {
-            ConnectorEvent::BlocksReady { request, .. }
-            | ConnectorEvent::Failed { request, .. }
-            | ConnectorEvent::Refused { request, .. }
-            | ConnectorEvent::BlocksFree { request, .. } => request,
-        }
-    }
-}
-
-impl ConnectorCall {
-    /// The request the call is about (none for `Shutdown`).
-    pub fn request(&self) -> Option<&RequestId> {
-        match self {
-            ConnectorCall::RequestAllocated { request, .. }
-            | ConnectorCall::RequestFinished { request, .. }
-            | ConnectorCall::Abort { request } => Some(request),
-            ConnectorCall::Shutdown => None,
-        }
-    }
-}
-
-/// What an accepted [`ConnectorCall`] returns.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ConnectorReply {
-    /// Accepted (`RequestAllocated`, `Abort`).
-    Accepted,
-    /// Accepted (`RequestFinished`): the parameters for the router to send with the decode leg.
-    DecodeParams(KvTransferParams),
-}
-
-/// Identity and placement of the engine rank a connector serves.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConnectorIdentity {
-    /// The engine.
-    pub engine: EngineId,
-    /// This rank.
-    pub rank: u32,
-    /// The engine's TP size.
-    pub tp_size: u32,
-    /// The side-channel address advertised to the router.
-    pub host: String,
-    /// The side-channel port advertised to the router.
-    pub port: u16,
 }
 
 /// One engine rank's connector.
@@ -691,28 +486,5 @@ impl KvConnector {
     /// verdict is still late.
     pub fn has_pending_work(&self) -> bool {
         self.live > 0 || !self.late.is_empty()
-    }
-}
-
-fn pairing_key(
-    request: &RequestId,
-    params: &KvTransferParams,
-) -> Result<PairingKey, ConnectorError> {
-    match &params.transfer_id {
-        Some(id) => {
-            PairingKey::from_transfer_id(id).map_err(|e| ConnectorError::invalid("transfer_id", e))
-        }
-        None => Ok(PairingKey::from_request_id(request)),
-    }
-}
-
-fn epoch(params: &KvTransferParams) -> Result<Epoch, ConnectorError> {
-    match params.epoch.map(Epoch) {
-        None => Ok(Epoch::FIRST),
-        Some(epoch) if epoch.is_valid() => Ok(epoch),
-        Some(epoch) => Err(ConnectorError::InvalidParam {
-            name: "epoch",
-            why: format!("{epoch} is out of range: epochs run 1..={}", Epoch::MAX),
-        }),
     }
 }

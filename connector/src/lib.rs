@@ -24,12 +24,13 @@
 //! ```
 #![warn(missing_docs)]
 
+mod calls;
 mod connector;
+mod params;
 
-pub use connector::{
-    ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply, KvConnector,
-    KvTransferParams,
-};
+pub use calls::{ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply};
+pub use connector::KvConnector;
 pub use kvhandoff_actors as actors;
 pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_protocol as protocol;
+pub use params::KvTransferParams;

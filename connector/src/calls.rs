@@ -1,0 +1,170 @@
+//! What an engine hands the connector and what it gets back: calls, replies, events, errors,
+//! and the identity a connector speaks for.
+
+use kvhandoff_protocol::machine::{DecodeFailure, FreeProof, Rejected, ReleaseCause};
+use kvhandoff_protocol::{BlockIds, EngineId, IdError, RequestId};
+
+use crate::KvTransferParams;
+
+/// Why a connector call failed. Nothing changed — except for [`ConnectorError::VerdictLate`],
+/// which says that it is not known yet.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectorError {
+    /// The endpoint refused the input.
+    #[error(transparent)]
+    Rejected(#[from] Rejected),
+    /// A required transfer parameter is missing.
+    #[error("kv_transfer_params lacks {0}")]
+    MissingParam(&'static str),
+    /// A transfer parameter or id is invalid.
+    #[error("invalid {name}: {why}")]
+    InvalidParam {
+        /// The parameter.
+        name: &'static str,
+        /// Why.
+        why: String,
+    },
+    /// The request asks for something this build does not do yet.
+    #[error("unsupported: {0}")]
+    Unsupported(&'static str),
+    /// The runtime is gone (or refused the call before taking it): nothing changed.
+    #[error("the kvhandoff runtime is not running")]
+    Unavailable,
+    /// The runtime took the call but gave no verdict within [`KvConnector::CALL_TIMEOUT`](crate::KvConnector::CALL_TIMEOUT). The
+    /// call may still be applied, so nothing may be assumed: keep the request's blocks. Its
+    /// fate comes through [`KvConnector::poll_events`](crate::KvConnector::poll_events) — the request's one event if it was
+    /// accepted, or [`ConnectorEvent::Refused`] if not — and
+    /// [`KvConnector::has_pending_work`](crate::KvConnector::has_pending_work) stays true until then.
+    #[error("the kvhandoff runtime took the call but has not answered yet; its event will tell")]
+    VerdictLate,
+}
+
+impl ConnectorError {
+    pub(crate) fn invalid(name: &'static str, err: IdError) -> Self {
+        ConnectorError::InvalidParam {
+            name,
+            why: err.to_string(),
+        }
+    }
+}
+
+/// What the engine learns each step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectorEvent {
+    /// D: the request's KV has arrived in its blocks; schedule it.
+    BlocksReady {
+        /// The request.
+        request: RequestId,
+        /// Its blocks, now holding the prompt's KV.
+        blocks: BlockIds,
+    },
+    /// D: the request's KV will not arrive; the blocks are free again.
+    Failed {
+        /// The request.
+        request: RequestId,
+        /// Why.
+        reason: DecodeFailure,
+        /// What made it safe to hand the blocks back (`DeadPeerFence` or `Quarantine`: a
+        /// deadline passed, not a proof; the request waited for it).
+        proof: FreeProof,
+        /// The blocks, free to reuse.
+        blocks: BlockIds,
+    },
+    /// A call whose verdict came late ([`ConnectorError::VerdictLate`]) was refused after all:
+    /// nothing changed, and its blocks are the engine's again.
+    Refused {
+        /// The request of the refused call.
+        request: RequestId,
+        /// Why.
+        error: ConnectorError,
+    },
+    /// P: the request's blocks may be freed.
+    BlocksFree {
+        /// The request.
+        request: RequestId,
+        /// `None` when the KV was sent; otherwise why it was released unsent.
+        released: Option<ReleaseCause>,
+        /// The blocks, free to reuse.
+        blocks: BlockIds,
+    },
+}
+
+/// One engine hook call, for [`KvConnector::submit`](crate::KvConnector::submit).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectorCall {
+    /// D side, as [`KvConnector::request_allocated`](crate::KvConnector::request_allocated).
+    RequestAllocated {
+        /// The request.
+        request: RequestId,
+        /// Its allocated blocks.
+        blocks: BlockIds,
+        /// Tokens expected.
+        num_tokens: u64,
+        /// The router's parameters.
+        params: KvTransferParams,
+    },
+    /// P side, as [`KvConnector::request_finished`](crate::KvConnector::request_finished).
+    RequestFinished {
+        /// The request.
+        request: RequestId,
+        /// Its blocks, holding the KV.
+        blocks: BlockIds,
+        /// The router's parameters for the prefill leg.
+        params: KvTransferParams,
+    },
+    /// Either side, as [`KvConnector::abort`](crate::KvConnector::abort).
+    Abort {
+        /// The request.
+        request: RequestId,
+    },
+    /// Either side, as [`KvConnector::shutdown`](crate::KvConnector::shutdown).
+    Shutdown,
+}
+
+impl ConnectorEvent {
+    /// The request the event is about.
+    pub fn request(&self) -> &RequestId {
+        match self {
+            ConnectorEvent::BlocksReady { request, .. }
+            | ConnectorEvent::Failed { request, .. }
+            | ConnectorEvent::Refused { request, .. }
+            | ConnectorEvent::BlocksFree { request, .. } => request,
+        }
+    }
+}
+
+impl ConnectorCall {
+    /// The request the call is about (none for `Shutdown`).
+    pub fn request(&self) -> Option<&RequestId> {
+        match self {
+            ConnectorCall::RequestAllocated { request, .. }
+            | ConnectorCall::RequestFinished { request, .. }
+            | ConnectorCall::Abort { request } => Some(request),
+            ConnectorCall::Shutdown => None,
+        }
+    }
+}
+
+/// What an accepted [`ConnectorCall`] returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectorReply {
+    /// Accepted (`RequestAllocated`, `Abort`).
+    Accepted,
+    /// Accepted (`RequestFinished`): the parameters for the router to send with the decode leg.
+    DecodeParams(KvTransferParams),
+}
+
+/// Identity and placement of the engine rank a connector serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectorIdentity {
+    /// The engine.
+    pub engine: EngineId,
+    /// This rank.
+    pub rank: u32,
+    /// The engine's TP size.
+    pub tp_size: u32,
+    /// The side-channel address advertised to the router.
+    pub host: String,
+    /// The side-channel port advertised to the router.
+    pub port: u16,
+}
