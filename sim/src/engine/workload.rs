@@ -1,0 +1,137 @@
+//! The seeded workload: each seed's fault rates, its requests and when they start, and the
+//! faults scheduled over them (partitions, crashes, late handshakes, second decodes).
+
+use super::*;
+
+/// Swarm testing: each seed draws its own fault rates.
+pub(crate) fn draw_rates(rng: &mut ChaCha8Rng, faults: Faults) -> Rates {
+    let mut pick = |choices: &[f64]| choices[rng.gen_range(0..choices.len())];
+    let mut rates = Rates::default();
+    if matches!(faults, Faults::Network | Faults::Chaos) {
+        rates.slow_msg = pick(&[0.0, 0.01, 0.05]);
+        rates.slow_prefill = pick(&[0.0, 0.05, 0.1]);
+    }
+    if faults == Faults::Chaos {
+        rates.drop = pick(&[0.0, 0.005, 0.02]);
+        rates.dup = pick(&[0.0, 0.01, 0.05]);
+        rates.post_fail = pick(&[0.0, 0.02, 0.05]);
+        rates.fail_later = pick(&[0.0, 0.02, 0.05]);
+        rates.hang = pick(&[0.0, 0.01, 0.03]);
+        rates.slow_write = pick(&[0.0, 0.05, 0.2]);
+        // Once the chance of an abandon the transport does not confirm; every abandon is one
+        // now (NIXL cannot stop a posted write). Still drawn, so that seeds keep their streams
+        // and the regressions found before replay the same faults.
+        let _ = pick(&[0.0, 0.2]);
+        rates.abort = pick(&[0.0, 0.03, 0.1]);
+        rates.retry = pick(&[0.0, 0.3, 0.6]);
+        rates.connect_fail = pick(&[0.0, 0.02, 0.1]);
+        rates.mute_answers = pick(&[0.0, 0.02, 0.05]);
+    }
+    rates
+}
+
+impl World {
+    /// Draws the workload (seeded mode) or lays it out plainly (explore mode).
+    pub(crate) fn setup_requests(&mut self) {
+        for i in 0..self.cfg.requests {
+            let key = PairingKey::new(format!("k{i}")).expect("valid key");
+            let (d_node, p_blocks, d_blocks) = if self.cfg.explore {
+                (1 + i % self.cfg.decode_engines, 2, 1 + i % 2)
+            } else {
+                let n = self.rng.gen_range(1..=4);
+                let m = if self.rng.gen_bool(0.05) {
+                    0
+                } else {
+                    self.rng.gen_range(1..=n)
+                };
+                (1 + self.rng.gen_range(0..self.cfg.decode_engines), n, m)
+            };
+            self.keys.insert(key.clone(), i);
+            self.requests.push(Request {
+                key,
+                d_node,
+                p_blocks,
+                d_blocks,
+                d: vec![Attempt {
+                    id: rid("d", i, 1),
+                    node: d_node,
+                    epoch: 1,
+                    blocks: vec![],
+                    status: Status::Pending,
+                }],
+                p: vec![Attempt {
+                    id: rid("p", i, 1),
+                    node: 0,
+                    epoch: 1,
+                    blocks: vec![],
+                    status: Status::Pending,
+                }],
+            });
+            let span = self.cfg.span.as_micros() as u64;
+            let base = if span > 0 {
+                self.rng.gen_range(0..span)
+            } else {
+                0
+            };
+            let d_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
+            let mut p_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
+            if !self.cfg.explore && self.rng.gen_bool(self.rates.slow_prefill) {
+                // A long prefill: D's deadline may fire while the write is in flight.
+                p_at += micros(&mut self.rng, 4_700_000, 5_000_000);
+                self.heal = self
+                    .heal
+                    .max(Time::ZERO + p_at + Duration::from_millis(500));
+            }
+            self.schedule(d_at, Ev::DecodeStart { request: i });
+            self.schedule(p_at, Ev::PrefillStart { request: i });
+            if !self.cfg.explore {
+                for decode in [true, false] {
+                    if self.rng.gen_bool(self.rates.abort) {
+                        let at = Duration::from_micros(base) + micros(&mut self.rng, 0, 50_000);
+                        self.schedule(at, Ev::Abort { request: i, decode });
+                    }
+                }
+            }
+        }
+        if self.cfg.explore {
+            return;
+        }
+        let span = self.cfg.span.as_micros() as u64;
+        if matches!(self.cfg.faults, Faults::Network | Faults::Chaos) {
+            for _ in 0..self.rng.gen_range(0..=2) {
+                let d = 1 + self.rng.gen_range(0..self.cfg.decode_engines);
+                let from = Time::from_nanos(self.rng.gen_range(0..span.max(1)) * 1_000);
+                let until = from + micros(&mut self.rng, 50_000, 400_000);
+                self.partitions.push((d, from, until));
+                self.heal = self.heal.max(until);
+            }
+        }
+        if self.cfg.faults == Faults::Chaos {
+            for _ in 0..self.rng.gen_range(0..=2) {
+                let node = self.rng.gen_range(0..self.nodes.len());
+                let at = micros(&mut self.rng, 0, span.max(1));
+                self.schedule(at, Ev::Crash { node });
+            }
+            // Late copies of handshakes (a concurrent dial finishing late, a replay), from a
+            // stream of their own so the rest of a seed's schedule stays as it was.
+            let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6861_6e64_7368_616b);
+            for _ in 0..rng.gen_range(0..=3) {
+                let d = 1 + rng.gen_range(0..self.cfg.decode_engines);
+                let (a, b) = if rng.gen_bool(0.5) { (0, d) } else { (d, 0) };
+                let at = micros(&mut rng, 0, span.max(1));
+                self.schedule(at, Ev::RepeatHandshake { a, b });
+            }
+            // Second decodes of a key on another D engine, from a stream of their own too.
+            if self.cfg.decode_engines >= 2 {
+                let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x7365_636f_6e64_6431);
+                let rate = [0.0, 0.02, 0.05][rng.gen_range(0..3)];
+                for request in 0..self.requests.len() {
+                    if rng.gen_bool(rate) {
+                        let at = micros(&mut rng, 0, span.max(1) + 20_000);
+                        self.schedule(at, Ev::SecondDecode { request });
+                    }
+                }
+            }
+        }
+    }
+}
