@@ -85,7 +85,7 @@ impl Directory {
 /// Tuning of the shells (the protocol's own deadlines live in the endpoint's `Config`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShellConfig {
-    /// How often the writer polls its transport for completions and notifications.
+    /// How often the transport actor polls its transport for completions and notifications.
     pub poll_interval: std::time::Duration,
     /// How long a handshake may take before it is reported failed.
     pub handshake_timeout: std::time::Duration,
@@ -123,8 +123,8 @@ pub struct RankHandle {
     pub calls: Recipient<Call>,
     /// Where batches of engine calls go, type-erased.
     pub batches: Recipient<Calls>,
-    /// The rank's writer, for its counters ([`QueryTransportStats`]).
-    pub writer: Recipient<QueryTransportStats>,
+    /// The rank's transport actor, for its counters ([`QueryTransportStats`]).
+    pub transport: Recipient<QueryTransportStats>,
     /// The engine's events.
     pub events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
 }
@@ -214,7 +214,7 @@ fn spawn_rank<T>(
     setup: RankSetup<T>,
     mode: link::LinkMode,
     listen: Option<std::net::SocketAddr>,
-    start_writer: impl FnOnce(TransportActor<T>) -> actix::Addr<TransportActor<T>>,
+    start_transport: impl FnOnce(TransportActor<T>) -> actix::Addr<TransportActor<T>>,
 ) -> RankHandle
 where
     T: Transport + Unpin + 'static,
@@ -226,11 +226,11 @@ where
         shell,
     } = setup;
     let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
-    // The rank's address exists before the rank does, so its writer and link can be wired
+    // The rank's address exists before the rank does, so its transport actor and link can be wired
     // to it first.
     let rank_ctx = actix::Context::<RankActor>::new();
     let rank_addr = rank_ctx.address();
-    let writer = start_writer(TransportActor::new(
+    let transport = start_transport(TransportActor::new(
         transport,
         info.clone(),
         rank_addr.clone().recipient(),
@@ -252,21 +252,21 @@ where
     if let Some(directory) = directory {
         directory.publish(info, link.clone().recipient());
     }
-    let writer_ops = writer.clone().recipient();
-    let loader = writer.clone().recipient();
+    let transport_ops = transport.clone().recipient();
+    let loader = transport.clone().recipient();
     let rank = rank_ctx.run(RankActor::new(
         endpoint,
-        writer_ops,
+        transport_ops,
         loader,
         link.clone().recipient(),
         link.clone().recipient(),
         events_tx,
     ));
-    let writer = writer.recipient();
+    let transport = transport.recipient();
     RankHandle {
         calls: rank.clone().recipient(),
         batches: rank.clone().recipient(),
-        writer,
+        transport,
         rank,
         link,
         side_channel: listen,

@@ -81,10 +81,10 @@ async fn counters(rank: &RankHandle) -> Counters {
 }
 
 async fn writer_stats(rank: &RankHandle) -> TransportStats {
-    rank.writer
+    rank.transport
         .send(QueryTransportStats)
         .await
-        .expect("the writer answers")
+        .expect("the transport actor answers")
 }
 
 fn request(id: &str) -> RequestId {

@@ -74,7 +74,7 @@ impl PeerInfo {
     }
 }
 
-/// One thing the rank actor asks the writer to do.
+/// One thing the rank actor asks the transport actor to do.
 #[derive(Debug)]
 pub enum TransportOp {
     /// Encode and send a control message as a notification.
@@ -92,7 +92,7 @@ pub enum TransportOp {
     Invalidate(PeerAddr),
 }
 
-/// What the writer did, for reports.
+/// What the transport actor did, for reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TransportStats {
     /// Writes posted.

@@ -113,7 +113,7 @@ fn same_seed_same_trace_whatever_the_threads() {
 /// The deliberate bugs the sweeps catch, each with the smallest scope that catches it here.
 /// Not listed: `ignore_heartbeat_sender` (a second D engine of a key must keep renewing the
 /// first's registration past the first's fence: the 20,000 × 200 sweep reaches it in 4 seeds;
-/// `regressions.rs` replays seed 399), `evict_young_tombstones` (shown by the writer's unit
+/// `regressions.rs` replays seed 399), `evict_young_tombstones` (shown by the prefill table's unit
 /// test `a_young_floor_evicted_lets_a_late_registration_copy_bind`) and
 /// `match_expired_registration` (needs a late timer: `exhaustive.rs`).
 const CAUGHT: &[(&str, u64, bool)] = &[

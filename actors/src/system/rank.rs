@@ -11,11 +11,12 @@ use super::messages::{
 use kvhandoff_protocol::driver::{connected_input, handshake_step, route, HandshakeStep, Routed};
 use kvhandoff_protocol::machine::{ConnectFailure, Endpoint, EngineEvent, Time};
 
-/// Hosts an [`Endpoint`]: translates messages into `handle` calls and outputs into actions.
+/// Hosts an [`Endpoint`]: turns engine calls into `handle_call`, network and transport reports
+/// into `handle_event`, and outputs into actions.
 pub struct RankActor {
     endpoint: Endpoint,
     origin: Instant,
-    writer: Recipient<TransportOps>,
+    transport: Recipient<TransportOps>,
     loader: Recipient<LoadPeer>,
     link: Recipient<Connect>,
     /// The link's book of side-channel addresses.
@@ -27,7 +28,7 @@ pub struct RankActor {
 impl RankActor {
     pub(crate) fn new(
         endpoint: Endpoint,
-        writer: Recipient<TransportOps>,
+        transport: Recipient<TransportOps>,
         loader: Recipient<LoadPeer>,
         link: Recipient<Connect>,
         book: Recipient<AddPeerAddress>,
@@ -36,7 +37,7 @@ impl RankActor {
         RankActor {
             endpoint,
             origin: Instant::now(),
-            writer,
+            transport,
             loader,
             link,
             book,
@@ -63,7 +64,7 @@ impl RankActor {
             }
         }
         if !ops.is_empty() {
-            self.writer.do_send(TransportOps(ops));
+            self.transport.do_send(TransportOps(ops));
         }
         self.arm_timer(ctx);
     }
@@ -180,7 +181,9 @@ impl Handler<LinkUp> for RankActor {
                 let result = match loaded {
                     Ok(Ok(())) => Ok(()),
                     Ok(Err(error)) => Err(ConnectFailure::Refused(error.to_string())),
-                    Err(_) => Err(ConnectFailure::Refused("writer unavailable".into())),
+                    Err(_) => Err(ConnectFailure::Refused(
+                        "transport actor unavailable".into(),
+                    )),
                 };
                 act.endpoint
                     .handle_event(now, connected_input(&info, &result));

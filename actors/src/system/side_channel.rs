@@ -13,7 +13,7 @@
 //!    above [`MAX_PAYLOAD_LEN`](wire::MAX_PAYLOAD_LEN), and a kind other than `Handshake`, before any payload is read),
 //!    then exactly `payload_len` bytes, all under one deadline of
 //!    [`SideChannelConfig::io_timeout`]. It decodes and validates the handshake, hands the peer
-//!    to its rank ([`LinkUp`]: the rank loads it into the writer's transport and feeds
+//!    to its rank ([`LinkUp`]: the rank loads it into its transport and feeds
 //!    `NetEvent::PeerConnected`, atomically), then answers with its own handshake frame and closes.
 //! 3. The initiator reads and validates the answer the same way and hands the peer to its rank
 //!    ([`LinkUp`]).

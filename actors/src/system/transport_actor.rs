@@ -49,16 +49,16 @@ impl<T: Transport + Unpin + 'static> Actor for TransportActor<T> {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        // A transport that can tell when a notification arrives gets the writer polling at
+        // A transport that can tell when a notification arrives gets the transport actor polling at
         // once rather than on its next tick; the flag keeps one poll request in the mailbox.
-        let writer = ctx.address().downgrade();
+        let actor = ctx.address().downgrade();
         let queued = Arc::clone(&self.arrival_poll_queued);
         self.driver
             .transport_mut()
             .set_arrival_hook(Arc::new(move || {
                 if !queued.swap(true, Ordering::AcqRel) {
-                    if let Some(writer) = writer.upgrade() {
-                        writer.do_send(PollNow);
+                    if let Some(actor) = actor.upgrade() {
+                        actor.do_send(PollNow);
                     }
                 }
             }));

@@ -208,7 +208,7 @@ pub struct PendingWrite {
 pub struct Landing {
     /// When.
     pub at: Time,
-    /// PrefillTable.
+    /// The rank that wrote.
     pub from: PeerAddr,
     /// Target.
     pub to: PeerAddr,

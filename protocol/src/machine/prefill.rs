@@ -98,7 +98,7 @@ pub(crate) struct PrefillEnded {
     pub(crate) epoch: Option<Epoch>,
 }
 
-/// What can happen to a live P request. The writer routes by key; epochs are compared here
+/// What can happen to a live P request. The prefill table routes by key; epochs are compared here
 /// because P learns its epoch from the registration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum PrefillInput {
@@ -133,7 +133,7 @@ pub(crate) struct PrefillCtx<'a> {
     pub(crate) now: Time,
     pub(crate) own_rank: u32,
     pub(crate) config: &'a Config,
-    /// The id the next posted write gets; the writer advances it when one is used.
+    /// The id the next posted write gets; the prefill table advances it when one is used.
     pub(crate) next_write: WriteId,
     pub(crate) mutation: ActiveMutation,
 }

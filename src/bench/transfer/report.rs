@@ -155,11 +155,11 @@ pub struct TransferReport {
     pub request: RequestShape,
     /// Timed repetitions per table and path.
     pub repeats: usize,
-    /// The kvhandoff ranks' settings: progress thread, its delay, the writer's poll interval.
+    /// The kvhandoff ranks' settings: progress thread, its delay, the transport actor's poll interval.
     pub progress_thread: bool,
     /// `pthr_delay_us` of both paths.
     pub pthr_delay_us: u64,
-    /// The writer's transport poll interval, µs.
+    /// The transport actor's poll interval, µs.
     pub writer_poll_us: f64,
     /// Per table.
     pub tables: Vec<TableNumbers>,

@@ -2287,7 +2287,7 @@ fn next_timer_is_the_earliest_of_every_table() {
     assert!(w.has_request(&req()));
 }
 
-/// Every write id is used once for the writer's whole life, whichever request posts it.
+/// Every write id is used once for the prefill table's whole life, whichever request posts it.
 #[test]
 fn write_ids_are_never_reused() {
     let mut w = writing();
