@@ -4,135 +4,69 @@
 //!
 //! Each test starts the two roles in one order (D first, P first), 200 requests with small
 //! prompts (one 512 KiB block each, so the unoptimized binary keeps up with the arrivals), waits
-//! for both with a deadline (killing them past it) and checks both reports.
+//! for both with a deadline (killing them past it) and checks both reports. The children and
+//! their output are handled by the multi-process harness (`tests/nodes`).
 #![cfg(feature = "nixl")]
 
-use std::io::Read;
-use std::net::{SocketAddr, TcpListener};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Mutex;
+mod nodes;
+
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use nodes::{finish_all, require_runtime, two_ports, Node, ONE_AT_A_TIME};
 
 const REQUESTS: u64 = 200;
-
-/// The two processes of one test share 2 cores with the other test's: one test at a time.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// How long a test waits for both processes before killing them.
 const WAIT: Duration = Duration::from_secs(90);
 
-/// Two free loopback ports (bound, then released for the children to bind).
-fn two_ports() -> (SocketAddr, SocketAddr) {
-    let a = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let b = TcpListener::bind("127.0.0.1:0").expect("bind");
-    (a.local_addr().unwrap(), b.local_addr().unwrap())
-}
-
-fn start(role: &str, listen: SocketAddr, peer: SocketAddr) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
-        .args(["node", "--role", role])
-        .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
-        .args(["--requests", &REQUESTS.to_string(), "--seed", "11"])
-        .args(["--max-prompt-tokens", "16", "--pool-blocks", "32"])
-        .args([
-            "--mean-arrival-gap-ms",
-            "12",
-            "--timeout-secs",
-            "60",
-            "--json",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the kvhandoff binary starts")
-}
-
-struct Finished {
-    status: Option<ExitStatus>,
-    stdout: String,
-    stderr: String,
-}
-
-/// Waits for `child` until `deadline`, then kills it; collects its output.
-fn finish(mut child: Child, deadline: Instant) -> Finished {
-    // Drain the pipes on threads so that a chatty child never blocks on a full pipe.
-    let mut out = child.stdout.take().expect("stdout");
-    let mut err = child.stderr.take().expect("stderr");
-    let out = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let status = loop {
-        match child.try_wait().expect("try_wait") {
-            Some(status) => break Some(status),
-            None if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            None => thread::sleep(Duration::from_millis(20)),
-        }
-    };
-    Finished {
-        status,
-        stdout: out.join().unwrap_or_default(),
-        stderr: err.join().unwrap_or_default(),
-    }
-}
+/// The production defaults but for the workload: small prompts, a small pool.
+const ARGS: [&str; 12] = [
+    "--requests",
+    "200",
+    "--seed",
+    "11",
+    "--max-prompt-tokens",
+    "16",
+    "--pool-blocks",
+    "32",
+    "--mean-arrival-gap-ms",
+    "12",
+    "--timeout-secs",
+    "60",
+];
 
 fn run_pair(decode_first: bool) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    if let Err(e) = kvhandoff::actors::transport::nixl::nixl_runtime_available() {
-        panic!("{e}");
-    }
+    require_runtime();
     let (p_addr, d_addr) = two_ports();
     let started = Instant::now();
+    let spawn = |role: &'static str| match role {
+        "decode" => Node::spawn("D", role, d_addr, p_addr, &ARGS),
+        _ => Node::spawn("P", role, p_addr, d_addr, &ARGS),
+    };
     let (first, second) = if decode_first {
         ("decode", "prefill")
     } else {
         ("prefill", "decode")
     };
-    let addrs = |role| match role {
-        "decode" => (d_addr, p_addr),
-        _ => (p_addr, d_addr),
-    };
-    let (l, p) = addrs(first);
-    let a = start(first, l, p);
+    let a = spawn(first);
     // The second one comes a little later: the first must wait for it.
     thread::sleep(Duration::from_millis(300));
-    let (l, p) = addrs(second);
-    let b = start(second, l, p);
-    let deadline = Instant::now() + WAIT;
+    let b = spawn(second);
     // Both are waited for concurrently: P stays until D has exited.
-    let a = thread::spawn(move || finish(a, deadline));
-    let b = finish(b, deadline);
-    let a = a.join().expect("waiter");
+    let mut done = finish_all(vec![a, b], Instant::now() + WAIT).into_iter();
+    let (a, b) = (done.next().expect("first"), done.next().expect("second"));
     let (d, p) = if decode_first { (a, b) } else { (b, a) };
     let took = started.elapsed();
-    let show = |name: &str, f: &Finished| {
-        format!(
-            "--- {name}: {:?}\n{}\n--- {name} stderr\n{}",
-            f.status, f.stdout, f.stderr
-        )
-    };
-    let both = format!("{}\n{}", show("D", &d), show("P", &p));
-    println!("{} first: both done in {took:?}\n{both}", first);
+    let both = format!("{}\n{}", d.show(), p.show());
+    println!("{first} first: both done in {took:?}\n{both}");
     assert!(
         d.status.is_some() && p.status.is_some(),
         "killed at the deadline\n{both}"
     );
 
-    let dv: Value =
-        serde_json::from_str(&d.stdout).unwrap_or_else(|e| panic!("D's JSON: {e}\n{both}"));
+    let dv = d.json(&both);
     assert_eq!(dv["transport"], "nixl", "{both}");
     assert_eq!(dv["role"], "decode", "{both}");
     assert_eq!(dv["requests"], REQUESTS, "{both}");
@@ -151,8 +85,7 @@ fn run_pair(decode_first: bool) {
     assert_eq!(dv["ok"], true, "{both}");
     assert!(d.status.is_some_and(|s| s.success()), "{both}");
 
-    let pv: Value =
-        serde_json::from_str(&p.stdout).unwrap_or_else(|e| panic!("P's JSON: {e}\n{both}"));
+    let pv = p.json(&both);
     assert_eq!(pv["role"], "prefill", "{both}");
     assert_eq!(pv["prefill_outcomes"]["sent"], REQUESTS, "{both}");
     let races = &pv["races"];

@@ -87,6 +87,8 @@ impl Finished {
 }
 
 impl Node {
+    /// A node with the settings the kill and interference tests share (fast heartbeats, short
+    /// leases and fence) plus `extra` flags.
     pub fn start(
         name: &'static str,
         role: &str,
@@ -94,23 +96,41 @@ impl Node {
         peer: SocketAddr,
         extra: &[&str],
     ) -> Node {
+        let (gap, heartbeat, lease) = (GAP_MS.to_string(), H_MS.to_string(), LEASE_MS.to_string());
+        let mut args = vec![
+            "--seed",
+            "11",
+            "--max-prompt-tokens",
+            "16",
+            "--pool-blocks",
+            "64",
+            "--mean-arrival-gap-ms",
+            &gap,
+            "--heartbeat-ms",
+            &heartbeat,
+            "--lease-ms",
+            &lease,
+        ];
+        args.extend(FENCE_FLAGS);
+        args.extend(["--timeout-secs", "30"]);
+        args.extend(extra);
+        Node::spawn(name, role, listen, peer, &args)
+    }
+
+    /// `kvhandoff node --role ROLE --listen LISTEN --peer PEER ARGS... --json`, its output
+    /// drained on threads.
+    pub fn spawn(
+        name: &'static str,
+        role: &str,
+        listen: SocketAddr,
+        peer: SocketAddr,
+        args: &[&str],
+    ) -> Node {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
             .args(["node", "--role", role])
             .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
-            .args([
-                "--seed",
-                "11",
-                "--max-prompt-tokens",
-                "16",
-                "--pool-blocks",
-                "64",
-            ])
-            .args(["--mean-arrival-gap-ms", &GAP_MS.to_string()])
-            .args(["--heartbeat-ms", &H_MS.to_string()])
-            .args(["--lease-ms", &LEASE_MS.to_string()])
-            .args(FENCE_FLAGS)
-            .args(["--timeout-secs", "30", "--json"])
-            .args(extra)
+            .args(args)
+            .arg("--json")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
