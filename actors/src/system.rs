@@ -46,7 +46,7 @@ pub use side_channel::{
 pub use transport_actor::TransportActor;
 
 use crate::transport::Transport;
-use kvhandoff_protocol::machine::{Endpoint, EngineEvent};
+use kvhandoff_protocol::machine::{Counters, Endpoint, EndpointStats, EngineEvent};
 use kvhandoff_protocol::PeerAddr;
 
 /// Where in-process ranks find each other: a shared table of handshake payloads and link
@@ -127,6 +127,24 @@ pub struct RankHandle {
     pub transport: Recipient<QueryTransportStats>,
     /// The engine's events.
     pub events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
+}
+
+impl RankHandle {
+    /// The rank's endpoint counters, or `None` if the rank did not answer within `timeout`.
+    /// Blocks the calling thread: never call it from the runtime's own threads.
+    pub fn counters(&self, timeout: std::time::Duration) -> Option<Counters> {
+        blocking::ask(&self.rank, QueryCounters, timeout)
+    }
+
+    /// The sizes of the rank's tables, or `None` if the rank did not answer within `timeout`.
+    pub fn stats(&self, timeout: std::time::Duration) -> Option<EndpointStats> {
+        blocking::ask(&self.rank, QueryStats, timeout)
+    }
+
+    /// The side channel's counters, or `None` if the link did not answer within `timeout`.
+    pub fn side_channel_stats(&self, timeout: std::time::Duration) -> Option<SideChannelStats> {
+        blocking::ask(&self.link, QuerySideChannel, timeout)
+    }
 }
 
 /// Everything needed to start one rank.

@@ -83,6 +83,12 @@ impl KvConnector {
         }
     }
 
+    /// The rank this connector drives: its blocking queries (`counters`, `stats`,
+    /// `side_channel_stats`) for an engine's metrics.
+    pub fn rank(&self) -> &RankHandle {
+        &self.rank
+    }
+
     /// Shortens (or lengthens) the wait for a call's verdict; for tests of late verdicts.
     #[doc(hidden)]
     pub fn set_call_timeout(&mut self, timeout: Duration) {

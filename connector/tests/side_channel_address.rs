@@ -5,11 +5,8 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use actix::Addr;
-use kvhandoff::actors::system::blocking::ask;
 use kvhandoff::actors::system::{
-    build_mem_rank, AcceptPolicy, Handshaker, LinkActor, QuerySideChannel, RankOptions,
-    ShellConfig, SideChannelConfig,
+    build_mem_rank, AcceptPolicy, Handshaker, RankOptions, ShellConfig, SideChannelConfig,
 };
 use kvhandoff::actors::transport::mem::MemFabric;
 use kvhandoff::protocol::machine::Config;
@@ -37,7 +34,7 @@ fn connector(
     fabric: &MemFabric,
     engine: &str,
     accept_any: bool,
-) -> (KvConnector, Addr<LinkActor>) {
+) -> KvConnector {
     let engine_id = EngineId::new(engine).unwrap();
     let (setup, _pool) = build_mem_rank(
         fabric,
@@ -65,8 +62,7 @@ fn connector(
     let addr = handle
         .side_channel
         .expect("a TCP rank reports where it listens");
-    let link = handle.link.clone();
-    let conn = KvConnector::new(
+    KvConnector::new(
         ConnectorIdentity {
             engine: engine_id,
             rank: 0,
@@ -75,8 +71,7 @@ fn connector(
             port: addr.port(),
         },
         handle,
-    );
-    (conn, link)
+    )
 }
 
 fn wait_for_event(conn: &mut KvConnector, deadline: Instant) -> ConnectorEvent {
@@ -93,8 +88,8 @@ fn wait_for_event(conn: &mut KvConnector, deadline: Instant) -> ConnectorEvent {
 fn the_prefill_address_travels_with_the_request() {
     let mut runtime = Runtime::start().unwrap();
     let fabric = MemFabric::new();
-    let (mut p, _) = connector(&mut runtime, &fabric, "prefill-0", true);
-    let (mut d, _) = connector(&mut runtime, &fabric, "decode-0", false);
+    let mut p = connector(&mut runtime, &fabric, "prefill-0", true);
+    let mut d = connector(&mut runtime, &fabric, "decode-0", false);
     let p_request = RequestId::new("cmpl-addr-0-aaaaaaaa").unwrap();
     let d_request = RequestId::new("cmpl-addr-0-bbbbbbbb").unwrap();
 
@@ -149,8 +144,8 @@ fn the_prefill_address_travels_with_the_request() {
 fn the_link_learns_the_address_from_the_call_alone() {
     let mut runtime = Runtime::start().unwrap();
     let fabric = MemFabric::new();
-    let (mut p, _) = connector(&mut runtime, &fabric, "prefill-0", true);
-    let (mut d, d_link) = connector(&mut runtime, &fabric, "decode-0", false);
+    let mut p = connector(&mut runtime, &fabric, "prefill-0", true);
+    let mut d = connector(&mut runtime, &fabric, "decode-0", false);
     let params = p
         .request_finished(
             &RequestId::new("cmpl-book-0-aaaaaaaa").unwrap(),
@@ -167,7 +162,10 @@ fn the_link_learns_the_address_from_the_call_alone() {
     .unwrap();
     let _ = wait_for_event(&mut d, Instant::now() + Duration::from_secs(20));
     // D dialled P once, with the address that came with the request.
-    let stats = ask(&d_link, QuerySideChannel, Duration::from_secs(5)).expect("stats");
+    let stats = d
+        .rank()
+        .side_channel_stats(Duration::from_secs(5))
+        .expect("stats");
     assert_eq!(stats.outgoing_ok, 1, "{stats:?}");
     drop((p, d));
     runtime.shutdown();
