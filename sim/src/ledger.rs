@@ -5,6 +5,8 @@
 //! block holds from what the simulated engines allocate and free and from what the simulated
 //! NIXL reads and lands, and checks the safety properties against that.
 
+use kvhandoff_protocol::machine::FreeProof;
+
 /// Bytes per simulated block.
 pub const BLOCK_BYTES: usize = 64;
 
@@ -38,6 +40,53 @@ pub struct Pool {
     free: Vec<u32>,
     blocks: Vec<BlockState>,
     bytes: Vec<[u8; BLOCK_BYTES]>,
+}
+
+/// What the ledger knows when D hands an attempt's blocks back: the facts its judgement of the
+/// attempt's [`FreeProof`] rests on. Both worlds, seeded and scripted, judge through
+/// [`judge_hand_back`], so a proof means the same in both.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HandBack {
+    /// The proof D gave.
+    pub proof: FreeProof,
+    /// D sent a `Register` for the attempt (its blocks were exposed).
+    pub registered: bool,
+    /// Writes into the attempt's blocks that the simulated NIXL may still land.
+    pub writes_in_flight: usize,
+    /// A live P still holds the attempt's registration, unexpired (it would match the key's
+    /// next prefill and write into blocks D is handing back).
+    pub p_holds_registration: bool,
+}
+
+/// Every way the hand-back breaks safety (empty when it is sound).
+pub(crate) fn judge_hand_back(h: &HandBack) -> Vec<String> {
+    let mut faults = Vec::new();
+    match h.proof {
+        FreeProof::NeverExposed => {
+            if h.registered {
+                faults.push("freed as NeverExposed after a Register was sent".to_string());
+            }
+        }
+        FreeProof::WritesCompleted
+        | FreeProof::CancelAcknowledged
+        | FreeProof::PeerQuiesced
+        | FreeProof::DeadPeerFence
+        | FreeProof::Quarantine => {
+            if h.writes_in_flight > 0 {
+                faults.push(format!(
+                    "freed by {:?} while {} write(s) of it may still land",
+                    h.proof, h.writes_in_flight
+                ));
+            }
+        }
+    }
+    if h.p_holds_registration {
+        faults.push(format!(
+            "freed by {:?} while P still holds its registration",
+            h.proof
+        ));
+    }
+    faults
 }
 
 /// The byte a P block holds at `byte` for request `request`, cache group `group` and

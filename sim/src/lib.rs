@@ -15,6 +15,7 @@ mod engine;
 mod explore;
 mod ledger;
 mod nixl;
+pub mod scripted;
 mod transport;
 mod world;
 

@@ -23,6 +23,8 @@
 //!   post; a hung write ends at that bound, and a write held up by a partition lands after it
 //!   heals if the bound allows, else fails.
 
+pub(crate) mod measured;
+
 use kvhandoff_protocol::machine::WriteOrder;
 use kvhandoff_protocol::WriteId;
 use kvhandoff_protocol::{Message, WriteFailure};
@@ -30,6 +32,7 @@ use rand::Rng;
 
 use crate::ledger::{Owner, BLOCK_BYTES};
 use crate::world::{micros, Ev, NodeId, World};
+use measured::{effect, Effect, Happening};
 
 /// Where a simulated transfer is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -150,6 +153,7 @@ impl World {
             d_pinned,
         };
         self.active_writes.insert((node, inc, order.write), seq);
+        const _: () = assert!(matches!(effect(Happening::LifeBound), Effect::HasEnded));
         let life = self.cfg.machine.max_write_life;
         let delay = if self.chance(self.rates.hang) {
             // Hangs until the fabric's bound, then lands or fails.
@@ -228,6 +232,7 @@ impl World {
             // The partition outlasts the write's life: it fails (the bound holds).
             fail = true;
         }
+        const _: () = assert!(matches!(effect(Happening::TargetDies), Effect::Fails));
         let target_gone = !self.alive(w.target) || self.nodes[w.target].incarnation != w.target_inc;
         let fail = fail || target_gone || self.chance(self.rates.fail_later);
         if !fail {
@@ -322,6 +327,7 @@ impl World {
         if !w.in_flight() {
             return; // landed or cut: its report is on the way
         }
+        const _: () = assert!(matches!(effect(Happening::PosterAbandons), Effect::GoesOn));
         w.abandoned = true;
         self.mark("abandon_unconfirmed");
     }
@@ -329,6 +335,7 @@ impl World {
     /// `node` invalidated its connection to `peer`: control messages on the old connection are
     /// lost, but writes in flight go on (measured: invalidation does not fence them).
     pub(crate) fn invalidate(&mut self, node: NodeId, peer: NodeId) {
+        const _: () = assert!(matches!(effect(Happening::Invalidation), Effect::GoesOn));
         self.bump_conn(node, peer);
         self.record(format!("invalidate {node}->{peer}"));
         let outstanding = self.writes.values().any(|w| {
@@ -344,6 +351,7 @@ impl World {
     /// The poster of these writes died: each may land partly (NIXL does not roll back) and
     /// then never again; nobody is told.
     pub(crate) fn writes_of_crashed(&mut self, node: NodeId) {
+        const _: () = assert!(matches!(effect(Happening::PosterDies), Effect::Vanishes));
         let seqs: Vec<u64> = self
             .writes
             .iter()

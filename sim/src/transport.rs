@@ -155,6 +155,7 @@ impl SimTransport {
     }
 
     fn loaded(&self, peer: &PeerAddr) -> Result<&SimPeer, TransportError> {
+        const _: () = assert!(crate::nixl::measured::POST_WITHOUT_METADATA_IS_REFUSED);
         match self.peers.get(peer) {
             Some(p) if p.loaded && self.dead_agents.contains(&p.agent) => {
                 Err(TransportError::PeerUnreachable {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use kvhandoff_protocol::machine::{DecodeOutcome, EngineEvent, FreeProof, Time};
 
 use super::{rid, Attempt, Status};
-use crate::ledger::{pattern, Owner, BLOCK_BYTES};
+use crate::ledger::{judge_hand_back, pattern, HandBack, Owner, BLOCK_BYTES};
 use crate::world::{micros, Ev, NodeId, World};
 
 impl World {
@@ -139,7 +139,7 @@ impl World {
         started: Time,
     ) {
         let inc = self.nodes[node].incarnation;
-        let in_flight = self
+        let writes_in_flight = self
             .writes
             .values()
             .filter(|w| {
@@ -150,28 +150,6 @@ impl World {
                     && w.in_flight()
             })
             .count();
-        match proof {
-            FreeProof::NeverExposed => {
-                if self.registers_sent.contains(&(node, request, epoch)) {
-                    self.violate(format!(
-                        "proof: request {request} e{epoch} freed as NeverExposed after a Register was sent"
-                    ));
-                }
-            }
-            FreeProof::WritesCompleted
-            | FreeProof::CancelAcknowledged
-            | FreeProof::PeerQuiesced
-            | FreeProof::DeadPeerFence
-            | FreeProof::Quarantine => {
-                if in_flight > 0 {
-                    self.violate(format!(
-                        "proof: request {request} e{epoch} freed by {proof:?} while {in_flight} write(s) of it may still land"
-                    ));
-                }
-            }
-        }
-        // Nor may P still hold this attempt's registration, unexpired: it would be matched with
-        // the next prefill of the key and written into blocks D is handing back now.
         let key = self.requests[request].key.clone();
         let d_addr = &self.nodes[node].addr;
         let now = self.now;
@@ -180,10 +158,14 @@ impl World {
             .as_ref()
             .and_then(|p| p.pending_registration(&key))
             .is_some_and(|(from, e, expires)| from == d_addr && e.0 == epoch && expires > now);
-        if p_holds && self.known_incarnation(0, node) == inc {
-            self.violate(format!(
-                "proof: request {request} e{epoch} freed by {proof:?} while P still holds its registration"
-            ));
+        let hand_back = HandBack {
+            proof,
+            registered: self.registers_sent.contains(&(node, request, epoch)),
+            writes_in_flight,
+            p_holds_registration: p_holds && self.known_incarnation(0, node) == inc,
+        };
+        for fault in judge_hand_back(&hand_back) {
+            self.violate(format!("proof: request {request} e{epoch} {fault}"));
         }
         if matches!(proof, FreeProof::DeadPeerFence | FreeProof::Quarantine) {
             if proof == FreeProof::DeadPeerFence {

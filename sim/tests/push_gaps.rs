@@ -2,14 +2,12 @@
 //! ends in exactly one outcome per side, within a bound, with a proof, and no write ever lands
 //! in blocks D has handed back (the harness's ghost checks that in every test).
 
-mod harness;
-
-use harness::*;
 use kvhandoff_protocol::machine::{
     Config, ConnectFailure, DecodeFailure, DecodeOutcome, DropReason, EngineCall, EngineEvent,
     FreeProof, NetEvent, PrefillOutcome, Rejected, ReleaseCause, Time,
 };
 use kvhandoff_protocol::{Epoch, Message, PairingKey, ReleaseReason, RequestId, WriteFailure};
+use kvhandoff_sim::scripted::*;
 
 fn is_register(m: &Message) -> bool {
     matches!(m, Message::Register(_))
@@ -123,18 +121,20 @@ fn peer_lost_fails_d_at_once() {
         )]
     );
     assert_eq!(h.nodes[&d_addr()].invalidated.len(), 1);
-    // The cut write failed on P: P releases its blocks too.
+    // D's invalidation did not stop P's write (measured): it failed at its bound, long before
+    // the quarantine ended, and P, no longer hearing D, released its blocks as D's death.
+    assert!(h.writes.is_empty());
     assert_eq!(
         h.p_results(),
-        vec![PrefillOutcome::Released(ReleaseCause::WriteFailed(
-            WriteFailure::TransferFailed
-        ))]
+        vec![PrefillOutcome::Released(ReleaseCause::PeerDead)]
     );
     h.assert_no_leak();
 }
 
 // Scenario: P is alive but its write hangs in the transport (never pushes): P abandons it at
-// its write deadline and D fails fast with TransferTimedOut, long before its own deadline.
+// its write deadline; NIXL goes on with it (measured), so nobody frees anything until it ends,
+// at the fabric's bound (max_write_life); then D fails with TransferTimedOut, still long before
+// its own deadline.
 #[test]
 fn hung_write_is_abandoned_and_d_fails_before_its_deadline() {
     let mut h = writing();
@@ -142,6 +142,20 @@ fn hung_write_is_abandoned_and_d_fails_before_its_deadline() {
     assert!(h.events_d().is_empty());
     h.advance(ms(1));
     assert_eq!(h.p().counters().writes_abandoned, 1);
+    assert!(
+        h.writes[&h.the_write()].abandoned,
+        "the abandon did not stop it"
+    );
+    let life = h.p().config().max_write_life;
+    h.advance_to(at(life - ms(1)));
+    assert!(
+        h.events_d().is_empty(),
+        "the abandoned write may still land"
+    );
+    assert!(h.p_results().is_empty(), "it may still read P's blocks");
+    h.advance(ms(1));
+    assert!(h.writes.is_empty(), "it ended at its bound");
+    assert_eq!(h.event_time(&d_addr(), &d_request(1)), Some(at(life)));
     assert_eq!(
         h.d_results(),
         vec![(
@@ -415,6 +429,12 @@ fn d_abort_during_a_write_that_never_lands() {
     h.advance(ms(999));
     assert!(h.events_d().is_empty());
     h.advance(ms(1));
+    assert_eq!(h.p().counters().writes_abandoned, 1);
+    assert!(
+        h.events_d().is_empty(),
+        "the abandon does not stop the write"
+    );
+    h.advance(h.p().config().max_write_life);
     let results = h.d_results();
     assert_eq!(results.len(), 1);
     assert_eq!(results[0].0, DecodeOutcome::Failed(DecodeFailure::Aborted));
@@ -469,7 +489,8 @@ fn late_landing_precedes_the_d_event() {
 }
 
 // Scenario: D's deadline passes while P's write is in flight and the write never lands: P
-// abandons it at 2 s; only then does D free, with proof, and nothing can land afterwards.
+// abandons it at 2 s, NIXL goes on with it until its bound (2.5 s); only then does D free,
+// with proof, and nothing can land afterwards.
 #[test]
 fn abandoned_write_precedes_the_d_event() {
     let mut h = Harness::with_config(short_deadline());
@@ -479,6 +500,11 @@ fn abandoned_write_precedes_the_d_event() {
     assert!(h.events_d().is_empty());
     assert_eq!(h.writes.len(), 1);
     h.advance(ms(1));
+    assert!(
+        h.events_d().is_empty(),
+        "abandoned, and NIXL goes on with it"
+    );
+    h.advance_to(at(ms(2_500)));
     assert_eq!(
         h.d_results(),
         vec![(
@@ -486,6 +512,7 @@ fn abandoned_write_precedes_the_d_event() {
             FreeProof::PeerQuiesced
         )]
     );
+    assert_eq!(h.event_time(&d_addr(), &d_request(1)), Some(at(ms(2_500))));
     assert!(h.writes.is_empty(), "nothing is left that could land");
     assert!(h.landings.is_empty());
     h.assert_no_leak();
@@ -647,9 +674,9 @@ fn one_rank_ack_must_not_free_blocks_another_rank_writes() {
 }
 
 // Scenario: the same, and rank 1's write hangs: rank 1 (never told of the cancel) abandons it
-// at its write deadline and, once the transport says it can no longer land, reports
-// WriteFailed(TransferTimedOut); that settles rank 1 and D frees with proof, long before the
-// quarantine.
+// at its write deadline and, once the transport says it can no longer land (at its bound),
+// reports WriteFailed(TransferTimedOut); that settles rank 1 and D frees with proof, long
+// before the quarantine.
 #[test]
 fn one_rank_ack_then_the_other_rank_abandons() {
     let mut h = two_writers();
@@ -661,8 +688,10 @@ fn one_rank_ack_then_the_other_rank_abandons() {
         .unwrap();
     h.complete_write(&w0);
     let config = h.d().config().clone();
-    let abandoned = config.write_timeout;
-    h.advance_to(at(abandoned - ms(1)));
+    h.advance_to(at(config.write_timeout));
+    assert_eq!(h.ep(&p1_addr()).counters().writes_abandoned, 1);
+    let ended = config.max_write_life;
+    h.advance_to(at(ended - ms(1)));
     assert!(
         h.events_d().is_empty(),
         "D freed {:?} while rank 1's write may land",
@@ -676,7 +705,7 @@ fn one_rank_ack_then_the_other_rank_abandons() {
             FreeProof::PeerQuiesced
         )]
     );
-    assert_eq!(h.event_time(&d_addr(), &d_request(1)), Some(at(abandoned)));
+    assert_eq!(h.event_time(&d_addr(), &d_request(1)), Some(at(ended)));
     assert_eq!(
         h.count_sent(&p1_addr(), |m| matches!(
             m,
@@ -841,8 +870,9 @@ fn p_abort_before_the_write() {
     h.assert_no_leak();
 }
 
-// Scenario: P aborts during its write: P keeps its blocks until the write drained (it is
-// abandoned at the write deadline), then D gets WriteFailed(PrefillAborted).
+// Scenario: P aborts during its write: P keeps its blocks until the write drained (abandoned
+// at the write deadline, it still runs until its bound), then D gets
+// WriteFailed(PrefillAborted).
 #[test]
 fn p_abort_during_the_write_reports_after_the_drain() {
     let mut h = writing();
@@ -853,6 +883,8 @@ fn p_abort_during_the_write_reports_after_the_drain() {
         0,
         "nothing is promised before the drain"
     );
+    h.advance(ms(1_000));
+    assert!(h.p_results().is_empty(), "abandoned, still running");
     h.advance(ms(1_000));
     assert_eq!(
         h.p_results(),
@@ -910,18 +942,20 @@ fn lease_expiry_while_d_never_registers() {
     );
 }
 
-// Scenario: D dies while P writes: P declares D dead, the write is cut, P releases its blocks
-// (P-side twin of the D hang).
+// Scenario: D dies while P writes: the write to the dead agent fails (measured), P releases
+// its blocks and, no longer hearing D, declares it dead (P-side twin of the D hang).
 #[test]
 fn d_death_during_the_write_releases_p() {
     let mut h = writing();
     h.advance(ms(200));
     h.crash(&d_addr());
-    h.advance(ms(500));
     assert_eq!(
         h.p_results(),
-        vec![PrefillOutcome::Released(ReleaseCause::PeerDead)]
+        vec![PrefillOutcome::Released(ReleaseCause::WriteFailed(
+            WriteFailure::TransferFailed
+        ))]
     );
+    h.advance(ms(500));
     assert_eq!(h.nodes[&p_addr()].invalidated.len(), 1);
     assert_eq!(h.p().counters().peers_declared_dead, 1);
     h.assert_no_leak();

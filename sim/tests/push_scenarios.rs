@@ -1,9 +1,6 @@
 //! End-to-end push scenarios on two real endpoints: our terms for the applicable cases of
 //! vLLM's `test_nixl_push_connector.py` (reference §10.1; numbers in comments refer to it).
 
-mod harness;
-
-use harness::*;
 use kvhandoff_protocol::machine::{
     DecodeFailure, DecodeOutcome, DropReason, FreeProof, NetEvent, PrefillOutcome, PrefillStart,
     Rejected, ReleaseCause,
@@ -12,6 +9,7 @@ use kvhandoff_protocol::{
     BlockIds, Epoch, Message, PairingKey, Register, ReleaseReason, RequestId, WireError, WriteDone,
     WriteFailure,
 };
+use kvhandoff_sim::scripted::*;
 
 fn is_register(m: &Message) -> bool {
     matches!(m, Message::Register(_))

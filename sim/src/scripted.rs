@@ -1,0 +1,502 @@
+//! The simulator's scripted mode: a deterministic world of real [`Endpoint`]s in which the
+//! test is the scheduler. The seeded world ([`crate::World`]) draws every choice from a seed;
+//! here each scenario makes them one by one, to reach an exact interleaving and assert on it.
+//! Both worlds follow one table of NIXL's measured behaviour (`crate::nixl::measured`) and
+//! judge D's hand-backs through one ledger check ([`crate::ledger`]).
+//!
+//! - **Clock**: one virtual [`Time`]; [`Harness::advance`] fires every endpoint's timers at the
+//!   instants they ask for ([`Endpoint::poll_timeout`]), delivering traffic in between.
+//! - **Network**: every `Output::Send` becomes an [`Envelope`]. A test filter ([`Rule`]) decides
+//!   whether it is delivered (FIFO, automatically), held for the test to deliver one by one, in
+//!   any order, dropped, or duplicated.
+//! - **Handshakes**: `Output::Connect` is answered with `PeerConnected` on both sides, held, or
+//!   failed ([`ConnectMode`]).
+//! - **NIXL writes** (`writes.rs`): `Output::PostWrite` becomes a [`PendingWrite`]; the test
+//!   lands, completes or fails it. Completion lands the data, reports `WriteCompleted` to the
+//!   writer and then sends the write's notification to the target (after the data, as NIXL
+//!   does). As measured, neither `AbandonWrite` nor `Output::Invalidate` stops a posted write;
+//!   a write to a dead target fails, a dead poster's writes vanish, a post after the poster
+//!   unloaded the target is refused, and a write left pending fails at its `max_write_life`.
+//! - **Safety ghost** (`ghost.rs`): a landing into `(target, key, epoch)` after the target's
+//!   engine event for that key and epoch, or a hand-back of D's blocks that the ledger's
+//!   judgement rejects (a write may still land, P still holds the registration, a
+//!   `NeverExposed` after a `Register`), is a violation; a harness with violations panics when
+//!   dropped.
+//!
+//! Every public action runs the world until it is quiet (no output left, no auto-delivered
+//! message in flight) before returning.
+
+mod ghost;
+mod names;
+mod net;
+mod writes;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use kvhandoff_protocol::machine::{
+    Config, ConnectFailure, DecodeOutcome, DecodeStart, Endpoint, EngineCall, EngineEvent,
+    FreeProof, Mutation, NetEvent, Output, PrefillOutcome, PrefillStart, Rejected, Time,
+    WriteOrder,
+};
+use kvhandoff_protocol::{Message, PeerAddr, RequestId, WriteFailure, WriteId};
+
+pub use names::*;
+pub use writes::{Landing, PendingWrite};
+
+// ---------------------------------------------------------------------------------------------
+// The world
+// ---------------------------------------------------------------------------------------------
+
+/// A control message on the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    /// Sender.
+    pub from: PeerAddr,
+    /// Receiver.
+    pub to: PeerAddr,
+    /// The message.
+    pub message: Message,
+}
+
+/// What the network does with a message the filter looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// Deliver it in order, automatically.
+    Deliver,
+    /// Keep it in [`Harness::held`] until the test delivers or drops it.
+    Hold,
+    /// Lose it.
+    Drop,
+    /// Deliver it twice.
+    Duplicate,
+}
+
+/// How the harness answers `Output::Connect`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectMode {
+    /// `PeerConnected` on both sides at once.
+    Auto,
+    /// Keep the request in [`Harness::pending_connects`] until [`Harness::complete_connects`].
+    Hold,
+    /// `PeerConnectFailed` to the side that asked.
+    Fail(ConnectFailure),
+}
+
+/// One engine rank.
+#[derive(Debug)]
+pub struct Node {
+    /// Its endpoint.
+    pub ep: Endpoint,
+    /// False once crashed: no input, no timer, traffic to it is lost.
+    pub alive: bool,
+    /// Bumped by each restart.
+    pub incarnation: u32,
+    /// Engine events, with the time they were emitted.
+    pub events: Vec<(Time, EngineEvent)>,
+    /// `Output::Invalidate`s, with their time.
+    pub invalidated: Vec<(Time, PeerAddr)>,
+    /// Requests the engine started (accepted `DecodeAllocated` / `PrefillFinished`).
+    pub started: Vec<RequestId>,
+}
+
+type Filter = Box<dyn FnMut(&mut Envelope) -> Rule>;
+
+/// The deterministic world.
+pub struct Harness {
+    /// Virtual time.
+    pub now: Time,
+    /// Every endpoint, by address.
+    pub nodes: BTreeMap<PeerAddr, Node>,
+    /// Messages on their way, delivered in order by [`Harness::run_until_quiet`].
+    net: VecDeque<Envelope>,
+    /// Messages the filter held; the test delivers them.
+    pub held: VecDeque<Envelope>,
+    filter: Option<Filter>,
+    /// How handshakes are answered.
+    pub connect_mode: ConnectMode,
+    /// Handshakes held by [`ConnectMode::Hold`]: (asked by, peer).
+    pub pending_connects: Vec<(PeerAddr, PeerAddr)>,
+    /// When set, every posted write fails to post with this failure at once.
+    pub reject_posts: Option<WriteFailure>,
+    /// Posted writes not yet resolved.
+    pub writes: BTreeMap<(PeerAddr, WriteId), PendingWrite>,
+    /// (poster, target) pairs where the poster unloaded the target's metadata (invalidated
+    /// it), until they shake hands again: the poster's posts to the target are refused.
+    unloaded: BTreeSet<(PeerAddr, PeerAddr)>,
+    /// (a, b) → the incarnation of `b` that `a` last shook hands with: what `a`'s writes are
+    /// aimed at.
+    known: BTreeMap<(PeerAddr, PeerAddr), u32>,
+    /// Every message sent (before the filter), with its time.
+    pub sent: Vec<(Time, Envelope)>,
+    /// Every write posted, with its time.
+    pub posted: Vec<(Time, WriteOrder)>,
+    /// Every landing.
+    pub landings: Vec<Landing>,
+    /// Messages that reached a crashed node.
+    pub lost: Vec<Envelope>,
+    /// Messages dropped by the filter or by the test.
+    pub dropped: Vec<Envelope>,
+    /// Safety violations seen by the ghost.
+    pub violations: Vec<String>,
+}
+
+impl Harness {
+    /// P (`prefill`/0) and D (`decode`/0) with `Config::fast()`.
+    pub fn new() -> Harness {
+        Harness::with_config(Config::fast())
+    }
+
+    /// P and D with `config`.
+    pub fn with_config(config: Config) -> Harness {
+        let mut h = Harness {
+            now: Time::ZERO,
+            nodes: BTreeMap::new(),
+            net: VecDeque::new(),
+            held: VecDeque::new(),
+            filter: None,
+            connect_mode: ConnectMode::Auto,
+            pending_connects: Vec::new(),
+            reject_posts: None,
+            writes: BTreeMap::new(),
+            unloaded: BTreeSet::new(),
+            known: BTreeMap::new(),
+            sent: Vec::new(),
+            posted: Vec::new(),
+            landings: Vec::new(),
+            lost: Vec::new(),
+            dropped: Vec::new(),
+            violations: Vec::new(),
+        };
+        h.add_endpoint(p_addr(), config.clone());
+        h.add_endpoint(d_addr(), config);
+        h
+    }
+
+    /// Adds an endpoint (e.g. P's rank 1).
+    pub fn add_endpoint(&mut self, addr: PeerAddr, config: Config) {
+        let ep = Endpoint::new(addr.engine.clone(), addr.rank, config).expect("valid config");
+        self.nodes.insert(
+            addr,
+            Node {
+                ep,
+                alive: true,
+                incarnation: 0,
+                events: Vec::new(),
+                invalidated: Vec::new(),
+                started: Vec::new(),
+            },
+        );
+    }
+
+    // ---- access ------------------------------------------------------------------------------
+
+    /// The endpoint at `addr`.
+    pub fn ep(&self, addr: &PeerAddr) -> &Endpoint {
+        &self.node(addr).ep
+    }
+
+    /// P's rank 0 endpoint.
+    pub fn p(&self) -> &Endpoint {
+        self.ep(&p_addr())
+    }
+
+    /// D's rank 0 endpoint.
+    pub fn d(&self) -> &Endpoint {
+        self.ep(&d_addr())
+    }
+
+    fn node(&self, addr: &PeerAddr) -> &Node {
+        self.nodes
+            .get(addr)
+            .unwrap_or_else(|| panic!("no endpoint {addr}"))
+    }
+
+    fn node_mut(&mut self, addr: &PeerAddr) -> &mut Node {
+        self.nodes
+            .get_mut(addr)
+            .unwrap_or_else(|| panic!("no endpoint {addr}"))
+    }
+
+    /// Engine events of `addr`, in order.
+    pub fn events_of(&self, addr: &PeerAddr) -> Vec<EngineEvent> {
+        self.node(addr)
+            .events
+            .iter()
+            .map(|(_, e)| e.clone())
+            .collect()
+    }
+
+    /// D's engine events.
+    pub fn events_d(&self) -> Vec<EngineEvent> {
+        self.events_of(&d_addr())
+    }
+
+    /// P's engine events.
+    pub fn events_p(&self) -> Vec<EngineEvent> {
+        self.events_of(&p_addr())
+    }
+
+    /// `(outcome, proof)` of every D event.
+    pub fn d_results(&self) -> Vec<(DecodeOutcome, FreeProof)> {
+        self.events_d().iter().map(decode_result).collect()
+    }
+
+    /// Outcome of every P event.
+    pub fn p_results(&self) -> Vec<PrefillOutcome> {
+        self.events_p().iter().map(prefill_result).collect()
+    }
+
+    /// When `addr` emitted its event about `request`.
+    pub fn event_time(&self, addr: &PeerAddr, request: &RequestId) -> Option<Time> {
+        self.node(addr)
+            .events
+            .iter()
+            .find(|(_, e)| e.request() == request)
+            .map(|(t, _)| *t)
+    }
+
+    /// Messages sent by `from` for which `pred` holds.
+    pub fn count_sent(&self, from: &PeerAddr, pred: impl Fn(&Message) -> bool) -> usize {
+        self.sent
+            .iter()
+            .filter(|(_, e)| &e.from == from && pred(&e.message))
+            .count()
+    }
+
+    // ---- engine and transport inputs ---------------------------------------------------------
+
+    /// The engine at `addr` makes `call`, then the world runs until quiet.
+    pub fn call(&mut self, addr: &PeerAddr, call: EngineCall) -> Result<(), Rejected> {
+        let result = self.push_call(addr, call);
+        self.run_until_quiet();
+        result
+    }
+
+    /// Hands `event` to `addr` as its network or transport would, then runs until quiet.
+    pub fn event(&mut self, addr: &PeerAddr, event: NetEvent) {
+        self.feed(addr, event);
+        self.run_until_quiet();
+    }
+
+    /// D's engine allocated blocks.
+    pub fn decode(&mut self, start: DecodeStart) -> Result<(), Rejected> {
+        self.call(&d_addr(), EngineCall::DecodeAllocated(start))
+    }
+
+    /// P's engine finished a prefill.
+    pub fn prefill(&mut self, start: PrefillStart) -> Result<(), Rejected> {
+        self.call(&p_addr(), EngineCall::PrefillFinished(start))
+    }
+
+    /// The engine at `addr` aborts `request`.
+    pub fn abort(&mut self, addr: &PeerAddr, request: RequestId) -> Result<(), Rejected> {
+        self.call(addr, EngineCall::Abort { request })
+    }
+
+    /// Hands `message` to `to` as if `from` had sent it (bypassing the network).
+    pub fn inject(&mut self, from: &PeerAddr, to: &PeerAddr, message: Message) {
+        self.feed(
+            to,
+            NetEvent::Received {
+                from: from.clone(),
+                message,
+            },
+        );
+        self.run_until_quiet();
+    }
+
+    /// `addr` stops: no inputs, no timers; traffic to it is lost. Its posted writes stay in
+    /// flight (they may still land until the target invalidates the connection).
+    pub fn crash(&mut self, addr: &PeerAddr) {
+        self.node_mut(addr).alive = false;
+        self.writes_of_dead(addr);
+        self.run_until_quiet();
+    }
+
+    /// `addr` comes back as a fresh endpoint (a new incarnation: another agent with other
+    /// memory) and handshakes with `peer` (both get `PeerConnected`). A running `addr` dies
+    /// first. The old incarnation's requests and events are gone with it.
+    pub fn restart(&mut self, addr: &PeerAddr, config: Config, peer: &PeerAddr) {
+        let node = self.node(addr);
+        let (incarnation, was_alive) = (node.incarnation + 1, node.alive);
+        if was_alive {
+            self.node_mut(addr).alive = false;
+            self.writes_of_dead(addr);
+        }
+        self.add_endpoint(addr.clone(), config);
+        self.node_mut(addr).incarnation = incarnation;
+        self.connect(addr, peer);
+    }
+
+    /// The endpoint now at `addr` runs with the deliberate bug
+    /// `mutation` (the ghost's own mutation check).
+    pub fn set_mutation(&mut self, addr: &PeerAddr, mutation: Option<Mutation>) {
+        self.node_mut(addr).ep.set_mutation(mutation);
+    }
+
+    // ---- time --------------------------------------------------------------------------------
+
+    /// The earliest timer of any live endpoint.
+    pub fn next_timeout(&self) -> Option<Time> {
+        self.nodes
+            .values()
+            .filter(|n| n.alive)
+            .filter_map(|n| n.ep.poll_timeout())
+            .min()
+    }
+
+    /// Moves time forward by `by`, firing every timer at the instant it asks for and running
+    /// the world until quiet after each.
+    pub fn advance(&mut self, by: Duration) {
+        let target = self.now + by;
+        self.advance_to(target);
+    }
+
+    /// Moves time forward to `target`.
+    pub fn advance_to(&mut self, target: Time) {
+        self.run_until_quiet();
+        let mut steps = 0u32;
+        loop {
+            let next = match (self.next_timeout(), self.next_write_end()) {
+                (Some(a), Some(b)) => a.min(b),
+                (a, b) => match a.or(b) {
+                    Some(at) => at,
+                    None => break,
+                },
+            };
+            if next > target {
+                break;
+            }
+            steps += 1;
+            assert!(steps < 1_000_000, "timers do not advance (stuck at {next})");
+            self.now = self.now.max(next);
+            // A write has ended by its bound: that comes before what the timers do then.
+            self.end_expired_writes();
+            self.run_until_quiet();
+            let due: Vec<PeerAddr> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.alive && n.ep.poll_timeout().is_some_and(|t| t <= self.now))
+                .map(|(a, _)| a.clone())
+                .collect();
+            for addr in due {
+                let now = self.now;
+                self.node_mut(&addr).ep.handle_timeout(now);
+            }
+            self.run_until_quiet();
+        }
+        self.now = self.now.max(target);
+    }
+
+    /// Drains every output and delivers every auto-delivered message until nothing moves.
+    pub fn run_until_quiet(&mut self) {
+        let mut steps = 0u32;
+        loop {
+            steps += 1;
+            assert!(steps < 1_000_000, "the world does not quiesce");
+            if self.pump() {
+                continue;
+            }
+            match self.net.pop_front() {
+                Some(env) => self.deliver(env),
+                None => break,
+            }
+        }
+    }
+
+    // ---- internals ---------------------------------------------------------------------------
+
+    fn push_call(&mut self, addr: &PeerAddr, call: EngineCall) -> Result<(), Rejected> {
+        let now = self.now;
+        let node = self.node_mut(addr);
+        if !node.alive {
+            return Ok(());
+        }
+        let started = match &call {
+            EngineCall::DecodeAllocated(s) => Some(s.request.clone()),
+            EngineCall::PrefillFinished(s) => Some(s.request.clone()),
+            EngineCall::Shutdown | EngineCall::Abort { .. } => None,
+        };
+        let result = node.ep.handle_call(now, call);
+        if let (Ok(()), Some(request)) = (&result, started) {
+            node.started.push(request);
+        }
+        result
+    }
+
+    /// Feeds a network or transport event (never refused).
+    fn feed(&mut self, addr: &PeerAddr, event: NetEvent) {
+        let now = self.now;
+        let node = self.node_mut(addr);
+        if node.alive {
+            node.ep.handle_event(now, event);
+        }
+    }
+
+    /// Drains every endpoint's outputs once; true if any output was handled.
+    fn pump(&mut self) -> bool {
+        let mut moved = false;
+        let addrs: Vec<PeerAddr> = self.nodes.keys().cloned().collect();
+        for addr in addrs {
+            while let Some(output) = {
+                let node = self.node_mut(&addr);
+                if node.alive {
+                    node.ep.poll_output()
+                } else {
+                    None
+                }
+            } {
+                moved = true;
+                self.on_output(&addr, output);
+            }
+        }
+        moved
+    }
+
+    fn on_output(&mut self, from: &PeerAddr, output: Output) {
+        let now = self.now;
+        match output {
+            Output::Send { to, message } => {
+                let env = Envelope {
+                    from: from.clone(),
+                    to,
+                    message,
+                };
+                self.sent.push((now, env.clone()));
+                self.enqueue(env);
+            }
+            Output::Connect { peer } => match self.connect_mode.clone() {
+                ConnectMode::Auto => {
+                    let reachable = self.nodes.get(&peer).is_some_and(|n| n.alive);
+                    if reachable {
+                        self.connect_pair(from, &peer);
+                    } else {
+                        let reason = ConnectFailure::Refused("unreachable".into());
+                        self.feed(from, NetEvent::PeerConnectFailed { peer, reason });
+                    }
+                }
+                ConnectMode::Hold => self.pending_connects.push((from.clone(), peer)),
+                ConnectMode::Fail(reason) => {
+                    self.feed(from, NetEvent::PeerConnectFailed { peer, reason });
+                }
+            },
+            Output::PostWrite(order) => self.post(from, *order),
+            Output::AbandonWrite { write } => self.abandon(from, write),
+            Output::Invalidate { peer } => {
+                self.node_mut(from).invalidated.push((now, peer.clone()));
+                self.invalidated(from, &peer);
+            }
+            Output::Event(event) => {
+                self.check_event(from, &event);
+                self.node_mut(from).events.push((now, event));
+            }
+        }
+    }
+}
+
+impl Default for Harness {
+    fn default() -> Self {
+        Harness::new()
+    }
+}

@@ -1,0 +1,129 @@
+//! Names and builders of the scripted world: the engines, ranks, request ids and block lists
+//! the scenarios use, and a few ready-made starting points.
+
+use std::time::Duration;
+
+use kvhandoff_protocol::machine::{
+    Config, DecodeOutcome, DecodeStart, EngineCall, EngineEvent, FreeProof, PrefillOutcome,
+    PrefillStart,
+};
+use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Message, PairingKey, PeerAddr, RequestId};
+
+use super::Harness;
+
+/// An engine id.
+pub fn engine(name: &str) -> EngineId {
+    EngineId::new(name).expect("valid engine id")
+}
+
+/// P's rank 0.
+pub fn p_addr() -> PeerAddr {
+    PeerAddr::new(engine("prefill"), 0)
+}
+
+/// P's rank 1 (only present after [`Harness::add_endpoint`]).
+pub fn p1_addr() -> PeerAddr {
+    PeerAddr::new(engine("prefill"), 1)
+}
+
+/// D's rank 0.
+pub fn d_addr() -> PeerAddr {
+    PeerAddr::new(engine("decode"), 0)
+}
+
+/// The uuid of request number `n`.
+pub fn uuid(n: u32) -> String {
+    format!("{n:08x}-aaaa-bbbb-cccc-1234567890ab")
+}
+
+/// P's id of request `n`: `cmpl-<uuid>-0-aaaaaaaa` (vLLM's random suffix).
+pub fn p_request(n: u32) -> RequestId {
+    RequestId::new(format!("cmpl-{}-0-aaaaaaaa", uuid(n))).expect("valid id")
+}
+
+/// D's id of request `n`: `cmpl-<uuid>-0-bbbbbbbb` (another random suffix).
+pub fn d_request(n: u32) -> RequestId {
+    RequestId::new(format!("cmpl-{}-0-bbbbbbbb", uuid(n))).expect("valid id")
+}
+
+/// The pairing key both sides derive for request `n`.
+pub fn key(n: u32) -> PairingKey {
+    PairingKey::from_request_id(&d_request(n))
+}
+
+/// One cache group.
+pub fn blocks(ids: &[u32]) -> BlockIds {
+    BlockIds::single_group(ids.to_vec())
+}
+
+/// D allocated `ids` for request `n`, to be written by P's rank 0 (epoch 1, one write).
+pub fn decode_start(n: u32, ids: &[u32]) -> DecodeStart {
+    let request = d_request(n);
+    DecodeStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        epoch: Epoch::FIRST,
+        prefill: p_addr(),
+        blocks: blocks(ids),
+        num_tokens: 16 * ids.len() as u64,
+        expected_writes: 1,
+    }
+}
+
+/// P finished request `n` with `ids`.
+pub fn prefill_start(n: u32, ids: &[u32]) -> PrefillStart {
+    let request = p_request(n);
+    PrefillStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        blocks: blocks(ids),
+    }
+}
+
+/// Milliseconds.
+pub fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// `(outcome, proof)` of a D event; panics on a P event.
+pub fn decode_result(event: &EngineEvent) -> (DecodeOutcome, FreeProof) {
+    match event {
+        EngineEvent::Decode { outcome, proof, .. } => (*outcome, *proof),
+        EngineEvent::Prefill { .. } => panic!("expected a decode event, got {event:?}"),
+    }
+}
+
+/// The outcome of a P event; panics on a D event.
+pub fn prefill_result(event: &EngineEvent) -> PrefillOutcome {
+    match event {
+        EngineEvent::Prefill { outcome, .. } => *outcome,
+        EngineEvent::Decode { .. } => panic!("expected a prefill event, got {event:?}"),
+    }
+}
+
+/// P ranks 0 and 1 both finished request 1 ([10, 11] and [20, 21]); D allocated [500, 501]
+/// expecting two writes, and its registration reached both ranks (D sends it to P rank 0; the
+/// harness fans it out to rank 1). Both writes are posted and pending.
+pub fn two_writers() -> Harness {
+    let mut h = Harness::new();
+    h.add_endpoint(p1_addr(), Config::fast());
+    h.connect(&d_addr(), &p1_addr());
+    h.prefill(prefill_start(1, &[10, 11])).unwrap();
+    h.call(
+        &p1_addr(),
+        EngineCall::PrefillFinished(prefill_start(1, &[20, 21])),
+    )
+    .unwrap();
+    let mut start = decode_start(1, &[500, 501]);
+    start.expected_writes = 2;
+    h.decode(start).unwrap();
+    let register = h
+        .sent
+        .iter()
+        .find(|(_, e)| matches!(e.message, Message::Register(_)))
+        .map(|(_, e)| e.message.clone())
+        .expect("D registered");
+    h.inject(&d_addr(), &p1_addr(), register);
+    assert_eq!(h.writes.len(), 2, "both ranks posted their write");
+    h
+}
