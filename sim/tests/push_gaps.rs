@@ -9,27 +9,6 @@ use kvhandoff_protocol::machine::{
 use kvhandoff_protocol::{Epoch, Message, PairingKey, ReleaseReason, RequestId, WriteFailure};
 use kvhandoff_sim::scripted::*;
 
-fn is_register(m: &Message) -> bool {
-    matches!(m, Message::Register(_))
-}
-
-fn is_cancel(m: &Message) -> bool {
-    matches!(m, Message::Cancel(_))
-}
-
-fn at(d: std::time::Duration) -> Time {
-    Time::from_duration(d)
-}
-
-/// P finished request 1 and D registered: P's write is posted and pending.
-fn writing() -> Harness {
-    let mut h = Harness::new();
-    h.prefill(prefill_start(1, &[10, 11])).unwrap();
-    h.decode(decode_start(1, &[500, 501])).unwrap();
-    assert_eq!(h.writes.len(), 1);
-    h
-}
-
 // -------------------------------------------------------------------------------------------
 // §9.4.1: D never hangs
 // -------------------------------------------------------------------------------------------

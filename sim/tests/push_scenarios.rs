@@ -11,14 +11,6 @@ use kvhandoff_protocol::{
 };
 use kvhandoff_sim::scripted::*;
 
-fn is_register(m: &Message) -> bool {
-    matches!(m, Message::Register(_))
-}
-
-fn is_cancel(m: &Message) -> bool {
-    matches!(m, Message::Cancel(_))
-}
-
 /// The one write posted so far.
 fn only_posted(h: &Harness) -> kvhandoff_protocol::machine::WriteOrder {
     assert_eq!(h.posted.len(), 1, "exactly one WRITE: {:?}", h.posted);

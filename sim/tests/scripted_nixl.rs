@@ -5,22 +5,9 @@
 //! under was gone. Each mutation test first asserts that it reached the bug's precondition.
 
 use kvhandoff_protocol::machine::{
-    Config, DecodeFailure, DecodeOutcome, FreeProof, Mutation, NetEvent, Time,
+    Config, DecodeFailure, DecodeOutcome, FreeProof, Mutation, NetEvent,
 };
 use kvhandoff_sim::scripted::*;
-
-fn at(d: std::time::Duration) -> Time {
-    Time::from_duration(d)
-}
-
-/// P finished request 1 and D registered: P's write is posted and pending.
-fn writing() -> Harness {
-    let mut h = Harness::new();
-    h.prefill(prefill_start(1, &[10, 11])).unwrap();
-    h.decode(decode_start(1, &[500, 501])).unwrap();
-    assert_eq!(h.writes.len(), 1);
-    h
-}
 
 // Scenario: P abandons its hung write at the write deadline, and the write lands anyway half a
 // second later (measured: NIXL refuses the abandon of a transfer in progress). Nobody freed

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
     Config, DecodeOutcome, DecodeStart, EngineCall, EngineEvent, FreeProof, PrefillOutcome,
-    PrefillStart,
+    PrefillStart, Time,
 };
 use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Message, PairingKey, PeerAddr, RequestId};
 
@@ -80,6 +80,21 @@ pub fn prefill_start(n: u32, ids: &[u32]) -> PrefillStart {
     }
 }
 
+/// The instant `d` after the start of the world.
+pub fn at(d: Duration) -> Time {
+    Time::from_duration(d)
+}
+
+/// A `Register`.
+pub fn is_register(m: &Message) -> bool {
+    matches!(m, Message::Register(_))
+}
+
+/// A `Cancel`.
+pub fn is_cancel(m: &Message) -> bool {
+    matches!(m, Message::Cancel(_))
+}
+
 /// Milliseconds.
 pub fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -99,6 +114,16 @@ pub fn prefill_result(event: &EngineEvent) -> PrefillOutcome {
         EngineEvent::Prefill { outcome, .. } => *outcome,
         EngineEvent::Decode { .. } => panic!("expected a prefill event, got {event:?}"),
     }
+}
+
+/// P finished request 1 ([10, 11]) and D registered [500, 501]: P's write is posted and
+/// pending.
+pub fn writing() -> Harness {
+    let mut h = Harness::new();
+    h.prefill(prefill_start(1, &[10, 11])).unwrap();
+    h.decode(decode_start(1, &[500, 501])).unwrap();
+    assert_eq!(h.writes.len(), 1);
+    h
 }
 
 /// P ranks 0 and 1 both finished request 1 ([10, 11] and [20, 21]); D allocated [500, 501]
