@@ -1,7 +1,9 @@
 //! What an engine hands the connector and what it gets back: calls, replies, events, errors,
 //! and the identity a connector speaks for.
 
-use kvhandoff_protocol::machine::{DecodeFailure, FreeProof, Rejected, ReleaseCause};
+use kvhandoff_protocol::machine::{
+    DecodeFailure, ExportOutcome, FreeProof, ImportOutcome, ReadProof, Rejected, ReleaseCause,
+};
 use kvhandoff_protocol::{BlockIds, EngineId, IdError, RequestId};
 
 use crate::KvTransferParams;
@@ -87,6 +89,28 @@ pub enum ConnectorEvent {
         /// The blocks, free to reuse.
         blocks: BlockIds,
     },
+    /// The holder of an export (P in pull mode, D between bidirectional turns): the exported
+    /// blocks may be freed; no read of them can still run.
+    ExportEnded {
+        /// The request.
+        request: RequestId,
+        /// Whether the reader read them, or why not.
+        outcome: ExportOutcome,
+        /// What made it safe (a reader's release, or the grant's fence).
+        proof: ReadProof,
+        /// The blocks, free to reuse.
+        blocks: BlockIds,
+    },
+    /// The reader of an export (D in pull mode, P on a later bidirectional turn): every read has
+    /// ended. On `Loaded` the blocks hold the KV; on `Recompute` their valid prefix does.
+    Imported {
+        /// The request.
+        request: RequestId,
+        /// What arrived.
+        outcome: ImportOutcome,
+        /// The blocks.
+        blocks: BlockIds,
+    },
 }
 
 /// One engine hook call, for [`KvConnector::submit`](crate::KvConnector::submit).
@@ -128,7 +152,9 @@ impl ConnectorEvent {
             ConnectorEvent::BlocksReady { request, .. }
             | ConnectorEvent::Failed { request, .. }
             | ConnectorEvent::Refused { request, .. }
-            | ConnectorEvent::BlocksFree { request, .. } => request,
+            | ConnectorEvent::BlocksFree { request, .. }
+            | ConnectorEvent::ExportEnded { request, .. }
+            | ConnectorEvent::Imported { request, .. } => request,
         }
     }
 }

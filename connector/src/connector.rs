@@ -471,6 +471,28 @@ impl KvConnector {
                     },
                     blocks,
                 },
+                EngineEvent::Export {
+                    request,
+                    outcome,
+                    proof,
+                    blocks,
+                    ..
+                } => ConnectorEvent::ExportEnded {
+                    request,
+                    outcome,
+                    proof,
+                    blocks,
+                },
+                EngineEvent::Import {
+                    request,
+                    outcome,
+                    blocks,
+                    ..
+                } => ConnectorEvent::Imported {
+                    request,
+                    outcome,
+                    blocks,
+                },
             });
         }
         events

@@ -16,7 +16,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::machine::{Endpoint, EngineEvent, NetEvent, Output, WriteOrder};
+use crate::machine::{Endpoint, EngineEvent, NetEvent, Output, ReadOrder, WriteOrder};
 use crate::planner::{PlanInput, Planner};
 use crate::transport::{Completion, Descriptor, Notification, Transport, TransportError};
 use crate::{
@@ -86,6 +86,8 @@ pub enum TransportOp {
     },
     /// Plan and post a write.
     Post(Box<WriteOrder>),
+    /// Plan and post a read.
+    PostRead(Box<ReadOrder>),
     /// Make sure a write never lands.
     Abandon(WriteId),
     /// Cut a dead peer off.
@@ -210,6 +212,7 @@ impl<T: Transport> TransportDriver<T> {
                 }
             }
             TransportOp::Post(order) => feed.extend(self.post(&order)),
+            TransportOp::PostRead(order) => feed.extend(self.post_read(&order)),
             TransportOp::Abandon(write) => {
                 // On refusal the write stays in flight and its completion still comes; the
                 // endpoint invalidates the peer if it never does.
@@ -225,40 +228,67 @@ impl<T: Transport> TransportDriver<T> {
     }
 
     fn post(&mut self, order: &WriteOrder) -> Option<NetEvent> {
-        let failed = |write| {
-            Some(NetEvent::WriteFailed {
-                write,
-                failure: WriteFailure::PostFailed,
-            })
+        let transfer = Transfer {
+            id: order.write,
+            peer: &order.to,
+            key: &order.key,
+            epoch: order.epoch,
+            local: &order.local,
+            remote: &order.remote,
         };
-        let Some(peer) = self.peers.get(&order.to) else {
-            tracing::warn!(peer = %order.to, write = %order.write, "write to an unloaded peer");
+        let notification = wire::encode(&order.notification);
+        self.plan_and_post(&transfer, |transport, descriptors| {
+            transport.post_write(order.write, &order.to, descriptors, Some(notification))
+        })
+    }
+
+    fn post_read(&mut self, order: &ReadOrder) -> Option<NetEvent> {
+        let transfer = Transfer {
+            id: order.read,
+            peer: &order.from,
+            key: &order.key,
+            epoch: order.epoch,
+            local: &order.local,
+            remote: &order.remote,
+        };
+        self.plan_and_post(&transfer, |transport, descriptors| {
+            transport.post_read(order.read, &order.from, descriptors, None)
+        })
+    }
+
+    /// Plans `transfer`'s descriptors and posts them with `post`; a transfer that cannot be
+    /// planned or posted is `WriteFailed(PostFailed)` under its id (reads and writes alike).
+    fn plan_and_post(
+        &mut self,
+        transfer: &Transfer<'_>,
+        post: impl FnOnce(&mut T, &[Descriptor]) -> Result<(), TransportError>,
+    ) -> Option<NetEvent> {
+        let failed = Some(NetEvent::WriteFailed {
+            write: transfer.id,
+            failure: WriteFailure::PostFailed,
+        });
+        let Some(peer) = self.peers.get(transfer.peer) else {
+            tracing::warn!(peer = %transfer.peer, id = %transfer.id, "transfer with an unloaded peer");
             self.stats.post_failures += 1;
-            return failed(order.write);
+            return failed;
         };
         let input = PlanInput::new(
             &self.own.regions,
             &peer.regions,
             &self.specs,
-            &order.local,
-            &order.remote,
+            transfer.local,
+            transfer.remote,
             self.own.geometry.kernel_blocks_per_logical,
         );
         let summary = match self.planner.plan_into(&input, &mut self.descriptors) {
             Ok(summary) => summary,
             Err(error) => {
-                tracing::warn!(key = %order.key, epoch = %order.epoch, %error, "write plan failed");
+                tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer plan failed");
                 self.stats.post_failures += 1;
-                return failed(order.write);
+                return failed;
             }
         };
-        let notification = wire::encode(&order.notification);
-        match self.transport.post_write(
-            order.write,
-            &order.to,
-            &self.descriptors,
-            Some(notification),
-        ) {
+        match post(&mut self.transport, &self.descriptors) {
             Ok(()) => {
                 self.stats.posted += 1;
                 self.stats.descriptors += summary.descriptors as u64;
@@ -266,9 +296,9 @@ impl<T: Transport> TransportDriver<T> {
                 None
             }
             Err(error) => {
-                tracing::warn!(key = %order.key, epoch = %order.epoch, %error, "write post failed");
+                tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer post failed");
                 self.stats.post_failures += 1;
-                failed(order.write)
+                failed
             }
         }
     }
@@ -307,6 +337,16 @@ impl<T: Transport> TransportDriver<T> {
     }
 }
 
+/// What a write and a read have in common for planning and posting.
+struct Transfer<'a> {
+    id: WriteId,
+    peer: &'a PeerAddr,
+    key: &'a crate::PairingKey,
+    epoch: crate::Epoch,
+    local: &'a crate::BlockIds,
+    remote: &'a crate::BlockIds,
+}
+
 /// Where a shell sends one endpoint output.
 #[derive(Debug)]
 pub enum Routed {
@@ -323,6 +363,7 @@ pub fn route(output: Output) -> Routed {
     match output {
         Output::Send { to, message } => Routed::Transport(TransportOp::Send { to, message }),
         Output::PostWrite(order) => Routed::Transport(TransportOp::Post(order)),
+        Output::PostRead(order) => Routed::Transport(TransportOp::PostRead(order)),
         Output::AbandonWrite { write } => Routed::Transport(TransportOp::Abandon(write)),
         Output::Invalidate { peer } => Routed::Transport(TransportOp::Invalidate(peer)),
         Output::Connect { peer } => Routed::Connect(peer),

@@ -41,8 +41,9 @@ pub use ids::{
 };
 pub use message::{
     BlockIds, Cancel, CancelAck, CancelReason, CompatHash, FieldError, Handshake, Heartbeat,
-    LeaseRef, Message, MessageKind, Register, Release, ReleaseReason, TransferMode, WriteDone,
-    WriteFailed, WriteFailure, MAX_AGENT_METADATA, MAX_BLOCKS_PER_GROUP, MAX_BLOCKS_PER_REQUEST,
-    MAX_HEARTBEAT_LEASES, MAX_REGIONS, MAX_TRANSFER_MODES,
+    LeaseRef, Message, MessageKind, ReadAsk, ReadGrant, ReadRefusal, ReadRefused, Register,
+    Release, ReleaseReason, TransferMode, WriteDone, WriteFailed, WriteFailure, MAX_AGENT_METADATA,
+    MAX_BLOCKS_PER_GROUP, MAX_BLOCKS_PER_REQUEST, MAX_HEARTBEAT_LEASES, MAX_REGIONS,
+    MAX_TRANSFER_MODES,
 };
 pub use wire::{WireError, PROTOCOL_VERSION};

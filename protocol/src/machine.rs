@@ -17,10 +17,14 @@ mod decode;
 mod decode_table;
 mod effects;
 mod endpoint;
+mod export;
+mod import;
 mod mutation;
 mod peer;
 mod prefill;
 mod prefill_table;
+mod read_tables;
+mod read_types;
 mod shape;
 mod tables;
 mod types;
@@ -29,6 +33,10 @@ pub use config::{Config, ConfigError};
 pub use endpoint::{Endpoint, EndpointStats};
 pub(crate) use mutation::ActiveMutation;
 pub use mutation::Mutation;
+pub use read_types::{
+    is_read, ExportEnd, ExportOutcome, ExportStart, ImportFailure, ImportOutcome, ImportStart,
+    LoadFailurePolicy, ReadOrder, ReadProof, FIRST_READ_ID,
+};
 pub use types::{
     ConnectFailure, Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineCall,
     EngineEvent, FreeProof, NetEvent, Output, PrefillOutcome, PrefillStart, Rejected, ReleaseCause,

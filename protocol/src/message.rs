@@ -286,9 +286,16 @@ pub enum ReleaseReason {
     Aborted,
     /// D read the blocks (pull mode) and is done with them.
     ReadDone,
+    /// The reader's reads of the blocks failed or were given up; none is in flight any more.
+    ReadFailed,
+    /// The reader will not read the blocks (it recomputes instead, or a read could outlive the
+    /// holder's lease).
+    Declined,
 }
 
-/// D → P: P may free its blocks for `key` now.
+/// The reader → the holder: the holder may free its blocks for `key` now. Push: D → P. Pull
+/// and bidirectional: from the side that reads to the side that exported, sent only once no
+/// read of `epoch` is or will be in flight.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Release {
     /// The pairing key.
@@ -297,6 +304,66 @@ pub struct Release {
     pub epoch: Epoch,
     /// Why.
     pub reason: ReleaseReason,
+}
+
+/// Reader → holder (pull: D → P; bidirectional: P → D): the reader wants to read the blocks
+/// exported under `key` for its attempt `epoch`. It reads nothing before a [`ReadGrant`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadAsk {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The reader's attempt.
+    pub epoch: Epoch,
+    /// The reader's own id of the request, for logs on the holder.
+    pub reader_request: RequestId,
+    /// The reader's TP rank.
+    pub reader_rank: u32,
+}
+
+/// Holder → reader: the blocks are bound to the reader's `epoch` until it releases them (or,
+/// if it never does, until the grant's fence). Carries the holder's authoritative block list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadGrant {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The reader's attempt the grant is for.
+    pub epoch: Epoch,
+    /// The holder's TP rank.
+    pub holder_rank: u32,
+    /// The holder's logical block ids, one list per cache group.
+    pub blocks: BlockIds,
+    /// Tokens the blocks hold.
+    pub num_tokens: u64,
+}
+
+/// Why a holder will not let a reader read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum ReadRefusal {
+    /// The holder exports nothing under the key (never did, or let go already).
+    Unavailable,
+    /// The export's lease (or TTL) has ended.
+    Expired,
+    /// A read starting now could outlive the export's lease: declined before it starts.
+    NearExpiry,
+    /// The attempt is older than one the holder has already served or refused.
+    StaleEpoch,
+    /// The blocks are granted to another reader or attempt.
+    Busy,
+    /// The holder's engine aborted the export.
+    Aborted,
+}
+
+/// Holder → reader: no read of `epoch` may start; nothing was granted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadRefused {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The reader's attempt.
+    pub epoch: Epoch,
+    /// The holder's TP rank.
+    pub holder_rank: u32,
+    /// Why.
+    pub reason: ReadRefusal,
 }
 
 /// Every message that crosses between engines.
@@ -316,8 +383,14 @@ pub enum Message {
     CancelAck(CancelAck),
     /// D is alive; renew leases.
     Heartbeat(Heartbeat),
-    /// P may free its blocks.
+    /// The holder may free its blocks.
     Release(Release),
+    /// A reader asks to read exported blocks.
+    ReadAsk(ReadAsk),
+    /// The holder lets the reader read.
+    ReadGrant(Box<ReadGrant>),
+    /// The holder will not let the reader read.
+    ReadRefused(ReadRefused),
 }
 
 /// The one-byte kind that precedes a message's payload on the wire.
@@ -340,11 +413,17 @@ pub enum MessageKind {
     Heartbeat = 7,
     /// [`Message::Release`].
     Release = 8,
+    /// [`Message::ReadAsk`].
+    ReadAsk = 9,
+    /// [`Message::ReadGrant`].
+    ReadGrant = 10,
+    /// [`Message::ReadRefused`].
+    ReadRefused = 11,
 }
 
 impl MessageKind {
     /// Every kind, in wire-code order.
-    pub const ALL: [MessageKind; 8] = [
+    pub const ALL: [MessageKind; 11] = [
         MessageKind::Handshake,
         MessageKind::Register,
         MessageKind::WriteDone,
@@ -353,6 +432,9 @@ impl MessageKind {
         MessageKind::CancelAck,
         MessageKind::Heartbeat,
         MessageKind::Release,
+        MessageKind::ReadAsk,
+        MessageKind::ReadGrant,
+        MessageKind::ReadRefused,
     ];
 
     /// The kind with wire code `code`, if any.
@@ -433,6 +515,9 @@ impl Message {
             Message::CancelAck(_) => MessageKind::CancelAck,
             Message::Heartbeat(_) => MessageKind::Heartbeat,
             Message::Release(_) => MessageKind::Release,
+            Message::ReadAsk(_) => MessageKind::ReadAsk,
+            Message::ReadGrant(_) => MessageKind::ReadGrant,
+            Message::ReadRefused(_) => MessageKind::ReadRefused,
         }
     }
 
@@ -446,6 +531,9 @@ impl Message {
             Message::Cancel(m) => Some((&m.key, m.epoch)),
             Message::CancelAck(m) => Some((&m.key, m.epoch)),
             Message::Release(m) => Some((&m.key, m.epoch)),
+            Message::ReadAsk(m) => Some((&m.key, m.epoch)),
+            Message::ReadGrant(m) => Some((&m.key, m.epoch)),
+            Message::ReadRefused(m) => Some((&m.key, m.epoch)),
         }
     }
 
@@ -499,11 +587,14 @@ impl Message {
                 }
                 Ok(())
             }
+            Message::ReadAsk(m) => m.reader_request.validate().map_err(FieldError::from),
+            Message::ReadGrant(m) => m.blocks.validate(),
             Message::WriteDone(_)
             | Message::WriteFailed(_)
             | Message::Cancel(_)
             | Message::CancelAck(_)
-            | Message::Release(_) => Ok(()),
+            | Message::Release(_)
+            | Message::ReadRefused(_) => Ok(()),
         }
     }
 }

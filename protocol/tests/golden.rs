@@ -27,14 +27,15 @@ use kvhandoff_protocol::wire::{self, HEADER_LEN};
 use kvhandoff_protocol::{
     compatibility_hash, AgentName, BlockIds, CacheGroup, CacheGroupKind, Cancel, CancelAck,
     CancelReason, EngineId, Epoch, Handshake, Heartbeat, KvGeometry, KvLayout, LeaseRef, Message,
-    MessageKind, ModelIdentity, PairingKey, RegionDesc, Register, Release, ReleaseReason,
-    RequestId, TransferMode, WriteDone, WriteFailed, WriteFailure, PROTOCOL_VERSION,
+    MessageKind, ModelIdentity, PairingKey, ReadAsk, ReadGrant, ReadRefusal, ReadRefused,
+    RegionDesc, Register, Release, ReleaseReason, RequestId, TransferMode, WriteDone, WriteFailed,
+    WriteFailure, PROTOCOL_VERSION,
 };
 
 /// The protocol version the golden files were made with. If this test fails because
 /// `PROTOCOL_VERSION` changed, bless the files and update this constant in the same change; if
 /// the files changed, `PROTOCOL_VERSION` must change too.
-const GOLDEN_PROTOCOL_VERSION: u16 = 2;
+const GOLDEN_PROTOCOL_VERSION: u16 = 3;
 
 #[test]
 fn goldens_pin_the_protocol_version() {
@@ -192,6 +193,37 @@ fn release() -> Message {
     })
 }
 
+fn read_ask() -> Message {
+    Message::ReadAsk(ReadAsk {
+        key: key(),
+        epoch: Epoch(2),
+        reader_request: RequestId::new("cmpl-5b1c9a52-6f0e-4c1b-9a7e-0c4c3f2d1e00-0-bbbbbbbb")
+            .unwrap(),
+        reader_rank: 1,
+    })
+}
+
+fn read_grant() -> Message {
+    Message::ReadGrant(Box::new(ReadGrant {
+        key: key(),
+        epoch: Epoch(2),
+        holder_rank: 0,
+        blocks: BlockIds {
+            groups: vec![vec![4, 5, 6, 90_000], vec![1]],
+        },
+        num_tokens: 61,
+    }))
+}
+
+fn read_refused() -> Message {
+    Message::ReadRefused(ReadRefused {
+        key: key(),
+        epoch: Epoch(3),
+        holder_rank: 1,
+        reason: ReadRefusal::NearExpiry,
+    })
+}
+
 /// The golden file's name for each kind. Exhaustive, so a new kind cannot go without a vector.
 fn file_name(kind: MessageKind) -> &'static str {
     match kind {
@@ -203,6 +235,9 @@ fn file_name(kind: MessageKind) -> &'static str {
         MessageKind::CancelAck => "cancel_ack",
         MessageKind::Heartbeat => "heartbeat",
         MessageKind::Release => "release",
+        MessageKind::ReadAsk => "read_ask",
+        MessageKind::ReadGrant => "read_grant",
+        MessageKind::ReadRefused => "read_refused",
     }
 }
 
@@ -295,6 +330,21 @@ fn golden_release() {
     check(release());
 }
 
+#[test]
+fn golden_read_ask() {
+    check(read_ask());
+}
+
+#[test]
+fn golden_read_grant() {
+    check(read_grant());
+}
+
+#[test]
+fn golden_read_refused() {
+    check(read_refused());
+}
+
 /// Exactly one golden message per kind, and one file per kind (no stale files).
 #[test]
 fn every_kind_has_one_vector() {
@@ -307,6 +357,9 @@ fn every_kind_has_one_vector() {
         cancel_ack(),
         heartbeat(),
         release(),
+        read_ask(),
+        read_grant(),
+        read_refused(),
     ];
     let kinds: Vec<MessageKind> = messages.iter().map(Message::kind).collect();
     assert_eq!(kinds, MessageKind::ALL);
@@ -334,7 +387,7 @@ fn the_release_vector_reads_as_documented() {
     let bytes = wire::encode(&release());
     let expected: Vec<u8> = [
         &b"KVHO"[..],     // magic
-        &[0x02, 0x00],    // version 2, little endian
+        &[0x03, 0x00],    // version 3, little endian
         &[0x08],          // kind: Release
         &[0x00],          // flags
         &[0x0a, 0, 0, 0], // payload length 10, little endian

@@ -29,6 +29,7 @@
 mod ghost;
 mod names;
 mod net;
+mod reads;
 mod writes;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -36,12 +37,13 @@ use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
     Config, ConnectFailure, DecodeOutcome, DecodeStart, Endpoint, EngineCall, EngineEvent,
-    FreeProof, Mutation, NetEvent, Output, PrefillOutcome, PrefillStart, Rejected, Time,
+    FreeProof, Mutation, NetEvent, Output, PrefillOutcome, PrefillStart, ReadOrder, Rejected, Time,
     WriteOrder,
 };
 use kvhandoff_protocol::{Message, PeerAddr, RequestId, WriteFailure, WriteId};
 
 pub use names::*;
+pub use reads::PendingRead;
 pub use writes::{Landing, PendingWrite};
 
 // ---------------------------------------------------------------------------------------------
@@ -121,6 +123,12 @@ pub struct Harness {
     pub reject_posts: Option<WriteFailure>,
     /// Posted writes not yet resolved.
     pub writes: BTreeMap<(PeerAddr, WriteId), PendingWrite>,
+    /// Posted reads not yet resolved, by (reader, id).
+    pub reads: BTreeMap<(PeerAddr, WriteId), PendingRead>,
+    /// Every read posted, with its time.
+    pub reads_posted: Vec<(Time, ReadOrder)>,
+    /// Every read that landed (from the holder into the reader's blocks).
+    pub read_landings: Vec<Landing>,
     /// (poster, target) pairs where the poster unloaded the target's metadata (invalidated
     /// it), until they shake hands again: the poster's posts to the target are refused.
     unloaded: BTreeSet<(PeerAddr, PeerAddr)>,
@@ -159,6 +167,9 @@ impl Harness {
             pending_connects: Vec::new(),
             reject_posts: None,
             writes: BTreeMap::new(),
+            reads: BTreeMap::new(),
+            reads_posted: Vec::new(),
+            read_landings: Vec::new(),
             unloaded: BTreeSet::new(),
             known: BTreeMap::new(),
             sent: Vec::new(),
@@ -311,6 +322,7 @@ impl Harness {
     pub fn crash(&mut self, addr: &PeerAddr) {
         self.node_mut(addr).alive = false;
         self.writes_of_dead(addr);
+        self.reads_of_dead(addr);
         self.run_until_quiet();
     }
 
@@ -323,6 +335,7 @@ impl Harness {
         if was_alive {
             self.node_mut(addr).alive = false;
             self.writes_of_dead(addr);
+            self.reads_of_dead(addr);
         }
         self.add_endpoint(addr.clone(), config);
         self.node_mut(addr).incarnation = incarnation;
@@ -358,12 +371,16 @@ impl Harness {
         self.run_until_quiet();
         let mut steps = 0u32;
         loop {
-            let next = match (self.next_timeout(), self.next_write_end()) {
-                (Some(a), Some(b)) => a.min(b),
-                (a, b) => match a.or(b) {
-                    Some(at) => at,
-                    None => break,
-                },
+            let next = [
+                self.next_timeout(),
+                self.next_write_end(),
+                self.next_read_end(),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            let Some(next) = next else {
+                break;
             };
             if next > target {
                 break;
@@ -373,6 +390,7 @@ impl Harness {
             self.now = self.now.max(next);
             // A write has ended by its bound: that comes before what the timers do then.
             self.end_expired_writes();
+            self.end_expired_reads();
             self.run_until_quiet();
             let due: Vec<PeerAddr> = self
                 .nodes
@@ -416,7 +434,11 @@ impl Harness {
         let started = match &call {
             EngineCall::DecodeAllocated(s) => Some(s.request.clone()),
             EngineCall::PrefillFinished(s) => Some(s.request.clone()),
-            EngineCall::Shutdown | EngineCall::Abort { .. } => None,
+            EngineCall::Export(s) => Some(s.request.clone()),
+            EngineCall::Import(s) => Some(s.request.clone()),
+            EngineCall::Shutdown | EngineCall::Abort { .. } | EngineCall::DeclineExport { .. } => {
+                None
+            }
         };
         let result = node.ep.handle_call(now, call);
         if let (Ok(()), Some(request)) = (&result, started) {
@@ -482,6 +504,7 @@ impl Harness {
                 }
             },
             Output::PostWrite(order) => self.post(from, *order),
+            Output::PostRead(order) => self.post_read(from, *order),
             Output::AbandonWrite { write } => self.abandon(from, write),
             Output::Invalidate { peer } => {
                 self.node_mut(from).invalidated.push((now, peer.clone()));

@@ -96,6 +96,12 @@ impl Pair {
                 );
                 this.handle_event(now, NetEvent::WriteCompleted { write: order.write });
             }
+            Output::PostRead(order) => {
+                return Err(BenchError::Machine(format!(
+                    "read {} in a push bench",
+                    order.read
+                )));
+            }
             Output::AbandonWrite { write } => {
                 return Err(BenchError::Machine(format!("abandoned {write}")));
             }

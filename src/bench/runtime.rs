@@ -51,6 +51,12 @@ impl Engine {
                 ConnectorEvent::Failed { reason, blocks, .. } => {
                     (Some(format!("D failed: {reason:?}")), blocks)
                 }
+                ConnectorEvent::ExportEnded {
+                    outcome, blocks, ..
+                } => (Some(format!("export in a push bench: {outcome:?}")), blocks),
+                ConnectorEvent::Imported {
+                    outcome, blocks, ..
+                } => (Some(format!("import in a push bench: {outcome:?}")), blocks),
                 ConnectorEvent::Refused { request, error } => {
                     let Some(block) = self.late.remove(&request) else {
                         r.bad += 1;

@@ -263,9 +263,14 @@ fn on_event(
             }
             return;
         }
-        ConnectorEvent::BlocksFree { .. } => {
+        ConnectorEvent::BlocksFree { .. }
+        | ConnectorEvent::ExportEnded { .. }
+        | ConnectorEvent::Imported { .. } => {
             st.unknown += 1;
-            note(&mut st.errors, format!("D got a prefill event: {event:?}"));
+            note(
+                &mut st.errors,
+                format!("D got an event of another mode: {event:?}"),
+            );
             return;
         }
     };

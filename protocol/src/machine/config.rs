@@ -67,6 +67,9 @@ pub struct Config {
     pub max_peers: usize,
     /// Most messages queued for a peer whose handshake is in progress.
     pub max_queued_per_peer: usize,
+    /// Most blocks one read covers (single-group imports): a failed read then loses only its
+    /// own blocks, and the engine recomputes from the first one that did not arrive.
+    pub read_chunk_blocks: u32,
 }
 
 impl Default for Config {
@@ -94,6 +97,7 @@ impl Default for Config {
             max_tombstones: 1 << 17,
             max_peers: 1024,
             max_queued_per_peer: 1024,
+            read_chunk_blocks: 64,
         }
     }
 }
@@ -143,6 +147,7 @@ impl Config {
             ("max_tombstones", self.max_tombstones),
             ("max_peers", self.max_peers),
             ("max_queued_per_peer", self.max_queued_per_peer),
+            ("read_chunk_blocks", self.read_chunk_blocks as usize),
         ];
         for (name, value) in bounds {
             if value == 0 {

@@ -6,6 +6,7 @@
 //! shells and the simulator run exactly this code.
 
 mod peers;
+mod reads;
 
 use crate::{
     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason, RequestId,
@@ -17,6 +18,7 @@ use super::decode_table::DecodeTable;
 use super::effects::Outbox;
 use super::peer::{Peer, PeerInput};
 use super::prefill_table::PrefillTable;
+use super::read_tables::{ExportTable, ImportTable};
 use super::tables::Machines;
 use super::types::{
     Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineCall, EngineEvent,
@@ -42,6 +44,12 @@ pub struct EndpointStats {
     pub tombstones: usize,
     /// Outputs not yet polled.
     pub queued_outputs: usize,
+    /// Live exports (blocks held for a remote reader).
+    pub exports: usize,
+    /// Live imports (reads of a remote export).
+    pub imports: usize,
+    /// Reads posted and not yet finished.
+    pub reads_in_flight: usize,
 }
 
 /// One engine rank's protocol state machine.
@@ -82,6 +90,8 @@ pub struct Endpoint {
     config: Config,
     decodes: DecodeTable,
     prefills: PrefillTable,
+    exports: ExportTable,
+    imports: ImportTable,
     peers: Machines<PeerAddr, Peer>,
     outbox: Outbox,
     /// Set by [`EngineCall::Shutdown`]: no new requests are taken.
@@ -101,6 +111,8 @@ impl Endpoint {
             own: PeerAddr::new(engine, rank),
             prefills: PrefillTable::new(rank, &config),
             decodes: DecodeTable::new(&config),
+            exports: ExportTable::new(&config),
+            imports: ImportTable::new(&config),
             config,
             peers: Machines::default(),
             outbox: Outbox::default(),
@@ -147,8 +159,14 @@ impl Endpoint {
             pending_registrations: self.prefills.pending_registrations(),
             writes_in_flight: self.prefills.writes_in_flight(),
             peers: self.peers.len(),
-            tombstones: self.decodes.tombstones() + self.prefills.tombstones(),
+            tombstones: self.decodes.tombstones()
+                + self.prefills.tombstones()
+                + self.exports.tombstones()
+                + self.imports.tombstones(),
             queued_outputs: self.outbox.out.len(),
+            exports: self.exports.len(),
+            imports: self.imports.len(),
+            reads_in_flight: self.imports.reads_in_flight(),
         }
     }
 
@@ -161,7 +179,11 @@ impl Endpoint {
     /// True while any request is live or any output is queued: the engine loop must keep
     /// stepping.
     pub fn has_pending_work(&self) -> bool {
-        !self.decodes.is_empty() || self.prefills.live_requests() > 0 || !self.outbox.out.is_empty()
+        !self.decodes.is_empty()
+            || self.prefills.live_requests() > 0
+            || self.exports.len() > 0
+            || self.imports.len() > 0
+            || !self.outbox.out.is_empty()
     }
 
     /// The next thing for the shell to do.
@@ -174,6 +196,8 @@ impl Endpoint {
         [
             self.decodes.next_timer(),
             self.prefills.next_timer(),
+            self.exports.next_timer(),
+            self.imports.next_timer(),
             self.peers.next_timer(),
         ]
         .into_iter()
@@ -187,7 +211,10 @@ impl Endpoint {
     /// [`Rejected`] for a call that breaks a rule.
     pub fn handle_call(&mut self, now: Time, call: EngineCall) -> Result<(), Rejected> {
         let result = match call {
-            EngineCall::DecodeAllocated(_) | EngineCall::PrefillFinished(_)
+            EngineCall::DecodeAllocated(_)
+            | EngineCall::PrefillFinished(_)
+            | EngineCall::Export(_)
+            | EngineCall::Import(_)
                 if self.shutting_down =>
             {
                 Err(Rejected::ShuttingDown)
@@ -202,6 +229,11 @@ impl Endpoint {
                 self.prefills.finished(now, start, fx)
             }
             EngineCall::Abort { request } => self.abort(now, &request),
+            EngineCall::Export(start) => self.export_call(now, start),
+            EngineCall::Import(start) => self.import_call(now, start),
+            EngineCall::DeclineExport { key, epoch, holder } => {
+                self.decline_export(now, key, epoch, holder)
+            }
         };
         self.check_invariants();
         result
@@ -223,6 +255,12 @@ impl Endpoint {
                 self.peer_input(now, &peer, PeerInput::ConnectFailed(reason));
             }
             NetEvent::PeerLost { peer } => self.peer_input(now, &peer, PeerInput::Lost),
+            NetEvent::WriteCompleted { write } if super::is_read(write) => {
+                self.read_result(now, write, false);
+            }
+            NetEvent::WriteFailed { write, .. } if super::is_read(write) => {
+                self.read_result(now, write, true);
+            }
             NetEvent::WriteCompleted { write } => self.write_result(now, write, None),
             NetEvent::WriteFailed { write, failure } => {
                 self.write_result(now, write, Some(failure));
@@ -239,6 +277,12 @@ impl Endpoint {
         {
             let fx = &mut self.outbox;
             self.prefills.on_timeout(now, fx);
+        }
+        for key in self.exports.take_due(now) {
+            self.step_export(now, &key, super::export::ExportInput::Timeout);
+        }
+        for key in self.imports.take_due(now) {
+            self.step_import(now, &key, super::import::ImportInput::Timeout);
         }
         for peer in self.peers.take_due(now) {
             self.peer_input(now, &peer, PeerInput::Timeout);
@@ -259,10 +303,20 @@ impl Endpoint {
             // Every listed request is live, so the abort cannot be refused.
             let _ = self.prefills.abort(now, &request, fx);
         }
+        let exports: Vec<PairingKey> = self.exports.keys().cloned().collect();
+        for key in exports {
+            self.step_export(now, &key, super::export::ExportInput::Abort);
+        }
+        let imports: Vec<PairingKey> = self.imports.keys().cloned().collect();
+        for key in imports {
+            self.step_import(now, &key, super::import::ImportInput::Shutdown);
+        }
     }
 
     fn decode_allocated(&mut self, now: Time, start: DecodeStart) -> Result<(), Rejected> {
-        let on_prefill_side = self.prefills.has_request(&start.request);
+        let on_prefill_side = self.prefills.has_request(&start.request)
+            || self.exports.has_request(&start.request)
+            || self.imports.has_request(&start.request);
         let start = self.decodes.admit(
             now,
             start,
@@ -318,6 +372,14 @@ impl Endpoint {
     fn abort(&mut self, now: Time, request: &RequestId) -> Result<(), Rejected> {
         if let Some(key) = self.decodes.key_of(request).cloned() {
             self.step_decode(now, &key, DecodeInput::Abort);
+            return Ok(());
+        }
+        if let Some(key) = self.imports.key_of(request).cloned() {
+            self.step_import(now, &key, super::import::ImportInput::Abort);
+            return Ok(());
+        }
+        if let Some(key) = self.exports.key_of(request).cloned() {
+            self.step_export(now, &key, super::export::ExportInput::Abort);
             return Ok(());
         }
         let fx = &mut self.outbox;
@@ -409,6 +471,12 @@ impl Endpoint {
                 self.prefills
                     .on_cancel(now, from, cancel.key, cancel.epoch, fx);
             }
+            Message::ReadAsk(_) | Message::ReadGrant(_) | Message::ReadRefused(_) => {
+                self.received_read_path(now, from, message)
+            }
+            Message::Release(ref release) if self.exports.contains(&release.key) => {
+                self.received_read_path(now, from, message);
+            }
             Message::Release(release) => {
                 let fx = &mut self.outbox;
                 let (key, epoch, reason) = (release.key, release.epoch, release.reason);
@@ -419,8 +487,9 @@ impl Endpoint {
                     self.outbox.counters.drop(DropReason::Unexpected);
                     return;
                 }
+                let leases = self.renew_exports(now, &from, heartbeat.leases);
                 let fx = &mut self.outbox;
-                self.prefills.on_heartbeat(now, &from, heartbeat.leases, fx);
+                self.prefills.on_heartbeat(now, &from, leases, fx);
             }
             Message::WriteDone(m) => {
                 let input = DecodeInput::WriteDone {
@@ -506,6 +575,17 @@ impl Endpoint {
             }
         }
         self.prefills.check_invariants();
+        self.exports.check_invariants(&self.config);
+        self.imports.check_invariants(&self.config);
+        for (_, import) in self.imports.iter() {
+            if import.waits_for_grant() {
+                let peer = self.peers.get(&import.common().holder);
+                assert!(
+                    peer.is_some_and(|p| !p.is_dead()),
+                    "an import waiting for a grant has a live peer"
+                );
+            }
+        }
     }
 
     /// The state of the live D request of `key`, as text (for the simulator's check that a

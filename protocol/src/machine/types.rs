@@ -133,6 +133,22 @@ pub enum EngineCall {
         /// The engine's request id.
         request: RequestId,
     },
+    /// Pull holder (P) or bidirectional holder (D between turns): export blocks for a remote
+    /// reader.
+    Export(super::read_types::ExportStart),
+    /// Pull reader (D) or bidirectional reader (P on a later turn): read a remote export into
+    /// allocated blocks.
+    Import(super::read_types::ImportStart),
+    /// The engine will not read the export of `key` (it recomputes instead, or the saving is
+    /// below its threshold): the holder may let go of its blocks now.
+    DeclineExport {
+        /// The export's pairing key.
+        key: PairingKey,
+        /// The reader's attempt.
+        epoch: Epoch,
+        /// The rank that exports.
+        holder: PeerAddr,
+    },
 }
 
 /// What the network and the transport report to an [`Endpoint`](super::Endpoint), through
@@ -224,6 +240,9 @@ pub enum Output {
     },
     /// Post a write.
     PostWrite(Box<WriteOrder>),
+    /// Post a read; report its end with [`NetEvent::WriteCompleted`] or
+    /// [`NetEvent::WriteFailed`] under the read's id (reads and writes share one id space).
+    PostRead(Box<super::read_types::ReadOrder>),
     /// Make sure a write never lands, then report it with [`NetEvent::WriteCompleted`] (it had
     /// landed) or [`NetEvent::WriteFailed`].
     AbandonWrite {
@@ -342,6 +361,33 @@ pub enum EngineEvent {
         /// The blocks, handed back.
         blocks: BlockIds,
     },
+    /// An export ended; the blocks are free.
+    Export {
+        /// The engine's id of the request.
+        request: RequestId,
+        /// The pairing key.
+        key: PairingKey,
+        /// How it ended.
+        outcome: super::read_types::ExportOutcome,
+        /// What made it safe to hand the blocks back.
+        proof: super::read_types::ReadProof,
+        /// The blocks, handed back.
+        blocks: BlockIds,
+    },
+    /// An import ended. No read of it can still land in the blocks; on `Loaded` (and in the
+    /// valid prefix of `Recompute`) they hold the holder's KV.
+    Import {
+        /// The engine's id of the request.
+        request: RequestId,
+        /// The pairing key.
+        key: PairingKey,
+        /// The reader's attempt.
+        epoch: Epoch,
+        /// How it ended.
+        outcome: super::read_types::ImportOutcome,
+        /// The blocks, handed back.
+        blocks: BlockIds,
+    },
     /// P's request ended; the blocks are free.
     Prefill {
         /// P's request id.
@@ -359,7 +405,10 @@ impl EngineEvent {
     /// The engine's id of the request the event is about.
     pub fn request(&self) -> &RequestId {
         match self {
-            EngineEvent::Decode { request, .. } | EngineEvent::Prefill { request, .. } => request,
+            EngineEvent::Decode { request, .. }
+            | EngineEvent::Prefill { request, .. }
+            | EngineEvent::Export { request, .. }
+            | EngineEvent::Import { request, .. } => request,
         }
     }
 }
@@ -466,6 +515,19 @@ pub struct Counters {
     pub decode_registered_first: u64,
     /// Races seen: P finished before D's registration arrived.
     pub prefill_finished_first: u64,
+    /// Reads granted to a reader (pull and bidirectional holders).
+    pub reads_granted: u64,
+    /// Reads refused because they could outlive the export (holders), or declined before
+    /// asking for the same reason (readers).
+    pub reads_declined_near_expiry: u64,
+    /// Export leases renewed by a waiting reader's heartbeats.
+    pub exports_renewed: u64,
+    /// Exports freed by their grant's fence, without the reader's release.
+    pub grant_fence_frees: u64,
+    /// Reads posted (readers).
+    pub reads_posted: u64,
+    /// Reads that failed (readers).
+    pub reads_failed: u64,
 }
 
 impl Counters {

@@ -83,16 +83,35 @@ fn one_of_each() -> Vec<Message> {
             epoch: Epoch(6),
             reason: ReleaseReason::ReadDone,
         }),
+        Message::ReadAsk(ReadAsk {
+            key: key(),
+            epoch: Epoch(7),
+            reader_request: RequestId::new("r").unwrap(),
+            reader_rank: 0,
+        }),
+        Message::ReadGrant(Box::new(ReadGrant {
+            key: key(),
+            epoch: Epoch(7),
+            holder_rank: 0,
+            blocks: BlockIds::default(),
+            num_tokens: 0,
+        })),
+        Message::ReadRefused(ReadRefused {
+            key: key(),
+            epoch: Epoch(8),
+            holder_rank: 0,
+            reason: ReadRefusal::Unavailable,
+        }),
     ]
 }
 
 #[test]
 fn kind_codes_are_fixed() {
     let codes: Vec<u8> = MessageKind::ALL.iter().map(|k| *k as u8).collect();
-    assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]);
     for code in 0..=u8::MAX {
         let kind = MessageKind::from_code(code);
-        assert_eq!(kind.is_some(), (1..=8).contains(&code), "{code}");
+        assert_eq!(kind.is_some(), (1..=11).contains(&code), "{code}");
         if let Some(kind) = kind {
             assert_eq!(kind as u8, code);
         }
@@ -130,7 +149,10 @@ fn lease_names_key_and_epoch_where_there_is_one() {
             Some(4),
             Some(5),
             None,
-            Some(6)
+            Some(6),
+            Some(7),
+            Some(7),
+            Some(8)
         ]
     );
 }

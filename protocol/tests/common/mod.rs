@@ -9,8 +9,9 @@ use kvhandoff_protocol::wire::{HEADER_LEN, MAGIC};
 use kvhandoff_protocol::{
     AgentName, BlockIds, CacheGroup, CacheGroupKind, Cancel, CancelAck, CancelReason, CompatHash,
     EngineId, Epoch, Handshake, Heartbeat, KvGeometry, KvLayout, LeaseRef, Message, PairingKey,
-    RegionDesc, Register, Release, ReleaseReason, RequestId, TransferMode, WriteDone, WriteFailed,
-    WriteFailure, MAX_CACHE_GROUPS, MAX_ID_LEN, PROTOCOL_VERSION,
+    ReadAsk, ReadGrant, ReadRefusal, ReadRefused, RegionDesc, Register, Release, ReleaseReason,
+    RequestId, TransferMode, WriteDone, WriteFailed, WriteFailure, MAX_CACHE_GROUPS, MAX_ID_LEN,
+    PROTOCOL_VERSION,
 };
 use proptest::collection::{btree_set, vec};
 use proptest::prelude::*;
@@ -282,10 +283,22 @@ pub const CANCEL_REASONS: [CancelReason; 3] = [
 ];
 
 /// Every release reason (see [`WRITE_FAILURES`]).
-pub const RELEASE_REASONS: [ReleaseReason; 3] = [
+pub const RELEASE_REASONS: [ReleaseReason; 5] = [
     ReleaseReason::FullPrefixHit,
     ReleaseReason::Aborted,
     ReleaseReason::ReadDone,
+    ReleaseReason::ReadFailed,
+    ReleaseReason::Declined,
+];
+
+/// Every read refusal (see [`WRITE_FAILURES`]).
+pub const READ_REFUSALS: [ReadRefusal; 6] = [
+    ReadRefusal::Unavailable,
+    ReadRefusal::Expired,
+    ReadRefusal::NearExpiry,
+    ReadRefusal::StaleEpoch,
+    ReadRefusal::Busy,
+    ReadRefusal::Aborted,
 ];
 
 /// Every transfer mode (see [`WRITE_FAILURES`]).
@@ -318,6 +331,16 @@ pub fn variant_index(value: VariantOf) -> usize {
             ReleaseReason::FullPrefixHit => 0,
             ReleaseReason::Aborted => 1,
             ReleaseReason::ReadDone => 2,
+            ReleaseReason::ReadFailed => 3,
+            ReleaseReason::Declined => 4,
+        },
+        VariantOf::ReadRefusal(r) => match r {
+            ReadRefusal::Unavailable => 0,
+            ReadRefusal::Expired => 1,
+            ReadRefusal::NearExpiry => 2,
+            ReadRefusal::StaleEpoch => 3,
+            ReadRefusal::Busy => 4,
+            ReadRefusal::Aborted => 5,
         },
         VariantOf::TransferMode(t) => match t {
             TransferMode::Push => 0,
@@ -334,6 +357,7 @@ pub enum VariantOf {
     WriteFailure(WriteFailure),
     CancelReason(CancelReason),
     ReleaseReason(ReleaseReason),
+    ReadRefusal(ReadRefusal),
     TransferMode(TransferMode),
 }
 
@@ -375,6 +399,46 @@ pub fn release() -> impl Strategy<Value = Release> {
     (pairing_key(), epoch(), reason).prop_map(|(key, epoch, reason)| Release { key, epoch, reason })
 }
 
+pub fn read_ask() -> impl Strategy<Value = ReadAsk> {
+    (pairing_key(), epoch(), request_id(), any::<u32>()).prop_map(
+        |(key, epoch, reader_request, reader_rank)| ReadAsk {
+            key,
+            epoch,
+            reader_request,
+            reader_rank,
+        },
+    )
+}
+
+pub fn read_grant() -> impl Strategy<Value = ReadGrant> {
+    (
+        pairing_key(),
+        epoch(),
+        any::<u32>(),
+        block_ids(),
+        any::<u64>(),
+    )
+        .prop_map(|(key, epoch, holder_rank, blocks, num_tokens)| ReadGrant {
+            key,
+            epoch,
+            holder_rank,
+            blocks,
+            num_tokens,
+        })
+}
+
+pub fn read_refused() -> impl Strategy<Value = ReadRefused> {
+    let reason = proptest::sample::select(&READ_REFUSALS[..]);
+    (pairing_key(), epoch(), any::<u32>(), reason).prop_map(|(key, epoch, holder_rank, reason)| {
+        ReadRefused {
+            key,
+            epoch,
+            holder_rank,
+            reason,
+        }
+    })
+}
+
 /// Any valid message, every variant equally likely.
 pub fn message() -> impl Strategy<Value = Message> {
     prop_oneof![
@@ -386,6 +450,9 @@ pub fn message() -> impl Strategy<Value = Message> {
         cancel_ack().prop_map(Message::CancelAck),
         heartbeat().prop_map(Message::Heartbeat),
         release().prop_map(Message::Release),
+        read_ask().prop_map(Message::ReadAsk),
+        read_grant().prop_map(|g| Message::ReadGrant(Box::new(g))),
+        read_refused().prop_map(Message::ReadRefused),
     ]
 }
 

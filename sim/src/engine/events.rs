@@ -25,6 +25,10 @@ impl World {
                 blocks,
                 ..
             } => (request.clone(), key.clone(), blocks.clone(), false),
+            EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
+                self.violate(format!("read-path event in a push world: {event:?}"));
+                return;
+            }
         };
         let Some(&request) = self.keys.get(&key) else {
             self.violate(format!("event for unknown key {key}"));
@@ -83,6 +87,9 @@ impl World {
                 format!("decode.{outcome:?}")
             }
             EngineEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
+            EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
+                unreachable!("refused above")
+            }
         };
         // The longest a request may legally take: D waits for its deadline, then at worst for
         // the quarantine (every answer lost); P is bounded by its lease, D's renewals until D's

@@ -65,6 +65,11 @@ impl Harness {
                 "{addr}: writes in flight: {stats:?}"
             );
             assert_eq!(
+                (stats.exports, stats.imports, stats.reads_in_flight),
+                (0, 0, 0),
+                "{addr}: live exports, imports or reads: {stats:?}"
+            );
+            assert_eq!(
                 stats.queued_outputs, 0,
                 "{addr}: unpolled outputs: {stats:?}"
             );
@@ -77,6 +82,11 @@ impl Harness {
             self.writes.is_empty(),
             "writes still pending: {:?}",
             self.writes
+        );
+        assert!(
+            self.reads.is_empty(),
+            "reads still pending: {:?}",
+            self.reads
         );
         assert!(
             self.violations.is_empty(),
@@ -121,6 +131,43 @@ impl Harness {
                 if !reading.is_empty() {
                     self.violations.push(format!(
                         "at {}: {at} freed the source blocks {freed:?} of {request} while write(s) {reading:?} may still read them",
+                        self.now
+                    ));
+                }
+                return;
+            }
+            EngineEvent::Export { key, request, .. } => {
+                let reading: Vec<WriteId> = self
+                    .reads
+                    .values()
+                    .filter(|r| &r.order.from == at && &r.order.key == key)
+                    .map(|r| r.order.read)
+                    .collect();
+                if !reading.is_empty() {
+                    self.violations.push(format!(
+                        "at {}: {at} handed back the exported blocks of {request} while read(s) {reading:?} may still read them",
+                        self.now
+                    ));
+                }
+                return;
+            }
+            EngineEvent::Import {
+                key,
+                epoch,
+                request,
+                ..
+            } => {
+                let incarnation = self.node(at).incarnation;
+                let landing: Vec<WriteId> = self
+                    .reads
+                    .values()
+                    .filter(|r| &r.reader == at && r.incarnation == incarnation)
+                    .filter(|r| &r.order.key == key && r.order.epoch == *epoch)
+                    .map(|r| r.order.read)
+                    .collect();
+                if !landing.is_empty() {
+                    self.violations.push(format!(
+                        "at {}: {at} handed back the blocks of {request} while read(s) {landing:?} may still land in them",
                         self.now
                     ));
                 }

@@ -4,8 +4,9 @@
 use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
-    Config, DecodeOutcome, DecodeStart, EngineCall, EngineEvent, FreeProof, PrefillOutcome,
-    PrefillStart, Time,
+    Config, DecodeOutcome, DecodeStart, EngineCall, EngineEvent, ExportOutcome, ExportStart,
+    FreeProof, ImportOutcome, ImportStart, LoadFailurePolicy, PrefillOutcome, PrefillStart,
+    ReadProof, Time,
 };
 use kvhandoff_protocol::{BlockIds, EngineId, Epoch, Message, PairingKey, PeerAddr, RequestId};
 
@@ -104,7 +105,9 @@ pub fn ms(n: u64) -> Duration {
 pub fn decode_result(event: &EngineEvent) -> (DecodeOutcome, FreeProof) {
     match event {
         EngineEvent::Decode { outcome, proof, .. } => (*outcome, *proof),
-        EngineEvent::Prefill { .. } => panic!("expected a decode event, got {event:?}"),
+        EngineEvent::Prefill { .. } | EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
+            panic!("expected a decode event, got {event:?}")
+        }
     }
 }
 
@@ -112,7 +115,59 @@ pub fn decode_result(event: &EngineEvent) -> (DecodeOutcome, FreeProof) {
 pub fn prefill_result(event: &EngineEvent) -> PrefillOutcome {
     match event {
         EngineEvent::Prefill { outcome, .. } => *outcome,
-        EngineEvent::Decode { .. } => panic!("expected a prefill event, got {event:?}"),
+        EngineEvent::Decode { .. } | EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
+            panic!("expected a prefill event, got {event:?}")
+        }
+    }
+}
+
+/// `(outcome, proof)` of an export event; panics on any other.
+pub fn export_result(event: &EngineEvent) -> (ExportOutcome, ReadProof) {
+    match event {
+        EngineEvent::Export { outcome, proof, .. } => (*outcome, *proof),
+        EngineEvent::Decode { .. } | EngineEvent::Prefill { .. } | EngineEvent::Import { .. } => {
+            panic!("expected an export event, got {event:?}")
+        }
+    }
+}
+
+/// The outcome of an import event; panics on any other.
+pub fn import_result(event: &EngineEvent) -> ImportOutcome {
+    match event {
+        EngineEvent::Import { outcome, .. } => *outcome,
+        EngineEvent::Decode { .. } | EngineEvent::Prefill { .. } | EngineEvent::Export { .. } => {
+            panic!("expected an import event, got {event:?}")
+        }
+    }
+}
+
+/// P (pull) exports `ids` for request `n` for `lease`: P's own id of the request.
+pub fn export_start(n: u32, ids: &[u32], lease: Duration) -> ExportStart {
+    let request = p_request(n);
+    ExportStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        blocks: blocks(ids),
+        num_tokens: 16 * ids.len() as u64,
+        lease,
+    }
+}
+
+/// D (pull) reads request `n` from P's rank 0 into `ids`, P's blocks being `remote` (epoch 1,
+/// 16 tokens per block, policy `Fail`, no known expiry).
+pub fn import_start(n: u32, ids: &[u32], remote: &[u32]) -> ImportStart {
+    let request = d_request(n);
+    ImportStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        epoch: Epoch::FIRST,
+        holder: p_addr(),
+        blocks: blocks(ids),
+        remote_blocks: blocks(remote),
+        num_tokens: 16 * remote.len() as u64,
+        block_tokens: 16,
+        policy: LoadFailurePolicy::Fail,
+        expires: None,
     }
 }
 

@@ -173,7 +173,7 @@ impl Harness {
 
     /// True if what `from` posts to `to` reaches live memory: `to` is alive and is the
     /// incarnation `from` last shook hands with.
-    fn reaches(&self, from: &PeerAddr, to: &PeerAddr) -> bool {
+    pub(super) fn reaches(&self, from: &PeerAddr, to: &PeerAddr) -> bool {
         let Some(target) = self.nodes.get(to).filter(|n| n.alive) else {
             return false;
         };

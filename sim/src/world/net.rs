@@ -133,7 +133,10 @@ impl World {
             | Message::Register(_)
             | Message::Cancel(_)
             | Message::Heartbeat(_)
-            | Message::Release(_) => return false,
+            | Message::Release(_)
+            | Message::ReadAsk(_)
+            | Message::ReadGrant(_)
+            | Message::ReadRefused(_) => return false,
         };
         if !self.faulty() {
             return false;

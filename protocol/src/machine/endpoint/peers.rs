@@ -5,6 +5,7 @@ use crate::{Heartbeat, LeaseRef, Message, PairingKey, MAX_HEARTBEAT_LEASES};
 
 use super::Endpoint;
 use crate::machine::decode::{DecodeInput, DecodeRequest};
+use crate::machine::import::ImportInput;
 use crate::machine::peer::{Peer, PeerCtx, PeerDown, PeerInput, PeerNotice};
 use crate::machine::shape::Machine;
 use crate::machine::types::{DropReason, Output, Time};
@@ -140,12 +141,14 @@ impl Endpoint {
                 self.step_decode(now, &key, DecodeInput::PeerConnected);
             }
         }
+        self.imports_peer_input(now, peer, ImportInput::PeerConnected);
     }
 
     fn fail_waiting_decodes(&mut self, now: Time, peer: &PeerAddr) {
         for key in self.decodes_bound_to(peer) {
             self.step_decode(now, &key, DecodeInput::PeerConnectFailed);
         }
+        self.imports_peer_input(now, peer, ImportInput::PeerConnectFailed);
     }
 
     /// Invalidates the peer first, so that by the time a request learns of the death no write
@@ -160,6 +163,7 @@ impl Endpoint {
         for key in self.decodes_bound_to(peer) {
             self.step_decode(now, &key, DecodeInput::PeerDead);
         }
+        self.imports_peer_input(now, peer, ImportInput::PeerDead);
         let fx = &mut self.outbox;
         self.prefills.on_peer_dead(now, peer, fx);
     }
@@ -167,7 +171,7 @@ impl Endpoint {
     /// A heartbeat to `peer`, naming every lease D wants P to keep (several messages if the
     /// list is long; one empty message is still a liveness ping).
     fn send_heartbeats(&mut self, peer: &PeerAddr) {
-        let leases: Vec<LeaseRef> = self
+        let mut leases: Vec<LeaseRef> = self
             .decodes
             .values()
             .filter(|r| &r.common().prefill == peer && r.holds_lease())
@@ -176,6 +180,7 @@ impl Endpoint {
                 epoch: r.common().epoch,
             })
             .collect();
+        leases.extend(self.import_leases(peer));
         let mut chunks: Vec<Vec<LeaseRef>> = leases
             .chunks(MAX_HEARTBEAT_LEASES)
             .map(<[LeaseRef]>::to_vec)

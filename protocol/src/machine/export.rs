@@ -1,0 +1,353 @@
+//! `ExportRequest`: blocks one side holds for a remote reader (P in pull mode; D between the
+//! turns of a bidirectional conversation), from the export to its one outcome.
+//!
+//! ```text
+//!   Offered --ReadAsk (fits before the hard end)/send ReadGrant--> Granted
+//!     |  \--ReadAsk (would outlive the hard end)/send ReadRefused(NearExpiry)--> [Declined]
+//!     |--reader's heartbeat: lease renewed (never past the hard end)
+//!     |--Release (declined, full hit, aborted)--> [Released]      Granted --Release--> [Read /
+//!     |--lease ended / abort--> [Released]                          Released]
+//!                                                                Granted --fence--> [GrantFenced]
+//! ```
+//!
+//! The rule this machine exists for: once a grant has been sent, the blocks are handed back
+//! only when the granted reader says none of its reads is in flight, or when the grant's fence
+//! has passed. Every export ends by its hard end (`created + 2 × lease`): grants are refused
+//! that could outlive it.
+
+use crate::{BlockIds, Epoch, Message, PairingKey, ReadGrant, ReadRefusal, ReadRefused};
+use crate::{ReleaseReason, RequestId};
+
+use super::effects::{Outbox, Step};
+use super::read_types::{ExportEnd, ExportOutcome, ExportStart, ReadProof};
+use super::shape::Machine;
+use super::types::{DropReason, Time};
+use super::Config;
+use crate::PeerAddr;
+
+/// What every state of an export knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ExportCommon {
+    pub(crate) request: RequestId,
+    pub(crate) key: PairingKey,
+    pub(crate) blocks: BlockIds,
+    pub(crate) num_tokens: u64,
+    /// The export's hard end: no renewal goes past it, and no grant is made that could outlive
+    /// it, so the blocks are back by then whatever happens.
+    pub(crate) hard_end: Time,
+    /// The engine aborted the export (the outcome says so, whatever the reader does).
+    pub(crate) aborted: bool,
+}
+
+/// Waiting for a reader.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Offered {
+    pub(crate) common: ExportCommon,
+    /// When the blocks are let go if no reader asked (renewed by heartbeats).
+    pub(crate) lease_until: Time,
+}
+
+/// Bound to one reader's attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Granted {
+    pub(crate) common: ExportCommon,
+    pub(crate) reader: PeerAddr,
+    pub(crate) epoch: Epoch,
+    /// After this no read posted under the grant can still run.
+    pub(crate) fence: Time,
+}
+
+/// A live export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ExportRequest {
+    Offered(Offered),
+    Granted(Granted),
+}
+
+/// An export's terminal record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ExportEnded {
+    pub(crate) common: ExportCommon,
+    pub(crate) outcome: ExportOutcome,
+    pub(crate) proof: ReadProof,
+}
+
+/// What can happen to a live export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ExportInput {
+    /// A reader asks to read for its attempt `epoch`.
+    Ask {
+        from: PeerAddr,
+        epoch: Epoch,
+    },
+    /// A reader lets go of the blocks.
+    Release {
+        from: PeerAddr,
+        epoch: Epoch,
+        reason: ReleaseReason,
+    },
+    /// A heartbeat of `from` names the key: the reader still waits.
+    Renew {
+        from: PeerAddr,
+    },
+    /// The engine aborts the export (or shuts down).
+    Abort,
+    Timeout,
+}
+
+pub(crate) type ExportStep = Step<ExportRequest, ExportEnded>;
+
+/// Context a transition needs besides its own state.
+pub(crate) struct ExportCtx<'a> {
+    pub(crate) now: Time,
+    pub(crate) own: &'a PeerAddr,
+    pub(crate) config: &'a Config,
+}
+
+/// How long after a grant is sent a read posted under it may still run: the grant's delivery,
+/// then the fabric's bound on a transfer posted on its arrival.
+pub(crate) fn read_span(config: &Config) -> std::time::Duration {
+    config.max_message_delay + config.max_write_life
+}
+
+impl ExportCommon {
+    pub(crate) fn from_start(start: ExportStart, now: Time) -> Self {
+        ExportCommon {
+            request: start.request,
+            key: start.key,
+            blocks: start.blocks,
+            num_tokens: start.num_tokens,
+            hard_end: now + start.lease * 2,
+            aborted: false,
+        }
+    }
+
+    fn end(self, outcome: ExportOutcome, proof: ReadProof) -> ExportStep {
+        let outcome = match outcome {
+            ExportOutcome::Read | ExportOutcome::Released(_) if self.aborted => {
+                ExportOutcome::Released(ExportEnd::Aborted)
+            }
+            ExportOutcome::Read | ExportOutcome::Released(_) => outcome,
+        };
+        Step::Ended(ExportEnded {
+            common: self,
+            outcome,
+            proof,
+        })
+    }
+
+    fn refuse(&self, ctx: &ExportCtx<'_>, epoch: Epoch, reason: ReadRefusal) -> Message {
+        Message::ReadRefused(ReadRefused {
+            key: self.key.clone(),
+            epoch,
+            holder_rank: ctx.own.rank,
+            reason,
+        })
+    }
+
+    fn grant(&self, ctx: &ExportCtx<'_>, epoch: Epoch) -> Message {
+        Message::ReadGrant(Box::new(ReadGrant {
+            key: self.key.clone(),
+            epoch,
+            holder_rank: ctx.own.rank,
+            blocks: self.blocks.clone(),
+            num_tokens: self.num_tokens,
+        }))
+    }
+
+    /// Whether a grant made now could outlive the hard end.
+    fn too_late_to_grant(&self, ctx: &ExportCtx<'_>) -> bool {
+        ctx.now + read_span(ctx.config) > self.hard_end
+    }
+}
+
+/// What a reader's release says about how the export ended.
+fn released_outcome(reason: ReleaseReason) -> ExportOutcome {
+    match reason {
+        ReleaseReason::ReadDone => ExportOutcome::Read,
+        ReleaseReason::ReadFailed => ExportOutcome::Released(ExportEnd::ReaderFailed),
+        ReleaseReason::Declined => ExportOutcome::Released(ExportEnd::Declined),
+        ReleaseReason::FullPrefixHit => ExportOutcome::Released(ExportEnd::FullPrefixHit),
+        ReleaseReason::Aborted => ExportOutcome::Released(ExportEnd::ReaderAborted),
+    }
+}
+
+impl ExportRequest {
+    /// A new export, waiting for its reader until `lease_until`.
+    pub(crate) fn new(common: ExportCommon, lease_until: Time) -> Self {
+        assert!(!common.blocks.is_empty(), "an empty export ends at once");
+        assert!(lease_until <= common.hard_end);
+        ExportRequest::Offered(Offered {
+            common,
+            lease_until,
+        })
+    }
+
+    pub(crate) fn common(&self) -> &ExportCommon {
+        match self {
+            ExportRequest::Offered(s) => &s.common,
+            ExportRequest::Granted(s) => &s.common,
+        }
+    }
+
+    fn check(&self) {
+        match self {
+            ExportRequest::Offered(s) => assert!(s.lease_until <= s.common.hard_end),
+            ExportRequest::Granted(s) => assert!(
+                s.fence <= s.common.hard_end,
+                "a grant never outlives the export's hard end"
+            ),
+        }
+    }
+}
+
+impl Machine for ExportRequest {
+    type Ctx<'a> = ExportCtx<'a>;
+    type Input = ExportInput;
+    type Next = ExportStep;
+
+    fn next_timer(&self, _config: &Config) -> Time {
+        match self {
+            ExportRequest::Offered(s) => s.lease_until,
+            ExportRequest::Granted(s) => s.fence,
+        }
+    }
+
+    fn handle(self, ctx: &Self::Ctx<'_>, input: Self::Input, fx: &mut Outbox) -> Self::Next {
+        let next = match self {
+            ExportRequest::Offered(s) => s.handle(ctx, input, fx),
+            ExportRequest::Granted(s) => s.handle(ctx, input, fx),
+        };
+        if let Step::Live(live) = &next {
+            live.check();
+        }
+        next
+    }
+}
+
+impl Offered {
+    fn handle(self, ctx: &ExportCtx<'_>, input: ExportInput, fx: &mut Outbox) -> ExportStep {
+        match input {
+            ExportInput::Ask { from, epoch } => {
+                if self.common.too_late_to_grant(ctx) {
+                    fx.counters.reads_declined_near_expiry += 1;
+                    let refusal = self.common.refuse(ctx, epoch, ReadRefusal::NearExpiry);
+                    fx.send(&from, refusal);
+                    // Nobody can read it any more: let it go now, not at the lease's end.
+                    return self.common.end(
+                        ExportOutcome::Released(ExportEnd::Declined),
+                        ReadProof::NeverGranted,
+                    );
+                }
+                fx.send(&from, self.common.grant(ctx, epoch));
+                fx.counters.reads_granted += 1;
+                Step::Live(ExportRequest::Granted(Granted {
+                    fence: ctx.now + read_span(ctx.config),
+                    common: self.common,
+                    reader: from,
+                    epoch,
+                }))
+            }
+            ExportInput::Release { reason, .. } => self
+                .common
+                .end(released_outcome(reason), ReadProof::NeverGranted),
+            ExportInput::Renew { .. } => {
+                let renewed = (ctx.now + ctx.config.lease_extension).min(self.common.hard_end);
+                let lease_until = self.lease_until.max(renewed);
+                if lease_until > self.lease_until {
+                    fx.counters.exports_renewed += 1;
+                }
+                Step::Live(ExportRequest::Offered(Offered {
+                    lease_until,
+                    ..self
+                }))
+            }
+            ExportInput::Abort => self.common.end(
+                ExportOutcome::Released(ExportEnd::Aborted),
+                ReadProof::NeverGranted,
+            ),
+            ExportInput::Timeout if ctx.now >= self.lease_until => self.common.end(
+                ExportOutcome::Released(ExportEnd::LeaseExpired),
+                ReadProof::NeverGranted,
+            ),
+            ExportInput::Timeout => Step::Live(ExportRequest::Offered(self)),
+        }
+    }
+}
+
+impl Granted {
+    fn handle(mut self, ctx: &ExportCtx<'_>, input: ExportInput, fx: &mut Outbox) -> ExportStep {
+        match input {
+            ExportInput::Ask { from, epoch } if from == self.reader && epoch == self.epoch => {
+                // A copy of the ask (or a resend whose grant was lost): the same grant again.
+                fx.send(&from, self.common.grant(ctx, epoch));
+                Step::Live(ExportRequest::Granted(self))
+            }
+            ExportInput::Ask { from, epoch } if from == self.reader && epoch > self.epoch => {
+                // The reader ends an attempt only after its reads ended, so a newer attempt
+                // means none of the older one's is in flight: grant it afresh, fence from now.
+                if self.common.too_late_to_grant(ctx) {
+                    fx.counters.reads_declined_near_expiry += 1;
+                    let refusal = self.common.refuse(ctx, epoch, ReadRefusal::NearExpiry);
+                    fx.send(&from, refusal);
+                    return Step::Live(ExportRequest::Granted(self));
+                }
+                fx.send(&from, self.common.grant(ctx, epoch));
+                fx.counters.reads_granted += 1;
+                self.epoch = epoch;
+                self.fence = ctx.now + read_span(ctx.config);
+                Step::Live(ExportRequest::Granted(self))
+            }
+            ExportInput::Ask { from, epoch } => {
+                let reason = if from == self.reader {
+                    ReadRefusal::StaleEpoch
+                } else {
+                    ReadRefusal::Busy
+                };
+                let refusal = self.common.refuse(ctx, epoch, reason);
+                fx.send(&from, refusal);
+                Step::Live(ExportRequest::Granted(self))
+            }
+            ExportInput::Release {
+                from,
+                epoch,
+                reason,
+            } => {
+                if from != self.reader {
+                    fx.drop_input(DropReason::Unexpected);
+                    return Step::Live(ExportRequest::Granted(self));
+                }
+                if epoch < self.epoch {
+                    // An older attempt's release: the current grant may still be read.
+                    fx.drop_input(DropReason::StaleEpoch);
+                    return Step::Live(ExportRequest::Granted(self));
+                }
+                if epoch > self.epoch {
+                    // A newer attempt the reader never asked for: it read nothing under it, and
+                    // it says nothing about the current grant.
+                    fx.drop_input(DropReason::FutureEpoch);
+                    return Step::Live(ExportRequest::Granted(self));
+                }
+                self.common
+                    .end(released_outcome(reason), ReadProof::ReaderReleased)
+            }
+            ExportInput::Renew { .. } => Step::Live(ExportRequest::Granted(self)),
+            ExportInput::Abort => {
+                // The reader may be reading: the blocks stay until it releases or the fence.
+                self.common.aborted = true;
+                Step::Live(ExportRequest::Granted(self))
+            }
+            ExportInput::Timeout if ctx.now >= self.fence => {
+                fx.counters.grant_fence_frees += 1;
+                self.common.end(
+                    ExportOutcome::Released(ExportEnd::GrantFenced),
+                    ReadProof::GrantFence,
+                )
+            }
+            ExportInput::Timeout => Step::Live(ExportRequest::Granted(self)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

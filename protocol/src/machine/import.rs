@@ -1,0 +1,462 @@
+//! `ImportRequest`: one read of a remote export into this rank's blocks (D in pull mode; P on a
+//! bidirectional turn), from the allocation to its one outcome.
+//!
+//! ```text
+//!   Connecting --PeerConnected/send ReadAsk--> Asking --ReadGrant/post reads--> Reading
+//!     |                                          |  resend timer: ReadAsk again    |
+//!     |--fail/dead/abort/deadline--> [Failed]    |--ReadRefused--> [Failed]        |
+//!                                                |--dead/abort/deadline--> [Failed]|
+//!                           every read reported (or the fabric's bound passed):    |
+//!                           send Release(ReadDone | ReadFailed) --> [Loaded | Recompute | Failed]
+//! ```
+//!
+//! The rules this machine exists for: no read is posted before the holder's grant, and the
+//! holder is told to let go (`Release`) only once no read of the attempt is in flight — the
+//! reader's own blocks come back to its engine at the same moment, never while a read may still
+//! land in them.
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+
+use crate::{BlockIds, Epoch, Message, PairingKey, ReadAsk, ReadRefusal, Release, ReleaseReason};
+use crate::{RequestId, WriteId};
+
+use super::effects::{Outbox, Step};
+use super::read_types::{ImportFailure, ImportOutcome, ImportStart, LoadFailurePolicy, ReadOrder};
+use super::shape::Machine;
+use super::types::{DropReason, Output, Time};
+use super::Config;
+use crate::PeerAddr;
+
+/// What every state of an import knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ImportCommon {
+    pub(crate) request: RequestId,
+    pub(crate) key: PairingKey,
+    pub(crate) epoch: Epoch,
+    pub(crate) holder: PeerAddr,
+    pub(crate) blocks: BlockIds,
+    pub(crate) num_tokens: u64,
+    pub(crate) block_tokens: u32,
+    pub(crate) policy: LoadFailurePolicy,
+    /// When the import stops waiting for a grant.
+    pub(crate) deadline: Time,
+}
+
+/// Waiting for the handshake with the holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Connecting {
+    pub(crate) common: ImportCommon,
+}
+
+/// The ask is sent; nothing is read before the grant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Asking {
+    pub(crate) common: ImportCommon,
+    pub(crate) next_ask: Time,
+    pub(crate) asks_left: u32,
+}
+
+/// Reads are posted under a grant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reading {
+    pub(crate) common: ImportCommon,
+    /// Reads not yet reported, with the index of the first local block each one covers.
+    pub(crate) pending: BTreeMap<WriteId, usize>,
+    /// The lowest first-block index of a read that failed.
+    pub(crate) first_failed_block: Option<usize>,
+    /// Why the import cannot load, if something other than a failed read says so.
+    pub(crate) failure: Option<ImportFailure>,
+    /// After this every read posted has ended (posted at the grant, each ends within the
+    /// fabric's bound), reported or not.
+    pub(crate) reads_end_by: Time,
+}
+
+/// A live import.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ImportRequest {
+    Connecting(Connecting),
+    Asking(Asking),
+    Reading(Reading),
+}
+
+/// An import's terminal record. `release` says what the endpoint must tell the holder (if it
+/// can reach it): `None` when the holder must not or need not hear (it refused, or it died).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ImportEnded {
+    pub(crate) common: ImportCommon,
+    pub(crate) outcome: ImportOutcome,
+    pub(crate) release: Option<ReleaseReason>,
+    /// A read was posted (the holder's blocks were read from).
+    pub(crate) read: bool,
+}
+
+/// What can happen to a live import; epochs are checked by the endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ImportInput {
+    PeerConnected,
+    PeerConnectFailed,
+    PeerDead,
+    Grant { blocks: BlockIds },
+    Refused { reason: ReadRefusal },
+    ReadDone { read: WriteId },
+    ReadFailed { read: WriteId },
+    Abort,
+    Shutdown,
+    Timeout,
+}
+
+pub(crate) type ImportStep = Step<ImportRequest, ImportEnded>;
+
+/// Context a transition needs besides its own state.
+pub(crate) struct ImportCtx<'a> {
+    pub(crate) now: Time,
+    pub(crate) own: &'a PeerAddr,
+    pub(crate) config: &'a Config,
+    /// The next free read id (the table's counter).
+    pub(crate) next_read: &'a Cell<u64>,
+}
+
+impl ImportCommon {
+    pub(crate) fn from_start(start: ImportStart, deadline: Time) -> Self {
+        ImportCommon {
+            request: start.request,
+            key: start.key,
+            epoch: start.epoch,
+            holder: start.holder,
+            blocks: start.blocks,
+            num_tokens: start.num_tokens,
+            block_tokens: start.block_tokens,
+            policy: start.policy,
+            deadline,
+        }
+    }
+
+    /// Ends the import: with nothing read, `failure` means the same under either policy,
+    /// except that `Recompute` keeps the request alive with nothing valid.
+    fn fail(self, failure: ImportFailure, release: Option<ReleaseReason>) -> ImportStep {
+        let outcome = self.outcome_of(failure, 0);
+        Step::Ended(ImportEnded {
+            common: self,
+            outcome,
+            release,
+            read: false,
+        })
+    }
+
+    fn outcome_of(&self, failure: ImportFailure, valid_tokens: u64) -> ImportOutcome {
+        match (self.policy, failure) {
+            // The engine's own decisions end the request whatever the policy.
+            (_, ImportFailure::Aborted | ImportFailure::Shutdown) => ImportOutcome::Failed(failure),
+            (LoadFailurePolicy::Fail, _) => ImportOutcome::Failed(failure),
+            (LoadFailurePolicy::Recompute, _) => ImportOutcome::Recompute {
+                valid_tokens: valid_tokens.min(self.num_tokens),
+                failure,
+            },
+        }
+    }
+
+    fn ask_message(&self, own: &PeerAddr) -> Message {
+        Message::ReadAsk(ReadAsk {
+            key: self.key.clone(),
+            epoch: self.epoch,
+            reader_request: self.request.clone(),
+            reader_rank: own.rank,
+        })
+    }
+}
+
+/// The message that tells the holder to let go.
+pub(crate) fn release_message(key: &PairingKey, epoch: Epoch, reason: ReleaseReason) -> Message {
+    Message::Release(Release {
+        key: key.clone(),
+        epoch,
+        reason,
+    })
+}
+
+impl ImportRequest {
+    /// A new import, waiting for the handshake with its holder.
+    pub(crate) fn new(common: ImportCommon) -> Self {
+        assert!(
+            !common.blocks.is_empty(),
+            "an import of nothing ends at once"
+        );
+        ImportRequest::Connecting(Connecting { common })
+    }
+
+    pub(crate) fn common(&self) -> &ImportCommon {
+        match self {
+            ImportRequest::Connecting(s) => &s.common,
+            ImportRequest::Asking(s) => &s.common,
+            ImportRequest::Reading(s) => &s.common,
+        }
+    }
+
+    /// True while the import waits for the holder (its heartbeats keep the export's lease).
+    pub(crate) fn waits_for_grant(&self) -> bool {
+        match self {
+            ImportRequest::Connecting(_) | ImportRequest::Asking(_) => true,
+            ImportRequest::Reading(_) => false,
+        }
+    }
+
+    /// Reads posted and not yet reported.
+    pub(crate) fn pending_reads(&self) -> impl Iterator<Item = &WriteId> {
+        match self {
+            ImportRequest::Connecting(_) | ImportRequest::Asking(_) => None,
+            ImportRequest::Reading(s) => Some(s.pending.keys()),
+        }
+        .into_iter()
+        .flatten()
+    }
+}
+
+impl Machine for ImportRequest {
+    type Ctx<'a> = ImportCtx<'a>;
+    type Input = ImportInput;
+    type Next = ImportStep;
+
+    fn next_timer(&self, _config: &Config) -> Time {
+        match self {
+            ImportRequest::Connecting(s) => s.common.deadline,
+            ImportRequest::Asking(s) if s.asks_left > 0 => s.next_ask.min(s.common.deadline),
+            ImportRequest::Asking(s) => s.common.deadline,
+            ImportRequest::Reading(s) => s.reads_end_by,
+        }
+    }
+
+    fn handle(self, ctx: &Self::Ctx<'_>, input: Self::Input, fx: &mut Outbox) -> Self::Next {
+        match self {
+            ImportRequest::Connecting(s) => s.handle(ctx, input, fx),
+            ImportRequest::Asking(s) => s.handle(ctx, input, fx),
+            ImportRequest::Reading(s) => s.handle(ctx, input, fx),
+        }
+    }
+}
+
+impl Connecting {
+    fn handle(self, ctx: &ImportCtx<'_>, input: ImportInput, fx: &mut Outbox) -> ImportStep {
+        let aborted = Some(ReleaseReason::Aborted);
+        match input {
+            ImportInput::PeerConnected => {
+                fx.send(&self.common.holder, self.common.ask_message(ctx.own));
+                Step::Live(ImportRequest::Asking(Asking {
+                    next_ask: ctx.now + ctx.config.register_retry_interval,
+                    asks_left: ctx.config.max_register_retries,
+                    common: self.common,
+                }))
+            }
+            ImportInput::PeerConnectFailed => {
+                self.common.fail(ImportFailure::HandshakeFailed, None)
+            }
+            ImportInput::PeerDead => self.common.fail(ImportFailure::PeerDead, None),
+            ImportInput::Abort => self.common.fail(ImportFailure::Aborted, aborted),
+            ImportInput::Shutdown => self.common.fail(ImportFailure::Shutdown, aborted),
+            ImportInput::Timeout if ctx.now >= self.common.deadline => {
+                self.common.fail(ImportFailure::Deadline, aborted)
+            }
+            ImportInput::Timeout => Step::Live(ImportRequest::Connecting(self)),
+            ImportInput::Grant { .. }
+            | ImportInput::Refused { .. }
+            | ImportInput::ReadDone { .. }
+            | ImportInput::ReadFailed { .. } => {
+                fx.drop_input(DropReason::Unexpected);
+                Step::Live(ImportRequest::Connecting(self))
+            }
+        }
+    }
+}
+
+impl Asking {
+    fn handle(mut self, ctx: &ImportCtx<'_>, input: ImportInput, fx: &mut Outbox) -> ImportStep {
+        // The holder may have granted in a message still on its way: tell it to let go.
+        let aborted = Some(ReleaseReason::Aborted);
+        match input {
+            ImportInput::Grant { blocks } => self.granted(ctx, blocks, fx),
+            ImportInput::Refused { reason } => {
+                self.common.fail(ImportFailure::Refused(reason), None)
+            }
+            ImportInput::PeerDead => self.common.fail(ImportFailure::PeerDead, None),
+            ImportInput::Abort => self.common.fail(ImportFailure::Aborted, aborted),
+            ImportInput::Shutdown => self.common.fail(ImportFailure::Shutdown, aborted),
+            ImportInput::Timeout if ctx.now >= self.common.deadline => {
+                self.common.fail(ImportFailure::Deadline, aborted)
+            }
+            ImportInput::Timeout => {
+                if self.asks_left > 0 && ctx.now >= self.next_ask {
+                    fx.send(&self.common.holder, self.common.ask_message(ctx.own));
+                    self.asks_left -= 1;
+                    self.next_ask = ctx.now + ctx.config.register_retry_interval;
+                }
+                Step::Live(ImportRequest::Asking(self))
+            }
+            ImportInput::PeerConnected | ImportInput::PeerConnectFailed => {
+                Step::Live(ImportRequest::Asking(self))
+            }
+            ImportInput::ReadDone { .. } | ImportInput::ReadFailed { .. } => {
+                fx.drop_input(DropReason::Unexpected);
+                Step::Live(ImportRequest::Asking(self))
+            }
+        }
+    }
+
+    /// The grant came: check that the holder's blocks fit ours and post the reads. The reader
+    /// may hold fewer blocks than the holder (its own prefix cache had the start): it reads the
+    /// holder's last blocks of each group.
+    fn granted(self, ctx: &ImportCtx<'_>, remote: BlockIds, fx: &mut Outbox) -> ImportStep {
+        let common = self.common;
+        let fits = remote.groups.len() == common.blocks.groups.len()
+            && remote
+                .groups
+                .iter()
+                .zip(&common.blocks.groups)
+                .all(|(theirs, ours)| ours.len() <= theirs.len());
+        if !fits {
+            tracing::warn!(key = %common.key, epoch = %common.epoch, "granted blocks do not fit ours");
+            return common.fail(ImportFailure::PlanMismatch, Some(ReleaseReason::ReadFailed));
+        }
+        let tail: Vec<Vec<u32>> = remote
+            .groups
+            .iter()
+            .zip(&common.blocks.groups)
+            .map(|(theirs, ours)| theirs[theirs.len() - ours.len()..].to_vec())
+            .collect();
+        let mut pending = BTreeMap::new();
+        for (first, local, remote) in chunks(&common.blocks, &tail, ctx.config.read_chunk_blocks) {
+            let read = WriteId(ctx.next_read.get());
+            ctx.next_read.set(read.0 + 1);
+            pending.insert(read, first);
+            fx.counters.reads_posted += 1;
+            fx.emit(Output::PostRead(Box::new(ReadOrder {
+                read,
+                from: common.holder.clone(),
+                key: common.key.clone(),
+                epoch: common.epoch,
+                local,
+                remote,
+            })));
+        }
+        Step::Live(ImportRequest::Reading(Reading {
+            pending,
+            first_failed_block: None,
+            failure: None,
+            reads_end_by: ctx.now + ctx.config.max_write_life,
+            common,
+        }))
+    }
+}
+
+/// Splits the local blocks and the matching remote tail into reads of at most `chunk` blocks:
+/// a single group in order (so a failure says which prefix arrived), several groups in one
+/// read. Yields (index of the read's first local block, local, remote).
+fn chunks(local: &BlockIds, remote: &[Vec<u32>], chunk: u32) -> Vec<(usize, BlockIds, BlockIds)> {
+    if local.groups.len() != 1 {
+        let remote = BlockIds {
+            groups: remote.to_vec(),
+        };
+        return vec![(0, local.clone(), remote)];
+    }
+    let chunk = (chunk as usize).max(1);
+    local.groups[0]
+        .chunks(chunk)
+        .zip(remote[0].chunks(chunk))
+        .enumerate()
+        .map(|(i, (l, r))| {
+            (
+                i * chunk,
+                BlockIds::single_group(l.to_vec()),
+                BlockIds::single_group(r.to_vec()),
+            )
+        })
+        .collect()
+}
+
+impl Reading {
+    fn handle(mut self, ctx: &ImportCtx<'_>, input: ImportInput, fx: &mut Outbox) -> ImportStep {
+        match input {
+            ImportInput::ReadDone { read } => {
+                if self.pending.remove(&read).is_none() {
+                    fx.drop_input(DropReason::UnknownWrite);
+                }
+            }
+            ImportInput::ReadFailed { read } => match self.pending.remove(&read) {
+                Some(first) => {
+                    fx.counters.reads_failed += 1;
+                    let lowest = self.first_failed_block.map_or(first, |f| f.min(first));
+                    self.first_failed_block = Some(lowest);
+                }
+                None => fx.drop_input(DropReason::UnknownWrite),
+            },
+            ImportInput::PeerDead => {
+                // Its reads end on their own (a read from a dead agent fails): wait for them.
+                self.failure.get_or_insert(ImportFailure::PeerDead);
+            }
+            ImportInput::Abort => {
+                self.failure = Some(ImportFailure::Aborted);
+            }
+            ImportInput::Shutdown => {
+                self.failure = Some(ImportFailure::Shutdown);
+            }
+            ImportInput::Timeout if ctx.now >= self.reads_end_by => {
+                // By the fabric's bound every read has ended, reported or not; one never
+                // reported did not land for sure.
+                let unreported: Vec<usize> = self.pending.values().copied().collect();
+                if let Some(&first) = unreported.iter().min() {
+                    let lowest = self.first_failed_block.map_or(first, |f| f.min(first));
+                    self.first_failed_block = Some(lowest);
+                    self.failure.get_or_insert(ImportFailure::Deadline);
+                }
+                self.pending.clear();
+            }
+            ImportInput::Timeout
+            | ImportInput::PeerConnected
+            | ImportInput::PeerConnectFailed
+            | ImportInput::Refused { .. } => {}
+            ImportInput::Grant { .. } => fx.drop_input(DropReason::Duplicate),
+        }
+        if self.pending.is_empty() {
+            return self.finish();
+        }
+        Step::Live(ImportRequest::Reading(self))
+    }
+
+    /// Every read has ended: release the holder's blocks and say what arrived.
+    fn finish(self) -> ImportStep {
+        let Reading {
+            common,
+            first_failed_block,
+            failure,
+            ..
+        } = self;
+        let (outcome, release) = match (first_failed_block, failure) {
+            (None, None) => (ImportOutcome::Loaded, ReleaseReason::ReadDone),
+            (Some(first), failure) => {
+                let failure = failure.unwrap_or(ImportFailure::ReadFailed);
+                let valid = first as u64 * u64::from(common.block_tokens);
+                (common.outcome_of(failure, valid), ReleaseReason::ReadFailed)
+            }
+            (None, Some(failure @ (ImportFailure::Aborted | ImportFailure::Shutdown))) => {
+                // Every block arrived, but the engine gave up on the request meanwhile.
+                (ImportOutcome::Failed(failure), ReleaseReason::Aborted)
+            }
+            // Every read completed: the bytes are in our blocks, whatever befell the holder
+            // after.
+            (None, Some(_)) => (ImportOutcome::Loaded, ReleaseReason::ReadDone),
+        };
+        let release = match failure {
+            // A dead holder needs no release (and a restarted one never granted this).
+            Some(ImportFailure::PeerDead) => None,
+            _ => Some(release),
+        };
+        Step::Ended(ImportEnded {
+            common,
+            outcome,
+            release,
+            read: true,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
