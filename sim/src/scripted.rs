@@ -37,8 +37,8 @@ use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
     Config, ConnectFailure, DecodeOutcome, DecodeStart, Endpoint, EngineCall, EngineEvent,
-    FreeProof, Mutation, NetEvent, Output, PrefillOutcome, PrefillStart, ReadOrder, Rejected, Time,
-    WriteOrder,
+    ExportStart, FreeProof, ImportStart, Mutation, NetEvent, Output, PrefillOutcome, PrefillStart,
+    ReadOrder, Rejected, Time, WriteOrder,
 };
 use kvhandoff_protocol::{Message, PeerAddr, RequestId, WriteFailure, WriteId};
 
@@ -298,6 +298,16 @@ impl Harness {
     /// P's engine finished a prefill.
     pub fn prefill(&mut self, start: PrefillStart) -> Result<(), Rejected> {
         self.call(&p_addr(), EngineCall::PrefillFinished(start))
+    }
+
+    /// The engine at `addr` exports blocks for a remote reader.
+    pub fn export(&mut self, addr: &PeerAddr, start: ExportStart) -> Result<(), Rejected> {
+        self.call(addr, EngineCall::Export(start))
+    }
+
+    /// The engine at `addr` reads a remote export into its blocks.
+    pub fn import(&mut self, addr: &PeerAddr, start: ImportStart) -> Result<(), Rejected> {
+        self.call(addr, EngineCall::Import(start))
     }
 
     /// The engine at `addr` aborts `request`.

@@ -22,7 +22,7 @@ use super::effects::{Outbox, Step};
 use super::read_types::{ExportEnd, ExportOutcome, ExportStart, ReadProof};
 use super::shape::Machine;
 use super::types::{DropReason, Time};
-use super::Config;
+use super::{ActiveMutation, Config, Mutation};
 use crate::PeerAddr;
 
 /// What every state of an export knows.
@@ -102,6 +102,18 @@ pub(crate) struct ExportCtx<'a> {
     pub(crate) now: Time,
     pub(crate) own: &'a PeerAddr,
     pub(crate) config: &'a Config,
+    pub(crate) mutation: ActiveMutation,
+}
+
+impl ExportCtx<'_> {
+    /// When a grant made now is fenced.
+    fn fence(&self) -> Time {
+        if self.mutation.is(Mutation::ShortGrantFence) {
+            // The deliberate bug: the grant's delivery only, not the read's own life.
+            return self.now + self.config.max_message_delay;
+        }
+        self.now + read_span(self.config)
+    }
 }
 
 /// How long after a grant is sent a read posted under it may still run: the grant's delivery,
@@ -242,7 +254,7 @@ impl Offered {
                 fx.send(&from, self.common.grant(ctx, epoch));
                 fx.counters.reads_granted += 1;
                 Step::Live(ExportRequest::Granted(Granted {
-                    fence: ctx.now + read_span(ctx.config),
+                    fence: ctx.fence(),
                     common: self.common,
                     reader: from,
                     epoch,
@@ -295,7 +307,7 @@ impl Granted {
                 fx.send(&from, self.common.grant(ctx, epoch));
                 fx.counters.reads_granted += 1;
                 self.epoch = epoch;
-                self.fence = ctx.now + read_span(ctx.config);
+                self.fence = ctx.fence();
                 Step::Live(ExportRequest::Granted(self))
             }
             ExportInput::Ask { from, epoch } => {

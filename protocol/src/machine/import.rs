@@ -25,7 +25,7 @@ use super::effects::{Outbox, Step};
 use super::read_types::{ImportFailure, ImportOutcome, ImportStart, LoadFailurePolicy, ReadOrder};
 use super::shape::Machine;
 use super::types::{DropReason, Output, Time};
-use super::Config;
+use super::{ActiveMutation, Config, Mutation};
 use crate::PeerAddr;
 
 /// What every state of an import knows.
@@ -115,6 +115,7 @@ pub(crate) struct ImportCtx<'a> {
     pub(crate) config: &'a Config,
     /// The next free read id (the table's counter).
     pub(crate) next_read: &'a Cell<u64>,
+    pub(crate) mutation: ActiveMutation,
 }
 
 impl ImportCommon {
@@ -378,6 +379,9 @@ impl Reading {
             ImportInput::ReadDone { read } => {
                 if self.pending.remove(&read).is_none() {
                     fx.drop_input(DropReason::UnknownWrite);
+                } else if ctx.mutation.is(Mutation::ReleaseBeforeReadsEnd) {
+                    // The deliberate bug: one completion taken for all.
+                    self.pending.clear();
                 }
             }
             ImportInput::ReadFailed { read } => match self.pending.remove(&read) {

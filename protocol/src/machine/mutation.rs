@@ -32,11 +32,17 @@ pub enum Mutation {
     /// P expires pending registrations only when its timer fires, so a late shell can match
     /// one whose wait has ended.
     MatchExpiredRegistration,
+    /// A reader releases the holder's blocks, and hands its own back, as soon as one of its
+    /// reads completes, while the others may still run.
+    ReleaseBeforeReadsEnd,
+    /// A holder's grant fence forgets the fabric's bound on a read (`max_write_life`): it frees
+    /// blocks a slow read may still be reading.
+    ShortGrantFence,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 9] = [
+    pub const ALL: [Mutation; 11] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -46,6 +52,8 @@ impl Mutation {
         Mutation::HandshakeAlwaysRestart,
         Mutation::EvictYoungTombstones,
         Mutation::MatchExpiredRegistration,
+        Mutation::ReleaseBeforeReadsEnd,
+        Mutation::ShortGrantFence,
     ];
 
     /// The mutation's name on the command line.
@@ -66,6 +74,8 @@ impl Mutation {
             Mutation::HandshakeAlwaysRestart => "handshake_always_restart",
             Mutation::EvictYoungTombstones => "evict_young_tombstones",
             Mutation::MatchExpiredRegistration => "match_expired_registration",
+            Mutation::ReleaseBeforeReadsEnd => "release_before_reads_end",
+            Mutation::ShortGrantFence => "short_grant_fence",
         }
     }
 }

@@ -307,6 +307,7 @@ impl ImportTable {
         key: &PairingKey,
         input: ImportInput,
         fx: &mut Outbox,
+        mutation: super::ActiveMutation,
     ) -> Option<ImportEnded> {
         let before: BTreeSet<WriteId> = self
             .imports
@@ -318,6 +319,7 @@ impl ImportTable {
             own,
             config,
             next_read: &self.next_read,
+            mutation,
         };
         let transition = |import: ImportRequest| {
             let epoch = import.common().epoch;

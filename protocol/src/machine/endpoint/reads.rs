@@ -132,6 +132,7 @@ impl Endpoint {
             now,
             own: &self.own,
             config: &self.config,
+            mutation: self.mutation,
         };
         if let Some(ended) = self.exports.step(&ctx, key, input, &mut self.outbox) {
             let ExportEnded {
@@ -152,9 +153,15 @@ impl Endpoint {
     }
 
     pub(super) fn step_import(&mut self, now: Time, key: &PairingKey, input: ImportInput) {
-        let ended = self
-            .imports
-            .step(now, &self.own, &self.config, key, input, &mut self.outbox);
+        let ended = self.imports.step(
+            now,
+            &self.own,
+            &self.config,
+            key,
+            input,
+            &mut self.outbox,
+            self.mutation,
+        );
         let Some(ImportEnded {
             common,
             outcome,
