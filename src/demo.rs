@@ -22,6 +22,12 @@
 //! the requests see D register first and half see P finish first, whatever the machine's speed.
 //! The counts reported are the ones P's endpoint itself saw (its `Counters`).
 //!
+//! Modes ([`DemoMode`]): each request is pushed (P writes into D's registered blocks; the races
+//! above) or pulled (P exports its blocks and D reads them: the router asks P for
+//! `transfer_mode: "pull"`, and D, which needs P's `remote_block_ids`, calls at
+//! `max(f + b, P's answer)`). `mixed` draws each request's mode from the seed. Every byte is
+//! checked either way; the bytes moved are read by D's agent in pull mode.
+//!
 //! Deadlines: the ranks run [`Config::default`] (production deadlines). A healthy run never
 //! reaches any of them; the demo's own overall limit ([`DemoOptions::timeout`], 60 s) bounds
 //! every wait, and a run that hits it reports FAILED with the requests that never finished.
@@ -54,7 +60,7 @@ use kvhandoff_protocol::{EngineId, ModelIdentity};
 
 #[cfg(doc)]
 use kvhandoff::KvConnector;
-use kvhandoff::{ConnectorIdentity, KvTransferParams, Runtime};
+use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvTransferParams, Runtime};
 
 pub(crate) use decode_loop::run_decode;
 pub(crate) use engines::{
@@ -97,11 +103,36 @@ impl DemoTransport {
     }
 }
 
+/// How the demo's requests move their KV.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DemoMode {
+    /// Every request is pushed: P writes into D's registered blocks (the default).
+    #[default]
+    Push,
+    /// Every request is pulled: P exports its blocks, D reads them.
+    Pull,
+    /// Each request's mode is drawn from the seed (about half each).
+    Mixed,
+}
+
+impl DemoMode {
+    /// `"push"`, `"pull"` or `"mixed"`, as reports name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DemoMode::Push => "push",
+            DemoMode::Pull => "pull",
+            DemoMode::Mixed => "mixed",
+        }
+    }
+}
+
 /// What the demo runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DemoOptions {
     /// What the bytes travel over (default [`DemoTransport::Mem`]).
     pub transport: DemoTransport,
+    /// How the requests move their KV (default [`DemoMode::Push`]).
+    pub mode: DemoMode,
     /// Requests to hand off (default 64).
     pub requests: usize,
     /// Seed of the schedule: prompt lengths, arrivals, call offsets and request ids (default 1).
@@ -131,6 +162,7 @@ impl Default for DemoOptions {
     fn default() -> Self {
         DemoOptions {
             transport: DemoTransport::Mem,
+            mode: DemoMode::Push,
             requests: 64,
             seed: 1,
             min_prompt_tokens: 16,
@@ -234,9 +266,11 @@ mod mem {
             fabric.agent(name).map_err(|e| DemoError::Build(e.into()))
         };
         let (p, d) = (agent(&p_engine)?, agent(&d_engine)?);
-        let p_agent = p.agent_name().clone();
+        let (p_agent, d_agent) = (p.agent_name().clone(), d.agent_name().clone());
+        // P's writes (push) and D's reads (pull).
         run_pair(options, workload, plan, wall, "mem", p, d, |_| {
-            fabric.stats(&p_agent).map_or(0, |s| s.bytes_landed)
+            let landed = |agent| fabric.stats(agent).map_or(0, |s| s.bytes_landed);
+            landed(&p_agent) + landed(&d_agent)
         })
     }
 }
@@ -248,7 +282,7 @@ mod nixl {
     use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
 
     /// Two NIXL agents in this process. NIXL counts no bytes: the bytes moved are those of the
-    /// requests whose write completed (P's `Sent`).
+    /// requests whose write completed (P's `Sent`) or that D read (P's export ended `Read`).
     pub(super) fn run(
         options: &DemoOptions,
         workload: &Workload,
@@ -268,7 +302,7 @@ mod nixl {
     }
 }
 
-/// The bytes of the blocks of the requests whose write completed.
+/// The bytes of the blocks of the requests whose write completed or that were read.
 pub(crate) fn sent_bytes(plan: &[Planned], p: &[engines::PrefillRecord], block_bytes: u64) -> u64 {
     plan.iter()
         .zip(p)
@@ -326,8 +360,11 @@ where
     let p_handle = runtime.add_rank(p_setup, RankOptions::default())?;
     let d_handle = runtime.add_rank(d_setup, RankOptions::default())?;
     let p_rank = p_handle.rank.clone();
-    let p_conn = kvhandoff::KvConnector::new(identity(PREFILL_ENGINE)?, p_handle);
-    let d_conn = kvhandoff::KvConnector::new(identity(DECODE_ENGINE)?, d_handle);
+    let settings = ConnectorSettings::new(&Config::default(), &workload.geometry);
+    let p_conn =
+        kvhandoff::KvConnector::with_settings(identity(PREFILL_ENGINE)?, p_handle, settings);
+    let d_conn =
+        kvhandoff::KvConnector::with_settings(identity(DECODE_ENGINE)?, d_handle, settings);
 
     let (to_decode, from_prefill) = mpsc::channel();
     let start = Instant::now();

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use kvhandoff_cli::bench::{self, ControlOptions};
-use kvhandoff_cli::demo::{self, DemoOptions, DemoTransport};
+use kvhandoff_cli::demo::{self, DemoMode, DemoOptions, DemoTransport};
 use kvhandoff_cli::node::{self, NodeOptions, NodeRole};
 
 /// kvhandoff: hands KV cache from prefill to decode engines over NIXL.
@@ -43,9 +43,23 @@ struct DemoArgs {
     /// NIXL runtime (`source scripts/nixl-env.sh`).
     #[arg(long, value_enum, default_value_t = TransportArg::Mem)]
     transport: TransportArg,
+    /// How the requests move their KV: `push` (P writes into D's blocks), `pull` (D reads
+    /// P's exported blocks) or `mixed` (each request's mode drawn from the seed).
+    #[arg(long, value_enum, default_value_t = ModeArg::Push)]
+    mode: ModeArg,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum ModeArg {
+    /// P writes into the blocks D registered (NIXL WRITE).
+    Push,
+    /// P exports its blocks; D reads them (NIXL READ).
+    Pull,
+    /// Each request pushed or pulled, drawn from the seed.
+    Mixed,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -174,6 +188,10 @@ struct SimArgs {
     /// Which faults to inject.
     #[arg(long, default_value = "chaos", value_parser = ["none", "network", "chaos"])]
     faults: String,
+    /// How requests move their KV: push, pull, mixed (push or pull per request, some with a
+    /// bidirectional second turn) or bidir (most with a second turn).
+    #[arg(long, default_value = "mixed", value_parser = parse_mode)]
+    mode: kvhandoff_sim::Mode,
     /// The long sweep: requests and pool sizes drawn per seed over wide ranges, four times the
     /// virtual time.
     #[arg(long)]
@@ -338,6 +356,11 @@ fn run_demo(args: DemoArgs) -> ExitCode {
             TransportArg::Mem => DemoTransport::Mem,
             TransportArg::Nixl => DemoTransport::Nixl,
         },
+        mode: match args.mode {
+            ModeArg::Push => DemoMode::Push,
+            ModeArg::Pull => DemoMode::Pull,
+            ModeArg::Mixed => DemoMode::Mixed,
+        },
         requests: args.requests as usize,
         seed: args.seed,
         ..DemoOptions::default()
@@ -426,6 +449,7 @@ fn run_sim(args: SimArgs) -> ExitCode {
     }
     options.mutation = args.mutation;
     options.poll_allocations = args.poll_allocations;
+    options.mode = args.mode;
     let started = std::time::Instant::now();
     let report = kvhandoff_sim::run_seeds(&options);
     let elapsed = started.elapsed();
@@ -445,10 +469,11 @@ fn run_sim(args: SimArgs) -> ExitCode {
             false => format!("{}..{}", options.requests.start(), options.requests.end()),
         };
         eprintln!(
-            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {}{}",
+            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {}{}",
             options.pool_blocks.start(),
             options.pool_blocks.end(),
             args.faults,
+            mode_name(args.mode),
             if args.long { " --long" } else { "" },
         );
         ExitCode::FAILURE
@@ -481,15 +506,29 @@ fn run_exhaustive(args: &SimArgs) -> ExitCode {
     }
 }
 
+fn mode_name(mode: kvhandoff_sim::Mode) -> &'static str {
+    match mode {
+        kvhandoff_sim::Mode::Push => "push",
+        kvhandoff_sim::Mode::Pull => "pull",
+        kvhandoff_sim::Mode::Mixed => "mixed",
+        kvhandoff_sim::Mode::Bidir => "bidir",
+    }
+}
+
+fn parse_mode(text: &str) -> Result<kvhandoff_sim::Mode, String> {
+    text.parse()
+}
+
 fn print_sim_summary(report: &kvhandoff_sim::SimReport, faults: &str) {
     println!(
-        "kvhandoff sim: {} seeds, {} requests in all ({}..={} per seed, {}..={} blocks per rank), faults {faults}{}",
+        "kvhandoff sim: {} seeds, {} requests in all ({}..={} per seed, {}..={} blocks per rank), faults {faults}, mode {}{}",
         report.seeds,
         report.total_requests,
         report.requests_range[0],
         report.requests_range[1],
         report.pool_blocks_range[0],
         report.pool_blocks_range[1],
+        mode_name(report.mode),
         report
             .mutation
             .as_ref()

@@ -3,6 +3,7 @@
 //! event.
 
 mod events;
+mod reads;
 mod workload;
 
 pub(crate) use workload::draw_rates;
@@ -10,7 +11,7 @@ pub(crate) use workload::draw_rates;
 use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
-    DecodeStart, Endpoint, EngineCall, PrefillStart, Rejected, Time,
+    DecodeStart, Endpoint, EngineCall, LoadFailurePolicy, PrefillStart, Rejected, Time,
 };
 use kvhandoff_protocol::{BlockIds, Epoch, Message, PairingKey, RequestId};
 use rand::{Rng, SeedableRng};
@@ -40,6 +41,45 @@ pub(crate) struct Attempt {
     pub epoch: u64,
     pub blocks: Vec<u32>,
     pub status: Status,
+    pub kind: AttemptKind,
+}
+
+/// What an attempt does.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum AttemptKind {
+    /// Push: D registers (`d`), P writes (`p`).
+    Push,
+    /// Exports blocks for a reader until `hard_end`; `renewed` once a waiting reader's
+    /// heartbeat renewed it.
+    Export { hard_end: Time, renewed: bool },
+    /// Reads an export under attempt `read_epoch` (the key's epoch on the wire; `epoch` is the
+    /// ledger's owner of the blocks).
+    Import { read_epoch: u64 },
+}
+
+/// A second turn of a request: D keeps its blocks for `ttl` and P reads them back after
+/// `delay` into `blocks` blocks (or declines).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct SecondTurn {
+    pub key: PairingKey,
+    pub ttl: Duration,
+    pub delay: Duration,
+    pub blocks: usize,
+    pub decline: bool,
+    pub gate: bool,
+}
+
+/// How a request moves its KV.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Transfer {
+    /// The first turn is pulled (D reads P), not pushed.
+    pub pull: bool,
+    /// What a failed read means to the reader's engine.
+    pub policy: LoadFailurePolicy,
+    /// The reader passes the export's expiry (its own gate declines a read too near it).
+    pub gate: bool,
+    /// A second turn, if the request has one.
+    pub second: Option<SecondTurn>,
 }
 
 /// One request of the workload.
@@ -51,6 +91,7 @@ pub(crate) struct Request {
     pub d_blocks: usize,
     pub d: Vec<Attempt>,
     pub p: Vec<Attempt>,
+    pub transfer: Transfer,
 }
 
 /// The engine event that (re)tries to start `request` on D (`decode`) or P.
@@ -86,6 +127,10 @@ impl World {
     /// one of the two registrations; the other D waits for its deadline and the fence.
     pub(crate) fn second_decode(&mut self, request: usize) {
         let r = &self.requests[request];
+        if r.transfer.pull {
+            // A pulled request's router hands P's answer to one D: no second decode.
+            return;
+        }
         let Some(current) = r.d.iter().rev().find(|a| a.node == r.d_node) else {
             return;
         };
@@ -100,6 +145,7 @@ impl World {
             epoch,
             blocks: vec![],
             status: Status::Pending,
+            kind: AttemptKind::Push,
         });
         let attempt = self.requests[request].d.len() - 1;
         self.decode_start_at(request, attempt, false);
@@ -114,6 +160,10 @@ impl World {
     /// Starts D attempt `attempt` of `request` on its node. A primary attempt that finds no
     /// blocks (or no room for its tombstone) waits and tries again; a second decode gives up.
     fn decode_start_at(&mut self, request: usize, attempt: usize, primary: bool) {
+        if self.requests[request].transfer.pull {
+            self.pull_decode_start(request, attempt);
+            return;
+        }
         let r = self.requests[request].clone();
         let a = r.d[attempt].clone();
         let node = a.node;
@@ -233,17 +283,27 @@ impl World {
         for (index, &b) in blocks.iter().enumerate() {
             self.nodes[0].pool.fill(b, request, 0, index);
         }
-        let start = PrefillStart {
-            request: a.id,
-            key: r.key.clone(),
-            blocks: BlockIds::single_group(blocks.clone()),
+        let input = if r.transfer.pull {
+            self.export_call(&a.id, request, &blocks)
+        } else {
+            EngineCall::PrefillFinished(PrefillStart {
+                request: a.id,
+                key: r.key.clone(),
+                blocks: BlockIds::single_group(blocks.clone()),
+            })
         };
-        let input = EngineCall::PrefillFinished(start);
         if !self.engine_call(0, input, &blocks, owner, Some(Ev::PrefillStart { request })) {
             return;
         }
         let inc = self.nodes[0].incarnation;
+        let hard_end = self.now + self.cfg.machine.lease_duration * 2;
         let r = &mut self.requests[request];
+        if r.transfer.pull {
+            r.p[attempt].kind = AttemptKind::Export {
+                hard_end,
+                renewed: false,
+            };
+        }
         r.p[attempt].blocks = blocks;
         r.p[attempt].status = Status::Live {
             node_inc: inc,
@@ -320,6 +380,7 @@ impl World {
         self.nodes[node].incarnation += 1;
         self.nodes[node].pool = Pool::new(self.cfg.pool_blocks);
         self.nodes[node].posts_seen = 0;
+        self.nodes[node].reads_seen = 0;
         for r in &mut self.requests {
             let attempts = if node == 0 { &mut r.p } else { &mut r.d };
             for a in attempts.iter_mut().filter(|a| a.node == node) {
@@ -366,6 +427,12 @@ impl World {
         self.counters.stale_settles_ignored += c.stale_settles_ignored;
         self.counters.fence_frees += c.fence_frees;
         self.counters.stuck_writes += c.stuck_writes;
+        self.counters.reads_granted += c.reads_granted;
+        self.counters.reads_declined_near_expiry += c.reads_declined_near_expiry;
+        self.counters.exports_renewed += c.exports_renewed;
+        self.counters.grant_fence_frees += c.grant_fence_frees;
+        self.counters.reads_posted += c.reads_posted;
+        self.counters.reads_failed += c.reads_failed;
         self.tombstones_evicted += endpoint.tombstones_evicted();
         for (reason, n) in &c.dropped {
             *self.counters.dropped.entry(*reason).or_insert(0) += n;
@@ -392,7 +459,11 @@ impl World {
                     return;
                 };
                 let in_flight = self.writes.values().any(|w| {
-                    w.target == from && w.request == i && w.epoch == c.epoch.0 && w.in_flight()
+                    w.read.is_none()
+                        && w.target == from
+                        && w.request == i
+                        && w.epoch == c.epoch.0
+                        && w.in_flight()
                 });
                 if in_flight {
                     self.mark("deadline_during_write");
@@ -528,6 +599,9 @@ impl World {
                             + s.pending_registrations
                             + s.writes_in_flight
                             + s.queued_outputs
+                            + s.exports
+                            + s.imports
+                            + s.reads_in_flight
                             == 0
                     })
             })

@@ -14,6 +14,7 @@
 mod engine;
 mod explore;
 mod ledger;
+mod mode;
 mod nixl;
 pub mod scripted;
 mod transport;
@@ -30,6 +31,7 @@ use sha2::{Digest, Sha256};
 pub use explore::{exhaustive, Action, Exhaustive, Kind};
 pub use kvhandoff_protocol::machine::Mutation;
 pub use ledger::{pattern, BLOCK_BYTES};
+pub use mode::{Mode, READ_MARKS};
 pub use world::{NodeId, Violation, World, WorldConfig};
 
 /// Which faults a run injects.
@@ -111,6 +113,8 @@ pub struct SimOptions {
     pub mutation: Option<Mutation>,
     /// See [`WorldConfig::poll_allocations`].
     pub poll_allocations: bool,
+    /// How the requests move their KV.
+    pub mode: Mode,
 }
 
 impl SimOptions {
@@ -124,6 +128,7 @@ impl SimOptions {
             long: false,
             mutation: None,
             poll_allocations: false,
+            mode: Mode::Push,
         }
     }
 
@@ -184,6 +189,7 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     let mut cfg = WorldConfig::seeded(requests, opts.faults, opts.mutation);
     cfg.pool_blocks = pool;
     cfg.poll_allocations = opts.poll_allocations;
+    cfg.mode = opts.mode;
     if opts.long {
         cfg.span *= 4;
     }
@@ -205,6 +211,8 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
 /// The result of a sweep. Identical for identical options, whatever the thread count.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct SimReport {
+    /// How the requests moved their KV.
+    pub mode: Mode,
     /// Seeds run.
     pub seeds: u64,
     /// Requests per seed (the most any seed ran when the load varies).
@@ -233,6 +241,9 @@ pub struct SimReport {
     pub counters: BTreeMap<String, u64>,
     /// SHA-256 (hex) over every step of every seed, in seed order.
     pub trace_hash: String,
+    /// Second turns (mixed and bidirectional worlds).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turns: Option<Turns>,
 }
 
 impl SimReport {
@@ -377,6 +388,10 @@ impl World {
             .insert("stale_cancel_newer_epoch", c.stale_settles_ignored);
         self.coverage
             .insert("tombstone_evicted", self.tombstones_evicted);
+        // Marks this world's mode need not hit are reported only when hit.
+        let required = self.cfg.mode.required_marks();
+        self.coverage
+            .retain(|mark, hits| *hits > 0 || required.contains(mark));
         let counters = BTreeMap::from([
             ("quarantine_frees", c.quarantine_frees),
             ("fence_frees", c.fence_frees),
@@ -389,6 +404,12 @@ impl World {
             ("cancel_resends", c.cancel_resends),
             ("register_resends", c.register_resends),
             ("fenced_block_us", self.fenced_block_us),
+            ("reads_granted", c.reads_granted),
+            ("reads_posted", c.reads_posted),
+            ("reads_failed", c.reads_failed),
+            ("reads_declined_near_expiry", c.reads_declined_near_expiry),
+            ("exports_renewed", c.exports_renewed),
+            ("grant_fence_frees", c.grant_fence_frees),
         ]);
         SeedResult {
             seed,
@@ -431,7 +452,13 @@ pub fn run_seeds(opts: &SimOptions) -> SimReport {
         requests_range: [*opts.requests.start(), *opts.requests.end()],
         pool_blocks_range: [*opts.pool_blocks.start(), *opts.pool_blocks.end()],
         mutation: opts.mutation.map(|m| m.name().to_string()),
-        coverage: COVERAGE_MARKS.iter().map(|m| (m.to_string(), 0)).collect(),
+        coverage: opts
+            .mode
+            .required_marks()
+            .into_iter()
+            .map(|m| (m.to_string(), 0))
+            .collect(),
+        mode: opts.mode,
         ..SimReport::default()
     };
     let mut hash = Sha256::new();
@@ -458,7 +485,26 @@ pub fn run_seeds(opts: &SimOptions) -> SimReport {
         hash.update(r.trace_hash);
     }
     report.trace_hash = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    if opts.mode.reads() && opts.mode != Mode::Pull {
+        let count = |key: &str| report.outcomes.get(key).copied().unwrap_or(0);
+        report.turns = Some(Turns {
+            pulled_from_decode: count("turn2.pulled_from_decode"),
+            recomputed: count("turn2.recomputed"),
+            declined_near_expiry: count("turn2.declined_near_expiry"),
+        });
+    }
     report
+}
+
+/// How second turns went (bidirectional worlds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Turns {
+    /// P read the first turn's KV back from D.
+    pub pulled_from_decode: u64,
+    /// P recomputed instead (it declined, or the read failed or was refused).
+    pub recomputed: u64,
+    /// The read was declined because it could outlive D's TTL.
+    pub declined_near_expiry: u64,
 }
 
 /// One scope of the exhaustive check: requests, crashes and the depth bound.

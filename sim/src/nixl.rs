@@ -24,6 +24,7 @@
 //!   heals if the bound allows, else fails.
 
 pub(crate) mod measured;
+mod reads;
 
 use kvhandoff_protocol::machine::WriteOrder;
 use kvhandoff_protocol::WriteId;
@@ -70,8 +71,12 @@ pub(crate) struct SimWrite {
     pub phase: Phase,
     pub reported: bool,
     /// D's target blocks are pinned (until the write lands or fails). P's source blocks are
-    /// pinned until the report, whatever happens to the connection.
+    /// pinned until the report, whatever happens to the connection. For a read: the holder's
+    /// (the NIXL target's) source blocks, until the read lands or fails.
     pub d_pinned: bool,
+    /// A read (pull, bidirectional): the data flows from the target (the holder) into the
+    /// poster's (the reader's) `local` blocks, owned by this owner.
+    pub read: Option<Owner>,
 }
 
 impl SimWrite {
@@ -151,6 +156,7 @@ impl World {
             phase: Phase::Posted,
             reported: false,
             d_pinned,
+            read: None,
         };
         self.active_writes.insert((node, inc, order.write), seq);
         const _: () = assert!(matches!(effect(Happening::LifeBound), Effect::HasEnded));
@@ -216,6 +222,10 @@ impl World {
         let Some(w) = self.writes.get(&seq).cloned() else {
             return;
         };
+        if w.read.is_some() {
+            self.land_read(seq, fail);
+            return;
+        }
         self.record(format!("land {} of node {} fail={fail}", w.id, w.poster));
         if !w.in_flight() {
             return;
@@ -294,7 +304,8 @@ impl World {
         self.unpin_target(&mut w);
         self.active_writes.remove(&(w.poster, w.poster_inc, w.id));
         let poster_current = self.nodes[w.poster].incarnation == w.poster_inc;
-        if poster_current {
+        if poster_current && w.read.is_none() {
+            // A read's local blocks were unpinned when it landed or failed.
             self.nodes[w.poster].pool.pin(&w.local, -1);
         }
         let (poster, id, owner) = (w.poster, w.id, w.p_owner);
@@ -359,7 +370,7 @@ impl World {
             .map(|(s, _)| *s)
             .collect();
         for seq in seqs {
-            if self.writes[&seq].in_flight() {
+            if self.writes[&seq].in_flight() && self.writes[&seq].read.is_none() {
                 self.mark("poster_crashed_mid_write");
                 let partial = if self.cfg.explore {
                     false

@@ -111,6 +111,12 @@ pub(crate) enum Call {
         pairs: Vec<(u32, u32)>,
         notification: Option<Vec<u8>>,
     },
+    /// A read: (local block, remote block) pairs, the data flowing from the peer.
+    PostRead {
+        read: WriteId,
+        from: PeerAddr,
+        pairs: Vec<(u32, u32)>,
+    },
     /// A control message.
     Send { to: PeerAddr, bytes: Vec<u8> },
     /// Stop a write (the world's NIXL lets it go on, as the real one does).
@@ -166,6 +172,23 @@ impl SimTransport {
             Some(_) => Err(TransportError::PeerInvalidated { peer: peer.clone() }),
             None => Err(TransportError::UnknownPeer { peer: peer.clone() }),
         }
+    }
+
+    /// The (local block, remote block) pairs `descriptors` cover between this node and `peer`.
+    fn block_pairs(&self, peer: NodeId, descriptors: &[Descriptor]) -> Vec<(u32, u32)> {
+        let mut pairs = Vec::new();
+        for d in descriptors {
+            // Every region carries the same blocks: region 0's descriptors say which.
+            let (Some(local), Some(remote)) = (
+                self.block_at(self.node, d.local_addr),
+                self.block_at(peer, d.remote_addr),
+            ) else {
+                continue;
+            };
+            let blocks = u32::try_from(d.len / self.block_len).unwrap_or(0);
+            pairs.extend((0..blocks).map(|k| (local + k, remote + k)));
+        }
+        pairs
     }
 
     /// The block of region 0 of `node` at `addr`, if the address is in that region.
@@ -240,18 +263,7 @@ impl Transport for SimTransport {
                 reason: "simulated refusal".into(),
             });
         }
-        let mut pairs = Vec::new();
-        for d in descriptors {
-            // Every region carries the same blocks: region 0's descriptors say which.
-            let (Some(local), Some(remote)) = (
-                self.block_at(self.node, d.local_addr),
-                self.block_at(target, d.remote_addr),
-            ) else {
-                continue;
-            };
-            let blocks = u32::try_from(d.len / self.block_len).unwrap_or(0);
-            pairs.extend((0..blocks).map(|k| (local + k, remote + k)));
-        }
+        let pairs = self.block_pairs(target, descriptors);
         self.calls.push(Call::Post {
             write,
             to: peer.clone(),
@@ -263,14 +275,24 @@ impl Transport for SimTransport {
 
     fn post_read(
         &mut self,
-        _write: WriteId,
-        _peer: &PeerAddr,
-        _descriptors: &[Descriptor],
+        read: WriteId,
+        peer: &PeerAddr,
+        descriptors: &[Descriptor],
         _notification: Option<Vec<u8>>,
     ) -> Result<(), TransportError> {
-        Err(TransportError::PostFailed {
-            reason: "the simulator models writes only".into(),
-        })
+        let holder = self.loaded(peer)?.node;
+        if std::mem::take(&mut self.refuse_next_post) {
+            return Err(TransportError::PostFailed {
+                reason: "simulated refusal".into(),
+            });
+        }
+        let pairs = self.block_pairs(holder, descriptors);
+        self.calls.push(Call::PostRead {
+            read,
+            from: peer.clone(),
+            pairs,
+        });
+        Ok(())
     }
 
     fn abandon_write(&mut self, write: WriteId) -> Result<(), TransportError> {
@@ -320,13 +342,23 @@ impl crate::world::World {
     /// the shell asked the transport for, and feeds back what the shell made of it.
     pub(crate) fn shell_op(&mut self, node: NodeId, op: TransportOp) {
         let mut feed = Vec::new();
-        let post = matches!(op, TransportOp::Post(_));
+        let post = matches!(op, TransportOp::Post(_) | TransportOp::PostRead(_));
+        let read_order = match &op {
+            TransportOp::PostRead(order) => Some((**order).clone()),
+            TransportOp::Post(_)
+            | TransportOp::Send { .. }
+            | TransportOp::Abandon(_)
+            | TransportOp::Invalidate(_) => None,
+        };
         // NIXL may refuse a post outright (`post_xfer_req` failing): the transport says so
         // and the shell makes it `WriteFailed(PostFailed)`.
         let refuse = post && self.chance(self.rates.post_fail);
-        if post {
+        if post && read_order.is_none() {
             // Every post the endpoint asked for reaches the shell (S8's accounting).
             self.nodes[node].posts_seen += 1;
+        }
+        if read_order.is_some() {
+            self.nodes[node].reads_seen += 1;
         }
         let Some(shell) = self.nodes[node].shell.as_mut() else {
             return;
@@ -342,6 +374,12 @@ impl crate::world::World {
                     pairs,
                     notification,
                 } => self.carry_post(node, write, to, pairs, notification),
+                Call::PostRead { read, from, pairs } => match read_order.clone() {
+                    Some(order) if order.read == read && order.from == from => {
+                        self.post_read(node, order, pairs);
+                    }
+                    _ => self.violate(format!("node {node}: read {read} posted without its order")),
+                },
                 Call::Send { to, bytes } => match wire::decode(&bytes) {
                     Ok(message) => self.send(node, &to, message),
                     Err(error) => self.violate(format!("node {node} sent bad bytes: {error}")),

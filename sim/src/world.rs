@@ -60,12 +60,18 @@ pub struct WorldConfig {
     /// The longest a slow message takes (chaos and network faults slow some messages down).
     /// Kept below `machine.max_message_delay`.
     pub slow_message_max: Duration,
+    /// How the requests move their KV.
+    pub mode: crate::Mode,
 }
 
 impl WorldConfig {
     /// A seeded world of `requests` requests with the fast machine configuration.
     pub fn seeded(requests: usize, faults: Faults, mutation: Option<Mutation>) -> WorldConfig {
-        let machine = Config::fast();
+        let machine = Config {
+            // Reads of two blocks: a failed read leaves a valid prefix to recompute from.
+            read_chunk_blocks: 2,
+            ..Config::fast()
+        };
         WorldConfig {
             requests,
             decode_engines: 2,
@@ -79,6 +85,7 @@ impl WorldConfig {
             mutation,
             poll_allocations: false,
             slow_message_max: Duration::from_millis(140),
+            mode: crate::Mode::Push,
         }
     }
 
@@ -120,6 +127,7 @@ impl WorldConfig {
             mutation,
             poll_allocations: false,
             slow_message_max: Duration::from_millis(140),
+            mode: crate::Mode::Push,
         }
     }
 }
@@ -191,6 +199,10 @@ pub(crate) enum Ev {
     SecondDecode {
         request: usize,
     },
+    /// P's engine starts the request's second turn (reads D's kept blocks, or declines).
+    SecondTurn {
+        request: usize,
+    },
 }
 
 /// Fault rates drawn per seed (swarm testing).
@@ -210,6 +222,9 @@ pub(crate) struct Rates {
     /// Chance that a key's P→D answers (`WriteDone`, `WriteFailed`, `CancelAck`) are all lost
     /// during the faulty phase while P stays alive: D can then only free by quarantine.
     pub mute_answers: f64,
+    /// Chance that a reader's `ReadAsk` is lost (drawn in modes that read; the reader asks
+    /// again while its heartbeats keep the export).
+    pub lose_ask: f64,
 }
 
 /// The incarnation id `node`'s process number `inc` sends in its handshakes.
@@ -228,6 +243,8 @@ pub(crate) struct Node {
     pub pool: Pool,
     /// `writes_posted` of earlier incarnations' counters plus this one's posts seen.
     pub posts_seen: u64,
+    /// Reads this incarnation's endpoint asked its shell to post.
+    pub reads_seen: u64,
 }
 
 /// The simulated world.
@@ -325,9 +342,11 @@ impl World {
                 incarnation: 0,
                 pool: Pool::new(cfg.pool_blocks),
                 posts_seen: 0,
+                reads_seen: 0,
             });
         }
         let heal = Time::ZERO + cfg.span + Duration::from_millis(200);
+        let mode = cfg.mode;
         let mut world = World {
             crashes_left: cfg.max_crashes,
             cfg,
@@ -353,7 +372,7 @@ impl World {
             trace: VecDeque::new(),
             hasher: Sha256::new(),
             violations: Vec::new(),
-            coverage: crate::COVERAGE_MARKS.iter().map(|m| (*m, 0)).collect(),
+            coverage: mode.required_marks().into_iter().map(|m| (m, 0)).collect(),
             outcomes: BTreeMap::new(),
             stale_writes: 0,
             muted: BTreeSet::new(),
@@ -510,6 +529,13 @@ impl World {
             }
             if let Some(endpoint) = &self.nodes[node].endpoint {
                 let posted = endpoint.counters().writes_posted;
+                let reads = endpoint.counters().reads_posted;
+                if reads != self.nodes[node].reads_seen {
+                    let seen = self.nodes[node].reads_seen;
+                    self.violate(format!(
+                        "posts: node {node} counts {reads} reads posted but posted {seen}"
+                    ));
+                }
                 if posted != self.nodes[node].posts_seen {
                     let seen = self.nodes[node].posts_seen;
                     // Accounting of the simulator against the machine's counter, not S8 (S8
@@ -586,6 +612,7 @@ impl World {
             Ev::Crash { node } => self.crash(node),
             Ev::Restart { node } => self.restart(node),
             Ev::SecondDecode { request } => self.second_decode(request),
+            Ev::SecondTurn { request } => self.second_turn(request),
             Ev::RepeatHandshake { a, b } => {
                 let line = format!("repeat handshake {a}<->{b}");
                 self.record(line);

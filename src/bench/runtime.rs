@@ -132,6 +132,7 @@ impl Engine {
                     ConnectorCall::RequestFinished {
                         request: p_id.clone(),
                         blocks,
+                        num_tokens: 16,
                         params: router.clone(),
                     }
                 });

@@ -76,6 +76,7 @@ fn submit_returns_one_result_per_call_in_order() {
         ConnectorCall::RequestFinished {
             request: id("p1"),
             blocks: BlockIds::single_group(vec![1]),
+            num_tokens: 16,
             params: KvTransferParams::default(),
         },
         ConnectorCall::Abort {
@@ -122,6 +123,7 @@ fn a_late_verdict_is_settled_by_poll_events() {
     let finished = |request: &str| ConnectorCall::RequestFinished {
         request: RequestId::new(request).unwrap(),
         blocks: BlockIds::single_group(vec![1]),
+        num_tokens: 16,
         params: KvTransferParams::default(),
     };
     // No wait at all: the rank (on its own thread) cannot answer in time.

@@ -1,7 +1,9 @@
 //! D's engine loop: allocates blocks for each request when the pacing says so and calls
 //! `request_allocated` (with the decode leg's parameters as a router builds them), then, on
-//! `BlocksReady`, checks every byte of every block against the pattern (one block per step) and
-//! frees the blocks ("the decode is over").
+//! `BlocksReady` (push) or `Imported` / `Loaded` (pull), checks every byte of every block
+//! against the pattern (one block per step) and frees the blocks ("the decode is over"). A
+//! pulled request needs P's answer (its `remote_block_ids`): D allocates it once the answer
+//! came, at the schedule's time or later.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -14,7 +16,8 @@ use super::engines::{
 };
 use super::pattern::pattern_block;
 use super::schedule::Planned;
-use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams};
+use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, TransferMode};
+use kvhandoff_protocol::machine::{DecodeFailure, FreeProof, ImportOutcome};
 
 /// Runs D's side of `plan` on `conn` until every request is verified (or failed) or
 /// `run.deadline`.
@@ -46,6 +49,8 @@ struct State {
     held: Vec<Option<Vec<u32>>>,
     /// P's answers, when they pass through this process.
     params: Vec<Option<KvTransferParams>>,
+    /// When P's prefill of each request was done, as the in-process router told.
+    prefill_done: Vec<Option<Instant>>,
     free: FreeList,
     errors: Vec<String>,
     duplicates: u64,
@@ -63,6 +68,7 @@ impl DecodeLoop<'_> {
             records: vec![DecodeRecord::default(); n],
             held: vec![None; n],
             params: vec![None; n],
+            prefill_done: vec![None; n],
             free: FreeList::new(self.pool.logical_blocks()),
             errors: Vec::new(),
             duplicates: 0,
@@ -211,11 +217,22 @@ fn on_router(
     allocs: &mut BTreeSet<(Instant, usize)>,
     st: &mut State,
 ) {
+    let pulled = |index: usize| plan[index].mode == TransferMode::Pull;
     match message {
         ToDecode::PrefillDone { index, at } => {
-            allocs.insert((at + plan[index].decode_delay, index));
+            st.prefill_done[index] = Some(at);
+            if !pulled(index) {
+                allocs.insert((at + plan[index].decode_delay, index));
+            }
         }
-        ToDecode::Params { index, params } => st.params[index] = Some(params),
+        ToDecode::Params { index, params } => {
+            st.params[index] = Some(params);
+            if pulled(index) {
+                // P's answer names the blocks to read: D allocates now or at its time.
+                let done = st.prefill_done[index].unwrap_or_else(Instant::now);
+                allocs.insert((done + plan[index].decode_delay, index));
+            }
+        }
         ToDecode::Abandoned { index } => {
             if allocs.iter().any(|&(_, i)| i == index) {
                 allocs.retain(|&(_, i)| i != index);
@@ -224,9 +241,22 @@ fn on_router(
             } else if st.held[index].is_some() {
                 // Already registered: its deadline fails it; the run times out first.
                 note(&mut st.errors, format!("D: P abandoned request {index}"));
+            } else if pulled(index) && st.records[index].allocate_call.is_none() {
+                // Still waiting for P's answer, which will not come.
+                st.records[index].abandoned = true;
+                st.done += 1;
             }
         }
     }
+}
+
+/// Why a request's KV did not arrive.
+#[derive(Debug, Clone, Copy)]
+enum Failure {
+    /// Push: D's failure and what freed the blocks.
+    Push(DecodeFailure, FreeProof),
+    /// Pull: the import's outcome (not `Loaded`).
+    Import(ImportOutcome),
 }
 
 /// Handles one of D's events: ready blocks go to verification, failed ones back to the list.
@@ -238,6 +268,19 @@ fn on_event(
 ) {
     let (request, blocks, failure) = match event {
         ConnectorEvent::BlocksReady { request, blocks } => (request, blocks, None),
+        ConnectorEvent::Imported {
+            request,
+            outcome: ImportOutcome::Loaded,
+            blocks,
+        } => (request, blocks, None),
+        ConnectorEvent::Imported {
+            request,
+            outcome,
+            blocks,
+        } => {
+            note(&mut st.errors, format!("D: {request} import: {outcome:?}"));
+            (request, blocks, Some(Failure::Import(outcome)))
+        }
         ConnectorEvent::Failed {
             request,
             reason,
@@ -245,7 +288,7 @@ fn on_event(
             blocks,
         } => {
             note(&mut st.errors, format!("D: {request} failed: {reason:?}"));
-            (request, blocks, Some((reason, proof)))
+            (request, blocks, Some(Failure::Push(reason, proof)))
         }
         ConnectorEvent::Refused { request, error } => {
             // A call whose verdict came late was refused: its blocks are ours again.
@@ -263,9 +306,7 @@ fn on_event(
             }
             return;
         }
-        ConnectorEvent::BlocksFree { .. }
-        | ConnectorEvent::ExportEnded { .. }
-        | ConnectorEvent::Imported { .. } => {
+        ConnectorEvent::BlocksFree { .. } | ConnectorEvent::ExportEnded { .. } => {
             st.unknown += 1;
             note(
                 &mut st.errors,
@@ -299,16 +340,24 @@ fn on_event(
             format!("D: {request} handed back {blocks:?}, gave {given:?}"),
         );
     }
-    if failure.is_none() {
-        r.ready = true;
-        r.ready_at = Some(now);
-        let list = blocks.groups.into_iter().flatten().collect();
-        st.verifying.push_back((i, list, 0));
-    } else {
-        r.failed = true;
-        r.failure = failure.map(|(reason, _)| reason);
-        r.proof = failure.map(|(_, proof)| proof);
-        st.free.release(&blocks);
-        st.done += 1;
+    match failure {
+        None => {
+            r.ready = true;
+            r.ready_at = Some(now);
+            let list = blocks.groups.into_iter().flatten().collect();
+            st.verifying.push_back((i, list, 0));
+        }
+        Some(failure) => {
+            r.failed = true;
+            match failure {
+                Failure::Push(reason, proof) => {
+                    r.failure = Some(reason);
+                    r.proof = Some(proof);
+                }
+                Failure::Import(outcome) => r.import_failure = Some(outcome),
+            }
+            st.free.release(&blocks);
+            st.done += 1;
+        }
     }
 }

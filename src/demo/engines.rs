@@ -17,7 +17,9 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_protocol::machine::{DecodeFailure, FreeProof, ReleaseCause};
+use kvhandoff_protocol::machine::{
+    DecodeFailure, ExportEnd, FreeProof, ImportOutcome, ReleaseCause,
+};
 use kvhandoff_protocol::BlockIds;
 
 use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams};
@@ -142,8 +144,12 @@ pub(crate) struct PrefillRecord {
     pub(crate) filled_at: Option<Instant>,
     pub(crate) finish_call: Option<Instant>,
     pub(crate) events: u32,
+    /// The KV went: written (push) or read by D (pull).
     pub(crate) sent: bool,
+    /// Push: why the blocks were released unsent.
     pub(crate) released: Option<ReleaseCause>,
+    /// Pull: why the export ended unread.
+    pub(crate) export_end: Option<ExportEnd>,
     /// When the loop took the request's first event.
     pub(crate) ended_at: Option<Instant>,
 }
@@ -163,6 +169,8 @@ pub(crate) struct DecodeRecord {
     pub(crate) failure: Option<DecodeFailure>,
     /// What freed its blocks, for `Failed`.
     pub(crate) proof: Option<FreeProof>,
+    /// Pull: the import's outcome when it did not load.
+    pub(crate) import_failure: Option<ImportOutcome>,
     pub(crate) verified: bool,
     pub(crate) byte_errors: u64,
     pub(crate) abandoned: bool,

@@ -1,6 +1,7 @@
 //! P's engine loop: prompts arrive on the schedule, P "prefills" each by writing the pattern into
 //! its blocks (one block per step, so events and due calls are never kept waiting long), calls
-//! `request_finished` when the pacing says so, and frees the blocks on `BlocksFree`.
+//! `request_finished` when the pacing says so (asking for the request's transfer mode, as a
+//! router would), and frees the blocks on `BlocksFree` (push) or `ExportEnded` (pull).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -15,6 +16,7 @@ use super::engines::{
 use super::pattern::pattern_block;
 use super::schedule::Planned;
 use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams};
+use kvhandoff_protocol::machine::ExportOutcome;
 
 /// Runs P's side of `plan` on `conn` until every request had its event or `run.deadline`.
 pub(crate) fn run_prefill(
@@ -171,13 +173,16 @@ impl PrefillLoop<'_> {
         let blocks = st.held[i].clone().unwrap_or_default();
         let router = KvTransferParams {
             do_remote_decode: true,
+            transfer_mode: Some(p.mode_name().into()),
             ..KvTransferParams::default()
         };
         st.records[i].finish_call = Some(Instant::now());
-        match self
-            .conn
-            .request_finished(&p.prefill_id, BlockIds::single_group(blocks), &router)
-        {
+        match self.conn.request_finished(
+            &p.prefill_id,
+            BlockIds::single_group(blocks),
+            u64::from(p.tokens),
+            &router,
+        ) {
             Ok(params) => {
                 if let PrefillPacing::Router(to_decode) = &self.run.pacing {
                     let _ = to_decode.send(ToDecode::Params { index: i, params });
@@ -206,6 +211,15 @@ impl PrefillLoop<'_> {
     }
 }
 
+/// Why a request's blocks came back without the KV having gone.
+#[derive(Debug, Clone, Copy)]
+enum Unsent {
+    /// Push: P's release cause.
+    Push(kvhandoff_protocol::machine::ReleaseCause),
+    /// Pull: how the export ended.
+    Pull(kvhandoff_protocol::machine::ExportEnd),
+}
+
 /// Handles one of P's events: the request's blocks come back.
 fn on_event(event: ConnectorEvent, index: &BTreeMap<RequestId, usize>, st: &mut State) {
     if let ConnectorEvent::Refused { request, error } = &event {
@@ -223,15 +237,31 @@ fn on_event(event: ConnectorEvent, index: &BTreeMap<RequestId, usize>, st: &mut 
         }
         return;
     }
-    let ConnectorEvent::BlocksFree {
-        request,
-        released,
-        blocks,
-    } = event
-    else {
-        st.unknown += 1;
-        note(&mut st.errors, format!("P got a decode event: {event:?}"));
-        return;
+    // Push hands the blocks back with `BlocksFree`, pull with `ExportEnded`; either way the
+    // KV went, or why not.
+    let (request, blocks, unsent) = match event {
+        ConnectorEvent::BlocksFree {
+            request,
+            released,
+            blocks,
+        } => (request, blocks, released.map(Unsent::Push)),
+        ConnectorEvent::ExportEnded {
+            request,
+            outcome,
+            blocks,
+            ..
+        } => {
+            let unsent = match outcome {
+                ExportOutcome::Read => None,
+                ExportOutcome::Released(end) => Some(Unsent::Pull(end)),
+            };
+            (request, blocks, unsent)
+        }
+        other => {
+            st.unknown += 1;
+            note(&mut st.errors, format!("P got a decode event: {other:?}"));
+            return;
+        }
     };
     let Some(&i) = index.get(&request) else {
         st.unknown += 1;
@@ -260,13 +290,16 @@ fn on_event(event: ConnectorEvent, index: &BTreeMap<RequestId, usize>, st: &mut 
         }
     }
     st.free.release(&blocks);
-    match released {
+    match unsent {
         None => r.sent = true,
-        Some(cause) => {
-            r.released = Some(cause);
+        Some(why) => {
+            match why {
+                Unsent::Push(cause) => r.released = Some(cause),
+                Unsent::Pull(end) => r.export_end = Some(end),
+            }
             note(
                 &mut st.errors,
-                format!("P: {request} released unsent: {cause:?}"),
+                format!("P: {request} released unsent: {why:?}"),
             );
         }
     }

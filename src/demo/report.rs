@@ -11,8 +11,9 @@ use super::engines::{note, DecodeRecord, PrefillRecord};
 use super::schedule::{Planned, Workload};
 use super::DemoOptions;
 use crate::stats::{human_bytes, percentile};
+use kvhandoff::TransferMode;
 
-/// Race counts.
+/// Race counts (pushed requests only: a pulled one has no race, D reads after P's answer).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Races {
     /// D's registration reached P before P finished.
@@ -24,9 +25,9 @@ pub struct Races {
 /// D's outcomes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Outcomes {
-    /// `BlocksReady`.
+    /// `BlocksReady` (push), or `Imported` with `Loaded` (pull).
     pub ready: u64,
-    /// `Failed`.
+    /// `Failed` (push), or `Imported` with any other outcome (pull).
     pub failed: u64,
     /// No event before the run's deadline.
     pub missing: u64,
@@ -35,9 +36,10 @@ pub struct Outcomes {
 /// P's outcomes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PrefillOutcomes {
-    /// `BlocksFree` after the write completed.
+    /// `BlocksFree` after the write completed (push), or `ExportEnded` after D read the
+    /// blocks (pull).
     pub sent: u64,
-    /// `BlocksFree` without a completed write.
+    /// `BlocksFree` without a completed write, or `ExportEnded` unread.
     pub released: u64,
     /// No event before the run's deadline.
     pub missing: u64,
@@ -111,6 +113,10 @@ pub enum ReportRole {
 pub struct DemoReport {
     /// `"mem"` or `"nixl"`.
     pub transport: String,
+    /// How the requests moved their KV: `"push"`, `"pull"` or `"mixed"` (each request drawn).
+    pub mode: String,
+    /// Requests whose KV was pulled (D read P's export); the others were pushed.
+    pub pulled: u64,
     /// Which engines the report speaks for.
     pub role: ReportRole,
     /// The schedule's seed.
@@ -125,7 +131,8 @@ pub struct DemoReport {
     /// another process): as `call_order`.
     pub races: Races,
     /// Races as the engines' call times ordered them (P's `request_finished` vs D's
-    /// `request_allocated`); may differ from `races` by the registration's flight time. For
+    /// `request_allocated`), over the pushed requests; may differ from `races` by the
+    /// registration's flight time. For
     /// [`ReportRole::Decode`]: D's calls against the times the schedule has P call, in D's
     /// clock (P's own report has the counts its endpoint saw).
     pub call_order: Races,
@@ -133,9 +140,9 @@ pub struct DemoReport {
     pub outcomes: Outcomes,
     /// P's outcomes (zero for [`ReportRole::Decode`]).
     pub prefill_outcomes: PrefillOutcomes,
-    /// Bytes moved: with `mem`, P's agent's landed bytes; with `nixl` (NIXL counts no bytes),
-    /// the blocks of the requests whose write completed (P's `Sent`), or for
-    /// [`ReportRole::Decode`] that arrived (D's `BlocksReady`).
+    /// Bytes moved: with `mem`, the bytes landed by P's agent's writes and D's agent's reads;
+    /// with `nixl` (NIXL counts no bytes), the blocks of the requests whose write completed or
+    /// that D read (P's `sent`), or for [`ReportRole::Decode`] that arrived (D's `ready`).
     pub bytes: u64,
     /// Bytes the requests' blocks hold (what should have moved).
     pub expected_bytes: u64,
@@ -260,6 +267,15 @@ impl DemoReport {
         let mut out = String::new();
         let mut lines: Vec<(&str, String)> = vec![
             ("transport", self.transport_line()),
+            (
+                "mode",
+                format!(
+                    "{} ({} pulled, {} pushed)",
+                    self.mode,
+                    self.pulled,
+                    self.requests - self.pulled
+                ),
+            ),
             (
                 "model geometry",
                 format!(
@@ -443,10 +459,12 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
         let (Some(pf), Some(da)) = (finish, dr.allocate_call) else {
             continue;
         };
-        if da <= pf {
-            call_order.decode_registers_first += 1;
-        } else {
-            call_order.prefill_finishes_first += 1;
+        if plan.get(i).is_some_and(|q| q.mode == TransferMode::Push) {
+            if da <= pf {
+                call_order.decode_registers_first += 1;
+            } else {
+                call_order.prefill_finishes_first += 1;
+            }
         }
         let both = pf.max(da);
         first_start = Some(first_start.map_or(both, |f| f.min(both)));
@@ -464,6 +482,8 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
     let blocks: u64 = plan.iter().map(|q| q.blocks as u64).sum();
     let mut report = DemoReport {
         transport: transport.into(),
+        mode: options.mode.name().into(),
+        pulled: plan.iter().filter(|q| q.mode == TransferMode::Pull).count() as u64,
         role,
         seed: options.seed,
         requests: plan.len() as u64,
@@ -481,7 +501,10 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
         },
         prefill_outcomes: PrefillOutcomes {
             sent: p.iter().filter(|r| r.sent).count() as u64,
-            released: p.iter().filter(|r| r.released.is_some()).count() as u64,
+            released: p
+                .iter()
+                .filter(|r| r.released.is_some() || r.export_end.is_some())
+                .count() as u64,
             missing: p.iter().filter(|r| r.events == 0).count() as u64,
         },
         bytes: t.bytes,

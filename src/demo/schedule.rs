@@ -5,12 +5,17 @@
 
 use std::time::Duration;
 
+use kvhandoff::TransferMode;
 use kvhandoff_protocol::{KvGeometry, PairingKey, RequestId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::pattern::{demo_geometry, request_key};
-use super::{DemoError, DemoOptions};
+use super::{DemoError, DemoMode, DemoOptions};
+
+/// Mixed into the seed for [`DemoMode::Mixed`]'s draws, which come from a generator of their
+/// own so that the rest of the schedule is the same in every mode.
+const MODE_SALT: u64 = 0x6d6f_6465_2d64_7261;
 
 /// One request of the schedule.
 #[derive(Debug, Clone)]
@@ -27,8 +32,22 @@ pub(crate) struct Planned {
     pub(crate) arrival: Duration,
     /// P calls `request_finished` this long after its prefill is done.
     pub(crate) prefill_delay: Duration,
-    /// D calls `request_allocated` this long after P's prefill is done.
+    /// D calls `request_allocated` this long after P's prefill is done (in pull mode, or once
+    /// P's answer came, if later).
     pub(crate) decode_delay: Duration,
+    /// How the request's KV moves.
+    pub(crate) mode: TransferMode,
+}
+
+impl Planned {
+    /// The request's `transfer_mode`, as the router asks P for it.
+    pub(crate) fn mode_name(&self) -> &'static str {
+        if self.mode == TransferMode::Pull {
+            "pull"
+        } else {
+            "push"
+        }
+    }
 }
 
 /// What the checked options give: the geometry and its block sizes.
@@ -93,6 +112,7 @@ pub(crate) fn schedule(
     block_tokens: u32,
 ) -> Result<Vec<Planned>, DemoError> {
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
+    let mut modes = ChaCha8Rng::seed_from_u64(options.seed ^ MODE_SALT);
     let mut arrival = Duration::ZERO;
     let skew = options.max_call_skew.as_nanos() as u64;
     let mean_gap = options.mean_arrival_gap.as_secs_f64();
@@ -130,6 +150,12 @@ pub(crate) fn schedule(
             arrival,
             prefill_delay: Duration::from_nanos(rng.gen_range(0..=skew)),
             decode_delay: Duration::from_nanos(rng.gen_range(0..=skew)),
+            mode: match options.mode {
+                DemoMode::Push => TransferMode::Push,
+                DemoMode::Pull => TransferMode::Pull,
+                DemoMode::Mixed if modes.gen_bool(0.5) => TransferMode::Pull,
+                DemoMode::Mixed => TransferMode::Push,
+            },
         });
     }
     Ok(plan)
@@ -157,6 +183,34 @@ mod tests {
             .filter(|p| p.decode_delay < p.prefill_delay)
             .count();
         assert!(d_first > 16 && d_first < 48, "{d_first}");
+    }
+
+    #[test]
+    fn modes_change_nothing_else_and_mixed_draws_both() {
+        let push = schedule(&DemoOptions::default(), 16).unwrap();
+        assert!(push.iter().all(|p| p.mode == TransferMode::Push));
+        for mode in [DemoMode::Pull, DemoMode::Mixed] {
+            let options = DemoOptions {
+                mode,
+                ..DemoOptions::default()
+            };
+            let other = schedule(&options, 16).unwrap();
+            assert!(push
+                .iter()
+                .zip(&other)
+                .all(|(x, y)| x.prefill_id == y.prefill_id
+                    && x.tokens == y.tokens
+                    && x.arrival == y.arrival
+                    && x.decode_delay == y.decode_delay));
+            let pulled = other
+                .iter()
+                .filter(|p| p.mode == TransferMode::Pull)
+                .count();
+            match mode {
+                DemoMode::Pull => assert_eq!(pulled, 64),
+                _ => assert!(pulled > 16 && pulled < 48, "{pulled}"),
+            }
+        }
     }
 
     #[test]

@@ -147,6 +147,14 @@ where
     let opts = &options.schedule;
     let deadline = wall + opts.timeout;
     let workload = check_options(opts)?;
+    if opts.mode != crate::demo::DemoMode::Push {
+        // A pulled request needs P's answer (its block ids) at D, and nothing but the protocol
+        // passes between the two processes.
+        return Err(DemoError::Options(format!(
+            "node runs push only, not {}",
+            opts.mode.name()
+        )));
+    }
     let whole = schedule(opts, workload.block_tokens)?;
     if options.start_at >= whole.len() {
         return Err(DemoError::Options(format!(

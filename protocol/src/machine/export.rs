@@ -291,8 +291,25 @@ impl Granted {
     fn handle(mut self, ctx: &ExportCtx<'_>, input: ExportInput, fx: &mut Outbox) -> ExportStep {
         match input {
             ExportInput::Ask { from, epoch } if from == self.reader && epoch == self.epoch => {
-                // A copy of the ask (or a resend whose grant was lost): the same grant again.
+                // A copy of the ask, or a resend whose grant was lost: the same grant again. A
+                // read under the copy may start only when it arrives, so the fence moves with
+                // it; a copy that could outlive the hard end is refused instead (a read under
+                // the first copy, if any, is covered by the fence as it stands).
+                if self.common.too_late_to_grant(ctx) {
+                    let refusal = self.common.refuse(ctx, epoch, ReadRefusal::NearExpiry);
+                    fx.send(&from, refusal);
+                    return Step::Live(ExportRequest::Granted(self));
+                }
+                self.fence = self.fence.max(ctx.fence());
                 fx.send(&from, self.common.grant(ctx, epoch));
+                Step::Live(ExportRequest::Granted(self))
+            }
+            ExportInput::Ask { from, epoch }
+                if from == self.reader && epoch > self.epoch && self.common.aborted =>
+            {
+                // The engine gave the export up: no new attempt is served.
+                let refusal = self.common.refuse(ctx, epoch, ReadRefusal::Aborted);
+                fx.send(&from, refusal);
                 Step::Live(ExportRequest::Granted(self))
             }
             ExportInput::Ask { from, epoch } if from == self.reader && epoch > self.epoch => {

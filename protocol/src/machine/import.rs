@@ -68,7 +68,7 @@ pub(crate) struct Reading {
     /// Why the import cannot load, if something other than a failed read says so.
     pub(crate) failure: Option<ImportFailure>,
     /// After this every read posted has ended (posted at the grant, each ends within the
-    /// fabric's bound), reported or not.
+    /// fabric's bound), reported or not (plus a margin for the report).
     pub(crate) reads_end_by: Time,
 }
 
@@ -342,7 +342,10 @@ impl Asking {
             pending,
             first_failed_block: None,
             failure: None,
-            reads_end_by: ctx.now + ctx.config.max_write_life,
+            // The fabric ends every read within `max_write_life` of its post; the transport's
+            // report of a read that ended right at that bound is given `abandon_timeout` to
+            // arrive before the reader stops waiting.
+            reads_end_by: ctx.now + ctx.config.max_write_life + ctx.config.abandon_timeout,
             common,
         }))
     }

@@ -162,6 +162,14 @@ impl ExportTable {
     }
 }
 
+/// What [`ImportTable::step`] runs a transition with (the table adds its read-id counter).
+pub(crate) struct ImportStepAt<'a> {
+    pub(crate) now: Time,
+    pub(crate) own: &'a crate::PeerAddr,
+    pub(crate) config: &'a Config,
+    pub(crate) mutation: super::ActiveMutation,
+}
+
 /// The imports of one rank, their reads, and the epoch each recently ended key ended at.
 #[derive(Debug)]
 pub(crate) struct ImportTable {
@@ -301,14 +309,17 @@ impl ImportTable {
     /// ended leaves the table (its epoch recorded).
     pub(crate) fn step(
         &mut self,
-        now: Time,
-        own: &crate::PeerAddr,
-        config: &Config,
+        at: ImportStepAt<'_>,
         key: &PairingKey,
         input: ImportInput,
         fx: &mut Outbox,
-        mutation: super::ActiveMutation,
     ) -> Option<ImportEnded> {
+        let ImportStepAt {
+            now,
+            own,
+            config,
+            mutation,
+        } = at;
         let before: BTreeSet<WriteId> = self
             .imports
             .get(key)

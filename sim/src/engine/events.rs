@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use kvhandoff_protocol::machine::{DecodeOutcome, EngineEvent, FreeProof, Time};
 
-use super::{rid, Attempt, Status};
+use super::{rid, Attempt, AttemptKind, Status};
 use crate::ledger::{judge_hand_back, pattern, HandBack, Owner, BLOCK_BYTES};
 use crate::world::{micros, Ev, NodeId, World};
 
@@ -25,10 +25,18 @@ impl World {
                 blocks,
                 ..
             } => (request.clone(), key.clone(), blocks.clone(), false),
-            EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
-                self.violate(format!("read-path event in a push world: {event:?}"));
-                return;
+            EngineEvent::Export {
+                request,
+                key,
+                blocks,
+                ..
             }
+            | EngineEvent::Import {
+                request,
+                key,
+                blocks,
+                ..
+            } => (request.clone(), key.clone(), blocks.clone(), node != 0),
         };
         let Some(&request) = self.keys.get(&key) else {
             self.violate(format!("event for unknown key {key}"));
@@ -65,6 +73,7 @@ impl World {
             epoch: a.epoch,
         };
         let (d_blocks, p_blocks) = (r.d_blocks, r.p_blocks);
+        let mut kept_blocks = false;
         let label = match &event {
             EngineEvent::Decode {
                 epoch,
@@ -80,6 +89,7 @@ impl World {
                 }
                 if *outcome == DecodeOutcome::Ready {
                     self.check_ready(node, request, a.epoch, &flat, p_blocks - d_blocks);
+                    kept_blocks = self.keep_for_second_turn(node, request, &a);
                 }
                 self.step_decode_events.push(request);
                 self.check_proof(node, request, a.epoch, *proof, started);
@@ -88,7 +98,9 @@ impl World {
             }
             EngineEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
             EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
-                unreachable!("refused above")
+                let (label, kept) = self.read_event_checks(node, request, &a, &event, &flat);
+                kept_blocks = kept;
+                label
             }
         };
         // The longest a request may legally take: D waits for its deadline, then at worst for
@@ -113,10 +125,12 @@ impl World {
         }
         self.record(format!("engine: {id} ended: {label}"));
         *self.outcomes.entry(label).or_insert(0) += 1;
-        for e in self.nodes[node].pool.free(&flat, owner) {
-            self.violate(format!("node {node}: {e}"));
+        if !kept_blocks {
+            for e in self.nodes[node].pool.free(&flat, owner) {
+                self.violate(format!("node {node}: {e}"));
+            }
+            self.wake_waiters(node, flat.len());
         }
-        self.wake_waiters(node, flat.len());
         let r = &mut self.requests[request];
         let attempts = if decode { &mut r.d } else { &mut r.p };
         attempts[ai].status = Status::Done;
@@ -125,6 +139,9 @@ impl World {
             &event,
             EngineEvent::Decode {
                 outcome: DecodeOutcome::Failed(_),
+                ..
+            } | EngineEvent::Import {
+                outcome: kvhandoff_protocol::machine::ImportOutcome::Failed(_),
                 ..
             }
         );
@@ -150,7 +167,8 @@ impl World {
             .writes
             .values()
             .filter(|w| {
-                w.target == node
+                w.read.is_none()
+                    && w.target == node
                     && w.target_inc == inc
                     && w.request == request
                     && w.epoch == epoch
@@ -185,7 +203,7 @@ impl World {
     }
 
     /// S7/S8: every byte D expects is P's pattern, written in this epoch, by a landed write.
-    fn check_ready(
+    pub(super) fn check_ready(
         &mut self,
         node: NodeId,
         request: usize,
@@ -230,6 +248,7 @@ impl World {
             epoch,
             blocks: vec![],
             status: Status::Pending,
+            kind: AttemptKind::Push,
         });
         let d_at = micros(&mut self.rng, 1_000, 20_000);
         self.schedule(d_at, Ev::DecodeStart { request });
@@ -243,6 +262,7 @@ impl World {
                 epoch: p_next,
                 blocks: vec![],
                 status: Status::Pending,
+                kind: AttemptKind::Push,
             });
             let p_at = micros(&mut self.rng, 0, 10_000);
             self.schedule(p_at, Ev::PrefillStart { request });

@@ -2,6 +2,7 @@
 //! faults scheduled over them (partitions, crashes, late handshakes, second decodes).
 
 use super::*;
+use crate::mode::Mode;
 
 /// Swarm testing: each seed draws its own fault rates.
 pub(crate) fn draw_rates(rng: &mut ChaCha8Rng, faults: Faults) -> Rates {
@@ -31,8 +32,60 @@ pub(crate) fn draw_rates(rng: &mut ChaCha8Rng, faults: Faults) -> Rates {
 }
 
 impl World {
+    /// How request `i` moves its KV in this world's mode.
+    fn draw_transfer(&mut self, trng: &mut ChaCha8Rng, i: usize) -> Transfer {
+        let mode = self.cfg.mode;
+        let none = Transfer {
+            pull: false,
+            policy: LoadFailurePolicy::Fail,
+            gate: false,
+            second: None,
+        };
+        if mode == Mode::Push {
+            return none;
+        }
+        let pull = trng.gen_bool(mode.pull_share());
+        let policy = if trng.gen_bool(0.5) {
+            LoadFailurePolicy::Recompute
+        } else {
+            LoadFailurePolicy::Fail
+        };
+        let gate = trng.gen_bool(0.5);
+        let second = trng.gen_bool(mode.second_turn_share()).then(|| {
+            // Short TTLs (the fast configuration's scale) so that expiry races happen; most
+            // second turns come soon, some near or past the export's hard end (2 × TTL).
+            let ttl = Duration::from_millis([2_500, 4_000, 6_000][trng.gen_range(0..3)]);
+            let end = 2 * ttl.as_micros() as u64;
+            let delay = match trng.gen_range(0..10) {
+                0..=6 => micros(trng, 0, 50_000),
+                7 | 8 => micros(trng, end.saturating_sub(4_000_000), end),
+                _ => micros(trng, end, end + 500_000),
+            };
+            SecondTurn {
+                key: PairingKey::new(format!("k{i}t2")).expect("valid key"),
+                ttl,
+                delay,
+                blocks: trng.gen_range(1..=4),
+                decline: trng.gen_bool(0.1),
+                gate: trng.gen_bool(0.5),
+            }
+        });
+        Transfer {
+            pull,
+            policy,
+            gate,
+            second,
+        }
+    }
+
     /// Draws the workload (seeded mode) or lays it out plainly (explore mode).
     pub(crate) fn setup_requests(&mut self) {
+        // The transfer of each request is drawn from a stream of its own, so that a seed's
+        // faults and timings are the same in every mode (and push seeds replay unchanged).
+        let mut trng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x7472_616e_7366_6572);
+        if self.cfg.mode.reads() && self.cfg.faults == Faults::Chaos {
+            self.rates.lose_ask = [0.0, 0.1, 0.3][trng.gen_range(0..3)];
+        }
         for i in 0..self.cfg.requests {
             let key = PairingKey::new(format!("k{i}")).expect("valid key");
             let (d_node, p_blocks, d_blocks) = if self.cfg.explore {
@@ -47,6 +100,7 @@ impl World {
                 (1 + self.rng.gen_range(0..self.cfg.decode_engines), n, m)
             };
             self.keys.insert(key.clone(), i);
+            let transfer = self.draw_transfer(&mut trng, i);
             self.requests.push(Request {
                 key,
                 d_node,
@@ -58,6 +112,7 @@ impl World {
                     epoch: 1,
                     blocks: vec![],
                     status: Status::Pending,
+                    kind: AttemptKind::Push,
                 }],
                 p: vec![Attempt {
                     id: rid("p", i, 1),
@@ -65,7 +120,9 @@ impl World {
                     epoch: 1,
                     blocks: vec![],
                     status: Status::Pending,
+                    kind: AttemptKind::Push,
                 }],
+                transfer,
             });
             let span = self.cfg.span.as_micros() as u64;
             let base = if span > 0 {
@@ -73,7 +130,22 @@ impl World {
             } else {
                 0
             };
-            let d_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
+            if let Some(second) = &self.requests[i].transfer.second {
+                self.keys.insert(second.key.clone(), i);
+            }
+            let mut d_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
+            if self.requests[i].transfer.pull && !self.cfg.explore {
+                let lease = self.cfg.machine.lease_duration.as_micros() as u64;
+                match trng.gen_range(0..20) {
+                    // The router hands P's answer to D late: D asks about when P's lease
+                    // ends.
+                    0 => d_at += micros(&mut trng, lease.saturating_sub(300_000), lease + 300_000),
+                    // A slow router: D asks well into P's lease, where a lost ask leaves it
+                    // waiting long enough for its heartbeats to renew the lease.
+                    1 | 2 => d_at += micros(&mut trng, lease / 3, lease * 5 / 6),
+                    _ => {}
+                }
+            }
             let mut p_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
             if !self.cfg.explore && self.rng.gen_bool(self.rates.slow_prefill) {
                 // A long prefill: D's deadline may fire while the write is in flight.

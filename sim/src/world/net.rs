@@ -101,6 +101,11 @@ impl World {
             self.record(line);
             return;
         }
+        if matches!(msg.message, Message::ReadAsk(_)) && self.chance(self.rates.lose_ask) {
+            let line = format!("net lose ask {}", describe(&msg));
+            self.record(line);
+            return;
+        }
         if self.answer_muted(&msg.message) {
             let line = format!("net mute {}", describe(&msg));
             self.record(line);
@@ -247,7 +252,14 @@ impl World {
         // S5: a P→D message for an epoch D does not hold changes nothing of D's live request.
         let before = stale_key.map(|request| (request, self.decode_state_of(msg.to, request)));
         let kind = describe(&msg);
+        let renewals_before = self.exports_renewed(msg.to);
         self.shell_notification(msg.to, msg.from, &msg.message);
+        if let Message::Heartbeat(heartbeat) = &msg.message {
+            if self.exports_renewed(msg.to) > renewals_before {
+                let keys: Vec<_> = heartbeat.leases.iter().map(|l| l.key.clone()).collect();
+                self.note_renewals(msg.to, &keys);
+            }
+        }
         if let Some((request, before)) = before {
             if self.step_decode_events.contains(&request) {
                 self.violate(format!(
@@ -259,6 +271,16 @@ impl World {
                 ));
             }
         }
+    }
+}
+
+impl World {
+    /// Export leases `node`'s endpoint has renewed so far (this incarnation).
+    fn exports_renewed(&self, node: NodeId) -> u64 {
+        self.nodes[node]
+            .endpoint
+            .as_ref()
+            .map_or(0, |e| e.counters().exports_renewed)
     }
 }
 

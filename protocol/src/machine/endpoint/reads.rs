@@ -8,6 +8,7 @@ use super::Endpoint;
 use crate::machine::export::{ExportCtx, ExportEnded, ExportInput};
 use crate::machine::import::{release_message, ImportCommon, ImportEnded, ImportInput};
 use crate::machine::peer::{Peer, PeerInput};
+use crate::machine::read_tables::ImportStepAt;
 use crate::machine::read_types::{
     ExportEnd, ExportOutcome, ExportStart, ImportOutcome, ImportStart, ReadProof,
 };
@@ -153,15 +154,13 @@ impl Endpoint {
     }
 
     pub(super) fn step_import(&mut self, now: Time, key: &PairingKey, input: ImportInput) {
-        let ended = self.imports.step(
+        let at = ImportStepAt {
             now,
-            &self.own,
-            &self.config,
-            key,
-            input,
-            &mut self.outbox,
-            self.mutation,
-        );
+            own: &self.own,
+            config: &self.config,
+            mutation: self.mutation,
+        };
+        let ended = self.imports.step(at, key, input, &mut self.outbox);
         let Some(ImportEnded {
             common,
             outcome,

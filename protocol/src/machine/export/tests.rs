@@ -17,7 +17,7 @@ use crate::machine::effects::{Outbox, Step};
 use crate::machine::read_types::{ExportEnd, ExportOutcome, ExportStart, ReadProof};
 use crate::machine::shape::Machine;
 use crate::machine::types::{Counters, DropReason, Output, Time};
-use crate::machine::Config;
+use crate::machine::{ActiveMutation, Config};
 use crate::PeerAddr;
 
 fn ms(n: u64) -> Time {
@@ -727,12 +727,22 @@ fn input_name(input: &ExportInput) -> &'static str {
 }
 
 fn step(state: ExportRequest, now: Time, input: ExportInput) -> (Next, Vec<Output>, Counters) {
+    step_with(state, now, input, ActiveMutation::default())
+}
+
+fn step_with(
+    state: ExportRequest,
+    now: Time,
+    input: ExportInput,
+    mutation: ActiveMutation,
+) -> (Next, Vec<Output>, Counters) {
     let config = config();
     let own = own();
     let ctx = ExportCtx {
         now,
         own: &own,
         config: &config,
+        mutation,
     };
     let mut fx = Outbox::default();
     let next = match state.handle(&ctx, input, &mut fx) {
@@ -969,11 +979,9 @@ fn no_transition_leaves_a_live_export_past_its_hard_end() {
 /// A grant sent again (the reader re-asked: the first copy may have been lost) can be read
 /// under as well as the first one: a read posted on its arrival runs until `now +
 /// max_message_delay + max_write_life`. The fence must cover that, or the blocks may be handed
-/// back while that read still runs. Today the fence stays where the first copy put it.
+/// back while that read still runs (found by this test; fixed: the fence moves with the copy,
+/// and a copy that could outlive the hard end is refused).
 #[test]
-#[ignore = "bug: a re-sent grant (same reader, same epoch) keeps the first grant's fence, so \
-            a read posted under the re-sent copy can outlive the fence and the blocks are \
-            freed under it"]
 fn a_resent_grant_is_covered_by_the_fence() {
     let span = read_span(&config());
     for t in (NOW_MS..=HARD_END_MS).step_by(500) {
@@ -999,9 +1007,6 @@ fn a_resent_grant_is_covered_by_the_fence() {
 /// attempt is refused (`ReadRefusal::Aborted` says exactly this), not granted afresh with a
 /// fence from now.
 #[test]
-#[ignore = "likely bug (liveness, not safety): an aborted export still grants a newer epoch \
-            of its reader and pushes the fence out, instead of refusing it with \
-            ReadRefusal::Aborted"]
 fn an_aborted_export_grants_no_new_attempt() {
     let aborted = || GrantedAt::new().aborted().build();
     let (next, outputs, counters) = step(aborted(), ms(NOW_MS + 1_000), ask(reader(), Epoch(3)));
@@ -1011,4 +1016,19 @@ fn an_aborted_export_grants_no_new_attempt() {
         vec![refused_sent(reader(), Epoch(3), ReadRefusal::Aborted)]
     );
     assert_eq!(counters, no_counters());
+}
+
+/// The table catches the deliberate bug of a fence that forgets the read's own life.
+#[cfg(feature = "mutations")]
+#[test]
+fn the_table_catches_a_short_grant_fence() {
+    let mutation = ActiveMutation(Some(crate::machine::Mutation::ShortGrantFence));
+    let mut caught = Vec::new();
+    for case in cases() {
+        let (next, outputs, counters) = step_with(case.state, case.now, case.input, mutation);
+        if next != case.next || outputs != case.outputs || counters != case.counters {
+            caught.push(case.name);
+        }
+    }
+    assert!(!caught.is_empty(), "no case tells the mutation apart");
 }

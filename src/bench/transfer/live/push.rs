@@ -103,7 +103,12 @@ impl Push {
         let p_start = Instant::now();
         let params = self
             .p_conn
-            .request_finished(&p_id, table.local.clone(), &KvTransferParams::default())
+            .request_finished(
+                &p_id,
+                table.local.clone(),
+                tokens,
+                &KvTransferParams::default(),
+            )
             .map_err(connector)?;
         let d_start = Instant::now();
         self.d_conn

@@ -1,0 +1,383 @@
+//! The engine model of the read path: a pulled request (P exports, D reads once the router
+//! handed it P's answer), a second turn (D keeps its blocks, P reads them back or declines),
+//! and the checks on every export's and import's terminal event.
+
+use kvhandoff_protocol::machine::{
+    EngineCall, EngineEvent, ExportStart, ImportFailure, ImportOutcome, ImportStart, Rejected,
+};
+use kvhandoff_protocol::{BlockIds, Epoch, ReadRefusal};
+
+use super::{rid, Attempt, AttemptKind, Status};
+use crate::ledger::Owner;
+use crate::world::{micros, Ev, NodeId, World};
+
+/// Tokens per simulated block.
+const BLOCK_TOKENS: u32 = 16;
+
+impl World {
+    /// D attempt `attempt` of a pulled request: it needs P's answer (a live export) first, as
+    /// the router forwards it; then it allocates and imports.
+    pub(super) fn pull_decode_start(&mut self, request: usize, attempt: usize) {
+        let r = self.requests[request].clone();
+        let a = r.d[attempt].clone();
+        let node = a.node;
+        let export = r
+            .p
+            .iter()
+            .rev()
+            .find(|x| matches!(x.kind, AttemptKind::Export { .. }))
+            .filter(|x| matches!(x.status, Status::Live { .. }))
+            .cloned();
+        let Some(export) = export else {
+            if !r
+                .p
+                .iter()
+                .any(|x| matches!(x.status, Status::Pending | Status::Live { .. }))
+            {
+                // P's export ended (read, refused, expired): P prefills again.
+                let next = r.p.len() as u64 + 1;
+                self.requests[request].p.push(Attempt {
+                    id: rid("p", request, next),
+                    node: 0,
+                    epoch: next,
+                    blocks: vec![],
+                    status: Status::Pending,
+                    kind: AttemptKind::Push,
+                });
+                let at = micros(&mut self.rng, 0, 10_000);
+                self.schedule(at, Ev::PrefillStart { request });
+            }
+            let later = micros(&mut self.rng, 2_000, 20_000);
+            self.schedule(later, Ev::DecodeStart { request });
+            return;
+        };
+        let AttemptKind::Export { hard_end, .. } = export.kind else {
+            unreachable!("filtered above");
+        };
+        self.record(format!("engine: D allocates to read {} {}", r.key, a.id));
+        let owner = Owner {
+            request,
+            epoch: a.epoch,
+        };
+        let blocks = if self.alive(node) {
+            self.nodes[node].pool.allocate(r.d_blocks, owner)
+        } else {
+            None
+        };
+        let Some(blocks) = blocks else {
+            self.wait_for_blocks(node, request, true);
+            return;
+        };
+        let start = ImportStart {
+            request: a.id,
+            key: r.key.clone(),
+            epoch: Epoch(a.epoch),
+            holder: self.nodes[0].addr.clone(),
+            blocks: BlockIds::single_group(blocks.clone()),
+            remote_blocks: BlockIds::single_group(export.blocks.clone()),
+            num_tokens: u64::from(BLOCK_TOKENS) * r.p_blocks as u64,
+            block_tokens: BLOCK_TOKENS,
+            policy: r.transfer.policy,
+            expires: r.transfer.gate.then_some(hard_end),
+        };
+        let retry = Some(Ev::DecodeStart { request });
+        if !self.engine_call(node, EngineCall::Import(start), &blocks, owner, retry) {
+            return;
+        }
+        let inc = self.nodes[node].incarnation;
+        let a = &mut self.requests[request].d[attempt];
+        a.blocks = blocks;
+        a.kind = AttemptKind::Import {
+            read_epoch: a.epoch,
+        };
+        a.status = Status::Live {
+            node_inc: inc,
+            started: self.now,
+        };
+        self.last_progress = self.now;
+        self.drain(node);
+    }
+
+    /// P's engine finished a pulled request's prefill into `blocks`: it exports them.
+    pub(super) fn export_call(&self, id: &kvhandoff_protocol::RequestId, request: usize, blocks: &[u32]) -> EngineCall {
+        let r = &self.requests[request];
+        EngineCall::Export(ExportStart {
+            request: id.clone(),
+            key: r.key.clone(),
+            blocks: BlockIds::single_group(blocks.to_vec()),
+            num_tokens: u64::from(BLOCK_TOKENS) * r.p_blocks as u64,
+            lease: self.cfg.machine.lease_duration,
+        })
+    }
+
+    /// D's attempt ended with the KV in its blocks: if the request has a second turn, D's
+    /// engine keeps the blocks and exports them for P (true), instead of freeing them.
+    pub(super) fn keep_for_second_turn(&mut self, node: NodeId, request: usize, a: &Attempt) -> bool {
+        let r = &self.requests[request];
+        let Some(second) = r.transfer.second.clone() else {
+            return false;
+        };
+        if node != r.d_node || a.blocks.is_empty() || !self.alive(node) {
+            return false;
+        }
+        if r.d.iter().any(|x| matches!(x.kind, AttemptKind::Export { .. })) {
+            return false;
+        }
+        let id = rid("x", request, a.epoch);
+        let start = ExportStart {
+            request: id.clone(),
+            key: second.key.clone(),
+            blocks: BlockIds::single_group(a.blocks.clone()),
+            num_tokens: u64::from(BLOCK_TOKENS) * a.blocks.len() as u64,
+            lease: second.ttl,
+        };
+        let now = self.now;
+        let endpoint = self.nodes[node].endpoint.as_mut().expect("alive");
+        match endpoint.handle_call(now, EngineCall::Export(start)) {
+            Ok(()) => {}
+            Err(Rejected::TableFull { .. }) => {
+                self.mark("admission_refused");
+                return false;
+            }
+            Err(rejected) => {
+                self.violate(format!("export refused by node {node}: {rejected}"));
+                return false;
+            }
+        }
+        self.record(format!("engine: D keeps {} for a second turn as {id}", r.key));
+        let inc = self.nodes[node].incarnation;
+        self.requests[request].d.push(Attempt {
+            id,
+            node,
+            epoch: a.epoch,
+            blocks: a.blocks.clone(),
+            status: Status::Live {
+                node_inc: inc,
+                started: now,
+            },
+            kind: AttemptKind::Export {
+                hard_end: now + second.ttl * 2,
+                renewed: false,
+            },
+        });
+        self.schedule(second.delay, Ev::SecondTurn { request });
+        true
+    }
+
+    /// P's engine starts the request's second turn: it reads D's kept blocks back, or declines
+    /// (it recomputes instead).
+    pub(crate) fn second_turn(&mut self, request: usize) {
+        let r = self.requests[request].clone();
+        let Some(second) = r.transfer.second.clone() else {
+            return;
+        };
+        let Some(export) = r
+            .d
+            .iter()
+            .rev()
+            .find(|x| matches!(x.kind, AttemptKind::Export { .. }))
+            .cloned()
+        else {
+            return;
+        };
+        if !self.alive(0) {
+            return;
+        }
+        let holder = self.nodes[export.node].addr.clone();
+        let m = second.blocks.min(export.blocks.len());
+        if second.decline || m == 0 {
+            self.record(format!("engine: P declines the second turn of {}", r.key));
+            *self
+                .outcomes
+                .entry("turn2.recomputed".to_string())
+                .or_insert(0) += 1;
+            let decline = EngineCall::DeclineExport {
+                key: second.key.clone(),
+                epoch: Epoch::FIRST,
+                holder,
+            };
+            let now = self.now;
+            let endpoint = self.nodes[0].endpoint.as_mut().expect("alive");
+            if let Err(rejected) = endpoint.handle_call(now, decline) {
+                self.violate(format!("decline refused by P: {rejected}"));
+            }
+            self.drain(0);
+            return;
+        }
+        let k = r
+            .p
+            .iter()
+            .filter(|x| matches!(x.kind, AttemptKind::Import { .. }))
+            .count() as u64;
+        if k > 0 {
+            return;
+        }
+        let owner = Owner {
+            request,
+            epoch: 100 + k,
+        };
+        let Some(blocks) = self.nodes[0].pool.allocate(m, owner) else {
+            let later = micros(&mut self.rng, 2_000, 10_000);
+            self.schedule(later, Ev::SecondTurn { request });
+            return;
+        };
+        let AttemptKind::Export { hard_end, .. } = export.kind else {
+            unreachable!("found above");
+        };
+        let id = rid("t", request, k + 1);
+        self.record(format!("engine: P reads the second turn of {} as {id}", r.key));
+        let start = ImportStart {
+            request: id.clone(),
+            key: second.key.clone(),
+            epoch: Epoch::FIRST,
+            holder,
+            blocks: BlockIds::single_group(blocks.clone()),
+            remote_blocks: BlockIds::single_group(export.blocks.clone()),
+            num_tokens: u64::from(BLOCK_TOKENS) * export.blocks.len() as u64,
+            block_tokens: BLOCK_TOKENS,
+            policy: r.transfer.policy,
+            expires: second.gate.then_some(hard_end),
+        };
+        let retry = Some(Ev::SecondTurn { request });
+        if !self.engine_call(0, EngineCall::Import(start), &blocks, owner, retry) {
+            return;
+        }
+        let inc = self.nodes[0].incarnation;
+        self.requests[request].p.push(Attempt {
+            id,
+            node: 0,
+            epoch: owner.epoch,
+            blocks,
+            status: Status::Live {
+                node_inc: inc,
+                started: self.now,
+            },
+            kind: AttemptKind::Import { read_epoch: 1 },
+        });
+        self.last_progress = self.now;
+        self.drain(0);
+    }
+
+    /// The checks of an export's or an import's terminal event (the shared ones, S3 and S4,
+    /// ran already); true if the engine keeps the blocks (a second turn), false if it frees
+    /// them.
+    pub(super) fn read_event_checks(
+        &mut self,
+        node: NodeId,
+        request: usize,
+        a: &Attempt,
+        event: &EngineEvent,
+        flat: &[u32],
+    ) -> (String, bool) {
+        let p_blocks = self.requests[request].p_blocks;
+        match event {
+            EngineEvent::Export { outcome, proof, .. } => {
+                if let AttemptKind::Export { hard_end, .. } = a.kind {
+                    if self.now > hard_end {
+                        self.violate(format!(
+                            "L3: export {} ended at {} after its hard end {hard_end}",
+                            a.id, self.now
+                        ));
+                    }
+                }
+                *self
+                    .outcomes
+                    .entry(format!("read_proof.{proof:?}"))
+                    .or_insert(0) += 1;
+                (format!("export.{outcome:?}"), false)
+            }
+            EngineEvent::Import { epoch, outcome, .. } => {
+                let in_flight = self.reads_into(node, request, epoch.0);
+                if in_flight > 0 {
+                    self.violate(format!(
+                        "proof: import {} handed its blocks back while {in_flight} read(s) may still land",
+                        a.id
+                    ));
+                }
+                let second_turn = node == 0;
+                let skip = p_blocks.saturating_sub(flat.len());
+                let failure = match outcome {
+                    ImportOutcome::Loaded => {
+                        self.check_ready(node, request, epoch.0, flat, skip);
+                        if !flat.is_empty() && !second_turn {
+                            self.mark("pull_read_completed");
+                            let renewed = self.requests[request].p.iter().any(|x| {
+                                matches!(x.kind, AttemptKind::Export { renewed: true, .. })
+                            });
+                            if renewed {
+                                self.mark("pull_read_after_lease_renewal");
+                            }
+                        }
+                        None
+                    }
+                    ImportOutcome::Recompute {
+                        valid_tokens,
+                        failure,
+                    } => {
+                        let valid = (*valid_tokens / u64::from(BLOCK_TOKENS)) as usize;
+                        if valid > 0 {
+                            self.check_ready(node, request, epoch.0, &flat[..valid], skip);
+                        }
+                        if matches!(failure, ImportFailure::ReadFailed | ImportFailure::Deadline)
+                        {
+                            self.mark("load_failure_recompute");
+                        }
+                        Some(*failure)
+                    }
+                    ImportOutcome::Failed(failure) => Some(*failure),
+                };
+                match failure {
+                    Some(ImportFailure::Refused(ReadRefusal::Expired)) => {
+                        self.mark("read_racing_ttl_expiry");
+                    }
+                    Some(
+                        ImportFailure::DeclinedNearExpiry
+                        | ImportFailure::Refused(ReadRefusal::NearExpiry),
+                    ) if second_turn => self.mark("turn2_read_declined_near_expiry"),
+                    _ => {}
+                }
+                if second_turn {
+                    let turn = match failure {
+                        None => "turn2.pulled_from_decode",
+                        Some(
+                            ImportFailure::DeclinedNearExpiry
+                            | ImportFailure::Refused(ReadRefusal::NearExpiry),
+                        ) => "turn2.declined_near_expiry",
+                        Some(_) => "turn2.recomputed",
+                    };
+                    *self.outcomes.entry(turn.to_string()).or_insert(0) += 1;
+                }
+                let kept = outcome == &ImportOutcome::Loaded
+                    && !second_turn
+                    && self.keep_for_second_turn(node, request, a);
+                (format!("import.{outcome:?}"), kept)
+            }
+            EngineEvent::Decode { .. } | EngineEvent::Prefill { .. } => {
+                unreachable!("push events are checked in events.rs")
+            }
+        }
+    }
+
+    /// A heartbeat `node` took renewed exports it holds (its counter moved): note which, for
+    /// the coverage marks.
+    pub(crate) fn note_renewals(&mut self, node: NodeId, keys: &[kvhandoff_protocol::PairingKey]) {
+        for key in keys {
+            let Some(&request) = self.keys.get(key) else {
+                continue;
+            };
+            let holder_d = node != 0;
+            let r = &mut self.requests[request];
+            let attempts = if holder_d { &mut r.d } else { &mut r.p };
+            for a in attempts.iter_mut().filter(|a| a.node == node) {
+                if let AttemptKind::Export { renewed, .. } = &mut a.kind {
+                    if matches!(a.status, Status::Live { .. }) {
+                        *renewed = true;
+                    }
+                }
+            }
+            if holder_d {
+                self.mark("d_ttl_renewed_by_p");
+            }
+        }
+    }
+}
