@@ -72,9 +72,7 @@ impl std::str::FromStr for Mode {
             "pull" => Ok(Mode::Pull),
             "mixed" => Ok(Mode::Mixed),
             "bidir" => Ok(Mode::Bidir),
-            other => Err(format!(
-                "unknown mode {other:?} (push, pull, mixed, bidir)"
-            )),
+            other => Err(format!("unknown mode {other:?} (push, pull, mixed, bidir)")),
         }
     }
 }

@@ -26,7 +26,11 @@ fn assert_clean_and_covered(report: &kvhandoff_sim::SimReport, mode: Mode) {
 }
 
 fn assert_clean_and_hits(report: &kvhandoff_sim::SimReport, mode: Mode, marks: &[&str]) {
-    assert!(report.violations.is_empty(), "{mode:?}: {}", first_violation(report));
+    assert!(
+        report.violations.is_empty(),
+        "{mode:?}: {}",
+        first_violation(report)
+    );
     assert_eq!(report.leaked_blocks, 0, "{mode:?}: {:?}", report.leaks);
     assert_eq!(report.stale_writes, 0, "{mode:?}");
     for mark in marks {

@@ -748,3 +748,73 @@ fn the_ghost_catches_a_short_grant_fence() {
     h.complete_reads();
     h.take_violations();
 }
+
+// ---------------------------------------------------------------------------------------------
+// More of §10.3 in our terms
+// ---------------------------------------------------------------------------------------------
+
+// §10.3 84: the holder's engine aborts before any reader asked: nothing can be reading, so the
+// blocks are free at once.
+#[test]
+fn an_export_aborted_before_any_ask_is_freed_at_once() {
+    let mut h = Harness::new();
+    h.export(&p_addr(), export_start(1, &[10, 11], LEASE))
+        .unwrap();
+    h.abort(&p_addr(), p_request(1)).unwrap();
+    assert_eq!(
+        export_results(&h, &p_addr()),
+        vec![(
+            ExportOutcome::Released(ExportEnd::Aborted),
+            ReadProof::NeverGranted
+        )]
+    );
+    assert_eq!(h.now, Time::ZERO);
+    h.assert_no_leak();
+}
+
+// §10.3 98: the engine hands the same request in twice (a reschedule): the second is refused,
+// and nothing is read twice.
+#[test]
+fn a_second_import_of_the_same_request_is_refused() {
+    let mut h = reading();
+    let again = h.import(&d_addr(), import_start(1, &[600, 601], &[10, 11]));
+    assert!(matches!(
+        again,
+        Err(kvhandoff_protocol::machine::Rejected::DuplicateRequest(_))
+    ));
+    assert_eq!(h.reads_posted.len(), 1);
+    h.complete_reads();
+    h.assert_no_leak();
+}
+
+// §10.3 103 (and vLLM's end-trim): the reader's own prefix cache had the start, so it holds
+// fewer blocks than the holder exported: it reads the holder's last blocks only.
+#[test]
+fn a_reader_with_fewer_blocks_reads_the_tail() {
+    let mut h = Harness::new();
+    h.export(&p_addr(), export_start(1, &[10, 11, 12], LEASE))
+        .unwrap();
+    h.import(&d_addr(), import_start(1, &[500], &[10, 11, 12]))
+        .unwrap();
+    let order = h.reads[&h.the_read()].order.clone();
+    assert_eq!(order.remote, blocks(&[12]));
+    assert_eq!(order.local, blocks(&[500]));
+    h.complete_reads();
+    assert_eq!(import_results(&h, &d_addr()), vec![ImportOutcome::Loaded]);
+    h.assert_no_leak();
+}
+
+// §10.3 106: a full prefix hit needs no read, so an expired deadline does not matter: no gate,
+// no failure.
+#[test]
+fn a_full_prefix_hit_skips_the_expiry_gate() {
+    let mut h = Harness::new();
+    h.export(&p_addr(), export_start(1, &[10, 11], LEASE))
+        .unwrap();
+    let mut start = import_start(1, &[], &[10, 11]);
+    start.expires = Some(Time::ZERO);
+    h.import(&d_addr(), start).unwrap();
+    assert_eq!(import_results(&h, &d_addr()), vec![ImportOutcome::Loaded]);
+    assert_eq!(h.d().counters().reads_declined_near_expiry, 0);
+    h.assert_no_leak();
+}

@@ -21,13 +21,12 @@ impl World {
         let r = self.requests[request].clone();
         let a = r.d[attempt].clone();
         let node = a.node;
-        let export = r
-            .p
-            .iter()
-            .rev()
-            .find(|x| matches!(x.kind, AttemptKind::Export { .. }))
-            .filter(|x| matches!(x.status, Status::Live { .. }))
-            .cloned();
+        let export =
+            r.p.iter()
+                .rev()
+                .find(|x| matches!(x.kind, AttemptKind::Export { .. }))
+                .filter(|x| matches!(x.status, Status::Live { .. }))
+                .cloned();
         let Some(export) = export else {
             if !r
                 .p
@@ -99,7 +98,12 @@ impl World {
     }
 
     /// P's engine finished a pulled request's prefill into `blocks`: it exports them.
-    pub(super) fn export_call(&self, id: &kvhandoff_protocol::RequestId, request: usize, blocks: &[u32]) -> EngineCall {
+    pub(super) fn export_call(
+        &self,
+        id: &kvhandoff_protocol::RequestId,
+        request: usize,
+        blocks: &[u32],
+    ) -> EngineCall {
         let r = &self.requests[request];
         EngineCall::Export(ExportStart {
             request: id.clone(),
@@ -112,7 +116,12 @@ impl World {
 
     /// D's attempt ended with the KV in its blocks: if the request has a second turn, D's
     /// engine keeps the blocks and exports them for P (true), instead of freeing them.
-    pub(super) fn keep_for_second_turn(&mut self, node: NodeId, request: usize, a: &Attempt) -> bool {
+    pub(super) fn keep_for_second_turn(
+        &mut self,
+        node: NodeId,
+        request: usize,
+        a: &Attempt,
+    ) -> bool {
         let r = &self.requests[request];
         let Some(second) = r.transfer.second.clone() else {
             return false;
@@ -120,7 +129,10 @@ impl World {
         if node != r.d_node || a.blocks.is_empty() || !self.alive(node) {
             return false;
         }
-        if r.d.iter().any(|x| matches!(x.kind, AttemptKind::Export { .. })) {
+        if r.d
+            .iter()
+            .any(|x| matches!(x.kind, AttemptKind::Export { .. }))
+        {
             return false;
         }
         let id = rid("x", request, a.epoch);
@@ -144,7 +156,10 @@ impl World {
                 return false;
             }
         }
-        self.record(format!("engine: D keeps {} for a second turn as {id}", r.key));
+        self.record(format!(
+            "engine: D keeps {} for a second turn as {id}",
+            r.key
+        ));
         let inc = self.nodes[node].incarnation;
         self.requests[request].d.push(Attempt {
             id,
@@ -171,12 +186,11 @@ impl World {
         let Some(second) = r.transfer.second.clone() else {
             return;
         };
-        let Some(export) = r
-            .d
-            .iter()
-            .rev()
-            .find(|x| matches!(x.kind, AttemptKind::Export { .. }))
-            .cloned()
+        let Some(export) =
+            r.d.iter()
+                .rev()
+                .find(|x| matches!(x.kind, AttemptKind::Export { .. }))
+                .cloned()
         else {
             return;
         };
@@ -204,11 +218,10 @@ impl World {
             self.drain(0);
             return;
         }
-        let k = r
-            .p
-            .iter()
-            .filter(|x| matches!(x.kind, AttemptKind::Import { .. }))
-            .count() as u64;
+        let k =
+            r.p.iter()
+                .filter(|x| matches!(x.kind, AttemptKind::Import { .. }))
+                .count() as u64;
         if k > 0 {
             return;
         }
@@ -225,7 +238,10 @@ impl World {
             unreachable!("found above");
         };
         let id = rid("t", request, k + 1);
-        self.record(format!("engine: P reads the second turn of {} as {id}", r.key));
+        self.record(format!(
+            "engine: P reads the second turn of {} as {id}",
+            r.key
+        ));
         let start = ImportStart {
             request: id.clone(),
             key: second.key.clone(),
@@ -318,8 +334,7 @@ impl World {
                         if valid > 0 {
                             self.check_ready(node, request, epoch.0, &flat[..valid], skip);
                         }
-                        if matches!(failure, ImportFailure::ReadFailed | ImportFailure::Deadline)
-                        {
+                        if matches!(failure, ImportFailure::ReadFailed | ImportFailure::Deadline) {
                             self.mark("load_failure_recompute");
                         }
                         Some(*failure)

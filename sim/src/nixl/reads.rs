@@ -98,7 +98,10 @@ impl World {
         } else {
             micros(&mut self.rng, 100, 3_000)
         };
-        self.record(format!("post read {} of node {node} from {target}", order.read));
+        self.record(format!(
+            "post read {} of node {node} from {target}",
+            order.read
+        ));
         self.writes.insert(seq, read);
         let scheduled = self.schedule(delay, Ev::Land { write: seq });
         assert_eq!(scheduled, seq, "the read's id is its landing event's");
@@ -110,7 +113,10 @@ impl World {
         let Some(r) = self.writes.get(&seq).cloned() else {
             return;
         };
-        self.record(format!("land read {} of node {} fail={fail}", r.id, r.poster));
+        self.record(format!(
+            "land read {} of node {} fail={fail}",
+            r.id, r.poster
+        ));
         if !r.in_flight() {
             return;
         }
@@ -126,8 +132,7 @@ impl World {
             fail = true;
         }
         const _: () = assert!(matches!(effect(Happening::TargetDies), Effect::Fails));
-        let holder_gone =
-            !self.alive(r.target) || self.nodes[r.target].incarnation != r.target_inc;
+        let holder_gone = !self.alive(r.target) || self.nodes[r.target].incarnation != r.target_inc;
         let fail = fail || holder_gone || self.chance(self.rates.fail_later);
         if !fail {
             self.copy_read(&r, BLOCK_BYTES);
@@ -162,7 +167,10 @@ impl World {
             let Some(&data) = self.nodes[r.target].pool.bytes(remote) else {
                 continue;
             };
-            if let Err(e) = self.nodes[r.poster].pool.land(local, &data, 0..bytes, owner) {
+            if let Err(e) = self.nodes[r.poster]
+                .pool
+                .land(local, &data, 0..bytes, owner)
+            {
                 self.stale_writes += 1;
                 self.violate(format!("{e} (read {} of node {})", r.id, r.poster));
             }
