@@ -1,6 +1,6 @@
 //! The demo end to end (P and D over the in-memory transport, and over NIXL with the `nixl`
-//! feature; every byte checked), its byte pattern, its sabotage hook, the `node` roles run as
-//! two threads over the TCP side channel, and a tiny `bench control`.
+//! feature; pushed, pulled and mixed; every byte checked), its byte pattern, its sabotage hook,
+//! the `node` roles run as two threads over the TCP side channel, and a tiny `bench control`.
 
 use std::time::Duration;
 
@@ -11,7 +11,7 @@ use kvhandoff_cli::demo::{
     self, block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
     DemoOptions,
 };
-use kvhandoff_cli::demo::{DemoTransport, ReportRole};
+use kvhandoff_cli::demo::{DemoMode, DemoReport, DemoTransport, ReportRole};
 use kvhandoff_cli::node::{self, NodeOptions, NodeReport, NodeRole};
 
 /// A seed for which both races happen with 16 requests.
@@ -66,6 +66,8 @@ fn sixteen_requests_arrive_byte_exact_through_both_races() {
     let json = serde_json::to_string_pretty(&report).unwrap();
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["transport"], "mem");
+    assert_eq!(v["mode"], "push");
+    assert_eq!(v["pulled"], 0);
     assert_eq!(v["role"], "both");
     for key in ["requests", "verified", "byte_errors", "bytes", "gbps"] {
         assert!(v[key].is_number(), "{key} in {json}");
@@ -84,6 +86,79 @@ fn sixteen_requests_arrive_byte_exact_through_both_races() {
     }
     assert_eq!(v["requests"], 16);
     assert_eq!(v["byte_errors"], 0);
+}
+
+/// What every pulled request of a run must show: D read P's blocks, every byte right.
+fn assert_all_pulled(report: &DemoReport, requests: u64) {
+    assert!(report.verdict_ok(), "{}", report.render_table());
+    assert_eq!(report.mode, "pull");
+    assert_eq!(report.pulled, requests);
+    assert_eq!((report.verified, report.byte_errors), (requests, 0));
+    assert_eq!(report.outcomes.ready, requests);
+    assert_eq!(
+        report.prefill_outcomes.sent, requests,
+        "every export was read"
+    );
+    // No race in pull: D reads after P's answer.
+    assert_eq!(report.races, Default::default());
+    assert_eq!(report.call_order, Default::default());
+}
+
+#[test]
+fn sixteen_pulled_requests_arrive_byte_exact() {
+    let report = demo::run(&DemoOptions {
+        mode: DemoMode::Pull,
+        ..small(SEED)
+    })
+    .expect("the demo runs");
+    println!("{}", report.render_table());
+    assert_all_pulled(&report, 16);
+    assert_eq!(report.bytes, report.expected_bytes, "D's reads moved them");
+    assert!(report.handoff_latency_us.p50 > 0.0);
+    let v = serde_json::to_value(&report).unwrap();
+    assert_eq!(v["mode"], "pull");
+    assert_eq!(v["pulled"], 16);
+    assert!(report.render_table().contains("pull (16 pulled, 0 pushed)"));
+}
+
+#[test]
+fn mixed_requests_are_pushed_and_pulled_byte_exact() {
+    let report = demo::run(&DemoOptions {
+        mode: DemoMode::Mixed,
+        ..small(SEED)
+    })
+    .expect("the demo runs");
+    println!("{}", report.render_table());
+    assert!(report.verdict_ok(), "{}", report.render_table());
+    assert_eq!(report.mode, "mixed");
+    assert!(
+        report.pulled > 0 && report.pulled < 16,
+        "both modes drawn: {}",
+        report.pulled
+    );
+    assert_eq!((report.verified, report.byte_errors), (16, 0));
+    assert_eq!(report.prefill_outcomes.sent, 16);
+    // P's endpoint counts the races of the pushed requests only.
+    assert_eq!(
+        report.races.decode_registers_first + report.races.prefill_finishes_first,
+        16 - report.pulled
+    );
+    assert_eq!(report.bytes, report.expected_bytes);
+    assert_eq!(serde_json::to_value(&report).unwrap()["mode"], "mixed");
+}
+
+#[test]
+fn a_corrupted_pulled_request_is_caught() {
+    let report = demo::run(&DemoOptions {
+        mode: DemoMode::Pull,
+        corrupt_one_request: true,
+        ..small(SEED)
+    })
+    .expect("the demo runs");
+    assert!(!report.verdict_ok());
+    assert!(report.byte_errors > 0);
+    assert_eq!(report.verified, 15, "exactly the corrupted request fails");
+    assert_eq!(report.outcomes.ready, 16);
 }
 
 #[test]
@@ -396,6 +471,16 @@ fn two_nodes_meet_over_the_side_channel_and_hand_off_every_byte() {
 }
 
 #[test]
+fn a_node_refuses_to_pull() {
+    let fabric = MemFabric::new();
+    let (p_addr, d_addr) = two_ports();
+    let mut options = node_options(NodeRole::Decode, d_addr, p_addr);
+    options.schedule.mode = DemoMode::Pull;
+    let err = node::run_on("mem", &options, |name| fabric.agent(name)).expect_err("push only");
+    assert!(matches!(err, demo::DemoError::Options(_)), "{err}");
+}
+
+#[test]
 fn a_node_whose_peer_never_comes_reports_failed() {
     let fabric = MemFabric::new();
     let (p_addr, d_addr) = two_ports();
@@ -438,4 +523,18 @@ fn sixteen_requests_over_nixl_in_one_process() {
         "{:?}",
         report.races
     );
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn sixteen_pulled_requests_over_nixl_in_one_process() {
+    let report = demo::run(&DemoOptions {
+        transport: DemoTransport::Nixl,
+        mode: DemoMode::Pull,
+        ..small(SEED)
+    })
+    .expect("the NIXL demo runs (source scripts/nixl-env.sh)");
+    println!("{}", report.render_table());
+    assert_eq!(report.transport, "nixl");
+    assert_all_pulled(&report, 16);
 }

@@ -1,6 +1,8 @@
 //! What an engine hands the connector and what it gets back: calls, replies, events, errors,
 //! and the identity a connector speaks for.
 
+use std::time::Duration;
+
 use kvhandoff_protocol::machine::{
     DecodeFailure, ExportOutcome, FreeProof, ImportOutcome, ReadProof, Rejected, ReleaseCause,
 };
@@ -29,6 +31,20 @@ pub enum ConnectorError {
     /// The request asks for something this build does not do yet.
     #[error("unsupported: {0}")]
     Unsupported(&'static str),
+    /// An export's lease (or a kept turn's TTL) is shorter than a read's span
+    /// ([`ConnectorSettings::read_span`](crate::ConnectorSettings::read_span)): the holder
+    /// could not grant a read late in it.
+    #[error("a lease of {lease:?} is shorter than a read's span ({read_span:?})")]
+    LeaseTooShort {
+        /// The lease asked for.
+        lease: Duration,
+        /// The shortest that serves a reader asking at any time within it.
+        read_span: Duration,
+    },
+    /// The call needs a connector setting that was not given
+    /// ([`ConnectorSettings`](crate::ConnectorSettings); e.g. `block_tokens` to read).
+    #[error("the connector's {0} setting is not set")]
+    NotConfigured(&'static str),
     /// The runtime is gone (or refused the call before taking it): nothing changed.
     #[error("the kvhandoff runtime is not running")]
     Unavailable,
@@ -102,7 +118,9 @@ pub enum ConnectorEvent {
         blocks: BlockIds,
     },
     /// The reader of an export (D in pull mode, P on a later bidirectional turn): every read has
-    /// ended. On `Loaded` the blocks hold the KV; on `Recompute` their valid prefix does.
+    /// ended, and the blocks are the engine's again. On `Loaded` they hold the KV (schedule the
+    /// request); on `Recompute` their first `valid_tokens` tokens do; on `Failed` nothing
+    /// arrived that may be used.
     Imported {
         /// The request.
         request: RequestId,
@@ -114,7 +132,7 @@ pub enum ConnectorEvent {
 }
 
 /// One engine hook call, for [`KvConnector::submit`](crate::KvConnector::submit).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ConnectorCall {
     /// D side, as [`KvConnector::request_allocated`](crate::KvConnector::request_allocated).
     RequestAllocated {
@@ -133,7 +151,43 @@ pub enum ConnectorCall {
         request: RequestId,
         /// Its blocks, holding the KV.
         blocks: BlockIds,
+        /// Tokens the blocks hold (`remote_num_tokens` of the reply).
+        num_tokens: u64,
         /// The router's parameters for the prefill leg.
+        params: KvTransferParams,
+    },
+    /// D side, after a turn, as
+    /// [`KvConnector::keep_for_next_turn`](crate::KvConnector::keep_for_next_turn).
+    KeepForNextTurn {
+        /// The request whose turn ended.
+        request: RequestId,
+        /// Its blocks, holding the conversation's KV.
+        blocks: BlockIds,
+        /// Tokens the blocks hold.
+        num_tokens: u64,
+        /// How long the blocks wait for the next turn's reader (renewed by its heartbeats up
+        /// to twice this).
+        ttl: Duration,
+        /// The parameters the turn came with (for `transfer_id`).
+        params: KvTransferParams,
+    },
+    /// P side, on a later turn, as
+    /// [`KvConnector::next_turn_allocated`](crate::KvConnector::next_turn_allocated).
+    NextTurnAllocated {
+        /// The new turn's request.
+        request: RequestId,
+        /// Blocks allocated for the previous turns' KV (all empty: a full prefix hit).
+        blocks: BlockIds,
+        /// Tokens to read.
+        num_tokens: u64,
+        /// The parameters D returned from `keep_for_next_turn`.
+        params: KvTransferParams,
+    },
+    /// Reader side, as [`KvConnector::decline_export`](crate::KvConnector::decline_export).
+    DeclineExport {
+        /// The reader's request.
+        request: RequestId,
+        /// The export's parameters (the holder's answer).
         params: KvTransferParams,
     },
     /// Either side, as [`KvConnector::abort`](crate::KvConnector::abort).
@@ -165,19 +219,42 @@ impl ConnectorCall {
         match self {
             ConnectorCall::RequestAllocated { request, .. }
             | ConnectorCall::RequestFinished { request, .. }
+            | ConnectorCall::KeepForNextTurn { request, .. }
+            | ConnectorCall::NextTurnAllocated { request, .. }
+            | ConnectorCall::DeclineExport { request, .. }
             | ConnectorCall::Abort { request } => Some(request),
             ConnectorCall::Shutdown => None,
         }
     }
 }
 
+impl ConnectorCall {
+    /// Whether the call, once accepted, owes the engine exactly one event of its request
+    /// (`Abort`, `Shutdown` and `DeclineExport` start nothing).
+    pub fn starts_request(&self) -> bool {
+        match self {
+            ConnectorCall::RequestAllocated { .. }
+            | ConnectorCall::RequestFinished { .. }
+            | ConnectorCall::KeepForNextTurn { .. }
+            | ConnectorCall::NextTurnAllocated { .. } => true,
+            ConnectorCall::DeclineExport { .. }
+            | ConnectorCall::Abort { .. }
+            | ConnectorCall::Shutdown => false,
+        }
+    }
+}
+
 /// What an accepted [`ConnectorCall`] returns.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ConnectorReply {
-    /// Accepted (`RequestAllocated`, `Abort`).
+    /// Accepted (`RequestAllocated`, `NextTurnAllocated`, `DeclineExport`, `Abort`,
+    /// `Shutdown`).
     Accepted,
     /// Accepted (`RequestFinished`): the parameters for the router to send with the decode leg.
     DecodeParams(KvTransferParams),
+    /// Accepted (`KeepForNextTurn`): the parameters for the router to send with the next
+    /// turn's prefill leg.
+    NextTurnParams(KvTransferParams),
 }
 
 /// Identity and placement of the engine rank a connector serves.

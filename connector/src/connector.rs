@@ -9,12 +9,23 @@
 //!
 //! - A whole step's calls at once: [`KvConnector::submit`] (one round trip to the runtime).
 //!
+//! Each request moves its KV one of two ways, chosen by the router's `transfer_mode`
+//! ([`TransferMode`]): **push** (the default: D registers its blocks, P writes into them; D
+//! gets [`ConnectorEvent::BlocksReady`], P [`ConnectorEvent::BlocksFree`]) or **pull** (P
+//! exports its blocks and D reads them; D gets [`ConnectorEvent::Imported`], P
+//! [`ConnectorEvent::ExportEnded`]). Bidirectional conversations add the reverse direction
+//! between turns: D keeps a finished turn's blocks with [`KvConnector::keep_for_next_turn`],
+//! and P's next turn reads them with [`KvConnector::next_turn_allocated`]. A reader that will
+//! not read (it recomputes instead) lets the holder go with [`KvConnector::decline_export`].
+//!
 //! Calls are synchronous, for an engine's scheduler thread; each waits for its verdict for at
 //! most [`KvConnector::CALL_TIMEOUT`]. Never call them from inside the runtime's own thread.
 
+mod reads;
+
 use std::net::ToSocketAddrs;
-use std::sync::mpsc;
-use std::time::Duration;
+use std::sync::{mpsc, OnceLock};
+use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{AddPeerAddress, Calls, RankHandle};
 use kvhandoff_protocol::machine::{
@@ -23,10 +34,10 @@ use kvhandoff_protocol::machine::{
 use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{BlockIds, EngineId, RequestId};
 
-use crate::params::{epoch, pairing_key};
+use crate::params::{epoch, mode_name, pairing_key};
 use crate::{
     ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply,
-    KvTransferParams,
+    ConnectorSettings, KvTransferParams, TransferMode,
 };
 
 /// Why a batch has no verdict.
@@ -49,6 +60,8 @@ pub struct KvConnector {
     late: Vec<LateBatch>,
     /// How long a call waits for its verdict ([`Self::CALL_TIMEOUT`] unless a test shortens it).
     call_timeout: Duration,
+    /// The read path's settings.
+    settings: ConnectorSettings,
 }
 
 /// Most batches waiting for a late verdict; past it the runtime is taken as hung and calls are
@@ -72,15 +85,43 @@ impl KvConnector {
     /// How long a call waits for the runtime's verdict.
     pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
-    /// A connector over a started rank.
+    /// A connector over a started rank, with the default [`ConnectorSettings`] (enough for
+    /// push; reading needs [`ConnectorSettings::block_tokens`]: see [`Self::with_settings`]).
     pub fn new(identity: ConnectorIdentity, rank: RankHandle) -> Self {
+        Self::with_settings(identity, rank, ConnectorSettings::default())
+    }
+
+    /// A connector over a started rank, with `settings` (build them with
+    /// [`ConnectorSettings::new`] from the rank's config and geometry).
+    pub fn with_settings(
+        identity: ConnectorIdentity,
+        rank: RankHandle,
+        settings: ConnectorSettings,
+    ) -> Self {
+        // Start the clock of `remote_blocks_expiry_time` no later than the first connector.
+        let _ = Self::clock_secs();
         KvConnector {
             identity,
             rank,
             live: 0,
             late: Vec::new(),
             call_timeout: Self::CALL_TIMEOUT,
+            settings,
         }
+    }
+
+    /// The connector's settings.
+    pub fn settings(&self) -> &ConnectorSettings {
+        &self.settings
+    }
+
+    /// The clock of the `remote_blocks_expiry_time` this process's connectors advertise:
+    /// seconds on the process's monotonic clock ([`Instant`]) since its first connector was
+    /// made, or this was first called if that was earlier (an arbitrary origin, like the
+    /// `perf_counter` clock vLLM uses). Only comparable within this process.
+    pub fn clock_secs() -> f64 {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        ORIGIN.get_or_init(Instant::now).elapsed().as_secs_f64()
     }
 
     /// The rank this connector drives: its blocking queries (`counters`, `stats`,
@@ -110,6 +151,7 @@ impl KvConnector {
     /// for result in conn.submit(calls) {
     ///     match result {
     ///         Ok(kvhandoff::ConnectorReply::DecodeParams(params)) => { /* to the router */ }
+    ///         Ok(kvhandoff::ConnectorReply::NextTurnParams(params)) => { /* to the router */ }
     ///         Ok(kvhandoff::ConnectorReply::Accepted) => {}
     ///         Err(error) => eprintln!("{error}"),
     ///     }
@@ -126,7 +168,7 @@ impl KvConnector {
         // Per input: its result's index, its request, and whether it starts a request.
         let mut slots = Vec::with_capacity(calls.len());
         for call in calls {
-            let starts = !matches!(call, ConnectorCall::Abort { .. } | ConnectorCall::Shutdown);
+            let starts = call.starts_request();
             let request = call.request().cloned();
             match self.prepare(call) {
                 Ok((input, address, reply)) => {
@@ -248,16 +290,23 @@ impl KvConnector {
                 num_tokens,
                 params,
             } => {
-                let (input, address) = self.decode_input(request, blocks, num_tokens, &params)?;
+                let (input, address) = if params.transfer_mode()? == TransferMode::Pull {
+                    self.check_remote_prefill(&params)?;
+                    self.import_input(request, blocks, num_tokens, &params)?
+                } else {
+                    self.decode_input(request, blocks, num_tokens, &params)?
+                };
                 Ok((input, address, ConnectorReply::Accepted))
             }
             ConnectorCall::RequestFinished {
                 request,
                 blocks,
+                num_tokens,
                 params,
             } => {
                 let key = pairing_key(&request, &params)?;
-                let reply = ConnectorReply::DecodeParams(KvTransferParams {
+                let pull = params.transfer_mode()? == TransferMode::Pull;
+                let mut reply = KvTransferParams {
                     do_remote_prefill: true,
                     do_remote_decode: false,
                     remote_engine_id: Some(self.identity.engine.to_string()),
@@ -267,17 +316,50 @@ impl KvConnector {
                     tp_size: Some(self.identity.tp_size),
                     transfer_id: params.transfer_id,
                     epoch: params.epoch,
-                    transfer_mode: Some("push".into()),
-                });
-                Ok((
+                    transfer_mode: Some(mode_name(TransferMode::Push).into()),
+                    remote_num_tokens: Some(num_tokens),
+                    ..KvTransferParams::default()
+                };
+                let input = if pull {
+                    let lease = self.settings.lease_duration;
+                    self.export_input(request, key, blocks, num_tokens, lease, &mut reply)?
+                } else {
                     EngineCall::PrefillFinished(PrefillStart {
                         request,
                         key,
                         blocks,
-                    }),
-                    None,
-                    reply,
-                ))
+                    })
+                };
+                Ok((input, None, ConnectorReply::DecodeParams(reply)))
+            }
+            ConnectorCall::KeepForNextTurn {
+                request,
+                blocks,
+                num_tokens,
+                ttl,
+                params,
+            } => {
+                let (input, reply) = self.keep_input(request, blocks, num_tokens, ttl, &params)?;
+                Ok((input, None, ConnectorReply::NextTurnParams(reply)))
+            }
+            ConnectorCall::NextTurnAllocated {
+                request,
+                blocks,
+                num_tokens,
+                params,
+            } => {
+                if params.transfer_mode()? == TransferMode::Push {
+                    return Err(ConnectorError::InvalidParam {
+                        name: "transfer_mode",
+                        why: "a later turn reads the previous turns' KV: \"pull\" or absent".into(),
+                    });
+                }
+                let (input, address) = self.import_input(request, blocks, num_tokens, &params)?;
+                Ok((input, address, ConnectorReply::Accepted))
+            }
+            ConnectorCall::DeclineExport { request, params } => {
+                let (input, address) = self.decline_input(&request, &params)?;
+                Ok((input, address, ConnectorReply::Accepted))
             }
             ConnectorCall::Abort { request } => Ok((
                 EngineCall::Abort { request },
@@ -295,34 +377,15 @@ impl KvConnector {
         num_tokens: u64,
         params: &KvTransferParams,
     ) -> Result<(EngineCall, Option<AddPeerAddress>), ConnectorError> {
-        if !params.do_remote_prefill {
-            return Err(ConnectorError::InvalidParam {
-                name: "do_remote_prefill",
-                why: "must be true for a request whose prefill ran remotely".into(),
-            });
-        }
-        let engine = params
-            .remote_engine_id
-            .as_deref()
-            .ok_or(ConnectorError::MissingParam("remote_engine_id"))?;
-        let engine =
-            EngineId::new(engine).map_err(|e| ConnectorError::invalid("remote_engine_id", e))?;
-        let remote_tp = params
-            .tp_size
-            .ok_or(ConnectorError::MissingParam("tp_size"))?;
-        if remote_tp != self.identity.tp_size {
-            return Err(ConnectorError::Unsupported(
-                "P and D with different TP sizes (heterogeneous TP comes later)",
-            ));
-        }
+        self.check_remote_prefill(params)?;
+        let (prefill, address) = self.remote_peer(params, params.tp_size)?;
         let key = pairing_key(&request, params)?;
         let epoch = epoch(params)?;
-        let address = self.peer_address(&engine, params)?;
         let call = EngineCall::DecodeAllocated(DecodeStart {
             request,
             key,
             epoch,
-            prefill: PeerAddr::new(engine, self.identity.rank),
+            prefill,
             blocks,
             num_tokens,
             expected_writes: 1,
@@ -330,13 +393,59 @@ impl KvConnector {
         Ok((call, address))
     }
 
+    /// D's hook is only for a request whose prefill ran remotely.
+    fn check_remote_prefill(&self, params: &KvTransferParams) -> Result<(), ConnectorError> {
+        if params.do_remote_prefill {
+            return Ok(());
+        }
+        Err(ConnectorError::InvalidParam {
+            name: "do_remote_prefill",
+            why: "must be true for a request whose prefill ran remotely".into(),
+        })
+    }
+
+    /// The rank of the other engine `params` name (`remote_engine_id`; this rank's index, as
+    /// TP sizes must be equal), and its side-channel address if this rank needs one.
+    /// `remote_tp`: the other engine's TP size (`tp_size`), required.
+    fn remote_peer(
+        &self,
+        params: &KvTransferParams,
+        remote_tp: Option<u32>,
+    ) -> Result<(PeerAddr, Option<AddPeerAddress>), ConnectorError> {
+        let engine = params
+            .remote_engine_id
+            .as_deref()
+            .ok_or(ConnectorError::MissingParam("remote_engine_id"))?;
+        let engine =
+            EngineId::new(engine).map_err(|e| ConnectorError::invalid("remote_engine_id", e))?;
+        let remote_tp = remote_tp.ok_or(ConnectorError::MissingParam("tp_size"))?;
+        if remote_tp != self.identity.tp_size {
+            return Err(ConnectorError::Unsupported(
+                "P and D with different TP sizes (heterogeneous TP comes later)",
+            ));
+        }
+        let address = self.peer_address(&engine, params)?;
+        Ok((PeerAddr::new(engine, self.identity.rank), address))
+    }
+
     /// D side: `blocks` were allocated for `request`, whose prefill ran on the engine named in
     /// `params`; `num_tokens` tokens are expected. With all-empty `blocks` (a full prefix hit)
     /// the request is ready at once and P is told to free its copy.
     ///
+    /// The mode is the parameters' `transfer_mode` (P's answer carries the one P used):
+    /// - push (absent or `"push"`): D registers `blocks` with P, which writes into them; the
+    ///   request ends with [`ConnectorEvent::BlocksReady`] or [`ConnectorEvent::Failed`].
+    /// - pull (`"pull"`): D reads P's export (`remote_block_ids`, required; each local group
+    ///   may be shorter than P's, after a partial prefix hit: the tail is read) into `blocks`,
+    ///   under the connector's [`ConnectorSettings::load_failure_policy`]; the request ends
+    ///   with [`ConnectorEvent::Imported`]. Needs [`ConnectorSettings::block_tokens`]. `tp_size`
+    ///   defaults to 1, as in vLLM's pull connector. `remote_blocks_expiry_time` is not used:
+    ///   it is in P's clock, whose offset from ours the connector does not know; P's export
+    ///   refuses a read that could outlive it instead.
+    ///
     /// # Errors
-    /// [`ConnectorError`] for missing or invalid parameters, an unsupported TP ratio, or a
-    /// refusal by the endpoint (duplicate request, full table).
+    /// [`ConnectorError`] for missing or invalid parameters, an unsupported TP ratio, a
+    /// missing setting, or a refusal by the endpoint (duplicate request, full table).
     pub fn request_allocated(
         &mut self,
         request: &RequestId,
@@ -386,26 +495,121 @@ impl KvConnector {
         }))
     }
 
-    /// P side: `request`'s prefill finished with its KV in `blocks`. `params` are the ones the
-    /// router sent with the prefill leg (for `transfer_id`). Returns the parameters for the
-    /// router to send with the decode leg.
+    /// P side: `request`'s prefill finished with its KV in `blocks`, `num_tokens` tokens.
+    /// `params` are the ones the router sent with the prefill leg (for `transfer_id` and
+    /// `transfer_mode`). Returns the parameters for the router to send with the decode leg.
+    ///
+    /// - push (`transfer_mode` absent or `"push"`): P holds the blocks under its lease until D
+    ///   registers, then writes them; [`ConnectorEvent::BlocksFree`] hands them back.
+    /// - pull (`"pull"`): P exports the blocks for D to read, for the connector's
+    ///   [`ConnectorSettings::lease_duration`] (renewed by D's heartbeats up to twice that);
+    ///   [`ConnectorEvent::ExportEnded`] hands them back. The answer adds `remote_block_ids`
+    ///   (these blocks), `remote_num_tokens` and `remote_blocks_expiry_time`: the export's
+    ///   hard end (twice the lease after this call) in [`KvConnector::clock_secs`] — a
+    ///   lower bound, since the rank starts the export a moment after the call.
     ///
     /// # Errors
-    /// [`ConnectorError`] for an invalid `transfer_id` or a refusal by the endpoint.
+    /// [`ConnectorError`] for an invalid `transfer_id` or `transfer_mode`, a pull lease shorter
+    /// than [`ConnectorSettings::read_span`] (settings changed by hand), or a refusal by the
+    /// endpoint.
     pub fn request_finished(
         &mut self,
         request: &RequestId,
         blocks: BlockIds,
+        num_tokens: u64,
         params: &KvTransferParams,
     ) -> Result<KvTransferParams, ConnectorError> {
         match self.call_one(ConnectorCall::RequestFinished {
             request: request.clone(),
             blocks,
+            num_tokens,
             params: params.clone(),
         })? {
             ConnectorReply::DecodeParams(params) => Ok(params),
-            ConnectorReply::Accepted => Err(ConnectorError::Unavailable),
+            ConnectorReply::Accepted | ConnectorReply::NextTurnParams(_) => {
+                Err(ConnectorError::Unavailable)
+            }
         }
+    }
+
+    /// D side, bidirectional: `request`'s turn is over and its blocks (`num_tokens` tokens of
+    /// the conversation) are kept for the next turn's prefill to read, for `ttl` (renewed by
+    /// the reader's heartbeats up to twice that). `params` are the ones the turn came with
+    /// (for `transfer_id`). Returns the parameters for the router to send with the next turn's
+    /// prefill leg, for P's [`KvConnector::next_turn_allocated`]: `transfer_mode` `"pull"`,
+    /// `do_remote_decode`, this rank as `remote_engine_id` (with its side channel),
+    /// `remote_block_ids`, `remote_num_tokens`, `remote_blocks_expiry_time` (the export's
+    /// hard end, as in [`KvConnector::request_finished`]) and the pairing key as
+    /// `transfer_id`. [`ConnectorEvent::ExportEnded`] hands the blocks back.
+    ///
+    /// # Errors
+    /// [`ConnectorError`] for an invalid `transfer_id`, a `ttl` shorter than
+    /// [`ConnectorSettings::read_span`] ([`ConnectorError::LeaseTooShort`]), or a refusal by
+    /// the endpoint (a duplicate request or key, a full table).
+    pub fn keep_for_next_turn(
+        &mut self,
+        request: &RequestId,
+        blocks: BlockIds,
+        num_tokens: u64,
+        ttl: Duration,
+        params: &KvTransferParams,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        match self.call_one(ConnectorCall::KeepForNextTurn {
+            request: request.clone(),
+            blocks,
+            num_tokens,
+            ttl,
+            params: params.clone(),
+        })? {
+            ConnectorReply::NextTurnParams(params) => Ok(params),
+            ConnectorReply::Accepted | ConnectorReply::DecodeParams(_) => {
+                Err(ConnectorError::Unavailable)
+            }
+        }
+    }
+
+    /// P side, bidirectional: `blocks` were allocated for a later turn's `request` to read the
+    /// previous turns' KV (`num_tokens` tokens) from the D that kept it; `params` are the ones
+    /// D returned from [`KvConnector::keep_for_next_turn`]. Reads as D does in pull mode (see
+    /// [`KvConnector::request_allocated`]), from the D named in `params`; all-empty `blocks` (a
+    /// full prefix hit) read nothing and let D go at once. Ends with
+    /// [`ConnectorEvent::Imported`].
+    ///
+    /// # Errors
+    /// [`ConnectorError`] for missing or invalid parameters (a `transfer_mode` of `"push"`
+    /// included), a missing setting, or a refusal by the endpoint.
+    pub fn next_turn_allocated(
+        &mut self,
+        request: &RequestId,
+        blocks: BlockIds,
+        num_tokens: u64,
+        params: &KvTransferParams,
+    ) -> Result<(), ConnectorError> {
+        self.call_one(ConnectorCall::NextTurnAllocated {
+            request: request.clone(),
+            blocks,
+            num_tokens,
+            params: params.clone(),
+        })
+        .map(|_| ())
+    }
+
+    /// Reader side (D in pull mode, P on a later turn): `request` will not read the export
+    /// `params` describe (it recomputes instead); the holder lets its blocks go at once. No
+    /// event follows: nothing was started here.
+    ///
+    /// # Errors
+    /// [`ConnectorError`] for missing or invalid parameters, or a refusal by the endpoint.
+    pub fn decline_export(
+        &mut self,
+        request: &RequestId,
+        params: &KvTransferParams,
+    ) -> Result<(), ConnectorError> {
+        self.call_one(ConnectorCall::DeclineExport {
+            request: request.clone(),
+            params: params.clone(),
+        })
+        .map(|_| ())
     }
 
     /// Either side: the engine aborted `request`. Its blocks come back through

@@ -27,10 +27,13 @@
 mod calls;
 mod connector;
 mod params;
+mod settings;
 
 pub use calls::{ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply};
 pub use connector::KvConnector;
 pub use kvhandoff_actors as actors;
 pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_protocol as protocol;
+pub use kvhandoff_protocol::TransferMode;
 pub use params::KvTransferParams;
+pub use settings::ConnectorSettings;

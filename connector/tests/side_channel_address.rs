@@ -98,6 +98,7 @@ fn the_prefill_address_travels_with_the_request() {
         .request_finished(
             &p_request,
             BlockIds::single_group(vec![1, 2]),
+            32,
             &KvTransferParams::default(),
         )
         .unwrap();
@@ -150,6 +151,7 @@ fn the_link_learns_the_address_from_the_call_alone() {
         .request_finished(
             &RequestId::new("cmpl-book-0-aaaaaaaa").unwrap(),
             BlockIds::single_group(vec![1]),
+            16,
             &KvTransferParams::default(),
         )
         .unwrap();

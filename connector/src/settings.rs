@@ -1,0 +1,82 @@
+//! What a connector needs to know beyond the router's parameters: the rank's lease, how long a
+//! read may run, the engine's load-failure policy and the geometry's block size.
+
+use std::time::Duration;
+
+use kvhandoff_protocol::machine::{Config, LoadFailurePolicy};
+use kvhandoff_protocol::KvGeometry;
+
+/// A connector's own settings, for the read path (pull and bidirectional turns). Push needs
+/// none of them.
+///
+/// ```
+/// use std::time::Duration;
+/// use kvhandoff::ConnectorSettings;
+/// use kvhandoff::protocol::machine::{Config, LoadFailurePolicy};
+/// use kvhandoff::protocol::{KvGeometry, KvLayout};
+/// let geometry = KvGeometry::dense(8, 8, 128, 2, 16, KvLayout::Hnd);
+/// let settings = ConnectorSettings::new(&Config::fast(), &geometry);
+/// assert_eq!(settings.block_tokens, Some(16));
+/// assert_eq!(settings.load_failure_policy, LoadFailurePolicy::Fail);
+/// assert_eq!(settings.lease_duration, Duration::from_secs(3));
+/// // The default config's lease (30 s) is shorter than a read's span (10 s + 60 s).
+/// let settings = ConnectorSettings::new(&Config::default(), &geometry);
+/// assert_eq!(settings.lease_duration, Duration::from_secs(70));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectorSettings {
+    /// How long a pull export waits for its reader; a waiting reader's heartbeats renew it, up
+    /// to twice this from the start (the export's hard end). [`ConnectorSettings::new`] takes
+    /// the rank's [`Config::lease_duration`], raised to [`ConnectorSettings::read_span`] if
+    /// shorter.
+    pub lease_duration: Duration,
+    /// How long a read granted now may still run: the grant's delivery
+    /// ([`Config::max_message_delay`]) plus a transfer's life ([`Config::max_write_life`]).
+    /// The holder grants no read that could outlive its export's hard end, so an export whose
+    /// lease is shorter than this refuses asks that come late in it (and one whose hard end is
+    /// less than this away refuses every ask): exports of a shorter lease, or a shorter
+    /// [`KvConnector::keep_for_next_turn`](crate::KvConnector::keep_for_next_turn) `ttl`, are
+    /// refused ([`ConnectorError::LeaseTooShort`](crate::ConnectorError::LeaseTooShort)).
+    pub read_span: Duration,
+    /// What a failed read means to this engine (vLLM's `kv_load_failure_policy`; default
+    /// [`LoadFailurePolicy::Fail`]).
+    pub load_failure_policy: LoadFailurePolicy,
+    /// Tokens per logical block of this rank's geometry (kernel block size × kernel blocks per
+    /// logical block): where a recompute starts after a partly failed read. `None` (the
+    /// default, when the connector was not told the geometry): reads are refused with
+    /// [`ConnectorError::NotConfigured`](crate::ConnectorError::NotConfigured).
+    pub block_tokens: Option<u32>,
+}
+
+impl Default for ConnectorSettings {
+    /// As [`ConnectorSettings::new`] with the default [`Config`], block size unknown.
+    fn default() -> Self {
+        ConnectorSettings {
+            block_tokens: None,
+            ..Self::of_config(&Config::default())
+        }
+    }
+}
+
+impl ConnectorSettings {
+    /// The settings of a rank running `config` on `geometry`, with policy `Fail`.
+    pub fn new(config: &Config, geometry: &KvGeometry) -> Self {
+        ConnectorSettings {
+            block_tokens: geometry
+                .kernel_block_size
+                .checked_mul(geometry.kernel_blocks_per_logical)
+                .filter(|&tokens| tokens > 0),
+            ..Self::of_config(config)
+        }
+    }
+
+    fn of_config(config: &Config) -> Self {
+        let read_span = config.max_message_delay + config.max_write_life;
+        ConnectorSettings {
+            lease_duration: config.lease_duration.max(read_span),
+            read_span,
+            load_failure_policy: LoadFailurePolicy::Fail,
+            block_tokens: None,
+        }
+    }
+}

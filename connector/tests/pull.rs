@@ -1,0 +1,527 @@
+//! Pull mode and bidirectional turns through the connector, two ranks over the in-memory
+//! transport: P exports and D reads (every byte checked), a full prefix hit, a decline, a turn
+//! whose blocks D keeps and P reads back, and the typed refusals of ill-formed parameters.
+
+use std::time::{Duration, Instant};
+
+use kvhandoff::actors::system::{build_mem_rank, KvPool, RankOptions, ShellConfig};
+use kvhandoff::actors::transport::mem::MemFabric;
+use kvhandoff::protocol::machine::{
+    Config, ExportEnd, ExportOutcome, ImportOutcome, LoadFailurePolicy, ReadProof,
+};
+use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
+use kvhandoff::{
+    ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorSettings, KvConnector,
+    KvTransferParams, Runtime, TransferMode,
+};
+
+const PREFILL: &str = "prefill-0";
+const DECODE: &str = "decode-0";
+const POOL_BLOCKS: u32 = 32;
+
+fn geometry() -> KvGeometry {
+    // 2 layers × K/V, 2 heads of 8 bf16: 512 bytes per block and region.
+    KvGeometry::dense(2, 2, 8, 2, 16, KvLayout::Hnd)
+}
+
+fn model() -> ModelIdentity {
+    ModelIdentity {
+        model: "pull-test".into(),
+        dtype: "bfloat16".into(),
+        cache_dtype: "bfloat16".into(),
+    }
+}
+
+/// One engine: its connector and its KV cache.
+struct Engine {
+    conn: KvConnector,
+    pool: KvPool,
+}
+
+/// Both engines as in-process ranks of one runtime on one fabric; `settings` for both
+/// connectors (`None`: what the rank's config and geometry give).
+fn pair(settings: Option<ConnectorSettings>) -> (Runtime, Engine, Engine) {
+    let mut runtime = Runtime::start().unwrap();
+    let fabric = MemFabric::new();
+    let config = Config::default();
+    let settings = settings.unwrap_or_else(|| ConnectorSettings::new(&config, &geometry()));
+    let mut engine = |name: &str| {
+        let id = EngineId::new(name).unwrap();
+        let (setup, pool) = build_mem_rank(
+            &fabric,
+            &id,
+            geometry(),
+            &model(),
+            POOL_BLOCKS,
+            config.clone(),
+            ShellConfig::default(),
+        )
+        .unwrap();
+        let handle = runtime.add_rank(setup, RankOptions::default()).unwrap();
+        let identity = ConnectorIdentity {
+            engine: id,
+            rank: 0,
+            tp_size: 1,
+            host: "127.0.0.1".into(),
+            port: 0,
+        };
+        Engine {
+            conn: KvConnector::with_settings(identity, handle, settings),
+            pool,
+        }
+    };
+    let p = engine(PREFILL);
+    let d = engine(DECODE);
+    (runtime, p, d)
+}
+
+fn id(s: &str) -> RequestId {
+    RequestId::new(s).unwrap()
+}
+
+/// The byte at `offset` of the `position`-th block of a request tagged `tag`, in region
+/// `region`.
+fn pattern(tag: u64, region: usize, position: usize, offset: usize) -> u8 {
+    let mut z = tag ^ ((region as u64) << 48) ^ ((position as u64) << 32) ^ offset as u64;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) as u8
+}
+
+/// Writes the pattern of `tag` into `blocks` (the request's blocks in order) in every region.
+fn fill(pool: &KvPool, blocks: &[u32], tag: u64) {
+    for (region, (spec, bytes)) in pool.regions().enumerate() {
+        for (position, &block) in blocks.iter().enumerate() {
+            let (offset, len) = pool.block_span(spec, block);
+            let data: Vec<u8> = (0..len as usize)
+                .map(|i| pattern(tag, region, position, i))
+                .collect();
+            bytes.write(offset, &data).unwrap();
+        }
+    }
+}
+
+/// The bytes of `blocks` that differ from the pattern of `tag` at `positions` (the positions
+/// of the blocks they should hold, in the request of `tag`).
+fn wrong_bytes(pool: &KvPool, blocks: &[u32], positions: &[usize], tag: u64) -> usize {
+    let mut wrong = 0;
+    for (region, (spec, bytes)) in pool.regions().enumerate() {
+        for (&block, &position) in blocks.iter().zip(positions) {
+            let (offset, len) = pool.block_span(spec, block);
+            let mut data = vec![0u8; len as usize];
+            bytes.read(offset, &mut data).unwrap();
+            wrong += data
+                .iter()
+                .enumerate()
+                .filter(|&(i, &b)| b != pattern(tag, region, position, i))
+                .count();
+        }
+    }
+    wrong
+}
+
+fn wait_for_event(conn: &mut KvConnector) -> ConnectorEvent {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(event) = conn.poll_events().into_iter().next() {
+            return event;
+        }
+        assert!(Instant::now() < deadline, "no event before the deadline");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// What the router sends P with a pull request's prefill leg.
+fn pull_router() -> KvTransferParams {
+    KvTransferParams {
+        do_remote_decode: true,
+        transfer_mode: Some("pull".into()),
+        ..KvTransferParams::default()
+    }
+}
+
+fn expect_imported(conn: &mut KvConnector, request: &RequestId) -> (ImportOutcome, BlockIds) {
+    match wait_for_event(conn) {
+        ConnectorEvent::Imported {
+            request: r,
+            outcome,
+            blocks,
+        } if &r == request => (outcome, blocks),
+        other => panic!("expected {request} Imported: {other:?}"),
+    }
+}
+
+fn expect_export_ended(
+    conn: &mut KvConnector,
+    request: &RequestId,
+) -> (ExportOutcome, ReadProof, BlockIds) {
+    match wait_for_event(conn) {
+        ConnectorEvent::ExportEnded {
+            request: r,
+            outcome,
+            proof,
+            blocks,
+        } if &r == request => (outcome, proof, blocks),
+        other => panic!("expected {request} ExportEnded: {other:?}"),
+    }
+}
+
+#[test]
+fn pull_hands_every_byte_from_p_to_d() {
+    let (runtime, mut p, mut d) = pair(None);
+    let lease = p.conn.settings().lease_duration;
+
+    // P prefills and exports.
+    let p_request = id("cmpl-pull-0-aaaaaaaa");
+    let p_blocks = vec![3, 5, 7];
+    fill(&p.pool, &p_blocks, 0xfeed);
+    let before = KvConnector::clock_secs();
+    let params = p
+        .conn
+        .request_finished(
+            &p_request,
+            BlockIds::single_group(p_blocks.clone()),
+            40,
+            &pull_router(),
+        )
+        .unwrap();
+    let after = KvConnector::clock_secs();
+    assert_eq!(params.transfer_mode().unwrap(), TransferMode::Pull);
+    assert_eq!(params.transfer_mode.as_deref(), Some("pull"));
+    assert!(params.do_remote_prefill);
+    assert_eq!(params.remote_engine_id.as_deref(), Some(PREFILL));
+    assert_eq!(params.remote_block_ids, Some(vec![p_blocks.clone()]));
+    assert_eq!(params.remote_num_tokens, Some(40));
+    let expiry = params.remote_blocks_expiry_time.expect("an expiry");
+    let two_leases = 2.0 * lease.as_secs_f64();
+    assert!(
+        before + two_leases <= expiry && expiry <= after + two_leases,
+        "{before} {expiry} {after}"
+    );
+    // What the router carries, as vLLM spells it.
+    let json = serde_json::to_value(&params).unwrap();
+    assert_eq!(json["transfer_mode"], "pull");
+    assert_eq!(json["remote_block_ids"], serde_json::json!([[3, 5, 7]]));
+    assert_eq!(json["remote_num_tokens"], 40);
+    assert!(json["remote_blocks_expiry_time"].is_f64());
+
+    // D reads into blocks of its own.
+    let d_request = id("cmpl-pull-0-bbbbbbbb");
+    let d_blocks = vec![9, 2, 4];
+    d.conn
+        .request_allocated(
+            &d_request,
+            BlockIds::single_group(d_blocks.clone()),
+            40,
+            &params,
+        )
+        .unwrap();
+    let (outcome, blocks) = expect_imported(&mut d.conn, &d_request);
+    assert_eq!(outcome, ImportOutcome::Loaded);
+    assert_eq!(blocks, BlockIds::single_group(d_blocks.clone()));
+    assert_eq!(wrong_bytes(&d.pool, &d_blocks, &[0, 1, 2], 0xfeed), 0);
+    let (outcome, proof, blocks) = expect_export_ended(&mut p.conn, &p_request);
+    assert_eq!(outcome, ExportOutcome::Read);
+    assert_eq!(proof, ReadProof::ReaderReleased);
+    assert_eq!(blocks, BlockIds::single_group(p_blocks));
+
+    // A partial prefix hit: D holds the first block already and reads the tail.
+    let p_request = id("cmpl-pull-1-aaaaaaaa");
+    let p_blocks = vec![10, 11, 12];
+    fill(&p.pool, &p_blocks, 0xbeef);
+    let params = p
+        .conn
+        .request_finished(
+            &p_request,
+            BlockIds::single_group(p_blocks),
+            48,
+            &pull_router(),
+        )
+        .unwrap();
+    let d_request = id("cmpl-pull-1-bbbbbbbb");
+    let d_blocks = vec![13, 14];
+    d.conn
+        .request_allocated(
+            &d_request,
+            BlockIds::single_group(d_blocks.clone()),
+            32,
+            &params,
+        )
+        .unwrap();
+    let (outcome, _) = expect_imported(&mut d.conn, &d_request);
+    assert_eq!(outcome, ImportOutcome::Loaded);
+    assert_eq!(wrong_bytes(&d.pool, &d_blocks, &[1, 2], 0xbeef), 0);
+    let (outcome, _, _) = expect_export_ended(&mut p.conn, &p_request);
+    assert_eq!(outcome, ExportOutcome::Read);
+
+    assert!(!p.conn.has_pending_work() && !d.conn.has_pending_work());
+    drop((p, d));
+    runtime.shutdown();
+}
+
+#[test]
+fn a_full_prefix_hit_reads_nothing_and_lets_p_go() {
+    let (runtime, mut p, mut d) = pair(None);
+    let p_request = id("cmpl-hit-0-aaaaaaaa");
+    let params = p
+        .conn
+        .request_finished(
+            &p_request,
+            BlockIds::single_group(vec![1, 2]),
+            32,
+            &pull_router(),
+        )
+        .unwrap();
+    let d_request = id("cmpl-hit-0-bbbbbbbb");
+    d.conn
+        .request_allocated(&d_request, BlockIds::single_group(vec![]), 32, &params)
+        .unwrap();
+    let (outcome, blocks) = expect_imported(&mut d.conn, &d_request);
+    assert_eq!(outcome, ImportOutcome::Loaded);
+    assert!(blocks.is_empty());
+    let (outcome, proof, blocks) = expect_export_ended(&mut p.conn, &p_request);
+    assert_eq!(outcome, ExportOutcome::Released(ExportEnd::FullPrefixHit));
+    assert_eq!(proof, ReadProof::NeverGranted);
+    assert_eq!(blocks, BlockIds::single_group(vec![1, 2]));
+    assert!(!p.conn.has_pending_work() && !d.conn.has_pending_work());
+    drop((p, d));
+    runtime.shutdown();
+}
+
+#[test]
+fn a_declined_export_is_let_go_at_once() {
+    let (runtime, mut p, mut d) = pair(None);
+    let p_request = id("cmpl-decline-0-aaaaaaaa");
+    let params = p
+        .conn
+        .request_finished(
+            &p_request,
+            BlockIds::single_group(vec![4, 6]),
+            20,
+            &pull_router(),
+        )
+        .unwrap();
+    let d_request = id("cmpl-decline-0-bbbbbbbb");
+    d.conn.decline_export(&d_request, &params).unwrap();
+    // Nothing was started on D: no event is owed.
+    assert!(!d.conn.has_pending_work());
+    let (outcome, proof, blocks) = expect_export_ended(&mut p.conn, &p_request);
+    assert_eq!(outcome, ExportOutcome::Released(ExportEnd::Declined));
+    assert_eq!(proof, ReadProof::NeverGranted);
+    assert_eq!(blocks, BlockIds::single_group(vec![4, 6]));
+    assert!(d.conn.poll_events().is_empty());
+    drop((p, d));
+    runtime.shutdown();
+}
+
+#[test]
+fn d_keeps_a_turn_and_p_reads_it_back() {
+    let (runtime, mut p, mut d) = pair(None);
+
+    // Turn 1, pushed (no transfer_mode): P writes its prefill into D's blocks.
+    let p_request = id("cmpl-chat-0-aaaaaaaa");
+    let p_blocks = vec![1, 2, 3];
+    fill(&p.pool, &p_blocks, 0x7e57);
+    let params = p
+        .conn
+        .request_finished(
+            &p_request,
+            BlockIds::single_group(p_blocks),
+            40,
+            &KvTransferParams {
+                do_remote_decode: true,
+                ..KvTransferParams::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(params.transfer_mode.as_deref(), Some("push"));
+    let d_request = id("cmpl-chat-0-bbbbbbbb");
+    let d_blocks = vec![20, 21, 22];
+    d.conn
+        .request_allocated(
+            &d_request,
+            BlockIds::single_group(d_blocks.clone()),
+            40,
+            &params,
+        )
+        .unwrap();
+    match wait_for_event(&mut d.conn) {
+        ConnectorEvent::BlocksReady { request, .. } => assert_eq!(request, d_request),
+        other => panic!("D: {other:?}"),
+    }
+    assert_eq!(wrong_bytes(&d.pool, &d_blocks, &[0, 1, 2], 0x7e57), 0);
+    match wait_for_event(&mut p.conn) {
+        ConnectorEvent::BlocksFree { released, .. } => assert_eq!(released, None),
+        other => panic!("P: {other:?}"),
+    }
+
+    // D decodes (its blocks now hold the whole conversation) and keeps them for turn 2.
+    fill(&d.pool, &d_blocks, 0x2d2d);
+    let ttl = Duration::from_secs(480);
+    let turn2 = d
+        .conn
+        .keep_for_next_turn(
+            &d_request,
+            BlockIds::single_group(d_blocks.clone()),
+            48,
+            ttl,
+            &params,
+        )
+        .unwrap();
+    assert_eq!(turn2.transfer_mode.as_deref(), Some("pull"));
+    assert!(turn2.do_remote_decode && !turn2.do_remote_prefill);
+    assert_eq!(turn2.remote_engine_id.as_deref(), Some(DECODE));
+    assert_eq!(turn2.remote_request_id.as_deref(), Some(d_request.as_str()));
+    assert_eq!(turn2.transfer_id.as_deref(), Some("cmpl-chat-0"));
+    assert_eq!(turn2.remote_block_ids, Some(vec![d_blocks.clone()]));
+    assert_eq!(turn2.remote_num_tokens, Some(48));
+    assert!(turn2.remote_blocks_expiry_time.unwrap() >= 2.0 * ttl.as_secs_f64());
+
+    // Turn 2 is another request on P; it reads D's blocks into fresh ones.
+    let p_turn2 = id("cmpl-chat-turn2-0-cccccccc");
+    let p_fresh = vec![30, 31, 29];
+    p.conn
+        .next_turn_allocated(
+            &p_turn2,
+            BlockIds::single_group(p_fresh.clone()),
+            48,
+            &turn2,
+        )
+        .unwrap();
+    let (outcome, blocks) = expect_imported(&mut p.conn, &p_turn2);
+    assert_eq!(outcome, ImportOutcome::Loaded);
+    assert_eq!(blocks, BlockIds::single_group(p_fresh.clone()));
+    assert_eq!(wrong_bytes(&p.pool, &p_fresh, &[0, 1, 2], 0x2d2d), 0);
+    let (outcome, proof, blocks) = expect_export_ended(&mut d.conn, &d_request);
+    assert_eq!(outcome, ExportOutcome::Read);
+    assert_eq!(proof, ReadProof::ReaderReleased);
+    assert_eq!(blocks, BlockIds::single_group(d_blocks));
+    assert!(!p.conn.has_pending_work() && !d.conn.has_pending_work());
+    drop((p, d));
+    runtime.shutdown();
+}
+
+#[test]
+fn ill_formed_read_parameters_are_typed_refusals() {
+    let unconfigured = ConnectorSettings {
+        block_tokens: None,
+        ..ConnectorSettings::new(&Config::default(), &geometry())
+    };
+    let (runtime, mut p, mut d) = pair(Some(unconfigured));
+    let blocks = || BlockIds::single_group(vec![1, 2]);
+
+    let sideways = KvTransferParams {
+        transfer_mode: Some("sideways".into()),
+        ..KvTransferParams::default()
+    };
+    assert!(matches!(
+        p.conn
+            .request_finished(&id("cmpl-e-0-aaaaaaaa"), blocks(), 32, &sideways),
+        Err(ConnectorError::InvalidParam {
+            name: "transfer_mode",
+            ..
+        })
+    ));
+
+    let pulled = KvTransferParams {
+        do_remote_prefill: true,
+        remote_engine_id: Some(PREFILL.into()),
+        tp_size: Some(1),
+        transfer_mode: Some("pull".into()),
+        remote_block_ids: Some(vec![vec![5, 6]]),
+        ..KvTransferParams::default()
+    };
+    let d_request = id("cmpl-e-0-bbbbbbbb");
+    let allocate = |d: &mut Engine, params: &KvTransferParams| {
+        d.conn.request_allocated(&d_request, blocks(), 32, params)
+    };
+    assert_eq!(
+        allocate(
+            &mut d,
+            &KvTransferParams {
+                remote_block_ids: None,
+                ..pulled.clone()
+            }
+        ),
+        Err(ConnectorError::MissingParam("remote_block_ids"))
+    );
+    assert!(matches!(
+        allocate(
+            &mut d,
+            &KvTransferParams {
+                remote_block_ids: Some(vec![vec![5]]),
+                ..pulled.clone()
+            }
+        ),
+        Err(ConnectorError::InvalidParam {
+            name: "remote_block_ids",
+            ..
+        })
+    ));
+    assert_eq!(
+        allocate(
+            &mut d,
+            &KvTransferParams {
+                remote_engine_id: None,
+                ..pulled.clone()
+            }
+        ),
+        Err(ConnectorError::MissingParam("remote_engine_id"))
+    );
+    assert!(matches!(
+        allocate(
+            &mut d,
+            &KvTransferParams {
+                do_remote_prefill: false,
+                ..pulled.clone()
+            }
+        ),
+        Err(ConnectorError::InvalidParam {
+            name: "do_remote_prefill",
+            ..
+        })
+    ));
+    // Well-formed, but this connector was not told its block size.
+    assert_eq!(
+        allocate(&mut d, &pulled),
+        Err(ConnectorError::NotConfigured("block_tokens"))
+    );
+    assert!(matches!(
+        p.conn.next_turn_allocated(
+            &id("cmpl-e-1-aaaaaaaa"),
+            blocks(),
+            32,
+            &KvTransferParams {
+                transfer_mode: Some("push".into()),
+                ..pulled.clone()
+            }
+        ),
+        Err(ConnectorError::InvalidParam {
+            name: "transfer_mode",
+            ..
+        })
+    ));
+    let read_span = d.conn.settings().read_span;
+    assert_eq!(
+        d.conn.keep_for_next_turn(
+            &d_request,
+            blocks(),
+            32,
+            Duration::from_secs(1),
+            &KvTransferParams::default()
+        ),
+        Err(ConnectorError::LeaseTooShort {
+            lease: Duration::from_secs(1),
+            read_span
+        })
+    );
+    assert_eq!(
+        d.conn.settings().load_failure_policy,
+        LoadFailurePolicy::Fail
+    );
+    // Nothing was started by any of them.
+    assert!(!p.conn.has_pending_work() && !d.conn.has_pending_work());
+    assert!(p.conn.poll_events().is_empty() && d.conn.poll_events().is_empty());
+    drop((p, d));
+    runtime.shutdown();
+}
