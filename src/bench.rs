@@ -16,6 +16,7 @@
 mod machines;
 mod runtime;
 pub mod transfer;
+pub mod turns;
 
 use machines::{machine_loop, vllm_like_base, Order};
 use runtime::actix_run;

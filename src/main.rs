@@ -260,6 +260,69 @@ enum BenchCommand {
     Control(ControlArgs),
     /// One request's KV bytes moved by raw NIXL and by kvhandoff end to end (feature `nixl`).
     Transfer(TransferArgs),
+    /// Turn 2 of a conversation: P reading the previous turn's KV back from D (measured) vs
+    /// recomputing the prefix (a model), by prefix length.
+    Turns(TurnsArgs),
+}
+
+#[derive(Debug, Args)]
+struct TurnsArgs {
+    /// Reusable prefix lengths to compare, tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = bench::turns::DEFAULT_PREFIXES,
+          value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    prefixes: Vec<u32>,
+    /// Timed reads per prefix (after one untimed round); the figure is the median.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    repeats: u32,
+    /// Tensor parallelism of the Llama-3.3-70B instance: one rank holds and reads 8/TP of the
+    /// 8 KV heads (1, 2, 4 or 8).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=8))]
+    tp: u32,
+    /// Reads above this many MiB are not measured: their time is the line fitted through the
+    /// measured ones.
+    #[arg(long, default_value_t = 320, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    max_read_mib: u64,
+    /// How D's blocks and P's lie: scattered (one descriptor per block and region) or adjacent.
+    #[arg(long, value_enum, default_value_t = TableArg::Fragmented)]
+    table: TableArg,
+    /// What the reads travel over: `auto` is NIXL when built with `--features nixl` and the
+    /// runtime loads (`source scripts/nixl-env.sh`), the in-memory transport otherwise.
+    #[arg(long, value_enum, default_value_t = TurnsTransportArg::Auto)]
+    transport: TurnsTransportArg,
+    /// P's prefill throughput for the recompute model, tokens/s per instance, instead of the
+    /// figure calibrated on the seed's multi-turn run.
+    #[arg(long, value_parser = parse_tokens_per_s)]
+    prefill_tokens_per_s: Option<f64>,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TableArg {
+    /// No two blocks adjacent on either side.
+    Fragmented,
+    /// Each side's blocks adjacent.
+    Contiguous,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TurnsTransportArg {
+    /// NIXL if available, else the in-memory transport (the report says which).
+    Auto,
+    /// NIXL (UCX, DRAM), or an error.
+    Nixl,
+    /// The in-memory transport.
+    Mem,
+}
+
+fn parse_tokens_per_s(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(tps) if tps.is_finite() && tps > 0.0 => Ok(tps),
+        _ => Err(format!(
+            "{text}: expected a positive number of tokens per second"
+        )),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -394,7 +457,36 @@ fn run_bench(command: BenchCommand) -> ExitCode {
             )
         }
         BenchCommand::Transfer(args) => run_bench_transfer(args),
+        BenchCommand::Turns(args) => run_bench_turns(args),
     }
+}
+
+fn run_bench_turns(args: TurnsArgs) -> ExitCode {
+    use bench::turns::{ModelGeometry, TableKind, TurnsOptions, TurnsTransport};
+    let options = TurnsOptions {
+        prefixes: args.prefixes,
+        repeats: args.repeats as usize,
+        geometry: ModelGeometry::llama_3_3_70b(args.tp),
+        max_read_bytes: args.max_read_mib << 20,
+        table: match args.table {
+            TableArg::Fragmented => TableKind::Fragmented,
+            TableArg::Contiguous => TableKind::Contiguous,
+        },
+        transport: match args.transport {
+            TurnsTransportArg::Auto => TurnsTransport::Auto,
+            TurnsTransportArg::Nixl => TurnsTransport::Nixl,
+            TurnsTransportArg::Mem => TurnsTransport::Mem,
+        },
+        tokens_per_s: args.prefill_tokens_per_s,
+        ..TurnsOptions::default()
+    };
+    conclude(
+        bench::turns::turns(&options),
+        args.json,
+        "the turns benchmark",
+        |r| r.render_table(),
+        |_| true,
+    )
 }
 
 fn run_bench_transfer(args: TransferArgs) -> ExitCode {

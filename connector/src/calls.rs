@@ -31,16 +31,6 @@ pub enum ConnectorError {
     /// The request asks for something this build does not do yet.
     #[error("unsupported: {0}")]
     Unsupported(&'static str),
-    /// An export's lease (or a kept turn's TTL) is shorter than a read's span
-    /// ([`ConnectorSettings::read_span`](crate::ConnectorSettings::read_span)): the holder
-    /// could not grant a read late in it.
-    #[error("a lease of {lease:?} is shorter than a read's span ({read_span:?})")]
-    LeaseTooShort {
-        /// The lease asked for.
-        lease: Duration,
-        /// The shortest that serves a reader asking at any time within it.
-        read_span: Duration,
-    },
     /// The call needs a connector setting that was not given
     /// ([`ConnectorSettings`](crate::ConnectorSettings); e.g. `block_tokens` to read).
     #[error("the connector's {0} setting is not set")]

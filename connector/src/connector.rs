@@ -505,12 +505,12 @@ impl KvConnector {
     ///   [`ConnectorSettings::lease_duration`] (renewed by D's heartbeats up to twice that);
     ///   [`ConnectorEvent::ExportEnded`] hands them back. The answer adds `remote_block_ids`
     ///   (these blocks), `remote_num_tokens` and `remote_blocks_expiry_time`: the export's
-    ///   hard end (twice the lease after this call) in [`KvConnector::clock_secs`] — a
-    ///   lower bound, since the rank starts the export a moment after the call.
+    ///   hard end (twice the lease plus [`ConnectorSettings::read_span`] after this call) in
+    ///   [`KvConnector::clock_secs`] — a lower bound, since the rank starts the export a
+    ///   moment after the call.
     ///
     /// # Errors
-    /// [`ConnectorError`] for an invalid `transfer_id` or `transfer_mode`, a pull lease shorter
-    /// than [`ConnectorSettings::read_span`] (settings changed by hand), or a refusal by the
+    /// [`ConnectorError`] for an invalid `transfer_id` or `transfer_mode`, or a refusal by the
     /// endpoint.
     pub fn request_finished(
         &mut self,
@@ -543,9 +543,8 @@ impl KvConnector {
     /// `transfer_id`. [`ConnectorEvent::ExportEnded`] hands the blocks back.
     ///
     /// # Errors
-    /// [`ConnectorError`] for an invalid `transfer_id`, a `ttl` shorter than
-    /// [`ConnectorSettings::read_span`] ([`ConnectorError::LeaseTooShort`]), or a refusal by
-    /// the endpoint (a duplicate request or key, a full table).
+    /// [`ConnectorError`] for an invalid `transfer_id`, or a refusal by the endpoint (a zero
+    /// `ttl`, a duplicate request or key, a full table).
     pub fn keep_for_next_turn(
         &mut self,
         request: &RequestId,

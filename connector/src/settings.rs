@@ -19,24 +19,22 @@ use kvhandoff_protocol::KvGeometry;
 /// assert_eq!(settings.block_tokens, Some(16));
 /// assert_eq!(settings.load_failure_policy, LoadFailurePolicy::Fail);
 /// assert_eq!(settings.lease_duration, Duration::from_secs(3));
-/// // The default config's lease (30 s) is shorter than a read's span (10 s + 60 s).
 /// let settings = ConnectorSettings::new(&Config::default(), &geometry);
-/// assert_eq!(settings.lease_duration, Duration::from_secs(70));
+/// assert_eq!(settings.lease_duration, Duration::from_secs(30));
+/// assert_eq!(settings.read_span, Duration::from_secs(70)); // 10 s delivery + 60 s write life
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectorSettings {
     /// How long a pull export waits for its reader; a waiting reader's heartbeats renew it, up
-    /// to twice this from the start (the export's hard end). [`ConnectorSettings::new`] takes
-    /// the rank's [`Config::lease_duration`], raised to [`ConnectorSettings::read_span`] if
-    /// shorter.
+    /// to twice this from the start. [`ConnectorSettings::new`] takes the rank's
+    /// [`Config::lease_duration`].
     pub lease_duration: Duration,
     /// How long a read granted now may still run: the grant's delivery
     /// ([`Config::max_message_delay`]) plus a transfer's life ([`Config::max_write_life`]).
-    /// The holder grants no read that could outlive its export's hard end, so an export whose
-    /// lease is shorter than this refuses asks that come late in it (and one whose hard end is
-    /// less than this away refuses every ask): exports of a shorter lease, or a shorter
-    /// [`KvConnector::keep_for_next_turn`](crate::KvConnector::keep_for_next_turn) `ttl`, are
-    /// refused ([`ConnectorError::LeaseTooShort`](crate::ConnectorError::LeaseTooShort)).
+    /// An export's hard end, when its blocks are back whatever happens, is twice its lease plus
+    /// this after its start
+    /// ([`export_hard_end`](kvhandoff_protocol::machine::export_hard_end)): what the answer
+    /// exports as `remote_blocks_expiry_time`.
     pub read_span: Duration,
     /// What a failed read means to this engine (vLLM's `kv_load_failure_policy`; default
     /// [`LoadFailurePolicy::Fail`]).
@@ -71,10 +69,9 @@ impl ConnectorSettings {
     }
 
     fn of_config(config: &Config) -> Self {
-        let read_span = config.max_message_delay + config.max_write_life;
         ConnectorSettings {
-            lease_duration: config.lease_duration.max(read_span),
-            read_span,
+            lease_duration: config.lease_duration,
+            read_span: kvhandoff_protocol::machine::read_span(config),
             load_failure_policy: LoadFailurePolicy::Fail,
             block_tokens: None,
         }

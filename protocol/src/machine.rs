@@ -34,8 +34,8 @@ pub use endpoint::{Endpoint, EndpointStats};
 pub(crate) use mutation::ActiveMutation;
 pub use mutation::Mutation;
 pub use read_types::{
-    is_read, ExportEnd, ExportOutcome, ExportStart, ImportFailure, ImportOutcome, ImportStart,
-    LoadFailurePolicy, ReadOrder, ReadProof, FIRST_READ_ID,
+    export_hard_end, is_read, read_span, ExportEnd, ExportOutcome, ExportStart, ImportFailure,
+    ImportOutcome, ImportStart, LoadFailurePolicy, ReadOrder, ReadProof, FIRST_READ_ID,
 };
 pub use types::{
     ConnectFailure, Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineCall,

@@ -296,7 +296,11 @@ impl World {
             return;
         }
         let inc = self.nodes[0].incarnation;
-        let hard_end = self.now + self.cfg.machine.lease_duration * 2;
+        let hard_end = kvhandoff_protocol::machine::export_hard_end(
+            self.now,
+            self.cfg.machine.lease_duration,
+            &self.cfg.machine,
+        );
         let r = &mut self.requests[request];
         if r.transfer.pull {
             r.p[attempt].kind = AttemptKind::Export {

@@ -235,42 +235,55 @@ fn renewals_stop_at_the_hard_end() {
     h.assert_no_leak();
 }
 
-// Scenario (mark turn2_read_declined_near_expiry, holder side): an ask that comes so late that
-// a read granted now could outlive the export's hard end is refused before anything starts;
-// P lets go at once.
+// Scenario (holder side of the expiry gate): D's asks are lost until late in P's lease (its
+// heartbeats keep renewing it, up to the renewal cap); an ask gets through just before the cap
+// and is granted, but the grant is lost; D's next ask comes after the cap, when a grant could
+// outlive the export's hard end: refused before anything starts. P keeps its blocks until the
+// first grant's fence, then they are back, before the hard end.
 #[test]
 fn a_grant_that_could_outlive_the_export_is_refused() {
-    let mut h = Harness::new();
-    h.export(&p_addr(), export_start(1, &[10, 11], ms(2_000)))
+    let config = Config {
+        max_register_retries: 20,
+        register_retry_interval: ms(700),
+        tombstone_ttl: ms(30_000),
+        decode_deadline: ms(20_000),
+        ..Config::fast()
+    };
+    let mut h = Harness::with_config(config);
+    h.export(&p_addr(), export_start(1, &[10, 11], LEASE)).unwrap();
+    h.set_filter(|e| if is_ask(&e.message) { Rule::Drop } else { Rule::Deliver });
+    h.import(&d_addr(), import_start(1, &[500, 501], &[10, 11]))
         .unwrap();
+    // Renewal cap 6 s, hard end 9 s; D asks every 700 ms: at 5.6 s, then at 6.3 s.
+    h.advance_to(at(ms(5_500)));
+    assert!(export_results(&h, &p_addr()).is_empty(), "renewed while D waits");
     h.set_filter(|e| {
-        if is_ask(&e.message) {
-            Rule::Hold
+        if matches!(e.message, Message::ReadGrant(_)) {
+            Rule::Drop
         } else {
             Rule::Deliver
         }
     });
-    h.import(&d_addr(), import_start(1, &[500, 501], &[10, 11]))
-        .unwrap();
-    // Hard end 4 s; a read's span is 3 s: after 1 s no grant fits.
-    h.advance_to(at(ms(1_500)));
+    h.advance_to(at(ms(6_000)));
+    assert_eq!(h.p().counters().reads_granted, 1, "the ask at 5.6 s was granted");
+    h.advance_to(at(ms(6_400)));
+    assert_eq!(
+        import_results(&h, &d_addr()),
+        vec![ImportOutcome::Failed(ImportFailure::Refused(ReadRefusal::NearExpiry))]
+    );
+    assert_eq!(h.p().counters().reads_declined_near_expiry, 1);
+    assert!(h.reads_posted.is_empty());
     h.clear_filter();
-    h.deliver_held_where(|e| is_ask(&e.message)).unwrap();
+    let span = h.p().config().max_message_delay + h.p().config().max_write_life;
+    h.advance_to(at(ms(5_600) + span));
     assert_eq!(
         export_results(&h, &p_addr()),
         vec![(
-            ExportOutcome::Released(ExportEnd::Declined),
-            ReadProof::NeverGranted
+            ExportOutcome::Released(ExportEnd::GrantFenced),
+            ReadProof::GrantFence
         )]
     );
-    assert_eq!(
-        import_results(&h, &d_addr()),
-        vec![ImportOutcome::Failed(ImportFailure::Refused(
-            ReadRefusal::NearExpiry
-        ))]
-    );
-    assert_eq!(h.p().counters().reads_declined_near_expiry, 1);
-    h.drop_held_where(|_| true);
+    assert!(h.now <= at(LEASE * 2 + span), "back before the hard end");
     h.assert_no_leak();
 }
 
@@ -282,6 +295,7 @@ fn the_reader_declines_a_read_too_near_the_expiry() {
     h.export(&p_addr(), export_start(1, &[10, 11], LEASE))
         .unwrap();
     let mut start = import_start(1, &[500, 501], &[10, 11]);
+    // A read's span is 3 s: an export that ends in 2 s is too near.
     start.expires = Some(at(ms(2_000)));
     start.policy = LoadFailurePolicy::Recompute;
     h.import(&d_addr(), start).unwrap();

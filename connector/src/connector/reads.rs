@@ -27,16 +27,13 @@ impl KvConnector {
         lease: Duration,
         reply: &mut KvTransferParams,
     ) -> Result<EngineCall, ConnectorError> {
-        let read_span = self.settings.read_span;
-        if lease < read_span {
-            return Err(ConnectorError::LeaseTooShort { lease, read_span });
-        }
         reply.transfer_mode = Some(mode_name(TransferMode::Pull).into());
         reply.remote_block_ids = Some(blocks.groups.clone());
         reply.remote_num_tokens = Some(num_tokens);
-        // The export ends by its start + 2 × lease; it starts after now.
-        reply.remote_blocks_expiry_time =
-            Some(Self::clock_secs() + lease.saturating_mul(2).as_secs_f64());
+        // The export's hard end (twice the lease and a read's span after its start, see
+        // `export_hard_end`); it starts a moment after now, so this is a lower bound.
+        let hard_end = lease.saturating_mul(2) + self.settings.read_span;
+        reply.remote_blocks_expiry_time = Some(Self::clock_secs() + hard_end.as_secs_f64());
         Ok(EngineCall::Export(ExportStart {
             request,
             key,

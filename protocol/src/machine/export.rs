@@ -2,9 +2,9 @@
 //! turns of a bidirectional conversation), from the export to its one outcome.
 //!
 //! ```text
-//!   Offered --ReadAsk (fits before the hard end)/send ReadGrant--> Granted
-//!     |  \--ReadAsk (would outlive the hard end)/send ReadRefused(NearExpiry)--> [Declined]
-//!     |--reader's heartbeat: lease renewed (never past the hard end)
+//!   Offered --ReadAsk within the lease/send ReadGrant--> Granted
+//!     |  \--ReadAsk after the lease/send ReadRefused(Expired)--> [LeaseExpired]
+//!     |--reader's heartbeat: lease renewed (never past twice its length)
 //!     |--Release (declined, full hit, aborted)--> [Released]      Granted --Release--> [Read /
 //!     |--lease ended / abort--> [Released]                          Released]
 //!                                                                Granted --fence--> [GrantFenced]
@@ -12,14 +12,16 @@
 //!
 //! The rule this machine exists for: once a grant has been sent, the blocks are handed back
 //! only when the granted reader says none of its reads is in flight, or when the grant's fence
-//! has passed. Every export ends by its hard end (`created + 2 × lease`): grants are refused
-//! that could outlive it.
+//! has passed. Every export ends by its hard end (`created + 2 × lease + read span`): renewals
+//! never take the lease past twice its length, and grants are refused that could outlive the
+//! hard end (an ask within the lease always fits).
 
 use crate::{BlockIds, Epoch, Message, PairingKey, ReadGrant, ReadRefusal, ReadRefused};
 use crate::{ReleaseReason, RequestId};
 
 use super::effects::{Outbox, Step};
-use super::read_types::{ExportEnd, ExportOutcome, ExportStart, ReadProof};
+pub(crate) use super::read_types::read_span;
+use super::read_types::{export_hard_end, ExportEnd, ExportOutcome, ExportStart, ReadProof};
 use super::shape::Machine;
 use super::types::{DropReason, Time};
 use super::{ActiveMutation, Config, Mutation};
@@ -32,8 +34,12 @@ pub(crate) struct ExportCommon {
     pub(crate) key: PairingKey,
     pub(crate) blocks: BlockIds,
     pub(crate) num_tokens: u64,
-    /// The export's hard end: no renewal goes past it, and no grant is made that could outlive
-    /// it, so the blocks are back by then whatever happens.
+    /// The latest its lease can run (twice the lease after the start): no renewal goes past
+    /// it, so an ask is never taken later.
+    pub(crate) renew_cap: Time,
+    /// The export's hard end: the renewal cap plus a read's span. No grant is made that could
+    /// outlive it (an ask within the lease always fits), so the blocks are back by then
+    /// whatever happens.
     pub(crate) hard_end: Time,
     /// The engine aborted the export (the outcome says so, whatever the reader does).
     pub(crate) aborted: bool,
@@ -116,20 +122,15 @@ impl ExportCtx<'_> {
     }
 }
 
-/// How long after a grant is sent a read posted under it may still run: the grant's delivery,
-/// then the fabric's bound on a transfer posted on its arrival.
-pub(crate) fn read_span(config: &Config) -> std::time::Duration {
-    config.max_message_delay + config.max_write_life
-}
-
 impl ExportCommon {
-    pub(crate) fn from_start(start: ExportStart, now: Time) -> Self {
+    pub(crate) fn from_start(start: ExportStart, now: Time, config: &Config) -> Self {
         ExportCommon {
             request: start.request,
             key: start.key,
             blocks: start.blocks,
             num_tokens: start.num_tokens,
-            hard_end: now + start.lease * 2,
+            renew_cap: now + start.lease * 2,
+            hard_end: export_hard_end(now, start.lease, config),
             aborted: false,
         }
     }
@@ -188,7 +189,7 @@ impl ExportRequest {
     /// A new export, waiting for its reader until `lease_until`.
     pub(crate) fn new(common: ExportCommon, lease_until: Time) -> Self {
         assert!(!common.blocks.is_empty(), "an empty export ends at once");
-        assert!(lease_until <= common.hard_end);
+        assert!(lease_until <= common.renew_cap);
         ExportRequest::Offered(Offered {
             common,
             lease_until,
@@ -204,7 +205,10 @@ impl ExportRequest {
 
     fn check(&self) {
         match self {
-            ExportRequest::Offered(s) => assert!(s.lease_until <= s.common.hard_end),
+            ExportRequest::Offered(s) => {
+                assert!(s.lease_until <= s.common.renew_cap);
+                assert!(s.common.renew_cap <= s.common.hard_end);
+            }
             ExportRequest::Granted(s) => assert!(
                 s.fence <= s.common.hard_end,
                 "a grant never outlives the export's hard end"
@@ -240,17 +244,22 @@ impl Machine for ExportRequest {
 impl Offered {
     fn handle(self, ctx: &ExportCtx<'_>, input: ExportInput, fx: &mut Outbox) -> ExportStep {
         match input {
+            ExportInput::Ask { from, epoch } if ctx.now >= self.lease_until => {
+                // The lease has ended (its timer has not run yet): as if it had.
+                let refusal = self.common.refuse(ctx, epoch, ReadRefusal::Expired);
+                fx.send(&from, refusal);
+                self.common.end(
+                    ExportOutcome::Released(ExportEnd::LeaseExpired),
+                    ReadProof::NeverGranted,
+                )
+            }
             ExportInput::Ask { from, epoch } => {
-                if self.common.too_late_to_grant(ctx) {
-                    fx.counters.reads_declined_near_expiry += 1;
-                    let refusal = self.common.refuse(ctx, epoch, ReadRefusal::NearExpiry);
-                    fx.send(&from, refusal);
-                    // Nobody can read it any more: let it go now, not at the lease's end.
-                    return self.common.end(
-                        ExportOutcome::Released(ExportEnd::Declined),
-                        ReadProof::NeverGranted,
-                    );
-                }
+                // Within the lease, which never runs past the renewal cap, a grant always fits
+                // before the hard end.
+                assert!(
+                    !self.common.too_late_to_grant(ctx),
+                    "an ask within the lease fits before the hard end"
+                );
                 fx.send(&from, self.common.grant(ctx, epoch));
                 fx.counters.reads_granted += 1;
                 Step::Live(ExportRequest::Granted(Granted {
@@ -264,7 +273,7 @@ impl Offered {
                 .common
                 .end(released_outcome(reason), ReadProof::NeverGranted),
             ExportInput::Renew { .. } => {
-                let renewed = (ctx.now + ctx.config.lease_extension).min(self.common.hard_end);
+                let renewed = (ctx.now + ctx.config.lease_extension).min(self.common.renew_cap);
                 let lease_until = self.lease_until.max(renewed);
                 if lease_until > self.lease_until {
                     fx.counters.exports_renewed += 1;
@@ -296,6 +305,7 @@ impl Granted {
                 // it; a copy that could outlive the hard end is refused instead (a read under
                 // the first copy, if any, is covered by the fence as it stands).
                 if self.common.too_late_to_grant(ctx) {
+                    fx.counters.reads_declined_near_expiry += 1;
                     let refusal = self.common.refuse(ctx, epoch, ReadRefusal::NearExpiry);
                     fx.send(&from, refusal);
                     return Step::Live(ExportRequest::Granted(self));

@@ -107,7 +107,7 @@ impl ExportTable {
         }
         start.blocks.validate().map_err(Rejected::BlockList)?;
         let lease = start.lease;
-        let common = ExportCommon::from_start(start, now);
+        let common = ExportCommon::from_start(start, now, config);
         if common.blocks.is_empty() {
             return Ok(Some(common));
         }

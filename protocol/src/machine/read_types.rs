@@ -11,6 +11,7 @@ use std::time::Duration;
 use crate::{BlockIds, Epoch, PairingKey, ReadRefusal, RequestId};
 
 use super::types::Time;
+use super::Config;
 use crate::{PeerAddr, WriteId};
 
 /// The local engine exports blocks for a remote reader.
@@ -26,7 +27,8 @@ pub struct ExportStart {
     /// Tokens the blocks hold.
     pub num_tokens: u64,
     /// How long the blocks wait for a reader (a pull lease, or a bidirectional TTL). A reader's
-    /// heartbeats naming the key renew it, up to twice this from the start.
+    /// heartbeats naming the key renew it, up to twice this from the start; the blocks are back
+    /// by [`export_hard_end`] whatever happens.
     pub lease: Duration,
 }
 
@@ -54,8 +56,9 @@ pub struct ImportStart {
     /// Where the KV goes, one list per cache group. All empty: the engine needs nothing (a full
     /// prefix hit); the holder is told to let go at once.
     pub blocks: BlockIds,
-    /// The holder's blocks as the router passed them (`remote_block_ids`); the grant's list is
-    /// authoritative and must have the same shape.
+    /// The holder's blocks as the router passed them (`remote_block_ids`): advisory, checked as
+    /// a block list only. The grant's list is authoritative: a reader never reads blocks the
+    /// holder did not grant, whatever a stale or tampered parameter says.
     pub remote_blocks: BlockIds,
     /// Tokens to read.
     pub num_tokens: u64,
@@ -169,6 +172,29 @@ pub struct ReadOrder {
     pub local: BlockIds,
     /// The holder's logical blocks, per group.
     pub remote: BlockIds,
+}
+
+/// How long after a grant is sent a read posted under it may still run: the grant's delivery
+/// (`max_message_delay`), then the fabric's bound on a transfer posted on its arrival
+/// (`max_write_life`).
+pub fn read_span(config: &Config) -> Duration {
+    config.max_message_delay + config.max_write_life
+}
+
+/// When an export started at `start` with `lease` has certainly ended, its blocks back with its
+/// holder: renewals never take the lease past twice its length, and a read granted at the
+/// latest then ends within [`read_span`]. What a holder exports as its expiry
+/// (`remote_blocks_expiry_time`).
+///
+/// ```
+/// use std::time::Duration;
+/// use kvhandoff_protocol::machine::{export_hard_end, Config, Time};
+/// let config = Config::default(); // 10 s message delay, 60 s write life
+/// let end = export_hard_end(Time::ZERO, Duration::from_secs(30), &config);
+/// assert_eq!(end, Time::from_duration(Duration::from_secs(130)));
+/// ```
+pub fn export_hard_end(start: Time, lease: Duration, config: &Config) -> Time {
+    start + lease * 2 + read_span(config)
 }
 
 /// Transfer ids at or above this are reads; below, writes. One endpoint allocates both, so a

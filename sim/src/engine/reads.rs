@@ -3,7 +3,8 @@
 //! and the checks on every export's and import's terminal event.
 
 use kvhandoff_protocol::machine::{
-    EngineCall, EngineEvent, ExportStart, ImportFailure, ImportOutcome, ImportStart, Rejected,
+    export_hard_end, EngineCall, EngineEvent, ExportStart, ImportFailure, ImportOutcome,
+    ImportStart, Rejected,
 };
 use kvhandoff_protocol::{BlockIds, Epoch, ReadRefusal};
 
@@ -171,7 +172,7 @@ impl World {
                 started: now,
             },
             kind: AttemptKind::Export {
-                hard_end: now + second.ttl * 2,
+                hard_end: export_hard_end(now, second.ttl, &self.cfg.machine),
                 renewed: false,
             },
         });

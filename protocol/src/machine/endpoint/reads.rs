@@ -56,7 +56,7 @@ impl Endpoint {
             return Ok(());
         }
         if let Some(expires) = start.expires {
-            if now + crate::machine::export::read_span(&self.config) > expires {
+            if now + crate::machine::read_span(&self.config) > expires {
                 return self.decline_near_expiry(now, start);
             }
         }

@@ -26,8 +26,10 @@ fn ms(n: u64) -> Time {
 
 /// When every case's input happens unless it says otherwise.
 const NOW_MS: u64 = 10_000;
-/// The fixtures' hard end (`created + 2 × lease`: created at 0 with a 10 s lease).
+/// The fixtures' hard end (`created + 2 × lease + span`: created at 0 with an 8.5 s lease).
 const HARD_END_MS: u64 = 20_000;
+/// The fixtures' renewal cap (`created + 2 × lease`): the latest the lease can run.
+const RENEW_CAP_MS: u64 = HARD_END_MS - SPAN_MS;
 /// The `Offered` fixture's lease end.
 const LEASE_MS: u64 = 11_000;
 /// `max_message_delay + max_write_life` of the config (checked by `fixtures_follow_the_config`).
@@ -81,6 +83,7 @@ fn common() -> ExportCommon {
         key: key(),
         blocks: blocks(),
         num_tokens: 40,
+        renew_cap: ms(RENEW_CAP_MS),
         hard_end: ms(HARD_END_MS),
         aborted: false,
     }
@@ -306,28 +309,28 @@ fn cases() -> Vec<Case> {
             one_grant(),
         ),
         case(
-            "offered + ask at the last moment a grant fits: fence at the hard end",
-            offered_until(ms(HARD_END_MS)),
+            "offered + ask in the last moment of a capped lease: fence just before the hard end",
+            offered_until(ms(RENEW_CAP_MS)),
             ask(reader(), Epoch(5)),
             live(
                 GrantedAt::new()
                     .epoch(Epoch(5))
-                    .fence(ms(HARD_END_MS))
+                    .fence(ms(HARD_END_MS - 1))
                     .build(),
             ),
             vec![grant_sent(reader(), Epoch(5))],
             one_grant(),
         )
-        .at(ms(LAST_GRANT_MS)),
+        .at(ms(RENEW_CAP_MS - 1)),
         case(
-            "offered + ask too close to the hard end: NearExpiry, Declined at once",
-            offered_until(ms(HARD_END_MS)),
+            "offered + ask once the lease ended (its timer late): Expired, LeaseExpired",
+            offered_until(ms(RENEW_CAP_MS)),
             ask(reader(), EPOCH),
-            released(E::Declined, never),
-            vec![refused_sent(reader(), EPOCH, ReadRefusal::NearExpiry)],
-            one_near_expiry(),
+            released(E::LeaseExpired, never),
+            vec![refused_sent(reader(), EPOCH, ReadRefusal::Expired)],
+            no_counters(),
         )
-        .at(ms(LAST_GRANT_MS + 1)),
+        .at(ms(RENEW_CAP_MS)),
         case(
             "offered + release (read done): Read",
             offered(),
@@ -403,23 +406,23 @@ fn cases() -> Vec<Case> {
         )
         .at(ms(LEASE_MS - EXTENSION_MS)),
         case(
-            "offered + renew near the hard end: capped at the hard end",
-            offered_until(ms(HARD_END_MS - 500)),
+            "offered + renew near the renewal cap: capped there",
+            offered_until(ms(RENEW_CAP_MS - 500)),
             renew(),
-            live(offered_until(ms(HARD_END_MS))),
+            live(offered_until(ms(RENEW_CAP_MS))),
             vec![],
             one_renewal(),
         )
-        .at(ms(HARD_END_MS - 1_000)),
+        .at(ms(RENEW_CAP_MS - 1_000)),
         case(
-            "offered + renew at the hard end already: unchanged, not counted",
-            offered_until(ms(HARD_END_MS)),
+            "offered + renew at the renewal cap already: unchanged, not counted",
+            offered_until(ms(RENEW_CAP_MS)),
             renew(),
-            live(offered_until(ms(HARD_END_MS))),
+            live(offered_until(ms(RENEW_CAP_MS))),
             vec![],
             no_counters(),
         )
-        .at(ms(HARD_END_MS - 100)),
+        .at(ms(RENEW_CAP_MS - 100)),
         case(
             "offered + abort: Aborted",
             offered(),
@@ -826,7 +829,7 @@ fn fixtures_follow_the_config() {
 fn timers_per_state() {
     let table = [
         (offered(), ms(LEASE_MS)),
-        (offered_until(ms(HARD_END_MS)), ms(HARD_END_MS)),
+        (offered_until(ms(RENEW_CAP_MS)), ms(RENEW_CAP_MS)),
         (granted(), ms(FENCE_MS)),
         (GrantedAt::new().aborted().build(), ms(FENCE_MS)),
     ];
@@ -863,15 +866,15 @@ fn release_reasons_map_to_outcomes() {
 }
 
 #[test]
-fn hard_end_is_twice_the_lease_from_the_start() {
+fn hard_end_is_twice_the_lease_and_a_read_span_from_the_start() {
     let start = ExportStart {
         request: RequestId::new("req-x").unwrap(),
         key: key(),
         blocks: blocks(),
         num_tokens: 40,
-        lease: Duration::from_millis(HARD_END_MS / 2),
+        lease: Duration::from_millis(RENEW_CAP_MS / 2),
     };
-    assert_eq!(ExportCommon::from_start(start, ms(0)), common());
+    assert_eq!(ExportCommon::from_start(start, ms(0), &config()), common());
 }
 
 #[test]
@@ -886,8 +889,8 @@ fn an_export_has_blocks() {
 
 #[test]
 #[should_panic]
-fn a_lease_never_starts_past_the_hard_end() {
-    let _ = offered_until(ms(HARD_END_MS + 1));
+fn a_lease_never_starts_past_the_renewal_cap() {
+    let _ = offered_until(ms(RENEW_CAP_MS + 1));
 }
 
 /// The machine checks its own invariant after every transition that leaves it live.
@@ -935,7 +938,7 @@ fn no_transition_leaves_a_live_export_past_its_hard_end() {
     let states = || {
         vec![
             offered(),
-            offered_until(ms(HARD_END_MS)),
+            offered_until(ms(RENEW_CAP_MS)),
             granted(),
             GrantedAt::new().aborted().build(),
             GrantedAt::new()
