@@ -306,66 +306,6 @@ pub struct Release {
     pub reason: ReleaseReason,
 }
 
-/// Reader → holder (pull: D → P; bidirectional: P → D): the reader wants to read the blocks
-/// exported under `key` for its attempt `epoch`. It reads nothing before a [`ReadGrant`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReadAsk {
-    /// The pairing key.
-    pub key: PairingKey,
-    /// The reader's attempt.
-    pub epoch: Epoch,
-    /// The reader's own id of the request, for logs on the holder.
-    pub reader_request: RequestId,
-    /// The reader's TP rank.
-    pub reader_rank: u32,
-}
-
-/// Holder → reader: the blocks are bound to the reader's `epoch` until it releases them (or,
-/// if it never does, until the grant's fence). Carries the holder's authoritative block list.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReadGrant {
-    /// The pairing key.
-    pub key: PairingKey,
-    /// The reader's attempt the grant is for.
-    pub epoch: Epoch,
-    /// The holder's TP rank.
-    pub holder_rank: u32,
-    /// The holder's logical block ids, one list per cache group.
-    pub blocks: BlockIds,
-    /// Tokens the blocks hold.
-    pub num_tokens: u64,
-}
-
-/// Why a holder will not let a reader read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub enum ReadRefusal {
-    /// The holder exports nothing under the key (never did, or let go already).
-    Unavailable,
-    /// The export's lease (or TTL) has ended.
-    Expired,
-    /// A read starting now could outlive the export's lease: declined before it starts.
-    NearExpiry,
-    /// The attempt is older than one the holder has already served or refused.
-    StaleEpoch,
-    /// The blocks are granted to another reader or attempt.
-    Busy,
-    /// The holder's engine aborted the export.
-    Aborted,
-}
-
-/// Holder → reader: no read of `epoch` may start; nothing was granted.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReadRefused {
-    /// The pairing key.
-    pub key: PairingKey,
-    /// The reader's attempt.
-    pub epoch: Epoch,
-    /// The holder's TP rank.
-    pub holder_rank: u32,
-    /// Why.
-    pub reason: ReadRefusal,
-}
-
 /// Every message that crosses between engines.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Message {
@@ -599,5 +539,8 @@ impl Message {
     }
 }
 
+mod reads;
 #[cfg(test)]
 mod tests;
+
+pub use reads::{ReadAsk, ReadGrant, ReadRefusal, ReadRefused};

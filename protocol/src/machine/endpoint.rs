@@ -5,25 +5,21 @@
 //! input to them by pairing key or peer. Nothing outside it routes or matches, so the actix
 //! shells and the simulator run exactly this code.
 
+mod decodes;
 mod peers;
 mod reads;
 
-use crate::{
-    BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, Release, ReleaseReason, RequestId,
-};
+use crate::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, RequestId};
 
 use super::config::ConfigError;
-use super::decode::{DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput, DecodeRequest};
+use super::decode::{DecodeInput, DecodeRequest};
 use super::decode_table::DecodeTable;
 use super::effects::Outbox;
 use super::peer::{Peer, PeerInput};
 use super::prefill_table::PrefillTable;
 use super::read_tables::{ExportTable, ImportTable};
 use super::tables::Machines;
-use super::types::{
-    Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineCall, EngineEvent,
-    FreeProof, NetEvent, Output, Rejected, Time,
-};
+use super::types::{Counters, DropReason, EngineCall, NetEvent, Output, Rejected, Time};
 use super::{ActiveMutation, Config};
 use crate::{PeerAddr, WriteId};
 
@@ -313,62 +309,6 @@ impl Endpoint {
         }
     }
 
-    fn decode_allocated(&mut self, now: Time, start: DecodeStart) -> Result<(), Rejected> {
-        let on_prefill_side = self.prefills.has_request(&start.request)
-            || self.exports.has_request(&start.request)
-            || self.imports.has_request(&start.request);
-        let start = self.decodes.admit(
-            now,
-            start,
-            on_prefill_side,
-            &self.own.engine,
-            &self.config,
-            self.mutation,
-        )?;
-        if start.blocks.is_empty() {
-            return self.full_prefix_hit(now, start);
-        }
-        let key = start.key.clone();
-        let peer = start.prefill.clone();
-        let common = DecodeCommon::from_start(start, now + self.config.decode_deadline);
-        tracing::debug!(key = %key, epoch = %common.epoch, peer = %peer, "decode request allocated");
-        self.decodes.insert(common, &self.config);
-        if self.peers.get(&peer).is_some_and(Peer::is_connected) {
-            self.step_decode(now, &key, DecodeInput::PeerConnected);
-        } else {
-            self.peer_input(now, &peer, PeerInput::ConnectRequested);
-        }
-        Ok(())
-    }
-
-    /// D already holds every token: P may free its blocks, and D is ready at once.
-    fn full_prefix_hit(&mut self, now: Time, start: DecodeStart) -> Result<(), Rejected> {
-        let release = Message::Release(Release {
-            key: start.key.clone(),
-            epoch: start.epoch,
-            reason: ReleaseReason::FullPrefixHit,
-        });
-        self.send_or_queue(now, &start.prefill, release);
-        self.decodes.remember(
-            now,
-            start.key.clone(),
-            start.epoch,
-            &self.config,
-            self.mutation,
-        );
-        self.outbox
-            .out
-            .push_back(Output::Event(EngineEvent::Decode {
-                request: start.request,
-                key: start.key,
-                epoch: start.epoch,
-                outcome: DecodeOutcome::Ready,
-                proof: FreeProof::NeverExposed,
-                blocks: start.blocks,
-            }));
-        Ok(())
-    }
-
     fn abort(&mut self, now: Time, request: &RequestId) -> Result<(), Rejected> {
         if let Some(key) = self.decodes.key_of(request).cloned() {
             self.step_decode(now, &key, DecodeInput::Abort);
@@ -405,54 +345,6 @@ impl Endpoint {
             // Best effort: P's lease frees its blocks anyway.
             self.outbox.counters.drop(DropReason::TableFull);
         }
-    }
-
-    fn step_decode(&mut self, now: Time, key: &PairingKey, input: DecodeInput) {
-        let ctx = DecodeCtx {
-            now,
-            own: &self.own,
-            config: &self.config,
-            mutation: self.mutation,
-        };
-        if let Some(ended) = self.decodes.step(&ctx, key, input, &mut self.outbox) {
-            self.decode_ended(now, ended);
-        }
-    }
-
-    /// Reports a D request that ended (the table has done its bookkeeping), first letting P
-    /// free blocks it may hold for a request that never registered.
-    fn decode_ended(&mut self, now: Time, ended: DecodeEnded) {
-        let DecodeEnded {
-            common,
-            outcome,
-            proof,
-        } = ended;
-        let gave_up_before_registering = proof == FreeProof::NeverExposed
-            && matches!(
-                outcome,
-                DecodeOutcome::Failed(
-                    DecodeFailure::Aborted | DecodeFailure::Deadline | DecodeFailure::Shutdown
-                )
-            );
-        if gave_up_before_registering {
-            // P may hold blocks for this key already: let it free them now, not at lease end.
-            let release = Message::Release(Release {
-                key: common.key.clone(),
-                epoch: common.epoch,
-                reason: ReleaseReason::Aborted,
-            });
-            self.send_or_queue(now, &common.prefill, release);
-        }
-        self.outbox
-            .out
-            .push_back(Output::Event(EngineEvent::Decode {
-                request: common.request,
-                key: common.key,
-                epoch: common.epoch,
-                outcome,
-                proof,
-                blocks: common.blocks,
-            }));
     }
 
     fn received(&mut self, now: Time, from: PeerAddr, message: Message) {
@@ -511,43 +403,6 @@ impl Endpoint {
                 self.route_to_decode(now, &from, &m.key, m.epoch, input);
             }
         }
-    }
-
-    /// Delivers a P→D message to the live request of `key` if it is for its epoch and from its
-    /// P engine; counts why not otherwise.
-    fn route_to_decode(
-        &mut self,
-        now: Time,
-        from: &PeerAddr,
-        key: &PairingKey,
-        epoch: Epoch,
-        input: DecodeInput,
-    ) {
-        let Some(request) = self.decodes.get(key) else {
-            let reason = if self.decodes.ended_recently(key) {
-                DropReason::Late
-            } else {
-                DropReason::UnknownKey
-            };
-            self.outbox.counters.drop(reason);
-            return;
-        };
-        let common = request.common();
-        if common.prefill.engine != from.engine {
-            self.outbox.counters.drop(DropReason::Unexpected);
-            return;
-        }
-        let stale_accepted = self.mutation.is(super::Mutation::AcceptStaleWriteDone)
-            && matches!(input, DecodeInput::WriteDone { .. });
-        if epoch < common.epoch && !stale_accepted {
-            self.outbox.counters.drop(DropReason::StaleEpoch);
-            return;
-        }
-        if epoch > common.epoch {
-            self.outbox.counters.drop(DropReason::FutureEpoch);
-            return;
-        }
-        self.step_decode(now, key, input);
     }
 
     fn write_result(&mut self, now: Time, write: WriteId, failure: Option<crate::WriteFailure>) {
