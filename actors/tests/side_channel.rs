@@ -432,7 +432,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
         ),
         (
             "no common mode",
-            with(&|h: &mut Handshake| h.modes = vec![TransferMode::Pull]),
+            with(&|h: &mut Handshake| h.modes = vec![TransferMode::LayerwisePush]),
             false,
             RejectReason::NoCommonMode,
         ),
@@ -484,7 +484,14 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
         panic!("the answer is a handshake");
     };
     assert_eq!(answer.engine_id, engine("prefill"));
-    assert_eq!(answer.modes, vec![TransferMode::Push]);
+    assert_eq!(
+        answer.modes,
+        vec![
+            TransferMode::Push,
+            TransferMode::Pull,
+            TransferMode::Bidirectional
+        ]
+    );
     let after = stats(&p).await;
     assert_eq!(after.incoming_ok, 1);
     assert!(after.clocks.contains_key(&engine("raw-d")), "{after:?}");

@@ -130,7 +130,8 @@ impl AcceptPolicy {
 
 impl SideChannelConfig {
     /// Defaults (5 s timeouts as vLLM's side channel, 64 concurrent handshakes, 4096 engines,
-    /// push mode, handshakes taken from known engines only) listening on `listen`.
+    /// push, pull and bidirectional modes, handshakes taken from known engines only) listening
+    /// on `listen`.
     pub fn new(listen: SocketAddr) -> Self {
         SideChannelConfig {
             listen,
@@ -138,7 +139,11 @@ impl SideChannelConfig {
             io_timeout: Duration::from_secs(5),
             max_concurrent: 64,
             max_peer_addresses: 4096,
-            modes: vec![TransferMode::Push],
+            modes: vec![
+                TransferMode::Push,
+                TransferMode::Pull,
+                TransferMode::Bidirectional,
+            ],
             accept: AcceptPolicy::default(),
         }
     }
