@@ -96,6 +96,7 @@ fn same_seed_same_trace_whatever_the_threads() {
             "coverage",
             "leaked_blocks",
             "leaks",
+            "mode",
             "mutation",
             "outcomes",
             "pool_blocks_range",
