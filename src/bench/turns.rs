@@ -8,8 +8,8 @@
 //!   planner, then `post_read` (over NIXL: UCX over loopback, DRAM, two agents in one process;
 //!   without the `nixl` feature or runtime, or with `--transport mem`, the in-memory transport,
 //!   and the report says so). The time runs from the order to P's completion. Each prefix is
-//!   read `repeats` times after one untimed round, the prefixes interleaved; the figure is the
-//!   median. Every read is checked: each block's first and last 8 bytes carry D's mark of the
+//!   read `repeats` times after one untimed round (four times as often up to 32 MiB: cheap, and
+//!   the noisiest), the prefixes interleaved; the figure is the median. Every read is checked: each block's first and last 8 bytes carry D's mark of the
 //!   block the table names.
 //! - **The bytes** are one TP rank's: Llama-3.3-70B (80 layers, 8 KV heads of 128, bf16,
 //!   16-token blocks) at TP 4 holds 2 heads a rank, 81,920 bytes per token (327,680 for the
@@ -50,6 +50,10 @@ pub use model::{
 pub const DEFAULT_PREFIXES: [u32; 8] = [16, 64, 256, 500, 1000, 2000, 4000, 8000];
 /// The default cap on one measured read: 320 MiB (a 4,096-token prefix of one TP-4 rank).
 pub const DEFAULT_MAX_READ_BYTES: u64 = 320 << 20;
+/// Reads of at most this many bytes (32 MiB) are repeated [`SMALL_READ_REPEATS`] times as often.
+pub const SMALL_READ_BYTES: u64 = 32 << 20;
+/// How many times as often small reads are repeated.
+pub const SMALL_READ_REPEATS: usize = 4;
 /// Most descriptors one post may carry on either transport (`NixlConfig`, `MemLimits`).
 pub const MAX_DESCRIPTORS_PER_POST: u64 = 1 << 16;
 
@@ -92,7 +96,8 @@ pub enum TurnsTransport {
 pub struct TurnsOptions {
     /// Reusable prefix lengths, tokens (default [`DEFAULT_PREFIXES`]).
     pub prefixes: Vec<u32>,
-    /// Timed reads per prefix (default 5), after one untimed round.
+    /// Timed reads per prefix (default 5; [`SMALL_READ_REPEATS`] times as many for reads of at
+    /// most [`SMALL_READ_BYTES`]), after one untimed round.
     pub repeats: usize,
     /// The model and its TP (default Llama-3.3-70B at TP 4).
     pub geometry: ModelGeometry,
@@ -246,7 +251,8 @@ pub struct TurnsReport {
     pub transport_note: String,
     /// The block table of the reads.
     pub table: String,
-    /// Timed reads per measured prefix.
+    /// Timed reads per measured prefix above [`SMALL_READ_BYTES`] (`rows[].samples` has each
+    /// row's count).
     pub repeats: usize,
     /// Reads above this many bytes are extrapolated.
     pub max_read_bytes: u64,
@@ -293,7 +299,7 @@ impl TurnsReport {
         );
         let _ = writeln!(
             out,
-            "  reads      {} table, median of {} (min-max); above {} the line {:.3} ms + {:.3} \
+            "  reads      {} table, median of {} (min-max; x{SMALL_READ_REPEATS} up to 32 MiB); above {} the line {:.3} ms + {:.3} \
              ms/MiB ({:.2} GB/s) through {} measured sizes (*)",
             self.table,
             self.repeats,
@@ -348,7 +354,11 @@ impl TurnsReport {
                 r.saved_ms
             );
         }
-        let tokens = |t: Option<f64>| t.map_or("never".to_string(), |t| format!("{t:.1} tokens"));
+        let tokens = |t: Option<f64>| match t {
+            None => "never".to_string(),
+            Some(t) if t <= 0.0 => "any prefix (the line has no fixed cost)".to_string(),
+            Some(t) => format!("{t:.1} tokens"),
+        };
         let b = &self.break_even;
         let _ = writeln!(
             out,
@@ -463,7 +473,7 @@ fn read_all(
 ) -> Result<(&'static str, String, Vec<measure::Measured>), TurnsBenchError> {
     let mem = |why: &str| -> Result<_, TurnsBenchError> {
         let note = format!(
-            "the in-memory transport (one copy per descriptor under a lock, not NIXL): {why}"
+            "the in-memory transport (the bytes copied by an in-process fabric, not NIXL): {why}"
         );
         Ok(("mem", note, read_mem(options, prefixes)?))
     };

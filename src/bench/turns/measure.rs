@@ -145,24 +145,13 @@ impl<T: RankMemory> Pair<T> {
         mut make: impl FnMut(AgentName) -> Result<T, TurnsBenchError>,
     ) -> Result<Self, TurnsBenchError> {
         let (p_engine, d_engine) = engines()?;
-        let transport = |make: &mut dyn FnMut(AgentName) -> Result<T, TurnsBenchError>,
-                         engine: &EngineId| {
+        let mut transport = |engine: &EngineId| {
             let name = agent_name(engine, geometry.tp_rank)
                 .map_err(|e| TurnsBenchError::Options(e.to_string()))?;
             make(name)
         };
-        let (mut p, p_info) = side(
-            transport(&mut make, &p_engine)?,
-            &p_engine,
-            geometry,
-            pool_blocks,
-        )?;
-        let (mut d, d_info) = side(
-            transport(&mut make, &d_engine)?,
-            &d_engine,
-            geometry,
-            pool_blocks,
-        )?;
+        let (mut p, p_info) = side(transport(&p_engine)?, &p_engine, geometry, pool_blocks)?;
+        let (mut d, d_info) = side(transport(&d_engine)?, &d_engine, geometry, pool_blocks)?;
         let d_peer = d_info.peer.clone();
         p.driver
             .load_peer(d_info)
@@ -260,8 +249,9 @@ impl<T: RankMemory> Pair<T> {
     }
 }
 
-/// Reads every prefix of `prefixes` (tokens) `repeats` times after one untimed round, the
-/// prefixes interleaved in each round so that machine drift hits them alike.
+/// Reads every prefix of `prefixes` (tokens) after one untimed round: `repeats` times, or
+/// [`SMALL_READ_REPEATS`] times as often for reads of at most [`SMALL_READ_BYTES`] (cheap, and
+/// the noisiest); the prefixes interleaved in each round so that machine drift hits them alike.
 pub(super) fn measure<T: RankMemory>(
     options: &TurnsOptions,
     prefixes: &[u32],
@@ -285,16 +275,22 @@ pub(super) fn measure<T: RankMemory>(
             }
         })
         .collect();
+    let wanted: Vec<usize> = prefixes.iter().map(|&t| repeats_for(options, t)).collect();
     let mut measured: Vec<Measured> = prefixes
         .iter()
-        .map(|&prefix_tokens| Measured {
+        .zip(&wanted)
+        .map(|(&prefix_tokens, &n)| Measured {
             prefix_tokens,
             descriptors: 0,
-            samples_ms: Vec::with_capacity(options.repeats),
+            samples_ms: Vec::with_capacity(n),
         })
         .collect();
-    for round in 0..=options.repeats {
-        for (m, table) in measured.iter_mut().zip(&tables) {
+    let rounds = wanted.iter().copied().max().unwrap_or(0);
+    for round in 0..=rounds {
+        for ((m, table), &n) in measured.iter_mut().zip(&tables).zip(&wanted) {
+            if m.samples_ms.len() >= n {
+                continue;
+            }
             let (ms, descriptors) = pair.read(table, options.timeout)?;
             m.descriptors = descriptors;
             // Round 0 is the warm-up (connections, the first touch of the lists).
@@ -304,4 +300,13 @@ pub(super) fn measure<T: RankMemory>(
         }
     }
     Ok(measured)
+}
+
+/// Timed reads of a prefix of `tokens`.
+pub(super) fn repeats_for(options: &TurnsOptions, tokens: u32) -> usize {
+    if options.geometry.read_bytes(tokens) <= SMALL_READ_BYTES {
+        options.repeats * SMALL_READ_REPEATS
+    } else {
+        options.repeats
+    }
 }

@@ -239,8 +239,9 @@ pub struct ComputeModel {
 impl ComputeModel {
     /// The model calibrated on the seed's multi-turn figures: the mean TTFT that pulling saved
     /// (1049.77 − 498.15 = 551.62 ms) is the recompute of the mean reusable prefix (4,500
-    /// tokens), the read time being small beside it (which makes this a lower bound on the
-    /// throughput).
+    /// tokens), the read time being small beside it. Leaving the read out makes the throughput an
+    /// upper bound (recompute a lower one: conservative for reading); leaving the earlier turns'
+    /// history out of the prefix makes it a lower bound.
     pub fn from_seed() -> Self {
         let saved_ms = seed::RECOMPUTE_MEAN_TTFT_MS - seed::PULL_MEAN_TTFT_MS;
         let mean_prefix_tokens = seed::COMMON_PREFIX_TOKENS + seed::CONVERSATION_PREFIX_MEAN_TOKENS;
@@ -386,6 +387,8 @@ pub struct TurnRow {
     /// True when `read_ms` was measured; false when it is the fitted line's value (the read is
     /// above `max_read_bytes` or the transports' 65,536 descriptors per post).
     pub measured: bool,
+    /// Timed reads behind `read_ms` (0 when not measured).
+    pub samples: usize,
     /// Reading the prefix from D, ms: the median of the repetitions (the fit when not measured).
     pub read_ms: f64,
     /// The fastest repetition, ms (= `read_ms` when not measured).
@@ -422,6 +425,7 @@ impl TurnRow {
             bytes,
             descriptors,
             measured,
+            samples: if measured { samples_ms.len() } else { 0 },
             read_ms,
             read_ms_min: lo,
             read_ms_max: hi,

@@ -214,6 +214,8 @@ fn a_tiny_run_over_memory_reads_every_block_and_reports_json() {
     assert_eq!((a.descriptors, b.descriptors), (4, 12));
     assert_eq!(a.bytes, 16 * 2048);
     for row in &report.rows {
+        // Small reads are repeated four times as often.
+        assert_eq!(row.samples, 2 * SMALL_READ_REPEATS);
         assert!(row.read_ms > 0.0 && row.read_ms_min <= row.read_ms);
         assert!(row.read_ms <= row.read_ms_max);
         assert!(row.recompute_ms > 0.0);
@@ -239,6 +241,7 @@ fn reads_above_the_cap_are_extrapolated_from_the_line() {
     assert!(report.rows[0].measured && report.rows[1].measured);
     let last = &report.rows[2];
     assert!(!last.measured);
+    assert_eq!(last.samples, 0);
     assert_eq!(last.descriptors, 4, "contiguous: one per region");
     assert!(close(last.read_ms, report.read_fit.read_ms(last.bytes)));
     assert_eq!(report.read_fit.points, 2);
