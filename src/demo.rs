@@ -28,6 +28,19 @@
 //! `max(f + b, P's answer)`). `mixed` draws each request's mode from the seed. Every byte is
 //! checked either way; the bytes moved are read by D's agent in pull mode.
 //!
+//! `bidir` runs multi-turn conversations (`requests` turns in all, [`DemoOptions::turns`] per
+//! conversation; see `schedule`): every turn is a handoff as above, pushed or pulled as its
+//! conversation was drawn, whose prompt is the whole conversation so far. After checking a turn
+//! D "decodes" (writes the pattern of its decoded tokens into blocks it allocated for them) and
+//! keeps the blocks for the next turn (`keep_for_next_turn`, TTL [`DemoOptions::keep_ttl`], 2 s
+//! by default); its answer reaches P through the in-process router, and the next turn reaches
+//! P a think time later. P then reads the kept prefix back into the new turn's first blocks
+//! (`next_turn_allocated`: NIXL READs from D's agent into P's) and checks every byte of it, or
+//! declines D's blocks (`decline_export`) and recomputes the prefix (fills the pattern itself)
+//! when it is shorter than [`DemoOptions::recompute_threshold`] tokens, or when less than a
+//! quarter of the TTL is left (`declined_near_expiry`: one turn in eight comes back that late
+//! by design). The report's `turns` counts them.
+//!
 //! Deadlines: the ranks run [`Config::default`] (production deadlines). A healthy run never
 //! reaches any of them; the demo's own overall limit ([`DemoOptions::timeout`], 60 s) bounds
 //! every wait, and a run that hits it reports FAILED with the requests that never finished.
@@ -45,7 +58,6 @@ mod prefill_loop;
 mod report;
 mod schedule;
 
-use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -64,18 +76,22 @@ use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvTransferParams, Runtime}
 
 pub(crate) use decode_loop::run_decode;
 pub(crate) use engines::{
-    DecodePacing, DecodeRecord, DecodeRun, FreeList, PrefillPacing, PrefillRecord, PrefillRun,
+    failed_note, import_note, no_answer_note, released_note, router_link, unread_note, DecodeLink,
+    DecodeRecord, DecodeRun, FreeList, Pacing, PrefillLink, PrefillRecord, PrefillRun, ToDecode,
+    ToPrefill, TurnSettings, TurnStart,
 };
 pub use pattern::{
     block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
 };
 pub(crate) use prefill_loop::run_prefill;
-pub(crate) use report::{build as build_report, Facts, Tallies};
+pub(crate) use report::{build as build_report, turn_counts, Facts, Tallies};
 pub use report::{
     DemoReport, EventCounts, GeometrySummary, Latency, Leaks, Outcomes, PrefillOutcomes, Races,
-    ReportRole,
+    ReportRole, TurnCounts,
 };
-pub(crate) use schedule::{check as check_options, schedule, Planned, Workload};
+pub(crate) use schedule::{
+    check as check_options, near_expiry_margin, schedule, Planned, Workload,
+};
 
 /// P's engine id in the demo.
 pub const PREFILL_ENGINE: &str = "prefill-0";
@@ -113,6 +129,11 @@ pub enum DemoMode {
     Pull,
     /// Each request's mode is drawn from the seed (about half each).
     Mixed,
+    /// Multi-turn conversations: each turn's prompt is the conversation so far, handed from P
+    /// to D by push or pull (drawn per conversation); between turns D keeps its blocks
+    /// (`keep_for_next_turn`) and P reads them back for the next turn (`next_turn_allocated`),
+    /// or declines (`decline_export`) and recomputes. See [`DemoOptions::turns`].
+    Bidir,
 }
 
 impl DemoMode {
@@ -122,6 +143,7 @@ impl DemoMode {
             DemoMode::Push => "push",
             DemoMode::Pull => "pull",
             DemoMode::Mixed => "mixed",
+            DemoMode::Bidir => "bidir",
         }
     }
 }
@@ -151,6 +173,17 @@ pub struct DemoOptions {
     pub max_call_skew: Duration,
     /// How often each rank's writer polls the transport (default: the shell's, 200 µs).
     pub poll_interval: Duration,
+    /// [`DemoMode::Bidir`]: turns per conversation (default 4); `requests` counts turns, so
+    /// there are `requests / turns` conversations (rounded up; the last may be shorter).
+    pub turns: u32,
+    /// [`DemoMode::Bidir`]: how long D keeps a finished turn's blocks for the next one
+    /// (`keep_for_next_turn`'s TTL; default 2 s, short for a demo: vLLM's default is minutes).
+    /// P's heartbeats renew it while P reads, up to twice this.
+    pub keep_ttl: Duration,
+    /// [`DemoMode::Bidir`]: P reads a later turn's prefix back from D only when it saves at
+    /// least this many tokens; below, P declines and recomputes (default 64, vLLM's
+    /// threshold).
+    pub recompute_threshold: u32,
     /// The whole run's limit; a run that reaches it reports FAILED (default 60 s).
     pub timeout: Duration,
     /// TEST ONLY: P writes a wrong pattern into one request's blocks, which D must catch.
@@ -171,6 +204,9 @@ impl Default for DemoOptions {
             mean_arrival_gap: Duration::from_millis(2),
             max_call_skew: Duration::from_millis(10),
             poll_interval: ShellConfig::default().poll_interval,
+            turns: 4,
+            keep_ttl: Duration::from_secs(2),
+            recompute_threshold: 64,
             timeout: Duration::from_secs(60),
             corrupt_one_request: false,
         }
@@ -267,7 +303,7 @@ mod mem {
         };
         let (p, d) = (agent(&p_engine)?, agent(&d_engine)?);
         let (p_agent, d_agent) = (p.agent_name().clone(), d.agent_name().clone());
-        // P's writes (push) and D's reads (pull).
+        // P's writes (push), D's reads (pull) and P's reads (turns read back).
         run_pair(options, workload, plan, wall, "mem", p, d, |_| {
             let landed = |agent| fabric.stats(agent).map_or(0, |s| s.bytes_landed);
             landed(&p_agent) + landed(&d_agent)
@@ -282,7 +318,8 @@ mod nixl {
     use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
 
     /// Two NIXL agents in this process. NIXL counts no bytes: the bytes moved are those of the
-    /// requests whose write completed (P's `Sent`) or that D read (P's export ended `Read`).
+    /// requests whose write completed (P's `Sent`) or that D read (P's export ended `Read`),
+    /// and of the prefixes P read back from D.
     pub(super) fn run(
         options: &DemoOptions,
         workload: &Workload,
@@ -302,12 +339,12 @@ mod nixl {
     }
 }
 
-/// The bytes of the blocks of the requests whose write completed or that were read.
+/// The bytes of the blocks of the requests whose write completed or that were read, and of
+/// the prefixes P read back from D.
 pub(crate) fn sent_bytes(plan: &[Planned], p: &[engines::PrefillRecord], block_bytes: u64) -> u64 {
     plan.iter()
         .zip(p)
-        .filter(|(_, r)| r.sent)
-        .map(|(q, _)| q.blocks as u64 * block_bytes)
+        .map(|(q, r)| (u64::from(r.sent) * q.blocks as u64 + r.read_blocks) * block_bytes)
         .sum()
 }
 
@@ -366,19 +403,25 @@ where
     let d_conn =
         kvhandoff::KvConnector::with_settings(identity(DECODE_ENGINE)?, d_handle, settings);
 
-    let (to_decode, from_prefill) = mpsc::channel();
+    let (p_link, d_link) = router_link();
     let start = Instant::now();
     let deadline = start + options.timeout;
+    let turns = turn_settings(options);
     let prefill = PrefillRun {
         start,
         deadline,
         corrupt: options.corrupt_one_request.then_some(plan.len() / 2),
-        pacing: PrefillPacing::Router(to_decode),
+        pacing: Pacing::Router,
+        link: Some(p_link),
+        turns,
+        answer_wait: None,
+        stop_after: None,
     };
     let decode = DecodeRun {
         start,
         deadline,
-        pacing: DecodePacing::Router(from_prefill),
+        pacing: Pacing::Router,
+        link: Some(d_link),
         // What a router knows of P before P answered (an in-process rank needs no address).
         params: KvTransferParams {
             do_remote_prefill: true,
@@ -386,6 +429,9 @@ where
             tp_size: Some(1),
             ..KvTransferParams::default()
         },
+        answer_wait: None,
+        turns,
+        stop_after: None,
     };
     let (p, d) = thread::scope(|s| {
         let spawn = |name: &str| thread::Builder::new().name(name.into());
@@ -443,6 +489,15 @@ where
             wall,
         },
     ))
+}
+
+/// The conversations' settings of `options` (both sides use the same).
+pub(crate) fn turn_settings(options: &DemoOptions) -> TurnSettings {
+    TurnSettings {
+        ttl: options.keep_ttl,
+        threshold: options.recompute_threshold,
+        margin: near_expiry_margin(options.keep_ttl),
+    }
 }
 
 /// The race counts of P's endpoint counters.

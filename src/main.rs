@@ -44,9 +44,21 @@ struct DemoArgs {
     #[arg(long, value_enum, default_value_t = TransportArg::Mem)]
     transport: TransportArg,
     /// How the requests move their KV: `push` (P writes into D's blocks), `pull` (D reads
-    /// P's exported blocks) or `mixed` (each request's mode drawn from the seed).
+    /// P's exported blocks), `mixed` (each request's mode drawn from the seed) or `bidir`
+    /// (multi-turn conversations: D keeps each turn's blocks, P reads them back for the next).
     #[arg(long, value_enum, default_value_t = ModeArg::Push)]
     mode: ModeArg,
+    /// `--mode bidir`: turns per conversation (`--requests` counts turns).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    turns: u32,
+    /// `--mode bidir`: how long D keeps a turn's blocks for the next one, ms (the TTL of
+    /// `keep_for_next_turn`; short for a demo).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    keep_ttl_ms: u64,
+    /// `--mode bidir`: P reads a later turn's prefix back from D only when it saves at least
+    /// this many tokens; below, P declines D's blocks and recomputes.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    recompute_threshold: u32,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -60,6 +72,9 @@ enum ModeArg {
     Pull,
     /// Each request pushed or pulled, drawn from the seed.
     Mixed,
+    /// Multi-turn conversations (each pushed or pulled, drawn from the seed); between turns P
+    /// reads D's kept blocks back (NIXL READ) or recomputes.
+    Bidir,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -144,6 +159,21 @@ struct NodeArgs {
     /// even if requests failed.
     #[arg(long)]
     expect_peer_loss: bool,
+    /// How the requests move their KV (both processes must agree): `push`, `pull`, `mixed` or
+    /// `bidir`. Every mode but push needs `--router`.
+    #[arg(long, value_enum, default_value_t = ModeArg::Push)]
+    mode: ModeArg,
+    /// The router link, HOST:PORT (D listens, P connects; give both the same): P's answers
+    /// (a pulled request's block ids) reach D over it, and D's answers for a conversation's
+    /// next turn reach P.
+    #[arg(long, value_parser = parse_addr)]
+    router: Option<std::net::SocketAddr>,
+    /// TEST HOOK of the kill tests: right after this node's last engine call for request K of
+    /// the plan (P: request_finished; D: keep_for_next_turn for a turn it keeps,
+    /// request_allocated otherwise), stop this process with SIGSTOP (for the test to kill it
+    /// there).
+    #[arg(long, value_name = "K")]
+    stop_self_after: Option<u32>,
     /// This many ms into the schedule, send this rank's handshake to the peer again, twice: a
     /// second dial through the link and a raw copy from a plain socket (a test of repeated
     /// handshakes: the peer must change nothing).
@@ -413,19 +443,27 @@ fn conclude<R: serde::Serialize, E: std::fmt::Display>(
     }
 }
 
+fn demo_mode(mode: ModeArg) -> DemoMode {
+    match mode {
+        ModeArg::Push => DemoMode::Push,
+        ModeArg::Pull => DemoMode::Pull,
+        ModeArg::Mixed => DemoMode::Mixed,
+        ModeArg::Bidir => DemoMode::Bidir,
+    }
+}
+
 fn run_demo(args: DemoArgs) -> ExitCode {
     let options = DemoOptions {
         transport: match args.transport {
             TransportArg::Mem => DemoTransport::Mem,
             TransportArg::Nixl => DemoTransport::Nixl,
         },
-        mode: match args.mode {
-            ModeArg::Push => DemoMode::Push,
-            ModeArg::Pull => DemoMode::Pull,
-            ModeArg::Mixed => DemoMode::Mixed,
-        },
+        mode: demo_mode(args.mode),
         requests: args.requests as usize,
         seed: args.seed,
+        turns: args.turns,
+        keep_ttl: std::time::Duration::from_millis(args.keep_ttl_ms),
+        recompute_threshold: args.recompute_threshold,
         ..DemoOptions::default()
     };
     conclude(
@@ -462,8 +500,19 @@ fn run_bench(command: BenchCommand) -> ExitCode {
 }
 
 fn run_bench_turns(args: TurnsArgs) -> ExitCode {
+    let json = args.json;
+    conclude(
+        bench::turns::turns(&turns_options(args)),
+        json,
+        "the turns benchmark",
+        |r| r.render_table(),
+        |_| true,
+    )
+}
+
+fn turns_options(args: TurnsArgs) -> bench::turns::TurnsOptions {
     use bench::turns::{ModelGeometry, TableKind, TurnsOptions, TurnsTransport};
-    let options = TurnsOptions {
+    TurnsOptions {
         prefixes: args.prefixes,
         repeats: args.repeats as usize,
         geometry: ModelGeometry::llama_3_3_70b(args.tp),
@@ -479,14 +528,7 @@ fn run_bench_turns(args: TurnsArgs) -> ExitCode {
         },
         tokens_per_s: args.prefill_tokens_per_s,
         ..TurnsOptions::default()
-    };
-    conclude(
-        bench::turns::turns(&options),
-        args.json,
-        "the turns benchmark",
-        |r| r.render_table(),
-        |_| true,
-    )
+    }
 }
 
 fn run_bench_transfer(args: TransferArgs) -> ExitCode {
@@ -672,8 +714,11 @@ fn run_node(args: NodeArgs) -> ExitCode {
         pool_blocks: args.pool_blocks,
         mean_arrival_gap: std::time::Duration::from_secs_f64(args.mean_arrival_gap_ms / 1e3),
         timeout: std::time::Duration::from_secs(args.timeout_secs),
+        mode: demo_mode(args.mode),
         ..options.schedule
     };
+    options.router = args.router;
+    options.stop_self_after = args.stop_self_after.map(|k| k as usize);
     let ms = std::time::Duration::from_millis;
     options.start_at = args.start_at as usize;
     options.linger = ms(args.linger_ms);
@@ -711,5 +756,85 @@ fn main() -> ExitCode {
         Command::Node(args) => run_node(args),
         Command::Bench(command) => run_bench(command),
         Command::Sim(args) => run_sim(args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn turns_args(argv: &[&str]) -> TurnsArgs {
+        let cli = Cli::try_parse_from(["kvhandoff", "bench", "turns"].iter().chain(argv))
+            .unwrap_or_else(|e| panic!("{e}"));
+        match cli.command {
+            Command::Bench(BenchCommand::Turns(args)) => args,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// `bench turns --json` with a tiny size (two short prefixes of the 70B rank, the in-memory
+    /// transport, two repetitions) runs and renders valid JSON with the promised keys.
+    #[test]
+    fn bench_turns_json_runs_tiny() {
+        let args = turns_args(&[
+            "--json",
+            "--prefixes",
+            "16,48",
+            "--repeats",
+            "2",
+            "--transport",
+            "mem",
+        ]);
+        assert!(args.json);
+        let report = bench::turns::turns(&turns_options(args)).unwrap_or_else(|e| panic!("{e}"));
+        let text = serde_json::to_string_pretty(&report).expect("renders");
+        let json: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+        for key in [
+            "model",
+            "compute_model",
+            "transport",
+            "rows",
+            "threshold_tokens",
+            "seed",
+        ] {
+            assert!(json.get(key).is_some(), "missing {key}: {text}");
+        }
+        assert_eq!(json["transport"], "mem");
+        assert_eq!(json["model"]["bytes_per_token"], 327_680);
+        assert!(json["compute_model"]["tokens_per_s"].as_f64().is_some());
+        assert!(json["compute_model"]["source"].as_str().is_some());
+        assert_eq!(json["seed"]["recompute_mean_ttft_ms"], 1049.77);
+        assert_eq!(json["seed"]["pull_mean_ttft_ms"], 498.15);
+        let rows = json["rows"].as_array().expect("rows");
+        assert_eq!(rows.len(), 2);
+        for row in rows {
+            for key in [
+                "prefix_tokens",
+                "bytes",
+                "read_ms",
+                "recompute_ms",
+                "ratio",
+                "saved_ms",
+            ] {
+                assert!(row.get(key).is_some(), "missing rows[].{key}: {text}");
+            }
+        }
+    }
+
+    #[test]
+    fn bench_turns_defaults_are_the_70b_sweep() {
+        let options = turns_options(turns_args(&[]));
+        assert_eq!(options.prefixes, bench::turns::DEFAULT_PREFIXES);
+        assert_eq!(options.geometry.bytes_per_token_per_rank(), 81_920);
+        assert_eq!(options.max_read_bytes, 320 << 20);
+        assert!(Cli::try_parse_from(["kvhandoff", "bench", "turns", "--tp", "16"]).is_err());
+        assert!(Cli::try_parse_from([
+            "kvhandoff",
+            "bench",
+            "turns",
+            "--prefill-tokens-per-s",
+            "0"
+        ])
+        .is_err());
     }
 }

@@ -15,6 +15,22 @@
 //! prefill-0`, `remote_host`/`remote_port` = `--peer`, `tp_size 1`, `do_remote_prefill`) and
 //! checks every byte on `BlocksReady`.
 //!
+//! # Modes and the router link
+//! `--mode` (both processes must agree) is the demo's: `push` (the default), `pull`, `mixed` or
+//! `bidir`. Every mode but push needs what a router carries besides the protocol: P's answer to
+//! `request_finished` (a pulled request's `remote_block_ids`) for D, and, in conversations, D's
+//! answer to `keep_for_next_turn` for P's next turn. It travels over the router link
+//! (`--router HOST:PORT`, both processes given the same: D listens, P connects; see
+//! `src/node/router.rs`), never over the protocol's side channel. D calls `request_allocated`
+//! for a pulled request at its scheduled time or when P's answer came, whichever is later, and
+//! reads P's blocks over NIXL; a pulled request whose answer has not come `--decode-deadline-ms`
+//! after its time is given up uncalled (`NoAnswer`: P is gone). Conversations (`bidir`) follow P's
+//! reports over the link instead of the clock (a later turn's time depends on the turn before):
+//! P tells D when each prefill is done, D keeps each turn's blocks for the next, and P reads
+//! them back (or declines and recomputes) as in the demo; P gives a conversation's later turns
+//! up (`Abandoned`) when D never got a turn, or when D's keep has not come
+//! `--decode-deadline-ms` after the turn was handed over.
+//!
 //! # Finding each other
 //! Either process may start first. Everything is bounded by one deadline from the process's
 //! start ([`DemoOptions::timeout`], `--timeout-secs`, default 60 s).
@@ -55,6 +71,9 @@
 //! - Every node reports, besides its role's report, a [`NodeFacts`] section (`"node"` in the
 //!   JSON): each request's typed outcome and when it ended (unix ms), the pool's free blocks at
 //!   the end, and the peer deaths its endpoint declared (with when the node saw each).
+//! - `--stop-self-after K` stops the node (SIGSTOP) right after its last call for request `K`
+//!   ([`NodeOptions::stop_self_after`]), once what that call sent has left the process: the
+//!   read path's kill tests kill it there, in the middle of a read.
 //! - `--repeat-handshake-ms T` sends the peer this rank's handshake again T ms into the
 //!   schedule, as a second dial and as a raw copy ([`NodeOptions::repeat_handshake_after`]).
 //! - `--expect-peer-loss` makes the node a survivor: it exits 0 when [`NodeFacts::ok`] holds
@@ -73,6 +92,7 @@
 mod drive;
 mod facts;
 mod report;
+mod router;
 mod wait;
 
 use std::net::SocketAddr;
@@ -125,6 +145,15 @@ pub struct NodeOptions {
     /// The peer is expected to die during the run: the exit status follows [`NodeFacts::ok`]
     /// alone (default false).
     pub expect_peer_loss: bool,
+    /// The router link's address: D listens there, P connects (needed by every mode but push;
+    /// both nodes are given the same; see `src/node/router.rs`).
+    pub router: Option<SocketAddr>,
+    /// TEST HOOK of the kill tests: right after this node's last engine call for request `K`
+    /// of the plan (P: `request_finished`; D: `keep_for_next_turn` for a turn it keeps,
+    /// `request_allocated` otherwise) the node waits 2 ms and stops itself with SIGSTOP, so
+    /// that the test finds it in the middle of that request (and kills it there). Default:
+    /// never.
+    pub stop_self_after: Option<usize>,
     /// This long into the schedule, send the peer this rank's handshake again: once through
     /// the link (a second dial) and once as a raw copy from a plain socket (what a late
     /// duplicate or a third party delivers). Both repeat the live incarnation, so the peer must
@@ -238,6 +267,8 @@ impl NodeOptions {
             start_at: 0,
             timing: NodeTiming::default(),
             expect_peer_loss: false,
+            router: None,
+            stop_self_after: None,
             repeat_handshake_after: None,
         }
     }

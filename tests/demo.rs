@@ -1,6 +1,7 @@
 //! The demo end to end (P and D over the in-memory transport, and over NIXL with the `nixl`
-//! feature; pushed, pulled and mixed; every byte checked), its byte pattern, its sabotage hook,
-//! the `node` roles run as two threads over the TCP side channel, and a tiny `bench control`.
+//! feature; pushed, pulled, mixed and bidirectional conversations; every byte checked), its byte
+//! pattern, its sabotage hook, the `node` roles run as two threads over the TCP side channel
+//! (and the router link), and a tiny `bench control`.
 
 use std::time::Duration;
 
@@ -145,6 +146,90 @@ fn mixed_requests_are_pushed_and_pulled_byte_exact() {
     );
     assert_eq!(report.bytes, report.expected_bytes);
     assert_eq!(serde_json::to_value(&report).unwrap()["mode"], "mixed");
+}
+
+/// Conversations of 4 turns: what every bidirectional run of `requests` turns must show.
+fn assert_conversations(report: &DemoReport, requests: u64) {
+    assert!(report.verdict_ok(), "{}", report.render_table());
+    assert_eq!(report.mode, "bidir");
+    assert_eq!(report.requests, requests);
+    assert_eq!((report.verified, report.byte_errors), (requests, 0));
+    assert_eq!(report.outcomes.ready, requests);
+    assert_eq!(report.prefill_outcomes.sent, requests);
+    assert_eq!(report.leaked_blocks, Default::default());
+    let t = report.turns;
+    assert_eq!(t.conversations, requests.div_ceil(4));
+    assert_eq!(t.later_turns, requests - t.conversations);
+    assert_eq!(
+        t.pulled_from_decode + t.recomputed + t.declined_near_expiry,
+        t.later_turns,
+        "{t:?}"
+    );
+    // Every prefix read back was checked byte by byte on P.
+    assert!(t.pulled_from_decode > 0, "{t:?}");
+    assert_eq!(t.read_back_verified, t.pulled_from_decode, "{t:?}");
+    assert!(t.read_back_bytes > 0);
+    // D kept every turn with a next one, and every keep ended (read, declined or expired).
+    assert_eq!(t.kept, t.later_turns, "{t:?}");
+    assert_eq!(t.kept_read, t.pulled_from_decode, "{t:?}");
+    assert_eq!(t.kept_read + t.kept_unread, t.kept, "{t:?}");
+    assert_eq!(report.events.prefill, requests);
+    assert_eq!(report.events.decode, requests);
+    assert_eq!(report.events.duplicates + report.events.unknown, 0);
+}
+
+fn conversations(seed: u64) -> DemoOptions {
+    DemoOptions {
+        mode: DemoMode::Bidir,
+        turns: 4,
+        ..small(seed)
+    }
+}
+
+/// Four conversations of four turns (seed 7: two pushed, two pulled; by the schedule, three
+/// later turns come back near the end of D's 2 s TTL and three more have a prefix under 64
+/// tokens):
+/// every turn's KV is checked on D, every prefix read back is checked on P, and the turns are
+/// counted.
+#[test]
+fn bidirectional_conversations_read_turns_back_byte_exact() {
+    let report = demo::run(&conversations(SEED)).expect("the demo runs");
+    println!("{}", report.render_table());
+    assert_conversations(&report, 16);
+    let t = report.turns;
+    assert!(t.recomputed > 0, "a prefix under the threshold: {t:?}");
+    assert!(
+        t.declined_near_expiry > 0,
+        "a turn back near the TTL's end: {t:?}"
+    );
+    assert_eq!(t.keep_ttl_ms, 2000.0);
+    assert_eq!(t.recompute_threshold_tokens, 64);
+    assert!(report.pulled > 0 && report.pulled < 16, "{}", report.pulled);
+    // The mem fabric counts what moved: the handoffs and the prefixes read back.
+    assert_eq!(report.bytes, report.expected_bytes);
+    let v = serde_json::to_value(&report).unwrap();
+    assert_eq!(v["mode"], "bidir");
+    for key in ["pulled_from_decode", "recomputed", "declined_near_expiry"] {
+        assert!(v["turns"][key].is_u64(), "turns.{key}");
+    }
+    assert!(report.render_table().contains("later turns: read back"));
+}
+
+/// A threshold above every prefix: no turn reads back; each declines D's kept blocks at once.
+#[test]
+fn a_high_threshold_recomputes_every_later_turn() {
+    let report = demo::run(&DemoOptions {
+        recompute_threshold: 1_000_000,
+        requests: 8,
+        ..conversations(SEED)
+    })
+    .expect("the demo runs");
+    let t = report.turns;
+    assert!(report.verdict_ok(), "{}", report.render_table());
+    assert_eq!(t.pulled_from_decode, 0);
+    assert_eq!(t.recomputed + t.declined_near_expiry, 6);
+    assert_eq!((t.kept, t.kept_unread), (6, 6));
+    assert_eq!((report.verified, report.byte_errors), (8, 0));
 }
 
 #[test]
@@ -471,13 +556,89 @@ fn two_nodes_meet_over_the_side_channel_and_hand_off_every_byte() {
 }
 
 #[test]
-fn a_node_refuses_to_pull() {
+fn a_node_needs_the_router_link_to_pull() {
     let fabric = MemFabric::new();
     let (p_addr, d_addr) = two_ports();
     let mut options = node_options(NodeRole::Decode, d_addr, p_addr);
     options.schedule.mode = DemoMode::Pull;
-    let err = node::run_on("mem", &options, |name| fabric.agent(name)).expect_err("push only");
+    let err = node::run_on("mem", &options, |name| fabric.agent(name)).expect_err("no router");
     assert!(matches!(err, demo::DemoError::Options(_)), "{err}");
+    assert!(err.to_string().contains("--router"), "{err}");
+}
+
+/// Two nodes in `mode` on one in-memory fabric (threads, TCP side channel and router link).
+fn two_nodes(mode: DemoMode) -> (node::PrefillReport, DemoReport) {
+    let fabric = MemFabric::new();
+    let (p_addr, d_addr) = two_ports();
+    let router = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let options = |role, listen, peer| {
+        let mut o = node_options(role, listen, peer);
+        o.schedule.mode = mode;
+        o.schedule.max_prompt_tokens = 128;
+        o.schedule.pool_blocks = 128;
+        o.router = Some(router);
+        o
+    };
+    let (p, d) = std::thread::scope(|s| {
+        let d = s.spawn(|| {
+            node::run_on("mem", &options(NodeRole::Decode, d_addr, p_addr), |name| {
+                fabric.agent(name)
+            })
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let p = s.spawn(|| {
+            node::run_on("mem", &options(NodeRole::Prefill, p_addr, d_addr), |name| {
+                fabric.agent(name)
+            })
+        });
+        (p.join().unwrap(), d.join().unwrap())
+    });
+    let (NodeReport::Prefill(p), NodeReport::Decode(d)) = (p.unwrap(), d.unwrap()) else {
+        panic!("wrong report kinds");
+    };
+    println!("{}", p.render_table());
+    println!("{}", d.render_table());
+    assert!(d.verdict_ok(), "{}", d.render_table());
+    assert!(p.verdict_ok(), "{}", p.render_table());
+    assert_eq!((d.verified, d.byte_errors, d.outcomes.ready), (40, 0, 40));
+    assert_eq!(p.prefill_outcomes.sent, 40);
+    assert_eq!(d.bytes, d.expected_bytes);
+    assert_eq!(p.bytes, p.expected_bytes);
+    assert!(p.peer_exited, "P saw D leave");
+    (p, d)
+}
+
+/// D reads every request from P: P's answers (the block ids) reach D over the router link.
+#[test]
+fn two_nodes_pull_every_byte_over_the_router_link() {
+    let (p, d) = two_nodes(DemoMode::Pull);
+    assert_eq!((d.mode.as_str(), d.pulled), ("pull", 40));
+    assert_eq!((p.mode.as_str(), p.pulled), ("pull", 40));
+    assert_eq!(p.races, Default::default(), "no race in pull");
+}
+
+#[test]
+fn two_nodes_push_and_pull_mixed_requests() {
+    let (p, d) = two_nodes(DemoMode::Mixed);
+    assert!(d.pulled > 0 && d.pulled < 40, "{}", d.pulled);
+    assert_eq!(
+        p.races.decode_registers_first + p.races.prefill_finishes_first,
+        40 - p.pulled
+    );
+}
+
+/// Conversations across two nodes: D's keeps reach P over the router link, P reads back.
+#[test]
+fn two_nodes_run_conversations() {
+    let (p, d) = two_nodes(DemoMode::Bidir);
+    assert_eq!(d.turns.kept, 30);
+    assert_eq!(d.turns.kept_read + d.turns.kept_unread, 30);
+    assert_eq!(p.turns.later_turns, 30);
+    assert_eq!(p.turns.read_back_verified, p.turns.pulled_from_decode);
+    assert_eq!(p.turns.pulled_from_decode, d.turns.kept_read);
 }
 
 #[test]
@@ -537,4 +698,19 @@ fn sixteen_pulled_requests_over_nixl_in_one_process() {
     println!("{}", report.render_table());
     assert_eq!(report.transport, "nixl");
     assert_all_pulled(&report, 16);
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn bidirectional_conversations_over_nixl_in_one_process() {
+    let report = demo::run(&DemoOptions {
+        transport: DemoTransport::Nixl,
+        ..conversations(SEED)
+    })
+    .expect("the NIXL demo runs (source scripts/nixl-env.sh)");
+    println!("{}", report.render_table());
+    assert_eq!(report.transport, "nixl");
+    assert_conversations(&report, 16);
+    // NIXL counts no bytes: the handoffs and reads that completed.
+    assert_eq!(report.bytes, report.expected_bytes);
 }

@@ -2,10 +2,13 @@
 //! side channel and moving every byte over NIXL (UCX). Needs the NIXL runtime:
 //! `source scripts/nixl-env.sh && cargo test --features nixl --test two_process`.
 //!
-//! Each test starts the two roles in one order (D first, P first), 200 requests with small
+//! Each push test starts the two roles in one order (D first, P first), 200 requests with small
 //! prompts (one 512 KiB block each, so the unoptimized binary keeps up with the arrivals), waits
-//! for both with a deadline (killing them past it) and checks both reports. The children and
-//! their output are handled by the multi-process harness (`tests/nodes`).
+//! for both with a deadline (killing them past it) and checks both reports. The pull, mixed and
+//! bidirectional runs (`--mode`, 40 requests of up to 4 blocks, 16 in conversations) add the
+//! router link (`--router`): P's answers (a pulled request's block ids) reach D over it, and D
+//! reads P's blocks over NIXL; in conversations D's keeps reach P, which reads them back. The
+//! children and their output are handled by the multi-process harness (`tests/nodes`).
 #![cfg(feature = "nixl")]
 
 mod nodes;
@@ -13,7 +16,7 @@ mod nodes;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use nodes::{finish_all, require_runtime, two_ports, Node, ONE_AT_A_TIME};
+use nodes::{finish_all, require_runtime, three_ports, two_ports, Node, ONE_AT_A_TIME};
 
 const REQUESTS: u64 = 200;
 
@@ -110,4 +113,109 @@ fn decode_first_then_prefill_hand_off_200_requests_over_nixl() {
 #[test]
 fn prefill_first_then_decode_hand_off_200_requests_over_nixl() {
     run_pair(false);
+}
+
+/// 40 requests in `mode` (D first), every byte checked on D (and on P, what it read back);
+/// returns both JSON reports.
+fn run_mode(mode: &str) -> (serde_json::Value, serde_json::Value) {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    let (p_addr, d_addr, router) = three_ports();
+    let router = router.to_string();
+    // Conversations grow: longer prompts, so that prefixes reach the recompute threshold.
+    let max_tokens = if mode == "bidir" { "256" } else { "64" };
+    let args = [
+        "--requests",
+        "40",
+        "--seed",
+        "11",
+        "--max-prompt-tokens",
+        max_tokens,
+        "--pool-blocks",
+        "128",
+        "--mean-arrival-gap-ms",
+        "12",
+        "--timeout-secs",
+        "60",
+        "--mode",
+        mode,
+        "--router",
+        &router,
+    ];
+    let started = Instant::now();
+    let d = Node::spawn("D", "decode", d_addr, p_addr, &args);
+    thread::sleep(Duration::from_millis(300));
+    let p = Node::spawn("P", "prefill", p_addr, d_addr, &args);
+    let mut done = finish_all(vec![d, p], Instant::now() + WAIT).into_iter();
+    let (d, p) = (done.next().expect("D"), done.next().expect("P"));
+    let both = format!("{}\n{}", d.show(), p.show());
+    println!("{mode}: both done in {:?}\n{both}", started.elapsed());
+    assert!(
+        d.status.is_some() && p.status.is_some(),
+        "killed at the deadline\n{both}"
+    );
+    let (dv, pv) = (d.json(&both), p.json(&both));
+    assert_eq!(dv["mode"], mode, "{both}");
+    assert_eq!(dv["requests"], 40, "{both}");
+    assert_eq!(dv["verified"], 40, "{both}");
+    assert_eq!(dv["byte_errors"], 0, "{both}");
+    assert_eq!(dv["outcomes"]["ready"], 40, "{both}");
+    assert_eq!(dv["outcomes"]["failed"], 0, "{both}");
+    assert_eq!(dv["bytes"], dv["expected_bytes"], "{both}");
+    assert_eq!(dv["ok"], true, "{both}");
+    assert_eq!(dv["node"]["ok"], true, "{both}");
+    assert!(d.status.is_some_and(|s| s.success()), "{both}");
+    assert_eq!(pv["mode"], mode, "{both}");
+    assert_eq!(pv["prefill_outcomes"]["sent"], 40, "{both}");
+    assert_eq!(pv["prefill_outcomes"]["released"], 0, "{both}");
+    assert_eq!(pv["bytes"], pv["expected_bytes"], "{both}");
+    assert_eq!(pv["peer_exited"], true, "P stayed until D exited\n{both}");
+    assert_eq!(pv["ok"], true, "{both}");
+    assert_eq!(pv["node"]["ok"], true, "{both}");
+    assert!(p.status.is_some_and(|s| s.success()), "{both}");
+    (dv, pv)
+}
+
+#[test]
+fn pulled_requests_are_read_by_d_over_nixl() {
+    let (dv, pv) = run_mode("pull");
+    assert_eq!(dv["pulled"], 40);
+    assert_eq!(pv["pulled"], 40);
+    // Every export ended read: D's release after its reads.
+    assert_eq!(pv["node"]["outcomes"]["Read"], 40);
+    let races = &pv["races"];
+    assert_eq!(races["decode_registers_first"], 0, "no race in pull");
+    assert_eq!(races["prefill_finishes_first"], 0, "no race in pull");
+}
+
+#[test]
+fn mixed_requests_are_pushed_and_pulled_over_nixl() {
+    let (dv, pv) = run_mode("mixed");
+    let pulled = pv["pulled"].as_u64().expect("pulled");
+    assert!(pulled > 0 && pulled < 40, "{pulled}");
+    assert_eq!(dv["pulled"], pulled);
+    assert_eq!(pv["node"]["outcomes"]["Read"], pulled);
+    assert_eq!(pv["node"]["outcomes"]["Sent"], 40 - pulled);
+    let races = &pv["races"];
+    let counted = races["decode_registers_first"].as_u64().unwrap_or(0)
+        + races["prefill_finishes_first"].as_u64().unwrap_or(0);
+    assert_eq!(counted, 40 - pulled, "P counts the pushed requests' races");
+}
+
+#[test]
+fn conversations_read_turns_back_across_processes() {
+    let (dv, pv) = run_mode("bidir");
+    let (dt, pt) = (&dv["turns"], &pv["turns"]);
+    assert_eq!(dt["kept"], 30, "10 conversations of 4 turns");
+    assert_eq!(pt["later_turns"], 30);
+    let pulled = pt["pulled_from_decode"].as_u64().unwrap_or(0);
+    assert!(pulled > 0, "{pt}");
+    assert_eq!(pt["read_back_verified"], pulled);
+    assert_eq!(dt["kept_read"], pulled);
+    assert_eq!(
+        pulled
+            + pt["recomputed"].as_u64().unwrap_or(0)
+            + pt["declined_near_expiry"].as_u64().unwrap_or(0),
+        30
+    );
 }

@@ -1,23 +1,31 @@
 //! D's engine loop: allocates blocks for each request when the pacing says so and calls
-//! `request_allocated` (with the decode leg's parameters as a router builds them), then, on
-//! `BlocksReady` (push) or `Imported` / `Loaded` (pull), checks every byte of every block
-//! against the pattern (one block per step) and frees the blocks ("the decode is over"). A
-//! pulled request needs P's answer (its `remote_block_ids`): D allocates it once the answer
-//! came, at the schedule's time or later.
+//! `request_allocated` (with the decode leg's parameters as a router builds them, or P's answer
+//! when it came), then, on `BlocksReady` (push) or `Imported` / `Loaded` (pull), checks every
+//! byte of every block against the pattern (one block per step) and frees the blocks ("the
+//! decode is over"). A pulled request needs P's answer (its `remote_block_ids`): D allocates it
+//! once the answer came, at the schedule's time or later.
+//!
+//! A turn of a conversation with a next turn ([`DemoMode::Bidir`](super::DemoMode::Bidir)) gets
+//! room for what D decodes with its blocks: after the check D "decodes" (writes the pattern of
+//! the decoded tokens into the extra blocks), keeps all of them for the next turn
+//! (`keep_for_next_turn`, with the run's TTL), sends the answer to P over the router link, and
+//! frees them on `ExportEnded` (read by P, declined, or expired).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::system::KvPool;
+use kvhandoff_actors::system::blocking::block_on_timeout;
+use kvhandoff_actors::system::{KvPool, QueryTransportStats};
+use kvhandoff_protocol::machine::{DecodeFailure, FreeProof, ImportOutcome};
 use kvhandoff_protocol::{BlockIds, RequestId};
 
 use super::engines::{
-    idle, note, DecodePacing, DecodeRecord, DecodeRun, DecodeSide, FreeList, SideResult, ToDecode,
+    failed_note, idle, import_note, no_answer_note, note, stop_self, DecodeRecord, DecodeRun,
+    DecodeSide, FreeList, Pacing, SideResult, ToDecode, ToPrefill, Work,
 };
 use super::pattern::pattern_block;
 use super::schedule::Planned;
 use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, TransferMode};
-use kvhandoff_protocol::machine::{DecodeFailure, FreeProof, ImportOutcome};
 
 /// Runs D's side of `plan` on `conn` until every request is verified (or failed) or
 /// `run.deadline`.
@@ -27,11 +35,14 @@ pub(crate) fn run_decode(
     plan: &[Planned],
     run: DecodeRun,
 ) -> DecodeSide {
+    let g = pool.geometry();
+    let block_tokens = g.kernel_block_size * g.kernel_blocks_per_logical;
     DecodeLoop {
         conn,
         pool,
         plan,
         run,
+        block_tokens,
     }
     .run()
 }
@@ -41,24 +52,31 @@ struct DecodeLoop<'a> {
     pool: KvPool,
     plan: &'a [Planned],
     run: DecodeRun,
+    block_tokens: u32,
 }
 
 /// D's bookkeeping while the loop runs.
 struct State {
     records: Vec<DecodeRecord>,
+    /// Each request's blocks (its prompt's, and room for what it decodes if it is kept), from
+    /// the allocation until they are freed.
     held: Vec<Option<Vec<u32>>>,
     /// P's answers, when they pass through this process.
     params: Vec<Option<KvTransferParams>>,
     /// When P's prefill of each request was done, as the in-process router told.
     prefill_done: Vec<Option<Instant>>,
+    /// [`Pacing::Clock`]: when the schedule has D allocate each request.
+    clock_due: Vec<Option<Instant>>,
+    /// Pulled requests waiting for P's answer: when D gives each up.
+    waiting: BTreeSet<(Instant, usize)>,
     free: FreeList,
     errors: Vec<String>,
     duplicates: u64,
     unknown: u64,
-    /// Requests verified, failed or abandoned.
+    /// Requests over: verified (and their keep ended), failed or abandoned.
     done: usize,
-    /// (request, blocks, next block to check)
-    verifying: VecDeque<(usize, Vec<u32>, usize)>,
+    /// Checks of arrived blocks, then the decode into the extra ones, one block per step.
+    work: VecDeque<Work>,
 }
 
 impl DecodeLoop<'_> {
@@ -69,12 +87,14 @@ impl DecodeLoop<'_> {
             held: vec![None; n],
             params: vec![None; n],
             prefill_done: vec![None; n],
+            clock_due: vec![None; n],
+            waiting: BTreeSet::new(),
             free: FreeList::new(self.pool.logical_blocks()),
             errors: Vec::new(),
             duplicates: 0,
             unknown: 0,
             done: 0,
-            verifying: VecDeque::new(),
+            work: VecDeque::new(),
         };
         let index: BTreeMap<RequestId, usize> = self
             .plan
@@ -83,11 +103,20 @@ impl DecodeLoop<'_> {
             .map(|(i, p)| (p.decode_id.clone(), i))
             .collect();
         let mut allocs: BTreeSet<(Instant, usize)> = BTreeSet::new();
-        if let DecodePacing::Clock { hold } = self.run.pacing {
+        if let Pacing::Clock { hold } = self.run.pacing {
             for (i, p) in self.plan.iter().enumerate() {
                 let ready = self.run.start + p.arrival + hold;
+                let due = ready + p.decode_delay;
                 st.records[i].planned_finish = Some(ready + p.prefill_delay);
-                allocs.insert((ready + p.decode_delay, i));
+                st.clock_due[i] = Some(due);
+                if p.mode == TransferMode::Pull {
+                    // Its time, or P's answer, whichever comes later.
+                    if let Some(wait) = self.run.answer_wait {
+                        st.waiting.insert((due + wait, i));
+                    }
+                } else {
+                    allocs.insert((due, i));
+                }
             }
         }
         let (mut scratch, mut actual) = (Vec::new(), Vec::new());
@@ -100,57 +129,65 @@ impl DecodeLoop<'_> {
                 timed_out = true;
                 break;
             }
-            if let DecodePacing::Router(from_prefill) = &self.run.pacing {
-                while let Ok(message) = from_prefill.try_recv() {
-                    on_router(message, self.plan, &mut allocs, &mut st);
-                }
+            let messages: Vec<ToDecode> = match &self.run.link {
+                Some(link) => link.from_prefill.try_iter().collect(),
+                None => Vec::new(),
+            };
+            for message in messages {
+                self.on_router(message, &mut allocs, &mut st);
             }
             pending.extend(self.conn.poll_events());
             while let Some(event) = pending.pop_front() {
-                on_event(event, now, &index, &mut st);
+                self.on_event(event, now, &index, &mut st);
             }
 
+            // 0. Pulled requests whose answer never came.
+            while let Some(&(until, i)) = st.waiting.first() {
+                if until > now {
+                    break;
+                }
+                st.waiting.pop_first();
+                let r = &mut st.records[i];
+                r.no_answer = true;
+                r.ended_at = Some(now);
+                note(&mut st.errors, no_answer_note(&self.plan[i].decode_id));
+                st.done += 1;
+                self.end_conversation(i, &mut st);
+            }
             // 1. An allocation that is due (in order; the head waits for free blocks).
             if let Some(&(due, i)) = allocs.first() {
                 if due <= now {
-                    if let Some(blocks) = st.free.alloc(self.plan[i].blocks) {
+                    let want = self.plan[i].decode_blocks(self.block_tokens);
+                    if let Some(blocks) = st.free.alloc(want) {
                         allocs.pop_first();
                         if !self.allocate(i, blocks, &mut st) {
                             st.done += 1;
+                            self.end_conversation(i, &mut st);
                         }
                         continue;
                     }
                 }
             }
-            // 2. One block of verification.
-            if let Some((i, blocks, j)) = st.verifying.front_mut() {
+            // 2. One block of verification, or of decoding.
+            if let Some(w) = st.work.front_mut() {
+                let i = w.index;
+                let check = w.next < w.check_until;
                 match pattern_block(
                     &self.pool,
-                    self.plan[*i].key,
-                    blocks[*j],
-                    *j as u64,
-                    true,
+                    self.plan[i].key,
+                    w.blocks[w.next],
+                    w.next as u64,
+                    check,
                     &mut scratch,
                     &mut actual,
                 ) {
-                    Ok(errs) => st.records[*i].byte_errors += errs,
+                    Ok(errs) => st.records[i].byte_errors += errs,
                     Err(e) => note(&mut st.errors, format!("D verify: {e}")),
                 }
-                *j += 1;
-                if *j == blocks.len() {
-                    let (i, blocks, _) = st.verifying.pop_front().expect("verifying");
-                    let r = &mut st.records[i];
-                    r.verified = r.byte_errors == 0;
-                    if r.byte_errors > 0 {
-                        let wrong = r.byte_errors;
-                        note(
-                            &mut st.errors,
-                            format!("D: {} has {wrong} wrong bytes", self.plan[i].decode_id),
-                        );
-                    }
-                    // The "decode" is over: the blocks go back to the free list.
-                    st.free.release(&BlockIds::single_group(blocks));
-                    st.done += 1;
+                w.next += 1;
+                if w.next == w.blocks.len() {
+                    let w = st.work.pop_front().expect("work");
+                    self.decoded(w, &mut st);
                 }
                 continue;
             }
@@ -160,6 +197,9 @@ impl DecodeLoop<'_> {
                 if due > now {
                     until = until.min(due);
                 }
+            }
+            if let Some(&(due, _)) = st.waiting.first() {
+                until = until.min(due.max(now));
             }
             pending.extend(idle(&mut self.conn, until.min(self.run.deadline)));
         }
@@ -173,7 +213,8 @@ impl DecodeLoop<'_> {
         }
     }
 
-    /// Calls `request_allocated`; false when the call failed (the request is then over).
+    /// Calls `request_allocated` for the prompt's part of `blocks`; false when the call failed
+    /// (the request is then over).
     fn allocate(&mut self, i: usize, blocks: Vec<u32>, st: &mut State) -> bool {
         let p = &self.plan[i];
         // P finished first and its answer came through the router; otherwise the router builds
@@ -182,15 +223,22 @@ impl DecodeLoop<'_> {
             .clone()
             .unwrap_or_else(|| self.run.params.clone());
         let tokens = u64::from(p.tokens);
-        st.held[i] = Some(blocks.clone());
+        let prompt = blocks[..p.blocks].to_vec();
+        st.held[i] = Some(blocks);
         st.records[i].allocate_call = Some(Instant::now());
         match self.conn.request_allocated(
             &p.decode_id,
-            BlockIds::single_group(blocks),
+            BlockIds::single_group(prompt),
             tokens,
             &params,
         ) {
-            Ok(()) => true,
+            Ok(()) => {
+                if self.run.stop_after == Some(i) && p.next.is_none() {
+                    self.await_transport();
+                    stop_self();
+                }
+                true
+            }
             Err(e) => {
                 note(
                     &mut st.errors,
@@ -208,45 +256,354 @@ impl DecodeLoop<'_> {
             }
         }
     }
-}
 
-/// Handles one message of the in-process router.
-fn on_router(
-    message: ToDecode,
-    plan: &[Planned],
-    allocs: &mut BTreeSet<(Instant, usize)>,
-    st: &mut State,
-) {
-    let pulled = |index: usize| plan[index].mode == TransferMode::Pull;
-    match message {
-        ToDecode::PrefillDone { index, at } => {
-            st.prefill_done[index] = Some(at);
-            if !pulled(index) {
-                allocs.insert((at + plan[index].decode_delay, index));
+    /// Waits until what the last call made the rank send has left through its transport: the
+    /// rank flushes a call's messages to its transport actor before it takes the next message
+    /// (the counters' query), and the transport actor sends them before it answers the next
+    /// one (the stats' query).
+    fn await_transport(&self) {
+        let rank = self.conn.rank();
+        let limit = Duration::from_secs(1);
+        let _ = rank.counters(limit);
+        let _ = block_on_timeout(rank.transport.send(QueryTransportStats), limit);
+    }
+
+    /// Request `i`'s blocks are checked (and, if the conversation goes on, its decoded tokens
+    /// written): the decode is over. Frees them, or keeps them for the next turn.
+    fn decoded(&mut self, w: Work, st: &mut State) {
+        let i = w.index;
+        let p = &self.plan[i];
+        let r = &mut st.records[i];
+        r.verified = r.byte_errors == 0;
+        if r.byte_errors > 0 {
+            let wrong = r.byte_errors;
+            note(
+                &mut st.errors,
+                format!("D: {} has {wrong} wrong bytes", p.decode_id),
+            );
+        }
+        if p.next.is_none() {
+            if let Some(blocks) = st.held[i].take() {
+                st.free.release(&BlockIds::single_group(blocks));
+            }
+            st.done += 1;
+            return;
+        }
+        // The conversation goes on: keep the blocks for the next turn's prefill to read.
+        let params = st.params[i]
+            .clone()
+            .unwrap_or_else(|| self.run.params.clone());
+        let since = Instant::now();
+        r.keep_call = Some(since);
+        match self.conn.keep_for_next_turn(
+            &p.decode_id,
+            BlockIds::single_group(w.blocks),
+            u64::from(p.kept_tokens),
+            self.run.turns.ttl,
+            &params,
+        ) {
+            Ok(answer) => {
+                if let Some(link) = &self.run.link {
+                    link.send(ToPrefill::Kept {
+                        index: i,
+                        params: Box::new(answer),
+                        since,
+                    });
+                }
+                if self.run.stop_after == Some(i) {
+                    // Once the answer is on its way to P (which reads the blocks back).
+                    if let Some(link) = &self.run.link {
+                        link.flush(Duration::from_secs(1));
+                    }
+                    stop_self();
+                }
+            }
+            Err(e) => {
+                note(
+                    &mut st.errors,
+                    format!("D keep_for_next_turn({}): {e}", p.decode_id),
+                );
+                self.end_conversation(i, st);
+                if matches!(e, ConnectorError::VerdictLate) {
+                    // It may still be applied: its `ExportEnded` (or refusal) frees the blocks.
+                    return;
+                }
+                if let Some(blocks) = st.held[i].take() {
+                    st.free.release(&BlockIds::single_group(blocks));
+                }
+                st.done += 1;
             }
         }
-        ToDecode::Params { index, params } => {
-            st.params[index] = Some(params);
-            if pulled(index) {
+    }
+
+    /// Request `i`'s conversation ends with it: P is told that no keep comes (if a next turn
+    /// was planned), and the later turns are over here.
+    fn end_conversation(&self, i: usize, st: &mut State) {
+        if self.plan[i].next.is_none() {
+            return;
+        }
+        if let Some(link) = &self.run.link {
+            link.send(ToPrefill::Ended { index: i });
+        }
+        self.abandon_after(i, st);
+    }
+
+    /// The later turns of request `i`'s conversation never come.
+    fn abandon_after(&self, i: usize, st: &mut State) {
+        let mut next = self.plan[i].next;
+        while let Some(j) = next {
+            let r = &mut st.records[j];
+            if !r.abandoned && st.held[j].is_none() && r.events == 0 && !r.no_answer {
+                r.abandoned = true;
+                st.done += 1;
+                st.waiting.retain(|&(_, k)| k != j);
+            }
+            next = self.plan[j].next;
+        }
+    }
+
+    /// Handles one message of the router link.
+    fn on_router(
+        &self,
+        message: ToDecode,
+        allocs: &mut BTreeSet<(Instant, usize)>,
+        st: &mut State,
+    ) {
+        let plan = self.plan;
+        let pulled = |index: usize| plan[index].mode == TransferMode::Pull;
+        let index = match &message {
+            ToDecode::PrefillDone { index, .. }
+            | ToDecode::Params { index, .. }
+            | ToDecode::Abandoned { index } => *index,
+        };
+        if index >= plan.len() || st.records[index].abandoned || st.records[index].no_answer {
+            // Not ours, or given up already.
+            return;
+        }
+        match message {
+            ToDecode::PrefillDone { index, at } => {
+                st.prefill_done[index] = Some(at);
+                // When P calls (seen from D alone: a node's report of the races).
+                st.records[index]
+                    .planned_finish
+                    .get_or_insert(at + plan[index].prefill_delay);
+                if !pulled(index) && self.run.pacing == Pacing::Router {
+                    allocs.insert((at + plan[index].decode_delay, index));
+                }
+            }
+            ToDecode::Params { index, params } => {
+                st.params[index] = Some(params);
+                if !pulled(index) || st.records[index].allocate_call.is_some() {
+                    return;
+                }
                 // P's answer names the blocks to read: D allocates now or at its time.
-                let done = st.prefill_done[index].unwrap_or_else(Instant::now);
-                allocs.insert((done + plan[index].decode_delay, index));
+                let due = match self.run.pacing {
+                    Pacing::Router => {
+                        let done = st.prefill_done[index].unwrap_or_else(Instant::now);
+                        done + plan[index].decode_delay
+                    }
+                    Pacing::Clock { .. } => {
+                        st.waiting.retain(|&(_, k)| k != index);
+                        st.clock_due[index]
+                            .unwrap_or_else(Instant::now)
+                            .max(Instant::now())
+                    }
+                };
+                allocs.insert((due, index));
+            }
+            ToDecode::Abandoned { index } => {
+                if allocs.iter().any(|&(_, i)| i == index) {
+                    allocs.retain(|&(_, i)| i != index);
+                    st.records[index].abandoned = true;
+                    st.done += 1;
+                } else if st.held[index].is_some() {
+                    // Already registered: its deadline fails it; the run times out first.
+                    note(&mut st.errors, format!("D: P abandoned request {index}"));
+                } else if st.records[index].allocate_call.is_none() {
+                    // Not due yet, or still waiting for P's answer, which will not come.
+                    st.waiting.retain(|&(_, k)| k != index);
+                    st.records[index].abandoned = true;
+                    st.done += 1;
+                }
+                self.abandon_after(index, st);
             }
         }
-        ToDecode::Abandoned { index } => {
-            if allocs.iter().any(|&(_, i)| i == index) {
-                allocs.retain(|&(_, i)| i != index);
-                st.records[index].abandoned = true;
+    }
+
+    /// Handles one of D's events: ready blocks go to verification, failed ones back to the
+    /// list, kept ones back to the list when their keep ends.
+    fn on_event(
+        &self,
+        event: ConnectorEvent,
+        now: Instant,
+        index: &BTreeMap<RequestId, usize>,
+        st: &mut State,
+    ) {
+        let (request, blocks, failure) = match event {
+            ConnectorEvent::BlocksReady { request, blocks } => (request, blocks, None),
+            ConnectorEvent::Imported {
+                request,
+                outcome: ImportOutcome::Loaded,
+                blocks,
+            } => (request, blocks, None),
+            ConnectorEvent::Imported {
+                request,
+                outcome,
+                blocks,
+            } => {
+                note(&mut st.errors, import_note(&request, outcome));
+                (request, blocks, Some(Failure::Import(outcome)))
+            }
+            ConnectorEvent::Failed {
+                request,
+                reason,
+                proof,
+                blocks,
+            } => {
+                note(&mut st.errors, failed_note(&request, reason));
+                (request, blocks, Some(Failure::Push(reason, proof)))
+            }
+            ConnectorEvent::Refused { request, error } => {
+                // A call whose verdict came late was refused: its blocks are ours again.
+                note(
+                    &mut st.errors,
+                    format!("D: {request} refused late: {error}"),
+                );
+                if let Some(&i) = index.get(&request) {
+                    if let Some(blocks) = st.held[i].take() {
+                        st.free.release(&BlockIds::single_group(blocks));
+                    }
+                    let r = &mut st.records[i];
+                    if r.keep_call.is_some() {
+                        // The keep was refused (P was told already).
+                        r.export_events += 1;
+                    } else {
+                        r.events += 1;
+                        r.failed = true;
+                        self.end_conversation(i, st);
+                    }
+                    st.done += 1;
+                }
+                return;
+            }
+            ConnectorEvent::ExportEnded {
+                request,
+                outcome,
+                proof,
+                blocks,
+            } => {
+                self.on_export_ended(request, outcome, proof, blocks, index, st);
+                return;
+            }
+            ConnectorEvent::BlocksFree { .. } => {
+                st.unknown += 1;
+                note(
+                    &mut st.errors,
+                    format!("D got an event of another mode: {event:?}"),
+                );
+                return;
+            }
+        };
+        let Some(&i) = index.get(&request) else {
+            st.unknown += 1;
+            note(
+                &mut st.errors,
+                format!("D event for unknown request {request}"),
+            );
+            return;
+        };
+        let p = &self.plan[i];
+        let r = &mut st.records[i];
+        r.events += 1;
+        if r.events > 1 {
+            st.duplicates += 1;
+            note(&mut st.errors, format!("D: second event for {request}"));
+            return;
+        }
+        r.ended_at = Some(Instant::now());
+        let held = st.held[i].clone();
+        let prompt = held.as_ref().map(|h| h[..p.blocks.min(h.len())].to_vec());
+        if prompt.map(BlockIds::single_group) != Some(blocks.clone()) {
+            st.unknown += 1;
+            note(
+                &mut st.errors,
+                format!("D: {request} handed back {blocks:?}, gave {held:?}"),
+            );
+        }
+        match failure {
+            None => {
+                r.ready = true;
+                r.ready_at = Some(now);
+                let all = held.unwrap_or_else(|| blocks.groups.into_iter().flatten().collect());
+                st.work.push_back(Work {
+                    index: i,
+                    check_until: p.blocks.min(all.len()),
+                    blocks: all,
+                    next: 0,
+                });
+            }
+            Some(failure) => {
+                r.failed = true;
+                match failure {
+                    Failure::Push(reason, proof) => {
+                        r.failure = Some(reason);
+                        r.proof = Some(proof);
+                    }
+                    Failure::Import(outcome) => r.import_failure = Some(outcome),
+                }
+                match st.held[i].take() {
+                    Some(all) => st.free.release(&BlockIds::single_group(all)),
+                    None => st.free.release(&blocks),
+                }
                 st.done += 1;
-            } else if st.held[index].is_some() {
-                // Already registered: its deadline fails it; the run times out first.
-                note(&mut st.errors, format!("D: P abandoned request {index}"));
-            } else if pulled(index) && st.records[index].allocate_call.is_none() {
-                // Still waiting for P's answer, which will not come.
-                st.records[index].abandoned = true;
-                st.done += 1;
+                self.end_conversation(i, st);
             }
         }
+    }
+
+    /// The blocks D kept for a next turn came back.
+    fn on_export_ended(
+        &self,
+        request: RequestId,
+        outcome: kvhandoff_protocol::machine::ExportOutcome,
+        proof: kvhandoff_protocol::machine::ReadProof,
+        blocks: BlockIds,
+        index: &BTreeMap<RequestId, usize>,
+        st: &mut State,
+    ) {
+        let Some(&i) = index.get(&request) else {
+            st.unknown += 1;
+            note(
+                &mut st.errors,
+                format!("D export event for unknown request {request}"),
+            );
+            return;
+        };
+        let r = &mut st.records[i];
+        r.export_events += 1;
+        if r.export_events > 1 || r.keep_call.is_none() {
+            st.duplicates += 1;
+            note(
+                &mut st.errors,
+                format!("D: unexpected export event for {request}: {outcome:?}"),
+            );
+            return;
+        }
+        r.export_outcome = Some(outcome);
+        r.export_proof = Some(proof);
+        r.export_ended_at = Some(Instant::now());
+        match st.held[i].take() {
+            Some(given) if BlockIds::single_group(given.clone()) == blocks => {}
+            other => {
+                st.unknown += 1;
+                note(
+                    &mut st.errors,
+                    format!("D: {request} kept {other:?}, got back {blocks:?}"),
+                );
+            }
+        }
+        st.free.release(&blocks);
+        st.done += 1;
     }
 }
 
@@ -257,107 +614,4 @@ enum Failure {
     Push(DecodeFailure, FreeProof),
     /// Pull: the import's outcome (not `Loaded`).
     Import(ImportOutcome),
-}
-
-/// Handles one of D's events: ready blocks go to verification, failed ones back to the list.
-fn on_event(
-    event: ConnectorEvent,
-    now: Instant,
-    index: &BTreeMap<RequestId, usize>,
-    st: &mut State,
-) {
-    let (request, blocks, failure) = match event {
-        ConnectorEvent::BlocksReady { request, blocks } => (request, blocks, None),
-        ConnectorEvent::Imported {
-            request,
-            outcome: ImportOutcome::Loaded,
-            blocks,
-        } => (request, blocks, None),
-        ConnectorEvent::Imported {
-            request,
-            outcome,
-            blocks,
-        } => {
-            note(&mut st.errors, format!("D: {request} import: {outcome:?}"));
-            (request, blocks, Some(Failure::Import(outcome)))
-        }
-        ConnectorEvent::Failed {
-            request,
-            reason,
-            proof,
-            blocks,
-        } => {
-            note(&mut st.errors, format!("D: {request} failed: {reason:?}"));
-            (request, blocks, Some(Failure::Push(reason, proof)))
-        }
-        ConnectorEvent::Refused { request, error } => {
-            // A call whose verdict came late was refused: its blocks are ours again.
-            note(
-                &mut st.errors,
-                format!("D: {request} refused late: {error}"),
-            );
-            if let Some(&i) = index.get(&request) {
-                if let Some(blocks) = st.held[i].take() {
-                    st.free.release(&BlockIds::single_group(blocks));
-                }
-                st.records[i].events += 1;
-                st.records[i].failed = true;
-                st.done += 1;
-            }
-            return;
-        }
-        ConnectorEvent::BlocksFree { .. } | ConnectorEvent::ExportEnded { .. } => {
-            st.unknown += 1;
-            note(
-                &mut st.errors,
-                format!("D got an event of another mode: {event:?}"),
-            );
-            return;
-        }
-    };
-    let Some(&i) = index.get(&request) else {
-        st.unknown += 1;
-        note(
-            &mut st.errors,
-            format!("D event for unknown request {request}"),
-        );
-        return;
-    };
-    let r = &mut st.records[i];
-    r.events += 1;
-    if r.events > 1 {
-        st.duplicates += 1;
-        note(&mut st.errors, format!("D: second event for {request}"));
-        st.free.release(&blocks);
-        return;
-    }
-    r.ended_at = Some(Instant::now());
-    let given = st.held[i].take();
-    if given.as_ref().map(|g| BlockIds::single_group(g.clone())) != Some(blocks.clone()) {
-        st.unknown += 1;
-        note(
-            &mut st.errors,
-            format!("D: {request} handed back {blocks:?}, gave {given:?}"),
-        );
-    }
-    match failure {
-        None => {
-            r.ready = true;
-            r.ready_at = Some(now);
-            let list = blocks.groups.into_iter().flatten().collect();
-            st.verifying.push_back((i, list, 0));
-        }
-        Some(failure) => {
-            r.failed = true;
-            match failure {
-                Failure::Push(reason, proof) => {
-                    r.failure = Some(reason);
-                    r.proof = Some(proof);
-                }
-                Failure::Import(outcome) => r.import_failure = Some(outcome),
-            }
-            st.free.release(&blocks);
-            st.done += 1;
-        }
-    }
 }

@@ -2,21 +2,29 @@
 //! its blocks (one block per step, so events and due calls are never kept waiting long), calls
 //! `request_finished` when the pacing says so (asking for the request's transfer mode, as a
 //! router would), and frees the blocks on `BlocksFree` (push) or `ExportEnded` (pull).
+//!
+//! A later turn of a conversation ([`DemoMode::Bidir`](super::DemoMode::Bidir)) reaches P a
+//! think time after D kept the turn before (D's answer comes over the router link). P allocates
+//! the turn's blocks, then either reads the prefix D kept into the first of them
+//! (`next_turn_allocated`; on `Imported` / `Loaded` every byte read is checked against the
+//! pattern) or declines D's blocks (`decline_export`) and recomputes the prefix itself: when the
+//! prefix is below the recompute threshold, or when less than the near-expiry margin of D's TTL
+//! is left. Then it prefills the rest of the turn and hands it to D like any request.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::KvPool;
+use kvhandoff_protocol::machine::{ExportOutcome, ImportOutcome};
 use kvhandoff_protocol::{BlockIds, RequestId};
 
 use super::engines::{
-    idle, note, FreeList, PrefillPacing, PrefillRecord, PrefillRun, PrefillSide, SideResult,
-    ToDecode,
+    idle, note, released_note, stop_self, unread_note, FreeList, Pacing, PrefillRecord, PrefillRun,
+    PrefillSide, SideResult, ToDecode, ToPrefill, TurnStart, Work,
 };
 use super::pattern::pattern_block;
 use super::schedule::Planned;
-use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams};
-use kvhandoff_protocol::machine::ExportOutcome;
+use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, TransferMode};
 
 /// Runs P's side of `plan` on `conn` until every request had its event or `run.deadline`.
 pub(crate) fn run_prefill(
@@ -25,11 +33,14 @@ pub(crate) fn run_prefill(
     plan: &[Planned],
     run: PrefillRun,
 ) -> PrefillSide {
+    let g = pool.geometry();
+    let block_tokens = g.kernel_block_size * g.kernel_blocks_per_logical;
     PrefillLoop {
         conn,
         pool,
         plan,
         run,
+        block_tokens,
     }
     .run()
 }
@@ -39,23 +50,46 @@ struct PrefillLoop<'a> {
     pool: KvPool,
     plan: &'a [Planned],
     run: PrefillRun,
+    block_tokens: u32,
 }
 
 /// P's bookkeeping while the loop runs.
 struct State {
     records: Vec<PrefillRecord>,
+    /// Each request's blocks, from its allocation until they come back.
     held: Vec<Option<Vec<u32>>>,
     free: FreeList,
     errors: Vec<String>,
     duplicates: u64,
     unknown: u64,
-    /// Requests whose event came (or whose call failed).
+    /// Requests whose event came (or whose call failed, or that never came).
     done: usize,
+    /// Prompts due to arrive: turn 1 on the schedule, later turns once D kept the turn before.
+    arrivals: BTreeSet<(Instant, usize)>,
+    /// D's answers to a keep, by the turn that reads them: the parameters and the earliest end
+    /// of D's TTL.
+    kept: Vec<Option<(KvTransferParams, Instant)>>,
+    /// Fills (and checks of blocks read back), one block per step.
+    work: VecDeque<Work>,
+    /// Later turns waiting for D's keep of the turn before: when P gives them up.
+    keep_waits: BTreeSet<(Instant, usize)>,
+}
+
+impl State {
+    /// Whether D's keep for later turn `j` came (it is due, or started, or over).
+    fn started(&self, j: usize) -> bool {
+        self.kept[j].is_some()
+            || self.held[j].is_some()
+            || self.records[j].turn_start.is_some()
+            || self.records[j].abandoned
+            || self.arrivals.iter().any(|&(_, k)| k == j)
+    }
 }
 
 impl PrefillLoop<'_> {
     fn run(mut self) -> PrefillSide {
         let n = self.plan.len();
+        let start = self.run.start;
         let mut st = State {
             records: vec![PrefillRecord::default(); n],
             held: vec![None; n],
@@ -64,6 +98,16 @@ impl PrefillLoop<'_> {
             duplicates: 0,
             unknown: 0,
             done: 0,
+            arrivals: self
+                .plan
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| !p.later_turn())
+                .map(|(i, p)| (start + p.arrival, i))
+                .collect(),
+            kept: vec![None; n],
+            work: VecDeque::new(),
+            keep_waits: BTreeSet::new(),
         };
         let index: BTreeMap<RequestId, usize> = self
             .plan
@@ -71,14 +115,10 @@ impl PrefillLoop<'_> {
             .enumerate()
             .map(|(i, p)| (p.prefill_id.clone(), i))
             .collect();
-        // (request, its blocks, next block to fill)
-        let mut filling: Option<(usize, Vec<u32>, usize)> = None;
-        let mut next_arrival = 0usize;
         let mut finishes: BTreeSet<(Instant, usize)> = BTreeSet::new();
-        let (mut scratch, mut unused) = (Vec::new(), Vec::new());
+        let (mut scratch, mut actual) = (Vec::new(), Vec::new());
         let mut timed_out = false;
         let mut pending: VecDeque<ConnectorEvent> = VecDeque::new();
-        let start = self.run.start;
 
         while st.done < n {
             let now = Instant::now();
@@ -86,11 +126,28 @@ impl PrefillLoop<'_> {
                 timed_out = true;
                 break;
             }
+            let answers: Vec<ToPrefill> = match &self.run.link {
+                Some(link) => link.from_decode.try_iter().collect(),
+                None => Vec::new(),
+            };
+            for answer in answers {
+                self.on_decode(answer, &mut st);
+            }
             pending.extend(self.conn.poll_events());
             while let Some(event) = pending.pop_front() {
-                on_event(event, &index, &mut st);
+                self.on_event(event, &index, &mut st);
             }
 
+            // 0. Later turns whose keep never came (D is gone): their conversation is over.
+            while let Some(&(until, j)) = st.keep_waits.first() {
+                if until > now {
+                    break;
+                }
+                st.keep_waits.pop_first();
+                if let (Some(before), false) = (self.plan[j].prev, st.started(j)) {
+                    self.abandon_after(before, &mut st);
+                }
+            }
             // 1. A finish that is due.
             if let Some(&(due, i)) = finishes.first() {
                 if due <= now {
@@ -99,52 +156,46 @@ impl PrefillLoop<'_> {
                     continue;
                 }
             }
-            // 2. Start the next prefill once its prompt arrived and blocks are free.
-            if filling.is_none() && next_arrival < n {
-                let p = &self.plan[next_arrival];
-                if start + p.arrival <= now {
-                    if let Some(blocks) = st.free.alloc(p.blocks) {
-                        filling = Some((next_arrival, blocks, 0));
-                        next_arrival += 1;
+            // 2. The next prompt, once it arrived and blocks are free (one prefill at a time).
+            if st.work.is_empty() {
+                if let Some(&(due, i)) = st.arrivals.first() {
+                    if due <= now {
+                        if let Some(blocks) = st.free.alloc(self.plan[i].blocks) {
+                            st.arrivals.pop_first();
+                            self.arrive(i, blocks, &mut st);
+                            continue;
+                        }
                     }
                 }
             }
-            // 3. One block of prefill work.
-            if let Some((i, blocks, j)) = filling.as_mut() {
-                let p = &self.plan[*i];
-                let key = if self.run.corrupt == Some(*i) {
+            // 3. One block of prefill work (or of checking a prefix read back).
+            if let Some(w) = st.work.front_mut() {
+                let i = w.index;
+                let p = &self.plan[i];
+                let check = w.next < w.check_until;
+                let key = if self.run.corrupt == Some(i) && !check {
                     p.key ^ 0x5a5a
                 } else {
                     p.key
                 };
-                if let Err(e) = pattern_block(
+                match pattern_block(
                     &self.pool,
                     key,
-                    blocks[*j],
-                    *j as u64,
-                    false,
+                    w.blocks[w.next],
+                    w.next as u64,
+                    check,
                     &mut scratch,
-                    &mut unused,
+                    &mut actual,
                 ) {
-                    note(&mut st.errors, format!("P fill: {e}"));
+                    Ok(wrong) => st.records[i].read_byte_errors += wrong,
+                    Err(e) => note(&mut st.errors, format!("P fill: {e}")),
                 }
-                *j += 1;
-                if *j == blocks.len() {
-                    let (i, blocks, _) = filling.take().expect("filling");
-                    let at = Instant::now();
-                    st.held[i] = Some(blocks);
-                    st.records[i].filled_at = Some(at);
-                    let p = &self.plan[i];
-                    let due = match &self.run.pacing {
-                        PrefillPacing::Router(to_decode) => {
-                            let _ = to_decode.send(ToDecode::PrefillDone { index: i, at });
-                            at + p.prefill_delay
-                        }
-                        PrefillPacing::Clock { hold } => {
-                            at.max(start + p.arrival + *hold + p.prefill_delay)
-                        }
-                    };
-                    finishes.insert((due, i));
+                w.next += 1;
+                if w.next == w.blocks.len() {
+                    let w = st.work.pop_front().expect("work");
+                    if let Some(due) = self.prefilled(&w, &mut st) {
+                        finishes.insert((due, w.index));
+                    }
                 }
                 continue;
             }
@@ -153,8 +204,13 @@ impl PrefillLoop<'_> {
             if let Some(&(due, _)) = finishes.first() {
                 until = until.min(due);
             }
-            if next_arrival < n && st.free.available() >= self.plan[next_arrival].blocks {
-                until = until.min(start + self.plan[next_arrival].arrival);
+            if let Some(&(due, i)) = st.arrivals.first() {
+                if st.free.available() >= self.plan[i].blocks {
+                    until = until.min(due);
+                }
+            }
+            if let Some(&(due, _)) = st.keep_waits.first() {
+                until = until.min(due.max(now));
             }
             pending.extend(idle(&mut self.conn, until.min(self.run.deadline)));
         }
@@ -168,6 +224,101 @@ impl PrefillLoop<'_> {
         }
     }
 
+    /// Request `i`'s prompt arrived and got its blocks: turn 1 is prefilled; a later turn reads
+    /// its prefix back from D first, or declines D's blocks and recomputes.
+    fn arrive(&mut self, i: usize, blocks: Vec<u32>, st: &mut State) {
+        st.held[i] = Some(blocks.clone());
+        let p = &self.plan[i];
+        let fill_all = Work {
+            index: i,
+            blocks: blocks.clone(),
+            next: 0,
+            check_until: 0,
+        };
+        if !p.later_turn() {
+            st.work.push_back(fill_all);
+            return;
+        }
+        let Some((params, ttl_end)) = st.kept[i].take() else {
+            note(
+                &mut st.errors,
+                format!("P: {} arrived without D's answer", p.prefill_id),
+            );
+            st.records[i].turn_start = Some(TurnStart::Recomputed);
+            st.work.push_back(fill_all);
+            return;
+        };
+        let left = ttl_end.saturating_duration_since(Instant::now());
+        let start = if left < self.run.turns.margin {
+            TurnStart::DeclinedNearExpiry
+        } else if p.prefix_tokens < self.run.turns.threshold {
+            TurnStart::Recomputed
+        } else {
+            TurnStart::Read
+        };
+        st.records[i].turn_start = Some(start);
+        if start != TurnStart::Read {
+            if let Err(e) = self.conn.decline_export(&p.prefill_id, &params) {
+                note(
+                    &mut st.errors,
+                    format!("P decline_export({}): {e}", p.prefill_id),
+                );
+            }
+            st.work.push_back(fill_all);
+            return;
+        }
+        let prefix = blocks[..p.prefix_blocks(self.block_tokens)].to_vec();
+        st.records[i].read_call = Some(Instant::now());
+        match self.conn.next_turn_allocated(
+            &p.prefill_id,
+            BlockIds::single_group(prefix),
+            u64::from(p.prefix_tokens),
+            &params,
+        ) {
+            // The import's event (`Imported`, or `Refused` after a late verdict) continues.
+            Ok(()) => {}
+            Err(e) => {
+                note(
+                    &mut st.errors,
+                    format!("P next_turn_allocated({}): {e}", p.prefill_id),
+                );
+                if !matches!(e, ConnectorError::VerdictLate) {
+                    // Nothing was started: recompute.
+                    st.work.push_back(fill_all);
+                }
+            }
+        }
+    }
+
+    /// Request `i`'s blocks hold its whole prompt (the work `w` is done): notes what the check
+    /// of a prefix read back found, and returns when to call `request_finished`.
+    fn prefilled(&mut self, w: &Work, st: &mut State) -> Option<Instant> {
+        let i = w.index;
+        let p = &self.plan[i];
+        let r = &mut st.records[i];
+        if w.check_until > 0 {
+            r.read_verified = r.read_byte_errors == 0;
+            if r.read_byte_errors > 0 {
+                let wrong = r.read_byte_errors;
+                note(
+                    &mut st.errors,
+                    format!("P: {} read back {wrong} wrong bytes", p.prefill_id),
+                );
+            }
+        }
+        let at = Instant::now();
+        r.filled_at = Some(at);
+        Some(match self.run.pacing {
+            Pacing::Router => {
+                if let Some(link) = &self.run.link {
+                    link.send(ToDecode::PrefillDone { index: i, at });
+                }
+                at + p.prefill_delay
+            }
+            Pacing::Clock { hold } => at.max(self.run.start + p.arrival + hold + p.prefill_delay),
+        })
+    }
+
     fn finish(&mut self, i: usize, st: &mut State) {
         let p = &self.plan[i];
         let blocks = st.held[i].clone().unwrap_or_default();
@@ -177,6 +328,9 @@ impl PrefillLoop<'_> {
             ..KvTransferParams::default()
         };
         st.records[i].finish_call = Some(Instant::now());
+        // D hears of the answer when it needs it: always when P reports its prefills, for the
+        // pulled requests (which need P's block ids) when both follow the clock.
+        let tell = matches!(self.run.pacing, Pacing::Router) || p.mode == TransferMode::Pull;
         match self.conn.request_finished(
             &p.prefill_id,
             BlockIds::single_group(blocks),
@@ -184,8 +338,15 @@ impl PrefillLoop<'_> {
             &router,
         ) {
             Ok(params) => {
-                if let PrefillPacing::Router(to_decode) = &self.run.pacing {
-                    let _ = to_decode.send(ToDecode::Params { index: i, params });
+                if let (Some(link), true) = (&self.run.link, tell) {
+                    link.send(ToDecode::Params { index: i, params });
+                }
+                if self.run.stop_after == Some(i) {
+                    // Once the answer is on its way to D (which asks for the read at once).
+                    if let Some(link) = &self.run.link {
+                        link.flush(Duration::from_secs(1));
+                    }
+                    stop_self();
                 }
             }
             Err(e) => {
@@ -193,9 +354,10 @@ impl PrefillLoop<'_> {
                     &mut st.errors,
                     format!("P request_finished({}): {e}", p.prefill_id),
                 );
-                if let PrefillPacing::Router(to_decode) = &self.run.pacing {
-                    let _ = to_decode.send(ToDecode::Abandoned { index: i });
+                if let Some(link) = &self.run.link {
+                    link.send(ToDecode::Abandoned { index: i });
                 }
+                self.abandon_after(i, st);
                 if matches!(e, ConnectorError::VerdictLate) {
                     // It may still be applied: the blocks stay held until its event (or its
                     // refusal) comes, and that event counts the request as done.
@@ -209,6 +371,240 @@ impl PrefillLoop<'_> {
             }
         }
     }
+
+    /// The conversation of request `i` ends with it: its later turns never come.
+    fn abandon_after(&self, i: usize, st: &mut State) {
+        let mut next = self.plan[i].next;
+        while let Some(j) = next {
+            let r = &mut st.records[j];
+            if !r.abandoned && st.held[j].is_none() && r.events == 0 {
+                r.abandoned = true;
+                st.done += 1;
+                st.kept[j] = None;
+                st.arrivals.retain(|&(_, k)| k != j);
+                st.keep_waits.retain(|&(_, k)| k != j);
+            }
+            next = self.plan[j].next;
+        }
+    }
+
+    /// Handles one of D's answers over the router link.
+    fn on_decode(&self, answer: ToPrefill, st: &mut State) {
+        match answer {
+            ToPrefill::Kept {
+                index,
+                params,
+                since,
+            } => {
+                let Some(next) = self.plan.get(index).and_then(|p| p.next) else {
+                    st.unknown += 1;
+                    note(
+                        &mut st.errors,
+                        format!("P: D kept request {index}, which has no next turn"),
+                    );
+                    return;
+                };
+                if st.records[next].abandoned {
+                    return;
+                }
+                st.keep_waits.retain(|&(_, k)| k != next);
+                st.kept[next] = Some((*params, since + self.run.turns.ttl));
+                st.arrivals.insert((since + self.plan[next].think, next));
+            }
+            ToPrefill::Ended { index } => {
+                if index < self.plan.len() {
+                    self.abandon_after(index, st);
+                }
+            }
+        }
+    }
+
+    /// Handles one of P's events: a prefix read back, or the blocks of a handoff coming back.
+    fn on_event(&self, event: ConnectorEvent, index: &BTreeMap<RequestId, usize>, st: &mut State) {
+        if let ConnectorEvent::Refused { request, error } = &event {
+            note(
+                &mut st.errors,
+                format!("P: {request} refused late: {error}"),
+            );
+            let Some(&i) = index.get(request) else {
+                st.unknown += 1;
+                return;
+            };
+            if st.records[i].finish_call.is_none() && st.records[i].turn_start.is_some() {
+                // The late call was the read back: nothing was read; recompute.
+                st.records[i].import_events += 1;
+                st.records[i].read_ended_at = Some(Instant::now());
+                if let Some(blocks) = st.held[i].clone() {
+                    st.work.push_back(Work {
+                        index: i,
+                        blocks,
+                        next: 0,
+                        check_until: 0,
+                    });
+                }
+                return;
+            }
+            // The late call was `request_finished`: its blocks are ours again.
+            if let Some(blocks) = st.held[i].take() {
+                st.free.release(&BlockIds::single_group(blocks));
+            }
+            st.records[i].events += 1;
+            st.done += 1;
+            return;
+        }
+        if let ConnectorEvent::Imported {
+            request,
+            outcome,
+            blocks,
+        } = event
+        {
+            self.on_imported(request, outcome, blocks, index, st);
+            return;
+        }
+        // Push hands the blocks back with `BlocksFree`, pull with `ExportEnded`; either way the
+        // KV went, or why not.
+        let (request, blocks, unsent, proof) = match event {
+            ConnectorEvent::BlocksFree {
+                request,
+                released,
+                blocks,
+            } => (request, blocks, released.map(Unsent::Push), None),
+            ConnectorEvent::ExportEnded {
+                request,
+                outcome,
+                blocks,
+                proof,
+            } => {
+                let unsent = match outcome {
+                    ExportOutcome::Read => None,
+                    ExportOutcome::Released(end) => Some(Unsent::Pull(end)),
+                };
+                (request, blocks, unsent, Some(proof))
+            }
+            other => {
+                st.unknown += 1;
+                note(&mut st.errors, format!("P got a decode event: {other:?}"));
+                return;
+            }
+        };
+        let Some(&i) = index.get(&request) else {
+            st.unknown += 1;
+            note(
+                &mut st.errors,
+                format!("P event for unknown request {request}"),
+            );
+            return;
+        };
+        let r = &mut st.records[i];
+        r.events += 1;
+        if r.events > 1 {
+            st.duplicates += 1;
+            note(&mut st.errors, format!("P: second event for {request}"));
+        } else {
+            r.ended_at = Some(Instant::now());
+        }
+        r.export_proof = proof;
+        match st.held[i].take() {
+            Some(given) if BlockIds::single_group(given.clone()) == blocks => {}
+            other => {
+                st.unknown += 1;
+                note(
+                    &mut st.errors,
+                    format!("P: {request} handed back {blocks:?}, gave {other:?}"),
+                );
+            }
+        }
+        st.free.release(&blocks);
+        let sent = unsent.is_none();
+        match unsent {
+            None => r.sent = true,
+            Some(Unsent::Push(cause)) => {
+                r.released = Some(cause);
+                note(&mut st.errors, released_note(&request, cause));
+            }
+            Some(Unsent::Pull(end)) => {
+                r.export_end = Some(end);
+                note(&mut st.errors, unread_note(&request, end));
+            }
+        }
+        if r.events > 1 {
+            return;
+        }
+        st.done += 1;
+        let Some(next) = self.plan[i].next else {
+            return;
+        };
+        if !sent {
+            // D never got this turn: it keeps nothing, the conversation is over.
+            self.abandon_after(i, st);
+        } else if let (Some(wait), false) = (self.run.answer_wait, st.started(next)) {
+            st.keep_waits.insert((Instant::now() + wait, next));
+        }
+    }
+
+    /// A later turn's read back ended: check what arrived, then prefill the rest (or all of it).
+    fn on_imported(
+        &self,
+        request: RequestId,
+        outcome: ImportOutcome,
+        blocks: BlockIds,
+        index: &BTreeMap<RequestId, usize>,
+        st: &mut State,
+    ) {
+        let Some(&i) = index.get(&request) else {
+            st.unknown += 1;
+            note(
+                &mut st.errors,
+                format!("P import event for unknown request {request}"),
+            );
+            return;
+        };
+        let p = &self.plan[i];
+        let r = &mut st.records[i];
+        r.import_events += 1;
+        if r.import_events > 1 || r.turn_start != Some(TurnStart::Read) {
+            st.duplicates += 1;
+            note(
+                &mut st.errors,
+                format!("P: unexpected import event for {request}: {outcome:?}"),
+            );
+            return;
+        }
+        r.import_outcome = Some(outcome);
+        r.read_ended_at = Some(Instant::now());
+        let Some(held) = st.held[i].clone() else {
+            st.unknown += 1;
+            note(&mut st.errors, format!("P: {request} read into no blocks"));
+            return;
+        };
+        let prefix = p.prefix_blocks(self.block_tokens);
+        if blocks != BlockIds::single_group(held[..prefix].to_vec()) {
+            st.unknown += 1;
+            note(
+                &mut st.errors,
+                format!(
+                    "P: {request} read back into {blocks:?}, gave {:?}",
+                    &held[..prefix]
+                ),
+            );
+        }
+        let check_until = if outcome == ImportOutcome::Loaded {
+            r.read_blocks = prefix as u64;
+            prefix
+        } else {
+            note(
+                &mut st.errors,
+                format!("P: {request} read back: {outcome:?}"),
+            );
+            0
+        };
+        st.work.push_back(Work {
+            index: i,
+            blocks: held,
+            next: 0,
+            check_until,
+        });
+    }
 }
 
 /// Why a request's blocks came back without the KV having gone.
@@ -218,92 +614,4 @@ enum Unsent {
     Push(kvhandoff_protocol::machine::ReleaseCause),
     /// Pull: how the export ended.
     Pull(kvhandoff_protocol::machine::ExportEnd),
-}
-
-/// Handles one of P's events: the request's blocks come back.
-fn on_event(event: ConnectorEvent, index: &BTreeMap<RequestId, usize>, st: &mut State) {
-    if let ConnectorEvent::Refused { request, error } = &event {
-        // A call whose verdict came late was refused: its blocks are ours again.
-        note(
-            &mut st.errors,
-            format!("P: {request} refused late: {error}"),
-        );
-        if let Some(&i) = index.get(request) {
-            if let Some(blocks) = st.held[i].take() {
-                st.free.release(&BlockIds::single_group(blocks));
-            }
-            st.records[i].events += 1;
-            st.done += 1;
-        }
-        return;
-    }
-    // Push hands the blocks back with `BlocksFree`, pull with `ExportEnded`; either way the
-    // KV went, or why not.
-    let (request, blocks, unsent) = match event {
-        ConnectorEvent::BlocksFree {
-            request,
-            released,
-            blocks,
-        } => (request, blocks, released.map(Unsent::Push)),
-        ConnectorEvent::ExportEnded {
-            request,
-            outcome,
-            blocks,
-            ..
-        } => {
-            let unsent = match outcome {
-                ExportOutcome::Read => None,
-                ExportOutcome::Released(end) => Some(Unsent::Pull(end)),
-            };
-            (request, blocks, unsent)
-        }
-        other => {
-            st.unknown += 1;
-            note(&mut st.errors, format!("P got a decode event: {other:?}"));
-            return;
-        }
-    };
-    let Some(&i) = index.get(&request) else {
-        st.unknown += 1;
-        note(
-            &mut st.errors,
-            format!("P event for unknown request {request}"),
-        );
-        return;
-    };
-    let r = &mut st.records[i];
-    r.events += 1;
-    if r.events > 1 {
-        st.duplicates += 1;
-        note(&mut st.errors, format!("P: second event for {request}"));
-    } else {
-        r.ended_at = Some(Instant::now());
-    }
-    match st.held[i].take() {
-        Some(given) if BlockIds::single_group(given.clone()) == blocks => {}
-        other => {
-            st.unknown += 1;
-            note(
-                &mut st.errors,
-                format!("P: {request} handed back {blocks:?}, gave {other:?}"),
-            );
-        }
-    }
-    st.free.release(&blocks);
-    match unsent {
-        None => r.sent = true,
-        Some(why) => {
-            match why {
-                Unsent::Push(cause) => r.released = Some(cause),
-                Unsent::Pull(end) => r.export_end = Some(end),
-            }
-            note(
-                &mut st.errors,
-                format!("P: {request} released unsent: {why:?}"),
-            );
-        }
-    }
-    if r.events == 1 {
-        st.done += 1;
-    }
 }

@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 use kvhandoff_protocol::KvLayout;
 use serde::{Deserialize, Serialize};
 
-use super::engines::{note, DecodeRecord, PrefillRecord};
+use super::engines::{note, DecodeRecord, PrefillRecord, TurnStart};
 use super::schedule::{Planned, Workload};
-use super::DemoOptions;
+use super::{DemoMode, DemoOptions};
 use crate::stats::{human_bytes, percentile};
 use kvhandoff::TransferMode;
+use kvhandoff_protocol::machine::{ExportOutcome, ImportOutcome};
 
 /// Race counts (pushed requests only: a pulled one has no race, D reads after P's answer).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,6 +79,38 @@ pub struct Leaks {
     pub decode: u64,
 }
 
+/// The turns of bidirectional conversations ([`DemoMode::Bidir`]; zero in the other modes).
+/// P's counts are zero in a report of D alone ([`ReportRole::Decode`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TurnCounts {
+    /// Conversations.
+    pub conversations: u64,
+    /// Turns after a conversation's first (each reads its prefix back or recomputes it).
+    pub later_turns: u64,
+    /// Later turns whose prefix P read back from D's kept blocks (`Imported` / `Loaded`).
+    pub pulled_from_decode: u64,
+    /// Later turns whose prefix P recomputed: below the recompute threshold (P declined D's
+    /// blocks), or a read back that did not load (an error too).
+    pub recomputed: u64,
+    /// Later turns that came back with less than the near-expiry margin of D's TTL left: P
+    /// declined D's blocks and recomputed.
+    pub declined_near_expiry: u64,
+    /// Prefixes read back whose every byte P checked and found right.
+    pub read_back_verified: u64,
+    /// Bytes P read back from D.
+    pub read_back_bytes: u64,
+    /// Turns whose blocks D kept for the next turn (`keep_for_next_turn`).
+    pub kept: u64,
+    /// Keeps that ended read by P (`ExportEnded` / `Read`).
+    pub kept_read: u64,
+    /// Keeps that ended unread (declined by P, or their TTL expired).
+    pub kept_unread: u64,
+    /// D's keep TTL, ms.
+    pub keep_ttl_ms: f64,
+    /// P reads a prefix back only from this many tokens on.
+    pub recompute_threshold_tokens: u32,
+}
+
 /// The model geometry the demo ran with.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GeometrySummary {
@@ -125,7 +158,8 @@ pub struct DemoReport {
     pub requests: u64,
     /// Requests whose every byte D checked and found right.
     pub verified: u64,
-    /// Bytes that D found wrong, over all requests.
+    /// Bytes found wrong, over all requests: by D in what arrived, and by P in the prefixes it
+    /// read back (`bidir`).
     pub byte_errors: u64,
     /// Races as P's endpoint counted them. For [`ReportRole::Decode`] (P's endpoint is in
     /// another process): as `call_order`.
@@ -144,7 +178,7 @@ pub struct DemoReport {
     /// with `nixl` (NIXL counts no bytes), the blocks of the requests whose write completed or
     /// that D read (P's `sent`), or for [`ReportRole::Decode`] that arrived (D's `ready`).
     pub bytes: u64,
-    /// Bytes the requests' blocks hold (what should have moved).
+    /// Bytes the requests' blocks hold, and the prefixes P read back (what should have moved).
     pub expected_bytes: u64,
     /// Prompt tokens over all requests.
     pub tokens: u64,
@@ -159,8 +193,10 @@ pub struct DemoReport {
     pub handoff_latency_us: Latency,
     /// The whole run, setup and teardown included, ms.
     pub wall_ms: f64,
-    /// Engine events seen.
+    /// Engine events seen (one per request and side: the handoff's).
     pub events: EventCounts,
+    /// The turns of conversations (`bidir`).
+    pub turns: TurnCounts,
     /// Blocks freed while already free.
     pub double_frees: u64,
     /// Blocks not back on a free list at the end.
@@ -192,6 +228,7 @@ impl DemoReport {
         n > 0
             && !self.timed_out
             && self.errors.is_empty()
+            && self.turns_ok()
             && self.outcomes.ready == n
             && self.verified == n
             && self.byte_errors == 0
@@ -201,6 +238,21 @@ impl DemoReport {
             && self.events.decode == n
             && self.events.duplicates == 0
             && self.events.unknown == 0
+    }
+
+    /// Every later turn read its prefix back (and checked every byte) or recomputed it, and
+    /// every keep of D ended; trivially true outside `bidir`.
+    fn turns_ok(&self) -> bool {
+        let t = &self.turns;
+        let prefill_ok = match self.role {
+            ReportRole::Both => {
+                t.pulled_from_decode + t.recomputed + t.declined_near_expiry == t.later_turns
+                    && t.read_back_verified == t.pulled_from_decode
+                    && t.kept_read == t.pulled_from_decode
+            }
+            ReportRole::Decode => true,
+        };
+        prefill_ok && t.kept == t.later_turns && t.kept_read + t.kept_unread == t.kept
     }
 
     fn verdict_line(&self) -> String {
@@ -227,6 +279,20 @@ impl DemoReport {
             why.push(format!(
                 "P: {} released unsent, {} without an event",
                 self.prefill_outcomes.released, self.prefill_outcomes.missing
+            ));
+        }
+        if !self.turns_ok() {
+            let t = &self.turns;
+            why.push(format!(
+                "turns: {} later, {} read back ({} verified), {} recomputed, {} declined near \
+                 expiry; {} kept, {} ended",
+                t.later_turns,
+                t.pulled_from_decode,
+                t.read_back_verified,
+                t.recomputed,
+                t.declined_near_expiry,
+                t.kept,
+                t.kept_read + t.kept_unread
             ));
         }
         if self.double_frees > 0 {
@@ -313,6 +379,31 @@ impl DemoReport {
                     self.call_order.decode_registers_first,
                     self.call_order.prefill_finishes_first
                 ),
+            ),
+            (
+                "turns",
+                if self.mode == DemoMode::Bidir.name() {
+                    let t = &self.turns;
+                    format!(
+                        "{} conversations, {} later turns: read back {} ({} verified, {}), \
+                         recomputed {}, declined near expiry {}; D kept {} ({} read, {} unread; \
+                         TTL {:.0} ms), threshold {} tokens",
+                        t.conversations,
+                        t.later_turns,
+                        t.pulled_from_decode,
+                        t.read_back_verified,
+                        human_bytes(t.read_back_bytes),
+                        t.recomputed,
+                        t.declined_near_expiry,
+                        t.kept,
+                        t.kept_read,
+                        t.kept_unread,
+                        t.keep_ttl_ms,
+                        t.recompute_threshold_tokens
+                    )
+                } else {
+                    "one turn per request".into()
+                },
             ),
             (
                 "D outcomes",
@@ -480,6 +571,7 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
     };
     let count = |f: &dyn Fn(&DecodeRecord) -> bool| d.iter().filter(|r| f(r)).count() as u64;
     let blocks: u64 = plan.iter().map(|q| q.blocks as u64).sum();
+    let turns = turn_counts(options, plan, p, d, block_bytes);
     let mut report = DemoReport {
         transport: transport.into(),
         mode: options.mode.name().into(),
@@ -488,7 +580,8 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
         seed: options.seed,
         requests: plan.len() as u64,
         verified: count(&|r| r.verified),
-        byte_errors: d.iter().map(|r| r.byte_errors).sum(),
+        byte_errors: d.iter().map(|r| r.byte_errors).sum::<u64>()
+            + p.iter().map(|r| r.read_byte_errors).sum::<u64>(),
         races: match role {
             ReportRole::Both => t.races,
             ReportRole::Decode => call_order,
@@ -508,7 +601,7 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
             missing: p.iter().filter(|r| r.events == 0).count() as u64,
         },
         bytes: t.bytes,
-        expected_bytes: blocks * block_bytes,
+        expected_bytes: blocks * block_bytes + turns.read_back_bytes,
         tokens: plan.iter().map(|q| u64::from(q.tokens)).sum(),
         blocks,
         gbps: if window.is_zero() {
@@ -529,6 +622,7 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
             duplicates: t.duplicates,
             unknown: t.unknown,
         },
+        turns,
         double_frees: t.double_frees,
         leaked_blocks: t.leaks,
         pool_blocks: options.pool_blocks,
@@ -571,4 +665,41 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
     report.ok = report.verdict_ok();
     report.verdict = report.verdict_line();
     report
+}
+
+/// The turn counts of a run (zeros outside [`DemoMode::Bidir`]; P's zero without P's records).
+pub(crate) fn turn_counts(
+    options: &DemoOptions,
+    plan: &[Planned],
+    p: &[PrefillRecord],
+    d: &[DecodeRecord],
+    block_bytes: u64,
+) -> TurnCounts {
+    if options.mode != DemoMode::Bidir {
+        return TurnCounts::default();
+    }
+    let count = |f: &dyn Fn(&PrefillRecord) -> bool| p.iter().filter(|r| f(r)).count() as u64;
+    let loaded = |r: &PrefillRecord| r.import_outcome == Some(ImportOutcome::Loaded);
+    let kept = |f: &dyn Fn(&ExportOutcome) -> bool| {
+        d.iter()
+            .filter(|r| r.export_outcome.as_ref().is_some_and(f))
+            .count() as u64
+    };
+    TurnCounts {
+        conversations: plan.iter().filter(|q| !q.later_turn()).count() as u64,
+        later_turns: plan.iter().filter(|q| q.later_turn()).count() as u64,
+        pulled_from_decode: count(&|r| loaded(r)),
+        recomputed: count(&|r| {
+            r.turn_start == Some(TurnStart::Recomputed)
+                || (r.turn_start == Some(TurnStart::Read) && !loaded(r))
+        }),
+        declined_near_expiry: count(&|r| r.turn_start == Some(TurnStart::DeclinedNearExpiry)),
+        read_back_verified: count(&|r| r.read_verified),
+        read_back_bytes: p.iter().map(|r| r.read_blocks).sum::<u64>() * block_bytes,
+        kept: d.iter().filter(|r| r.keep_call.is_some()).count() as u64,
+        kept_read: kept(&|o| *o == ExportOutcome::Read),
+        kept_unread: kept(&|o| *o != ExportOutcome::Read),
+        keep_ttl_ms: options.keep_ttl.as_secs_f64() * 1e3,
+        recompute_threshold_tokens: options.recompute_threshold,
+    }
 }

@@ -18,6 +18,7 @@ use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{wire, AgentName, EngineId, Message, TransferMode};
 
 use super::facts::{decode_ends, lateness, prefill_ends, push, summary, FactsInput, Outcome};
+use super::router::{decode_side, prefill_side};
 use super::wait::{await_decode, await_exit, await_prefill, side_channel};
 use super::{
     AddPeerAddress, Handshaker, LinkSummary, NodeOptions, NodeReport, NodeRole, NodeRun,
@@ -25,10 +26,10 @@ use super::{
 };
 use crate::demo::{
     self, build_report, check_options, identity, model, query_counters, races_of, run_decode,
-    run_prefill, schedule, DecodePacing, DecodeRun, DemoError, Facts, Planned, PrefillOutcomes,
-    PrefillPacing, PrefillRun, Races, Tallies, DECODE_ENGINE, PREFILL_ENGINE,
+    run_prefill, schedule, turn_counts, turn_settings, DecodeRun, DemoError, DemoMode, Facts,
+    Pacing, Planned, PrefillOutcomes, PrefillRun, Races, Tallies, DECODE_ENGINE, PREFILL_ENGINE,
 };
-use kvhandoff::{ConnectorIdentity, KvConnector, KvTransferParams, Runtime};
+use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvConnector, KvTransferParams, Runtime};
 
 /// Wall-clock times of a run's instants.
 #[derive(Debug, Clone, Copy)]
@@ -111,7 +112,8 @@ impl Drop for DeathWatch {
 }
 
 /// The part of `plan` a node runs: requests `start_at..`, with arrivals shifted so that the
-/// first arrives at the node's time zero.
+/// first arrives at the node's time zero (and the turns of conversations renumbered; a turn
+/// whose turn before is not in the part starts its conversation here).
 pub(super) fn part_of(plan: &[Planned], start_at: usize) -> Vec<Planned> {
     let Some(first) = plan.get(start_at) else {
         return Vec::new();
@@ -121,6 +123,13 @@ pub(super) fn part_of(plan: &[Planned], start_at: usize) -> Vec<Planned> {
         .iter()
         .map(|q| Planned {
             arrival: q.arrival.saturating_sub(zero),
+            prev: q.prev.and_then(|i| i.checked_sub(start_at)),
+            prefix_tokens: if q.prev.is_some_and(|i| i >= start_at) {
+                q.prefix_tokens
+            } else {
+                0
+            },
+            next: q.next.map(|i| i - start_at),
             ..q.clone()
         })
         .collect()
@@ -147,14 +156,18 @@ where
     let opts = &options.schedule;
     let deadline = wall + opts.timeout;
     let workload = check_options(opts)?;
-    if opts.mode != crate::demo::DemoMode::Push {
-        // A pulled request needs P's answer (its block ids) at D, and nothing but the protocol
-        // passes between the two processes.
-        return Err(DemoError::Options(format!(
-            "node runs push only, not {}",
-            opts.mode.name()
-        )));
-    }
+    // A pulled request needs P's answer (its block ids) at D, and a conversation's next turn
+    // D's answer at P: they travel over the router link.
+    let router = match (opts.mode, options.router) {
+        (DemoMode::Push, _) => None,
+        (_, Some(addr)) => Some(addr),
+        (mode, None) => {
+            return Err(DemoError::Options(format!(
+                "--mode {} needs the router link's address (--router)",
+                mode.name()
+            )))
+        }
+    };
     let whole = schedule(opts, workload.block_tokens)?;
     if options.start_at >= whole.len() {
         return Err(DemoError::Options(format!(
@@ -165,6 +178,32 @@ where
     }
     let plan = part_of(&whole, options.start_at);
     let config = options.timing.config().map_err(DemoError::Options)?;
+    // D listens on the router link before anything else, so that P finds it at once.
+    let (mut p_link, mut d_link, mut guard) = (None, None, None);
+    if let Some(addr) = router {
+        match options.role {
+            NodeRole::Decode => {
+                let (link, g) = decode_side(addr, options.start_at, plan.len()).map_err(|e| {
+                    DemoError::Options(format!("the router link cannot listen on {addr}: {e}"))
+                })?;
+                (d_link, guard) = (Some(link), Some(g));
+            }
+            NodeRole::Prefill => {
+                let (link, g) = prefill_side(addr, options.start_at, plan.len(), deadline);
+                (p_link, guard) = (Some(link), Some(g));
+            }
+        }
+    }
+    // Conversations follow P's reports (a later turn's time is not on any clock); the other
+    // modes both sides' clocks.
+    let pacing = match opts.mode {
+        DemoMode::Bidir => Pacing::Router,
+        _ => Pacing::Clock { hold: options.hold },
+    };
+    let turns = turn_settings(opts);
+    let stop_after = options
+        .stop_self_after
+        .and_then(|k| k.checked_sub(options.start_at));
     let engine_id = |name| EngineId::new(name).map_err(|e| DemoError::Options(e.to_string()));
     let (own, other) = match options.role {
         NodeRole::Prefill => (engine_id(PREFILL_ENGINE)?, engine_id(DECODE_ENGINE)?),
@@ -216,13 +255,14 @@ where
             options.peer
         )));
     }
-    let conn = KvConnector::new(
+    let conn = KvConnector::with_settings(
         ConnectorIdentity {
             host: listen.ip().to_string(),
             port: listen.port(),
             ..identity(own.as_str())?
         },
         handle,
+        ConnectorSettings::new(&config, &workload.geometry),
     );
 
     let mut errors = Vec::new();
@@ -272,7 +312,11 @@ where
                 DecodeRun {
                     start,
                     deadline,
-                    pacing: DecodePacing::Clock { hold: options.hold },
+                    pacing,
+                    link: d_link.take(),
+                    answer_wait: Some(config.decode_deadline),
+                    turns,
+                    stop_after,
                     params: KvTransferParams {
                         do_remote_prefill: true,
                         remote_engine_id: Some(PREFILL_ENGINE.into()),
@@ -283,6 +327,7 @@ where
                     },
                 },
             );
+            drop(guard.take());
             let counters = query_counters(&rank);
             let deaths = watch.finish();
             errors.extend(side.errors);
@@ -342,13 +387,18 @@ where
                     start,
                     deadline,
                     corrupt: opts.corrupt_one_request.then_some(plan.len() / 2),
-                    pacing: PrefillPacing::Clock { hold: options.hold },
+                    pacing,
+                    link: p_link.take(),
+                    turns,
+                    answer_wait: Some(config.decode_deadline),
+                    stop_after,
                 },
             );
             let peer_exited = await_exit(
                 options.peer,
                 (Instant::now() + options.linger).min(deadline),
             );
+            drop(guard.take());
             let counters = query_counters(&rank);
             let deaths = watch.finish();
             let stats = side_channel(&link);
@@ -377,6 +427,7 @@ where
             let (late, lag) = lateness(&plan, &side.records, start, options.hold);
             let records = &side.records;
             let blocks: u64 = plan.iter().map(|q| q.blocks as u64).sum();
+            let turns = turn_counts(opts, &plan, records, &[], workload.block_bytes);
             let mut r = PrefillReport {
                 transport: transport.into(),
                 role: NodeRole::Prefill,
@@ -385,11 +436,20 @@ where
                 races,
                 prefill_outcomes: PrefillOutcomes {
                     sent: records.iter().filter(|r| r.sent).count() as u64,
-                    released: records.iter().filter(|r| r.released.is_some()).count() as u64,
+                    released: records
+                        .iter()
+                        .filter(|r| r.released.is_some() || r.export_end.is_some())
+                        .count() as u64,
                     missing: records.iter().filter(|r| r.events == 0).count() as u64,
                 },
                 bytes: demo::sent_bytes(&plan, records, workload.block_bytes),
-                expected_bytes: blocks * workload.block_bytes,
+                expected_bytes: blocks * workload.block_bytes + turns.read_back_bytes,
+                mode: opts.mode.name().into(),
+                pulled: plan
+                    .iter()
+                    .filter(|q| q.mode == kvhandoff::TransferMode::Pull)
+                    .count() as u64,
+                turns,
                 tokens: plan.iter().map(|q| u64::from(q.tokens)).sum(),
                 blocks,
                 late_finishes: late,

@@ -6,9 +6,15 @@ use std::time::{Duration, Instant};
 
 use kvhandoff_protocol::machine::{Config, Counters};
 
+use kvhandoff::TransferMode;
+use kvhandoff_protocol::machine::ImportOutcome;
+
 use super::drive::UnixClock;
 use super::{LinkSummary, NodeFacts, NodeOptions, PoolSummary, RequestEnd, SideChannelStats};
-use crate::demo::{self, DecodeRecord, FreeList, Planned, PrefillRecord};
+use crate::demo::{
+    self, failed_note, import_note, no_answer_note, released_note, unread_note, DecodeRecord,
+    FreeList, Planned, PrefillRecord, TurnStart,
+};
 
 /// What [`NodeFacts`] are built from, known when the schedule starts.
 pub(super) struct FactsInput<'a> {
@@ -69,6 +75,7 @@ impl FactsInput<'_> {
             lease_ms: ms(self.config.lease_duration),
             decode_deadline_ms: ms(self.config.decode_deadline),
             quarantine_ms: ms(self.config.quarantine),
+            grant_fence_ms: ms(kvhandoff_protocol::machine::read_span(self.config)),
             expect_peer_loss: self.options.expect_peer_loss,
             schedule_start_unix_ms: self.clock.unix_ms(self.start),
             pool: PoolSummary {
@@ -93,7 +100,7 @@ impl FactsInput<'_> {
     }
 }
 
-/// P's requests as [`RequestEnd`]s, and the errors its loop noted for their typed releases.
+/// P's requests as [`RequestEnd`]s, and the errors its loop noted for their typed outcomes.
 pub(super) fn prefill_ends(
     plan: &[Planned],
     records: &[PrefillRecord],
@@ -106,13 +113,31 @@ pub(super) fn prefill_ends(
         .zip(records)
         .enumerate()
         .map(|(j, (q, r))| {
-            let outcome = match (r.sent, r.released) {
-                (_, Some(cause)) => {
-                    explained.insert(format!("P: {} released unsent: {cause:?}", q.prefill_id));
+            let pulled = q.mode == TransferMode::Pull;
+            let outcome = match (r.sent, r.released, r.export_end) {
+                (_, Some(cause), _) => {
+                    explained.insert(released_note(&q.prefill_id, cause));
                     Some(format!("Released({cause:?})"))
                 }
-                (true, None) => Some("Sent".to_string()),
-                (false, None) => None,
+                (_, None, Some(end)) => {
+                    explained.insert(unread_note(&q.prefill_id, end));
+                    Some(format!("Unread({end:?})"))
+                }
+                (true, None, None) if pulled => Some("Read".to_string()),
+                (true, None, None) => Some("Sent".to_string()),
+                (false, None, None) if r.abandoned => Some("Abandoned".to_string()),
+                (false, None, None) => None,
+            };
+            let turn = match (r.turn_start, r.import_outcome) {
+                (Some(TurnStart::Read), Some(outcome)) => {
+                    if outcome != ImportOutcome::Loaded {
+                        explained.insert(format!("P: {} read back: {outcome:?}", q.prefill_id));
+                    }
+                    Some(format!("Read({outcome:?})"))
+                }
+                (Some(TurnStart::Read), None) => Some("Read".to_string()),
+                (Some(start), _) => Some(format!("{start:?}")),
+                (None, _) => None,
             };
             RequestEnd {
                 index: (start_at + j) as u64,
@@ -120,15 +145,18 @@ pub(super) fn prefill_ends(
                 events: r.events,
                 called_unix_ms: r.finish_call.map(|t| clock.unix_ms(t)),
                 ended_unix_ms: r.ended_at.map(|t| clock.unix_ms(t)),
-                byte_errors: 0,
-                proof: None,
+                byte_errors: r.read_byte_errors,
+                proof: r.export_proof.map(|p| format!("{p:?}")),
+                turn,
+                turn_called_unix_ms: r.read_call.map(|t| clock.unix_ms(t)),
+                turn_ended_unix_ms: r.read_ended_at.map(|t| clock.unix_ms(t)),
             }
         })
         .collect();
     (ends, explained)
 }
 
-/// D's requests as [`RequestEnd`]s, and the errors its loop noted for their typed failures.
+/// D's requests as [`RequestEnd`]s, and the errors its loop noted for their typed outcomes.
 pub(super) fn decode_ends(
     plan: &[Planned],
     records: &[DecodeRecord],
@@ -144,11 +172,23 @@ pub(super) fn decode_ends(
             let outcome = if r.ready {
                 Some("Ready".to_string())
             } else if let Some(why) = r.failure {
-                explained.insert(format!("D: {} failed: {why:?}", q.decode_id));
+                explained.insert(failed_note(&q.decode_id, why));
                 Some(format!("Failed({why:?})"))
+            } else if let Some(outcome) = r.import_failure {
+                explained.insert(import_note(&q.decode_id, outcome));
+                Some(format!("Import({outcome:?})"))
+            } else if r.no_answer {
+                explained.insert(no_answer_note(&q.decode_id));
+                Some("NoAnswer".to_string())
+            } else if r.abandoned {
+                Some("Abandoned".to_string())
             } else {
                 None
             };
+            let turn = r.export_outcome.map(|o| match r.export_proof {
+                Some(proof) => format!("Kept({o:?})/{proof:?}"),
+                None => format!("Kept({o:?})"),
+            });
             RequestEnd {
                 index: (start_at + j) as u64,
                 outcome,
@@ -157,6 +197,9 @@ pub(super) fn decode_ends(
                 ended_unix_ms: r.ended_at.map(|t| clock.unix_ms(t)),
                 byte_errors: r.byte_errors,
                 proof: r.proof.map(|p| format!("{p:?}")),
+                turn,
+                turn_called_unix_ms: r.keep_call.map(|t| clock.unix_ms(t)),
+                turn_ended_unix_ms: r.export_ended_at.map(|t| clock.unix_ms(t)),
             }
         })
         .collect();

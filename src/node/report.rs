@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 #[cfg(doc)]
 use super::run_on;
 use super::{DemoReport, NodeRole};
-use crate::demo::{PrefillOutcomes, Races};
+use crate::demo::{PrefillOutcomes, Races, TurnCounts};
 use crate::stats::human_bytes;
 
 /// The side channel as this node saw it.
@@ -40,16 +40,23 @@ pub struct PrefillReport {
     pub role: NodeRole,
     /// The schedule's seed.
     pub seed: u64,
+    /// How the requests moved their KV: `"push"`, `"pull"`, `"mixed"` or `"bidir"`.
+    pub mode: String,
+    /// Requests pulled by D (the others were pushed).
+    pub pulled: u64,
     /// Requests in the schedule.
     pub requests: u64,
-    /// Races as P's endpoint counted them.
+    /// Races as P's endpoint counted them (pushed requests).
     pub races: Races,
     /// P's outcomes.
     pub prefill_outcomes: PrefillOutcomes,
-    /// Bytes of the requests whose write completed (`Sent`).
+    /// Bytes of the requests whose write completed (`Sent`) or that D read, and of the
+    /// prefixes P read back from D.
     pub bytes: u64,
-    /// Bytes the requests' blocks hold.
+    /// Bytes the requests' blocks hold, and the prefixes P read back.
     pub expected_bytes: u64,
+    /// The turns of conversations (`bidir`), as P saw them (D's keeps are in D's report).
+    pub turns: TurnCounts,
     /// Prompt tokens over all requests.
     pub tokens: u64,
     /// Blocks over all requests.
@@ -88,12 +95,16 @@ pub struct PrefillReport {
 }
 
 impl PrefillReport {
-    /// True only if every request was sent, with exactly one event each, and every block came
-    /// back once.
+    /// True only if every request was sent, with exactly one event each, every block came
+    /// back once, and every later turn of a conversation read its prefix back (every byte
+    /// right) or recomputed it.
     pub fn verdict_ok(&self) -> bool {
         let n = self.requests;
+        let t = &self.turns;
         n > 0
             && !self.timed_out
+            && t.pulled_from_decode + t.recomputed + t.declined_near_expiry == t.later_turns
+            && t.read_back_verified == t.pulled_from_decode
             && self.errors.is_empty()
             && self.prefill_outcomes.sent == n
             && self.events == n
@@ -163,6 +174,27 @@ impl PrefillReport {
                 format!(
                     "D registers first {:>4}   P finishes first {:>4}",
                     self.races.decode_registers_first, self.races.prefill_finishes_first
+                ),
+            ),
+            (
+                "mode",
+                format!(
+                    "{} ({} pulled, {} pushed)",
+                    self.mode,
+                    self.pulled,
+                    self.requests - self.pulled
+                ),
+            ),
+            (
+                "turns",
+                format!(
+                    "{} later turns: read back {} ({} verified), recomputed {}, declined near \
+                     expiry {}",
+                    self.turns.later_turns,
+                    self.turns.pulled_from_decode,
+                    self.turns.read_back_verified,
+                    self.turns.recomputed,
+                    self.turns.declined_near_expiry
                 ),
             ),
             (
@@ -262,8 +294,13 @@ impl NodeReport {
 pub struct RequestEnd {
     /// The request's index in the whole seeded plan.
     pub index: u64,
-    /// Its typed outcome: `"Sent"` or `"Released(<ReleaseCause>)"` on P, `"Ready"` or
-    /// `"Failed(<DecodeFailure>)"` on D (the machines' `Debug` names); `None` without one.
+    /// Its typed outcome (the machines' `Debug` names): on P `"Sent"` or
+    /// `"Released(<ReleaseCause>)"` (pushed), `"Read"` or `"Unread(<ExportEnd>)"` (pulled); on
+    /// D `"Ready"`, `"Failed(<DecodeFailure>)"` (pushed) or `"Import(<ImportOutcome>)"`
+    /// (pulled, not loaded); on either, without an event: `"NoAnswer"` (D: a pulled request
+    /// whose answer from P never came within D's deadline; never called) or `"Abandoned"` (a
+    /// later turn of a conversation that ended before it, or a request the other side gave
+    /// up); `None` without one.
     pub outcome: Option<String>,
     /// Events the engine got for it (exactly 1 when all is well).
     pub events: u32,
@@ -273,9 +310,33 @@ pub struct RequestEnd {
     pub ended_unix_ms: Option<f64>,
     /// D: bytes found wrong (of a `Ready` request).
     pub byte_errors: u64,
-    /// D, for a failed request: what freed its blocks (`FreeProof`'s `Debug` name).
+    /// What freed its blocks when no transfer proved it: D, a failed pushed request
+    /// (`FreeProof`'s `Debug` name); P, a pulled request (`ReadProof`'s).
     #[serde(default)]
     pub proof: Option<String>,
+    /// Conversations: on P, how a later turn's prefix came (`"Read(<ImportOutcome>)"`,
+    /// `"Recomputed"`, `"DeclinedNearExpiry"`); on D, how a keep for the next turn ended
+    /// (`"Kept(<ExportOutcome>)"`, with the proof after a slash).
+    #[serde(default)]
+    pub turn: Option<String>,
+    /// P: when it asked to read a later turn's prefix back (`next_turn_allocated`), unix ms.
+    #[serde(default)]
+    pub turn_called_unix_ms: Option<f64>,
+    /// When that ended (P: the read back's event; D: the keep's `ExportEnded`), unix ms.
+    #[serde(default)]
+    pub turn_ended_unix_ms: Option<f64>,
+}
+
+impl RequestEnd {
+    /// Whether the request has exactly one typed outcome: one event, or none for the outcomes
+    /// that never start anything (`"NoAnswer"`, `"Abandoned"`).
+    pub fn typed(&self) -> bool {
+        match self.outcome.as_deref() {
+            Some("NoAnswer" | "Abandoned") => self.events == 0,
+            Some(_) => self.events == 1,
+            None => false,
+        }
+    }
 }
 
 /// The pool at the end of the run (the leak check).
@@ -307,6 +368,10 @@ pub struct NodeFacts {
     pub decode_deadline_ms: f64,
     /// The quarantine (D's fence after a cancel or a peer's death) in force, ms.
     pub quarantine_ms: f64,
+    /// How long after a grant the holder of an export frees its blocks if the reader never
+    /// releases them (`max_message_delay + max_write_life`), ms.
+    #[serde(default)]
+    pub grant_fence_ms: f64,
     /// Whether the node ran as a survivor (`--expect-peer-loss`).
     pub expect_peer_loss: bool,
     /// The schedule's time zero (the handshake), unix ms.
@@ -334,15 +399,13 @@ pub struct NodeFacts {
 }
 
 impl NodeFacts {
-    /// True when every request has exactly one typed outcome, no `Ready` request has a wrong
-    /// byte, every block is back on the free list (none freed twice), the run did not time out
-    /// and no error is left that a typed outcome does not explain.
+    /// True when every request has exactly one typed outcome ([`RequestEnd::typed`]), no
+    /// `Ready` request has a wrong byte, every block is back on the free list (none freed
+    /// twice), the run did not time out and no error is left that a typed outcome does not
+    /// explain.
     pub fn verdict_ok(&self) -> bool {
         !self.requests.is_empty()
-            && self
-                .requests
-                .iter()
-                .all(|r| r.events == 1 && r.outcome.is_some())
+            && self.requests.iter().all(RequestEnd::typed)
             && self
                 .requests
                 .iter()
@@ -374,11 +437,7 @@ impl NodeFacts {
         if timed_out {
             why.push("timed out".into());
         }
-        let bad = self
-            .requests
-            .iter()
-            .filter(|r| r.events != 1 || r.outcome.is_none())
-            .count();
+        let bad = self.requests.iter().filter(|r| !r.typed()).count();
         if bad > 0 {
             why.push(format!("{bad} requests without exactly one outcome"));
         }

@@ -72,3 +72,27 @@ fn a_later_part_of_the_plan_keeps_ids_and_shifts_arrivals() {
     }
     assert!(part_of(&whole, 20).is_empty());
 }
+
+#[test]
+fn a_later_part_of_a_conversation_plan_renumbers_its_turns() {
+    let options = DemoOptions {
+        requests: 12,
+        mode: crate::demo::DemoMode::Bidir,
+        turns: 4,
+        max_prompt_tokens: 256,
+        ..DemoOptions::default()
+    };
+    let whole = schedule(&options, 16).unwrap();
+    // From the middle of the second conversation (turns 4..8).
+    let part = part_of(&whole, 6);
+    assert_eq!(part.len(), 6);
+    // Its turn 3 (whole index 6) starts the part: no turn before here, nothing to read back.
+    assert_eq!((part[0].prev, part[0].prefix_tokens), (None, 0));
+    assert_eq!(part[0].next, Some(1));
+    assert_eq!(part[1].prev, Some(0));
+    assert_eq!(part[1].prefix_tokens, whole[7].prefix_tokens);
+    assert_eq!(part[1].next, None, "the conversation's last turn");
+    // The third conversation, whole.
+    assert_eq!((part[2].prev, part[2].next), (None, Some(3)));
+    assert_eq!(part[5].prev, Some(4));
+}

@@ -56,6 +56,18 @@ pub fn two_ports() -> (SocketAddr, SocketAddr) {
     (a.local_addr().unwrap(), b.local_addr().unwrap())
 }
 
+/// Three free loopback ports: P's and D's side channels and the router link.
+pub fn three_ports() -> (SocketAddr, SocketAddr, SocketAddr) {
+    let a = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let b = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let c = TcpListener::bind("127.0.0.1:0").expect("bind");
+    (
+        a.local_addr().unwrap(),
+        b.local_addr().unwrap(),
+        c.local_addr().unwrap(),
+    )
+}
+
 /// One `kvhandoff node` child; killed when dropped unless it was waited for.
 pub struct Node {
     name: &'static str,
@@ -96,23 +108,43 @@ impl Node {
         peer: SocketAddr,
         extra: &[&str],
     ) -> Node {
-        let (gap, heartbeat, lease) = (GAP_MS.to_string(), H_MS.to_string(), LEASE_MS.to_string());
-        let mut args = vec![
-            "--seed",
-            "11",
-            "--max-prompt-tokens",
-            "16",
-            "--pool-blocks",
-            "64",
-            "--mean-arrival-gap-ms",
-            &gap,
-            "--heartbeat-ms",
-            &heartbeat,
-            "--lease-ms",
-            &lease,
+        Node::start_with(name, role, listen, peer, &[], extra)
+    }
+
+    /// [`Node::start`] with some of the shared settings replaced: `overrides` are
+    /// `(flag, value)` pairs (`--max-prompt-tokens`, `--pool-blocks`, `--mean-arrival-gap-ms`,
+    /// ...).
+    pub fn start_with(
+        name: &'static str,
+        role: &str,
+        listen: SocketAddr,
+        peer: SocketAddr,
+        overrides: &[(&str, &str)],
+        extra: &[&str],
+    ) -> Node {
+        let mut shared: Vec<(&str, String)> = vec![
+            ("--seed", "11".into()),
+            ("--max-prompt-tokens", "16".into()),
+            ("--pool-blocks", "64".into()),
+            ("--mean-arrival-gap-ms", GAP_MS.to_string()),
+            ("--heartbeat-ms", H_MS.to_string()),
+            ("--lease-ms", LEASE_MS.to_string()),
+            ("--timeout-secs", "30".into()),
         ];
-        args.extend(FENCE_FLAGS);
-        args.extend(["--timeout-secs", "30"]);
+        for pair in FENCE_FLAGS.chunks(2) {
+            shared.push((pair[0], pair[1].into()));
+        }
+        for (flag, value) in overrides {
+            match shared.iter_mut().find(|(f, _)| f == flag) {
+                Some(slot) => slot.1 = (*value).into(),
+                None => panic!("{flag} is not a shared setting"),
+            }
+        }
+        let mut args: Vec<&str> = Vec::new();
+        for (flag, value) in &shared {
+            args.push(flag);
+            args.push(value);
+        }
         args.extend(extra);
         Node::spawn(name, role, listen, peer, &args)
     }
@@ -205,6 +237,38 @@ impl Node {
         at
     }
 
+    /// Waits until the node stopped itself (`--stop-self-after`: its state in `/proc` is
+    /// `T`); returns the instant (unix ms) it was seen stopped.
+    pub fn await_stopped(&mut self, deadline: Instant) -> f64 {
+        let child = self.child.as_mut().expect("a running child");
+        let stat = format!("/proc/{}/stat", child.id());
+        loop {
+            let state = std::fs::read_to_string(&stat).unwrap_or_default();
+            // `pid (comm) S ...`: the state follows the command's closing parenthesis.
+            let state = state
+                .rsplit(") ")
+                .next()
+                .and_then(|rest| rest.chars().next());
+            if matches!(state, Some('T' | 't')) {
+                return unix_ms();
+            }
+            let exited = child.try_wait().ok().flatten();
+            assert!(
+                exited.is_none(),
+                "{} exited before it stopped itself: {exited:?}\n{}",
+                self.name,
+                self.stderr()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "{} never stopped itself\n{}",
+                self.name,
+                self.stderr()
+            );
+            thread::sleep(Duration::from_micros(500));
+        }
+    }
+
     /// SIGKILL now; returns the instant (unix ms) taken just before it.
     pub fn kill(&mut self) -> f64 {
         let at = unix_ms();
@@ -277,6 +341,7 @@ pub fn f(v: &Value) -> Option<f64> {
 }
 
 /// One request of a node's JSON.
+#[derive(Debug)]
 pub struct End {
     pub index: u64,
     pub outcome: String,
@@ -284,8 +349,15 @@ pub struct End {
     pub called: Option<f64>,
     pub ended: Option<f64>,
     pub byte_errors: u64,
-    /// D, for a failed request: what freed its blocks.
+    /// What freed its blocks when no transfer proved it (D: a failed pushed request; P: a
+    /// pulled one).
     pub proof: Option<String>,
+    /// Conversations: how a later turn's prefix came (P) or a keep ended (D).
+    pub turn: Option<String>,
+    /// P: when it asked to read a later turn's prefix back.
+    pub turn_called: Option<f64>,
+    /// When that ended.
+    pub turn_ended: Option<f64>,
 }
 
 pub fn ends(report: &Value) -> Vec<End> {
@@ -301,6 +373,9 @@ pub fn ends(report: &Value) -> Vec<End> {
             ended: f(&r["ended_unix_ms"]),
             byte_errors: r["byte_errors"].as_u64().unwrap_or(0),
             proof: r["proof"].as_str().map(str::to_string),
+            turn: r["turn"].as_str().map(str::to_string),
+            turn_called: f(&r["turn_called_unix_ms"]),
+            turn_ended: f(&r["turn_ended_unix_ms"]),
         })
         .collect()
 }
@@ -313,10 +388,16 @@ pub fn check_node(report: &Value, requests: u64, all: &str) {
     let list = ends(report);
     assert_eq!(list.len() as u64, requests, "{all}");
     for r in &list {
+        // A request that never started anything (D never got P's answer, or a later turn
+        // whose conversation ended before it) has its typed outcome and no event.
+        let events = match r.outcome.as_str() {
+            "NoAnswer" | "Abandoned" => 0,
+            _ => 1,
+        };
         assert_eq!(
-            r.events, 1,
-            "request {} has {} events\n{all}",
-            r.index, r.events
+            r.events, events,
+            "request {} ({}) has {} events\n{all}",
+            r.index, r.outcome, r.events
         );
         assert_ne!(
             r.outcome, "none",
@@ -324,7 +405,7 @@ pub fn check_node(report: &Value, requests: u64, all: &str) {
             r.index
         );
         assert!(
-            r.ended.is_some(),
+            r.ended.is_some() || r.outcome == "Abandoned",
             "request {} has no end time\n{all}",
             r.index
         );
@@ -378,6 +459,17 @@ pub fn check_fenced_end(r: &End, since_kill: f64, detected: f64, quarantine: f64
 
 /// The peer's death was declared after the kill and within the bound; returns the delay, ms.
 pub fn check_detection(report: &Value, killed: f64, who: &str, all: &str) -> f64 {
+    check_detection_within(report, killed, BOUND_MS, who, all)
+}
+
+/// [`check_detection`] with another bound (nodes run with another heartbeat), ms.
+pub fn check_detection_within(
+    report: &Value,
+    killed: f64,
+    bound: f64,
+    who: &str,
+    all: &str,
+) -> f64 {
     let deaths = report["node"]["peer_deaths"].as_u64().unwrap_or(0);
     assert!(deaths >= 1, "{who} counted no peer death\n{all}");
     let seen = report["node"]["peer_deaths_seen_unix_ms"][0]
@@ -385,8 +477,8 @@ pub fn check_detection(report: &Value, killed: f64, who: &str, all: &str) -> f64
         .unwrap_or_else(|| panic!("{who} saw no death\n{all}"));
     let delay = seen - killed;
     assert!(
-        (0.0..=BOUND_MS).contains(&delay),
-        "{who} saw the death {delay:.0} ms after the kill (bound {BOUND_MS} ms)\n{all}"
+        (0.0..=bound).contains(&delay),
+        "{who} saw the death {delay:.0} ms after the kill (bound {bound} ms)\n{all}"
     );
     delay
 }
