@@ -36,4 +36,4 @@ pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_protocol as protocol;
 pub use kvhandoff_protocol::TransferMode;
 pub use params::KvTransferParams;
-pub use settings::ConnectorSettings;
+pub use settings::{ConnectorSettings, DEFAULT_NEXT_TURN_TTL, DEFAULT_RECOMPUTE_THRESHOLD};

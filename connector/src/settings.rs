@@ -44,7 +44,22 @@ pub struct ConnectorSettings {
     /// default, when the connector was not told the geometry): reads are refused with
     /// [`ConnectorError::NotConfigured`](crate::ConnectorError::NotConfigured).
     pub block_tokens: Option<u32>,
+    /// How long D keeps a finished turn's blocks for the next turn (vLLM's
+    /// `decoder_kv_blocks_ttl`; default [`DEFAULT_NEXT_TURN_TTL`], 480 s): the `ttl` to pass to
+    /// [`KvConnector::keep_for_next_turn`](crate::KvConnector::keep_for_next_turn).
+    pub next_turn_ttl: Duration,
+    /// The fewest tokens a read of the previous turn must save for P to read rather than
+    /// recompute (vLLM's `kv_recompute_threshold`; default
+    /// [`DEFAULT_RECOMPUTE_THRESHOLD`], 64; 0 reads whatever it saves). See
+    /// [`ConnectorSettings::worth_reading`].
+    pub recompute_threshold: u64,
 }
+
+/// vLLM's default `decoder_kv_blocks_ttl`.
+pub const DEFAULT_NEXT_TURN_TTL: Duration = Duration::from_secs(480);
+
+/// vLLM's default `kv_recompute_threshold`, in tokens.
+pub const DEFAULT_RECOMPUTE_THRESHOLD: u64 = 64;
 
 impl Default for ConnectorSettings {
     /// As [`ConnectorSettings::new`] with the default [`Config`], block size unknown.
@@ -68,11 +83,39 @@ impl ConnectorSettings {
         }
     }
 
+    /// Whether P's next turn should read the previous turn's KV back from D (call
+    /// [`KvConnector::next_turn_allocated`](crate::KvConnector::next_turn_allocated)) or
+    /// recompute it (call [`KvConnector::decline_export`](crate::KvConnector::decline_export),
+    /// so D lets go at once): vLLM's rule, `min(remote_num_tokens, prompt_tokens) −
+    /// local_hit_tokens` saved tokens, read iff positive and at least the threshold (any
+    /// positive saving with a threshold of 0).
+    ///
+    /// ```
+    /// use kvhandoff::ConnectorSettings;
+    /// let settings = ConnectorSettings::default(); // threshold 64
+    /// assert!(settings.worth_reading(4_000, 4_100, 0));
+    /// assert!(!settings.worth_reading(4_000, 4_100, 3_950)); // 50 tokens saved
+    /// assert!(!settings.worth_reading(0, 100, 0));
+    /// ```
+    pub fn worth_reading(
+        &self,
+        remote_num_tokens: u64,
+        prompt_tokens: u64,
+        local_hit_tokens: u64,
+    ) -> bool {
+        let saved = remote_num_tokens
+            .min(prompt_tokens)
+            .saturating_sub(local_hit_tokens);
+        saved > 0 && saved >= self.recompute_threshold
+    }
+
     fn of_config(config: &Config) -> Self {
         ConnectorSettings {
             lease_duration: config.lease_duration,
             read_span: kvhandoff_protocol::machine::read_span(config),
             load_failure_policy: LoadFailurePolicy::Fail,
+            next_turn_ttl: DEFAULT_NEXT_TURN_TTL,
+            recompute_threshold: DEFAULT_RECOMPUTE_THRESHOLD,
             block_tokens: None,
         }
     }
