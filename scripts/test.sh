@@ -14,6 +14,10 @@
 #   - the pinned nixl-cu12==1.5.1 wheel (NIXL runtime + bundled UCX) unpacked
 #     with `pip install --no-deps --target "$NIXL_HOME"`, outside the repo;
 #     NIXL_HOME defaults to ${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff/nixl-cu12-1.5.1.
+#   - the pinned nvidia-cuda-nvrtc-cu12==12.9.86 wheel (NVRTC, libnvrtc.so.12), the same way,
+#     into NVRTC_HOME (default ${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff/
+#     nvidia-cuda-nvrtc-cu12-12.9.86); its lib directory is put on LD_LIBRARY_PATH so that
+#     kvhandoff-kernels' feature `cuda` compiles every CUDA kernel to PTX (no GPU needed).
 # The runtime environment itself lives in scripts/nixl-env.sh (sourceable).
 set -euo pipefail
 
@@ -24,6 +28,9 @@ KVHANDOFF_NIXL_VERSION="1.5.1"
 export KVHANDOFF_NIXL_VERSION
 # Same default as scripts/nixl-env.sh; a pre-set NIXL_HOME wins in both.
 export NIXL_HOME="${NIXL_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff/nixl-cu12-${KVHANDOFF_NIXL_VERSION}}"
+
+KVHANDOFF_NVRTC_VERSION="12.9.86"
+export NVRTC_HOME="${NVRTC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff/nvidia-cuda-nvrtc-cu12-${KVHANDOFF_NVRTC_VERSION}}"
 
 banner() {
     printf '\n==================== %s ====================\n' "$*"
@@ -109,13 +116,57 @@ install_nixl_wheel() {
     SUMMARY+=("nixl-cu12==$KVHANDOFF_NIXL_VERSION installed at $NIXL_HOME")
 }
 
+# NVRTC for kvhandoff-kernels' CUDA kernels: a py3-none wheel holding libnvrtc.so.12 (and its
+# builtins); only the shared libraries are used. The wheel is tagged manylinux_2_12 (2010), which
+# pip 23 does not find under the nixl wheel's manylinux_2_28, so that tag is named. Installed like the nixl wheel: unpacked next
+# to NVRTC_HOME and renamed, so an interrupted install is never trusted.
+install_nvrtc_wheel() {
+    local lib="nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
+    if [ -f "$NVRTC_HOME/$lib" ]; then
+        SUMMARY+=("nvidia-cuda-nvrtc-cu12==$KVHANDOFF_NVRTC_VERSION found at $NVRTC_HOME")
+        return
+    fi
+
+    echo "installing nvidia-cuda-nvrtc-cu12==$KVHANDOFF_NVRTC_VERSION into $NVRTC_HOME"
+    local parent tmp
+    parent="$(dirname "$NVRTC_HOME")"
+    mkdir -p "$parent"
+    tmp="$(mktemp -d "$parent/.nvrtc-install.XXXXXX")"
+    if ! python3 -m pip install --quiet --disable-pip-version-check --no-input \
+        --root-user-action=ignore \
+        --no-deps --only-binary=:all: \
+        --python-version 3.11 --implementation cp --abi cp311 \
+        --platform "manylinux_2_12_$(uname -m)" \
+        --target "$tmp" "nvidia-cuda-nvrtc-cu12==$KVHANDOFF_NVRTC_VERSION"; then
+        rm -rf -- "$tmp"
+        die "pip install of nvidia-cuda-nvrtc-cu12==$KVHANDOFF_NVRTC_VERSION failed"
+    fi
+    if [ ! -f "$tmp/$lib" ]; then
+        rm -rf -- "$tmp"
+        die "nvidia-cuda-nvrtc-cu12==$KVHANDOFF_NVRTC_VERSION installed but has no $lib"
+    fi
+    # An NVRTC_HOME without the library is a leftover partial install.
+    if [ -e "$NVRTC_HOME" ]; then
+        rm -rf -- "$NVRTC_HOME"
+    fi
+    mv -- "$tmp" "$NVRTC_HOME"
+    SUMMARY+=("nvidia-cuda-nvrtc-cu12==$KVHANDOFF_NVRTC_VERSION installed at $NVRTC_HOME")
+}
+
 banner "setup"
 install_apt_packages
 install_nixl_wheel
+install_nvrtc_wheel
 # shellcheck source=scripts/nixl-env.sh
 source "$REPO_ROOT/scripts/nixl-env.sh"
+# NVRTC on the loader's path (once, however often this runs in one shell).
+nvrtc_lib="$NVRTC_HOME/nvidia/cuda_nvrtc/lib"
+case ":${LD_LIBRARY_PATH:-}:" in
+    *":$nvrtc_lib:"*) ;;
+    *) export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+esac
 summary="$(printf '%s; ' "${SUMMARY[@]}")"
-echo "setup: ${summary}LD_LIBRARY_PATH+=$NIXL_HOME/.nixl_cu12.mesonpy.libs, NIXL_PLUGIN_DIR=$NIXL_PLUGIN_DIR"
+echo "setup: ${summary}LD_LIBRARY_PATH+=$NIXL_HOME/.nixl_cu12.mesonpy.libs:$nvrtc_lib, NIXL_PLUGIN_DIR=$NIXL_PLUGIN_DIR"
 
 if [ "${KVHANDOFF_TEST_SKIP_LINT:-0}" = "1" ]; then
     banner "fmt, clippy and doc skipped (KVHANDOFF_TEST_SKIP_LINT=1)"
@@ -130,6 +181,12 @@ else
     banner "cargo doc --workspace --no-deps --all-features (-D warnings)"
     RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features
 fi
+
+# Every CUDA kernel compiled to PTX by NVRTC (no GPU needed; with one, each also runs against
+# the CPU kernels). Run on its own so the PTX result shows; its tests fail when NVRTC is missing
+# and CI is set.
+banner "cargo test -p kvhandoff-kernels --features cuda (CUDA kernels to PTX with NVRTC)"
+cargo test -p kvhandoff-kernels --features cuda -- --nocapture
 
 banner "cargo test --workspace --all-features"
 cargo test --workspace --all-features "$@"

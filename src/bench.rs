@@ -13,6 +13,7 @@
 //!   step would, and every event on both sides is counted. Each rank runs on its own arbiter
 //!   thread of the one actix system, as the ranks of two engine processes would.
 
+pub mod kernels;
 mod machines;
 mod runtime;
 pub mod transfer;

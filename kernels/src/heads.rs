@@ -1,0 +1,140 @@
+//! TP head slicing: some heads of a block into a block with fewer heads, and the reverse gather.
+#![forbid(unsafe_code)]
+
+use std::ops::Range;
+
+use crate::copy::copy_run;
+use crate::par::for_each_block;
+use crate::shape::{check_threads, exact_len, whole_blocks, Dims};
+use crate::{BlockShape, KernelError, Layout};
+
+/// Copies heads `[src_h0, src_h0 + count)` of one source block into heads
+/// `[dst_h0, dst_h0 + count)` of one destination block; both blocks have the same tokens and rows.
+/// In HND that is one contiguous run; in NHD one run per token.
+#[allow(clippy::too_many_arguments)]
+fn copy_heads(
+    src: &[u8],
+    sd: &Dims,
+    src_h0: usize,
+    dst: &mut [u8],
+    dd: &Dims,
+    dst_h0: usize,
+    count: usize,
+    layout: Layout,
+) {
+    match layout {
+        Layout::Hnd => {
+            let len = count * sd.tokens * sd.row;
+            let (from, to) = (sd.offset(layout, 0, src_h0), dd.offset(layout, 0, dst_h0));
+            copy_run(&mut dst[to..to + len], &src[from..from + len]);
+        }
+        Layout::Nhd => {
+            let len = count * sd.row;
+            for t in 0..sd.tokens {
+                let (from, to) = (sd.offset(layout, t, src_h0), dd.offset(layout, t, dst_h0));
+                copy_run(&mut dst[to..to + len], &src[from..from + len]);
+            }
+        }
+    }
+}
+
+/// Takes heads `heads` of every block of `src` (shape `src_shape`) into `dst`, whose blocks
+/// have `heads.len()` heads and otherwise the same shape, both in `layout`.
+///
+/// This is what one rank of the larger TP holds of a rank of the smaller TP (with GQA, the KV
+/// heads of its query heads): a P rank at TP 1 writing to D ranks at TP 2 sends heads `[0, H/2)`
+/// to one and `[H/2, H)` to the other.
+///
+/// # Errors
+/// A zero size or `threads`, a size that overflows, an empty range or one outside
+/// `0..src_shape.heads`, `src` not whole blocks, or `dst` not as many blocks of the sliced shape.
+pub fn slice_heads(
+    src: &[u8],
+    dst: &mut [u8],
+    src_shape: BlockShape,
+    heads: Range<usize>,
+    layout: Layout,
+    threads: usize,
+) -> Result<(), KernelError> {
+    let sd = src_shape.dims()?;
+    check_threads(threads)?;
+    if heads.start >= heads.end || heads.end > sd.heads {
+        return Err(KernelError::HeadRange {
+            start: heads.start,
+            end: heads.end,
+            heads: sd.heads,
+        });
+    }
+    let count = heads.end - heads.start;
+    let dd = src_shape.with_heads(count).dims()?;
+    let n = whole_blocks("src", src.len(), sd.block)?;
+    exact_len("dst", dst.len(), n * dd.block)?;
+    for_each_block(dst, dd.block, threads, |b, out| {
+        let block = &src[b * sd.block..(b + 1) * sd.block];
+        copy_heads(block, &sd, heads.start, out, &dd, 0, count, layout);
+    });
+    Ok(())
+}
+
+/// Gathers the blocks of several sources, each of shape `src_shape`, into blocks holding all
+/// their heads: source `i`'s heads become heads `[i·H, (i+1)·H)` of `dst`
+/// (`H = src_shape.heads`), both in `layout`. Every source holds the same number of blocks; block
+/// `b` of `dst` is made of block `b` of each source.
+///
+/// The inverse of slicing `dst` into `sources.len()` equal head ranges: a rank of the smaller TP
+/// assembling its block from the ranks of the larger TP.
+///
+/// # Errors
+/// No sources, a zero size or `threads`, a size that overflows, a source not whole blocks or
+/// not as long as the first, or `dst` not as many blocks of the gathered shape.
+pub fn gather_heads(
+    sources: &[&[u8]],
+    dst: &mut [u8],
+    src_shape: BlockShape,
+    layout: Layout,
+    threads: usize,
+) -> Result<(), KernelError> {
+    let sd = src_shape.dims()?;
+    check_threads(threads)?;
+    let Some(first) = sources.first() else {
+        return Err(KernelError::Zero { field: "sources" });
+    };
+    let n = whole_blocks("source", first.len(), sd.block)?;
+    for source in sources {
+        exact_len("source", source.len(), first.len())?;
+    }
+    let heads = sd
+        .heads
+        .checked_mul(sources.len())
+        .ok_or(KernelError::Overflow {
+            what: "gathered block",
+        })?;
+    let dd = src_shape.with_heads(heads).dims()?;
+    let expected = n.checked_mul(dd.block).ok_or(KernelError::Overflow {
+        what: "gathered buffer",
+    })?;
+    exact_len("dst", dst.len(), expected)?;
+    let run = sd.heads * sd.row;
+    for_each_block(dst, dd.block, threads, |b, out| match layout {
+        // Each source's block is one contiguous run of the destination block.
+        Layout::Hnd => {
+            for (i, source) in sources.iter().enumerate() {
+                let block = &source[b * sd.block..(b + 1) * sd.block];
+                copy_heads(block, &sd, 0, out, &dd, i * sd.heads, sd.heads, layout);
+            }
+        }
+        // Token by token, the sources' runs side by side: the destination is written in order.
+        Layout::Nhd => {
+            for (t, to) in out.chunks_exact_mut(dd.heads * sd.row).enumerate() {
+                for (i, source) in sources.iter().enumerate() {
+                    let from = b * sd.block + t * run;
+                    copy_run(&mut to[i * run..(i + 1) * run], &source[from..from + run]);
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
