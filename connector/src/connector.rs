@@ -20,33 +20,30 @@
 //!
 //! Calls are synchronous, for an engine's scheduler thread; each waits for its verdict for at
 //! most [`KvConnector::CALL_TIMEOUT`]. Never call them from inside the runtime's own thread.
+//!
+//! Layout: this file has the connector and its hooks, one call each; `submit` the plumbing that
+//! takes a step's calls to the rank in one round trip (and settles verdicts that came late),
+//! `prepare` how each call is checked and turned into the endpoint's input, `reads` the read
+//! path's inputs (pull, bidirectional turns, declines), `events` what the engine polls.
 
+mod events;
+mod prepare;
 mod reads;
+mod submit;
 
-use std::net::ToSocketAddrs;
-use std::sync::{mpsc, OnceLock};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::system::{AddPeerAddress, Calls, RankHandle};
-use kvhandoff_protocol::machine::{
-    DecodeOutcome, DecodeStart, EngineCall, EngineEvent, PrefillOutcome, PrefillStart, Rejected,
-};
-use kvhandoff_protocol::PeerAddr;
-use kvhandoff_protocol::{BlockIds, EngineId, RequestId};
+use kvhandoff_actors::system::RankHandle;
+use kvhandoff_protocol::{BlockIds, RequestId};
 
-use crate::params::{epoch, mode_name, pairing_key};
 use crate::{
-    ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply,
-    ConnectorSettings, KvTransferParams, TransferMode,
+    ConnectorCall, ConnectorError, ConnectorIdentity, ConnectorReply, ConnectorSettings,
+    KvTransferParams,
 };
-
-/// Why a batch has no verdict.
-enum Late {
-    /// It never reached the runtime (or the runtime dropped it): nothing changed.
-    NotSent,
-    /// The runtime took it; its verdict will come on this channel.
-    NoVerdict(mpsc::Receiver<Verdicts>),
-}
+#[cfg(doc)]
+use crate::{ConnectorEvent, TransferMode};
+use submit::LateBatch;
 
 /// One engine rank's connector.
 pub struct KvConnector {
@@ -62,23 +59,6 @@ pub struct KvConnector {
     call_timeout: Duration,
     /// The read path's settings.
     settings: ConnectorSettings,
-}
-
-/// Most batches waiting for a late verdict; past it the runtime is taken as hung and calls are
-/// refused (`Unavailable`) without being sent.
-const MAX_LATE_BATCHES: usize = 1024;
-
-type Verdicts = Vec<Result<(), Rejected>>;
-
-/// A call checked by the connector: the endpoint's input, the side-channel address that
-/// travels with it, and the reply it earns if accepted.
-type Prepared = (EngineCall, Option<AddPeerAddress>, ConnectorReply);
-
-/// A batch the runtime took without answering in time.
-struct LateBatch {
-    verdicts: mpsc::Receiver<Verdicts>,
-    /// Per input: its request (if any) and whether an acceptance starts a request.
-    inputs: Vec<(Option<RequestId>, bool)>,
 }
 
 impl KvConnector {
@@ -141,293 +121,6 @@ impl KvConnector {
         &self.identity
     }
 
-    /// Runs a batch of engine hook calls (one scheduler step's worth) with one round trip to
-    /// the runtime: each call is checked as its single-call form checks it, the valid ones go to
-    /// the rank together and are handled in order, and one result per call comes back, in
-    /// order. A call refused here or by the endpoint changes nothing; the others still run.
-    ///
-    /// ```no_run
-    /// # fn step(conn: &mut kvhandoff::KvConnector, calls: Vec<kvhandoff::ConnectorCall>) {
-    /// for result in conn.submit(calls) {
-    ///     match result {
-    ///         Ok(kvhandoff::ConnectorReply::DecodeParams(params)) => { /* to the router */ }
-    ///         Ok(kvhandoff::ConnectorReply::NextTurnParams(params)) => { /* to the router */ }
-    ///         Ok(kvhandoff::ConnectorReply::Accepted) => {}
-    ///         Err(error) => eprintln!("{error}"),
-    ///     }
-    /// }
-    /// # }
-    /// ```
-    pub fn submit(
-        &mut self,
-        calls: Vec<ConnectorCall>,
-    ) -> Vec<Result<ConnectorReply, ConnectorError>> {
-        let mut results = Vec::with_capacity(calls.len());
-        let mut inputs = Vec::with_capacity(calls.len());
-        let mut addresses = Vec::new();
-        // Per input: its result's index, its request, and whether it starts a request.
-        let mut slots = Vec::with_capacity(calls.len());
-        for call in calls {
-            let starts = call.starts_request();
-            let request = call.request().cloned();
-            match self.prepare(call) {
-                Ok((input, address, reply)) => {
-                    slots.push((results.len(), request, starts));
-                    inputs.push(input);
-                    addresses.extend(address);
-                    results.push(Ok(reply));
-                }
-                Err(error) => results.push(Err(error)),
-            }
-        }
-        if inputs.is_empty() {
-            return results;
-        }
-        match self.call_batch(inputs, addresses) {
-            Ok(verdicts) => {
-                let mut verdicts = verdicts.into_iter();
-                for (slot, _, starts) in slots {
-                    match verdicts.next() {
-                        Some(Ok(())) => self.live += i64::from(starts),
-                        Some(Err(rejected)) => results[slot] = Err(ConnectorError::from(rejected)),
-                        None => results[slot] = Err(ConnectorError::Unavailable),
-                    }
-                }
-            }
-            Err(Late::NotSent) => {
-                for (slot, _, _) in slots {
-                    results[slot] = Err(ConnectorError::Unavailable);
-                }
-            }
-            Err(Late::NoVerdict(verdicts)) => {
-                let mut inputs = Vec::with_capacity(slots.len());
-                for (slot, request, starts) in slots {
-                    results[slot] = Err(ConnectorError::VerdictLate);
-                    inputs.push((request, starts));
-                }
-                self.late.push(LateBatch { verdicts, inputs });
-            }
-        }
-        results
-    }
-
-    /// Sends `inputs` to the rank as one message and waits for their verdicts, up to
-    /// [`Self::CALL_TIMEOUT`]; past it the batch may still be applied ([`Late::NoVerdict`]).
-    fn call_batch(
-        &mut self,
-        inputs: Vec<EngineCall>,
-        addresses: Vec<AddPeerAddress>,
-    ) -> Result<Verdicts, Late> {
-        if self.late.len() >= MAX_LATE_BATCHES {
-            return Err(Late::NotSent);
-        }
-        let (tx, rx) = mpsc::sync_channel(1);
-        let calls = Calls {
-            calls: inputs,
-            addresses,
-            reply: Some(Box::new(move |verdicts| {
-                let _ = tx.send(verdicts);
-            })),
-        };
-        self.rank.batches.try_send(calls).or_else(|err| match err {
-            actix::prelude::SendError::Full(calls) => {
-                self.rank.batches.do_send(calls);
-                Ok(())
-            }
-            actix::prelude::SendError::Closed(_) => Err(Late::NotSent),
-        })?;
-        match rx.recv_timeout(self.call_timeout) {
-            Ok(verdicts) => Ok(verdicts),
-            Err(mpsc::RecvTimeoutError::Timeout) => Err(Late::NoVerdict(rx)),
-            // The runtime dropped the batch unanswered: it is gone.
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Late::NotSent),
-        }
-    }
-
-    /// Settles the late batches whose verdicts have come: acceptances count as live requests,
-    /// refusals become [`ConnectorEvent::Refused`].
-    fn settle_late(&mut self, events: &mut Vec<ConnectorEvent>) {
-        let mut still_late = Vec::new();
-        for batch in std::mem::take(&mut self.late) {
-            match batch.verdicts.try_recv() {
-                Ok(verdicts) => {
-                    for ((request, starts), verdict) in batch.inputs.into_iter().zip(verdicts) {
-                        match verdict {
-                            Ok(()) => self.live += i64::from(starts),
-                            Err(rejected) => {
-                                if let Some(request) = request {
-                                    events.push(ConnectorEvent::Refused {
-                                        request,
-                                        error: ConnectorError::from(rejected),
-                                    });
-                                }
-                            }
-                        }
-                    }
-                }
-                Err(mpsc::TryRecvError::Empty) => still_late.push(batch),
-                // The runtime is gone without a verdict: nothing more will come for them.
-                Err(mpsc::TryRecvError::Disconnected) => {}
-            }
-        }
-        self.late = still_late;
-    }
-
-    /// One call, through [`KvConnector::submit`].
-    fn call_one(&mut self, call: ConnectorCall) -> Result<ConnectorReply, ConnectorError> {
-        self.submit(vec![call])
-            .pop()
-            .unwrap_or(Err(ConnectorError::Unavailable))
-    }
-
-    /// Checks one call and turns it into the endpoint's input, the side-channel address that
-    /// travels with it (if any), and the reply it earns if accepted.
-    fn prepare(&mut self, call: ConnectorCall) -> Result<Prepared, ConnectorError> {
-        match call {
-            ConnectorCall::RequestAllocated {
-                request,
-                blocks,
-                num_tokens,
-                params,
-            } => {
-                let (input, address) = if params.transfer_mode()? == TransferMode::Pull {
-                    self.check_remote_prefill(&params)?;
-                    self.import_input(request, blocks, num_tokens, &params)?
-                } else {
-                    self.decode_input(request, blocks, num_tokens, &params)?
-                };
-                Ok((input, address, ConnectorReply::Accepted))
-            }
-            ConnectorCall::RequestFinished {
-                request,
-                blocks,
-                num_tokens,
-                params,
-            } => {
-                let key = pairing_key(&request, &params)?;
-                let pull = params.transfer_mode()? == TransferMode::Pull;
-                let mut reply = KvTransferParams {
-                    do_remote_prefill: true,
-                    do_remote_decode: false,
-                    remote_engine_id: Some(self.identity.engine.to_string()),
-                    remote_host: Some(self.identity.host.clone()),
-                    remote_port: Some(self.identity.port),
-                    remote_request_id: Some(request.to_string()),
-                    tp_size: Some(self.identity.tp_size),
-                    transfer_id: params.transfer_id,
-                    epoch: params.epoch,
-                    transfer_mode: Some(mode_name(TransferMode::Push).into()),
-                    remote_num_tokens: Some(num_tokens),
-                    ..KvTransferParams::default()
-                };
-                let input = if pull {
-                    let lease = self.settings.lease_duration;
-                    self.export_input(request, key, blocks, num_tokens, lease, &mut reply)?
-                } else {
-                    EngineCall::PrefillFinished(PrefillStart {
-                        request,
-                        key,
-                        blocks,
-                    })
-                };
-                Ok((input, None, ConnectorReply::DecodeParams(reply)))
-            }
-            ConnectorCall::KeepForNextTurn {
-                request,
-                blocks,
-                num_tokens,
-                ttl,
-                params,
-            } => {
-                let (input, reply) = self.keep_input(request, blocks, num_tokens, ttl, &params)?;
-                Ok((input, None, ConnectorReply::NextTurnParams(reply)))
-            }
-            ConnectorCall::NextTurnAllocated {
-                request,
-                blocks,
-                num_tokens,
-                params,
-            } => {
-                if params.transfer_mode()? == TransferMode::Push {
-                    return Err(ConnectorError::InvalidParam {
-                        name: "transfer_mode",
-                        why: "a later turn reads the previous turns' KV: \"pull\" or absent".into(),
-                    });
-                }
-                let (input, address) = self.import_input(request, blocks, num_tokens, &params)?;
-                Ok((input, address, ConnectorReply::Accepted))
-            }
-            ConnectorCall::DeclineExport { request, params } => {
-                let (input, address) = self.decline_input(&request, &params)?;
-                Ok((input, address, ConnectorReply::Accepted))
-            }
-            ConnectorCall::Abort { request } => Ok((
-                EngineCall::Abort { request },
-                None,
-                ConnectorReply::Accepted,
-            )),
-            ConnectorCall::Shutdown => Ok((EngineCall::Shutdown, None, ConnectorReply::Accepted)),
-        }
-    }
-
-    fn decode_input(
-        &mut self,
-        request: RequestId,
-        blocks: BlockIds,
-        num_tokens: u64,
-        params: &KvTransferParams,
-    ) -> Result<(EngineCall, Option<AddPeerAddress>), ConnectorError> {
-        self.check_remote_prefill(params)?;
-        let (prefill, address) = self.remote_peer(params, params.tp_size)?;
-        let key = pairing_key(&request, params)?;
-        let epoch = epoch(params)?;
-        let call = EngineCall::DecodeAllocated(DecodeStart {
-            request,
-            key,
-            epoch,
-            prefill,
-            blocks,
-            num_tokens,
-            expected_writes: 1,
-        });
-        Ok((call, address))
-    }
-
-    /// D's hook is only for a request whose prefill ran remotely.
-    fn check_remote_prefill(&self, params: &KvTransferParams) -> Result<(), ConnectorError> {
-        if params.do_remote_prefill {
-            return Ok(());
-        }
-        Err(ConnectorError::InvalidParam {
-            name: "do_remote_prefill",
-            why: "must be true for a request whose prefill ran remotely".into(),
-        })
-    }
-
-    /// The rank of the other engine `params` name (`remote_engine_id`; this rank's index, as
-    /// TP sizes must be equal), and its side-channel address if this rank needs one.
-    /// `remote_tp`: the other engine's TP size (`tp_size`), required.
-    fn remote_peer(
-        &self,
-        params: &KvTransferParams,
-        remote_tp: Option<u32>,
-    ) -> Result<(PeerAddr, Option<AddPeerAddress>), ConnectorError> {
-        let engine = params
-            .remote_engine_id
-            .as_deref()
-            .ok_or(ConnectorError::MissingParam("remote_engine_id"))?;
-        let engine =
-            EngineId::new(engine).map_err(|e| ConnectorError::invalid("remote_engine_id", e))?;
-        let remote_tp = remote_tp.ok_or(ConnectorError::MissingParam("tp_size"))?;
-        if remote_tp != self.identity.tp_size {
-            return Err(ConnectorError::Unsupported(
-                "P and D with different TP sizes (heterogeneous TP comes later)",
-            ));
-        }
-        let address = self.peer_address(&engine, params)?;
-        Ok((PeerAddr::new(engine, self.identity.rank), address))
-    }
-
     /// D side: `blocks` were allocated for `request`, whose prefill ran on the engine named in
     /// `params`; `num_tokens` tokens are expected. With all-empty `blocks` (a full prefix hit)
     /// the request is ready at once and P is told to free its copy.
@@ -460,39 +153,6 @@ impl KvConnector {
             params: params.clone(),
         })
         .map(|_| ())
-    }
-
-    /// Where `engine`'s side channel listens, from `remote_host` and `remote_port`, for a TCP
-    /// rank (it travels to the rank with the call); `None` for an in-process rank, which finds
-    /// its peers by itself.
-    fn peer_address(
-        &self,
-        engine: &EngineId,
-        params: &KvTransferParams,
-    ) -> Result<Option<AddPeerAddress>, ConnectorError> {
-        if self.rank.side_channel.is_none() {
-            return Ok(None);
-        }
-        let host = params
-            .remote_host
-            .as_deref()
-            .ok_or(ConnectorError::MissingParam("remote_host"))?;
-        let port = params
-            .remote_port
-            .ok_or(ConnectorError::MissingParam("remote_port"))?;
-        let bad_host = |why: String| ConnectorError::InvalidParam {
-            name: "remote_host",
-            why,
-        };
-        let addr = (host, port)
-            .to_socket_addrs()
-            .map_err(|e| bad_host(e.to_string()))?
-            .next()
-            .ok_or_else(|| bad_host(format!("{host} resolves to no address")))?;
-        Ok(Some(AddPeerAddress {
-            engine: engine.clone(),
-            addr,
-        }))
     }
 
     /// P side: `request`'s prefill finished with its KV in `blocks`, `num_tokens` tokens.
@@ -632,90 +292,5 @@ impl KvConnector {
     /// [`ConnectorError::Unavailable`] if the runtime does not answer.
     pub fn shutdown(&mut self) -> Result<(), ConnectorError> {
         self.call_one(ConnectorCall::Shutdown).map(|_| ())
-    }
-
-    /// Everything that happened since the last call; exactly one event per request.
-    pub fn poll_events(&mut self) -> Vec<ConnectorEvent> {
-        let mut events = Vec::new();
-        if !self.late.is_empty() {
-            self.settle_late(&mut events);
-        }
-        while let Ok(event) = self.rank.events.try_recv() {
-            self.live -= 1;
-            events.push(match event {
-                EngineEvent::Decode {
-                    request,
-                    outcome: DecodeOutcome::Ready,
-                    blocks,
-                    ..
-                } => ConnectorEvent::BlocksReady { request, blocks },
-                EngineEvent::Decode {
-                    request,
-                    outcome: DecodeOutcome::Failed(reason),
-                    proof,
-                    blocks,
-                    ..
-                } => ConnectorEvent::Failed {
-                    request,
-                    reason,
-                    proof,
-                    blocks,
-                },
-                EngineEvent::Prefill {
-                    request,
-                    outcome,
-                    blocks,
-                    ..
-                } => ConnectorEvent::BlocksFree {
-                    request,
-                    released: match outcome {
-                        PrefillOutcome::Sent => None,
-                        PrefillOutcome::Released(cause) => Some(cause),
-                    },
-                    blocks,
-                },
-                EngineEvent::Export {
-                    request,
-                    outcome,
-                    proof,
-                    blocks,
-                    ..
-                } => ConnectorEvent::ExportEnded {
-                    request,
-                    outcome,
-                    proof,
-                    blocks,
-                },
-                EngineEvent::Import {
-                    request,
-                    outcome,
-                    blocks,
-                    ..
-                } => ConnectorEvent::Imported {
-                    request,
-                    outcome,
-                    blocks,
-                },
-            });
-        }
-        events
-    }
-
-    /// Waits up to `timeout` for at least one event, then returns all that are queued.
-    pub fn wait_events(&mut self, timeout: Duration) -> Vec<ConnectorEvent> {
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            let events = self.poll_events();
-            if !events.is_empty() || std::time::Instant::now() >= deadline {
-                return events;
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    }
-
-    /// True while a request accepted by this connector has not had its event yet, or a call's
-    /// verdict is still late.
-    pub fn has_pending_work(&self) -> bool {
-        self.live > 0 || !self.late.is_empty()
     }
 }

@@ -1,0 +1,201 @@
+//! How a call is checked and turned into the endpoint's input: the push path's inputs, and what
+//! every mode shares (the other engine's rank and side-channel address). The read path's inputs
+//! are in `reads`.
+
+use std::net::ToSocketAddrs;
+
+use kvhandoff_actors::system::AddPeerAddress;
+use kvhandoff_protocol::machine::{DecodeStart, EngineCall, PrefillStart};
+use kvhandoff_protocol::PeerAddr;
+use kvhandoff_protocol::{BlockIds, EngineId, RequestId};
+
+use super::KvConnector;
+use crate::params::{epoch, mode_name, pairing_key};
+use crate::{ConnectorCall, ConnectorError, ConnectorReply, KvTransferParams, TransferMode};
+
+/// A call checked by the connector: the endpoint's input, the side-channel address that
+/// travels with it, and the reply it earns if accepted.
+type Prepared = (EngineCall, Option<AddPeerAddress>, ConnectorReply);
+
+impl KvConnector {
+    /// Checks one call and turns it into the endpoint's input, the side-channel address that
+    /// travels with it (if any), and the reply it earns if accepted.
+    pub(super) fn prepare(&mut self, call: ConnectorCall) -> Result<Prepared, ConnectorError> {
+        match call {
+            ConnectorCall::RequestAllocated {
+                request,
+                blocks,
+                num_tokens,
+                params,
+            } => {
+                let (input, address) = if params.transfer_mode()? == TransferMode::Pull {
+                    self.check_remote_prefill(&params)?;
+                    self.import_input(request, blocks, num_tokens, &params)?
+                } else {
+                    self.decode_input(request, blocks, num_tokens, &params)?
+                };
+                Ok((input, address, ConnectorReply::Accepted))
+            }
+            ConnectorCall::RequestFinished {
+                request,
+                blocks,
+                num_tokens,
+                params,
+            } => {
+                let key = pairing_key(&request, &params)?;
+                let pull = params.transfer_mode()? == TransferMode::Pull;
+                let mut reply = KvTransferParams {
+                    do_remote_prefill: true,
+                    do_remote_decode: false,
+                    remote_engine_id: Some(self.identity.engine.to_string()),
+                    remote_host: Some(self.identity.host.clone()),
+                    remote_port: Some(self.identity.port),
+                    remote_request_id: Some(request.to_string()),
+                    tp_size: Some(self.identity.tp_size),
+                    transfer_id: params.transfer_id,
+                    epoch: params.epoch,
+                    transfer_mode: Some(mode_name(TransferMode::Push).into()),
+                    remote_num_tokens: Some(num_tokens),
+                    ..KvTransferParams::default()
+                };
+                let input = if pull {
+                    let lease = self.settings.lease_duration;
+                    self.export_input(request, key, blocks, num_tokens, lease, &mut reply)?
+                } else {
+                    EngineCall::PrefillFinished(PrefillStart {
+                        request,
+                        key,
+                        blocks,
+                    })
+                };
+                Ok((input, None, ConnectorReply::DecodeParams(reply)))
+            }
+            ConnectorCall::KeepForNextTurn {
+                request,
+                blocks,
+                num_tokens,
+                ttl,
+                params,
+            } => {
+                let (input, reply) = self.keep_input(request, blocks, num_tokens, ttl, &params)?;
+                Ok((input, None, ConnectorReply::NextTurnParams(reply)))
+            }
+            ConnectorCall::NextTurnAllocated {
+                request,
+                blocks,
+                num_tokens,
+                params,
+            } => {
+                if params.transfer_mode()? == TransferMode::Push {
+                    return Err(ConnectorError::InvalidParam {
+                        name: "transfer_mode",
+                        why: "a later turn reads the previous turns' KV: \"pull\" or absent".into(),
+                    });
+                }
+                let (input, address) = self.import_input(request, blocks, num_tokens, &params)?;
+                Ok((input, address, ConnectorReply::Accepted))
+            }
+            ConnectorCall::DeclineExport { request, params } => {
+                let (input, address) = self.decline_input(&request, &params)?;
+                Ok((input, address, ConnectorReply::Accepted))
+            }
+            ConnectorCall::Abort { request } => Ok((
+                EngineCall::Abort { request },
+                None,
+                ConnectorReply::Accepted,
+            )),
+            ConnectorCall::Shutdown => Ok((EngineCall::Shutdown, None, ConnectorReply::Accepted)),
+        }
+    }
+
+    fn decode_input(
+        &mut self,
+        request: RequestId,
+        blocks: BlockIds,
+        num_tokens: u64,
+        params: &KvTransferParams,
+    ) -> Result<(EngineCall, Option<AddPeerAddress>), ConnectorError> {
+        self.check_remote_prefill(params)?;
+        let (prefill, address) = self.remote_peer(params, params.tp_size)?;
+        let key = pairing_key(&request, params)?;
+        let epoch = epoch(params)?;
+        let call = EngineCall::DecodeAllocated(DecodeStart {
+            request,
+            key,
+            epoch,
+            prefill,
+            blocks,
+            num_tokens,
+            expected_writes: 1,
+        });
+        Ok((call, address))
+    }
+
+    /// D's hook is only for a request whose prefill ran remotely.
+    fn check_remote_prefill(&self, params: &KvTransferParams) -> Result<(), ConnectorError> {
+        if params.do_remote_prefill {
+            return Ok(());
+        }
+        Err(ConnectorError::InvalidParam {
+            name: "do_remote_prefill",
+            why: "must be true for a request whose prefill ran remotely".into(),
+        })
+    }
+
+    /// The rank of the other engine `params` name (`remote_engine_id`; this rank's index, as
+    /// TP sizes must be equal), and its side-channel address if this rank needs one.
+    /// `remote_tp`: the other engine's TP size (`tp_size`), required.
+    pub(super) fn remote_peer(
+        &self,
+        params: &KvTransferParams,
+        remote_tp: Option<u32>,
+    ) -> Result<(PeerAddr, Option<AddPeerAddress>), ConnectorError> {
+        let engine = params
+            .remote_engine_id
+            .as_deref()
+            .ok_or(ConnectorError::MissingParam("remote_engine_id"))?;
+        let engine =
+            EngineId::new(engine).map_err(|e| ConnectorError::invalid("remote_engine_id", e))?;
+        let remote_tp = remote_tp.ok_or(ConnectorError::MissingParam("tp_size"))?;
+        if remote_tp != self.identity.tp_size {
+            return Err(ConnectorError::Unsupported(
+                "P and D with different TP sizes (heterogeneous TP comes later)",
+            ));
+        }
+        let address = self.peer_address(&engine, params)?;
+        Ok((PeerAddr::new(engine, self.identity.rank), address))
+    }
+
+    /// Where `engine`'s side channel listens, from `remote_host` and `remote_port`, for a TCP
+    /// rank (it travels to the rank with the call); `None` for an in-process rank, which finds
+    /// its peers by itself.
+    fn peer_address(
+        &self,
+        engine: &EngineId,
+        params: &KvTransferParams,
+    ) -> Result<Option<AddPeerAddress>, ConnectorError> {
+        if self.rank.side_channel.is_none() {
+            return Ok(None);
+        }
+        let host = params
+            .remote_host
+            .as_deref()
+            .ok_or(ConnectorError::MissingParam("remote_host"))?;
+        let port = params
+            .remote_port
+            .ok_or(ConnectorError::MissingParam("remote_port"))?;
+        let bad_host = |why: String| ConnectorError::InvalidParam {
+            name: "remote_host",
+            why,
+        };
+        let addr = (host, port)
+            .to_socket_addrs()
+            .map_err(|e| bad_host(e.to_string()))?
+            .next()
+            .ok_or_else(|| bad_host(format!("{host} resolves to no address")))?;
+        Ok(Some(AddPeerAddress {
+            engine: engine.clone(),
+            addr,
+        }))
+    }
+}

@@ -1,0 +1,176 @@
+//! The plumbing of the calls: a step's calls checked and sent to the rank in one round trip
+//! ([`KvConnector::submit`]), and the verdicts that came too late settled when they come.
+
+use std::sync::mpsc;
+
+use kvhandoff_actors::system::{AddPeerAddress, Calls};
+use kvhandoff_protocol::machine::{EngineCall, Rejected};
+use kvhandoff_protocol::RequestId;
+
+use super::KvConnector;
+use crate::{ConnectorCall, ConnectorError, ConnectorEvent, ConnectorReply};
+
+/// Why a batch has no verdict.
+enum Late {
+    /// It never reached the runtime (or the runtime dropped it): nothing changed.
+    NotSent,
+    /// The runtime took it; its verdict will come on this channel.
+    NoVerdict(mpsc::Receiver<Verdicts>),
+}
+
+/// Most batches waiting for a late verdict; past it the runtime is taken as hung and calls are
+/// refused (`Unavailable`) without being sent.
+const MAX_LATE_BATCHES: usize = 1024;
+
+type Verdicts = Vec<Result<(), Rejected>>;
+
+/// A batch the runtime took without answering in time.
+pub(super) struct LateBatch {
+    verdicts: mpsc::Receiver<Verdicts>,
+    /// Per input: its request (if any) and whether an acceptance starts a request.
+    inputs: Vec<(Option<RequestId>, bool)>,
+}
+
+impl KvConnector {
+    /// Runs a batch of engine hook calls (one scheduler step's worth) with one round trip to
+    /// the runtime: each call is checked as its single-call form checks it, the valid ones go to
+    /// the rank together and are handled in order, and one result per call comes back, in
+    /// order. A call refused here or by the endpoint changes nothing; the others still run.
+    ///
+    /// ```no_run
+    /// # fn step(conn: &mut kvhandoff::KvConnector, calls: Vec<kvhandoff::ConnectorCall>) {
+    /// for result in conn.submit(calls) {
+    ///     match result {
+    ///         Ok(kvhandoff::ConnectorReply::DecodeParams(params)) => { /* to the router */ }
+    ///         Ok(kvhandoff::ConnectorReply::NextTurnParams(params)) => { /* to the router */ }
+    ///         Ok(kvhandoff::ConnectorReply::Accepted) => {}
+    ///         Err(error) => eprintln!("{error}"),
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn submit(
+        &mut self,
+        calls: Vec<ConnectorCall>,
+    ) -> Vec<Result<ConnectorReply, ConnectorError>> {
+        let mut results = Vec::with_capacity(calls.len());
+        let mut inputs = Vec::with_capacity(calls.len());
+        let mut addresses = Vec::new();
+        // Per input: its result's index, its request, and whether it starts a request.
+        let mut slots = Vec::with_capacity(calls.len());
+        for call in calls {
+            let starts = call.starts_request();
+            let request = call.request().cloned();
+            match self.prepare(call) {
+                Ok((input, address, reply)) => {
+                    slots.push((results.len(), request, starts));
+                    inputs.push(input);
+                    addresses.extend(address);
+                    results.push(Ok(reply));
+                }
+                Err(error) => results.push(Err(error)),
+            }
+        }
+        if inputs.is_empty() {
+            return results;
+        }
+        match self.call_batch(inputs, addresses) {
+            Ok(verdicts) => {
+                let mut verdicts = verdicts.into_iter();
+                for (slot, _, starts) in slots {
+                    match verdicts.next() {
+                        Some(Ok(())) => self.live += i64::from(starts),
+                        Some(Err(rejected)) => results[slot] = Err(ConnectorError::from(rejected)),
+                        None => results[slot] = Err(ConnectorError::Unavailable),
+                    }
+                }
+            }
+            Err(Late::NotSent) => {
+                for (slot, _, _) in slots {
+                    results[slot] = Err(ConnectorError::Unavailable);
+                }
+            }
+            Err(Late::NoVerdict(verdicts)) => {
+                let mut inputs = Vec::with_capacity(slots.len());
+                for (slot, request, starts) in slots {
+                    results[slot] = Err(ConnectorError::VerdictLate);
+                    inputs.push((request, starts));
+                }
+                self.late.push(LateBatch { verdicts, inputs });
+            }
+        }
+        results
+    }
+
+    /// Sends `inputs` to the rank as one message and waits for their verdicts, up to
+    /// [`Self::CALL_TIMEOUT`]; past it the batch may still be applied ([`Late::NoVerdict`]).
+    fn call_batch(
+        &mut self,
+        inputs: Vec<EngineCall>,
+        addresses: Vec<AddPeerAddress>,
+    ) -> Result<Verdicts, Late> {
+        if self.late.len() >= MAX_LATE_BATCHES {
+            return Err(Late::NotSent);
+        }
+        let (tx, rx) = mpsc::sync_channel(1);
+        let calls = Calls {
+            calls: inputs,
+            addresses,
+            reply: Some(Box::new(move |verdicts| {
+                let _ = tx.send(verdicts);
+            })),
+        };
+        self.rank.batches.try_send(calls).or_else(|err| match err {
+            actix::prelude::SendError::Full(calls) => {
+                self.rank.batches.do_send(calls);
+                Ok(())
+            }
+            actix::prelude::SendError::Closed(_) => Err(Late::NotSent),
+        })?;
+        match rx.recv_timeout(self.call_timeout) {
+            Ok(verdicts) => Ok(verdicts),
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(Late::NoVerdict(rx)),
+            // The runtime dropped the batch unanswered: it is gone.
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Late::NotSent),
+        }
+    }
+
+    /// Settles the late batches whose verdicts have come: acceptances count as live requests,
+    /// refusals become [`ConnectorEvent::Refused`].
+    pub(super) fn settle_late(&mut self, events: &mut Vec<ConnectorEvent>) {
+        let mut still_late = Vec::new();
+        for batch in std::mem::take(&mut self.late) {
+            match batch.verdicts.try_recv() {
+                Ok(verdicts) => {
+                    for ((request, starts), verdict) in batch.inputs.into_iter().zip(verdicts) {
+                        match verdict {
+                            Ok(()) => self.live += i64::from(starts),
+                            Err(rejected) => {
+                                if let Some(request) = request {
+                                    events.push(ConnectorEvent::Refused {
+                                        request,
+                                        error: ConnectorError::from(rejected),
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(mpsc::TryRecvError::Empty) => still_late.push(batch),
+                // The runtime is gone without a verdict: nothing more will come for them.
+                Err(mpsc::TryRecvError::Disconnected) => {}
+            }
+        }
+        self.late = still_late;
+    }
+
+    /// One call, through [`KvConnector::submit`].
+    pub(super) fn call_one(
+        &mut self,
+        call: ConnectorCall,
+    ) -> Result<ConnectorReply, ConnectorError> {
+        self.submit(vec![call])
+            .pop()
+            .unwrap_or(Err(ConnectorError::Unavailable))
+    }
+}

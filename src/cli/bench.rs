@@ -1,0 +1,280 @@
+//! `kvhandoff bench`: the benchmarks' arguments (`control`, `transfer`, `turns`) and their runs.
+
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+use kvhandoff_cli::bench::{self, ControlOptions};
+
+use super::conclude;
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Cost of the pure state machines per request, and throughput of the actix system.
+    Control(ControlArgs),
+    /// One request's KV bytes moved by raw NIXL and by kvhandoff end to end (feature `nixl`).
+    Transfer(TransferArgs),
+    /// Turn 2 of a conversation: P reading the previous turn's KV back from D (measured) vs
+    /// recomputing the prefix (a model), by prefix length.
+    Turns(TurnsArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct TurnsArgs {
+    /// Reusable prefix lengths to compare, tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = bench::turns::DEFAULT_PREFIXES,
+          value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    prefixes: Vec<u32>,
+    /// Timed reads per prefix (after one untimed round); the figure is the median.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    repeats: u32,
+    /// Tensor parallelism of the Llama-3.3-70B instance: one rank holds and reads 8/TP of the
+    /// 8 KV heads (1, 2, 4 or 8).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=8))]
+    tp: u32,
+    /// Reads above this many MiB are not measured: their time is the line fitted through the
+    /// measured ones.
+    #[arg(long, default_value_t = 320, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    max_read_mib: u64,
+    /// How D's blocks and P's lie: scattered (one descriptor per block and region) or adjacent.
+    #[arg(long, value_enum, default_value_t = TableArg::Fragmented)]
+    table: TableArg,
+    /// What the reads travel over: `auto` is NIXL when built with `--features nixl` and the
+    /// runtime loads (`source scripts/nixl-env.sh`), the in-memory transport otherwise.
+    #[arg(long, value_enum, default_value_t = TurnsTransportArg::Auto)]
+    transport: TurnsTransportArg,
+    /// P's prefill throughput for the recompute model, tokens/s per instance, instead of the
+    /// figure calibrated on the seed's multi-turn run.
+    #[arg(long, value_parser = parse_tokens_per_s)]
+    prefill_tokens_per_s: Option<f64>,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TableArg {
+    /// No two blocks adjacent on either side.
+    Fragmented,
+    /// Each side's blocks adjacent.
+    Contiguous,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TurnsTransportArg {
+    /// NIXL if available, else the in-memory transport (the report says which).
+    Auto,
+    /// NIXL (UCX, DRAM), or an error.
+    Nixl,
+    /// The in-memory transport.
+    Mem,
+}
+
+fn parse_tokens_per_s(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(tps) if tps.is_finite() && tps > 0.0 => Ok(tps),
+        _ => Err(format!(
+            "{text}: expected a positive number of tokens per second"
+        )),
+    }
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct TransferArgs {
+    /// Prompt tokens of the request (16 per block).
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(16..=1_048_576))]
+    tokens: u32,
+    /// Timed repetitions per block table and path.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    repeats: u32,
+    /// Plans of the fragmented 70B case.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    plan_repeats: u32,
+    /// Notification round trips per agent setting.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    notify_rounds: u32,
+    /// Measure only the default agent setting's notification round trip.
+    #[arg(long)]
+    no_notify_sweep: bool,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ControlArgs {
+    /// Requests per race order and round through the pure machines.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    requests: u32,
+    /// Requests through the actix system per round.
+    #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    actix_requests: u32,
+    /// Rounds of each measurement; the figures are the medians.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=101))]
+    rounds: u32,
+    /// Blocks in each engine's pool in the actix run (one per request: the most requests each
+    /// side has in flight).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    actix_pool_blocks: u32,
+    /// Engine calls per submit in the actix run (one scheduler step's worth).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    actix_batch: u32,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) fn run_bench(command: BenchCommand) -> ExitCode {
+    match command {
+        BenchCommand::Control(args) => {
+            let options = ControlOptions {
+                requests: args.requests as usize,
+                actix_requests: args.actix_requests as usize,
+                actix_pool_blocks: args.actix_pool_blocks,
+                actix_batch: args.actix_batch as usize,
+                rounds: args.rounds as usize,
+                ..ControlOptions::default()
+            };
+            conclude(
+                bench::control(&options),
+                args.json,
+                "the benchmark",
+                |r| r.render_table(),
+                |_| true,
+            )
+        }
+        BenchCommand::Transfer(args) => run_bench_transfer(args),
+        BenchCommand::Turns(args) => run_bench_turns(args),
+    }
+}
+
+fn run_bench_turns(args: TurnsArgs) -> ExitCode {
+    let json = args.json;
+    conclude(
+        bench::turns::turns(&turns_options(args)),
+        json,
+        "the turns benchmark",
+        |r| r.render_table(),
+        |_| true,
+    )
+}
+
+fn turns_options(args: TurnsArgs) -> bench::turns::TurnsOptions {
+    use bench::turns::{ModelGeometry, TableKind, TurnsOptions, TurnsTransport};
+    TurnsOptions {
+        prefixes: args.prefixes,
+        repeats: args.repeats as usize,
+        geometry: ModelGeometry::llama_3_3_70b(args.tp),
+        max_read_bytes: args.max_read_mib << 20,
+        table: match args.table {
+            TableArg::Fragmented => TableKind::Fragmented,
+            TableArg::Contiguous => TableKind::Contiguous,
+        },
+        transport: match args.transport {
+            TurnsTransportArg::Auto => TurnsTransport::Auto,
+            TurnsTransportArg::Nixl => TurnsTransport::Nixl,
+            TurnsTransportArg::Mem => TurnsTransport::Mem,
+        },
+        tokens_per_s: args.prefill_tokens_per_s,
+        ..TurnsOptions::default()
+    }
+}
+
+fn run_bench_transfer(args: TransferArgs) -> ExitCode {
+    let options = bench::transfer::TransferOptions {
+        tokens: args.tokens,
+        repeats: args.repeats as usize,
+        plan_repeats: args.plan_repeats as usize,
+        notify_rounds: args.notify_rounds as usize,
+        notify_sweep: !args.no_notify_sweep,
+        ..bench::transfer::TransferOptions::default()
+    };
+    conclude(
+        bench::transfer::transfer(&options),
+        args.json,
+        "the transfer benchmark",
+        |r| r.render_table(),
+        |_| true,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Cli, Command};
+    use clap::Parser;
+
+    fn turns_args(argv: &[&str]) -> TurnsArgs {
+        let cli = Cli::try_parse_from(["kvhandoff", "bench", "turns"].iter().chain(argv))
+            .unwrap_or_else(|e| panic!("{e}"));
+        match cli.command {
+            Command::Bench(BenchCommand::Turns(args)) => args,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// `bench turns --json` with a tiny size (two short prefixes of the 70B rank, the in-memory
+    /// transport, two repetitions) runs and renders valid JSON with the promised keys.
+    #[test]
+    fn bench_turns_json_runs_tiny() {
+        let args = turns_args(&[
+            "--json",
+            "--prefixes",
+            "16,48",
+            "--repeats",
+            "2",
+            "--transport",
+            "mem",
+        ]);
+        assert!(args.json);
+        let report = bench::turns::turns(&turns_options(args)).unwrap_or_else(|e| panic!("{e}"));
+        let text = serde_json::to_string_pretty(&report).expect("renders");
+        let json: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+        for key in [
+            "model",
+            "compute_model",
+            "transport",
+            "rows",
+            "threshold_tokens",
+            "seed",
+        ] {
+            assert!(json.get(key).is_some(), "missing {key}: {text}");
+        }
+        assert_eq!(json["transport"], "mem");
+        assert_eq!(json["model"]["bytes_per_token"], 327_680);
+        assert!(json["compute_model"]["tokens_per_s"].as_f64().is_some());
+        assert!(json["compute_model"]["source"].as_str().is_some());
+        assert_eq!(json["seed"]["recompute_mean_ttft_ms"], 1049.77);
+        assert_eq!(json["seed"]["pull_mean_ttft_ms"], 498.15);
+        let rows = json["rows"].as_array().expect("rows");
+        assert_eq!(rows.len(), 2);
+        for row in rows {
+            for key in [
+                "prefix_tokens",
+                "bytes",
+                "read_ms",
+                "recompute_ms",
+                "ratio",
+                "saved_ms",
+            ] {
+                assert!(row.get(key).is_some(), "missing rows[].{key}: {text}");
+            }
+        }
+    }
+
+    #[test]
+    fn bench_turns_defaults_are_the_70b_sweep() {
+        let options = turns_options(turns_args(&[]));
+        assert_eq!(options.prefixes, bench::turns::DEFAULT_PREFIXES);
+        assert_eq!(options.geometry.bytes_per_token_per_rank(), 81_920);
+        assert_eq!(options.max_read_bytes, 320 << 20);
+        assert!(Cli::try_parse_from(["kvhandoff", "bench", "turns", "--tp", "16"]).is_err());
+        assert!(Cli::try_parse_from([
+            "kvhandoff",
+            "bench",
+            "turns",
+            "--prefill-tokens-per-s",
+            "0"
+        ])
+        .is_err());
+    }
+}

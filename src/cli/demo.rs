@@ -1,0 +1,72 @@
+//! `kvhandoff demo`: its arguments and its run.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use kvhandoff_cli::demo::{self, DemoOptions, DemoTransport};
+
+use super::{conclude, demo_mode, ModeArg};
+
+#[derive(Debug, Args)]
+pub(crate) struct DemoArgs {
+    /// Requests to hand off.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    requests: u32,
+    /// Seed of the schedule (prompt lengths, arrivals, ids).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// What the KV bytes travel over: `nixl` needs a build with `--features nixl` and the
+    /// NIXL runtime (`source scripts/nixl-env.sh`).
+    #[arg(long, value_enum, default_value_t = TransportArg::Mem)]
+    transport: TransportArg,
+    /// How the requests move their KV: `push` (P writes into D's blocks), `pull` (D reads
+    /// P's exported blocks), `mixed` (each request's mode drawn from the seed) or `bidir`
+    /// (multi-turn conversations: D keeps each turn's blocks, P reads them back for the next).
+    #[arg(long, value_enum, default_value_t = ModeArg::Push)]
+    mode: ModeArg,
+    /// `--mode bidir`: turns per conversation (`--requests` counts turns).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    turns: u32,
+    /// `--mode bidir`: how long D keeps a turn's blocks for the next one, ms (the TTL of
+    /// `keep_for_next_turn`; short for a demo).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    keep_ttl_ms: u64,
+    /// `--mode bidir`: P reads a later turn's prefix back from D only when it saves at least
+    /// this many tokens; below, P declines D's blocks and recomputes.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    recompute_threshold: u32,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TransportArg {
+    /// The in-memory transport.
+    Mem,
+    /// NIXL (UCX, DRAM): two agents in one process.
+    Nixl,
+}
+
+pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
+    let options = DemoOptions {
+        transport: match args.transport {
+            TransportArg::Mem => DemoTransport::Mem,
+            TransportArg::Nixl => DemoTransport::Nixl,
+        },
+        mode: demo_mode(args.mode),
+        requests: args.requests as usize,
+        seed: args.seed,
+        turns: args.turns,
+        keep_ttl: std::time::Duration::from_millis(args.keep_ttl_ms),
+        recompute_threshold: args.recompute_threshold,
+        ..DemoOptions::default()
+    };
+    conclude(
+        demo::run(&options),
+        args.json,
+        "the demo",
+        |r| r.render_table(),
+        |r| r.verdict_ok(),
+    )
+}

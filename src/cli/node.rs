@@ -1,0 +1,164 @@
+//! `kvhandoff node`: its arguments and its run.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use kvhandoff_cli::demo::DemoOptions;
+use kvhandoff_cli::node::{self, NodeOptions, NodeRole};
+
+use super::{conclude, demo_mode, ModeArg};
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum RoleArg {
+    /// `prefill-0`: fills the blocks and sends them.
+    Prefill,
+    /// `decode-0`: receives the blocks and checks every byte.
+    Decode,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct NodeArgs {
+    /// This process's engine.
+    #[arg(long, value_enum)]
+    role: RoleArg,
+    /// Where this rank's TCP side channel listens, HOST:PORT (port 0 picks one; printed on
+    /// stderr).
+    #[arg(long, value_parser = parse_addr)]
+    listen: std::net::SocketAddr,
+    /// The other role's side channel, HOST:PORT.
+    #[arg(long, value_parser = parse_addr)]
+    peer: std::net::SocketAddr,
+    /// Requests to hand off (both processes must agree, as on every schedule option).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    requests: u32,
+    /// Seed of the schedule (prompt lengths, arrivals, ids).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Longest prompt, in tokens (prompts are 16 tokens at least, or this many if fewer).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    max_prompt_tokens: u32,
+    /// Logical blocks (512 KiB each) in this side's pool.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pool_blocks: u32,
+    /// Mean gap between prompt arrivals at P, ms (exponential). P's fills must keep up with
+    /// the arrivals for both races to happen (P's report counts late finishes).
+    #[arg(long, default_value_t = 20.0, value_parser = parse_gap_ms)]
+    mean_arrival_gap_ms: f64,
+    /// The whole process's limit, waiting for the peer included; past it the node reports
+    /// FAILED.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    timeout_secs: u64,
+    /// Run requests K.. of the seeded plan (a restarted node continues its predecessor's
+    /// plan); request K arrives when the handshake completes.
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    start_at: u32,
+    /// Heartbeat interval, ms; the peer is declared dead after 1.5 intervals of silence
+    /// (default: the protocol's 2000 ms, peer timeout 3000 ms).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    heartbeat_ms: Option<u64>,
+    /// How long P holds finished blocks that no D registered, ms (default 30000).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    lease_ms: Option<u64>,
+    /// How long D waits for P's data after allocating, ms (default 120000).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    decode_deadline_ms: Option<u64>,
+    /// How long P keeps a registration whose prefill has not finished without renewal, ms
+    /// (default 120000). Give both nodes the same value: D's fence is sized on it.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    registration_ttl_ms: Option<u64>,
+    /// The longest a posted write may stay in flight, ms (default 60000); P's write deadline
+    /// and abandon wait fit inside it. Give both nodes the same value.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(3..=3_600_000))]
+    max_write_life_ms: Option<u64>,
+    /// The longest a control message may travel, ms (default 10000). Give both nodes the same
+    /// value.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    max_message_delay_ms: Option<u64>,
+    /// How long P stays after its last event waiting for D to exit, ms.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    linger_ms: u64,
+    /// The peer may die during the run (a kill test's survivor): exit 0 when every request has
+    /// exactly one typed outcome, no ready request has a wrong byte and every block is back,
+    /// even if requests failed.
+    #[arg(long)]
+    expect_peer_loss: bool,
+    /// How the requests move their KV (both processes must agree): `push`, `pull`, `mixed` or
+    /// `bidir`. Every mode but push needs `--router`.
+    #[arg(long, value_enum, default_value_t = ModeArg::Push)]
+    mode: ModeArg,
+    /// The router link, HOST:PORT (D listens, P connects; give both the same): P's answers
+    /// (a pulled request's block ids) reach D over it, and D's answers for a conversation's
+    /// next turn reach P.
+    #[arg(long, value_parser = parse_addr)]
+    router: Option<std::net::SocketAddr>,
+    /// TEST HOOK of the kill tests: right after this node's last engine call for request K of
+    /// the plan (P: request_finished; D: keep_for_next_turn for a turn it keeps,
+    /// request_allocated otherwise), stop this process with SIGSTOP (for the test to kill it
+    /// there).
+    #[arg(long, value_name = "K")]
+    stop_self_after: Option<u32>,
+    /// This many ms into the schedule, send this rank's handshake to the peer again, twice: a
+    /// second dial through the link and a raw copy from a plain socket (a test of repeated
+    /// handshakes: the peer must change nothing).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    repeat_handshake_ms: Option<u64>,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_gap_ms(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(ms) if ms.is_finite() && (0.0..=60_000.0).contains(&ms) => Ok(ms),
+        _ => Err(format!("{text}: expected milliseconds between 0 and 60000")),
+    }
+}
+
+fn parse_addr(text: &str) -> Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    text.to_socket_addrs()
+        .map_err(|e| format!("{text}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{text} resolves to no address"))
+}
+
+pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
+    let role = match args.role {
+        RoleArg::Prefill => NodeRole::Prefill,
+        RoleArg::Decode => NodeRole::Decode,
+    };
+    let mut options = NodeOptions::new(role, args.listen, args.peer);
+    options.schedule = DemoOptions {
+        requests: args.requests as usize,
+        seed: args.seed,
+        min_prompt_tokens: args.max_prompt_tokens.min(16),
+        max_prompt_tokens: args.max_prompt_tokens,
+        pool_blocks: args.pool_blocks,
+        mean_arrival_gap: std::time::Duration::from_secs_f64(args.mean_arrival_gap_ms / 1e3),
+        timeout: std::time::Duration::from_secs(args.timeout_secs),
+        mode: demo_mode(args.mode),
+        ..options.schedule
+    };
+    options.router = args.router;
+    options.stop_self_after = args.stop_self_after.map(|k| k as usize);
+    let ms = std::time::Duration::from_millis;
+    options.start_at = args.start_at as usize;
+    options.linger = ms(args.linger_ms);
+    options.expect_peer_loss = args.expect_peer_loss;
+    options.repeat_handshake_after = args.repeat_handshake_ms.map(ms);
+    options.timing = node::NodeTiming {
+        heartbeat: args.heartbeat_ms.map(ms),
+        lease: args.lease_ms.map(ms),
+        decode_deadline: args.decode_deadline_ms.map(ms),
+        registration_ttl: args.registration_ttl_ms.map(ms),
+        max_write_life: args.max_write_life_ms.map(ms),
+        max_message_delay: args.max_message_delay_ms.map(ms),
+    };
+    conclude(
+        node::run_full(&options),
+        args.json,
+        "the node",
+        |r| r.render_table(),
+        |r| r.verdict_ok(),
+    )
+}

@@ -1,0 +1,244 @@
+//! `kvhandoff sim`: its arguments, its run (seeded worlds or the exhaustive check) and its
+//! summary.
+
+use std::process::ExitCode;
+
+use clap::Args;
+
+use super::print_json;
+
+#[derive(Debug, Args)]
+pub(crate) struct SimArgs {
+    /// One seed to run (replays it exactly).
+    #[arg(long, conflicts_with = "seeds")]
+    seed: Option<u64>,
+    /// Seeds to run, half-open: `A..B`.
+    #[arg(long, value_parser = kvhandoff_sim::parse_seed_range, default_value = "0..100")]
+    seeds: std::ops::Range<u64>,
+    /// Requests per seed: `N`, or `A..B` (inclusive) to draw a count per seed [default: 50;
+    /// 10..300 with --long].
+    #[arg(long, value_parser = parse_requests)]
+    requests: Option<std::ops::RangeInclusive<usize>>,
+    /// Blocks per engine rank: `N`, or `A..B` (inclusive) to draw a pool per seed [default: 24;
+    /// 8..128 with --long].
+    #[arg(long, value_parser = parse_pool_blocks)]
+    pool_blocks: Option<std::ops::RangeInclusive<u32>>,
+    /// Which faults to inject.
+    #[arg(long, default_value = "chaos", value_parser = ["none", "network", "chaos"])]
+    faults: String,
+    /// How requests move their KV: push, pull, mixed (push or pull per request, some with a
+    /// bidirectional second turn) or bidir (most with a second turn).
+    #[arg(long, default_value = "mixed", value_parser = parse_mode)]
+    mode: kvhandoff_sim::Mode,
+    /// The long sweep: requests and pool sizes drawn per seed over wide ranges, four times the
+    /// virtual time.
+    #[arg(long)]
+    long: bool,
+    /// Run every endpoint with this deliberate bug (see --list-mutations): the run must fail.
+    #[arg(long, value_parser = parse_mutation)]
+    mutation: Option<kvhandoff_protocol::machine::Mutation>,
+    /// Print the name of every deliberate bug, one per line, and exit.
+    #[arg(long)]
+    list_mutations: bool,
+    /// Run the exhaustive small-scope check (1 P, 1 D, every choice sequence) instead of
+    /// seeded worlds.
+    #[arg(long)]
+    exhaustive: bool,
+    /// Engines retry failed allocations every few ms instead of queueing for freed blocks (the
+    /// engine model of the first regression seeds; slow at high load).
+    #[arg(long)]
+    poll_allocations: bool,
+    /// Print the report as JSON instead of a summary.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_inclusive<T>(text: &str, lo: T, hi: T) -> Result<std::ops::RangeInclusive<T>, String>
+where
+    T: std::str::FromStr + PartialOrd + Copy + std::fmt::Display,
+    T::Err: std::fmt::Display,
+{
+    let num = |s: &str| {
+        s.trim()
+            .parse::<T>()
+            .map_err(|e| format!("bad number {s:?}: {e}"))
+    };
+    let (a, b) = match text.split_once("..") {
+        Some((a, b)) => (num(a)?, num(b.trim_start_matches('='))?),
+        None => {
+            let n = num(text)?;
+            (n, n)
+        }
+    };
+    if a > b {
+        return Err(format!("empty range {text:?}"));
+    }
+    if a < lo || b > hi {
+        return Err(format!("{text:?} is outside {lo}..{hi}"));
+    }
+    Ok(a..=b)
+}
+
+fn parse_requests(text: &str) -> Result<std::ops::RangeInclusive<usize>, String> {
+    parse_inclusive(text, 1, 10_000)
+}
+
+fn parse_pool_blocks(text: &str) -> Result<std::ops::RangeInclusive<u32>, String> {
+    // A P request takes up to 4 blocks: a smaller pool could never start one.
+    parse_inclusive(text, 4, 1 << 16)
+}
+
+fn parse_mutation(text: &str) -> Result<kvhandoff_protocol::machine::Mutation, String> {
+    text.parse()
+}
+
+pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
+    if args.list_mutations {
+        for mutation in kvhandoff_protocol::machine::Mutation::ALL {
+            println!("{mutation}");
+        }
+        return ExitCode::SUCCESS;
+    }
+    if args.exhaustive {
+        return run_exhaustive(&args);
+    }
+    let faults = match args.faults.parse::<kvhandoff_sim::Faults>() {
+        Ok(faults) => faults,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let seeds = match args.seed {
+        Some(seed) => seed..seed.saturating_add(1),
+        None => args.seeds.clone(),
+    };
+    let mut options = if args.long {
+        kvhandoff_sim::SimOptions::long_sweep(seeds, faults)
+    } else {
+        kvhandoff_sim::SimOptions::new(seeds, 50, faults)
+    };
+    if let Some(requests) = args.requests.clone() {
+        options.requests = requests;
+    }
+    if let Some(pool) = args.pool_blocks.clone() {
+        options.pool_blocks = pool;
+    }
+    options.mutation = args.mutation;
+    options.poll_allocations = args.poll_allocations;
+    options.mode = args.mode;
+    let started = std::time::Instant::now();
+    let report = kvhandoff_sim::run_seeds(&options);
+    let elapsed = started.elapsed();
+    if args.json {
+        if !print_json(&report) {
+            return ExitCode::FAILURE;
+        }
+    } else {
+        print_sim_summary(&report, &args.faults);
+    }
+    eprintln!("elapsed: {:.1} s", elapsed.as_secs_f64());
+    if report.clean() {
+        ExitCode::SUCCESS
+    } else {
+        let requests = match options.requests.start() == options.requests.end() {
+            true => options.requests.start().to_string(),
+            false => format!("{}..{}", options.requests.start(), options.requests.end()),
+        };
+        eprintln!(
+            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {}{}",
+            options.pool_blocks.start(),
+            options.pool_blocks.end(),
+            args.faults,
+            mode_name(args.mode),
+            if args.long { " --long" } else { "" },
+        );
+        ExitCode::FAILURE
+    }
+}
+
+fn run_exhaustive(args: &SimArgs) -> ExitCode {
+    let started = std::time::Instant::now();
+    let report = kvhandoff_sim::run_exhaustive(args.mutation);
+    if args.json {
+        if !print_json(&report) {
+            return ExitCode::FAILURE;
+        }
+    } else {
+        for scope in &report.scopes {
+            println!(
+                "exhaustive: {} request(s), {} crash(es), depth {}: {} states, {} cut at depth, complete: {}",
+                scope.requests, scope.crashes, scope.depth, scope.states, scope.depth_cut, scope.complete
+            );
+        }
+        for violation in &report.violations {
+            println!("  VIOLATION {violation}");
+        }
+    }
+    eprintln!("elapsed: {:.1} s", started.elapsed().as_secs_f64());
+    if report.complete && report.violations.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn mode_name(mode: kvhandoff_sim::Mode) -> &'static str {
+    match mode {
+        kvhandoff_sim::Mode::Push => "push",
+        kvhandoff_sim::Mode::Pull => "pull",
+        kvhandoff_sim::Mode::Mixed => "mixed",
+        kvhandoff_sim::Mode::Bidir => "bidir",
+    }
+}
+
+fn parse_mode(text: &str) -> Result<kvhandoff_sim::Mode, String> {
+    text.parse()
+}
+
+fn print_sim_summary(report: &kvhandoff_sim::SimReport, faults: &str) {
+    println!(
+        "kvhandoff sim: {} seeds, {} requests in all ({}..={} per seed, {}..={} blocks per rank), faults {faults}, mode {}{}",
+        report.seeds,
+        report.total_requests,
+        report.requests_range[0],
+        report.requests_range[1],
+        report.pool_blocks_range[0],
+        report.pool_blocks_range[1],
+        mode_name(report.mode),
+        report
+            .mutation
+            .as_ref()
+            .map(|m| format!(", mutation {m}"))
+            .unwrap_or_default(),
+    );
+    println!("  outcomes        {:?}", report.outcomes);
+    println!("  counters        {:?}", report.counters);
+    println!("  violations      {}", report.violations.len());
+    println!("  leaked blocks   {}", report.leaked_blocks);
+    for leak in report.leaks.iter().take(16) {
+        println!("      {leak}");
+    }
+    println!("  stale writes    {}", report.stale_writes);
+    let missed: Vec<&String> = report
+        .coverage
+        .iter()
+        .filter(|(_, hits)| **hits == 0)
+        .map(|(mark, _)| mark)
+        .collect();
+    println!(
+        "  coverage        {} marks, not hit: {:?}",
+        report.coverage.len(),
+        missed
+    );
+    println!("  trace hash      {}", report.trace_hash);
+    for violation in &report.violations {
+        println!(
+            "  VIOLATION seed {} step {}: {}",
+            violation.seed, violation.step, violation.message
+        );
+        for line in &violation.trace {
+            println!("      {line}");
+        }
+    }
+}
