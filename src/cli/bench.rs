@@ -16,6 +16,28 @@ pub(crate) enum BenchCommand {
     /// Turn 2 of a conversation: P reading the previous turn's KV back from D (measured) vs
     /// recomputing the prefix (a model), by prefix length.
     Turns(TurnsArgs),
+    /// The KV block transforms (NHD/HND permute, block-size regroup, TP head slice/gather) on
+    /// the CPU against memcpy, and their CUDA versions (compiled to PTX; run where a GPU is).
+    Kernels(KernelsArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct KernelsArgs {
+    /// Threads for the copy and every kernel [default: the machine's parallelism].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    threads: Option<u32>,
+    /// Blocks of the workload (each 16 tokens × 8 heads × 128 × bf16 = 32 KiB).
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(4..=65_536))]
+    blocks: u32,
+    /// Timed rounds (after one untimed round); the figure is the median.
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    rounds: u32,
+    /// Do not compile or run the CUDA kernels.
+    #[arg(long)]
+    no_cuda: bool,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -144,6 +166,26 @@ pub(crate) fn run_bench(command: BenchCommand) -> ExitCode {
         }
         BenchCommand::Transfer(args) => run_bench_transfer(args),
         BenchCommand::Turns(args) => run_bench_turns(args),
+        BenchCommand::Kernels(args) => {
+            let defaults = bench::kernels::KernelBenchOptions::default();
+            let options = bench::kernels::KernelBenchOptions {
+                workload: bench::kernels::Workload {
+                    blocks: args.blocks as usize,
+                    ..defaults.workload
+                },
+                rounds: args.rounds as usize,
+                threads: args.threads.map_or(defaults.threads, |t| t as usize),
+                cuda: !args.no_cuda,
+                ..defaults
+            };
+            conclude(
+                bench::kernels::run(options),
+                args.json,
+                "the benchmark",
+                |r| r.render_table(),
+                |_| true,
+            )
+        }
     }
 }
 
