@@ -250,13 +250,23 @@ fn a_grant_that_could_outlive_the_export_is_refused() {
         ..Config::fast()
     };
     let mut h = Harness::with_config(config);
-    h.export(&p_addr(), export_start(1, &[10, 11], LEASE)).unwrap();
-    h.set_filter(|e| if is_ask(&e.message) { Rule::Drop } else { Rule::Deliver });
+    h.export(&p_addr(), export_start(1, &[10, 11], LEASE))
+        .unwrap();
+    h.set_filter(|e| {
+        if is_ask(&e.message) {
+            Rule::Drop
+        } else {
+            Rule::Deliver
+        }
+    });
     h.import(&d_addr(), import_start(1, &[500, 501], &[10, 11]))
         .unwrap();
     // Renewal cap 6 s, hard end 9 s; D asks every 700 ms: at 5.6 s, then at 6.3 s.
     h.advance_to(at(ms(5_500)));
-    assert!(export_results(&h, &p_addr()).is_empty(), "renewed while D waits");
+    assert!(
+        export_results(&h, &p_addr()).is_empty(),
+        "renewed while D waits"
+    );
     h.set_filter(|e| {
         if matches!(e.message, Message::ReadGrant(_)) {
             Rule::Drop
@@ -265,11 +275,17 @@ fn a_grant_that_could_outlive_the_export_is_refused() {
         }
     });
     h.advance_to(at(ms(6_000)));
-    assert_eq!(h.p().counters().reads_granted, 1, "the ask at 5.6 s was granted");
+    assert_eq!(
+        h.p().counters().reads_granted,
+        1,
+        "the ask at 5.6 s was granted"
+    );
     h.advance_to(at(ms(6_400)));
     assert_eq!(
         import_results(&h, &d_addr()),
-        vec![ImportOutcome::Failed(ImportFailure::Refused(ReadRefusal::NearExpiry))]
+        vec![ImportOutcome::Failed(ImportFailure::Refused(
+            ReadRefusal::NearExpiry
+        ))]
     );
     assert_eq!(h.p().counters().reads_declined_near_expiry, 1);
     assert!(h.reads_posted.is_empty());
