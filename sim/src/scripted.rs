@@ -2,7 +2,7 @@
 //! test is the scheduler. The seeded world ([`crate::World`]) draws every choice from a seed;
 //! here each scenario makes them one by one, to reach an exact interleaving and assert on it.
 //! Both worlds follow one table of NIXL's measured behaviour (`crate::nixl::measured`) and
-//! judge D's hand-backs through one ledger check ([`crate::ledger`]).
+//! judge D's hand-backs through one ledger check (`judge_hand_back` in `ledger.rs`).
 //!
 //! - **Clock**: one virtual [`Time`]; [`Harness::advance`] fires every endpoint's timers at the
 //!   instants they ask for ([`Endpoint::poll_timeout`]), delivering traffic in between.

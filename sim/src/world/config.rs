@@ -19,7 +19,7 @@ pub struct WorldConfig {
     /// The machines' configuration.
     pub machine: Config,
     /// Scheduler-driven (fuzz, exhaustive): no random faults, no due times; every choice is
-    /// made through [`World::apply`].
+    /// made through [`World::apply`](crate::World::apply).
     pub explore: bool,
     /// Most crashes in explore mode.
     pub max_crashes: u32,
