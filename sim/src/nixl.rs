@@ -230,18 +230,9 @@ impl World {
         if !w.in_flight() {
             return;
         }
-        let end_by = w.posted + self.cfg.machine.max_write_life;
-        let mut fail = fail;
-        if let Some(until) = self.partitioned(w.poster, w.target, self.now) {
-            if until < end_by {
-                let delay = until.saturating_since(self.now) + micros(&mut self.rng, 0, 500);
-                let delay = delay.min(end_by.saturating_since(self.now));
-                self.schedule_at_seq(seq, delay);
-                return;
-            }
-            // The partition outlasts the write's life: it fails (the bound holds).
-            fail = true;
-        }
+        let Some(fail) = self.past_partition(seq, &w, fail) else {
+            return;
+        };
         const _: () = assert!(matches!(effect(Happening::TargetDies), Effect::Fails));
         let target_gone = !self.alive(w.target) || self.nodes[w.target].incarnation != w.target_inc;
         let fail = fail || target_gone || self.chance(self.rates.fail_later);
@@ -281,6 +272,24 @@ impl World {
         let to = self.nodes[target].addr.clone();
         self.send(poster, &to, notification);
         self.schedule_report(seq, None, 50, 1_000);
+    }
+
+    /// A transfer `w` (write or read) whose landing time came while its pair is partitioned:
+    /// its landing moves past the partition if the fabric's bound allows (`None`: re-armed), or
+    /// it fails at the bound (`Some(true)`). Unpartitioned, `Some(fail)` as asked.
+    fn past_partition(&mut self, seq: u64, w: &SimWrite, fail: bool) -> Option<bool> {
+        let Some(until) = self.partitioned(w.poster, w.target, self.now) else {
+            return Some(fail);
+        };
+        let end_by = w.posted + self.cfg.machine.max_write_life;
+        if until < end_by {
+            let delay = until.saturating_since(self.now) + micros(&mut self.rng, 0, 500);
+            let delay = delay.min(end_by.saturating_since(self.now));
+            self.schedule_at_seq(seq, delay);
+            return None;
+        }
+        // The partition outlasts the transfer's life: it fails (the bound holds).
+        Some(true)
     }
 
     /// Re-arms the landing of `seq` (kept under the same sequence number).

@@ -145,7 +145,8 @@ impl ImportCommon {
         })
     }
 
-    fn outcome_of(&self, failure: ImportFailure, valid_tokens: u64) -> ImportOutcome {
+    /// What `failure` means under the engine's policy, `valid_tokens` having arrived.
+    pub(crate) fn outcome_of(&self, failure: ImportFailure, valid_tokens: u64) -> ImportOutcome {
         match (self.policy, failure) {
             // The engine's own decisions end the request whatever the policy.
             (_, ImportFailure::Aborted | ImportFailure::Shutdown) => ImportOutcome::Failed(failure),

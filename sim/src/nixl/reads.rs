@@ -120,17 +120,9 @@ impl World {
         if !r.in_flight() {
             return;
         }
-        let end_by = r.posted + self.cfg.machine.max_write_life;
-        let mut fail = fail;
-        if let Some(until) = self.partitioned(r.poster, r.target, self.now) {
-            if until < end_by {
-                let delay = until.saturating_since(self.now) + micros(&mut self.rng, 0, 500);
-                let delay = delay.min(end_by.saturating_since(self.now));
-                self.schedule_at_seq(seq, delay);
-                return;
-            }
-            fail = true;
-        }
+        let Some(fail) = self.past_partition(seq, &r, fail) else {
+            return;
+        };
         const _: () = assert!(matches!(effect(Happening::TargetDies), Effect::Fails));
         let holder_gone = !self.alive(r.target) || self.nodes[r.target].incarnation != r.target_inc;
         let fail = fail || holder_gone || self.chance(self.rates.fail_later);

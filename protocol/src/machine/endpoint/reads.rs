@@ -83,22 +83,8 @@ impl Endpoint {
             .remember(now, start.key.clone(), start.epoch, &self.config);
         let common = ImportCommon::from_start(start, now);
         let failure = crate::machine::read_types::ImportFailure::DeclinedNearExpiry;
-        let outcome = match common.policy {
-            crate::machine::read_types::LoadFailurePolicy::Fail => ImportOutcome::Failed(failure),
-            crate::machine::read_types::LoadFailurePolicy::Recompute => ImportOutcome::Recompute {
-                valid_tokens: 0,
-                failure,
-            },
-        };
-        self.outbox
-            .out
-            .push_back(Output::Event(EngineEvent::Import {
-                request: common.request,
-                key: common.key,
-                epoch: common.epoch,
-                outcome,
-                blocks: common.blocks,
-            }));
+        let outcome = common.outcome_of(failure, 0);
+        self.import_event(common, outcome);
         Ok(())
     }
 
@@ -182,6 +168,11 @@ impl Endpoint {
                 self.outbox.send(&common.holder, message);
             }
         }
+        self.import_event(common, outcome);
+    }
+
+    /// Tells the engine an import ended, handing its blocks back.
+    fn import_event(&mut self, common: ImportCommon, outcome: ImportOutcome) {
         self.outbox
             .out
             .push_back(Output::Event(EngineEvent::Import {
