@@ -16,6 +16,7 @@
 
 pub mod blocking;
 mod build;
+mod clock;
 mod link;
 pub mod messages;
 mod rank;
@@ -32,6 +33,7 @@ use kvhandoff_protocol::driver::PeerInfo;
 pub use build::{
     agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
 };
+pub use clock::process_clock;
 pub use link::LinkActor;
 pub use messages::{
     AddPeerAddress, Call, Calls, Connect, Feed, Hello, LinkUp, LoadPeer, QueryCounters,

@@ -31,8 +31,7 @@ mod prepare;
 mod reads;
 mod submit;
 
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvhandoff_actors::system::RankHandle;
 use kvhandoff_protocol::{BlockIds, RequestId};
@@ -59,6 +58,9 @@ pub struct KvConnector {
     call_timeout: Duration,
     /// The read path's settings.
     settings: ConnectorSettings,
+    /// Clock offsets (peer minus ours, µs) of the holders this connector read from, as the side
+    /// channel measured them at the handshake (bounded; see `reads.rs`).
+    clock_offsets: std::collections::BTreeMap<kvhandoff_protocol::EngineId, i64>,
 }
 
 impl KvConnector {
@@ -87,6 +89,7 @@ impl KvConnector {
             late: Vec::new(),
             call_timeout: Self::CALL_TIMEOUT,
             settings,
+            clock_offsets: std::collections::BTreeMap::new(),
         }
     }
 
@@ -96,12 +99,13 @@ impl KvConnector {
     }
 
     /// The clock of the `remote_blocks_expiry_time` this process's connectors advertise:
-    /// seconds on the process's monotonic clock ([`Instant`]) since its first connector was
-    /// made, or this was first called if that was earlier (an arbitrary origin, like the
-    /// `perf_counter` clock vLLM uses). Only comparable within this process.
+    /// seconds on the process's one monotonic clock
+    /// ([`process_clock`](kvhandoff_actors::system::process_clock)), from an arbitrary origin
+    /// like the `perf_counter` clock vLLM uses. The ranks' machine time and the side channel's
+    /// handshake clock samples read the same clock, so a reader converts a holder's expiry into
+    /// its own time with the clock offset its handshake measured.
     pub fn clock_secs() -> f64 {
-        static ORIGIN: OnceLock<Instant> = OnceLock::new();
-        ORIGIN.get_or_init(Instant::now).elapsed().as_secs_f64()
+        kvhandoff_actors::system::process_clock().as_secs_f64()
     }
 
     /// The rank this connector drives: its blocking queries (`counters`, `stats`,

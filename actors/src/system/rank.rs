@@ -1,6 +1,5 @@
 //! `RankActor`: hosts one rank's `Endpoint` and keeps its single timer.
 
-use actix::clock::Instant;
 use actix::{Actor, AsyncContext, Context, Handler, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -15,7 +14,6 @@ use kvhandoff_protocol::machine::{ConnectFailure, Endpoint, EngineEvent, Time};
 /// into `handle_event`, and outputs into actions.
 pub struct RankActor {
     endpoint: Endpoint,
-    origin: Instant,
     transport: Recipient<TransportOps>,
     loader: Recipient<LoadPeer>,
     link: Recipient<Connect>,
@@ -36,7 +34,6 @@ impl RankActor {
     ) -> Self {
         RankActor {
             endpoint,
-            origin: Instant::now(),
             transport,
             loader,
             link,
@@ -47,7 +44,8 @@ impl RankActor {
     }
 
     fn now(&self) -> Time {
-        Time::from_duration(Instant::now().saturating_duration_since(self.origin))
+        // The process's one clock, so that a peer's times convert into ours (see `clock.rs`).
+        Time::from_duration(super::process_clock())
     }
 
     /// Routes every queued output, then re-arms the timer.

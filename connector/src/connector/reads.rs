@@ -5,12 +5,15 @@
 use std::time::Duration;
 
 use kvhandoff_actors::system::AddPeerAddress;
-use kvhandoff_protocol::machine::{EngineCall, ExportStart, ImportStart};
+use kvhandoff_protocol::machine::{EngineCall, ExportStart, ImportStart, Time};
 use kvhandoff_protocol::{BlockIds, PairingKey, RequestId};
 
 use super::KvConnector;
 use crate::params::{epoch, mode_name, pairing_key, remote_blocks};
 use crate::{ConnectorError, KvTransferParams, TransferMode};
+
+/// How long a read waits for the side channel's clock offsets (once per holder).
+const OFFSET_QUERY_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// vLLM's pull connector reads `tp_size` as 1 when the holder did not send it.
 const PULL_DEFAULT_TP: u32 = 1;
@@ -73,7 +76,7 @@ impl KvConnector {
     /// A read of the export `params` describe into `blocks` (D in pull mode, P on a later
     /// turn): the holder is the engine the parameters name.
     pub(super) fn import_input(
-        &self,
+        &mut self,
         request: RequestId,
         blocks: BlockIds,
         num_tokens: u64,
@@ -88,6 +91,13 @@ impl KvConnector {
             .settings
             .block_tokens
             .ok_or(ConnectorError::NotConfigured("block_tokens"))?;
+        // The holder's expiry, in our time, when the side channel measured its clock: the
+        // endpoint then declines a read that could outlive the export before asking. Without
+        // it, the holder's own refusal of such a read is the guard.
+        let expires = match params.remote_blocks_expiry_time {
+            Some(secs) => self.local_time_of(&holder.engine, secs),
+            None => None,
+        };
         let call = EngineCall::Import(ImportStart {
             request,
             key,
@@ -98,11 +108,35 @@ impl KvConnector {
             num_tokens,
             block_tokens,
             policy: self.settings.load_failure_policy,
-            // The holder's expiry is in its own clock; without the clocks' offset the holder's
-            // refusal of a read that could outlive its export is the guard.
-            expires: None,
+            expires,
         });
         Ok((call, address))
+    }
+
+    /// `remote_secs` on `engine`'s process clock, as a time of this rank's machines (the same
+    /// process clock), using the clock offset the side channel measured at the handshake; `None`
+    /// if it has none (no handshake yet, or the side channel did not answer in time).
+    fn local_time_of(
+        &mut self,
+        engine: &kvhandoff_protocol::EngineId,
+        remote_secs: f64,
+    ) -> Option<Time> {
+        /// Holders remembered; past it the cache starts over (a peer's restart changes its
+        /// offset, and a stale one only makes the gate early or late, never unsafe).
+        const MAX_OFFSETS: usize = 4096;
+        let offset_us = match self.clock_offsets.get(engine) {
+            Some(&offset) => offset,
+            None => {
+                let stats = self.rank.side_channel_stats(OFFSET_QUERY_TIMEOUT)?;
+                let offset = stats.clocks.get(engine)?.offset_us;
+                if self.clock_offsets.len() >= MAX_OFFSETS {
+                    self.clock_offsets.clear();
+                }
+                self.clock_offsets.insert(engine.clone(), offset);
+                offset
+            }
+        };
+        remote_to_local(remote_secs, offset_us)
     }
 
     /// The reader will not read the export `params` describe.
@@ -116,5 +150,34 @@ impl KvConnector {
         let key = pairing_key(request, params)?;
         let epoch = epoch(params)?;
         Ok((EngineCall::DeclineExport { key, epoch, holder }, address))
+    }
+}
+
+/// `remote_secs` on a clock `offset_us` ahead of ours (peer minus ours), as our time; `None` for
+/// a value that is no time (not finite, or beyond `Duration`). Before our origin is 0.
+fn remote_to_local(remote_secs: f64, offset_us: i64) -> Option<Time> {
+    let local_secs = remote_secs - offset_us as f64 / 1e6;
+    if !local_secs.is_finite() {
+        return None;
+    }
+    let local = Duration::try_from_secs_f64(local_secs.max(0.0)).ok()?;
+    Some(Time::from_duration(local))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_holders_expiry_converts_with_the_measured_offset() {
+        let secs = |s: u64| Some(Time::from_duration(Duration::from_secs(s)));
+        // The holder's clock runs 30 s ahead of ours: its 100 s is our 70 s.
+        assert_eq!(remote_to_local(100.0, 30_000_000), secs(70));
+        // Behind by 5 s: its 100 s is our 105 s.
+        assert_eq!(remote_to_local(100.0, -5_000_000), secs(105));
+        // An expiry before our origin is our origin (long expired).
+        assert_eq!(remote_to_local(1.0, 30_000_000), secs(0));
+        assert_eq!(remote_to_local(f64::NAN, 0), None);
+        assert_eq!(remote_to_local(f64::INFINITY, 0), None);
     }
 }

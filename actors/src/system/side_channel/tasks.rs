@@ -26,20 +26,15 @@ use kvhandoff_protocol::PeerAddr;
 pub(crate) struct Local {
     pub(crate) info: PeerInfo,
     pub(crate) config: SideChannelConfig,
-    origin: Instant,
 }
 
 impl Local {
     pub(crate) fn new(info: PeerInfo, config: SideChannelConfig) -> Self {
-        Local {
-            info,
-            config,
-            origin: Instant::now(),
-        }
+        Local { info, config }
     }
 
     fn now_us(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX)
+        u64::try_from(crate::system::process_clock().as_micros()).unwrap_or(u64::MAX)
     }
 
     fn frame(&self) -> (Vec<u8>, u64) {
