@@ -417,10 +417,9 @@ impl Reading {
                 }
                 self.pending.clear();
             }
-            ImportInput::Timeout
-            | ImportInput::PeerConnected
-            | ImportInput::PeerConnectFailed
-            | ImportInput::Refused { .. } => {}
+            ImportInput::Timeout | ImportInput::PeerConnected | ImportInput::PeerConnectFailed => {}
+            // The answer to a copy of the ask, after the grant in force (which stands): counted.
+            ImportInput::Refused { .. } => fx.drop_input(DropReason::Unexpected),
             ImportInput::Grant { .. } => fx.drop_input(DropReason::Duplicate),
         }
         if self.pending.is_empty() {

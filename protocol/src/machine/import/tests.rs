@@ -1036,12 +1036,12 @@ fn cases() -> Vec<Case> {
             dropped(DropReason::Duplicate),
         ),
         case(
-            "reading + refused: ignored (the grant in force stands)",
+            "reading + refused: dropped as unexpected (the grant in force stands)",
             ReadingAt::new(FAIL, &[(0, 0)]).build(),
             refused(ReadRefusal::Busy),
             live(ReadingAt::new(FAIL, &[(0, 0)]).build()),
             vec![],
-            no_counters(),
+            dropped(DropReason::Unexpected),
         ),
         case(
             "reading + peer connected: unchanged",
