@@ -59,8 +59,10 @@ pub struct KvConnector {
     /// The read path's settings.
     settings: ConnectorSettings,
     /// Clock offsets (peer minus ours, µs) of the holders this connector read from, as the side
-    /// channel measured them at the handshake (bounded; see `reads.rs`).
-    clock_offsets: std::collections::BTreeMap<kvhandoff_protocol::EngineId, i64>,
+    /// channel measured them at the handshake, or `None` with when it was last asked (bounded;
+    /// see `reads.rs`).
+    clock_offsets:
+        std::collections::BTreeMap<kvhandoff_protocol::EngineId, (Option<i64>, std::time::Instant)>,
 }
 
 impl KvConnector {

@@ -15,6 +15,9 @@ use crate::{ConnectorError, KvTransferParams, TransferMode};
 /// How long a read waits for the side channel's clock offsets (once per holder).
 const OFFSET_QUERY_TIMEOUT: Duration = Duration::from_millis(500);
 
+/// How long a holder whose offset was not measured yet is not asked about again.
+const OFFSET_RETRY: Duration = Duration::from_secs(1);
+
 /// vLLM's pull connector reads `tp_size` as 1 when the holder did not send it.
 const PULL_DEFAULT_TP: u32 = 1;
 
@@ -124,16 +127,22 @@ impl KvConnector {
         /// Holders remembered; past it the cache starts over (a peer's restart changes its
         /// offset, and a stale one only makes the gate early or late, never unsafe).
         const MAX_OFFSETS: usize = 4096;
+        let now = std::time::Instant::now();
         let offset_us = match self.clock_offsets.get(engine) {
-            Some(&offset) => offset,
-            None => {
-                let stats = self.rank.side_channel_stats(OFFSET_QUERY_TIMEOUT)?;
-                let offset = stats.clocks.get(engine)?.offset_us;
+            Some(&(Some(offset), _)) => offset,
+            // Not measured when last asked (the first read from a holder usually comes before
+            // the handshake): ask again at most once per `OFFSET_RETRY`, not on every read.
+            Some(&(None, asked)) if now.duration_since(asked) < OFFSET_RETRY => return None,
+            Some(&(None, _)) | None => {
+                let offset = self
+                    .rank
+                    .side_channel_stats(OFFSET_QUERY_TIMEOUT)
+                    .and_then(|stats| stats.clocks.get(engine).map(|c| c.offset_us));
                 if self.clock_offsets.len() >= MAX_OFFSETS {
                     self.clock_offsets.clear();
                 }
-                self.clock_offsets.insert(engine.clone(), offset);
-                offset
+                self.clock_offsets.insert(engine.clone(), (offset, now));
+                offset?
             }
         };
         remote_to_local(remote_secs, offset_us)
