@@ -47,16 +47,11 @@ impl KvConnector {
                 let mut reply = KvTransferParams {
                     do_remote_prefill: true,
                     do_remote_decode: false,
-                    remote_engine_id: Some(self.identity.engine.to_string()),
-                    remote_host: Some(self.identity.host.clone()),
-                    remote_port: Some(self.identity.port),
-                    remote_request_id: Some(request.to_string()),
-                    tp_size: Some(self.identity.tp_size),
                     transfer_id: params.transfer_id,
                     epoch: params.epoch,
                     transfer_mode: Some(mode_name(TransferMode::Push).into()),
                     remote_num_tokens: Some(num_tokens),
-                    ..KvTransferParams::default()
+                    ..self.answer_from_here(&request)
                 };
                 let input = if pull {
                     let lease = self.settings.lease_duration;

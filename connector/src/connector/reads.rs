@@ -62,18 +62,26 @@ impl KvConnector {
         let mut reply = KvTransferParams {
             do_remote_prefill: false,
             do_remote_decode: true,
+            // The next turn is another request: it pairs by the key, not by its own id.
+            transfer_id: Some(key.as_str().to_owned()),
+            epoch: None,
+            ..self.answer_from_here(&request)
+        };
+        let input = self.export_input(request, key, blocks, num_tokens, ttl, &mut reply)?;
+        Ok((input, reply))
+    }
+
+    /// The parameters every answer of this rank about `request` carries: where to find this
+    /// rank (engine, side channel, TP size) and the request's id here.
+    pub(super) fn answer_from_here(&self, request: &RequestId) -> KvTransferParams {
+        KvTransferParams {
             remote_engine_id: Some(self.identity.engine.to_string()),
             remote_host: Some(self.identity.host.clone()),
             remote_port: Some(self.identity.port),
             remote_request_id: Some(request.to_string()),
             tp_size: Some(self.identity.tp_size),
-            // The next turn is another request: it pairs by the key, not by its own id.
-            transfer_id: Some(key.as_str().to_owned()),
-            epoch: None,
             ..KvTransferParams::default()
-        };
-        let input = self.export_input(request, key, blocks, num_tokens, ttl, &mut reply)?;
-        Ok((input, reply))
+        }
     }
 
     /// A read of the export `params` describe into `blocks` (D in pull mode, P on a later
