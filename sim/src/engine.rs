@@ -173,11 +173,7 @@ impl World {
             request,
             epoch: a.epoch,
         };
-        let blocks = if self.alive(node) {
-            self.nodes[node].pool.allocate(r.d_blocks, owner)
-        } else {
-            None
-        };
+        let blocks = self.allocate_on(node, r.d_blocks, owner);
         let Some(blocks) = blocks else {
             if !primary {
                 self.requests[request].d[attempt].status = Status::Skipped;
@@ -272,11 +268,7 @@ impl World {
             epoch: a.epoch,
         };
         let n = r.p_blocks;
-        let blocks = if self.alive(0) {
-            self.nodes[0].pool.allocate(n, owner)
-        } else {
-            None
-        };
+        let blocks = self.allocate_on(0, n, owner);
         let Some(blocks) = blocks else {
             self.wait_for_blocks(0, request, false);
             return;
@@ -316,6 +308,14 @@ impl World {
         };
         self.last_progress = self.now;
         self.drain(0);
+    }
+
+    /// `n` blocks of `node`'s pool for `owner`, if its process runs and has them.
+    fn allocate_on(&mut self, node: NodeId, n: usize, owner: Owner) -> Option<Vec<u32>> {
+        if !self.alive(node) {
+            return None;
+        }
+        self.nodes[node].pool.allocate(n, owner)
     }
 
     fn wait_for_blocks(&mut self, node: NodeId, request: usize, decode: bool) {

@@ -59,11 +59,7 @@ impl World {
             request,
             epoch: a.epoch,
         };
-        let blocks = if self.alive(node) {
-            self.nodes[node].pool.allocate(r.d_blocks, owner)
-        } else {
-            None
-        };
+        let blocks = self.allocate_on(node, r.d_blocks, owner);
         let Some(blocks) = blocks else {
             self.wait_for_blocks(node, request, true);
             return;
