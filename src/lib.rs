@@ -5,5 +5,8 @@
 
 pub mod bench;
 pub mod demo;
+pub mod hetero;
 pub mod node;
+#[cfg(feature = "nixl")]
+pub mod nixl_agent;
 pub mod stats;

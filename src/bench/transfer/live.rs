@@ -6,16 +6,11 @@ use std::time::{Duration, Instant};
 use kvhandoff_actors::system::{
     agent_name, build_rank, KvPool, RankOptions, RegionBytes, ShellConfig,
 };
-use kvhandoff_actors::transport::nixl::{
-    nixl_runtime_available, HostBuffer, NixlConfig, NixlTransport,
-};
+use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
 use kvhandoff_protocol::machine::Config;
 use kvhandoff_protocol::planner::{Descriptor, PlanInput, Planner};
 use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, RegionDesc, RegionSpec, RequestId};
-use nixl_sys::{
-    Agent, AgentConfig, Backend, MemType, NixlError, NotificationMap, OptArgs, RegistrationHandle,
-    XferDescList, XferOp, XferStatus,
-};
+use nixl_sys::{AgentConfig, MemType, NixlError, XferDescList, XferOp, XferStatus};
 
 use crate::stats::min;
 
@@ -85,7 +80,7 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
     let mut push = Push::new(&geometry, pool_blocks, nixl_config.clone(), shell.clone())?;
     // Real bytes in every source page (untouched pages would all read the shared zero page).
     let region_len = block_bytes * u64::from(pool_blocks);
-    fill(&raw.p.byte_regions(), region_len)?;
+    fill(&byte_regions(&raw.p), region_len)?;
     fill(&pool_regions(&push.p_pool), region_len)?;
 
     let mut numbers = Vec::new();
@@ -179,7 +174,7 @@ fn run_table(
     let block_bytes = specs[0].block_len * u64::from(kbpl);
     let local = table.local.groups.first().cloned().unwrap_or_default();
     let remote = table.remote.groups.first().cloned().unwrap_or_default();
-    raw.p.stamp(block_bytes, &local)?;
+    stamp(&byte_regions(&raw.p), block_bytes, &local)?;
     push.stamp_source(block_bytes, &local)?;
 
     let mut raw_samples = Vec::new();

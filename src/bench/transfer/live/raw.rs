@@ -3,110 +3,17 @@
 
 use super::*;
 
-/// One raw agent with its memory. Fields drop in order: registrations, arguments, backend,
-/// agent, and the memory last (after the agent and its UCX workers are gone).
-pub(super) struct RawSide {
-    pub(super) handles: Vec<RegistrationHandle>,
-    pub(super) args: OptArgs,
-    pub(super) notifs: NotificationMap,
-    pub(super) _backend: Backend,
-    pub(super) agent: Agent,
-    pub(super) buffers: Vec<HostBuffer>,
-    pub(super) regions: Vec<RegionDesc>,
-    pub(super) name: String,
-}
+pub(super) use crate::nixl_agent::{connect, RawAgent as RawSide};
 
-impl RawSide {
-    pub(super) fn new(
-        name: &str,
-        config: &AgentConfig,
-        region_lens: &[(u64, u32)],
-    ) -> Result<Self, TransferBenchError> {
-        let agent = Agent::new_configured(name, config).map_err(nixl("create agent"))?;
-        let (_mems, params) = agent.get_plugin_params("UCX").map_err(nixl(
-            "UCX plugin parameters (is NIXL_PLUGIN_DIR set? source scripts/nixl-env.sh)",
-        ))?;
-        let backend = agent
-            .create_backend("UCX", &params)
-            .map_err(nixl("create UCX backend"))?;
-        let mut args = OptArgs::new().map_err(nixl("opt args"))?;
-        args.add_backend(&backend)
-            .map_err(nixl("opt args: backend"))?;
-        let mut side = RawSide {
-            handles: Vec::new(),
-            args,
-            notifs: NotificationMap::new().map_err(nixl("notification map"))?,
-            _backend: backend,
-            agent,
-            buffers: Vec::new(),
-            regions: Vec::new(),
-            name: name.to_string(),
-        };
-        for &(len, num_blocks) in region_lens {
-            let buffer =
-                HostBuffer::new(len).map_err(|e| TransferBenchError::Nixl(e.to_string()))?;
-            let handle = side
-                .agent
-                .register_memory(&buffer, Some(&side.args))
-                .map_err(nixl("register_memory"))?;
-            side.regions.push(RegionDesc {
-                base: buffer.base(),
-                len,
-                num_blocks,
-                block_len: len / u64::from(num_blocks.max(1)),
-            });
-            side.handles.push(handle);
-            side.buffers.push(buffer);
-        }
-        Ok(side)
-    }
-
-    pub(super) fn byte_regions(&self) -> Vec<&dyn RegionBytes> {
-        self.buffers.iter().map(|b| b as &dyn RegionBytes).collect()
-    }
-
-    pub(super) fn stamp(&self, block_bytes: u64, blocks: &[u32]) -> Result<(), TransferBenchError> {
-        stamp(&self.byte_regions(), block_bytes, blocks)
-    }
-
-    /// Polls for notifications; true when one equal to `expected` arrived.
-    pub(super) fn received(&mut self, expected: &[u8]) -> Result<bool, TransferBenchError> {
-        self.agent
-            .get_notifications(&mut self.notifs, None)
-            .map_err(nixl("get_notifications"))?;
-        if self.notifs.is_empty().unwrap_or(true) {
-            return Ok(false);
-        }
-        let mut found = false;
-        let senders: Vec<String> = self
-            .notifs
-            .agents()
-            .filter_map(|a| a.ok().map(str::to_owned))
-            .collect();
-        for sender in senders {
-            let count = self.notifs.get_notifications_size(&sender).unwrap_or(0);
-            for index in 0..count {
-                if let Ok(bytes) = self.notifs.get_notification_bytes(&sender, index) {
-                    found |= bytes == expected;
-                }
-            }
-        }
-        // NIXL appends to the map; start a fresh one (as `NixlTransport` does).
-        self.notifs = NotificationMap::new().map_err(nixl("notification map"))?;
-        Ok(found)
+impl From<crate::nixl_agent::RawAgentError> for TransferBenchError {
+    fn from(e: crate::nixl_agent::RawAgentError) -> Self {
+        TransferBenchError::Nixl(e.to_string())
     }
 }
 
-pub(super) fn connect(a: &RawSide, b: &RawSide) -> Result<(), TransferBenchError> {
-    let md_a = a.agent.get_local_md().map_err(nixl("get_local_md"))?;
-    let md_b = b.agent.get_local_md().map_err(nixl("get_local_md"))?;
-    b.agent
-        .load_remote_md(&md_a)
-        .map_err(nixl("load_remote_md"))?;
-    a.agent
-        .load_remote_md(&md_b)
-        .map_err(nixl("load_remote_md"))?;
-    Ok(())
+/// The byte view of a raw agent's buffers, for stamping and checking.
+pub(super) fn byte_regions(side: &RawSide) -> Vec<&dyn RegionBytes> {
+    side.buffers.iter().map(|b| b as &dyn RegionBytes).collect()
 }
 
 pub(super) struct RawSample {
@@ -150,9 +57,9 @@ impl RawPair {
         tables: (&[u32], &[u32]),
         timeout: Duration,
     ) -> Result<RawSample, TransferBenchError> {
-        clear(&self.d.byte_regions(), block_bytes, tables.1)?;
+        clear(&byte_regions(&self.d), block_bytes, tables.1)?;
         let sample = self.write(descriptors, note, timeout)?;
-        check("raw NIXL", &self.d.byte_regions(), block_bytes, tables)?;
+        check("raw NIXL", &byte_regions(&self.d), block_bytes, tables)?;
         Ok(sample)
     }
 
