@@ -191,4 +191,10 @@ cargo test -p kvhandoff-kernels --features cuda -- --nocapture
 banner "cargo test --workspace --all-features"
 cargo test --workspace --all-features "$@"
 
+# Every cell of the heterogeneous-geometry matrix (5 models x TP {1,2,4,8}^2 x kernel blocks
+# {16,32,64}^2 x layouts {NHD,HND}^2 = 2,880 cells, two requests each) run on host memory and
+# verified byte for byte; a few seconds in release. Fails if any cell delivers a wrong byte.
+banner "cargo run --release -- matrix (heterogeneous geometry, every cell verified)"
+cargo run --release --quiet -- matrix
+
 banner "all stages passed"

@@ -4,7 +4,9 @@
 
 pub(crate) mod bench;
 pub(crate) mod demo;
+pub(crate) mod matrix;
 pub(crate) mod node;
+pub(crate) mod plan;
 pub(crate) mod sim;
 
 use std::process::ExitCode;

@@ -1,5 +1,6 @@
 //! The `kvhandoff` command line: parses the arguments and dispatches. Each subcommand's
-//! arguments and the function that runs it live in `cli/` (`demo`, `node`, `bench`, `sim`).
+//! arguments and the function that runs it live in `cli/` (`demo`, `node`, `bench`, `sim`,
+//! `plan`, `matrix`).
 
 mod cli;
 
@@ -8,7 +9,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use cli::bench::{run_bench, BenchCommand};
 use cli::demo::{run_demo, DemoArgs};
+use cli::matrix::{run_matrix_command, MatrixArgs};
 use cli::node::{run_node, NodeArgs};
+use cli::plan::{run_plan, PlanArgs};
 use cli::sim::{run_sim, SimArgs};
 
 /// kvhandoff: hands KV cache from prefill to decode engines over NIXL.
@@ -33,6 +36,11 @@ enum Command {
     Bench(BenchCommand),
     /// Deterministic simulation of P and D under faults, with an all-seeing checker.
     Sim(SimArgs),
+    /// Plan a pair of heterogeneous geometries (TP, PP, block size, layout) of a catalog model:
+    /// who writes whom, byte ranges, descriptors, transforms; exit 2 if the pair cannot work.
+    Plan(PlanArgs),
+    /// Run and verify every cell of the heterogeneous matrix (5 models × TP × block × layout).
+    Matrix(MatrixArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,5 +58,7 @@ fn main() -> ExitCode {
         Command::Node(args) => run_node(args),
         Command::Bench(command) => run_bench(command),
         Command::Sim(args) => run_sim(args),
+        Command::Plan(args) => run_plan(args),
+        Command::Matrix(args) => run_matrix_command(args),
     }
 }

@@ -268,6 +268,38 @@ impl PairingKey {
             text: Arc::clone(&request_id.text),
         }
     }
+
+    /// The key of one (P rank → D rank) sub-request of a multi-rank request: this key followed
+    /// by `#p<source_rank>d<target_rank>`.
+    ///
+    /// A request whose D rank is fed by several P ranks (or whose P rank feeds several D ranks)
+    /// is split into one ordinary 1:1 handoff per pair. Both sides derive the pair's key from
+    /// the request's key and the two ranks alone, so they agree without talking, and the keys
+    /// of different pairs never collide: the suffix holds no `#`, so the last `#` of a pair key
+    /// splits it back into the request's key and the two ranks. A deployment that uses
+    /// multi-rank requests must not use plain keys of that form.
+    ///
+    /// ```
+    /// use kvhandoff_protocol::PairingKey;
+    /// let key = PairingKey::new("cmpl-7").unwrap();
+    /// assert_eq!(key.for_pair(3, 0).unwrap().as_str(), "cmpl-7#p3d0");
+    /// assert_ne!(key.for_pair(1, 23).unwrap(), key.for_pair(12, 3).unwrap());
+    /// ```
+    ///
+    /// # Errors
+    /// [`IdError::TooLong`] when the pair's key would pass [`MAX_ID_LEN`] bytes.
+    pub fn for_pair(&self, source_rank: u32, target_rank: u32) -> Result<PairingKey, IdError> {
+        // Checked before building, so a long key costs no allocation of the too-long text.
+        let digits = |n: u32| n.checked_ilog10().map_or(1, |d| d as usize + 1);
+        let len = self.text.len() + "#pd".len() + digits(source_rank) + digits(target_rank);
+        if len > MAX_ID_LEN {
+            return Err(IdError::TooLong {
+                kind: "pairing key",
+                len,
+            });
+        }
+        PairingKey::new(format!("{self}#p{source_rank}d{target_rank}"))
+    }
 }
 
 /// One attempt at a handoff for a pairing key. Every retry of the same key uses a strictly
@@ -372,6 +404,33 @@ mod tests {
         assert_eq!(
             key(&format!("cmpl-{UUID_A}-0-ABCDEF01")),
             key(&format!("cmpl-{UUID_A}-0-abcdef01"))
+        );
+    }
+
+    #[test]
+    fn pair_keys_are_deterministic_distinct_and_bounded() {
+        let a = PairingKey::new("k").unwrap();
+        let b = PairingKey::new("k#p1d2").unwrap();
+        assert_eq!(a.for_pair(1, 2), a.for_pair(1, 2));
+        let mut seen = std::collections::BTreeSet::new();
+        for key in [&a, &b] {
+            for s in [0, 1, 2, 12, u32::MAX] {
+                for t in [0, 1, 2, 12, u32::MAX] {
+                    assert!(seen.insert(key.for_pair(s, t).unwrap()), "{key} {s} {t}");
+                }
+            }
+        }
+        // `b` is itself `a`'s key for pair (1, 2): its pairs stay apart from `a`'s.
+        assert_eq!(a.for_pair(1, 2).unwrap(), b);
+        let room = MAX_ID_LEN - "#p0d0".len();
+        let fits = PairingKey::new("x".repeat(room)).unwrap();
+        assert_eq!(fits.for_pair(0, 0).unwrap().as_str().len(), MAX_ID_LEN);
+        assert_eq!(
+            fits.for_pair(10, 0),
+            Err(IdError::TooLong {
+                kind: "pairing key",
+                len: MAX_ID_LEN + 1
+            })
         );
     }
 

@@ -22,6 +22,7 @@ mod addr;
 mod compat;
 pub mod driver;
 mod geometry;
+pub mod hetero;
 mod ids;
 pub mod machine;
 mod message;

@@ -18,6 +18,7 @@ mod decode_table;
 mod effects;
 mod endpoint;
 mod export;
+mod fan_in;
 mod import;
 mod mutation;
 mod peer;
@@ -31,6 +32,9 @@ mod types;
 
 pub use config::{Config, ConfigError};
 pub use endpoint::{Endpoint, EndpointStats};
+pub use fan_in::{
+    FanCounts, FanIn, FanInError, FanInStep, FanOutcome, FanSide, SubFailure, SubRequest,
+};
 pub(crate) use mutation::ActiveMutation;
 pub use mutation::Mutation;
 pub use read_types::{

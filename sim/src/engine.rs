@@ -3,10 +3,13 @@
 //! event.
 
 mod events;
+mod multi;
 mod reads;
 mod report;
 mod workload;
 
+pub(crate) use multi::Multi;
+pub use multi::MULTI_SOURCE_PREFILL_RANKS;
 pub(crate) use workload::draw_rates;
 
 use std::time::Duration;
@@ -43,6 +46,17 @@ pub(crate) struct Attempt {
     pub blocks: Vec<u32>,
     pub status: Status,
     pub kind: AttemptKind,
+    /// The pair this attempt serves, if it is a sub-request of a multi-rank request.
+    pub sub: Option<Sub>,
+}
+
+/// One sub-request of a multi-rank request: an ordinary 1:1 handoff under its pair's key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Sub {
+    /// The pair's key (`PairingKey::for_pair`).
+    pub key: PairingKey,
+    /// The rank on the other side of the pair (D's sub-request: its P rank; P's: its D rank).
+    pub peer: NodeId,
 }
 
 /// What an attempt does.
@@ -93,6 +107,8 @@ pub(crate) struct Request {
     pub d: Vec<Attempt>,
     pub p: Vec<Attempt>,
     pub transfer: Transfer,
+    /// The pairs and fan-ins of a multi-rank request (then `d` and `p` hold its sub-requests).
+    pub multi: Option<Box<Multi>>,
 }
 
 /// The engine event that (re)tries to start `request` on D (`decode`) or P.
@@ -128,8 +144,9 @@ impl World {
     /// one of the two registrations; the other D waits for its deadline and the fence.
     pub(crate) fn second_decode(&mut self, request: usize) {
         let r = &self.requests[request];
-        if r.transfer.pull {
-            // A pulled request's router hands P's answer to one D: no second decode.
+        if r.transfer.pull || r.multi.is_some() {
+            // A pulled request's router hands P's answer to one D, and a multi-rank request's
+            // D ranks are its pairs: no second decode.
             return;
         }
         let Some(current) = r.d.iter().rev().find(|a| a.node == r.d_node) else {
@@ -147,6 +164,7 @@ impl World {
             blocks: vec![],
             status: Status::Pending,
             kind: AttemptKind::Push,
+            sub: None,
         });
         let attempt = self.requests[request].d.len() - 1;
         self.decode_start_at(request, attempt, false);
@@ -181,7 +199,7 @@ impl World {
             }
             // No memory or no process: the engine waits until blocks are freed (or the
             // process is back), as a real scheduler's queue does.
-            self.wait_for_blocks(node, request, true);
+            self.wait_for_blocks(node, start_event(request, true));
             return;
         };
         let start = DecodeStart {
@@ -270,7 +288,7 @@ impl World {
         let n = r.p_blocks;
         let blocks = self.allocate_on(0, n, owner);
         let Some(blocks) = blocks else {
-            self.wait_for_blocks(0, request, false);
+            self.wait_for_blocks(0, start_event(request, false));
             return;
         };
         for (index, &b) in blocks.iter().enumerate() {
@@ -318,12 +336,14 @@ impl World {
         self.nodes[node].pool.allocate(n, owner)
     }
 
-    fn wait_for_blocks(&mut self, node: NodeId, request: usize, decode: bool) {
+    /// The start `again` found no blocks (or no process) on `node`: it runs again once blocks
+    /// are freed there (or a little later, with `poll_allocations`).
+    fn wait_for_blocks(&mut self, node: NodeId, again: Ev) {
         if self.cfg.poll_allocations {
             let later = micros(&mut self.rng, 2_000, 10_000);
-            self.schedule(later, start_event(request, decode));
+            self.schedule(later, again);
         } else {
-            self.alloc_waiters[node].push_back((request, decode));
+            self.alloc_waiters[node].push_back(again);
         }
     }
 
@@ -334,15 +354,19 @@ impl World {
             return;
         }
         for _ in 0..freed {
-            let Some((request, decode)) = self.alloc_waiters[node].pop_front() else {
+            let Some(again) = self.alloc_waiters[node].pop_front() else {
                 return;
             };
             let later = micros(&mut self.rng, 0, 2_000);
-            self.schedule(later, start_event(request, decode));
+            self.schedule(later, again);
         }
     }
 
     pub(crate) fn abort(&mut self, request: usize, decode: bool) {
+        if self.requests[request].multi.is_some() {
+            self.multi_abort(request, decode);
+            return;
+        }
         let r = &self.requests[request];
         let (node, a) = if decode {
             (r.d_node, r.d.iter().rev().find(|a| a.node == r.d_node))
@@ -386,12 +410,17 @@ impl World {
         self.nodes[node].pool = Pool::new(self.cfg.pool_blocks);
         self.nodes[node].posts_seen = 0;
         self.nodes[node].reads_seen = 0;
+        let prefill = self.is_prefill(node);
         for r in &mut self.requests {
-            let attempts = if node == 0 { &mut r.p } else { &mut r.d };
+            if let Some(multi) = r.multi.as_mut() {
+                // The rank's shared blocks went with its pool.
+                multi.fans.remove(&node);
+            }
+            let attempts = if prefill { &mut r.p } else { &mut r.d };
             for a in attempts.iter_mut().filter(|a| a.node == node) {
                 if matches!(a.status, Status::Live { .. }) {
                     a.status = Status::Lost;
-                    let side = if node == 0 { "prefill" } else { "decode" };
+                    let side = if prefill { "prefill" } else { "decode" };
                     *self
                         .outcomes
                         .entry(format!("{side}.lost_in_crash"))
@@ -431,6 +460,9 @@ impl World {
             Message::Register(r) => {
                 if let Some(&i) = self.keys.get(&r.key) {
                     self.registers_sent.insert((from, i, r.epoch.0));
+                    if self.requests[i].multi.is_some() {
+                        self.sub_registers.insert((from, r.key.clone(), r.epoch.0));
+                    }
                 }
             }
             Message::Cancel(c) if c.reason == kvhandoff_protocol::CancelReason::Deadline => {
@@ -452,9 +484,10 @@ impl World {
         }
     }
 
-    /// Notes a delivery for coverage; returns the request index if the message is a P→D
-    /// message whose epoch is not the one D holds for its key (it must change nothing).
-    pub(crate) fn note_delivered(&mut self, msg: &NetMsg) -> Option<usize> {
+    /// Notes a delivery for coverage; returns the request index and the message's key if the
+    /// message is a P→D message whose epoch is not the one D holds for its key (it must change
+    /// nothing).
+    pub(crate) fn note_delivered(&mut self, msg: &NetMsg) -> Option<(usize, PairingKey)> {
         let (key, epoch) = match &msg.message {
             Message::Register(r) => {
                 let i = *self.keys.get(&r.key)?;
@@ -477,16 +510,20 @@ impl World {
         };
         let i = *self.keys.get(key)?;
         // The epoch the receiving D holds for the key (a second decode on another D engine
-        // holds its own).
+        // holds its own; a sub-request of a multi-rank request, its pair's).
         let live = self.requests[i]
             .d
             .iter()
-            .find(|a| a.node == msg.to && matches!(a.status, Status::Live { .. }))
+            .find(|a| {
+                a.node == msg.to
+                    && matches!(a.status, Status::Live { .. })
+                    && a.sub.as_ref().is_none_or(|s| &s.key == key)
+            })
             .map(|a| a.epoch);
         if matches!(msg.message, Message::WriteDone(_)) {
             let count = self
                 .notifs_delivered
-                .entry((msg.to, msg.to_inc, i, epoch))
+                .entry((msg.to, msg.to_inc, i, epoch, msg.from))
                 .or_insert(0);
             *count += 1;
             if *count >= 2 {
@@ -499,6 +536,6 @@ impl World {
         if live.is_some_and(|e| e != epoch) {
             self.mark("stale_epoch_message");
         }
-        (live != Some(epoch)).then_some(i)
+        (live != Some(epoch)).then(|| (i, key.clone()))
     }
 }

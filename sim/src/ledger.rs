@@ -195,19 +195,20 @@ impl Pool {
         }
     }
 
-    /// Writes `bytes[range]` into block `id` (a landing, whole or partial) and says whether the
-    /// block was leased to `owner` (S1).
+    /// Writes `bytes[range]` into block `id` (a landing: `whole` if it is all the transfer
+    /// carries for the block, else partial) and says whether the block was leased to `owner`
+    /// (S1).
     pub fn land(
         &mut self,
         id: u32,
         data: &[u8; BLOCK_BYTES],
         range: std::ops::Range<usize>,
+        whole: bool,
         owner: Owner,
     ) -> Result<(), String> {
         let Some(state) = self.blocks.get_mut(id as usize) else {
             return Err(format!("S1: write landed in nonexistent block {id}"));
         };
-        let whole = range.len() == BLOCK_BYTES;
         self.bytes[id as usize][range.clone()].copy_from_slice(&data[range]);
         if state.owner != Some(owner) {
             return Err(format!(

@@ -1,6 +1,7 @@
 //! Deterministic simulation of kvhandoff engines.
 //!
-//! A [`World`] holds engine ranks (one P, one or more D) whose protocol state is the real
+//! A [`World`] holds engine ranks (P's rank 0, three more P ranks in worlds with multi-rank
+//! requests, and one or more D engines) whose protocol state is the real
 //! [`kvhandoff_protocol::machine::Endpoint`], a virtual clock, a simulated NIXL with real bytes,
 //! a simulated notification network with faults, crash and restart of engine processes, LIFO
 //! block allocators, and a ghost ledger that checks the safety properties after every step.
@@ -28,10 +29,11 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+pub use engine::MULTI_SOURCE_PREFILL_RANKS;
 pub use explore::{exhaustive, Action, Exhaustive, Kind};
 pub use kvhandoff_protocol::machine::Mutation;
 pub use ledger::{pattern, BLOCK_BYTES};
-pub use mode::{Mode, READ_MARKS};
+pub use mode::{Mode, MULTI_SOURCE_MARKS, READ_MARKS};
 pub use world::{NodeId, Violation, World, WorldConfig};
 
 /// Which faults a run injects.
@@ -115,6 +117,9 @@ pub struct SimOptions {
     pub poll_allocations: bool,
     /// How the requests move their KV.
     pub mode: Mode,
+    /// The share of requests that are multi-rank (see [`WorldConfig::multi_source`]); `None`:
+    /// the mode's ([`Mode::multi_source_share`]).
+    pub multi_source: Option<f64>,
 }
 
 impl SimOptions {
@@ -129,7 +134,14 @@ impl SimOptions {
             mutation: None,
             poll_allocations: false,
             mode: Mode::Push,
+            multi_source: None,
         }
+    }
+
+    /// The share of multi-rank requests these options run.
+    pub fn multi_source_share(&self) -> f64 {
+        self.multi_source
+            .unwrap_or_else(|| self.mode.multi_source_share())
     }
 
     /// The long sweep's load: 10–300 requests and 8–128 blocks per rank, drawn per seed, over
@@ -190,6 +202,13 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     cfg.pool_blocks = pool;
     cfg.poll_allocations = opts.poll_allocations;
     cfg.mode = opts.mode;
+    let share = opts.multi_source_share();
+    if share > 0.0 {
+        // More P ranks only where some requests use them: other worlds keep their nodes, and
+        // so their traces.
+        cfg.multi_source = share;
+        cfg.prefill_ranks = MULTI_SOURCE_PREFILL_RANKS;
+    }
     if opts.long {
         cfg.span *= 4;
     }

@@ -47,6 +47,17 @@ impl Mode {
         }
     }
 
+    /// The share of requests that are multi-rank (several P ranks per D rank, or the reverse)
+    /// unless the options say otherwise ([`crate::SimOptions::multi_source`]). Only `mixed`,
+    /// the command line's default, has them by default: `push` replays the worlds (and the
+    /// regression seeds) as they were found, and `pull` and `bidir` keep their shapes.
+    pub fn multi_source_share(self) -> f64 {
+        match self {
+            Mode::Mixed => 0.1,
+            Mode::Push | Mode::Pull | Mode::Bidir => 0.0,
+        }
+    }
+
     /// The marks a sweep of this mode must hit.
     pub fn required_marks(self) -> Vec<&'static str> {
         let mut marks = Vec::new();
@@ -55,6 +66,9 @@ impl Mode {
         }
         if self.reads() {
             marks.extend_from_slice(READ_MARKS);
+        }
+        if self.multi_source_share() > 0.0 {
+            marks.extend_from_slice(MULTI_SOURCE_MARKS);
         }
         if !self.pushes() {
             // A pull-only world has no second turns either.
@@ -89,3 +103,17 @@ pub const READ_MARKS: &[&str] = &[
 
 /// Read marks only a second turn can hit.
 const SECOND_TURN_MARKS: &[&str] = &["turn2_read_declined_near_expiry", "d_ttl_renewed_by_p"];
+
+/// The marks of multi-rank requests (required where the mode has them by default; reported
+/// whenever hit): `multi_source_ready` (a D rank fed by several P ranks got every pair's
+/// write), `multi_source_partial_failure` (one pair's sub-request was ready and another failed:
+/// the request failed, and the shared blocks went back only after every pair handed them
+/// back), `multi_source_sibling_aborted` (a failure aborted a live sibling, which then cancelled
+/// at its own peer rank), `multi_target_partial_failure` (a P rank writing to several D ranks
+/// kept its sources until every pair ended, one having delivered and another not).
+pub const MULTI_SOURCE_MARKS: &[&str] = &[
+    "multi_source_ready",
+    "multi_source_partial_failure",
+    "multi_source_sibling_aborted",
+    "multi_target_partial_failure",
+];

@@ -63,6 +63,9 @@ pub(crate) struct SimWrite {
     pub p_owner: Option<Owner>,
     pub local: Vec<u32>,
     pub remote: Vec<u32>,
+    /// The bytes of each block it carries: all of them, or the poster's slice of a D rank fed
+    /// by several P ranks.
+    pub slice: std::ops::Range<usize>,
     pub notification: Message,
     /// When it was posted (it ends by `posted + max_write_life`).
     pub posted: kvhandoff_protocol::machine::Time,
@@ -137,6 +140,10 @@ impl World {
         if d_pinned {
             self.nodes[target].pool.pin(&remote, 1);
         }
+        let slice = self.requests[request]
+            .multi
+            .as_ref()
+            .map_or(0..BLOCK_BYTES, |m| m.slice(node, target));
         let seq = self.next_seq;
         let mut write = SimWrite {
             poster: node,
@@ -150,6 +157,7 @@ impl World {
             p_owner,
             local,
             remote,
+            slice,
             notification: order.notification,
             posted: self.now,
             abandoned: false,
@@ -195,8 +203,9 @@ impl World {
         }
     }
 
-    /// Lands `bytes` of every block of `seq` (all of them, or a prefix on a partial landing).
-    fn copy_data(&mut self, seq: u64, bytes: usize) {
+    /// Lands the write's slice of every block of `seq` (`whole`), or the first half of it (a
+    /// partial landing).
+    fn copy_data(&mut self, seq: u64, whole: bool) {
         let w = self.writes[&seq].clone();
         if self.nodes[w.target].incarnation != w.target_inc || !self.alive(w.target) {
             return;
@@ -205,12 +214,20 @@ impl World {
             request: w.request,
             epoch: w.epoch,
         };
+        let range = if whole {
+            w.slice.clone()
+        } else {
+            w.slice.start..w.slice.start + w.slice.len() / 2
+        };
         for (&l, &r) in w.local.iter().zip(&w.remote) {
             let data = *self.nodes[w.poster]
                 .pool
                 .bytes(l)
                 .expect("P blocks exist while the write is in flight");
-            if let Err(e) = self.nodes[w.target].pool.land(r, &data, 0..bytes, owner) {
+            let landed = self.nodes[w.target]
+                .pool
+                .land(r, &data, range.clone(), whole, owner);
+            if let Err(e) = landed {
                 self.stale_writes += 1;
                 self.violate(format!("{e} (write {} of node {})", w.id, w.poster));
             }
@@ -247,7 +264,7 @@ impl World {
         if fail {
             if !target_gone && self.chance(0.5) {
                 self.mark("partial_landing");
-                self.copy_data(seq, BLOCK_BYTES / 2);
+                self.copy_data(seq, false);
             }
             let mut w = self.writes.remove(&seq).expect("present");
             self.unpin_target(&mut w);
@@ -256,7 +273,7 @@ impl World {
             self.schedule_report(seq, Some(WriteFailure::TransferFailed), 50, 1_000);
             return;
         }
-        self.copy_data(seq, BLOCK_BYTES);
+        self.copy_data(seq, true);
         let mut w = self.writes.remove(&seq).expect("present");
         self.unpin_target(&mut w);
         w.phase = Phase::Landed;
@@ -268,6 +285,11 @@ impl World {
         );
         self.writes.insert(seq, w);
         *self.landed.entry(key).or_insert(0) += 1;
+        let (node, inc, request, epoch) = key;
+        *self
+            .landed_pairs
+            .entry((node, inc, request, epoch, poster))
+            .or_insert(0) += 1;
         // NIXL sends the notification once the data is in place: never before.
         let to = self.nodes[target].addr.clone();
         self.send(poster, &to, notification);
@@ -388,7 +410,7 @@ impl World {
                 };
                 if partial {
                     self.mark("partial_landing");
-                    self.copy_data(seq, BLOCK_BYTES / 2);
+                    self.copy_data(seq, false);
                 }
             }
             self.unschedule(seq);

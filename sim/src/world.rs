@@ -22,7 +22,8 @@ use crate::nixl::SimWrite;
 pub use config::WorldConfig;
 pub(crate) use net::{describe, is_notification};
 
-/// Index of an engine rank in the world (0 is P, 1.. are D engines).
+/// Index of an engine rank in the world: 0 is P's rank 0, `1..=decode_engines` are the D
+/// engines, and any further nodes are P's ranks 1.. (multi-rank worlds only).
 pub type NodeId = usize;
 
 /// How many steps of trace a violation keeps.
@@ -90,6 +91,18 @@ pub(crate) enum Ev {
     RepeatHandshake {
         a: NodeId,
         b: NodeId,
+    },
+    /// A multi-rank request's D rank `node` allocates its blocks once and starts one
+    /// sub-request per P rank that writes to it.
+    SubDecodeStart {
+        request: usize,
+        node: NodeId,
+    },
+    /// A multi-rank request's P rank `node` finished its prefill and starts one sub-request per
+    /// D rank it writes to, over the same source blocks.
+    SubPrefillStart {
+        request: usize,
+        node: NodeId,
     },
     /// Another D engine starts a decode for this request's key.
     SecondDecode {
@@ -186,8 +199,15 @@ pub struct World {
     /// Registrations sent and delivered, by (sending D node, request, epoch).
     pub(crate) registers_sent: BTreeSet<(NodeId, usize, u64)>,
     pub(crate) registers_delivered: BTreeSet<(NodeId, usize, u64)>,
-    pub(crate) notifs_delivered: BTreeMap<(NodeId, u32, usize, u64), u32>,
+    /// `WriteDone`s delivered, by (D node, its incarnation, request, epoch, P node).
+    pub(crate) notifs_delivered: BTreeMap<(NodeId, u32, usize, u64, NodeId), u32>,
     pub(crate) landed: BTreeMap<(NodeId, u32, usize, u64), u32>,
+    /// Writes landed whole, by (D node, its incarnation, request, epoch, P node): S8 for one
+    /// sub-request of a multi-rank request.
+    pub(crate) landed_pairs: BTreeMap<(NodeId, u32, usize, u64, NodeId), u32>,
+    /// Registrations sent for the sub-requests of multi-rank requests, by (D node, pair key,
+    /// epoch): several sub-requests of one request share a D node and an epoch.
+    pub(crate) sub_registers: BTreeSet<(NodeId, PairingKey, u64)>,
     pub(crate) counters: kvhandoff_protocol::machine::Counters,
     /// Tombstones the endpoints evicted at capacity (summed over incarnations).
     pub(crate) tombstones_evicted: u64,
@@ -195,8 +215,9 @@ pub struct World {
     pub(crate) fenced_block_us: u64,
     /// When an attempt last started or ended (the liveness window runs from here).
     pub(crate) last_progress: Time,
-    /// Per node: starts waiting for free blocks (or for the process), oldest first.
-    pub(crate) alloc_waiters: Vec<VecDeque<(usize, bool)>>,
+    /// Per node: starts waiting for free blocks (or for the process), oldest first, each as
+    /// the event that starts it again.
+    pub(crate) alloc_waiters: Vec<VecDeque<Ev>>,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
     pub print_trace: bool,
 }
@@ -218,15 +239,18 @@ impl World {
         };
         let mut nodes = Vec::new();
         let mut by_addr = BTreeMap::new();
-        for i in 0..=cfg.decode_engines {
-            let name = if i == 0 {
-                "prefill-0".to_string()
+        let p_ranks = cfg.prefill_ranks.max(1);
+        for i in 0..cfg.decode_engines + p_ranks {
+            let (name, rank) = if i == 0 {
+                ("prefill-0".to_string(), 0)
+            } else if i <= cfg.decode_engines {
+                (format!("decode-{}", i - 1), 0)
             } else {
-                format!("decode-{}", i - 1)
+                ("prefill-0".to_string(), (i - cfg.decode_engines) as u32)
             };
-            let addr = PeerAddr::new(EngineId::new(name).expect("valid engine id"), 0);
+            let addr = PeerAddr::new(EngineId::new(name).expect("valid engine id"), rank);
             by_addr.insert(addr.clone(), i);
-            let mut endpoint = Endpoint::new(addr.engine.clone(), 0, cfg.machine.clone())
+            let mut endpoint = Endpoint::new(addr.engine.clone(), rank, cfg.machine.clone())
                 .expect("valid machine config");
             endpoint.set_mutation(cfg.mutation);
             let info =
@@ -278,6 +302,8 @@ impl World {
             registers_delivered: BTreeSet::new(),
             notifs_delivered: BTreeMap::new(),
             landed: BTreeMap::new(),
+            landed_pairs: BTreeMap::new(),
+            sub_registers: BTreeSet::new(),
             counters: Default::default(),
             tombstones_evicted: 0,
             fenced_block_us: 0,
@@ -368,6 +394,18 @@ impl World {
     /// The SHA-256 of every step's description so far.
     pub fn trace_hash(&self) -> [u8; 32] {
         self.hasher.clone().finalize().into()
+    }
+
+    /// Whether `node` is one of P's ranks.
+    pub(crate) fn is_prefill(&self, node: NodeId) -> bool {
+        node == 0 || node > self.cfg.decode_engines
+    }
+
+    /// P's ranks, in rank order.
+    pub(crate) fn prefill_nodes(&self) -> Vec<NodeId> {
+        std::iter::once(0)
+            .chain(self.cfg.decode_engines + 1..self.nodes.len())
+            .collect()
     }
 
     pub(crate) fn alive(&self, node: NodeId) -> bool {
@@ -504,6 +542,8 @@ impl World {
             } => self.connect_done(from, from_inc, to, ok),
             Ev::DecodeStart { request } => self.decode_start(request),
             Ev::PrefillStart { request } => self.prefill_start(request),
+            Ev::SubDecodeStart { request, node } => self.sub_decode_start(request, node),
+            Ev::SubPrefillStart { request, node } => self.sub_prefill_start(request, node),
             Ev::Abort { request, decode } => self.abort(request, decode),
             Ev::Crash { node } => self.crash(node),
             Ev::Restart { node } => self.restart(node),

@@ -115,8 +115,9 @@ fn same_seed_same_trace_whatever_the_threads() {
 /// Not listed: `ignore_heartbeat_sender` (a second D engine of a key must keep renewing the
 /// first's registration past the first's fence: the 20,000 × 200 sweep reaches it in 4 seeds;
 /// `regressions.rs` replays seed 399), `evict_young_tombstones` (shown by the prefill table's unit
-/// test `a_young_floor_evicted_lets_a_late_registration_copy_bind`) and
-/// `match_expired_registration` (needs a late timer: `exhaustive.rs`).
+/// test `a_young_floor_evicted_lets_a_late_registration_copy_bind`),
+/// `match_expired_registration` (needs a late timer: `exhaustive.rs`) and
+/// `free_on_first_source_settled` (needs multi-rank requests: `multi_source.rs`).
 const CAUGHT: &[(&str, u64, bool)] = &[
     // (mutation, seeds, varied load): 40 requests per seed unless the load varies.
     ("free_on_deadline", 300, false),

@@ -30,6 +30,10 @@ pub(crate) struct SimArgs {
     /// bidirectional second turn) or bidir (most with a second turn).
     #[arg(long, default_value = "mixed", value_parser = parse_mode)]
     mode: kvhandoff_sim::Mode,
+    /// The share of requests that are multi-rank (several P ranks per D rank, or one P rank per
+    /// several D ranks), 0 to 1 [default: the mode's: 0.1 in mixed, 0 elsewhere].
+    #[arg(long, value_parser = parse_share)]
+    multi_source: Option<f64>,
     /// The long sweep: requests and pool sizes drawn per seed over wide ranges, four times the
     /// virtual time.
     #[arg(long)]
@@ -88,6 +92,18 @@ fn parse_pool_blocks(text: &str) -> Result<std::ops::RangeInclusive<u32>, String
     parse_inclusive(text, 4, 1 << 16)
 }
 
+fn parse_share(text: &str) -> Result<f64, String> {
+    let share: f64 = text
+        .trim()
+        .parse()
+        .map_err(|e| format!("bad share {text:?}: {e}"))?;
+    if (0.0..=1.0).contains(&share) {
+        Ok(share)
+    } else {
+        Err(format!("{text:?} is outside 0..=1"))
+    }
+}
+
 fn parse_mutation(text: &str) -> Result<kvhandoff_protocol::machine::Mutation, String> {
     text.parse()
 }
@@ -127,6 +143,7 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
     options.mutation = args.mutation;
     options.poll_allocations = args.poll_allocations;
     options.mode = args.mode;
+    options.multi_source = args.multi_source;
     let started = std::time::Instant::now();
     let report = kvhandoff_sim::run_seeds(&options);
     let elapsed = started.elapsed();
@@ -146,11 +163,14 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
             false => format!("{}..{}", options.requests.start(), options.requests.end()),
         };
         eprintln!(
-            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {}{}",
+            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {}{}{}",
             options.pool_blocks.start(),
             options.pool_blocks.end(),
             args.faults,
             mode_name(args.mode),
+            args.multi_source
+                .map(|s| format!(" --multi-source {s}"))
+                .unwrap_or_default(),
             if args.long { " --long" } else { "" },
         );
         ExitCode::FAILURE

@@ -38,11 +38,15 @@ pub enum Mutation {
     /// A holder's grant fence forgets the fabric's bound on a read (`max_write_life`): it frees
     /// blocks a slow read may still be reading.
     ShortGrantFence,
+    /// A multi-rank request's fan-in hands the shared blocks back as soon as its first failed
+    /// sub-request hands back, while the siblings' peer ranks may still write them (D) or read
+    /// them (P).
+    FreeOnFirstSourceSettled,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 11] = [
+    pub const ALL: [Mutation; 12] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -54,6 +58,7 @@ impl Mutation {
         Mutation::MatchExpiredRegistration,
         Mutation::ReleaseBeforeReadsEnd,
         Mutation::ShortGrantFence,
+        Mutation::FreeOnFirstSourceSettled,
     ];
 
     /// The mutation's name on the command line.
@@ -76,6 +81,7 @@ impl Mutation {
             Mutation::MatchExpiredRegistration => "match_expired_registration",
             Mutation::ReleaseBeforeReadsEnd => "release_before_reads_end",
             Mutation::ShortGrantFence => "short_grant_fence",
+            Mutation::FreeOnFirstSourceSettled => "free_on_first_source_settled",
         }
     }
 }
@@ -100,7 +106,7 @@ impl FromStr for Mutation {
 }
 
 /// The mutation an endpoint runs with: always `None` without the feature `mutations`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub(crate) struct ActiveMutation(#[cfg(feature = "mutations")] pub(crate) Option<Mutation>);
 
 impl ActiveMutation {

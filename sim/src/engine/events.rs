@@ -8,6 +8,7 @@ use kvhandoff_protocol::machine::{DecodeOutcome, EngineEvent, FreeProof, Time};
 use super::{rid, Attempt, AttemptKind, Status};
 use crate::ledger::{judge_hand_back, pattern, HandBack, Owner, BLOCK_BYTES};
 use crate::world::{micros, Ev, NodeId, World};
+use kvhandoff_protocol::{PairingKey, RequestId};
 
 impl World {
     /// The one terminal event of a request on one side: checks S3, S4, S7, S8 and frees.
@@ -68,6 +69,10 @@ impl World {
                 a.blocks
             ));
         }
+        if a.sub.is_some() {
+            self.sub_event(node, request, ai, &event, started);
+            return;
+        }
         let owner = Owner {
             request,
             epoch: a.epoch,
@@ -103,26 +108,7 @@ impl World {
                 label
             }
         };
-        // The longest a request may legally take: D waits for its deadline, then at worst for
-        // the quarantine (every answer lost); P is bounded by its lease, D's renewals until D's
-        // deadline, and one write's life.
-        let m = &self.cfg.machine;
-        let limit = if decode {
-            m.connect_timeout + m.decode_deadline + m.quarantine + Duration::from_secs(1)
-        } else {
-            m.lease_duration
-                + m.decode_deadline
-                + m.lease_extension
-                + m.write_timeout
-                + m.abandon_timeout
-                + Duration::from_secs(10)
-        };
-        if !self.cfg.explore && self.now.saturating_since(started) > limit {
-            self.violate(format!(
-                "L1: {id} took {:?} to end",
-                self.now.saturating_since(started)
-            ));
-        }
+        self.check_life(decode, &id, started);
         self.record(format!("engine: {id} ended: {label}"));
         *self.outcomes.entry(label).or_insert(0) += 1;
         if !kept_blocks {
@@ -151,9 +137,31 @@ impl World {
         }
     }
 
-    /// The ledger's check of D's `FreeProof` against the ghost state: a request freed as never
-    /// exposed sent no registration; any other proof needs that no write of the attempt can
-    /// still land in its blocks (the simulated NIXL knows every write in flight).
+    /// L1: the longest a request may legally take. D waits for its deadline, then at worst for
+    /// the quarantine (every answer lost); P is bounded by its lease, D's renewals until D's
+    /// deadline, and one write's life.
+    pub(super) fn check_life(&mut self, decode: bool, id: &RequestId, started: Time) {
+        let m = &self.cfg.machine;
+        let limit = if decode {
+            m.connect_timeout + m.decode_deadline + m.quarantine + Duration::from_secs(1)
+        } else {
+            m.lease_duration
+                + m.decode_deadline
+                + m.lease_extension
+                + m.write_timeout
+                + m.abandon_timeout
+                + Duration::from_secs(10)
+        };
+        if !self.cfg.explore && self.now.saturating_since(started) > limit {
+            self.violate(format!(
+                "L1: {id} took {:?} to end",
+                self.now.saturating_since(started)
+            ));
+        }
+    }
+
+    /// The ledger's check of D's `FreeProof` against the ghost state (see [`Self::judge_proof`]),
+    /// and what a fenced request cost.
     fn check_proof(
         &mut self,
         node: NodeId,
@@ -162,12 +170,40 @@ impl World {
         proof: FreeProof,
         started: Time,
     ) {
+        let key = self.requests[request].key.clone();
+        let registered = self.registers_sent.contains(&(node, request, epoch));
+        let writer = Writer {
+            node: 0,
+            key: &key,
+            registered,
+        };
+        self.judge_proof(node, request, epoch, proof, writer);
+        if matches!(proof, FreeProof::DeadPeerFence | FreeProof::Quarantine) {
+            let blocks = self.requests[request].d_blocks as u64;
+            let held = self.now.saturating_since(started).as_micros() as u64;
+            self.fenced_block_us += blocks * held;
+        }
+    }
+
+    /// The ledger's check of one D hand-back's `FreeProof` against the ghost state: a request
+    /// freed as never exposed sent no registration; any other proof needs that no write of the
+    /// attempt from its P rank (`writer`) can still land in its blocks (the simulated NIXL
+    /// knows every write in flight), and that this P rank holds no registration of it.
+    pub(super) fn judge_proof(
+        &mut self,
+        node: NodeId,
+        request: usize,
+        epoch: u64,
+        proof: FreeProof,
+        writer: Writer<'_>,
+    ) {
         let inc = self.nodes[node].incarnation;
         let writes_in_flight = self
             .writes
             .values()
             .filter(|w| {
                 w.read.is_none()
+                    && w.poster == writer.node
                     && w.target == node
                     && w.target_inc == inc
                     && w.request == request
@@ -175,30 +211,24 @@ impl World {
                     && w.in_flight()
             })
             .count();
-        let key = self.requests[request].key.clone();
         let d_addr = &self.nodes[node].addr;
         let now = self.now;
-        let p_holds = self.nodes[0]
+        let p_holds = self.nodes[writer.node]
             .endpoint
             .as_ref()
-            .and_then(|p| p.pending_registration(&key))
+            .and_then(|p| p.pending_registration(writer.key))
             .is_some_and(|(from, e, expires)| from == d_addr && e.0 == epoch && expires > now);
         let hand_back = HandBack {
             proof,
-            registered: self.registers_sent.contains(&(node, request, epoch)),
+            registered: writer.registered,
             writes_in_flight,
-            p_holds_registration: p_holds && self.known_incarnation(0, node) == inc,
+            p_holds_registration: p_holds && self.known_incarnation(writer.node, node) == inc,
         };
         for fault in judge_hand_back(&hand_back) {
             self.violate(format!("proof: request {request} e{epoch} {fault}"));
         }
-        if matches!(proof, FreeProof::DeadPeerFence | FreeProof::Quarantine) {
-            if proof == FreeProof::DeadPeerFence {
-                self.mark("fence_free");
-            }
-            let blocks = self.requests[request].d_blocks as u64;
-            let held = self.now.saturating_since(started).as_micros() as u64;
-            self.fenced_block_us += blocks * held;
+        if proof == FreeProof::DeadPeerFence {
+            self.mark("fence_free");
         }
     }
 
@@ -249,6 +279,7 @@ impl World {
             blocks: vec![],
             status: Status::Pending,
             kind: AttemptKind::Push,
+            sub: None,
         });
         let d_at = micros(&mut self.rng, 1_000, 20_000);
         self.schedule(d_at, Ev::DecodeStart { request });
@@ -263,9 +294,18 @@ impl World {
                 blocks: vec![],
                 status: Status::Pending,
                 kind: AttemptKind::Push,
+                sub: None,
             });
             let p_at = micros(&mut self.rng, 0, 10_000);
             self.schedule(p_at, Ev::PrefillStart { request });
         }
     }
+}
+
+/// The P rank whose writes a D hand-back must have outlived: its node, the key it knows the
+/// attempt by, and whether D's rank sent it a registration for the attempt.
+pub(super) struct Writer<'a> {
+    pub node: NodeId,
+    pub key: &'a PairingKey,
+    pub registered: bool,
 }

@@ -43,6 +43,7 @@ impl World {
                     blocks: vec![],
                     status: Status::Pending,
                     kind: AttemptKind::Push,
+                    sub: None,
                 });
                 let at = micros(&mut self.rng, 0, 10_000);
                 self.schedule(at, Ev::PrefillStart { request });
@@ -61,7 +62,7 @@ impl World {
         };
         let blocks = self.allocate_on(node, r.d_blocks, owner);
         let Some(blocks) = blocks else {
-            self.wait_for_blocks(node, request, true);
+            self.wait_for_blocks(node, super::start_event(request, true));
             return;
         };
         let start = ImportStart {
@@ -171,6 +172,7 @@ impl World {
                 hard_end: export_hard_end(now, second.ttl, &self.cfg.machine),
                 renewed: false,
             },
+            sub: None,
         });
         self.schedule(second.delay, Ev::SecondTurn { request });
         true
@@ -266,6 +268,7 @@ impl World {
                 started: self.now,
             },
             kind: AttemptKind::Import { read_epoch: 1 },
+            sub: None,
         });
         self.last_progress = self.now;
         self.drain(0);

@@ -66,7 +66,7 @@ impl World {
         for (n, node) in self.nodes.iter().enumerate() {
             for (block, owner) in node.pool.leased_blocks() {
                 let r = &self.requests[owner.request];
-                let attempts = if n == 0 { &r.p } else { &r.d };
+                let attempts = if self.is_prefill(n) { &r.p } else { &r.d };
                 let attempt = attempts
                     .iter()
                     .find(|a| a.node == n && a.epoch == owner.epoch);

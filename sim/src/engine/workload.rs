@@ -83,6 +83,9 @@ impl World {
         // The transfer of each request is drawn from a stream of its own, so that a seed's
         // faults and timings are the same in every mode (and push seeds replay unchanged).
         let mut trng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x7472_616e_7366_6572);
+        // Which requests are multi-rank, and their pairs: a stream of their own too, so that
+        // the other requests' shapes and transfers are drawn as without them.
+        let mut mrng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6d75_6c74_6972_616e);
         if self.cfg.mode.reads() && self.cfg.faults == Faults::Chaos {
             self.rates.lose_ask = [0.0, 0.1, 0.3][trng.gen_range(0..3)];
         }
@@ -100,7 +103,15 @@ impl World {
                 (1 + self.rng.gen_range(0..self.cfg.decode_engines), n, m)
             };
             self.keys.insert(key.clone(), i);
-            let transfer = self.draw_transfer(&mut trng, i);
+            let multi = self.draw_multi(&mut mrng, &key, d_node);
+            let mut transfer = self.draw_transfer(&mut trng, i);
+            // Drawn as for any request (the stream stays aligned), then kept to one push turn:
+            // a multi-rank request is pushed.
+            let drawn_pull = transfer.pull;
+            if multi.is_some() {
+                transfer.pull = false;
+                transfer.second = None;
+            }
             self.requests.push(Request {
                 key,
                 d_node,
@@ -113,6 +124,7 @@ impl World {
                     blocks: vec![],
                     status: Status::Pending,
                     kind: AttemptKind::Push,
+                    sub: None,
                 }],
                 p: vec![Attempt {
                     id: rid("p", i, 1),
@@ -121,8 +133,10 @@ impl World {
                     blocks: vec![],
                     status: Status::Pending,
                     kind: AttemptKind::Push,
+                    sub: None,
                 }],
                 transfer,
+                multi: None,
             });
             let span = self.cfg.span.as_micros() as u64;
             let base = if span > 0 {
@@ -134,7 +148,7 @@ impl World {
                 self.keys.insert(second.key.clone(), i);
             }
             let mut d_at = Duration::from_micros(base) + micros(&mut self.rng, 0, 10_000);
-            if self.requests[i].transfer.pull && !self.cfg.explore {
+            if drawn_pull && !self.cfg.explore {
                 let lease = self.cfg.machine.lease_duration.as_micros() as u64;
                 match trng.gen_range(0..20) {
                     // The router hands P's answer to D late: D asks about when P's lease
@@ -154,8 +168,13 @@ impl World {
                     .heal
                     .max(Time::ZERO + p_at + Duration::from_millis(500));
             }
-            self.schedule(d_at, Ev::DecodeStart { request: i });
-            self.schedule(p_at, Ev::PrefillStart { request: i });
+            match multi {
+                None => {
+                    self.schedule(d_at, Ev::DecodeStart { request: i });
+                    self.schedule(p_at, Ev::PrefillStart { request: i });
+                }
+                Some(multi) => self.setup_multi(&mut mrng, i, multi, d_at, p_at),
+            }
             if !self.cfg.explore {
                 for decode in [true, false] {
                     if self.rng.gen_bool(self.rates.abort) {

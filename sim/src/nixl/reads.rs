@@ -76,6 +76,7 @@ impl World {
             p_owner: None,
             local,
             remote,
+            slice: 0..BLOCK_BYTES,
             notification: kvhandoff_protocol::Message::Heartbeat(kvhandoff_protocol::Heartbeat {
                 engine: self.nodes[node].addr.engine.clone(),
                 leases: Vec::new(),
@@ -159,9 +160,10 @@ impl World {
             let Some(&data) = self.nodes[r.target].pool.bytes(remote) else {
                 continue;
             };
-            if let Err(e) = self.nodes[r.poster]
-                .pool
-                .land(local, &data, 0..bytes, owner)
+            if let Err(e) =
+                self.nodes[r.poster]
+                    .pool
+                    .land(local, &data, 0..bytes, bytes == BLOCK_BYTES, owner)
             {
                 self.stale_writes += 1;
                 self.violate(format!("{e} (read {} of node {})", r.id, r.poster));

@@ -12,8 +12,16 @@ use crate::Faults;
 pub struct WorldConfig {
     /// Requests to run.
     pub requests: usize,
-    /// D engines (one rank each); P is one engine of one rank.
+    /// D engines (one rank each).
     pub decode_engines: usize,
+    /// Ranks of the P engine. Rank 0 is node 0 and serves every single-source request; ranks
+    /// 1.. are nodes after the D engines and serve only multi-rank requests (see
+    /// `multi_source`).
+    pub prefill_ranks: usize,
+    /// The share of requests that are multi-rank (push only): a D rank fed by 2–4 P ranks, a P
+    /// rank feeding every D rank, or both, each pair an ordinary 1:1 sub-request. Drawn per
+    /// request from a stream of its own; 0 keeps the world's original shape.
+    pub multi_source: f64,
     /// Which faults may happen.
     pub faults: Faults,
     /// The machines' configuration.
@@ -55,6 +63,8 @@ impl WorldConfig {
         WorldConfig {
             requests,
             decode_engines: 2,
+            prefill_ranks: 1,
+            multi_source: 0.0,
             faults,
             machine,
             explore: false,
@@ -97,6 +107,8 @@ impl WorldConfig {
         WorldConfig {
             requests,
             decode_engines: 1,
+            prefill_ranks: 1,
+            multi_source: 0.0,
             faults: Faults::Chaos,
             machine,
             explore: true,

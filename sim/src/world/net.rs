@@ -2,8 +2,8 @@
 //! sending and delivering control messages (with the faults chaos puts on them).
 
 use kvhandoff_protocol::machine::NetEvent;
-use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{Incarnation, Message};
+use kvhandoff_protocol::{PairingKey, PeerAddr};
 use rand::Rng;
 
 use super::{micros, Ev, NetMsg, NodeId, World};
@@ -209,8 +209,9 @@ impl World {
                 })
                 .collect();
             let states: Vec<Option<String>> = (0..w.requests.len())
-                .filter(|&r| [a, b].contains(&w.requests[r].d_node))
-                .map(|r| w.decode_state_of(w.requests[r].d_node, r))
+                .flat_map(|r| w.decode_keys(r))
+                .filter(|(node, _)| [a, b].contains(node))
+                .map(|(node, key)| w.decode_state_of(node, &key))
                 .collect();
             (deaths, states)
         };
@@ -230,10 +231,23 @@ impl World {
         }
     }
 
-    /// The state of D `node`'s live request for `request`'s key, as text.
-    fn decode_state_of(&self, node: NodeId, request: usize) -> Option<String> {
-        let key = &self.requests[request].key;
+    /// The state of D `node`'s live request for `key`, as text.
+    fn decode_state_of(&self, node: NodeId, key: &PairingKey) -> Option<String> {
         self.nodes[node].endpoint.as_ref()?.decode_state(key)
+    }
+
+    /// The (D node, key) of `request`'s decodes: its key on its D node, or the pair key of each
+    /// sub-request of a multi-rank request on its D rank.
+    fn decode_keys(&self, request: usize) -> Vec<(NodeId, PairingKey)> {
+        let r = &self.requests[request];
+        match &r.multi {
+            None => vec![(r.d_node, r.key.clone())],
+            Some(multi) => multi
+                .pairs
+                .iter()
+                .map(|pair| (pair.d, pair.key.clone()))
+                .collect(),
+        }
     }
 
     /// Delivers a network message to its destination.
@@ -250,7 +264,10 @@ impl World {
         }
         let stale_key = self.note_delivered(&msg);
         // S5: a P→D message for an epoch D does not hold changes nothing of D's live request.
-        let before = stale_key.map(|request| (request, self.decode_state_of(msg.to, request)));
+        let before = stale_key.map(|(request, key)| {
+            let state = self.decode_state_of(msg.to, &key);
+            (request, key, state)
+        });
         let kind = describe(&msg);
         let renewals_before = self.exports_renewed(msg.to);
         self.shell_notification(msg.to, msg.from, &msg.message);
@@ -260,12 +277,12 @@ impl World {
                 self.note_renewals(msg.to, &keys);
             }
         }
-        if let Some((request, before)) = before {
+        if let Some((request, key, before)) = before {
             if self.step_decode_events.contains(&request) {
                 self.violate(format!(
                     "S5: a stale-epoch message ended request {request} on D ({kind})"
                 ));
-            } else if self.decode_state_of(msg.to, request) != before {
+            } else if self.decode_state_of(msg.to, &key) != before {
                 self.violate(format!(
                     "S5: a stale-epoch message changed request {request} on D ({kind})"
                 ));

@@ -1,0 +1,45 @@
+//! `kvhandoff matrix`: every cell of the heterogeneous verification matrix run end to end and
+//! verified byte for byte, with vLLM 0.33's verdict beside it.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use kvhandoff_cli::hetero::matrix::{render_markdown, render_summary, run_matrix};
+
+use super::print_json;
+
+#[derive(Debug, Args)]
+pub(crate) struct MatrixArgs {
+    /// Threads running cells [default: the machine's cores].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    threads: Option<u32>,
+    /// Print every cell and the summary as JSON.
+    #[arg(long, conflicts_with = "markdown")]
+    json: bool,
+    /// Print the tables of docs/compatibility.md.
+    #[arg(long)]
+    markdown: bool,
+}
+
+pub(crate) fn run_matrix_command(args: MatrixArgs) -> ExitCode {
+    let threads = args.threads.map_or_else(
+        || std::thread::available_parallelism().map_or(1, usize::from),
+        |t| t as usize,
+    );
+    let report = run_matrix(threads);
+    let printed = if args.json {
+        print_json(&report)
+    } else if args.markdown {
+        print!("{}", render_markdown(&report));
+        true
+    } else {
+        print!("{}", render_summary(&report));
+        true
+    };
+    // A refused cell is a verdict; a cell that ran and delivered a wrong byte is a bug.
+    if printed && report.summary.broken == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
