@@ -4,10 +4,16 @@
 //! realistic shape (by default one Llama-3.3-70B K or V region at TP 1: 8 KV heads of 128 bf16
 //! elements, 16-token kernel blocks, 32 KiB a block; 2,048 blocks, 64 MiB a buffer, twice the
 //! 32 MiB L3 of the reference machine, so DRAM is what is measured). Its figure is the bytes it
-//! writes over its wall time (GB/s, 10⁹ bytes); the reference is `copy_from_slice` of a whole
-//! buffer of the same length, split into `threads` contiguous runs on as many threads as the
-//! kernels get. Each round runs the copy, then every kernel once, into one pre-faulted output
-//! buffer; after one untimed round the report gives the median over `rounds` and the range.
+//! writes over its wall time (GB/s, 10⁹ bytes); its reference is `copy_from_slice` of as many
+//! bytes as it writes (from a buffer of its own that no kernel reads, split into `threads`
+//! contiguous runs on as many threads as the kernels get): the same output bytes moved by a
+//! plain copy. A kernel that
+//! writes half a buffer (head slicing) is compared with a copy of half a buffer, not of a whole
+//! one. Each round runs, for every kernel in turn, its reference copy and then the kernel, into
+//! one pre-faulted output buffer; after one untimed round the report gives the median over
+//! `rounds` and the range, and each kernel's `ratio` is the median over the rounds of its
+//! bandwidth over that of the copy run just before it (so a slower or faster stretch of the
+//! machine moves both sides of a ratio together).
 //!
 //! With the feature `cuda` the run also compiles every CUDA kernel with NVRTC and, where a CUDA
 //! driver and GPU are present, runs each on the same workload, checks its output against the CPU
@@ -120,7 +126,11 @@ pub struct KernelResult {
     pub gbps: f64,
     /// Slowest and fastest round, GB/s.
     pub gbps_range: [f64; 2],
-    /// `gbps / memcpy_gbps`.
+    /// Its reference: `copy_from_slice` of `bytes` bytes, run just before it in every round,
+    /// median GB/s.
+    pub memcpy_gbps: f64,
+    /// Median over the rounds of the kernel's bandwidth over its reference copy's in the same
+    /// round.
     pub ratio: f64,
 }
 
@@ -195,9 +205,10 @@ pub struct KernelBenchReport {
     pub threads: usize,
     /// Timed rounds.
     pub rounds: usize,
-    /// `copy_from_slice` of a plain buffer, median GB/s.
+    /// `copy_from_slice` of a plain buffer (`buffer_bytes`), median GB/s over every round of
+    /// every kernel that writes that many bytes (the reference of each is in its own result).
     pub memcpy_gbps: f64,
-    /// Slowest and fastest copy round, GB/s.
+    /// Slowest and fastest of those copies, GB/s.
     pub memcpy_gbps_range: [f64; 2],
     /// Each CPU kernel.
     pub kernels: Vec<KernelResult>,
@@ -228,11 +239,11 @@ impl KernelBenchReport {
             self.rounds,
         );
         out.push_str(&format!(
-            "{:<22} {:>8} {:>8}  {:>13}  {:>9}\n",
-            "kernel", "MiB out", "GB/s", "range", "vs memcpy"
+            "{:<22} {:>8} {:>8}  {:>13}  {:>11}  {:>9}\n",
+            "kernel", "MiB out", "GB/s", "range", "memcpy GB/s", "vs memcpy"
         ));
         out.push_str(&format!(
-            "{:<22} {:>8.0} {:>8.2}  {:>13}  {:>9}\n",
+            "{:<22} {:>8.0} {:>8.2}  {:>13}  {:>11}  {:>9}\n",
             "memcpy",
             mib(self.buffer_bytes),
             self.memcpy_gbps,
@@ -240,15 +251,17 @@ impl KernelBenchReport {
                 "{:.2}-{:.2}",
                 self.memcpy_gbps_range[0], self.memcpy_gbps_range[1]
             ),
+            "",
             "1.00"
         ));
         for k in &self.kernels {
             out.push_str(&format!(
-                "{:<22} {:>8.0} {:>8.2}  {:>13}  {:>9.2}\n",
+                "{:<22} {:>8.0} {:>8.2}  {:>13}  {:>11.2}  {:>9.2}\n",
                 k.name,
                 mib(k.bytes),
                 k.gbps,
                 format!("{:.2}-{:.2}", k.gbps_range[0], k.gbps_range[1]),
+                k.memcpy_gbps,
                 k.ratio
             ));
         }
@@ -336,20 +349,23 @@ pub fn run(options: &KernelBenchOptions) -> Result<KernelBenchReport, KernelBenc
     }
     let out_len = sizes.iter().map(|(_, o)| *o).max().unwrap_or(0).max(plain);
     let mut out = vec![1u8; out_len];
-    let copy_src = &inputs[case_inputs[0][0]];
+    // The reference copies read a buffer of their own: one a kernel also read would leave the
+    // kernel's input partly in the cache.
+    let mut copy_src = vec![0u8; out_len];
+    fill_random(&mut copy_src, options.seed.wrapping_sub(1));
 
-    let mut copy_samples = Vec::new();
-    let mut samples = vec![Vec::new(); cases.len()];
+    // Per case and round: (kernel GB/s, its reference copy's GB/s).
+    let mut samples: Vec<Vec<(f64, f64)>> = vec![Vec::new(); cases.len()];
     for round in 0..=options.rounds {
-        let start = Instant::now();
-        copy_threads(copy_src, &mut out[..plain], options.threads);
-        let copy = gbps(plain, start.elapsed().as_secs_f64());
         for (c, &case) in cases.iter().enumerate() {
             let ins: Vec<&[u8]> = case_inputs[c]
                 .iter()
                 .map(|&i| inputs[i].as_slice())
                 .collect();
             let len = sizes[c].1;
+            let start = Instant::now();
+            copy_threads(&copy_src[..len], &mut out[..len], options.threads);
+            let copy = gbps(len, start.elapsed().as_secs_f64());
             let start = Instant::now();
             w.run_cpu(case, &ins, &mut out[..len], options.threads)
                 .map_err(|error| KernelBenchError::Kernel {
@@ -358,30 +374,38 @@ pub fn run(options: &KernelBenchOptions) -> Result<KernelBenchReport, KernelBenc
                 })?;
             let t = start.elapsed().as_secs_f64();
             if round > 0 {
-                samples[c].push(gbps(len, t));
+                samples[c].push((gbps(len, t), copy));
             }
         }
-        if round > 0 {
-            copy_samples.push(copy);
-        }
     }
-    let memcpy = Gbps::of(copy_samples);
+    let memcpy = Gbps::of(
+        samples
+            .iter()
+            .zip(&sizes)
+            .filter(|(_, (_, bytes))| *bytes == plain)
+            .flat_map(|(s, _)| s.iter().map(|&(_, copy)| copy))
+            .collect(),
+    );
     let kernels = cases
         .iter()
         .zip(samples)
         .zip(&sizes)
         .map(|((case, s), (_, bytes))| {
-            let g = Gbps::of(s);
+            let g = Gbps::of(s.iter().map(|&(k, _)| k).collect());
+            let reference = Gbps::of(s.iter().map(|&(_, copy)| copy).collect());
+            let ratio = Gbps::of(
+                s.iter()
+                    .filter(|&&(_, copy)| copy > 0.0)
+                    .map(|&(k, copy)| k / copy)
+                    .collect(),
+            );
             KernelResult {
                 name: case.name(),
                 bytes: *bytes,
                 gbps: g.median,
                 gbps_range: [g.min, g.max],
-                ratio: if memcpy.median > 0.0 {
-                    g.median / memcpy.median
-                } else {
-                    0.0
-                },
+                memcpy_gbps: reference.median,
+                ratio: ratio.median,
             }
         })
         .collect();

@@ -6,18 +6,14 @@ use crate::par::for_each_block;
 use crate::shape::{check_threads, exact_len, whole_blocks, Dims};
 use crate::{BlockShape, KernelError, Layout};
 
-/// Bytes of source rows read contiguously per tile (about one page): the tile's source run and
-/// its destination rows stay in L1 while it is copied.
-const TILE_BYTES: usize = 4096;
-
 /// Rewrites every block of `src`, laid out as `from`, into `dst` laid out as `to`.
 ///
 /// `src` holds whole blocks of `shape` (the same shape in either layout); `dst` has the same
 /// length. With `from == to` it is a copy. Blocks are spread over up to `threads` threads.
 ///
-/// Rows (one token of one head) are copied whole. The copy walks the destination in order, a
-/// tile of source rows at a time: for HND → NHD a tile is some tokens of every head, each head's
-/// rows contiguous in the source; for NHD → HND some heads of every token.
+/// Rows (one token of one head) are copied whole, token by token and within a token head by
+/// head, in either direction: the NHD side is walked in order and the HND side as one stream
+/// per head.
 ///
 /// # Errors
 /// A zero size or `threads`, a shape whose size overflows, `src` not whole blocks, or `dst` not
@@ -34,7 +30,8 @@ pub fn permute(
     check_threads(threads)?;
     whole_blocks("src", src.len(), dims.block)?;
     exact_len("dst", dst.len(), src.len())?;
-    if from == to {
+    // With one head or one token both layouts are the same bytes.
+    if from == to || dims.heads == 1 || dims.tokens == 1 {
         for_each_block(dst, dims.block, threads, |b, out| {
             copy_run(out, &src[b * dims.block..(b + 1) * dims.block]);
         });
@@ -46,27 +43,35 @@ pub fn permute(
     Ok(())
 }
 
-/// One block into the layout `to` from the other one. Destination row `o * inner + i` is
-/// source row `i * outer + o`, where `outer` is the destination's outer dimension.
+/// One block into the layout `to` from the other one: row (token `t`, head `h`) of NHD is row
+/// (`h`, `t`) of HND.
+///
+/// The loop is the same in both directions, tokens outermost: the NHD side (one token's heads
+/// contiguous) is read or written in order and the HND side advances one row per token in each
+/// of its `heads` runs. Measured on the reference machine (2 threads, 64 MiB, bench kernels'
+/// shape), HND → NHD walked head by head instead (each head's run read in order, the
+/// destination rows scattered) ran at 0.84 of the copy against 1.04 token by token; NHD → HND
+/// token by token, 1.05.
 fn permute_block(src: &[u8], dst: &mut [u8], dims: &Dims, to: Layout) {
-    let row = dims.row;
-    let (outer, inner) = match to {
-        Layout::Hnd => (dims.heads, dims.tokens),
-        Layout::Nhd => (dims.tokens, dims.heads),
-    };
-    let tile = (TILE_BYTES / row).clamp(1, outer);
-    let mut o0 = 0;
-    while o0 < outer {
-        let o1 = (o0 + tile).min(outer);
-        for i in 0..inner {
-            // Source rows (i, o0..o1) are contiguous; each goes to its own destination run.
-            let run = &src[(i * outer + o0) * row..(i * outer + o1) * row];
-            for (k, from) in run.chunks_exact(row).enumerate() {
-                let at = ((o0 + k) * inner + i) * row;
-                copy_run(&mut dst[at..at + row], from);
+    let (row, tokens) = (dims.row, dims.tokens);
+    let token_bytes = dims.heads * row;
+    match to {
+        Layout::Nhd => {
+            for (t, out) in dst.chunks_exact_mut(token_bytes).enumerate() {
+                for (h, to) in out.chunks_exact_mut(row).enumerate() {
+                    let from = (h * tokens + t) * row;
+                    copy_run(to, &src[from..from + row]);
+                }
             }
         }
-        o0 = o1;
+        Layout::Hnd => {
+            for (t, input) in src.chunks_exact(token_bytes).enumerate() {
+                for (h, from) in input.chunks_exact(row).enumerate() {
+                    let at = (h * tokens + t) * row;
+                    copy_run(&mut dst[at..at + row], from);
+                }
+            }
+        }
     }
 }
 

@@ -43,7 +43,21 @@ fn a_tiny_run_has_the_report_shape() {
         ]
     );
     for k in kernels {
-        assert!(k["gbps"].is_number() && k["ratio"].is_number(), "{k}");
+        assert!(
+            k["gbps"].is_number() && k["ratio"].is_number() && k["memcpy_gbps"].is_number(),
+            "{k}"
+        );
+    }
+    // Each kernel's reference copy moves as many bytes as it writes: head slicing writes half a
+    // buffer, and is compared with a copy of half a buffer.
+    let slices: Vec<&KernelResult> = report
+        .kernels
+        .iter()
+        .filter(|k| k.name.starts_with("slice_heads"))
+        .collect();
+    assert_eq!(slices.len(), 2);
+    for k in slices {
+        assert_eq!(k.bytes, report.buffer_bytes / 2, "{}", k.name);
     }
     assert!(json["cuda"]["compiled"].is_boolean());
     assert!(json["cuda"]["ran"].is_boolean());

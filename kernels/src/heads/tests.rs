@@ -94,6 +94,23 @@ fn threads_do_not_change_the_result() {
     }
 }
 
+/// NHD slices that pass over the skipped heads (skipped ≤ copied: before the range, after it,
+/// on both sides) and those that do not, against the reference.
+#[test]
+fn nhd_slices_with_and_without_the_pass_over_the_gap() {
+    let shape = BlockShape::new(16, 8, 128, 2);
+    let src = reference::bytes(3 * shape.block_bytes().unwrap(), 11);
+    for heads in [0..4, 4..8, 2..6, 1..8, 0..7, 0..8, 3..4, 0..2, 6..8] {
+        let out = shape.with_heads(heads.len());
+        let mut dst = vec![0x55; 3 * out.block_bytes().unwrap()];
+        slice_heads(&src, &mut dst, shape, heads.clone(), Layout::Nhd, 1).unwrap();
+        assert!(
+            dst == reference::slice_heads(&src, shape, heads.clone(), Layout::Nhd),
+            "{heads:?}"
+        );
+    }
+}
+
 #[test]
 fn bad_arguments_are_typed_errors() {
     let shape = BlockShape::new(16, 8, 64, 2);
