@@ -6,7 +6,7 @@
 pub mod bench;
 pub mod demo;
 pub mod hetero;
-pub mod node;
 #[cfg(feature = "nixl")]
 pub mod nixl_agent;
+pub mod node;
 pub mod stats;
