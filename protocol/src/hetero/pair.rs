@@ -106,6 +106,22 @@ fn overlap(a: &Range<u32>, b: &Range<u32>) -> Range<u32> {
 /// The P TP rank that writes global head `head` to D TP rank `d_tp`: among the P ranks that
 /// hold the head, the one at D's position among the D ranks that hold it (mod their count), so
 /// every D rank has exactly one writer per head, and replicas on P share the work.
+/// The link from P rank `pi` to D rank `di`, made (empty, over `layers`) on first use.
+fn link_between<'a>(
+    links: &'a mut BTreeMap<(usize, usize), Link>,
+    pi: usize,
+    di: usize,
+    layers: &Range<u32>,
+) -> &'a mut Link {
+    links.entry((pi, di)).or_insert_with(|| Link {
+        prefill: pi,
+        decode: di,
+        layers: layers.clone(),
+        heads: None,
+        state: None,
+    })
+}
+
 fn writer(model: &Model, p: SideSpec, d: SideSpec, head: u32, d_tp: u32) -> u32 {
     let h = if model.mla { 1 } else { model.kv_heads };
     // P ranks holding `head`: one rank when P splits the heads, a run of replicas otherwise.
@@ -181,13 +197,7 @@ pub fn plan_pair(
                 for (w, global) in runs {
                     let pi = p_side.index(super::RankId { tp: w, pp: stage });
                     let p = &p_side.ranks[pi];
-                    let link = links.entry((pi, di)).or_insert_with(|| Link {
-                        prefill: pi,
-                        decode: di,
-                        layers: layers.clone(),
-                        heads: None,
-                        state: None,
-                    });
+                    let link = link_between(&mut links, pi, di, &layers);
                     link.heads = Some(HeadLink {
                         prefill_local: global.start - p.heads.start..global.end - p.heads.start,
                         decode_local: global.start - d.heads.start..global.end - d.heads.start,
@@ -220,13 +230,7 @@ pub fn plan_pair(
                         },
                         global,
                     };
-                    let link = links.entry((pi, di)).or_insert_with(|| Link {
-                        prefill: pi,
-                        decode: di,
-                        layers: layers.clone(),
-                        heads: None,
-                        state: None,
-                    });
+                    let link = link_between(&mut links, pi, di, &layers);
                     link.state = Some(state);
                 }
             }

@@ -3,14 +3,16 @@
 use super::*;
 use crate::geometry::{KvLayout, RegionKind};
 
-const HND: KvLayout = KvLayout::Hnd;
-const NHD: KvLayout = KvLayout::Nhd;
+pub(super) const HND: KvLayout = KvLayout::Hnd;
+pub(super) const NHD: KvLayout = KvLayout::Nhd;
 
-fn pair(name: &str, p: &str, d: &str) -> PairPlan {
+/// The plan of a catalog model between two spec strings (the case must plan).
+pub(super) fn pair(name: &str, p: &str, d: &str) -> PairPlan {
     plan_pair(model(name).unwrap(), p.parse().unwrap(), d.parse().unwrap()).unwrap()
 }
 
-fn tp(n: u32, block: u32, layout: KvLayout) -> SideSpec {
+/// A side of `n` TP ranks.
+pub(super) fn tp(n: u32, block: u32, layout: KvLayout) -> SideSpec {
     SideSpec::new(n, block, layout)
 }
 

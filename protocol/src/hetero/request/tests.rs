@@ -1,20 +1,9 @@
 //! Requests: sliding-window clipping, the prefix end trim, pieces and their merging, mamba
 //! slots, bad requests, and a fuzz that no input panics.
 
+use super::super::tests::{pair, tp, HND, NHD};
 use super::super::*;
-use crate::geometry::KvLayout;
 use crate::message::BlockIds;
-
-const HND: KvLayout = KvLayout::Hnd;
-const NHD: KvLayout = KvLayout::Nhd;
-
-fn pair(name: &str, p: &str, d: &str) -> PairPlan {
-    plan_pair(model(name).unwrap(), p.parse().unwrap(), d.parse().unwrap()).unwrap()
-}
-
-fn tp(n: u32, block: u32, layout: KvLayout) -> SideSpec {
-    SideSpec::new(n, block, layout)
-}
 
 /// Contiguous block ids from `start` for each group, sized for `tokens` at `logical` tokens per
 /// block, minus `cached` blocks at the front of the full-attention groups.
