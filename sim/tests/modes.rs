@@ -78,3 +78,41 @@ fn read_mutations_are_caught() {
         );
     }
 }
+
+/// The two read-path checks no other mutation reaches, each failed by its own deliberate bug in
+/// a mixed chaos sweep of CI's size, and by that check alone: `long_grant_fence` (a grant fenced
+/// with the quarantine, the hard end moved out with it, so the export machine's own check
+/// passes) by L3, which remembers the hard end promised at the export's start;
+/// `lose_last_read_post` (a read counted, never posted: it waits out its bound and the import
+/// recomputes, nothing unsafe) by the accounting of the reads an endpoint counted against those
+/// its shell posted.
+#[test]
+fn the_export_hard_end_and_the_read_accounting_can_fail() {
+    for (mutation, check) in [
+        (Mutation::LongGrantFence, "L3: "),
+        (Mutation::LoseLastReadPost, "posts: "),
+    ] {
+        let opts = SimOptions {
+            mutation: Some(mutation),
+            ..chaos(0..300, Mode::Mixed)
+        };
+        let report = run_seeds(&opts);
+        assert!(
+            !report.violations.is_empty(),
+            "{mutation}: not caught by 300 mixed seeds"
+        );
+        for v in &report.violations {
+            assert!(
+                v.message.starts_with(check),
+                "{mutation}: caught by another check: seed {}: {}",
+                v.seed,
+                v.message
+            );
+        }
+        eprintln!(
+            "mutation {mutation}: {} violations, first: {}",
+            report.violations.len(),
+            report.violations[0].message
+        );
+    }
+}

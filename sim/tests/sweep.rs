@@ -117,7 +117,9 @@ fn same_seed_same_trace_whatever_the_threads() {
 /// `regressions.rs` replays seed 399), `evict_young_tombstones` (shown by the prefill table's unit
 /// test `a_young_floor_evicted_lets_a_late_registration_copy_bind`),
 /// `match_expired_registration` (needs a late timer: `exhaustive.rs`) and
-/// `free_on_first_source_settled` (needs multi-rank requests: `multi_source.rs`).
+/// `free_on_first_source_settled` (needs multi-rank requests: `multi_source.rs`); the read
+/// path's four need reads (`modes.rs`: `release_before_reads_end`, `short_grant_fence`,
+/// `long_grant_fence`, `lose_last_read_post`).
 const CAUGHT: &[(&str, u64, bool)] = &[
     // (mutation, seeds, varied load): 40 requests per seed unless the load varies.
     ("free_on_deadline", 300, false),

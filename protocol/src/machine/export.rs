@@ -118,6 +118,10 @@ impl ExportCtx<'_> {
             // The deliberate bug: the grant's delivery only, not the read's own life.
             return self.now + self.config.max_message_delay;
         }
+        if self.mutation.is(Mutation::LongGrantFence) {
+            // The deliberate bug: the push path's fence for a peer that may still write.
+            return self.now + self.config.quarantine;
+        }
         self.now + read_span(self.config)
     }
 }
@@ -230,10 +234,19 @@ impl Machine for ExportRequest {
     }
 
     fn handle(self, ctx: &Self::Ctx<'_>, input: Self::Input, fx: &mut Outbox) -> Self::Next {
-        let next = match self {
+        let mut next = match self {
             ExportRequest::Offered(s) => s.handle(ctx, input, fx),
             ExportRequest::Granted(s) => s.handle(ctx, input, fx),
         };
+        if let Step::Live(ExportRequest::Granted(s)) = &mut next {
+            if ctx.mutation.is(Mutation::LongGrantFence) {
+                // The same bug's second half: the hard end is moved out to the fence, so the
+                // machine stays consistent with itself and its own check (below) passes. Only a
+                // checker that remembers the bound promised at the export's start
+                // (`export_hard_end`, the simulator's L3) sees the blocks held past it.
+                s.common.hard_end = s.common.hard_end.max(s.fence);
+            }
+        }
         if let Step::Live(live) = &next {
             live.check();
         }

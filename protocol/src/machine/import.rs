@@ -325,11 +325,19 @@ impl Asking {
             .map(|(theirs, ours)| theirs[theirs.len() - ours.len()..].to_vec())
             .collect();
         let mut pending = BTreeMap::new();
-        for (first, local, remote) in chunks(&common.blocks, &tail, ctx.config.read_chunk_blocks) {
+        let chunks = chunks(&common.blocks, &tail, ctx.config.read_chunk_blocks);
+        let last = chunks.len().saturating_sub(1);
+        for (i, (first, local, remote)) in chunks.into_iter().enumerate() {
             let read = WriteId(ctx.next_read.get());
             ctx.next_read.set(read.0 + 1);
             pending.insert(read, first);
             fx.counters.reads_posted += 1;
+            if i == last && ctx.mutation.is(Mutation::LoseLastReadPost) {
+                // The deliberate bug: counted and awaited, never posted. Nothing unsafe
+                // follows (the read waits out its bound and the import recomputes), so only
+                // the accounting of reads posted against the shell's posts can see it.
+                continue;
+            }
             fx.emit(Output::PostRead(Box::new(ReadOrder {
                 read,
                 from: common.holder.clone(),

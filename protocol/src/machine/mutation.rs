@@ -42,11 +42,19 @@ pub enum Mutation {
     /// sub-request hands back, while the siblings' peer ranks may still write them (D) or read
     /// them (P).
     FreeOnFirstSourceSettled,
+    /// A holder fences a grant with the push path's quarantine instead of a read's span, and
+    /// moves the export's hard end out to that fence: the blocks come back later than the hard
+    /// end the engine was promised at the export's start (`export_hard_end`).
+    LongGrantFence,
+    /// An import counts every read of a grant but never hands the last one's post to the
+    /// shell (an output lost on its way): that read never runs, and the import waits for it
+    /// until its reads' bound and falls back to recomputing.
+    LoseLastReadPost,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 12] = [
+    pub const ALL: [Mutation; 14] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -59,6 +67,8 @@ impl Mutation {
         Mutation::ReleaseBeforeReadsEnd,
         Mutation::ShortGrantFence,
         Mutation::FreeOnFirstSourceSettled,
+        Mutation::LongGrantFence,
+        Mutation::LoseLastReadPost,
     ];
 
     /// The mutation's name on the command line.
@@ -82,6 +92,8 @@ impl Mutation {
             Mutation::ReleaseBeforeReadsEnd => "release_before_reads_end",
             Mutation::ShortGrantFence => "short_grant_fence",
             Mutation::FreeOnFirstSourceSettled => "free_on_first_source_settled",
+            Mutation::LongGrantFence => "long_grant_fence",
+            Mutation::LoseLastReadPost => "lose_last_read_post",
         }
     }
 }

@@ -1035,3 +1035,21 @@ fn the_table_catches_a_short_grant_fence() {
     }
     assert!(!caught.is_empty(), "no case tells the mutation apart");
 }
+
+/// The table tells apart the deliberate bug of a fence sized with the quarantine, which moves
+/// the hard end with it: the machine's own check passes on every case (nothing panics), so
+/// only a checker that remembers the hard end promised at the start (the simulator's L3) can
+/// catch it.
+#[cfg(feature = "mutations")]
+#[test]
+fn the_table_tells_apart_a_long_grant_fence() {
+    let mutation = ActiveMutation(Some(crate::machine::Mutation::LongGrantFence));
+    let mut caught = Vec::new();
+    for case in cases() {
+        let (next, outputs, counters) = step_with(case.state, case.now, case.input, mutation);
+        if next != case.next || outputs != case.outputs || counters != case.counters {
+            caught.push(case.name);
+        }
+    }
+    assert!(!caught.is_empty(), "no case tells the mutation apart");
+}

@@ -1462,3 +1462,38 @@ fn the_table_catches_a_release_before_the_reads_end() {
     }
     assert!(!caught.is_empty(), "no case tells the mutation apart");
 }
+
+/// The table tells apart the deliberate bug of a read counted but never posted: the counter
+/// says one read more than the outputs carry (the simulator's accounting of reads posted
+/// against the shell's posts is what catches it in a sweep).
+#[cfg(feature = "mutations")]
+#[test]
+fn the_table_tells_apart_a_lost_read_post() {
+    let mutation = ActiveMutation(Some(crate::machine::Mutation::LoseLastReadPost));
+    let mut caught = Vec::new();
+    for case in cases() {
+        let (next, outputs, counters, _) = step_mutated(
+            case.state,
+            case.now,
+            case.chunk,
+            FIRST_READ_ID,
+            case.input,
+            mutation,
+        );
+        let posted = outputs
+            .iter()
+            .filter(|o| matches!(o, Output::PostRead(_)))
+            .count() as u64;
+        if counters.reads_posted != posted {
+            caught.push(case.name);
+        }
+        if next != case.next || outputs != case.outputs || counters != case.counters {
+            assert!(
+                caught.contains(&case.name),
+                "{}: differs only by its count",
+                case.name
+            );
+        }
+    }
+    assert!(!caught.is_empty(), "no case tells the mutation apart");
+}
