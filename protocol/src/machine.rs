@@ -34,6 +34,7 @@ pub use config::{Config, ConfigError};
 pub use endpoint::{Endpoint, EndpointStats};
 pub use fan_in::{
     FanCounts, FanIn, FanInError, FanInStep, FanOutcome, FanSide, SubFailure, SubRequest,
+    MAX_SUB_REQUESTS,
 };
 pub(crate) use mutation::ActiveMutation;
 pub use mutation::Mutation;

@@ -31,6 +31,10 @@ use super::{ActiveMutation, DecodeFailure, Mutation};
 #[cfg(test)]
 mod tests;
 
+/// Most sub-requests one fan-in tracks: the P ranks feeding one D rank, or the D ranks one P
+/// rank writes, are at most one side's TP ranks ([`MAX_PARALLEL`](crate::MAX_PARALLEL)).
+pub const MAX_SUB_REQUESTS: usize = crate::MAX_PARALLEL as usize;
+
 /// Which side of the handoff a fan-in tracks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FanSide {
@@ -99,6 +103,9 @@ pub enum FanInError {
     /// A fan-in needs at least one sub-request.
     #[error("a multi-rank request needs at least one sub-request")]
     NoSubRequests,
+    /// More sub-requests than [`MAX_SUB_REQUESTS`].
+    #[error("a multi-rank request has at most {MAX_SUB_REQUESTS} sub-requests")]
+    TooManySubRequests,
     /// Two sub-requests share an id.
     #[error("sub-request {0} is listed twice")]
     DuplicateRequest(RequestId),
@@ -231,6 +238,9 @@ impl FanIn {
         let mut table = BTreeMap::new();
         let mut keys = std::collections::BTreeSet::new();
         for sub in subs {
+            if table.len() == MAX_SUB_REQUESTS {
+                return Err(FanInError::TooManySubRequests);
+            }
             if !keys.insert(sub.key.clone()) {
                 return Err(FanInError::DuplicateKey(sub.key));
             }

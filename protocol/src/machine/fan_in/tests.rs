@@ -394,6 +394,12 @@ fn a_fan_in_needs_distinct_sub_requests() {
         FanIn::new(FanSide::Prefill, shared(), [sub(0), same_id]),
         Err(FanInError::DuplicateRequest(id(0)))
     );
+    let limit = super::MAX_SUB_REQUESTS as u32;
+    assert!(FanIn::new(FanSide::Decode, shared(), (0..limit).map(sub)).is_ok());
+    assert_eq!(
+        FanIn::new(FanSide::Decode, shared(), (0..=limit).map(sub)),
+        Err(FanInError::TooManySubRequests)
+    );
 }
 
 /// The deliberate bug hands the shared blocks back at the first failed sub-request's own
