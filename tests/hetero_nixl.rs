@@ -145,10 +145,10 @@ fn matrix_slice_over_real_nixl_is_byte_exact() {
             Outcome::Verified,
             "{label} in memory: {in_memory:?}"
         );
-        let mut nixl_pieces = Vec::new();
+        let mut passes_over_nixl = Vec::new();
         let mut wires = |pass: usize| {
             let wire = NixlWire::new(&format!("slice{index}-pass{pass}"))?;
-            nixl_pieces.push(pass);
+            passes_over_nixl.push(pass);
             Ok(Box::new(wire) as Box<dyn Wire>)
         };
         let over_nixl = run_cell(&cell, &PASSES, 5, &mut wires);
@@ -157,7 +157,7 @@ fn matrix_slice_over_real_nixl_is_byte_exact() {
             Outcome::Verified,
             "{label} over NIXL: {over_nixl:?}"
         );
-        assert_eq!(nixl_pieces, [0, 1], "{label}: both passes ran over NIXL");
+        assert_eq!(passes_over_nixl, [0, 1], "{label}: both passes ran over NIXL");
         assert_eq!(
             over_nixl.passes, in_memory.passes,
             "{label}: same bytes and descriptors"
