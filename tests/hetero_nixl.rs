@@ -157,7 +157,11 @@ fn matrix_slice_over_real_nixl_is_byte_exact() {
             Outcome::Verified,
             "{label} over NIXL: {over_nixl:?}"
         );
-        assert_eq!(passes_over_nixl, [0, 1], "{label}: both passes ran over NIXL");
+        assert_eq!(
+            passes_over_nixl,
+            [0, 1],
+            "{label}: both passes ran over NIXL"
+        );
         assert_eq!(
             over_nixl.passes, in_memory.passes,
             "{label}: same bytes and descriptors"
