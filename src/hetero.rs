@@ -22,12 +22,14 @@
 //! assert!(stats.bytes > 0);
 //! ```
 
+pub mod demo;
 pub mod handoff;
 pub mod matrix;
 #[cfg(feature = "nixl")]
 pub mod nixl_wire;
 pub mod plan_report;
 pub mod reference;
+pub mod route;
 pub mod verify;
 pub mod vllm;
 pub mod wire;

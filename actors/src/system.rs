@@ -31,7 +31,8 @@ use actix::{Actor, Addr, AsyncContext, Recipient};
 use kvhandoff_protocol::driver::PeerInfo;
 
 pub use build::{
-    agent_name, build_mem_rank, build_rank, BuildError, KvPool, RankMemory, RegionBytes,
+    agent_name, build_mem_rank, build_rank, build_routed_rank, BuildError, KvPool, RankMemory,
+    RegionBytes, RoutedRegion, MAX_ROUTED_REGIONS,
 };
 pub use clock::process_clock;
 pub use link::LinkActor;
@@ -159,6 +160,10 @@ pub struct RankSetup<T: Transport> {
     pub info: PeerInfo,
     /// Shell tuning.
     pub shell: ShellConfig,
+    /// How the rank pairs with peers of another geometry and places their transfers; `None`:
+    /// only peers of its own per-rank layout, transfers planned from the region tables. Used
+    /// by in-process ranks (the TCP side channel still demands the same layout).
+    pub route: Option<kvhandoff_protocol::driver::SharedRoute>,
 }
 
 /// Where a rank's actors run on a [`Runtime`].
@@ -244,6 +249,7 @@ where
         transport,
         info,
         shell,
+        route,
     } = setup;
     let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
     // The rank's address exists before the rank does, so its transport actor and link can be wired
@@ -255,6 +261,7 @@ where
         info.clone(),
         rank_addr.clone().recipient(),
         shell.poll_interval,
+        route.clone(),
     ));
     let directory = match &mode {
         link::LinkMode::InProcess(directory) => Some(directory.clone()),
@@ -267,6 +274,7 @@ where
         rank_addr.clone().recipient(),
         rank_addr.clone().recipient(),
         shell.handshake_timeout,
+        route,
     )
     .start();
     if let Some(directory) = directory {

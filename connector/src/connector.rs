@@ -27,6 +27,7 @@
 //! path's inputs (pull, bidirectional turns, declines), `events` what the engine polls.
 
 mod events;
+mod fan;
 mod prepare;
 mod reads;
 mod submit;
@@ -42,6 +43,7 @@ use crate::{
 };
 #[cfg(doc)]
 use crate::{ConnectorEvent, TransferMode};
+pub use fan::RankLinks;
 use submit::LateBatch;
 
 /// One engine rank's connector.
@@ -63,6 +65,10 @@ pub struct KvConnector {
     /// see `reads.rs`).
     clock_offsets:
         std::collections::BTreeMap<kvhandoff_protocol::EngineId, (Option<i64>, std::time::Instant)>,
+    /// The other engine's ranks this rank pairs with, when the geometries differ.
+    links: Option<RankLinks>,
+    /// Multi-rank requests in progress (with `links`).
+    fans: fan::Fans,
 }
 
 impl KvConnector {
@@ -92,6 +98,8 @@ impl KvConnector {
             call_timeout: Self::CALL_TIMEOUT,
             settings,
             clock_offsets: std::collections::BTreeMap::new(),
+            links: None,
+            fans: fan::Fans::default(),
         }
     }
 

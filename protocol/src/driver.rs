@@ -13,8 +13,13 @@
 //! - a failed transfer is `WriteFailed(TransferFailed)`; bytes that do not decode are
 //!   `Malformed`; a notification from an agent the transport does not know is counted and
 //!   dropped.
+//!
+//! A rank whose peers may have another geometry (heterogeneous TP, block size, layout) carries
+//! a [`TransferRoute`]: it says which peer geometries the rank accepts at the handshake, and it
+//! gives each transfer's descriptors in place of the equal-geometry [`Planner`].
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::machine::{Endpoint, EngineEvent, NetEvent, Output, ReadOrder, WriteOrder};
 use crate::planner::{PlanInput, Planner};
@@ -74,6 +79,91 @@ impl PeerInfo {
     }
 }
 
+/// What a [`TransferRoute`] is asked to place: one write (this rank is P) or one read (this
+/// rank is the reader) with a peer.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// Whether the bytes go from this rank to the peer (a write) or come back (a read).
+    pub direction: RouteDirection,
+    /// The peer.
+    pub peer: &'a PeerInfo,
+    /// The pairing key the transfer serves.
+    pub key: &'a crate::PairingKey,
+    /// Its epoch.
+    pub epoch: crate::Epoch,
+    /// This rank's logical block ids.
+    pub local: &'a crate::BlockIds,
+    /// The peer's logical block ids.
+    pub remote: &'a crate::BlockIds,
+}
+
+/// Which way a routed transfer moves its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteDirection {
+    /// From this rank's memory into the peer's.
+    Write,
+    /// From the peer's memory into this rank's.
+    Read,
+}
+
+/// Why a [`TransferRoute`] refused a peer or a transfer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct RouteError(pub String);
+
+/// How a rank pairs with peers whose geometry differs from its own, and where the bytes of
+/// such a transfer are.
+///
+/// The equal-geometry rules (the same per-rank layout on both sides, descriptors planned from
+/// the two region tables) need no route. A heterogeneous pair does: which P rank writes which
+/// heads, layers and byte ranges of which D rank, through which staging memory, is a plan of
+/// both sides' geometries (`kvhandoff_protocol::hetero`), and only the rank's owner knows where
+/// its staging memory is. The link asks [`TransferRoute::accepts`] at the handshake (instead of
+/// demanding the same layout); the driver asks [`TransferRoute::descriptors`] for every transfer
+/// (instead of the planner). A transfer the route refuses fails as `WriteFailed(PostFailed)`,
+/// as an unplannable one always did, so the protocol's failure paths cover it.
+///
+/// ```
+/// use kvhandoff_protocol::driver::{RouteError, RouteRequest, TransferRoute};
+/// use kvhandoff_protocol::planner::Descriptor;
+/// use kvhandoff_protocol::KvGeometry;
+///
+/// /// Accepts nobody different, places nothing.
+/// struct SameOnly;
+/// impl TransferRoute for SameOnly {
+///     fn accepts(&self, own: &KvGeometry, peer: &KvGeometry) -> Result<(), RouteError> {
+///         if own == peer { Ok(()) } else { Err(RouteError("geometry differs".into())) }
+///     }
+///     fn descriptors(&self, _: &RouteRequest<'_>, _: &mut Vec<Descriptor>) -> Result<(), RouteError> {
+///         Err(RouteError("nothing to place".into()))
+///     }
+/// }
+/// ```
+pub trait TransferRoute: Send + Sync {
+    /// Whether this rank (geometry `own`) may pair with a peer of geometry `peer`; the
+    /// compatibility hash (the same model) is checked before, by the caller.
+    ///
+    /// # Errors
+    /// [`RouteError`] saying why the pair cannot work.
+    fn accepts(&self, own: &crate::KvGeometry, peer: &crate::KvGeometry)
+        -> Result<(), RouteError>;
+
+    /// Appends the descriptors of one transfer to `out` (local addresses in this rank's
+    /// registered memory, remote in the peer's).
+    ///
+    /// # Errors
+    /// [`RouteError`] for a transfer the route cannot place (its blocks are not the ones the
+    /// rank planned, an unknown key); nothing may be appended then.
+    fn descriptors(
+        &self,
+        request: &RouteRequest<'_>,
+        out: &mut Vec<Descriptor>,
+    ) -> Result<(), RouteError>;
+}
+
+/// A shared [`TransferRoute`]: the link and the transport of one rank hold the same one.
+pub type SharedRoute = Arc<dyn TransferRoute>;
+
 /// One thing the rank actor asks the transport actor to do.
 #[derive(Debug)]
 pub enum TransportOp {
@@ -119,6 +209,7 @@ pub struct TransportDriver<T: Transport> {
     specs: Vec<RegionSpec>,
     peers: BTreeMap<PeerAddr, PeerInfo>,
     planner: Planner,
+    route: Option<SharedRoute>,
     descriptors: Vec<Descriptor>,
     completions: Vec<Completion>,
     notifications: Vec<Notification>,
@@ -146,11 +237,18 @@ impl<T: Transport> TransportDriver<T> {
             specs,
             peers: BTreeMap::new(),
             planner: Planner::new(),
+            route: None,
             descriptors: Vec::new(),
             completions: Vec::new(),
             notifications: Vec::new(),
             stats: TransportStats::default(),
         }
+    }
+
+    /// Places every transfer with `route` instead of the equal-geometry planner (see
+    /// [`TransferRoute`]).
+    pub fn set_route(&mut self, route: SharedRoute) {
+        self.route = Some(route);
     }
 
     /// The transport, for what the shell sets up around it (an arrival hook).
@@ -230,6 +328,7 @@ impl<T: Transport> TransportDriver<T> {
     fn post(&mut self, order: &WriteOrder) -> Option<NetEvent> {
         let transfer = Transfer {
             id: order.write,
+            direction: RouteDirection::Write,
             peer: &order.to,
             key: &order.key,
             epoch: order.epoch,
@@ -245,6 +344,7 @@ impl<T: Transport> TransportDriver<T> {
     fn post_read(&mut self, order: &ReadOrder) -> Option<NetEvent> {
         let transfer = Transfer {
             id: order.read,
+            direction: RouteDirection::Read,
             peer: &order.from,
             key: &order.key,
             epoch: order.epoch,
@@ -272,27 +372,54 @@ impl<T: Transport> TransportDriver<T> {
             self.stats.post_failures += 1;
             return failed;
         };
-        let input = PlanInput::new(
-            &self.own.regions,
-            &peer.regions,
-            &self.specs,
-            transfer.local,
-            transfer.remote,
-            self.own.geometry.kernel_blocks_per_logical,
-        );
-        let summary = match self.planner.plan_into(&input, &mut self.descriptors) {
-            Ok(summary) => summary,
-            Err(error) => {
-                tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer plan failed");
-                self.stats.post_failures += 1;
-                return failed;
+        let summary = match &self.route {
+            Some(route) => {
+                self.descriptors.clear();
+                let request = RouteRequest {
+                    direction: transfer.direction,
+                    peer,
+                    key: transfer.key,
+                    epoch: transfer.epoch,
+                    local: transfer.local,
+                    remote: transfer.remote,
+                };
+                match route.descriptors(&request, &mut self.descriptors) {
+                    Ok(()) => (
+                        self.descriptors.len(),
+                        self.descriptors.iter().map(|d| d.len).sum::<u64>(),
+                    ),
+                    Err(error) => {
+                        self.descriptors.clear();
+                        tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer route refused");
+                        self.stats.post_failures += 1;
+                        return failed;
+                    }
+                }
+            }
+            None => {
+                let input = PlanInput::new(
+                    &self.own.regions,
+                    &peer.regions,
+                    &self.specs,
+                    transfer.local,
+                    transfer.remote,
+                    self.own.geometry.kernel_blocks_per_logical,
+                );
+                match self.planner.plan_into(&input, &mut self.descriptors) {
+                    Ok(summary) => (summary.descriptors, summary.bytes),
+                    Err(error) => {
+                        tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer plan failed");
+                        self.stats.post_failures += 1;
+                        return failed;
+                    }
+                }
             }
         };
         match post(&mut self.transport, &self.descriptors) {
             Ok(()) => {
                 self.stats.posted += 1;
-                self.stats.descriptors += summary.descriptors as u64;
-                self.stats.bytes += summary.bytes;
+                self.stats.descriptors += summary.0 as u64;
+                self.stats.bytes += summary.1;
                 None
             }
             Err(error) => {
@@ -340,6 +467,7 @@ impl<T: Transport> TransportDriver<T> {
 /// What a write and a read have in common for planning and posting.
 struct Transfer<'a> {
     id: WriteId,
+    direction: RouteDirection,
     peer: &'a PeerAddr,
     key: &'a crate::PairingKey,
     epoch: crate::Epoch,

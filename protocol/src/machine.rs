@@ -30,7 +30,7 @@ mod shape;
 mod tables;
 mod types;
 
-pub use config::{Config, ConfigError};
+pub use config::{BlockPairing, Config, ConfigError};
 pub use endpoint::{Endpoint, EndpointStats};
 pub use fan_in::{
     FanCounts, FanIn, FanInError, FanInStep, FanOutcome, FanSide, SubFailure, SubRequest,

@@ -38,6 +38,16 @@ pub(crate) struct DemoArgs {
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// A heterogeneous pair: a model of the catalog (gqa8, gqa2, mla, swa, mamba), with
+    /// `--prefill` and `--decode`. Every rank of both sides runs in this process (push only).
+    #[arg(long, requires_all = ["prefill", "decode"])]
+    model: Option<String>,
+    /// P's geometry: `tp=N,block=N,layout=NHD|HND[,kbpl=N]` (with `--model`).
+    #[arg(long, requires = "model")]
+    prefill: Option<String>,
+    /// D's geometry, the same way (with `--model`).
+    #[arg(long, requires = "model")]
+    decode: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -49,6 +59,10 @@ enum TransportArg {
 }
 
 pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
+    if let (Some(model), Some(prefill), Some(decode)) = (&args.model, &args.prefill, &args.decode)
+    {
+        return run_hetero(&args, model, prefill, decode);
+    }
     let options = DemoOptions {
         transport: match args.transport {
             TransportArg::Mem => DemoTransport::Mem,
@@ -69,4 +83,48 @@ pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
         |r| r.render_table(),
         |r| r.verdict_ok(),
     )
+}
+
+/// `demo --model M --prefill SPEC --decode SPEC`: a pair the planner refuses, or a spec that
+/// does not parse, is exit 2 with the reason (`{"error": …}` with `--json`), as `plan`'s.
+fn run_hetero(args: &DemoArgs, model: &str, prefill: &str, decode: &str) -> ExitCode {
+    use kvhandoff_cli::hetero::demo::{self as hetero, HeteroDemoOptions};
+    let refuse = |error: String| {
+        if args.json {
+            super::print_json(&serde_json::json!({ "error": error }));
+        } else {
+            eprintln!("error: {error}");
+        }
+        ExitCode::from(2)
+    };
+    if !matches!(args.mode, ModeArg::Push) {
+        return refuse("a heterogeneous pair runs push only (--mode push)".into());
+    }
+    let parse = |what: &str, text: &str| {
+        text.parse::<kvhandoff_protocol::hetero::SideSpec>()
+            .map_err(|e| format!("--{what}: {e}"))
+    };
+    let (p, d) = match (parse("prefill", prefill), parse("decode", decode)) {
+        (Ok(p), Ok(d)) => (p, d),
+        (Err(e), _) | (_, Err(e)) => return refuse(e),
+    };
+    let options = HeteroDemoOptions {
+        transport: match args.transport {
+            TransportArg::Mem => DemoTransport::Mem,
+            TransportArg::Nixl => DemoTransport::Nixl,
+        },
+        requests: args.requests as usize,
+        seed: args.seed,
+        ..HeteroDemoOptions::new(model, p, d)
+    };
+    match hetero::run(&options) {
+        Err(kvhandoff_cli::demo::DemoError::Options(why)) => refuse(why),
+        result => conclude(
+            result,
+            args.json,
+            "the demo",
+            |r| r.render_table(),
+            |r| r.verdict_ok(),
+        ),
+    }
 }

@@ -209,6 +209,9 @@ pub struct DemoReport {
     pub ok: bool,
     /// The verdict line.
     pub verdict: String,
+    /// The heterogeneous pair, for `demo --model … --prefill … --decode …` (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hetero: Option<crate::hetero::demo::HeteroSummary>,
 }
 
 impl DemoReport {
@@ -251,7 +254,7 @@ impl DemoReport {
         prefill_ok && t.kept == t.later_turns && t.kept_read + t.kept_unread == t.kept
     }
 
-    fn verdict_line(&self) -> String {
+    pub(crate) fn verdict_line(&self) -> String {
         if self.verdict_ok() {
             return format!(
                 "verdict: OK — {}/{} requests verified, 0 byte errors",

@@ -412,13 +412,33 @@ impl Handoff {
     /// A [`HandoffError`] when a job, a range or the wire fails; the arenas may then hold
     /// anything.
     pub fn run(&mut self, wire: &mut dyn Wire) -> Result<RunStats, HandoffError> {
-        let plan = self.plan.clone();
-        for (i, job) in plan.prefill_jobs.iter().enumerate() {
-            self.prefill_job(i, job)?;
-        }
+        self.run_prefill_jobs()?;
         let transfers = self.wire_transfers();
         check_no_overlap(&self.arenas, &transfers)?;
         wire.write_all(&mut self.arenas, &transfers)?;
+        self.run_decode_side()
+    }
+
+    /// P's half before the wire: its staging jobs (the transforms the plan runs on P).
+    ///
+    /// # Errors
+    /// A [`HandoffError`] when a job or a range fails.
+    pub fn run_prefill_jobs(&mut self) -> Result<(), HandoffError> {
+        let jobs = std::mem::take(&mut self.plan.prefill_jobs);
+        let result = jobs
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, job)| self.prefill_job(i, job));
+        self.plan.prefill_jobs = jobs;
+        result
+    }
+
+    /// D's half after the wire landed: its staging jobs and its tail zeroing; the run's stats.
+    ///
+    /// # Errors
+    /// A [`HandoffError`] when a job or a range fails.
+    pub fn run_decode_side(&mut self) -> Result<RunStats, HandoffError> {
+        let plan = self.plan.clone();
         for (i, job) in plan.decode_jobs.iter().enumerate() {
             self.decode_job(i, job)?;
         }
@@ -441,6 +461,14 @@ impl Handoff {
                 .sum(),
             zeroed_bytes: zeroed,
         })
+    }
+
+    /// Refuses a request whose pieces write any destination byte twice.
+    ///
+    /// # Errors
+    /// [`HandoffError::Overlap`] naming the first two.
+    pub fn check_no_overlap(&self) -> Result<(), HandoffError> {
+        check_no_overlap(&self.arenas, &self.wire_transfers())
     }
 
     /// Checks every byte (see the module documentation).

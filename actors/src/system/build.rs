@@ -214,8 +214,100 @@ pub fn build_rank<T: RankMemory>(
             transport,
             info,
             shell,
+            route: None,
         },
         pool,
+    ))
+}
+
+/// One buffer of a routed rank ([`build_routed_rank`]): where the transport registered it and
+/// the engine's byte access to it.
+#[derive(Clone)]
+pub struct RoutedRegion {
+    /// Its address in the rank's transport address space.
+    pub base: u64,
+    /// Its length in bytes.
+    pub len: u64,
+    /// The engine's access to its bytes.
+    pub bytes: Arc<dyn RegionBytes>,
+}
+
+impl std::fmt::Debug for RoutedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoutedRegion")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Most buffers one routed rank registers.
+pub const MAX_ROUTED_REGIONS: usize = 64;
+
+/// Builds a rank whose registered memory is `region_lens` buffers laid out by its owner (a
+/// heterogeneous rank's KV tensors and staging memory), with `route` placing every transfer and
+/// accepting peers of other geometries (see
+/// [`TransferRoute`](kvhandoff_protocol::driver::TransferRoute)). `geometry` is the rank's
+/// own, as its handshake advertises it; the handshake's region table lists the buffers (each
+/// one block of its whole length), so only in-process peers, which do not plan from it, can
+/// pair with the rank.
+///
+/// # Errors
+/// [`BuildError`] for an invalid geometry or configuration, no buffers, more than
+/// [`MAX_ROUTED_REGIONS`] or an empty one ([`BuildError::PoolSize`]), or a transport refusal.
+#[allow(clippy::too_many_arguments)]
+pub fn build_routed_rank<T: RankMemory>(
+    mut transport: T,
+    engine: &EngineId,
+    geometry: KvGeometry,
+    model: &ModelIdentity,
+    region_lens: &[u64],
+    config: Config,
+    shell: ShellConfig,
+    route: kvhandoff_protocol::driver::SharedRoute,
+) -> Result<(RankSetup<T>, Vec<RoutedRegion>), BuildError> {
+    geometry.validate()?;
+    if region_lens.is_empty() || region_lens.len() > MAX_ROUTED_REGIONS {
+        return Err(BuildError::PoolSize {
+            got: region_lens.len() as u64,
+            max: MAX_ROUTED_REGIONS as u64,
+        });
+    }
+    let mut regions = Vec::with_capacity(region_lens.len());
+    let mut descs = Vec::with_capacity(region_lens.len());
+    for &len in region_lens {
+        if len == 0 {
+            return Err(BuildError::PoolSize { got: 0, max: u64::MAX });
+        }
+        let (handle, bytes) = transport.allocate(len)?;
+        let AddrRange { base, len } = transport.register_region(&handle)?;
+        descs.push(RegionDesc {
+            base,
+            len,
+            num_blocks: 1,
+            block_len: len,
+        });
+        regions.push(RoutedRegion { base, len, bytes });
+    }
+    let info = PeerInfo {
+        peer: PeerAddr::new(engine.clone(), geometry.tp_rank),
+        agent: transport.agent_name().clone(),
+        metadata: transport.local_metadata()?,
+        regions: descs,
+        compat: compatibility_hash(model, &geometry),
+        geometry: geometry.clone(),
+        incarnation: Incarnation::random(),
+    };
+    let endpoint = Endpoint::new(engine.clone(), geometry.tp_rank, config)?;
+    Ok((
+        RankSetup {
+            endpoint,
+            transport,
+            info,
+            shell,
+            route: Some(route),
+        },
+        regions,
     ))
 }
 

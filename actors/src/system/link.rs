@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 use super::messages::{AddPeerAddress, Connect, Feed, Hello, LinkUp, QuerySideChannel};
 use super::side_channel::{self, HandshakeError, Local, PeerBook, PeerBookFull, SideChannelConfig};
 use super::Directory;
-use kvhandoff_protocol::driver::PeerInfo;
+use kvhandoff_protocol::driver::{PeerInfo, SharedRoute};
 use kvhandoff_protocol::machine::{ConnectFailure, NetEvent};
 use kvhandoff_protocol::PeerAddr;
 
@@ -37,6 +37,8 @@ pub struct LinkActor {
     up: Recipient<LinkUp>,
     rank: Recipient<Feed>,
     timeout: Duration,
+    /// Which peer geometries other than our own this rank pairs with (in process).
+    route: Option<SharedRoute>,
 }
 
 impl LinkActor {
@@ -47,6 +49,7 @@ impl LinkActor {
         up: Recipient<LinkUp>,
         rank: Recipient<Feed>,
         timeout: Duration,
+        route: Option<SharedRoute>,
     ) -> Self {
         let config = match &mode {
             LinkMode::InProcess(_) => SideChannelConfig::default(),
@@ -61,16 +64,32 @@ impl LinkActor {
             up,
             rank,
             timeout,
+            route,
         }
     }
 
-    /// Rules both in-process sides apply: the same model (hash) and, until heterogeneous
-    /// transfers exist, the same per-rank layout.
-    fn check_compatible(own: &PeerInfo, peer: &PeerInfo) -> Result<(), ConnectFailure> {
-        if own.compat != peer.compat || side_channel::layout_mismatch(own, peer).is_some() {
+    /// Rules both in-process sides apply: the same model (hash), and the same per-rank layout
+    /// unless the rank's [`TransferRoute`](kvhandoff_protocol::driver::TransferRoute) accepts
+    /// the peer's geometry (a heterogeneous pair it can place).
+    fn check_compatible(
+        own: &PeerInfo,
+        peer: &PeerInfo,
+        route: Option<&SharedRoute>,
+    ) -> Result<(), ConnectFailure> {
+        if own.compat != peer.compat {
             return Err(ConnectFailure::Incompatible);
         }
-        Ok(())
+        if side_channel::layout_mismatch(own, peer).is_none() {
+            return Ok(());
+        }
+        match route.map(|r| r.accepts(&own.geometry, &peer.geometry)) {
+            Some(Ok(())) => Ok(()),
+            Some(Err(error)) => {
+                tracing::warn!(peer = %peer.peer, %error, "heterogeneous peer refused");
+                Err(ConnectFailure::Incompatible)
+            }
+            None => Err(ConnectFailure::Incompatible),
+        }
     }
 
     fn refused(reason: impl Into<String>) -> ConnectFailure {
@@ -85,13 +104,14 @@ impl LinkActor {
         peer: PeerAddr,
     ) -> ResponseActFuture<Self, ()> {
         let own = self.local.info.clone();
+        let route = self.route.clone();
         let timeout = self.timeout;
         let target = peer.clone();
         let handshake = async move {
             let Some((info, remote_link)) = directory.lookup(&target) else {
                 return Err(Self::refused("peer not found"));
             };
-            Self::check_compatible(&own, &info)?;
+            Self::check_compatible(&own, &info, route.as_ref())?;
             let answer = tokio::time::timeout(timeout, remote_link.send(Hello(own)))
                 .await
                 .map_err(|_| ConnectFailure::TimedOut)?;
@@ -185,7 +205,7 @@ impl Handler<Hello> for LinkActor {
     type Result = ResponseActFuture<Self, Result<(), ConnectFailure>>;
 
     fn handle(&mut self, Hello(info): Hello, _: &mut Context<Self>) -> Self::Result {
-        let checked = Self::check_compatible(&self.local.info, &info);
+        let checked = Self::check_compatible(&self.local.info, &info, self.route.as_ref());
         let up = self.up.clone();
         let limit = self.timeout;
         let load = async move {

@@ -27,9 +27,14 @@ impl<T: Transport> TransportActor<T> {
         own: PeerInfo,
         rank: Recipient<Feed>,
         poll_interval: Duration,
+        route: Option<kvhandoff_protocol::driver::SharedRoute>,
     ) -> Self {
+        let mut driver = TransportDriver::new(transport, own);
+        if let Some(route) = route {
+            driver.set_route(route);
+        }
         TransportActor {
-            driver: TransportDriver::new(transport, own),
+            driver,
             rank,
             poll_interval,
             arrival_poll_queued: Arc::new(AtomicBool::new(false)),

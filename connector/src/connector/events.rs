@@ -10,12 +10,15 @@ use crate::ConnectorEvent;
 impl KvConnector {
     /// Everything that happened since the last call; exactly one event per request.
     pub fn poll_events(&mut self) -> Vec<ConnectorEvent> {
-        let mut events = Vec::new();
+        let mut events = std::mem::take(&mut self.fans.queued);
         if !self.late.is_empty() {
             self.settle_late(&mut events);
         }
         while let Ok(event) = self.rank.events.try_recv() {
             self.live -= 1;
+            if self.fan_event(&event, &mut events).is_some() {
+                continue;
+            }
             events.push(match event {
                 EngineEvent::Decode {
                     request,
@@ -90,6 +93,6 @@ impl KvConnector {
     /// True while a request accepted by this connector has not had its event yet, or a call's
     /// verdict is still late.
     pub fn has_pending_work(&self) -> bool {
-        self.live > 0 || !self.late.is_empty()
+        self.live > 0 || !self.late.is_empty() || !self.fans.queued.is_empty()
     }
 }

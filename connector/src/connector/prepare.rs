@@ -164,7 +164,7 @@ impl KvConnector {
     /// Where `engine`'s side channel listens, from `remote_host` and `remote_port`, for a TCP
     /// rank (it travels to the rank with the call); `None` for an in-process rank, which finds
     /// its peers by itself.
-    fn peer_address(
+    pub(super) fn peer_address(
         &self,
         engine: &EngineId,
         params: &KvTransferParams,

@@ -53,6 +53,18 @@ impl KvConnector {
         &mut self,
         calls: Vec<ConnectorCall>,
     ) -> Vec<Result<ConnectorReply, ConnectorError>> {
+        if self.links.is_some() {
+            // Each call becomes several sub-requests: one round trip per call.
+            return calls.into_iter().map(|call| self.linked_call(call)).collect();
+        }
+        self.submit_batch(calls)
+    }
+
+    /// [`KvConnector::submit`] for a rank without links: the whole batch in one round trip.
+    fn submit_batch(
+        &mut self,
+        calls: Vec<ConnectorCall>,
+    ) -> Vec<Result<ConnectorReply, ConnectorError>> {
         let mut results = Vec::with_capacity(calls.len());
         let mut inputs = Vec::with_capacity(calls.len());
         let mut addresses = Vec::new();
@@ -164,6 +176,39 @@ impl KvConnector {
         self.late = still_late;
     }
 
+    /// Engine inputs built by the connector itself (a multi-rank request's sub-requests, or
+    /// the aborts of its siblings), in one round trip: each input's verdict, in order. A late
+    /// batch is settled as [`KvConnector::submit`]'s are (acceptances of starts count as live).
+    ///
+    /// # Errors
+    /// [`ConnectorError::Unavailable`] when the batch never reached the runtime;
+    /// [`ConnectorError::VerdictLate`] when it did but its verdicts are late.
+    pub(super) fn call_inputs(
+        &mut self,
+        inputs: Vec<EngineCall>,
+        addresses: Vec<AddPeerAddress>,
+    ) -> Result<Verdicts, ConnectorError> {
+        let pending: Vec<(Option<RequestId>, bool)> = inputs
+            .iter()
+            .map(|input| match input {
+                EngineCall::DecodeAllocated(start) => (Some(start.request.clone()), true),
+                EngineCall::PrefillFinished(start) => (Some(start.request.clone()), true),
+                _ => (None, false),
+            })
+            .collect();
+        match self.call_batch(inputs, addresses) {
+            Ok(verdicts) => Ok(verdicts),
+            Err(Late::NotSent) => Err(ConnectorError::Unavailable),
+            Err(Late::NoVerdict(verdicts)) => {
+                self.late.push(LateBatch {
+                    verdicts,
+                    inputs: pending,
+                });
+                Err(ConnectorError::VerdictLate)
+            }
+        }
+    }
+
     /// One call, through [`KvConnector::submit`].
     pub(super) fn call_one(
         &mut self,
@@ -172,5 +217,46 @@ impl KvConnector {
         self.submit(vec![call])
             .pop()
             .unwrap_or(Err(ConnectorError::Unavailable))
+    }
+
+    /// One call on a rank with links: push requests split into pair sub-requests, aborts of
+    /// multi-rank requests abort every sub-request; everything else as without links.
+    fn linked_call(&mut self, call: ConnectorCall) -> Result<ConnectorReply, ConnectorError> {
+        let Some(links) = self.links.clone() else {
+            return self
+                .submit_batch(vec![call])
+                .pop()
+                .unwrap_or(Err(ConnectorError::Unavailable));
+        };
+        match call {
+            ConnectorCall::RequestAllocated {
+                request,
+                blocks,
+                num_tokens,
+                params,
+            } => self
+                .fan_allocated(&links, &request, blocks, num_tokens, &params)
+                .map(|()| ConnectorReply::Accepted),
+            ConnectorCall::RequestFinished { .. } => match self.prepare(call)? {
+                (EngineCall::PrefillFinished(start), _, reply) => {
+                    self.fan_finished(&links, start).map(|()| reply)
+                }
+                _ => Err(ConnectorError::Unsupported(
+                    "pull between engines of different geometries",
+                )),
+            },
+            ConnectorCall::Abort { request } if self.is_fan(&request) => {
+                self.abort_fan(&request).map(|()| ConnectorReply::Accepted)
+            }
+            ConnectorCall::KeepForNextTurn { .. }
+            | ConnectorCall::NextTurnAllocated { .. }
+            | ConnectorCall::DeclineExport { .. } => Err(ConnectorError::Unsupported(
+                "bidirectional turns between engines of different geometries",
+            )),
+            other @ (ConnectorCall::Abort { .. } | ConnectorCall::Shutdown) => self
+                .submit_batch(vec![other])
+                .pop()
+                .unwrap_or(Err(ConnectorError::Unavailable)),
+        }
     }
 }

@@ -70,6 +70,28 @@ pub struct Config {
     /// Most blocks one read covers (single-group imports): a failed read then loses only its
     /// own blocks, and the engine recomputes from the first one that did not arrive.
     pub read_chunk_blocks: u32,
+    /// How P pairs its blocks with the ones D registered (see [`BlockPairing`]).
+    pub block_pairing: BlockPairing,
+}
+
+/// How P pairs its finished blocks with the blocks D registered before it writes.
+///
+/// ```
+/// use kvhandoff_protocol::machine::{BlockPairing, Config};
+/// assert_eq!(Config::default().block_pairing, BlockPairing::TailAligned);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum BlockPairing {
+    /// Both sides count blocks of the same size (the same logical block on P and D): P
+    /// writes its last blocks, as many per group as D registered (D caches the prefix of the
+    /// rest), and refuses (`PlanMismatch`) a registration with more blocks than it holds.
+    #[default]
+    TailAligned,
+    /// The sides' blocks differ in size (a heterogeneous pair): the counts say nothing about
+    /// each other, so P hands its whole list and D's to the transfer route, whose plan of the
+    /// pair aligns them by tokens. P still refuses a registration whose group count differs
+    /// from its own, or with no blocks.
+    AsGiven,
 }
 
 impl Default for Config {
@@ -98,6 +120,7 @@ impl Default for Config {
             max_peers: 1024,
             max_queued_per_peer: 1024,
             read_chunk_blocks: 64,
+            block_pairing: BlockPairing::TailAligned,
         }
     }
 }

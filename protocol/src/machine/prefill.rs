@@ -22,7 +22,7 @@ use crate::{
 use super::effects::{Outbox, Step};
 use super::shape::Machine;
 use super::types::{DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder};
-use super::{ActiveMutation, Config, Mutation};
+use super::{ActiveMutation, BlockPairing, Config, Mutation};
 use crate::{PeerAddr, WriteId};
 
 /// What every state of a P request knows.
@@ -167,9 +167,17 @@ fn cancel_ack(key: &PairingKey, epoch: Epoch, rank: u32) -> Message {
 
 /// Pairs P's blocks with D's, tail-aligned per group: when D registered fewer blocks (it
 /// already caches a prefix), P sends its last ones. `None` if they cannot be paired.
-pub(crate) fn pair_blocks(local: &BlockIds, remote: &BlockIds) -> Option<BlockIds> {
+pub(crate) fn pair_blocks(
+    local: &BlockIds,
+    remote: &BlockIds,
+    pairing: BlockPairing,
+) -> Option<BlockIds> {
     if local.groups.len() != remote.groups.len() || remote.is_empty() {
         return None;
+    }
+    match pairing {
+        BlockPairing::TailAligned => {}
+        BlockPairing::AsGiven => return Some(local.clone()),
     }
     let mut trimmed = Vec::with_capacity(local.groups.len());
     for (ours, theirs) in local.groups.iter().zip(&remote.groups) {
@@ -281,7 +289,11 @@ impl Held {
         register: Register,
         fx: &mut Outbox,
     ) -> PrefillStep {
-        let Some(local) = pair_blocks(&self.common.blocks, &register.blocks) else {
+        let Some(local) = pair_blocks(
+            &self.common.blocks,
+            &register.blocks,
+            ctx.config.block_pairing,
+        ) else {
             fx.send(
                 &from,
                 write_failed(

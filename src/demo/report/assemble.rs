@@ -170,6 +170,7 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
         errors,
         ok: false,
         verdict: String::new(),
+        hetero: None,
     };
     if report.timed_out {
         let missing = report.outcomes.missing + report.prefill_outcomes.missing;

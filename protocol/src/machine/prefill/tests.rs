@@ -17,7 +17,7 @@ use crate::machine::shape::Machine;
 use crate::machine::types::{
     Counters, DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder,
 };
-use crate::machine::Config;
+use crate::machine::{BlockPairing, Config};
 use crate::{PeerAddr, WriteId};
 
 fn ms(n: u64) -> Time {
@@ -1353,7 +1353,7 @@ fn pair_blocks_is_tail_aligned() {
         ),
     ];
     for (local, remote, expected) in table {
-        let paired = pair_blocks(&local, &remote);
+        let paired = pair_blocks(&local, &remote, BlockPairing::TailAligned);
         assert_eq!(paired, expected, "pair_blocks({local:?}, {remote:?})");
         if let Some(paired) = paired {
             let lens = |b: &BlockIds| b.groups.iter().map(Vec::len).collect::<Vec<_>>();
@@ -1363,5 +1363,10 @@ fn pair_blocks_is_tail_aligned() {
                 "one local block per remote block"
             );
         }
+        // A heterogeneous pair's plan aligns the lists by tokens: P hands its whole list,
+        // whatever D's count (more blocks than P's too), and still refuses what no plan pairs.
+        let as_given = pair_blocks(&local, &remote, BlockPairing::AsGiven);
+        let pairable = local.groups.len() == remote.groups.len() && !remote.is_empty();
+        assert_eq!(as_given, pairable.then(|| local.clone()), "as given: {local:?}, {remote:?}");
     }
 }

@@ -1,0 +1,442 @@
+//! Multi-rank requests: when the two engines' geometries differ, one engine request on this
+//! rank becomes one 1:1 sub-request per (P rank → D rank) pair it takes part in, each under its
+//! pair's key ([`PairingKey::for_pair`]), and a [`FanIn`] folds their events back into the one
+//! event the engine expects.
+//!
+//! - D side ([`KvConnector::request_allocated`] with [`RankLinks`] set): this rank registers its
+//!   blocks with every P rank that writes to it; the request is `BlocksReady` only when every
+//!   pair's write landed. After a failure the live siblings are aborted at once (each cancels
+//!   at its own P rank), and the engine gets `Failed` only when every pair handed the blocks
+//!   back, with the most cautious proof among them.
+//! - P side ([`KvConnector::request_finished`]): one held request per D rank this rank writes;
+//!   `BlocksFree` once every pair let the blocks go. A P rank that writes to no D rank (a
+//!   replica under GQA replication) gets `BlocksFree` at once.
+//!
+//! Push only: a pull or bidirectional call with links set is refused as unsupported.
+
+use std::collections::BTreeMap;
+
+use kvhandoff_protocol::hetero::{PairPlan, SideName};
+use kvhandoff_protocol::machine::{
+    DecodeFailure, DecodeStart, EngineCall, EngineEvent, FanIn, FanInStep, FanOutcome, FanSide,
+    FreeProof, PrefillStart, ReleaseCause, SubFailure, SubRequest,
+};
+use kvhandoff_protocol::{BlockIds, EngineId, PairingKey, PeerAddr, RequestId};
+
+use super::KvConnector;
+use crate::params::{epoch, pairing_key};
+use crate::{ConnectorError, ConnectorEvent, KvTransferParams, TransferMode};
+
+/// The ranks of the other engine this rank exchanges every request's KV with, when the two
+/// engines' geometries differ (a heterogeneous pair, planned by
+/// [`plan_pair`](kvhandoff_protocol::hetero::plan_pair)).
+///
+/// ```
+/// use kvhandoff::RankLinks;
+/// use kvhandoff_protocol::hetero::{model, plan_pair, SideSpec};
+/// let gqa8 = model("gqa8").unwrap();
+/// let p: SideSpec = "tp=2,block=16,layout=NHD".parse().unwrap();
+/// let d: SideSpec = "tp=4,block=16,layout=NHD".parse().unwrap();
+/// let plan = plan_pair(gqa8, p, d).unwrap();
+/// // D rank 3 holds heads 6..8, all on P rank 1.
+/// assert_eq!(RankLinks::decode(&plan, 3).unwrap().peers, vec![1]);
+/// // P rank 0 holds heads 0..4: D ranks 0 and 1.
+/// assert_eq!(RankLinks::prefill(&plan, 0).unwrap().peers, vec![0, 1]);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankLinks {
+    /// This rank's side of the pair.
+    pub side: SideName,
+    /// The other engine's TP size (what the router's `tp_size` must say on D).
+    pub remote_tp: u32,
+    /// The other engine's ranks this rank exchanges with, ascending (D: the P ranks writing to
+    /// it; P: the D ranks it writes to; empty for a P replica that writes nothing).
+    pub peers: Vec<u32>,
+}
+
+impl RankLinks {
+    /// D rank `rank`'s links in `plan`.
+    ///
+    /// # Errors
+    /// [`ConnectorError::InvalidParam`] for a rank outside D's, and
+    /// [`ConnectorError::Unsupported`] for a side with pipeline stages (ranks are named by TP
+    /// rank alone on the wire).
+    pub fn decode(plan: &PairPlan, rank: u32) -> Result<RankLinks, ConnectorError> {
+        Self::for_rank(plan, SideName::Decode, rank)
+    }
+
+    /// P rank `rank`'s links in `plan` (see [`RankLinks::decode`]).
+    ///
+    /// # Errors
+    /// As [`RankLinks::decode`].
+    pub fn prefill(plan: &PairPlan, rank: u32) -> Result<RankLinks, ConnectorError> {
+        Self::for_rank(plan, SideName::Prefill, rank)
+    }
+
+    /// TP rank `rank` of `side`'s links in `plan` (see [`RankLinks::decode`]).
+    ///
+    /// # Errors
+    /// As [`RankLinks::decode`].
+    pub fn for_rank(
+        plan: &PairPlan,
+        side: SideName,
+        rank: u32,
+    ) -> Result<RankLinks, ConnectorError> {
+        if plan.prefill.spec.pp != 1 || plan.decode.spec.pp != 1 {
+            return Err(ConnectorError::Unsupported(
+                "heterogeneous pairs with pipeline stages in the runtime",
+            ));
+        }
+        let (own, other) = match side {
+            SideName::Prefill => (&plan.prefill, &plan.decode),
+            SideName::Decode => (&plan.decode, &plan.prefill),
+        };
+        let index = own
+            .ranks
+            .iter()
+            .position(|r| r.rank.tp == rank)
+            .ok_or_else(|| ConnectorError::InvalidParam {
+                name: "rank",
+                why: format!("{side} has no TP rank {rank}"),
+            })?;
+        let mut peers: Vec<u32> = match side {
+            SideName::Prefill => plan
+                .links_from(index)
+                .map(|(_, l)| plan.decode.ranks[l.decode].rank.tp)
+                .collect(),
+            SideName::Decode => plan
+                .links_into(index)
+                .map(|(_, l)| plan.prefill.ranks[l.prefill].rank.tp)
+                .collect(),
+        };
+        peers.sort_unstable();
+        peers.dedup();
+        Ok(RankLinks {
+            side,
+            remote_tp: other.spec.tp,
+            peers,
+        })
+    }
+}
+
+/// One multi-rank request in progress on this rank.
+pub(super) struct Fan {
+    fan: FanIn,
+    /// The most cautious proof among the sub-requests handed back so far (D).
+    proof: FreeProof,
+}
+
+/// The fan-in bookkeeping of a connector.
+#[derive(Default)]
+pub(super) struct Fans {
+    /// By the engine's request id.
+    fans: BTreeMap<RequestId, Fan>,
+    /// Sub-request id → the engine's request id.
+    parents: BTreeMap<RequestId, RequestId>,
+    /// Events decided without the rank (a P replica's), delivered on the next poll.
+    pub(super) queued: Vec<ConnectorEvent>,
+}
+
+/// The id of `request`'s sub-request for the pair (P rank `p` → D rank `d`).
+fn sub_id(request: &RequestId, p: u32, d: u32) -> Result<RequestId, ConnectorError> {
+    RequestId::new(format!("{request}#p{p}d{d}"))
+        .map_err(|e| ConnectorError::invalid("request id", e))
+}
+
+impl KvConnector {
+    /// Makes this rank split every push request into one sub-request per pair of ranks in
+    /// `links` (see the module documentation of `fan`). Set it before the first request.
+    ///
+    /// # Errors
+    /// [`ConnectorError::InvalidParam`] when `links` are for the other side than this rank's
+    /// role cannot be told here; a link list longer than the other engine's TP size is refused.
+    pub fn set_links(&mut self, links: RankLinks) -> Result<(), ConnectorError> {
+        if links.peers.len() > links.remote_tp as usize
+            || links.peers.iter().any(|&p| p >= links.remote_tp)
+        {
+            return Err(ConnectorError::InvalidParam {
+                name: "links",
+                why: format!(
+                    "peers {:?} are not ranks of a TP {} engine",
+                    links.peers, links.remote_tp
+                ),
+            });
+        }
+        self.links = Some(links);
+        Ok(())
+    }
+
+    /// The links set with [`KvConnector::set_links`].
+    pub fn links(&self) -> Option<&RankLinks> {
+        self.links.as_ref()
+    }
+
+    /// D's push request as one sub-request per P rank writing to this rank.
+    pub(super) fn fan_allocated(
+        &mut self,
+        links: &RankLinks,
+        request: &RequestId,
+        blocks: BlockIds,
+        num_tokens: u64,
+        params: &KvTransferParams,
+    ) -> Result<(), ConnectorError> {
+        if links.side != SideName::Decode {
+            return Err(ConnectorError::Unsupported(
+                "request_allocated on a rank linked as P",
+            ));
+        }
+        if params.transfer_mode()? != TransferMode::Push {
+            return Err(ConnectorError::Unsupported(
+                "pull between engines of different geometries",
+            ));
+        }
+        if !params.do_remote_prefill {
+            return Err(ConnectorError::InvalidParam {
+                name: "do_remote_prefill",
+                why: "must be true for a request whose prefill ran remotely".into(),
+            });
+        }
+        let tp = params.tp_size.ok_or(ConnectorError::MissingParam("tp_size"))?;
+        if tp != links.remote_tp {
+            return Err(ConnectorError::InvalidParam {
+                name: "tp_size",
+                why: format!("P runs TP {}, this rank is linked to TP {tp}", links.remote_tp),
+            });
+        }
+        let engine = params
+            .remote_engine_id
+            .as_deref()
+            .ok_or(ConnectorError::MissingParam("remote_engine_id"))?;
+        let engine =
+            EngineId::new(engine).map_err(|e| ConnectorError::invalid("remote_engine_id", e))?;
+        let address = self.peer_address(&engine, params)?;
+        let key = pairing_key(request, params)?;
+        let epoch = epoch(params)?;
+        let d = self.identity.rank;
+        let mut subs = Vec::with_capacity(links.peers.len());
+        let mut calls = Vec::with_capacity(links.peers.len());
+        for &p in &links.peers {
+            let sub = SubRequest {
+                request: sub_id(request, p, d)?,
+                key: pair_key(&key, p, d)?,
+            };
+            calls.push(EngineCall::DecodeAllocated(DecodeStart {
+                request: sub.request.clone(),
+                key: sub.key.clone(),
+                epoch,
+                prefill: PeerAddr::new(engine.clone(), p),
+                blocks: blocks.clone(),
+                num_tokens,
+                expected_writes: 1,
+            }));
+            subs.push(sub);
+        }
+        self.start_fan(FanSide::Decode, request, blocks, subs, calls, address)
+    }
+
+    /// P's push request as one held sub-request per D rank this rank writes to.
+    pub(super) fn fan_finished(
+        &mut self,
+        links: &RankLinks,
+        start: PrefillStart,
+    ) -> Result<(), ConnectorError> {
+        if links.side != SideName::Prefill {
+            return Err(ConnectorError::Unsupported(
+                "request_finished on a rank linked as D",
+            ));
+        }
+        let PrefillStart {
+            request,
+            key,
+            blocks,
+        } = start;
+        let p = self.identity.rank;
+        if links.peers.is_empty() {
+            // A replica: its D ranks get every byte from other P ranks.
+            self.fans.queued.push(ConnectorEvent::BlocksFree {
+                request,
+                released: None,
+                blocks,
+            });
+            return Ok(());
+        }
+        let mut subs = Vec::with_capacity(links.peers.len());
+        let mut calls = Vec::with_capacity(links.peers.len());
+        for &d in &links.peers {
+            let sub = SubRequest {
+                request: sub_id(&request, p, d)?,
+                key: pair_key(&key, p, d)?,
+            };
+            calls.push(EngineCall::PrefillFinished(PrefillStart {
+                request: sub.request.clone(),
+                key: sub.key.clone(),
+                blocks: blocks.clone(),
+            }));
+            subs.push(sub);
+        }
+        self.start_fan(FanSide::Prefill, &request, blocks, subs, calls, None)
+    }
+
+    fn start_fan(
+        &mut self,
+        side: FanSide,
+        request: &RequestId,
+        blocks: BlockIds,
+        subs: Vec<SubRequest>,
+        calls: Vec<EngineCall>,
+        address: Option<kvhandoff_actors::system::AddPeerAddress>,
+    ) -> Result<(), ConnectorError> {
+        if self.fans.fans.contains_key(request)
+            || subs.iter().any(|s| self.fans.parents.contains_key(&s.request))
+        {
+            return Err(ConnectorError::Rejected(
+                kvhandoff_protocol::machine::Rejected::DuplicateRequest(request.clone()),
+            ));
+        }
+        let ids: Vec<RequestId> = subs.iter().map(|s| s.request.clone()).collect();
+        let mut fan = FanIn::new(side, blocks, subs).map_err(|e| ConnectorError::InvalidParam {
+            name: "links",
+            why: e.to_string(),
+        })?;
+        let verdicts = self.call_inputs(calls, address.into_iter().collect())?;
+        let accepted = verdicts.iter().filter(|v| v.is_ok()).count();
+        if accepted == 0 {
+            // Nothing was exposed to any peer rank: the engine keeps its blocks.
+            let first = verdicts.into_iter().find_map(Result::err);
+            return Err(first.map_or(ConnectorError::Unavailable, ConnectorError::from));
+        }
+        self.live += accepted as i64;
+        let mut steps = Vec::new();
+        for (id, verdict) in ids.iter().zip(&verdicts) {
+            if verdict.is_err() {
+                if let Ok(step) = fan.not_started(id) {
+                    steps.push(step);
+                }
+            }
+        }
+        for id in &ids {
+            self.fans.parents.insert(id.clone(), request.clone());
+        }
+        self.fans.fans.insert(
+            request.clone(),
+            Fan {
+                fan,
+                proof: FreeProof::NeverExposed,
+            },
+        );
+        let mut events = Vec::new();
+        for step in steps {
+            self.apply_step(request, step, &mut events);
+        }
+        self.fans.queued.extend(events);
+        Ok(())
+    }
+
+    /// Feeds a sub-request's terminal event to its fan; `None` when `event` is not a
+    /// sub-request's (the caller turns it into the engine's event as usual).
+    pub(super) fn fan_event(
+        &mut self,
+        event: &EngineEvent,
+        events: &mut Vec<ConnectorEvent>,
+    ) -> Option<()> {
+        let sub = match event {
+            EngineEvent::Decode { request, .. } | EngineEvent::Prefill { request, .. } => request,
+            EngineEvent::Export { .. } | EngineEvent::Import { .. } => return None,
+        };
+        let parent = self.fans.parents.get(sub)?.clone();
+        let fan = self.fans.fans.get_mut(&parent)?;
+        if let EngineEvent::Decode { proof, .. } = event {
+            fan.proof = fan.proof.max(*proof);
+        }
+        match fan.fan.on_event(event) {
+            Ok(step) => self.apply_step(&parent, step, events),
+            Err(error) => {
+                tracing::error!(request = %parent, %sub, %error, "sub-request event out of place");
+            }
+        }
+        Some(())
+    }
+
+    /// Aborts what `step` names, and hands the request back to the engine when it says so.
+    fn apply_step(&mut self, parent: &RequestId, step: FanInStep, events: &mut Vec<ConnectorEvent>) {
+        if !step.abort.is_empty() {
+            let calls = step
+                .abort
+                .iter()
+                .map(|request| EngineCall::Abort {
+                    request: request.clone(),
+                })
+                .collect();
+            // A refused abort means the sub-request ended meanwhile: its event is on its way.
+            if let Err(error) = self.call_inputs(calls, Vec::new()) {
+                tracing::warn!(request = %parent, %error, "aborting sibling sub-requests");
+            }
+        }
+        let Some(blocks) = step.hand_back else {
+            return;
+        };
+        let Some(fan) = self.fans.fans.remove(parent) else {
+            return;
+        };
+        self.fans.parents.retain(|_, p| p != parent);
+        let request = parent.clone();
+        events.push(match (fan.fan.side(), fan.fan.outcome()) {
+            (FanSide::Decode, Some(FanOutcome::Ready)) => {
+                ConnectorEvent::BlocksReady { request, blocks }
+            }
+            (FanSide::Decode, failed) => ConnectorEvent::Failed {
+                request,
+                reason: match failed {
+                    Some(FanOutcome::Failed {
+                        failure: SubFailure::Decode(reason),
+                        ..
+                    }) => *reason,
+                    _ => DecodeFailure::Aborted,
+                },
+                proof: fan.proof,
+                blocks,
+            },
+            (FanSide::Prefill, outcome) => ConnectorEvent::BlocksFree {
+                request,
+                released: match outcome {
+                    Some(FanOutcome::Ready) => None,
+                    Some(FanOutcome::Failed {
+                        failure: SubFailure::Prefill(cause),
+                        ..
+                    }) => Some(*cause),
+                    _ => Some(ReleaseCause::Aborted),
+                },
+                blocks,
+            },
+        });
+    }
+
+    /// Whether `request` is a multi-rank request in progress here.
+    pub(super) fn is_fan(&self, request: &RequestId) -> bool {
+        self.fans.fans.contains_key(request)
+    }
+
+    /// Aborts every live sub-request of the multi-rank request `request`.
+    pub(super) fn abort_fan(&mut self, request: &RequestId) -> Result<(), ConnectorError> {
+        let Some(fan) = self.fans.fans.get_mut(request) else {
+            return Err(ConnectorError::Rejected(
+                kvhandoff_protocol::machine::Rejected::UnknownRequest(request.clone()),
+            ));
+        };
+        let calls: Vec<EngineCall> = fan
+            .fan
+            .abort_all()
+            .into_iter()
+            .map(|request| EngineCall::Abort { request })
+            .collect();
+        if calls.is_empty() {
+            return Ok(());
+        }
+        self.call_inputs(calls, Vec::new()).map(|_| ())
+    }
+}
+
+fn pair_key(key: &PairingKey, p: u32, d: u32) -> Result<PairingKey, ConnectorError> {
+    key.for_pair(p, d)
+        .map_err(|e| ConnectorError::invalid("transfer_id", e))
+}

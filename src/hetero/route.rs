@@ -1,0 +1,235 @@
+//! [`PlannedRoute`]: the [`TransferRoute`] of one rank of a heterogeneous pair in the
+//! in-process demo.
+//!
+//! It accepts exactly the other engine's rank geometries of its [`PairPlan`], and places each
+//! write by its pairing key: the owner (the demo's P engine) files the descriptors of a
+//! sub-request's link before it calls `request_finished`, together with the block ids they were
+//! planned for; the route hands them to the driver only for a write whose own and registered
+//! block ids are exactly those. Whatever else comes (an unknown key, D's registration naming
+//! other blocks, a read) is refused, and the protocol fails the write (`PostFailed`).
+//!
+//! Why filed ahead rather than planned at post time: the link's pieces need D's staging
+//! addresses, which an in-process demo knows but a registration does not carry yet (the
+//! cross-process route is the next step, see `docs/compatibility.md`).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use kvhandoff_protocol::driver::{RouteDirection, RouteError, RouteRequest, TransferRoute};
+use kvhandoff_protocol::hetero::{PairPlan, SideName};
+use kvhandoff_protocol::planner::Descriptor;
+use kvhandoff_protocol::{BlockIds, KvGeometry, PairingKey};
+
+/// Most writes filed and not yet posted on one rank.
+pub const MAX_FILED: usize = 4096;
+
+/// One write filed ahead of its post.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Filed {
+    local: BlockIds,
+    remote: BlockIds,
+    descriptors: Vec<Descriptor>,
+}
+
+/// The route of one rank of a heterogeneous pair (see the module documentation).
+#[derive(Debug)]
+pub struct PlannedRoute {
+    /// The peer geometries this rank pairs with: the other side's ranks.
+    peers: Vec<KvGeometry>,
+    side: SideName,
+    filed: Mutex<BTreeMap<PairingKey, Filed>>,
+}
+
+impl PlannedRoute {
+    /// The route of a rank of `side` in `pair`.
+    pub fn new(pair: &PairPlan, side: SideName) -> PlannedRoute {
+        let other = match side {
+            SideName::Prefill => &pair.decode,
+            SideName::Decode => &pair.prefill,
+        };
+        PlannedRoute {
+            peers: other.ranks.iter().map(|r| r.geometry.clone()).collect(),
+            side,
+            filed: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Files the descriptors of the write under `key`, planned for P's `local` and D's `remote`
+    /// block ids.
+    ///
+    /// # Errors
+    /// A key filed already, or [`MAX_FILED`] writes waiting.
+    pub fn file(
+        &self,
+        key: PairingKey,
+        local: BlockIds,
+        remote: BlockIds,
+        descriptors: Vec<Descriptor>,
+    ) -> Result<(), RouteError> {
+        let mut filed = self.lock()?;
+        if filed.len() >= MAX_FILED {
+            return Err(RouteError(format!("{MAX_FILED} writes filed and not posted")));
+        }
+        if filed.contains_key(&key) {
+            return Err(RouteError(format!("{key} is filed already")));
+        }
+        filed.insert(
+            key,
+            Filed {
+                local,
+                remote,
+                descriptors,
+            },
+        );
+        Ok(())
+    }
+
+    /// Drops what is filed under `key` (a request that ended without its write).
+    pub fn withdraw(&self, key: &PairingKey) {
+        if let Ok(mut filed) = self.filed.lock() {
+            filed.remove(key);
+        }
+    }
+
+    /// Writes filed and not posted.
+    pub fn pending(&self) -> usize {
+        self.filed.lock().map_or(0, |f| f.len())
+    }
+
+    fn lock(
+        &self,
+    ) -> Result<std::sync::MutexGuard<'_, BTreeMap<PairingKey, Filed>>, RouteError> {
+        self.filed
+            .lock()
+            .map_err(|_| RouteError("the route's table is poisoned".into()))
+    }
+}
+
+impl TransferRoute for PlannedRoute {
+    fn accepts(&self, own: &KvGeometry, peer: &KvGeometry) -> Result<(), RouteError> {
+        if self.peers.iter().any(|g| g == peer) {
+            return Ok(());
+        }
+        Err(RouteError(format!(
+            "a {} rank (TP {} rank {}) pairs only with the planned ranks of the other engine, \
+             not with TP {} rank {} of block {} and layout {:?}",
+            self.side,
+            own.tp_size,
+            own.tp_rank,
+            peer.tp_size,
+            peer.tp_rank,
+            peer.kernel_block_size,
+            peer.layout
+        )))
+    }
+
+    fn descriptors(
+        &self,
+        request: &RouteRequest<'_>,
+        out: &mut Vec<Descriptor>,
+    ) -> Result<(), RouteError> {
+        if request.direction != RouteDirection::Write || self.side != SideName::Prefill {
+            return Err(RouteError(
+                "only P's writes are routed between different geometries".into(),
+            ));
+        }
+        let mut filed = self.lock()?;
+        let Some(entry) = filed.get(request.key) else {
+            return Err(RouteError(format!("nothing is filed for {}", request.key)));
+        };
+        if &entry.local != request.local || &entry.remote != request.remote {
+            return Err(RouteError(format!(
+                "{}: the write names other blocks than were planned",
+                request.key
+            )));
+        }
+        if let Some(entry) = filed.remove(request.key) {
+            out.extend_from_slice(&entry.descriptors);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvhandoff_protocol::driver::PeerInfo;
+    use kvhandoff_protocol::hetero::{model, plan_pair};
+    use kvhandoff_protocol::{AgentName, CompatHash, EngineId, Epoch, Incarnation, PeerAddr};
+
+    fn pair() -> PairPlan {
+        plan_pair(
+            model("gqa8").unwrap(),
+            "tp=1,block=16,layout=NHD".parse().unwrap(),
+            "tp=2,block=32,layout=HND".parse().unwrap(),
+        )
+        .unwrap()
+    }
+
+    fn peer(geometry: KvGeometry) -> PeerInfo {
+        PeerInfo {
+            peer: PeerAddr::new(EngineId::new("decode").unwrap(), geometry.tp_rank),
+            agent: AgentName::new("decode-rank0").unwrap(),
+            metadata: Vec::new(),
+            regions: Vec::new(),
+            geometry,
+            compat: CompatHash([0; 32]),
+            incarnation: Incarnation::random(),
+        }
+    }
+
+    #[test]
+    fn accepts_only_the_planned_geometries() {
+        let pair = pair();
+        let route = PlannedRoute::new(&pair, SideName::Prefill);
+        let own = &pair.prefill.ranks[0].geometry;
+        for d in &pair.decode.ranks {
+            route.accepts(own, &d.geometry).unwrap();
+        }
+        let mut other = pair.decode.ranks[0].geometry.clone();
+        other.kernel_block_size = 64;
+        assert!(route.accepts(own, &other).is_err());
+    }
+
+    #[test]
+    fn places_a_filed_write_once_and_only_for_its_blocks() {
+        let pair = pair();
+        let route = PlannedRoute::new(&pair, SideName::Prefill);
+        let key = PairingKey::new("k#p0d1").unwrap();
+        let (p, d) = (BlockIds::single_group(vec![1, 2]), BlockIds::single_group(vec![7]));
+        let descriptor = Descriptor {
+            local_addr: 10,
+            remote_addr: 20,
+            len: 30,
+        };
+        route
+            .file(key.clone(), p.clone(), d.clone(), vec![descriptor])
+            .unwrap();
+        assert!(route
+            .file(key.clone(), p.clone(), d.clone(), Vec::new())
+            .is_err());
+        let info = peer(pair.decode.ranks[1].geometry.clone());
+        let ask = |local: &BlockIds, remote: &BlockIds, out: &mut Vec<Descriptor>| {
+            route.descriptors(
+                &RouteRequest {
+                    direction: RouteDirection::Write,
+                    peer: &info,
+                    key: &key,
+                    epoch: Epoch::FIRST,
+                    local,
+                    remote,
+                },
+                out,
+            )
+        };
+        let mut out = Vec::new();
+        // A registration naming other blocks is refused, and nothing is appended.
+        assert!(ask(&p, &BlockIds::single_group(vec![8]), &mut out).is_err());
+        assert!(out.is_empty());
+        ask(&p, &d, &mut out).unwrap();
+        assert_eq!(out, vec![descriptor]);
+        // Placed once: a second post of the key finds nothing.
+        assert!(ask(&p, &d, &mut out).is_err());
+        assert_eq!(route.pending(), 0);
+    }
+}
