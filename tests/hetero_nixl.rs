@@ -184,3 +184,34 @@ fn matrix_slice_over_real_nixl_is_byte_exact() {
         );
     }
 }
+
+/// The heterogeneous demo over NIXL: one agent per rank of both engines, each request split
+/// into pair sub-requests by the connectors and moved by the lease protocol as real NIXL
+/// WRITEs into the ranks' registered memory, then every byte checked in D's geometry.
+#[test]
+fn demo_pairs_over_real_nixl_hand_off_through_the_lease_protocol() {
+    use kvhandoff_cli::demo::DemoTransport;
+    use kvhandoff_cli::hetero::demo::{run, HeteroDemoOptions};
+    for (model, p, d) in [
+        ("gqa8", "tp=2,block=16,layout=NHD", "tp=4,block=32,layout=HND"),
+        ("mla", "tp=4,block=16,layout=NHD", "tp=2,block=64,layout=NHD"),
+        ("mamba", "tp=1,block=16,layout=HND", "tp=2,block=16,layout=NHD"),
+    ] {
+        let options = HeteroDemoOptions {
+            transport: DemoTransport::Nixl,
+            requests: 6,
+            ..HeteroDemoOptions::new(model, p.parse().unwrap(), d.parse().unwrap())
+        };
+        let report = run(&options).unwrap();
+        assert!(report.ok, "{model} {p} -> {d}: {}", report.verdict);
+        assert_eq!(report.transport, "nixl");
+        assert_eq!(report.verified, 6);
+        assert_eq!(report.bytes, report.expected_bytes);
+        println!(
+            "{model} {p} -> {d}: {} requests, {} sub-requests, {} bytes over NIXL",
+            report.requests,
+            report.hetero.as_ref().map_or(0, |h| h.sub_requests),
+            report.bytes
+        );
+    }
+}

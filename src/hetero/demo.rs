@@ -83,6 +83,19 @@ pub struct HeteroDemoOptions {
     pub max_prompt_tokens: u64,
     /// The whole run's limit (default 60 s).
     pub timeout: Duration,
+    /// TEST ONLY: a deliberate fault in the middle request, which the run must report.
+    #[doc(hidden)]
+    pub fault: Option<HeteroFault>,
+}
+
+/// A deliberate fault of the heterogeneous demo (tests show that the report catches each).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeteroFault {
+    /// P files nothing for the request's first link: its write is refused (`PostFailed`).
+    UnfiledLink,
+    /// One piece of the request's first non-empty link lands one row off.
+    ShiftedPiece,
 }
 
 impl HeteroDemoOptions {
@@ -97,6 +110,7 @@ impl HeteroDemoOptions {
             seed: 1,
             max_prompt_tokens: 600,
             timeout: Duration::from_secs(60),
+            fault: None,
         }
     }
 }
@@ -371,7 +385,8 @@ where
             tally.error(format!("request {r} and later: not started, the run timed out"));
             break;
         }
-        if let Err(error) = one_request(r, h, &pair, &mut ranks, &mut rng, deadline, &mut tally) {
+        let fault = options.fault.filter(|_| r == options.requests / 2);
+        if let Err(error) = one_request(r, h, &pair, &mut ranks, &mut rng, deadline, fault, &mut tally) {
             tally.error(format!("request {r}: {error}"));
         }
     }
@@ -451,6 +466,7 @@ enum Ended {
 }
 
 /// Runs request `r` over every rank (see the module documentation).
+#[allow(clippy::too_many_arguments)]
 fn one_request(
     r: usize,
     h: &mut Handoff,
@@ -458,6 +474,7 @@ fn one_request(
     ranks: &mut [Rank],
     rng: &mut rand_chacha::ChaCha8Rng,
     deadline: Instant,
+    fault: Option<HeteroFault>,
     tally: &mut Tally,
 ) -> Result<(), String> {
     let request = RequestId::new(format!("req-{r}")).map_err(|e| e.to_string())?;
@@ -473,7 +490,7 @@ fn one_request(
                 .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.tp))?;
         }
     }
-    file_routes(h, pair, ranks, &key)?;
+    file_routes(h, pair, ranks, &key, fault)?;
     tally.descriptors += h.plan.descriptors() as u64;
 
     // Every rank's call, in a seeded order.
@@ -657,6 +674,7 @@ fn file_routes(
     pair: &PairPlan,
     ranks: &[Rank],
     key: &PairingKey,
+    fault: Option<HeteroFault>,
 ) -> Result<(), String> {
     let find = |side: SideName, index: usize| {
         ranks
@@ -679,6 +697,18 @@ fn file_routes(
                 len: piece.len,
             });
         }
+    }
+    match fault {
+        Some(HeteroFault::UnfiledLink) => {
+            by_link.remove(&0);
+        }
+        Some(HeteroFault::ShiftedPiece) => {
+            let row = pair.model.row_bytes();
+            if let Some(d) = by_link.values_mut().find_map(|d| d.first_mut()) {
+                d.remote_addr += row;
+            }
+        }
+        None => {}
     }
     for (l, descriptors) in by_link {
         let link = &pair.links[l];

@@ -163,6 +163,35 @@ impl DemoReport {
             ),
             ("wall time", format!("{:.1} ms", self.wall_ms)),
         ];
+        if let Some(h) = &self.hetero {
+            lines.push((
+                "pair",
+                format!(
+                    "{}: P {} ({} ranks) -> D {} ({} ranks); {} links, {} idle P ranks",
+                    h.model,
+                    h.prefill,
+                    h.prefill_ranks,
+                    h.decode,
+                    h.decode_ranks,
+                    h.links,
+                    h.idle_prefill_ranks
+                ),
+            ));
+            lines.push((
+                "pair work",
+                format!(
+                    "{} sub-requests, {} descriptors, staging jobs P {} / D {}, {} zeroed",
+                    h.sub_requests,
+                    h.descriptors,
+                    h.prefill_jobs,
+                    h.decode_jobs,
+                    human_bytes(h.zeroed_bytes)
+                ),
+            ));
+            for (i, t) in h.transforms.iter().enumerate() {
+                lines.push((if i == 0 { "transforms" } else { "" }, t.clone()));
+            }
+        }
         for (i, e) in self.errors.iter().take(5).enumerate() {
             lines.push((if i == 0 { "errors" } else { "" }, e.clone()));
         }

@@ -1,0 +1,191 @@
+//! The heterogeneous demo end to end on the in-memory transport: every rank of a pair of
+//! different geometries in one runtime, each request split into pair sub-requests by the
+//! connectors, moved by the lease protocol and checked byte for byte in D's geometry. Then
+//! deliberate faults, each of which the report must catch, and the CLI's refusals.
+
+use std::process::Command;
+
+use kvhandoff_cli::demo::{DemoError, DemoReport};
+use kvhandoff_cli::hetero::demo::{run, HeteroDemoOptions, HeteroFault};
+
+fn options(model: &str, prefill: &str, decode: &str, requests: usize) -> HeteroDemoOptions {
+    HeteroDemoOptions {
+        requests,
+        ..HeteroDemoOptions::new(model, prefill.parse().unwrap(), decode.parse().unwrap())
+    }
+}
+
+fn ok(report: &DemoReport) {
+    assert!(
+        report.ok,
+        "{}\n{:?}",
+        report.verdict,
+        report.errors.first()
+    );
+    assert_eq!(report.verified, report.requests);
+    assert_eq!(report.bytes, report.expected_bytes);
+}
+
+/// The cells of the NIXL slice and more, each a pair of engines that differ in TP, block size,
+/// layout or cache kind: every request ready, every byte right, every block back.
+#[test]
+fn pairs_of_different_geometries_hand_off_over_the_lease_protocol() {
+    let cells = [
+        ("gqa8", "tp=2,block=16,layout=NHD", "tp=4,block=16,layout=NHD"),
+        ("gqa8", "tp=4,block=16,layout=NHD", "tp=1,block=16,layout=NHD"),
+        ("gqa8", "tp=1,block=16,layout=HND", "tp=1,block=64,layout=HND"),
+        ("gqa8", "tp=2,block=64,layout=NHD", "tp=2,block=16,layout=HND"),
+        ("swa", "tp=2,block=16,layout=NHD", "tp=4,block=32,layout=HND"),
+        ("mla", "tp=4,block=16,layout=NHD", "tp=2,block=64,layout=NHD"),
+        ("gqa2", "tp=2,block=16,layout=NHD", "tp=8,block=16,layout=NHD"),
+        ("mamba", "tp=4,block=16,layout=NHD", "tp=2,block=16,layout=NHD"),
+    ];
+    for (model, p, d) in cells {
+        let report = run(&options(model, p, d, 12)).unwrap();
+        ok(&report);
+        let h = report.hetero.as_ref().unwrap();
+        assert_eq!(h.sub_requests, 2 * u64::from(h.links) * report.requests);
+        assert!(h.descriptors > 0, "{model} {p} -> {d}");
+    }
+}
+
+/// Replicated heads: P at TP 8 over 2 KV heads has 6 ranks that write nothing (each gets its
+/// blocks back at once), and D at TP 1 waits for the 2 that do.
+#[test]
+fn replica_ranks_write_nothing_and_get_their_blocks_back() {
+    let report = run(&options(
+        "gqa2",
+        "tp=8,block=32,layout=HND",
+        "tp=1,block=16,layout=NHD",
+        10,
+    ))
+    .unwrap();
+    ok(&report);
+    let h = report.hetero.unwrap();
+    assert_eq!((h.links, h.idle_prefill_ranks), (2, 6));
+    assert_eq!(report.events.prefill, report.requests);
+}
+
+/// Both races happen between the ranks of a request: P's endpoints count registrations that
+/// came before their prefill finished and after.
+#[test]
+fn both_races_are_run() {
+    let report = run(&options(
+        "gqa8",
+        "tp=2,block=16,layout=NHD",
+        "tp=4,block=32,layout=HND",
+        24,
+    ))
+    .unwrap();
+    ok(&report);
+    assert!(report.races.decode_registers_first > 0, "{:?}", report.races);
+    assert!(report.races.prefill_finishes_first > 0, "{:?}", report.races);
+}
+
+/// A link whose write cannot be placed fails its sub-request (`PostFailed`): the D rank it
+/// feeds fails the request, the P rank releases its blocks, every rank still gets its one
+/// event, nothing leaks, and the other requests are untouched.
+#[test]
+fn an_unplaced_link_fails_its_request_cleanly() {
+    let mut o = options("gqa8", "tp=2,block=16,layout=NHD", "tp=4,block=16,layout=NHD", 6);
+    o.fault = Some(HeteroFault::UnfiledLink);
+    let report = run(&o).unwrap();
+    assert!(!report.ok);
+    assert_eq!(report.outcomes.failed, 1, "{:?}", report.outcomes);
+    assert_eq!(report.prefill_outcomes.released, 1);
+    assert_eq!(report.outcomes.ready, report.requests - 1);
+    assert_eq!(report.verified, report.requests - 1);
+    assert_eq!(report.byte_errors, 0);
+    assert_eq!(report.outcomes.missing + report.prefill_outcomes.missing, 0);
+    assert_eq!(report.leaked_blocks.prefill + report.leaked_blocks.decode, 0);
+    assert!(
+        report.errors.iter().any(|e| e.contains("PostFailed")),
+        "{:?}",
+        report.errors
+    );
+}
+
+/// One piece landing one row off is caught by the byte check.
+#[test]
+fn a_misplaced_piece_is_caught_by_the_byte_check() {
+    let mut o = options("gqa8", "tp=1,block=16,layout=NHD", "tp=2,block=32,layout=HND", 4);
+    o.fault = Some(HeteroFault::ShiftedPiece);
+    let report = run(&o).unwrap();
+    assert!(!report.ok);
+    // The request's protocol side went through: the fault is in the bytes alone.
+    assert_eq!(report.outcomes.ready, report.requests);
+    assert_eq!(report.verified, report.requests - 1);
+    assert!(report.byte_errors > 0);
+}
+
+#[test]
+fn pairs_the_planner_refuses_are_option_errors() {
+    for (model, p, d) in [
+        ("gqa8", "tp=3,block=16,layout=NHD", "tp=1,block=16,layout=NHD"),
+        ("gqa8", "tp=1,block=16,layout=NHD,pp=2", "tp=1,block=16,layout=NHD"),
+        ("nope", "tp=1,block=16,layout=NHD", "tp=1,block=16,layout=NHD"),
+    ] {
+        let o = HeteroDemoOptions::new(
+            model,
+            p.parse().unwrap_or_else(|_| "tp=1,block=16,layout=NHD".parse().unwrap()),
+            d.parse().unwrap(),
+        );
+        match run(&o) {
+            Err(DemoError::Options(why)) => assert!(!why.is_empty()),
+            other => panic!("{model} {p}: {other:?}"),
+        }
+    }
+}
+
+fn demo(args: &[&str]) -> (Option<i32>, serde_json::Value) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
+        .arg("demo")
+        .args(args)
+        .arg("--json")
+        .output()
+        .expect("the binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code(), json)
+}
+
+#[test]
+fn the_cli_runs_a_pair_and_refuses_bad_ones_with_exit_2() {
+    let (code, json) = demo(&[
+        "--model",
+        "mla",
+        "--prefill",
+        "tp=2,block=16,layout=NHD",
+        "--decode",
+        "tp=4,block=64,layout=HND",
+        "--requests",
+        "6",
+    ]);
+    assert_eq!(code, Some(0), "{json}");
+    assert_eq!(json["ok"], true);
+    assert_eq!(json["verified"], 6);
+    assert_eq!(json["hetero"]["model"], "mla");
+    // The report's keys are the demo's.
+    for key in ["races", "outcomes", "prefill_outcomes", "bytes", "leaked_blocks", "verdict"] {
+        assert!(json.get(key).is_some(), "{key}");
+    }
+    for bad in [
+        ["--model", "gqa8", "--prefill", "tp=3,block=16,layout=NHD", "--decode", "tp=1,block=16,layout=NHD"],
+        ["--model", "gqa8", "--prefill", "tp=1,block=16,layout=XYZ", "--decode", "tp=1,block=16,layout=NHD"],
+        ["--model", "gqa8", "--prefill", "tp=1,block=16,layout=NHD", "--decode", "tp=0,block=16,layout=NHD"],
+    ] {
+        let (code, json) = demo(&bad);
+        assert_eq!(code, Some(2), "{bad:?}: {json}");
+        assert!(json["error"].as_str().is_some_and(|e| !e.is_empty()), "{json}");
+    }
+    let (code, json) = demo(&[
+        "--model", "gqa8", "--prefill", "tp=1,block=16,layout=NHD", "--decode",
+        "tp=2,block=16,layout=NHD", "--mode", "pull",
+    ]);
+    assert_eq!(code, Some(2), "{json}");
+}
