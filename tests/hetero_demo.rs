@@ -16,12 +16,7 @@ fn options(model: &str, prefill: &str, decode: &str, requests: usize) -> HeteroD
 }
 
 fn ok(report: &DemoReport) {
-    assert!(
-        report.ok,
-        "{}\n{:?}",
-        report.verdict,
-        report.errors.first()
-    );
+    assert!(report.ok, "{}\n{:?}", report.verdict, report.errors.first());
     assert_eq!(report.verified, report.requests);
     assert_eq!(report.bytes, report.expected_bytes);
 }
@@ -31,14 +26,46 @@ fn ok(report: &DemoReport) {
 #[test]
 fn pairs_of_different_geometries_hand_off_over_the_lease_protocol() {
     let cells = [
-        ("gqa8", "tp=2,block=16,layout=NHD", "tp=4,block=16,layout=NHD"),
-        ("gqa8", "tp=4,block=16,layout=NHD", "tp=1,block=16,layout=NHD"),
-        ("gqa8", "tp=1,block=16,layout=HND", "tp=1,block=64,layout=HND"),
-        ("gqa8", "tp=2,block=64,layout=NHD", "tp=2,block=16,layout=HND"),
-        ("swa", "tp=2,block=16,layout=NHD", "tp=4,block=32,layout=HND"),
-        ("mla", "tp=4,block=16,layout=NHD", "tp=2,block=64,layout=NHD"),
-        ("gqa2", "tp=2,block=16,layout=NHD", "tp=8,block=16,layout=NHD"),
-        ("mamba", "tp=4,block=16,layout=NHD", "tp=2,block=16,layout=NHD"),
+        (
+            "gqa8",
+            "tp=2,block=16,layout=NHD",
+            "tp=4,block=16,layout=NHD",
+        ),
+        (
+            "gqa8",
+            "tp=4,block=16,layout=NHD",
+            "tp=1,block=16,layout=NHD",
+        ),
+        (
+            "gqa8",
+            "tp=1,block=16,layout=HND",
+            "tp=1,block=64,layout=HND",
+        ),
+        (
+            "gqa8",
+            "tp=2,block=64,layout=NHD",
+            "tp=2,block=16,layout=HND",
+        ),
+        (
+            "swa",
+            "tp=2,block=16,layout=NHD",
+            "tp=4,block=32,layout=HND",
+        ),
+        (
+            "mla",
+            "tp=4,block=16,layout=NHD",
+            "tp=2,block=64,layout=NHD",
+        ),
+        (
+            "gqa2",
+            "tp=2,block=16,layout=NHD",
+            "tp=8,block=16,layout=NHD",
+        ),
+        (
+            "mamba",
+            "tp=4,block=16,layout=NHD",
+            "tp=2,block=16,layout=NHD",
+        ),
     ];
     for (model, p, d) in cells {
         let report = run(&options(model, p, d, 12)).unwrap();
@@ -78,8 +105,16 @@ fn both_races_are_run() {
     ))
     .unwrap();
     ok(&report);
-    assert!(report.races.decode_registers_first > 0, "{:?}", report.races);
-    assert!(report.races.prefill_finishes_first > 0, "{:?}", report.races);
+    assert!(
+        report.races.decode_registers_first > 0,
+        "{:?}",
+        report.races
+    );
+    assert!(
+        report.races.prefill_finishes_first > 0,
+        "{:?}",
+        report.races
+    );
 }
 
 /// A link whose write cannot be placed fails its sub-request (`PostFailed`): the D rank it
@@ -87,7 +122,12 @@ fn both_races_are_run() {
 /// event, nothing leaks, and the other requests are untouched.
 #[test]
 fn an_unplaced_link_fails_its_request_cleanly() {
-    let mut o = options("gqa8", "tp=2,block=16,layout=NHD", "tp=4,block=16,layout=NHD", 6);
+    let mut o = options(
+        "gqa8",
+        "tp=2,block=16,layout=NHD",
+        "tp=4,block=16,layout=NHD",
+        6,
+    );
     o.fault = Some(HeteroFault::UnfiledLink);
     let report = run(&o).unwrap();
     assert!(!report.ok);
@@ -97,7 +137,10 @@ fn an_unplaced_link_fails_its_request_cleanly() {
     assert_eq!(report.verified, report.requests - 1);
     assert_eq!(report.byte_errors, 0);
     assert_eq!(report.outcomes.missing + report.prefill_outcomes.missing, 0);
-    assert_eq!(report.leaked_blocks.prefill + report.leaked_blocks.decode, 0);
+    assert_eq!(
+        report.leaked_blocks.prefill + report.leaked_blocks.decode,
+        0
+    );
     assert!(
         report.errors.iter().any(|e| e.contains("PostFailed")),
         "{:?}",
@@ -108,7 +151,12 @@ fn an_unplaced_link_fails_its_request_cleanly() {
 /// One piece landing one row off is caught by the byte check.
 #[test]
 fn a_misplaced_piece_is_caught_by_the_byte_check() {
-    let mut o = options("gqa8", "tp=1,block=16,layout=NHD", "tp=2,block=32,layout=HND", 4);
+    let mut o = options(
+        "gqa8",
+        "tp=1,block=16,layout=NHD",
+        "tp=2,block=32,layout=HND",
+        4,
+    );
     o.fault = Some(HeteroFault::ShiftedPiece);
     let report = run(&o).unwrap();
     assert!(!report.ok);
@@ -121,13 +169,26 @@ fn a_misplaced_piece_is_caught_by_the_byte_check() {
 #[test]
 fn pairs_the_planner_refuses_are_option_errors() {
     for (model, p, d) in [
-        ("gqa8", "tp=3,block=16,layout=NHD", "tp=1,block=16,layout=NHD"),
-        ("gqa8", "tp=1,block=16,layout=NHD,pp=2", "tp=1,block=16,layout=NHD"),
-        ("nope", "tp=1,block=16,layout=NHD", "tp=1,block=16,layout=NHD"),
+        (
+            "gqa8",
+            "tp=3,block=16,layout=NHD",
+            "tp=1,block=16,layout=NHD",
+        ),
+        (
+            "gqa8",
+            "tp=1,block=16,layout=NHD,pp=2",
+            "tp=1,block=16,layout=NHD",
+        ),
+        (
+            "nope",
+            "tp=1,block=16,layout=NHD",
+            "tp=1,block=16,layout=NHD",
+        ),
     ] {
         let o = HeteroDemoOptions::new(
             model,
-            p.parse().unwrap_or_else(|_| "tp=1,block=16,layout=NHD".parse().unwrap()),
+            p.parse()
+                .unwrap_or_else(|_| "tp=1,block=16,layout=NHD".parse().unwrap()),
             d.parse().unwrap(),
         );
         match run(&o) {
@@ -171,21 +232,94 @@ fn the_cli_runs_a_pair_and_refuses_bad_ones_with_exit_2() {
     assert_eq!(json["verified"], 6);
     assert_eq!(json["hetero"]["model"], "mla");
     // The report's keys are the demo's.
-    for key in ["races", "outcomes", "prefill_outcomes", "bytes", "leaked_blocks", "verdict"] {
+    for key in [
+        "races",
+        "outcomes",
+        "prefill_outcomes",
+        "bytes",
+        "leaked_blocks",
+        "verdict",
+    ] {
         assert!(json.get(key).is_some(), "{key}");
     }
     for bad in [
-        ["--model", "gqa8", "--prefill", "tp=3,block=16,layout=NHD", "--decode", "tp=1,block=16,layout=NHD"],
-        ["--model", "gqa8", "--prefill", "tp=1,block=16,layout=XYZ", "--decode", "tp=1,block=16,layout=NHD"],
-        ["--model", "gqa8", "--prefill", "tp=1,block=16,layout=NHD", "--decode", "tp=0,block=16,layout=NHD"],
+        [
+            "--model",
+            "gqa8",
+            "--prefill",
+            "tp=3,block=16,layout=NHD",
+            "--decode",
+            "tp=1,block=16,layout=NHD",
+        ],
+        [
+            "--model",
+            "gqa8",
+            "--prefill",
+            "tp=1,block=16,layout=XYZ",
+            "--decode",
+            "tp=1,block=16,layout=NHD",
+        ],
+        [
+            "--model",
+            "gqa8",
+            "--prefill",
+            "tp=1,block=16,layout=NHD",
+            "--decode",
+            "tp=0,block=16,layout=NHD",
+        ],
     ] {
         let (code, json) = demo(&bad);
         assert_eq!(code, Some(2), "{bad:?}: {json}");
-        assert!(json["error"].as_str().is_some_and(|e| !e.is_empty()), "{json}");
+        assert!(
+            json["error"].as_str().is_some_and(|e| !e.is_empty()),
+            "{json}"
+        );
     }
     let (code, json) = demo(&[
-        "--model", "gqa8", "--prefill", "tp=1,block=16,layout=NHD", "--decode",
-        "tp=2,block=16,layout=NHD", "--mode", "pull",
+        "--model",
+        "gqa8",
+        "--prefill",
+        "tp=1,block=16,layout=NHD",
+        "--decode",
+        "tp=2,block=16,layout=NHD",
+        "--mode",
+        "pull",
     ]);
     assert_eq!(code, Some(2), "{json}");
+}
+
+/// D aborts a multi-rank request after registering and before any P rank finished: its
+/// connector aborts the sub-request at every P rank that writes to it, and hands the blocks
+/// back only when each has settled. Every rank gets its one event, nothing leaks, and the P
+/// ranks that wrote to it release their blocks unsent.
+#[test]
+fn a_decode_abort_settles_every_pair_before_the_blocks_go_back() {
+    let mut o = options(
+        "gqa2",
+        "tp=4,block=16,layout=NHD",
+        "tp=1,block=32,layout=HND",
+        5,
+    );
+    o.fault = Some(HeteroFault::DecodeAborts);
+    let report = run(&o).unwrap();
+    assert!(!report.ok);
+    assert_eq!(report.outcomes.failed, 1, "{:?}", report.outcomes);
+    assert_eq!(report.outcomes.ready, report.requests - 1);
+    assert_eq!(
+        report.prefill_outcomes.released, 1,
+        "{:?}",
+        report.prefill_outcomes
+    );
+    assert_eq!(report.outcomes.missing + report.prefill_outcomes.missing, 0);
+    assert_eq!(
+        report.leaked_blocks.prefill + report.leaked_blocks.decode,
+        0
+    );
+    assert_eq!(report.events.decode, report.requests);
+    assert_eq!(report.events.duplicates + report.events.unknown, 0);
+    assert!(
+        report.errors.iter().any(|e| e.contains("Aborted")),
+        "{:?}",
+        report.errors
+    );
 }

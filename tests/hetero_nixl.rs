@@ -193,9 +193,21 @@ fn demo_pairs_over_real_nixl_hand_off_through_the_lease_protocol() {
     use kvhandoff_cli::demo::DemoTransport;
     use kvhandoff_cli::hetero::demo::{run, HeteroDemoOptions};
     for (model, p, d) in [
-        ("gqa8", "tp=2,block=16,layout=NHD", "tp=4,block=32,layout=HND"),
-        ("mla", "tp=4,block=16,layout=NHD", "tp=2,block=64,layout=NHD"),
-        ("mamba", "tp=1,block=16,layout=HND", "tp=2,block=16,layout=NHD"),
+        (
+            "gqa8",
+            "tp=2,block=16,layout=NHD",
+            "tp=4,block=32,layout=HND",
+        ),
+        (
+            "mla",
+            "tp=4,block=16,layout=NHD",
+            "tp=2,block=64,layout=NHD",
+        ),
+        (
+            "mamba",
+            "tp=1,block=16,layout=HND",
+            "tp=2,block=16,layout=NHD",
+        ),
     ] {
         let options = HeteroDemoOptions {
             transport: DemoTransport::Nixl,

@@ -145,8 +145,7 @@ pub trait TransferRoute: Send + Sync {
     ///
     /// # Errors
     /// [`RouteError`] saying why the pair cannot work.
-    fn accepts(&self, own: &crate::KvGeometry, peer: &crate::KvGeometry)
-        -> Result<(), RouteError>;
+    fn accepts(&self, own: &crate::KvGeometry, peer: &crate::KvGeometry) -> Result<(), RouteError>;
 
     /// Appends the descriptors of one transfer to `out` (local addresses in this rank's
     /// registered memory, remote in the peer's).

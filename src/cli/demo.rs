@@ -59,8 +59,7 @@ enum TransportArg {
 }
 
 pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
-    if let (Some(model), Some(prefill), Some(decode)) = (&args.model, &args.prefill, &args.decode)
-    {
+    if let (Some(model), Some(prefill), Some(decode)) = (&args.model, &args.prefill, &args.decode) {
         return run_hetero(&args, model, prefill, decode);
     }
     let options = DemoOptions {

@@ -211,7 +211,7 @@ pub struct DemoReport {
     pub verdict: String,
     /// The heterogeneous pair, for `demo --model … --prefill … --decode …` (absent otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hetero: Option<crate::hetero::demo::HeteroSummary>,
+    pub hetero: Option<Box<crate::hetero::demo::HeteroSummary>>,
 }
 
 impl DemoReport {

@@ -31,8 +31,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvhandoff::{
-    ConnectorEvent, ConnectorIdentity, ConnectorSettings, KvConnector, KvTransferParams,
-    RankLinks, Runtime,
+    ConnectorEvent, ConnectorIdentity, ConnectorSettings, KvConnector, KvTransferParams, RankLinks,
+    Runtime,
 };
 use kvhandoff_actors::system::{
     agent_name, build_routed_rank, RankMemory, RankOptions, RoutedRegion, ShellConfig,
@@ -50,8 +50,8 @@ use serde::Serialize;
 use super::handoff::{Handoff, RequestShape};
 use super::route::PlannedRoute;
 use crate::demo::{
-    DemoError, DemoReport, DemoTransport, EventCounts, GeometrySummary, Latency, Leaks,
-    Outcomes, PrefillOutcomes, Races, ReportRole, TurnCounts,
+    DemoError, DemoReport, DemoTransport, EventCounts, GeometrySummary, Latency, Leaks, Outcomes,
+    PrefillOutcomes, Races, ReportRole, TurnCounts,
 };
 use crate::stats::percentile;
 
@@ -96,6 +96,9 @@ pub enum HeteroFault {
     UnfiledLink,
     /// One piece of the request's first non-empty link lands one row off.
     ShiftedPiece,
+    /// D's first rank aborts the request after every D rank registered and before any P rank
+    /// finished.
+    DecodeAborts,
 }
 
 impl HeteroDemoOptions {
@@ -230,7 +233,9 @@ fn mem_run(
         .flat_map(|(_, lens)| lens.iter())
         .sum();
     let fabric = MemFabric::with_limits(MemLimits {
-        max_fabric_bytes: total.saturating_mul(2).max(MemLimits::default().max_fabric_bytes),
+        max_fabric_bytes: total
+            .saturating_mul(2)
+            .max(MemLimits::default().max_fabric_bytes),
         ..MemLimits::default()
     });
     let agents = std::cell::RefCell::new(Vec::new());
@@ -382,11 +387,15 @@ where
     for (r, h) in handoffs.iter_mut().enumerate() {
         if Instant::now() >= deadline {
             tally.timed_out = true;
-            tally.error(format!("request {r} and later: not started, the run timed out"));
+            tally.error(format!(
+                "request {r} and later: not started, the run timed out"
+            ));
             break;
         }
         let fault = options.fault.filter(|_| r == options.requests / 2);
-        if let Err(error) = one_request(r, h, &pair, &mut ranks, &mut rng, deadline, fault, &mut tally) {
+        if let Err(error) = one_request(
+            r, h, &pair, &mut ranks, &mut rng, deadline, fault, &mut tally,
+        ) {
             tally.error(format!("request {r}: {error}"));
         }
     }
@@ -398,7 +407,10 @@ where
                 tally.races.prefill_finishes_first += c.prefill_finished_first;
             }
         } else {
-            tally.error(format!("{} rank {}: counters did not come back", rank.side, rank.tp));
+            tally.error(format!(
+                "{} rank {}: counters did not come back",
+                rank.side, rank.tp
+            ));
         }
         if rank.route.pending() > 0 {
             tally.error(format!(
@@ -416,7 +428,9 @@ where
     };
     drop(ranks);
     runtime.shutdown();
-    Ok(report(options, &pair, &handoffs, tally, bytes, window, wall, transport))
+    Ok(report(
+        options, &pair, &handoffs, tally, bytes, window, wall, transport,
+    ))
 }
 
 /// What the run saw.
@@ -496,9 +510,24 @@ fn one_request(
     // Every rank's call, in a seeded order.
     let mut order: Vec<usize> = (0..ranks.len()).collect();
     order.shuffle(rng);
+    let abort = fault == Some(HeteroFault::DecodeAborts);
+    if abort {
+        // Every D rank registers first, so that the abort below comes before any write.
+        order.sort_by_key(|&i| ranks[i].side == SideName::Prefill);
+    }
     let mut called: BTreeMap<(SideName, u32), usize> = BTreeMap::new();
     let tokens = h.shape.tokens;
     for (turn, &i) in order.iter().enumerate() {
+        if abort
+            && ranks[i].side == SideName::Prefill
+            && !called.keys().any(|k| k.0 == SideName::Prefill)
+        {
+            if let Some(rank) = ranks.iter_mut().find(|r| r.side == SideName::Decode) {
+                if let Err(error) = rank.conn.abort(&request) {
+                    tally.error(format!("request {r}: D rank {} abort: {error}", rank.tp));
+                }
+            }
+        }
         let rank = &mut ranks[i];
         let result = match rank.side {
             SideName::Prefill => rank
@@ -526,7 +555,10 @@ fn one_request(
             ),
         };
         if let Err(error) = result {
-            tally.error(format!("request {r}: {} rank {}: {error}", rank.side, rank.tp));
+            tally.error(format!(
+                "request {r}: {} rank {}: {error}",
+                rank.side, rank.tp
+            ));
         }
         called.insert((rank.side, rank.tp), turn);
     }
@@ -534,7 +566,10 @@ fn one_request(
     for link in &pair.links {
         let p = pair.prefill.ranks[link.prefill].rank.tp;
         let d = pair.decode.ranks[link.decode].rank.tp;
-        match (called.get(&(SideName::Prefill, p)), called.get(&(SideName::Decode, d))) {
+        match (
+            called.get(&(SideName::Prefill, p)),
+            called.get(&(SideName::Decode, d)),
+        ) {
             (Some(a), Some(b)) if b < a => tally.call_order.decode_registers_first += 1,
             (Some(_), Some(_)) => tally.call_order.prefill_finishes_first += 1,
             _ => {}
@@ -576,7 +611,10 @@ fn one_request(
                     },
                     other => {
                         tally.unknown += 1;
-                        tally.error(format!("{} rank {}: unexpected {other:?}", rank.side, rank.tp));
+                        tally.error(format!(
+                            "{} rank {}: unexpected {other:?}",
+                            rank.side, rank.tp
+                        ));
                         continue;
                     }
                 };
@@ -593,7 +631,8 @@ fn one_request(
             std::thread::sleep(Duration::from_micros(200));
         }
     }
-    tally.latencies_us
+    tally
+        .latencies_us
         .push(both_called.elapsed().as_secs_f64() * 1e6);
     let mut all_ready = true;
     let mut all_sent = true;
@@ -687,7 +726,10 @@ fn file_routes(
         (0..pair.links.len()).map(|l| (l, Vec::new())).collect();
     for t in &h.plan.transfers {
         let link = &pair.links[t.link];
-        let (p, d) = (find(SideName::Prefill, link.prefill)?, find(SideName::Decode, link.decode)?);
+        let (p, d) = (
+            find(SideName::Prefill, link.prefill)?,
+            find(SideName::Decode, link.decode)?,
+        );
         let (src, dst) = (&p.regions[slot(t.src_space)], &d.regions[slot(t.dst_space)]);
         let out = by_link.entry(t.link).or_default();
         for piece in &t.pieces {
@@ -702,13 +744,13 @@ fn file_routes(
         Some(HeteroFault::UnfiledLink) => {
             by_link.remove(&0);
         }
+        Some(HeteroFault::DecodeAborts) | None => {}
         Some(HeteroFault::ShiftedPiece) => {
             let row = pair.model.row_bytes();
             if let Some(d) = by_link.values_mut().find_map(|d| d.first_mut()) {
                 d.remote_addr += row;
             }
         }
-        None => {}
     }
     for (l, descriptors) in by_link {
         let link = &pair.links[l];
@@ -813,7 +855,11 @@ fn report(
         leaked_blocks: t.leaks,
         pool_blocks: handoffs
             .iter()
-            .map(|h| h.prefill_memory.pool_blocks.max(h.decode_memory.pool_blocks))
+            .map(|h| {
+                h.prefill_memory
+                    .pool_blocks
+                    .max(h.decode_memory.pool_blocks)
+            })
             .max()
             .unwrap_or(0),
         geometry: GeometrySummary {
@@ -837,7 +883,7 @@ fn report(
         errors: t.errors,
         ok: false,
         verdict: String::new(),
-        hetero: Some(summary),
+        hetero: Some(Box::new(summary)),
     };
     report.ok = report.verdict_ok();
     report.verdict = report.verdict_line();

@@ -68,7 +68,9 @@ impl PlannedRoute {
     ) -> Result<(), RouteError> {
         let mut filed = self.lock()?;
         if filed.len() >= MAX_FILED {
-            return Err(RouteError(format!("{MAX_FILED} writes filed and not posted")));
+            return Err(RouteError(format!(
+                "{MAX_FILED} writes filed and not posted"
+            )));
         }
         if filed.contains_key(&key) {
             return Err(RouteError(format!("{key} is filed already")));
@@ -96,9 +98,7 @@ impl PlannedRoute {
         self.filed.lock().map_or(0, |f| f.len())
     }
 
-    fn lock(
-        &self,
-    ) -> Result<std::sync::MutexGuard<'_, BTreeMap<PairingKey, Filed>>, RouteError> {
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, BTreeMap<PairingKey, Filed>>, RouteError> {
         self.filed
             .lock()
             .map_err(|_| RouteError("the route's table is poisoned".into()))
@@ -196,7 +196,10 @@ mod tests {
         let pair = pair();
         let route = PlannedRoute::new(&pair, SideName::Prefill);
         let key = PairingKey::new("k#p0d1").unwrap();
-        let (p, d) = (BlockIds::single_group(vec![1, 2]), BlockIds::single_group(vec![7]));
+        let (p, d) = (
+            BlockIds::single_group(vec![1, 2]),
+            BlockIds::single_group(vec![7]),
+        );
         let descriptor = Descriptor {
             local_addr: 10,
             remote_addr: 20,

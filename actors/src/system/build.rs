@@ -277,7 +277,10 @@ pub fn build_routed_rank<T: RankMemory>(
     let mut descs = Vec::with_capacity(region_lens.len());
     for &len in region_lens {
         if len == 0 {
-            return Err(BuildError::PoolSize { got: 0, max: u64::MAX });
+            return Err(BuildError::PoolSize {
+                got: 0,
+                max: u64::MAX,
+            });
         }
         let (handle, bytes) = transport.allocate(len)?;
         let AddrRange { base, len } = transport.register_region(&handle)?;

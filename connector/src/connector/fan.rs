@@ -119,6 +119,36 @@ impl RankLinks {
     }
 }
 
+impl RankLinks {
+    /// Checks that the peers are distinct, ascending ranks below the other engine's TP size
+    /// (at most [`MAX_SUB_REQUESTS`](kvhandoff_protocol::machine::MAX_SUB_REQUESTS)).
+    ///
+    /// # Errors
+    /// [`ConnectorError::InvalidParam`] naming the rule.
+    pub fn validate(&self) -> Result<(), ConnectorError> {
+        let bad = |why: String| Err(ConnectorError::InvalidParam { name: "links", why });
+        if self.remote_tp == 0 {
+            return bad("the other engine's TP size is 0".into());
+        }
+        if self.peers.len() > kvhandoff_protocol::machine::MAX_SUB_REQUESTS {
+            return bad(format!("{} peers", self.peers.len()));
+        }
+        if let Some(&p) = self.peers.iter().find(|&&p| p >= self.remote_tp) {
+            return bad(format!(
+                "rank {p} is not a rank of a TP {} engine",
+                self.remote_tp
+            ));
+        }
+        if self.peers.windows(2).any(|w| w[0] >= w[1]) {
+            return bad(format!(
+                "peers {:?} are not distinct and ascending",
+                self.peers
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// One multi-rank request in progress on this rank.
 pub(super) struct Fan {
     fan: FanIn,
@@ -148,20 +178,10 @@ impl KvConnector {
     /// `links` (see the module documentation of `fan`). Set it before the first request.
     ///
     /// # Errors
-    /// [`ConnectorError::InvalidParam`] when `links` are for the other side than this rank's
-    /// role cannot be told here; a link list longer than the other engine's TP size is refused.
+    /// [`ConnectorError::InvalidParam`] for links that are not distinct ranks of the other
+    /// engine ([`RankLinks::validate`]).
     pub fn set_links(&mut self, links: RankLinks) -> Result<(), ConnectorError> {
-        if links.peers.len() > links.remote_tp as usize
-            || links.peers.iter().any(|&p| p >= links.remote_tp)
-        {
-            return Err(ConnectorError::InvalidParam {
-                name: "links",
-                why: format!(
-                    "peers {:?} are not ranks of a TP {} engine",
-                    links.peers, links.remote_tp
-                ),
-            });
-        }
+        links.validate()?;
         self.links = Some(links);
         Ok(())
     }
@@ -196,11 +216,16 @@ impl KvConnector {
                 why: "must be true for a request whose prefill ran remotely".into(),
             });
         }
-        let tp = params.tp_size.ok_or(ConnectorError::MissingParam("tp_size"))?;
+        let tp = params
+            .tp_size
+            .ok_or(ConnectorError::MissingParam("tp_size"))?;
         if tp != links.remote_tp {
             return Err(ConnectorError::InvalidParam {
                 name: "tp_size",
-                why: format!("P runs TP {}, this rank is linked to TP {tp}", links.remote_tp),
+                why: format!(
+                    "P runs TP {}, this rank is linked to TP {tp}",
+                    links.remote_tp
+                ),
             });
         }
         let engine = params
@@ -287,7 +312,9 @@ impl KvConnector {
         address: Option<kvhandoff_actors::system::AddPeerAddress>,
     ) -> Result<(), ConnectorError> {
         if self.fans.fans.contains_key(request)
-            || subs.iter().any(|s| self.fans.parents.contains_key(&s.request))
+            || subs
+                .iter()
+                .any(|s| self.fans.parents.contains_key(&s.request))
         {
             return Err(ConnectorError::Rejected(
                 kvhandoff_protocol::machine::Rejected::DuplicateRequest(request.clone()),
@@ -358,7 +385,12 @@ impl KvConnector {
     }
 
     /// Aborts what `step` names, and hands the request back to the engine when it says so.
-    fn apply_step(&mut self, parent: &RequestId, step: FanInStep, events: &mut Vec<ConnectorEvent>) {
+    fn apply_step(
+        &mut self,
+        parent: &RequestId,
+        step: FanInStep,
+        events: &mut Vec<ConnectorEvent>,
+    ) {
         if !step.abort.is_empty() {
             let calls = step
                 .abort
@@ -439,4 +471,80 @@ impl KvConnector {
 fn pair_key(key: &PairingKey, p: u32, d: u32) -> Result<PairingKey, ConnectorError> {
     key.for_pair(p, d)
         .map_err(|e| ConnectorError::invalid("transfer_id", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvhandoff_protocol::hetero::{model, plan_pair};
+
+    fn plan(name: &str, p: &str, d: &str) -> PairPlan {
+        plan_pair(model(name).unwrap(), p.parse().unwrap(), d.parse().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn links_follow_the_plan_both_ways() {
+        // GQA 2 heads, P at TP 8: ranks 0 and 4 hold the two heads' first replicas and write;
+        // the others write nothing.
+        let pair = plan(
+            "gqa2",
+            "tp=8,block=16,layout=NHD",
+            "tp=1,block=16,layout=NHD",
+        );
+        let d = RankLinks::decode(&pair, 0).unwrap();
+        assert_eq!((d.remote_tp, d.peers.len()), (8, 2));
+        let writers: Vec<u32> = (0..8)
+            .filter(|&p| !RankLinks::prefill(&pair, p).unwrap().peers.is_empty())
+            .collect();
+        assert_eq!(writers, d.peers);
+        // MLA: every D rank has exactly one writer.
+        let pair = plan(
+            "mla",
+            "tp=4,block=16,layout=NHD",
+            "tp=2,block=64,layout=NHD",
+        );
+        for rank in 0..2 {
+            assert_eq!(RankLinks::decode(&pair, rank).unwrap().peers.len(), 1);
+        }
+        for links in (0..4).map(|p| RankLinks::prefill(&pair, p).unwrap()) {
+            links.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn what_the_runtime_cannot_name_is_refused() {
+        let pair = plan(
+            "gqa8",
+            "tp=2,block=16,layout=NHD",
+            "tp=4,block=16,layout=NHD",
+        );
+        assert!(matches!(
+            RankLinks::decode(&pair, 4),
+            Err(ConnectorError::InvalidParam { .. })
+        ));
+        let staged = plan(
+            "gqa8",
+            "tp=1,block=16,layout=NHD,pp=2",
+            "tp=1,block=16,layout=NHD",
+        );
+        assert!(matches!(
+            RankLinks::prefill(&staged, 0),
+            Err(ConnectorError::Unsupported(_))
+        ));
+        let links = |remote_tp, peers: Vec<u32>| RankLinks {
+            side: SideName::Decode,
+            remote_tp,
+            peers,
+        };
+        links(2, vec![0, 1]).validate().unwrap();
+        links(2, vec![]).validate().unwrap();
+        for bad in [
+            links(0, vec![]),
+            links(2, vec![2]),
+            links(4, vec![1, 1]),
+            links(4, vec![3, 1]),
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
 }

@@ -55,7 +55,10 @@ impl KvConnector {
     ) -> Vec<Result<ConnectorReply, ConnectorError>> {
         if self.links.is_some() {
             // Each call becomes several sub-requests: one round trip per call.
-            return calls.into_iter().map(|call| self.linked_call(call)).collect();
+            return calls
+                .into_iter()
+                .map(|call| self.linked_call(call))
+                .collect();
         }
         self.submit_batch(calls)
     }

@@ -1367,6 +1367,10 @@ fn pair_blocks_is_tail_aligned() {
         // whatever D's count (more blocks than P's too), and still refuses what no plan pairs.
         let as_given = pair_blocks(&local, &remote, BlockPairing::AsGiven);
         let pairable = local.groups.len() == remote.groups.len() && !remote.is_empty();
-        assert_eq!(as_given, pairable.then(|| local.clone()), "as given: {local:?}, {remote:?}");
+        assert_eq!(
+            as_given,
+            pairable.then(|| local.clone()),
+            "as given: {local:?}, {remote:?}"
+        );
     }
 }
