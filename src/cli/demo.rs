@@ -48,6 +48,9 @@ pub(crate) struct DemoArgs {
     /// D's geometry, the same way (with `--model`).
     #[arg(long, requires = "model")]
     decode: Option<String>,
+    /// With `--model`: requests in flight at once (each in its own memory slot of every rank).
+    #[arg(long, requires = "model", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=32))]
+    window: u32,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -113,6 +116,7 @@ fn run_hetero(args: &DemoArgs, model: &str, prefill: &str, decode: &str) -> Exit
             TransportArg::Nixl => DemoTransport::Nixl,
         },
         requests: args.requests as usize,
+        window: args.window as usize,
         seed: args.seed,
         ..HeteroDemoOptions::new(model, p, d)
     };

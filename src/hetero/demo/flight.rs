@@ -1,0 +1,424 @@
+//! The requests in flight: each started in a free memory slot of every rank (its arenas copied
+//! in, P's pieces filed, every rank's call made in a seeded order), its events gathered from
+//! every rank's connector while later requests start and earlier ones end, then finished (D's
+//! memory read back, D's staging jobs, every byte checked) and its slot freed.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams};
+use kvhandoff_actors::system::RoutedRegion;
+use kvhandoff_protocol::hetero::{PairPlan, SideName, Space};
+use kvhandoff_protocol::planner::Descriptor;
+use kvhandoff_protocol::{PairingKey, RequestId};
+use rand::seq::SliceRandom;
+
+use super::{HeteroFault, Tally, PREFILL};
+use crate::hetero::handoff::Handoff;
+use crate::hetero::route::PlannedRoute;
+
+/// One rank as the demo drives it.
+pub(super) struct Rank {
+    pub(super) side: SideName,
+    /// Index in its side's `ranks`.
+    pub(super) index: usize,
+    pub(super) tp: u32,
+    pub(super) conn: KvConnector,
+    /// Per slot: its KV tensors, then its staging.
+    pub(super) slots: Vec<[RoutedRegion; 2]>,
+    pub(super) route: Arc<PlannedRoute>,
+}
+
+/// How one rank's part of a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    Ready,
+    Failed,
+    Sent,
+    Released,
+}
+
+/// A request in flight.
+struct Flight {
+    /// Its index in the run.
+    r: usize,
+    slot: usize,
+    /// Per rank, its event.
+    ended: Vec<Option<Ended>>,
+    /// When the last rank called.
+    called: Instant,
+}
+
+/// Runs every request, at most `window` at a time, until all ended or `deadline`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_all(
+    handoffs: &mut [Handoff],
+    pair: &PairPlan,
+    ranks: &mut [Rank],
+    window: usize,
+    seed: u64,
+    fault: Option<(usize, HeteroFault)>,
+    deadline: Instant,
+    tally: &mut Tally,
+) {
+    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed);
+    let mut free: Vec<usize> = (0..window).rev().collect();
+    let mut flights: BTreeMap<RequestId, Flight> = BTreeMap::new();
+    let mut next = 0;
+    while (next < handoffs.len() || !flights.is_empty()) && Instant::now() < deadline {
+        while next < handoffs.len() {
+            let Some(slot) = free.pop() else { break };
+            let r = next;
+            next += 1;
+            let fault = fault.filter(|(at, _)| *at == r).map(|(_, f)| f);
+            match start(r, slot, &mut handoffs[r], pair, ranks, &mut rng, fault, tally) {
+                Ok((request, ended)) => {
+                    flights.insert(
+                        request,
+                        Flight {
+                            r,
+                            slot,
+                            ended,
+                            called: Instant::now(),
+                        },
+                    );
+                }
+                Err(error) => {
+                    tally.error(format!("request {r}: {error}"));
+                    free.push(slot);
+                }
+            }
+        }
+        let quiet = !gather(ranks, &mut flights, tally);
+        let done: Vec<RequestId> = flights
+            .iter()
+            .filter(|(_, f)| f.ended.iter().all(Option::is_some))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in done {
+            if let Some(flight) = flights.remove(&id) {
+                let r = flight.r;
+                if let Err(error) = finish(&flight, &mut handoffs[r], pair, ranks, tally) {
+                    tally.error(format!("request {r}: {error}"));
+                }
+                free.push(flight.slot);
+            }
+        }
+        if quiet {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    if next < handoffs.len() {
+        tally.timed_out = true;
+        tally.error(format!(
+            "requests {next}.. not started: the run timed out"
+        ));
+    }
+    for flight in flights.into_values() {
+        // Timed out in flight: whichever side has no event still holds its blocks.
+        tally.timed_out = true;
+        let h = &handoffs[flight.r];
+        settle(&flight, h, ranks, tally);
+        tally.error(format!("request {}: not every rank had its event", flight.r));
+    }
+}
+
+/// Starts request `r` in `slot`: P's staging jobs, every arena into the slot's memory, P's
+/// pieces filed, every rank's call in a seeded order. Returns the request's id, and per rank
+/// its end if its call was refused (the rank never exposed its blocks: D failed, P released).
+#[allow(clippy::too_many_arguments)]
+fn start(
+    r: usize,
+    slot: usize,
+    h: &mut Handoff,
+    pair: &PairPlan,
+    ranks: &mut [Rank],
+    rng: &mut rand_chacha::ChaCha8Rng,
+    fault: Option<HeteroFault>,
+    tally: &mut Tally,
+) -> Result<(RequestId, Vec<Option<Ended>>), String> {
+    let request = RequestId::new(format!("req-{r}")).map_err(|e| e.to_string())?;
+    let key = PairingKey::from_request_id(&request);
+    h.check_no_overlap().map_err(|e| e.to_string())?;
+    h.run_prefill_jobs().map_err(|e| e.to_string())?;
+    for rank in ranks.iter() {
+        for (i, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
+            let bytes = &h.arenas[h.arena(rank.side, rank.index, space)].bytes;
+            rank.slots[slot][i]
+                .bytes
+                .write(0, bytes)
+                .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.tp))?;
+        }
+    }
+    file_routes(h, pair, ranks, slot, &key, fault)?;
+    tally.descriptors += h.plan.descriptors() as u64;
+    tally.sub_requests += 2 * pair.links.len() as u64;
+
+    let mut order: Vec<usize> = (0..ranks.len()).collect();
+    order.shuffle(rng);
+    let abort = fault == Some(HeteroFault::DecodeAborts);
+    if abort {
+        // Every D rank registers first, so that the abort below comes before any write.
+        order.sort_by_key(|&i| ranks[i].side == SideName::Prefill);
+    }
+    let mut called: BTreeMap<(SideName, u32), usize> = BTreeMap::new();
+    let mut ended = vec![None; ranks.len()];
+    let tokens = h.shape.tokens;
+    for (turn, &i) in order.iter().enumerate() {
+        if abort
+            && ranks[i].side == SideName::Prefill
+            && !called.keys().any(|k| k.0 == SideName::Prefill)
+        {
+            if let Some(rank) = ranks.iter_mut().find(|r| r.side == SideName::Decode) {
+                if let Err(error) = rank.conn.abort(&request) {
+                    tally.error(format!("request {r}: D rank {} abort: {error}", rank.tp));
+                }
+            }
+        }
+        let rank = &mut ranks[i];
+        let result = match rank.side {
+            SideName::Prefill => rank
+                .conn
+                .request_finished(
+                    &request,
+                    h.prefill_blocks.clone(),
+                    tokens,
+                    &KvTransferParams {
+                        do_remote_decode: true,
+                        ..KvTransferParams::default()
+                    },
+                )
+                .map(|_| ()),
+            SideName::Decode => rank.conn.request_allocated(
+                &request,
+                h.decode_blocks.clone(),
+                tokens,
+                &KvTransferParams {
+                    do_remote_prefill: true,
+                    remote_engine_id: Some(PREFILL.into()),
+                    tp_size: Some(pair.prefill.spec.tp),
+                    ..KvTransferParams::default()
+                },
+            ),
+        };
+        if let Err(error) = result {
+            tally.error(format!(
+                "request {r}: {} rank {}: {error}",
+                rank.side, rank.tp
+            ));
+            ended[i] = Some(match rank.side {
+                SideName::Decode => Ended::Failed,
+                SideName::Prefill => Ended::Released,
+            });
+        }
+        called.insert((rank.side, rank.tp), turn);
+    }
+    for link in &pair.links {
+        let p = pair.prefill.ranks[link.prefill].rank.tp;
+        let d = pair.decode.ranks[link.decode].rank.tp;
+        match (
+            called.get(&(SideName::Prefill, p)),
+            called.get(&(SideName::Decode, d)),
+        ) {
+            (Some(a), Some(b)) if b < a => tally.call_order.decode_registers_first += 1,
+            (Some(_), Some(_)) => tally.call_order.prefill_finishes_first += 1,
+            _ => {}
+        }
+    }
+    Ok((request, ended))
+}
+
+/// Polls every rank's connector once and files each event with its request. Returns whether
+/// anything came.
+fn gather(ranks: &mut [Rank], flights: &mut BTreeMap<RequestId, Flight>, tally: &mut Tally) -> bool {
+    let mut any = false;
+    for (i, rank) in ranks.iter_mut().enumerate() {
+        for event in rank.conn.poll_events() {
+            any = true;
+            let (request, end) = match &event {
+                ConnectorEvent::BlocksReady { request, .. } => (request, Ended::Ready),
+                ConnectorEvent::Failed {
+                    request, reason, ..
+                } => {
+                    tally.error(format!("{request}: D rank {} failed: {reason:?}", rank.tp));
+                    (request, Ended::Failed)
+                }
+                ConnectorEvent::BlocksFree {
+                    request, released, ..
+                } => match released {
+                    None => (request, Ended::Sent),
+                    Some(cause) => {
+                        tally.error(format!(
+                            "{request}: P rank {} released unsent: {cause:?}",
+                            rank.tp
+                        ));
+                        (request, Ended::Released)
+                    }
+                },
+                other => {
+                    tally.unknown += 1;
+                    tally.error(format!(
+                        "{} rank {}: unexpected {other:?}",
+                        rank.side, rank.tp
+                    ));
+                    continue;
+                }
+            };
+            match flights.get_mut(request) {
+                None => tally.unknown += 1,
+                Some(flight) if flight.ended[i].is_some() => tally.duplicates += 1,
+                Some(flight) => flight.ended[i] = Some(end),
+            }
+        }
+    }
+    any
+}
+
+/// Counts how request `flight` ended on each side (per request, not per rank), and the
+/// blocks of ranks that never had their event.
+fn settle(flight: &Flight, h: &Handoff, ranks: &[Rank], tally: &mut Tally) -> bool {
+    let (mut all_ready, mut all_sent) = (true, true);
+    let (mut decode_missing, mut prefill_missing) = (false, false);
+    for (rank, end) in ranks.iter().zip(&flight.ended) {
+        match (rank.side, end) {
+            (SideName::Decode, Some(Ended::Ready)) | (SideName::Prefill, Some(Ended::Sent)) => {}
+            (SideName::Decode, Some(_)) => all_ready = false,
+            (SideName::Prefill, Some(_)) => all_sent = false,
+            (SideName::Decode, None) => {
+                decode_missing = true;
+                all_ready = false;
+                tally.leaks.decode += h.decode_blocks.total() as u64;
+            }
+            (SideName::Prefill, None) => {
+                prefill_missing = true;
+                all_sent = false;
+                tally.leaks.prefill += h.prefill_blocks.total() as u64;
+            }
+        }
+    }
+    // A side's event is the request's once every rank of it had its own.
+    tally.decode_events += u64::from(!decode_missing);
+    tally.prefill_events += u64::from(!prefill_missing);
+    if decode_missing {
+        tally.decode_missing += 1;
+    } else if all_ready {
+        tally.ready += 1;
+    } else {
+        tally.failed += 1;
+    }
+    if prefill_missing {
+        tally.prefill_missing += 1;
+    } else if all_sent {
+        tally.sent += 1;
+        tally.sent_bytes += h.plan.bytes();
+    } else {
+        tally.released += 1;
+    }
+    all_ready
+}
+
+/// Ends a request every rank had its event for: counts it, and if every D rank got its
+/// blocks, reads the slot back, runs D's half and checks every byte of both sides.
+fn finish(
+    flight: &Flight,
+    h: &mut Handoff,
+    _pair: &PairPlan,
+    ranks: &[Rank],
+    tally: &mut Tally,
+) -> Result<(), String> {
+    tally
+        .latencies_us
+        .push(flight.called.elapsed().as_secs_f64() * 1e6);
+    if !settle(flight, h, ranks, tally) {
+        return Err("not every D rank got its blocks".into());
+    }
+    for rank in ranks {
+        for (i, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
+            let arena = h.arena(rank.side, rank.index, space);
+            let bytes = &mut h.arenas[arena].bytes;
+            rank.slots[flight.slot][i]
+                .bytes
+                .read(0, bytes)
+                .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.tp))?;
+        }
+    }
+    let stats = h.run_decode_side().map_err(|e| e.to_string())?;
+    tally.prefill_jobs += stats.prefill_jobs as u64;
+    tally.decode_jobs += stats.decode_jobs as u64;
+    tally.zeroed += stats.zeroed_bytes;
+    match h.verify() {
+        Ok(()) => tally.verified += 1,
+        Err(mismatch) => {
+            tally.byte_errors += mismatch.wrong_bytes.max(1);
+            tally.error(format!("request {}: {mismatch}", flight.r));
+        }
+    }
+    Ok(())
+}
+
+/// Files each link's pieces with its P rank's route, under the link's pair key, as addresses in
+/// `slot` of the two ranks' registered memory. Every link of the plan is filed, also one that
+/// moves nothing in this request, so that each sub-request has its write.
+fn file_routes(
+    h: &Handoff,
+    pair: &PairPlan,
+    ranks: &[Rank],
+    slot: usize,
+    key: &PairingKey,
+    fault: Option<HeteroFault>,
+) -> Result<(), String> {
+    let find = |side: SideName, index: usize| {
+        ranks
+            .iter()
+            .find(|r| r.side == side && r.index == index)
+            .ok_or_else(|| format!("no {side} rank {index}"))
+    };
+    let space = |space: Space| usize::from(space == Space::Staging);
+    let mut by_link: BTreeMap<usize, Vec<Descriptor>> =
+        (0..pair.links.len()).map(|l| (l, Vec::new())).collect();
+    for t in &h.plan.transfers {
+        let link = &pair.links[t.link];
+        let (p, d) = (
+            find(SideName::Prefill, link.prefill)?,
+            find(SideName::Decode, link.decode)?,
+        );
+        let src = &p.slots[slot][space(t.src_space)];
+        let dst = &d.slots[slot][space(t.dst_space)];
+        let out = by_link.entry(t.link).or_default();
+        for piece in &t.pieces {
+            out.push(Descriptor {
+                local_addr: src.base + piece.src,
+                remote_addr: dst.base + piece.dst,
+                len: piece.len,
+            });
+        }
+    }
+    match fault {
+        Some(HeteroFault::UnfiledLink) => {
+            by_link.remove(&0);
+        }
+        Some(HeteroFault::ShiftedPiece) => {
+            let row = pair.model.row_bytes();
+            if let Some(d) = by_link.values_mut().find_map(|d| d.first_mut()) {
+                d.remote_addr += row;
+            }
+        }
+        Some(HeteroFault::DecodeAborts) | None => {}
+    }
+    for (l, descriptors) in by_link {
+        let link = &pair.links[l];
+        let p = find(SideName::Prefill, link.prefill)?;
+        let d = find(SideName::Decode, link.decode)?;
+        let pair_key = key.for_pair(p.tp, d.tp).map_err(|e| e.to_string())?;
+        p.route
+            .file(
+                pair_key,
+                h.prefill_blocks.clone(),
+                h.decode_blocks.clone(),
+                descriptors,
+            )
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
