@@ -197,4 +197,10 @@ cargo test --workspace --all-features "$@"
 banner "cargo run --release -- matrix (heterogeneous geometry, every cell verified)"
 cargo run --release --quiet -- matrix
 
+# The same 2,880 cells through the runtime: every rank of both engines a real rank, the lease
+# protocol between them, each request split into pair sub-requests by the connectors (4 requests
+# per cell, 2 in flight); about 30 s in release. Fails if any cell's run is not clean.
+banner "cargo run --release -- matrix --runtime (every cell through the lease protocol)"
+cargo run --release --quiet -- matrix --runtime
+
 banner "all stages passed"

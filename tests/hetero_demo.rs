@@ -328,12 +328,22 @@ fn a_decode_abort_settles_every_pair_before_the_blocks_go_back() {
 /// memory slot), so that later requests' calls interleave with earlier ones' writes and events.
 #[test]
 fn many_requests_in_flight_at_once() {
-    let mut o = options("swa", "tp=4,block=32,layout=HND", "tp=2,block=16,layout=NHD", 96);
+    let mut o = options(
+        "swa",
+        "tp=4,block=32,layout=HND",
+        "tp=2,block=16,layout=NHD",
+        96,
+    );
     o.window = 16;
     let report = run(&o).unwrap();
     ok(&report);
     assert!(report.races.decode_registers_first > 0 && report.races.prefill_finishes_first > 0);
-    let mut o = options("gqa8", "tp=1,block=16,layout=NHD", "tp=1,block=16,layout=NHD", 4);
+    let mut o = options(
+        "gqa8",
+        "tp=1,block=16,layout=NHD",
+        "tp=1,block=16,layout=NHD",
+        4,
+    );
     o.window = 33;
     assert!(matches!(run(&o), Err(DemoError::Options(_))));
 }

@@ -19,9 +19,31 @@ pub(crate) struct MatrixArgs {
     /// Print the tables of docs/compatibility.md.
     #[arg(long)]
     markdown: bool,
+    /// Run every cell through the runtime instead (every rank a real rank, the lease protocol
+    /// between them: `demo --model`), on the in-memory transport.
+    #[arg(long, conflicts_with = "markdown")]
+    runtime: bool,
+    /// With `--runtime`: requests per cell.
+    #[arg(long, requires = "runtime", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    requests: u32,
 }
 
 pub(crate) fn run_matrix_command(args: MatrixArgs) -> ExitCode {
+    if args.runtime {
+        use kvhandoff_cli::hetero::matrix::runtime::{render_runtime_summary, run_runtime_matrix};
+        let report = run_runtime_matrix(args.requests as usize, 2);
+        let printed = if args.json {
+            print_json(&report)
+        } else {
+            print!("{}", render_runtime_summary(&report));
+            true
+        };
+        return if printed && report.failed.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
+    }
     let threads = args.threads.map_or_else(
         || std::thread::available_parallelism().map_or(1, usize::from),
         |t| t as usize,

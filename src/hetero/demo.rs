@@ -38,7 +38,9 @@ use kvhandoff_actors::system::{
     agent_name, build_routed_rank, RankMemory, RankOptions, RoutedRegion, ShellConfig,
     MAX_ROUTED_REGIONS,
 };
-use kvhandoff_protocol::hetero::{model, plan_pair, HeteroError, PairPlan, SideName, SideSpec, Space};
+use kvhandoff_protocol::hetero::{
+    model, plan_pair, HeteroError, PairPlan, SideName, SideSpec, Space,
+};
 use kvhandoff_protocol::machine::{BlockPairing, Config};
 use kvhandoff_protocol::{EngineId, ModelIdentity};
 use rand::{Rng, SeedableRng};
@@ -459,4 +461,3 @@ impl Tally {
         }
     }
 }
-

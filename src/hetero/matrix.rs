@@ -5,6 +5,8 @@
 //! for the same cell beside it; and a few cells beyond it (PP, kernel blocks per logical block,
 //! pairs that cannot work).
 
+pub mod runtime;
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Instant;

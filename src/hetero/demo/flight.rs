@@ -72,7 +72,16 @@ pub(super) fn run_all(
             let r = next;
             next += 1;
             let fault = fault.filter(|(at, _)| *at == r).map(|(_, f)| f);
-            match start(r, slot, &mut handoffs[r], pair, ranks, &mut rng, fault, tally) {
+            match start(
+                r,
+                slot,
+                &mut handoffs[r],
+                pair,
+                ranks,
+                &mut rng,
+                fault,
+                tally,
+            ) {
                 Ok((request, ended)) => {
                     flights.insert(
                         request,
@@ -111,16 +120,17 @@ pub(super) fn run_all(
     }
     if next < handoffs.len() {
         tally.timed_out = true;
-        tally.error(format!(
-            "requests {next}.. not started: the run timed out"
-        ));
+        tally.error(format!("requests {next}.. not started: the run timed out"));
     }
     for flight in flights.into_values() {
         // Timed out in flight: whichever side has no event still holds its blocks.
         tally.timed_out = true;
         let h = &handoffs[flight.r];
         settle(&flight, h, ranks, tally);
-        tally.error(format!("request {}: not every rank had its event", flight.r));
+        tally.error(format!(
+            "request {}: not every rank had its event",
+            flight.r
+        ));
     }
 }
 
@@ -231,7 +241,11 @@ fn start(
 
 /// Polls every rank's connector once and files each event with its request. Returns whether
 /// anything came.
-fn gather(ranks: &mut [Rank], flights: &mut BTreeMap<RequestId, Flight>, tally: &mut Tally) -> bool {
+fn gather(
+    ranks: &mut [Rank],
+    flights: &mut BTreeMap<RequestId, Flight>,
+    tally: &mut Tally,
+) -> bool {
     let mut any = false;
     for (i, rank) in ranks.iter_mut().enumerate() {
         for event in rank.conn.poll_events() {
