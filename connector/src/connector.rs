@@ -18,6 +18,11 @@
 //! and P's next turn reads them with [`KvConnector::next_turn_allocated`]. A reader that will
 //! not read (it recomputes instead) lets the holder go with [`KvConnector::decline_export`].
 //!
+//! Between engines of different geometries (TP, block size, layout; see
+//! `kvhandoff_protocol::hetero`), [`KvConnector::set_links`] gives the rank its [`RankLinks`]:
+//! each push request then runs as one sub-request per (P rank → D rank) pair this rank takes
+//! part in, and the engine still sees exactly one event per request (see `connector/fan.rs`).
+//!
 //! Calls are synchronous, for an engine's scheduler thread; each waits for its verdict for at
 //! most [`KvConnector::CALL_TIMEOUT`]. Never call them from inside the runtime's own thread.
 //!

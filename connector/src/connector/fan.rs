@@ -325,7 +325,17 @@ impl KvConnector {
             name: "links",
             why: e.to_string(),
         })?;
-        let verdicts = self.call_inputs(calls, address.into_iter().collect())?;
+        let verdicts = match self.call_inputs(calls, address.into_iter().collect()) {
+            Ok(verdicts) => verdicts,
+            Err(ConnectorError::VerdictLate) => {
+                // The rank took the sub-requests but has not answered: the fan is kept, its
+                // refusals (if any) settle through it when the verdicts come
+                // (`settle_late`), and the engine gets the request's one event as usual.
+                self.keep_fan(request, &ids, fan);
+                return Err(ConnectorError::VerdictLate);
+            }
+            Err(error) => return Err(error),
+        };
         let accepted = verdicts.iter().filter(|v| v.is_ok()).count();
         if accepted == 0 {
             // Nothing was exposed to any peer rank: the engine keeps its blocks.
@@ -341,7 +351,17 @@ impl KvConnector {
                 }
             }
         }
-        for id in &ids {
+        self.keep_fan(request, &ids, fan);
+        let mut events = Vec::new();
+        for step in steps {
+            self.apply_step(request, step, &mut events);
+        }
+        self.fans.queued.extend(events);
+        Ok(())
+    }
+
+    fn keep_fan(&mut self, request: &RequestId, ids: &[RequestId], fan: FanIn) {
+        for id in ids {
             self.fans.parents.insert(id.clone(), request.clone());
         }
         self.fans.fans.insert(
@@ -351,12 +371,28 @@ impl KvConnector {
                 proof: FreeProof::NeverExposed,
             },
         );
-        let mut events = Vec::new();
-        for step in steps {
-            self.apply_step(request, step, &mut events);
+    }
+
+    /// Whether `request` is a sub-request of a multi-rank request in progress.
+    pub(super) fn is_sub_request(&self, request: &RequestId) -> bool {
+        self.fans.parents.contains_key(request)
+    }
+
+    /// The rank refused sub-request `sub` (a late verdict): its fan counts it failed and
+    /// handed back, and says what follows.
+    pub(super) fn sub_not_started(&mut self, sub: &RequestId, events: &mut Vec<ConnectorEvent>) {
+        let Some(parent) = self.fans.parents.get(sub).cloned() else {
+            return;
+        };
+        let Some(fan) = self.fans.fans.get_mut(&parent) else {
+            return;
+        };
+        match fan.fan.not_started(sub) {
+            Ok(step) => self.apply_step(&parent, step, events),
+            Err(error) => {
+                tracing::error!(request = %parent, %sub, %error, "late refusal out of place");
+            }
         }
-        self.fans.queued.extend(events);
-        Ok(())
     }
 
     /// Feeds a sub-request's terminal event to its fan; `None` when `event` is not a

@@ -160,14 +160,17 @@ impl KvConnector {
                     for ((request, starts), verdict) in batch.inputs.into_iter().zip(verdicts) {
                         match verdict {
                             Ok(()) => self.live += i64::from(starts),
-                            Err(rejected) => {
-                                if let Some(request) = request {
-                                    events.push(ConnectorEvent::Refused {
-                                        request,
-                                        error: ConnectorError::from(rejected),
-                                    });
+                            Err(rejected) => match request {
+                                // A sub-request the rank refused: its fan decides the event.
+                                Some(request) if self.is_sub_request(&request) => {
+                                    self.sub_not_started(&request, events);
                                 }
-                            }
+                                Some(request) => events.push(ConnectorEvent::Refused {
+                                    request,
+                                    error: ConnectorError::from(rejected),
+                                }),
+                                None => {}
+                            },
                         }
                     }
                 }

@@ -1,0 +1,383 @@
+//! Multi-rank requests through the connector: ranks of two engines of different TP as routed
+//! in-process ranks over the in-memory transport (a test route places each write: P rank `p`
+//! copies its buffer into its own part of D's), with `RankLinks` from the pair's plan. A D rank
+//! fed by two P ranks is ready only when both wrote; a P rank feeding two D ranks frees its
+//! blocks once both pairs settled; an abort and a late verdict still end in the request's one
+//! event.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvhandoff::actors::system::{build_routed_rank, RankOptions, RoutedRegion, ShellConfig};
+use kvhandoff::actors::transport::mem::MemFabric;
+use kvhandoff::protocol::driver::{RouteError, RouteRequest, TransferRoute};
+use kvhandoff::protocol::hetero::{model, plan_pair, PairPlan, SideName};
+use kvhandoff::protocol::machine::{BlockPairing, Config, DecodeFailure, ReleaseCause};
+use kvhandoff::protocol::planner::Descriptor;
+use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, ModelIdentity, RequestId};
+use kvhandoff::{
+    ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorSettings, KvConnector,
+    KvTransferParams, RankLinks, Runtime,
+};
+
+const PART: u64 = 4096;
+
+/// P rank `p` writes its buffer's first `PART` bytes to D's buffer at `p × PART`; D's buffer
+/// addresses are filled in once every rank is built.
+struct TestRoute {
+    peers: Vec<KvGeometry>,
+    /// Known once the buffer is registered.
+    own_base: Arc<Mutex<u64>>,
+    own_tp: u32,
+    decode_bases: Arc<Mutex<BTreeMap<u32, u64>>>,
+}
+
+impl TransferRoute for TestRoute {
+    fn accepts(&self, _: &KvGeometry, peer: &KvGeometry) -> Result<(), RouteError> {
+        if self.peers.contains(peer) {
+            Ok(())
+        } else {
+            Err(RouteError("not a planned rank".into()))
+        }
+    }
+
+    fn descriptors(
+        &self,
+        request: &RouteRequest<'_>,
+        out: &mut Vec<Descriptor>,
+    ) -> Result<(), RouteError> {
+        let bases = self.decode_bases.lock().unwrap();
+        let Some(&base) = bases.get(&request.peer.geometry.tp_rank) else {
+            return Err(RouteError("unknown D rank".into()));
+        };
+        out.push(Descriptor {
+            local_addr: *self.own_base.lock().unwrap(),
+            remote_addr: base + u64::from(self.own_tp) * PART,
+            len: PART,
+        });
+        Ok(())
+    }
+}
+
+struct Rank {
+    tp: u32,
+    conn: KvConnector,
+    buffer: RoutedRegion,
+}
+
+/// Every rank of both sides of `pair`, P's buffers filled with `p + 1`.
+fn build(pair: &PairPlan) -> (Runtime, Vec<Rank>, Vec<Rank>) {
+    let mut runtime = Runtime::start().unwrap();
+    let fabric = MemFabric::new();
+    let model_id = ModelIdentity {
+        model: "fan-test".into(),
+        dtype: "bfloat16".into(),
+        cache_dtype: "bfloat16".into(),
+    };
+    let bases = Arc::new(Mutex::new(BTreeMap::new()));
+    let mut sides = Vec::new();
+    for (side, engine, layout, other) in [
+        (SideName::Prefill, "prefill", &pair.prefill, &pair.decode),
+        (SideName::Decode, "decode", &pair.decode, &pair.prefill),
+    ] {
+        let id = EngineId::new(engine).unwrap();
+        let mut ranks = Vec::new();
+        for rank in &layout.ranks {
+            let tp = rank.rank.tp;
+            let transport = fabric
+                .agent(kvhandoff::actors::system::agent_name(&id, tp).unwrap())
+                .unwrap();
+            let own_base = Arc::new(Mutex::new(0));
+            let route = Arc::new(TestRoute {
+                peers: other.ranks.iter().map(|r| r.geometry.clone()).collect(),
+                own_base: own_base.clone(),
+                own_tp: tp,
+                decode_bases: bases.clone(),
+            });
+            let config = Config {
+                block_pairing: BlockPairing::AsGiven,
+                ..Config::default()
+            };
+            let (setup, mut regions) = build_routed_rank(
+                transport,
+                &id,
+                rank.geometry.clone(),
+                &model_id,
+                &[4 * PART],
+                config.clone(),
+                ShellConfig::default(),
+                route,
+            )
+            .unwrap();
+            let buffer = regions.remove(0);
+            *own_base.lock().unwrap() = buffer.base;
+            match side {
+                SideName::Prefill => buffer
+                    .bytes
+                    .write(0, &[tp as u8 + 1; PART as usize])
+                    .unwrap(),
+                SideName::Decode => {
+                    bases.lock().unwrap().insert(tp, buffer.base);
+                }
+            }
+            let handle = runtime.add_rank(setup, RankOptions::default()).unwrap();
+            let mut conn = KvConnector::with_settings(
+                ConnectorIdentity {
+                    engine: id.clone(),
+                    rank: tp,
+                    tp_size: layout.spec.tp,
+                    host: "127.0.0.1".into(),
+                    port: 0,
+                },
+                handle,
+                ConnectorSettings::new(&config, &rank.geometry),
+            );
+            conn.set_links(RankLinks::for_rank(pair, side, tp).unwrap())
+                .unwrap();
+            ranks.push(Rank { tp, conn, buffer });
+        }
+        sides.push(ranks);
+    }
+    let d = sides.pop().unwrap();
+    let p = sides.pop().unwrap();
+    (runtime, p, d)
+}
+
+fn pair(p: &str, d: &str) -> PairPlan {
+    plan_pair(
+        model("gqa8").unwrap(),
+        p.parse().unwrap(),
+        d.parse().unwrap(),
+    )
+    .unwrap()
+}
+
+fn blocks() -> BlockIds {
+    BlockIds::single_group(vec![3, 1])
+}
+
+fn finish(rank: &mut Rank, request: &RequestId) -> Result<KvTransferParams, ConnectorError> {
+    rank.conn.request_finished(
+        request,
+        blocks(),
+        32,
+        &KvTransferParams {
+            do_remote_decode: true,
+            ..KvTransferParams::default()
+        },
+    )
+}
+
+fn allocate(rank: &mut Rank, request: &RequestId, p_tp: u32) -> Result<(), ConnectorError> {
+    rank.conn.request_allocated(
+        request,
+        blocks(),
+        32,
+        &KvTransferParams {
+            do_remote_prefill: true,
+            remote_engine_id: Some("prefill".into()),
+            tp_size: Some(p_tp),
+            ..KvTransferParams::default()
+        },
+    )
+}
+
+/// Every event `rank` reports until it has one, or 20 s.
+fn one_event(rank: &mut Rank) -> ConnectorEvent {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut events = rank.conn.poll_events();
+        if !events.is_empty() {
+            assert_eq!(events.len(), 1, "{events:?}");
+            return events.remove(0);
+        }
+        assert!(Instant::now() < deadline, "rank {} had no event", rank.tp);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn id(s: &str) -> RequestId {
+    RequestId::new(s).unwrap()
+}
+
+/// D at TP 1 fed by P at TP 2: not ready after one P rank finished, ready once both wrote, with
+/// both halves in its buffer; each P rank frees its blocks once.
+#[test]
+fn a_decode_rank_is_ready_only_when_every_source_wrote() {
+    let (runtime, mut p, mut d) = build(&pair(
+        "tp=2,block=16,layout=NHD",
+        "tp=1,block=16,layout=NHD",
+    ));
+    let request = id("req-1");
+    allocate(&mut d[0], &request, 2).unwrap();
+    finish(&mut p[0], &request).unwrap();
+    // P rank 0's write lands; D still waits for P rank 1.
+    assert!(matches!(
+        one_event(&mut p[0]),
+        ConnectorEvent::BlocksFree { released: None, .. }
+    ));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        d[0].conn.poll_events().is_empty(),
+        "ready before every source wrote"
+    );
+    assert!(d[0].conn.has_pending_work());
+    finish(&mut p[1], &request).unwrap();
+    match one_event(&mut d[0]) {
+        ConnectorEvent::BlocksReady {
+            request: r,
+            blocks: b,
+        } => {
+            assert_eq!((r, b), (request.clone(), blocks()));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        one_event(&mut p[1]),
+        ConnectorEvent::BlocksFree { released: None, .. }
+    ));
+    let mut got = vec![0u8; 2 * PART as usize];
+    d[0].buffer.bytes.read(0, &mut got).unwrap();
+    assert!(got[..PART as usize].iter().all(|&b| b == 1));
+    assert!(got[PART as usize..].iter().all(|&b| b == 2));
+    assert!(!d[0].conn.has_pending_work());
+    drop((p, d));
+    runtime.shutdown();
+}
+
+/// P at TP 1 feeding D at TP 2 aborts: each pair's sub-request ends, and P gets one
+/// `BlocksFree` (released) only after both; each D rank fails its request.
+#[test]
+fn an_abort_ends_every_pair_and_frees_the_blocks_once() {
+    let (runtime, mut p, mut d) = build(&pair(
+        "tp=1,block=16,layout=NHD",
+        "tp=2,block=16,layout=NHD",
+    ));
+    let request = id("req-2");
+    // P finished, no D registered yet: both pairs are held under P's lease.
+    finish(&mut p[0], &request).unwrap();
+    p[0].conn.abort(&request).unwrap();
+    match one_event(&mut p[0]) {
+        ConnectorEvent::BlocksFree {
+            released: Some(ReleaseCause::Aborted),
+            blocks: b,
+            ..
+        } => assert_eq!(b, blocks()),
+        other => panic!("{other:?}"),
+    }
+    // A D rank that registers now finds its pair gone and fails; its blocks come back.
+    allocate(&mut d[1], &request, 1).unwrap();
+    match one_event(&mut d[1]) {
+        ConnectorEvent::Failed { request: r, .. } => assert_eq!(r, request),
+        other => panic!("{other:?}"),
+    }
+    drop((p, d));
+    runtime.shutdown();
+}
+
+/// A D rank fed by two P ranks aborts after registering with both: one `Failed` under the
+/// engine's request id, never a sub-request's.
+#[test]
+fn a_decode_abort_reports_under_the_engine_request_id() {
+    let (runtime, mut p, mut d) = build(&pair(
+        "tp=2,block=16,layout=NHD",
+        "tp=1,block=16,layout=NHD",
+    ));
+    let request = id("req-3");
+    allocate(&mut d[0], &request, 2).unwrap();
+    d[0].conn.abort(&request).unwrap();
+    match one_event(&mut d[0]) {
+        ConnectorEvent::Failed {
+            request: r, reason, ..
+        } => {
+            assert_eq!(r, request);
+            assert_eq!(reason, DecodeFailure::Aborted);
+        }
+        other => panic!("{other:?}"),
+    }
+    // P ranks that finish afterwards find the pairs cancelled and free their blocks.
+    for rank in &mut p {
+        finish(rank, &request).unwrap();
+        assert!(matches!(one_event(rank), ConnectorEvent::BlocksFree { .. }));
+    }
+    drop((p, d));
+    runtime.shutdown();
+}
+
+/// A verdict that comes too late: the call says so, and the request's one event still comes,
+/// under the engine's id. Each attempt is a new request; retried (bounded) until one is late.
+#[test]
+fn a_late_verdict_still_ends_in_the_requests_one_event() {
+    let (runtime, mut p, mut d) = build(&pair(
+        "tp=2,block=16,layout=NHD",
+        "tp=1,block=16,layout=NHD",
+    ));
+    d[0].conn.set_call_timeout(Duration::ZERO);
+    let mut late = None;
+    for attempt in 0..200 {
+        let request = id(&format!("late-{attempt}"));
+        match allocate(&mut d[0], &request, 2) {
+            Err(ConnectorError::VerdictLate) => {
+                late = Some(request);
+                break;
+            }
+            Ok(()) => {
+                // In time: abort it and wait for its end before the next attempt.
+                d[0].conn.set_call_timeout(Duration::from_secs(10));
+                d[0].conn.abort(&request).unwrap();
+                assert!(matches!(
+                    one_event(&mut d[0]),
+                    ConnectorEvent::Failed { .. }
+                ));
+                d[0].conn.set_call_timeout(Duration::ZERO);
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    let request = late.expect("a late verdict within 200 attempts");
+    d[0].conn.set_call_timeout(Duration::from_secs(10));
+    for rank in &mut p {
+        finish(rank, &request).unwrap();
+    }
+    match one_event(&mut d[0]) {
+        ConnectorEvent::BlocksReady { request: r, .. } => assert_eq!(r, request),
+        other => panic!("{other:?}"),
+    }
+    assert!(!d[0].conn.has_pending_work());
+    drop((p, d));
+    runtime.shutdown();
+}
+
+/// The links must be the plan's: a D rank linked to TP 2 refuses a router saying TP 4, and pull
+/// between different geometries is refused as unsupported.
+#[test]
+fn calls_that_do_not_fit_the_links_are_refused() {
+    let (runtime, _p, mut d) = build(&pair(
+        "tp=2,block=16,layout=NHD",
+        "tp=1,block=16,layout=NHD",
+    ));
+    let request = id("req-5");
+    assert!(matches!(
+        allocate(&mut d[0], &request, 4),
+        Err(ConnectorError::InvalidParam {
+            name: "tp_size",
+            ..
+        })
+    ));
+    let pull = KvTransferParams {
+        do_remote_prefill: true,
+        remote_engine_id: Some("prefill".into()),
+        tp_size: Some(2),
+        transfer_mode: Some("pull".into()),
+        remote_block_ids: Some(vec![vec![1, 2]]),
+        ..KvTransferParams::default()
+    };
+    assert!(matches!(
+        d[0].conn.request_allocated(&request, blocks(), 32, &pull),
+        Err(ConnectorError::Unsupported(_))
+    ));
+    assert!(!d[0].conn.has_pending_work());
+    drop(d);
+    runtime.shutdown();
+}
