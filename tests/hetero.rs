@@ -1,23 +1,10 @@
 //! `kvhandoff plan` end to end: the binary plans a good heterogeneous pair as JSON, and answers
 //! an impossible pair and a bad spec with `{"error": ...}` and exit code 2.
 
-use std::process::Command;
+mod cli_json;
 
 fn plan(args: &[&str]) -> (Option<i32>, serde_json::Value) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
-        .arg("plan")
-        .args(args)
-        .arg("--json")
-        .output()
-        .expect("the binary runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let json = serde_json::from_str(&stdout).unwrap_or_else(|e| {
-        panic!(
-            "not JSON ({e}): {stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    (out.status.code(), json)
+    cli_json::run_json("plan", args)
 }
 
 #[test]

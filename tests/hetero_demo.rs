@@ -3,7 +3,7 @@
 //! connectors, moved by the lease protocol and checked byte for byte in D's geometry. Then
 //! deliberate faults, each of which the report must catch, and the CLI's refusals.
 
-use std::process::Command;
+mod cli_json;
 
 use kvhandoff_cli::demo::{DemoError, DemoReport};
 use kvhandoff_cli::hetero::demo::{run, HeteroDemoOptions, HeteroFault};
@@ -199,20 +199,7 @@ fn pairs_the_planner_refuses_are_option_errors() {
 }
 
 fn demo(args: &[&str]) -> (Option<i32>, serde_json::Value) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
-        .arg("demo")
-        .args(args)
-        .arg("--json")
-        .output()
-        .expect("the binary runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let json = serde_json::from_str(&stdout).unwrap_or_else(|e| {
-        panic!(
-            "not JSON ({e}): {stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    (out.status.code(), json)
+    cli_json::run_json("demo", args)
 }
 
 #[test]

@@ -192,15 +192,7 @@ pub fn build_rank<T: RankMemory>(
         });
         regions.push(bytes);
     }
-    let info = PeerInfo {
-        peer: PeerAddr::new(engine.clone(), rank),
-        agent: transport.agent_name().clone(),
-        metadata: transport.local_metadata()?,
-        regions: descs,
-        compat: compatibility_hash(model, &geometry),
-        geometry: geometry.clone(),
-        incarnation: Incarnation::random(),
-    };
+    let info = own_info(&transport, engine, &geometry, model, descs)?;
     let endpoint = Endpoint::new(engine.clone(), rank, config)?;
     let pool = KvPool {
         geometry,
@@ -218,6 +210,26 @@ pub fn build_rank<T: RankMemory>(
         },
         pool,
     ))
+}
+
+/// The handshake payload of a rank of `engine` on `transport` with `geometry` and `regions`
+/// registered; a new incarnation.
+fn own_info<T: Transport>(
+    transport: &T,
+    engine: &EngineId,
+    geometry: &KvGeometry,
+    model: &ModelIdentity,
+    regions: Vec<RegionDesc>,
+) -> Result<PeerInfo, BuildError> {
+    Ok(PeerInfo {
+        peer: PeerAddr::new(engine.clone(), geometry.tp_rank),
+        agent: transport.agent_name().clone(),
+        metadata: transport.local_metadata()?,
+        regions,
+        compat: compatibility_hash(model, geometry),
+        geometry: geometry.clone(),
+        incarnation: Incarnation::random(),
+    })
 }
 
 /// One buffer of a routed rank ([`build_routed_rank`]): where the transport registered it and
@@ -292,15 +304,7 @@ pub fn build_routed_rank<T: RankMemory>(
         });
         regions.push(RoutedRegion { base, len, bytes });
     }
-    let info = PeerInfo {
-        peer: PeerAddr::new(engine.clone(), geometry.tp_rank),
-        agent: transport.agent_name().clone(),
-        metadata: transport.local_metadata()?,
-        regions: descs,
-        compat: compatibility_hash(model, &geometry),
-        geometry: geometry.clone(),
-        incarnation: Incarnation::random(),
-    };
+    let info = own_info(&transport, engine, &geometry, model, descs)?;
     let endpoint = Endpoint::new(engine.clone(), geometry.tp_rank, config)?;
     Ok((
         RankSetup {

@@ -21,7 +21,7 @@ use kvhandoff_protocol::machine::{
     DecodeFailure, DecodeStart, EngineCall, EngineEvent, FanIn, FanInStep, FanOutcome, FanSide,
     FreeProof, PrefillStart, ReleaseCause, SubFailure, SubRequest,
 };
-use kvhandoff_protocol::{BlockIds, EngineId, PairingKey, PeerAddr, RequestId};
+use kvhandoff_protocol::{BlockIds, PairingKey, PeerAddr, RequestId};
 
 use super::KvConnector;
 use crate::params::{epoch, pairing_key};
@@ -228,12 +228,7 @@ impl KvConnector {
                 ),
             });
         }
-        let engine = params
-            .remote_engine_id
-            .as_deref()
-            .ok_or(ConnectorError::MissingParam("remote_engine_id"))?;
-        let engine =
-            EngineId::new(engine).map_err(|e| ConnectorError::invalid("remote_engine_id", e))?;
+        let engine = super::prepare::remote_engine(params)?;
         let address = self.peer_address(&engine, params)?;
         let key = pairing_key(request, params)?;
         let epoch = epoch(params)?;

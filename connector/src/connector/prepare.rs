@@ -145,12 +145,7 @@ impl KvConnector {
         params: &KvTransferParams,
         remote_tp: Option<u32>,
     ) -> Result<(PeerAddr, Option<AddPeerAddress>), ConnectorError> {
-        let engine = params
-            .remote_engine_id
-            .as_deref()
-            .ok_or(ConnectorError::MissingParam("remote_engine_id"))?;
-        let engine =
-            EngineId::new(engine).map_err(|e| ConnectorError::invalid("remote_engine_id", e))?;
+        let engine = remote_engine(params)?;
         let remote_tp = remote_tp.ok_or(ConnectorError::MissingParam("tp_size"))?;
         if remote_tp != self.identity.tp_size {
             return Err(ConnectorError::Unsupported(
@@ -193,4 +188,13 @@ impl KvConnector {
             addr,
         }))
     }
+}
+
+/// The other engine `params` name (`remote_engine_id`, required).
+pub(super) fn remote_engine(params: &KvTransferParams) -> Result<EngineId, ConnectorError> {
+    let engine = params
+        .remote_engine_id
+        .as_deref()
+        .ok_or(ConnectorError::MissingParam("remote_engine_id"))?;
+    EngineId::new(engine).map_err(|e| ConnectorError::invalid("remote_engine_id", e))
 }

@@ -225,14 +225,18 @@ impl KvConnector {
             .unwrap_or(Err(ConnectorError::Unavailable))
     }
 
+    /// One call as a rank without links makes it.
+    fn unlinked_call(&mut self, call: ConnectorCall) -> Result<ConnectorReply, ConnectorError> {
+        self.submit_batch(vec![call])
+            .pop()
+            .unwrap_or(Err(ConnectorError::Unavailable))
+    }
+
     /// One call on a rank with links: push requests split into pair sub-requests, aborts of
     /// multi-rank requests abort every sub-request; everything else as without links.
     fn linked_call(&mut self, call: ConnectorCall) -> Result<ConnectorReply, ConnectorError> {
         let Some(links) = self.links.clone() else {
-            return self
-                .submit_batch(vec![call])
-                .pop()
-                .unwrap_or(Err(ConnectorError::Unavailable));
+            return self.unlinked_call(call);
         };
         match call {
             ConnectorCall::RequestAllocated {
@@ -259,10 +263,9 @@ impl KvConnector {
             | ConnectorCall::DeclineExport { .. } => Err(ConnectorError::Unsupported(
                 "bidirectional turns between engines of different geometries",
             )),
-            other @ (ConnectorCall::Abort { .. } | ConnectorCall::Shutdown) => self
-                .submit_batch(vec![other])
-                .pop()
-                .unwrap_or(Err(ConnectorError::Unavailable)),
+            other @ (ConnectorCall::Abort { .. } | ConnectorCall::Shutdown) => {
+                self.unlinked_call(other)
+            }
         }
     }
 }
