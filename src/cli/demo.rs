@@ -51,6 +51,11 @@ pub(crate) struct DemoArgs {
     /// With `--model`: requests in flight at once (each in its own memory slot of every rank).
     #[arg(long, requires = "model", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=32))]
     window: u32,
+    /// With `--model` (mem only): share of requests, 0 to 1, that arm one transport fault on a
+    /// random P rank as they start (a refused post, a failed or half-landed write, a late
+    /// landing). The verdict is then FAILED by design; the report's accounting must still hold.
+    #[arg(long, requires = "model", default_value_t = 0.0)]
+    chaos: f64,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -117,6 +122,7 @@ fn run_hetero(args: &DemoArgs, model: &str, prefill: &str, decode: &str) -> Exit
         },
         requests: args.requests as usize,
         window: args.window as usize,
+        chaos: args.chaos,
         seed: args.seed,
         ..HeteroDemoOptions::new(model, p, d)
     };

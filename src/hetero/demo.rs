@@ -63,7 +63,7 @@ pub const MAX_WINDOW: usize = MAX_ROUTED_REGIONS / 2;
 const MAX_ERRORS: usize = 32;
 
 /// What the heterogeneous demo runs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct HeteroDemoOptions {
     /// The catalog model.
     pub model: String,
@@ -84,6 +84,12 @@ pub struct HeteroDemoOptions {
     pub max_prompt_tokens: u64,
     /// The whole run's limit (default 60 s).
     pub timeout: Duration,
+    /// Share of requests (0 to 1) that arm one transport fault on a random P rank as they start
+    /// (`mem` only): its next post is refused, or its next write fails, or lands half its bytes
+    /// and fails, or lands late. Default 0. The run is then FAILED by design; what must hold is
+    /// the accounting (one event per request and side, nothing leaked, every ready request
+    /// verified).
+    pub chaos: f64,
     /// TEST ONLY: a deliberate fault in the middle request, which the run must report.
     #[doc(hidden)]
     pub fault: Option<HeteroFault>,
@@ -115,6 +121,7 @@ impl HeteroDemoOptions {
             seed: 1,
             max_prompt_tokens: 600,
             timeout: Duration::from_secs(60),
+            chaos: 0.0,
             fault: None,
         }
     }
@@ -147,6 +154,8 @@ pub struct HeteroSummary {
     pub decode_jobs: u64,
     /// Bytes D zeroed (tails of partly covered blocks).
     pub zeroed_bytes: u64,
+    /// Transport faults armed (`chaos`).
+    pub faults_injected: u64,
     /// Each transform: what, where, why.
     pub transforms: Vec<String>,
 }
@@ -167,6 +176,14 @@ pub fn run(options: &HeteroDemoOptions) -> Result<DemoReport, DemoError> {
         return Err(DemoError::Options(format!(
             "--requests must be in 1..={MAX_REQUESTS}"
         )));
+    }
+    if !(0.0..=1.0).contains(&options.chaos) {
+        return Err(DemoError::Options("chaos is a share of requests, 0 to 1".into()));
+    }
+    if options.chaos > 0.0 && options.transport != DemoTransport::Mem {
+        return Err(DemoError::Options(
+            "chaos arms the in-memory transport's faults: --transport mem".into(),
+        ));
     }
     if options.window == 0 || options.window > MAX_WINDOW {
         return Err(DemoError::Options(format!(
@@ -247,7 +264,39 @@ fn mem_run(
             .map(|s| s.bytes_landed)
             .sum()
     };
-    drive(options, pair, handoffs, wall, "mem", make, Some(&landed))
+    let mut chaos = |rng: &mut rand_chacha::ChaCha8Rng| {
+        if options.chaos <= 0.0 || !rng.gen_bool(options.chaos) {
+            return false;
+        }
+        let agents = agents.borrow();
+        let writers: Vec<_> = agents
+            .iter()
+            .filter(|a| a.as_str().starts_with(PREFILL))
+            .collect();
+        let Some(agent) = writers.get(rng.gen_range(0..writers.len().max(1))) else {
+            return false;
+        };
+        let Some(mut faults) = fabric.faults(agent) else {
+            return false;
+        };
+        match rng.gen_range(0..4) {
+            0 => faults.fail_next_posts += 1,
+            1 => faults.fail_next_transfers += 1,
+            2 => faults.partial_next_transfers += 1,
+            _ => faults.land_after_polls = rng.gen_range(2..40),
+        }
+        fabric.set_faults(agent, faults).is_ok()
+    };
+    drive(
+        options,
+        pair,
+        handoffs,
+        wall,
+        "mem",
+        make,
+        Some(&landed),
+        &mut chaos,
+    )
 }
 
 #[cfg(feature = "nixl")]
@@ -262,7 +311,7 @@ fn nixl_run(
     let make = |name: kvhandoff_protocol::AgentName| {
         NixlTransport::new(name, NixlConfig::default()).map_err(|e| DemoError::Build(e.into()))
     };
-    drive(options, pair, handoffs, wall, "nixl", make, None)
+    drive(options, pair, handoffs, wall, "nixl", make, None, &mut |_| false)
 }
 
 #[cfg(not(feature = "nixl"))]
@@ -314,6 +363,7 @@ fn drive<T, M>(
     transport: &'static str,
     mut make: M,
     landed: Option<&dyn Fn() -> u64>,
+    chaos: &mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
 ) -> Result<DemoReport, DemoError>
 where
     T: RankMemory + Unpin + Send + 'static,
@@ -388,6 +438,7 @@ where
         options.window,
         options.seed ^ 0x5eed_ca11,
         fault,
+        chaos,
         deadline,
         &mut tally,
     );
@@ -445,6 +496,7 @@ pub(super) struct Tally {
     leaks: Leaks,
     sent_bytes: u64,
     sub_requests: u64,
+    faults_injected: u64,
     descriptors: u64,
     prefill_jobs: u64,
     decode_jobs: u64,

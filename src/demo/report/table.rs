@@ -180,12 +180,14 @@ impl DemoReport {
             lines.push((
                 "pair work",
                 format!(
-                    "{} sub-requests, {} descriptors, staging jobs P {} / D {}, {} zeroed",
+                    "{} sub-requests, {} descriptors, staging jobs P {} / D {}, {} zeroed, {} \
+                     faults armed",
                     h.sub_requests,
                     h.descriptors,
                     h.prefill_jobs,
                     h.decode_jobs,
-                    human_bytes(h.zeroed_bytes)
+                    human_bytes(h.zeroed_bytes),
+                    h.faults_injected
                 ),
             ));
             for (i, t) in h.transforms.iter().enumerate() {

@@ -59,10 +59,13 @@ pub(super) fn run_all(
     window: usize,
     seed: u64,
     fault: Option<(usize, HeteroFault)>,
+    chaos: &mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
     deadline: Instant,
     tally: &mut Tally,
 ) {
     let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed);
+    let mut chaos_rng =
+        <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed ^ 0xc4a0_5000);
     let mut free: Vec<usize> = (0..window).rev().collect();
     let mut flights: BTreeMap<RequestId, Flight> = BTreeMap::new();
     let mut next = 0;
@@ -72,6 +75,7 @@ pub(super) fn run_all(
             let r = next;
             next += 1;
             let fault = fault.filter(|(at, _)| *at == r).map(|(_, f)| f);
+            tally.faults_injected += u64::from(chaos(&mut chaos_rng));
             match start(
                 r,
                 slot,

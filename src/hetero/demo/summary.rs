@@ -36,6 +36,7 @@ pub(super) fn report(
         links: pair.links.len() as u32,
         idle_prefill_ranks: pair.idle_prefill_ranks().len() as u32,
         sub_requests: t.sub_requests,
+        faults_injected: t.faults_injected,
         descriptors: t.descriptors,
         prefill_jobs: t.prefill_jobs,
         decode_jobs: t.decode_jobs,
