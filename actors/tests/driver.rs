@@ -198,3 +198,88 @@ fn a_handshake_is_loaded_unless_it_repeats_the_connected_incarnation() {
         }
     );
 }
+
+/// A rank with a transfer route: the driver posts the route's descriptors (not the planner's)
+/// and counts them; a route's refusal is `WriteFailed(PostFailed)`, with nothing posted.
+#[test]
+fn a_route_places_writes_and_its_refusal_is_a_post_failure() {
+    use kvhandoff_protocol::driver::{RouteDirection, RouteError, RouteRequest, TransferRoute};
+    use kvhandoff_protocol::planner::Descriptor;
+    use std::sync::{Arc, Mutex};
+
+    /// Copies 100 bytes from P's first region to D's, for key-1 only; records what it was asked.
+    struct OneCopy {
+        asked: Mutex<Vec<(RouteDirection, String, BlockIds)>>,
+        from: u64,
+        to: u64,
+    }
+    impl TransferRoute for OneCopy {
+        fn accepts(
+            &self,
+            _: &kvhandoff_protocol::KvGeometry,
+            _: &kvhandoff_protocol::KvGeometry,
+        ) -> Result<(), RouteError> {
+            Ok(())
+        }
+        fn descriptors(
+            &self,
+            request: &RouteRequest<'_>,
+            out: &mut Vec<Descriptor>,
+        ) -> Result<(), RouteError> {
+            self.asked.lock().unwrap().push((
+                request.direction,
+                request.key.to_string(),
+                request.remote.clone(),
+            ));
+            if request.key.as_str() != "key-1" {
+                return Err(RouteError("unknown key".into()));
+            }
+            out.push(Descriptor {
+                local_addr: self.from,
+                remote_addr: self.to,
+                len: 100,
+            });
+            Ok(())
+        }
+    }
+
+    let fabric = MemFabric::new();
+    let (mut p, mut d) = (side(&fabric, "prefill"), side(&fabric, "decode"));
+    let route = Arc::new(OneCopy {
+        asked: Mutex::new(Vec::new()),
+        from: p.info.regions[0].base,
+        to: d.info.regions[1].base + 7,
+    });
+    p.driver.set_route(route.clone());
+    p.driver.load_peer(d.info.clone()).unwrap();
+    d.driver.load_peer(p.info.clone()).unwrap();
+    let to = d.info.peer.clone();
+    assert!(perform(&mut p, TransportOp::Post(Box::new(order(1, &to)))).is_empty());
+    assert_eq!(
+        poll(&mut p),
+        vec![NetEvent::WriteCompleted { write: WriteId(1) }]
+    );
+    let stats = p.driver.stats();
+    assert_eq!((stats.posted, stats.descriptors, stats.bytes), (1, 1, 100));
+    // Another key: the route refuses, nothing is posted.
+    let mut other = order(2, &to);
+    other.key = PairingKey::new("key-2").unwrap();
+    assert_eq!(
+        perform(&mut p, TransportOp::Post(Box::new(other))),
+        post_failed(2)
+    );
+    assert_eq!(p.driver.stats().posted, 1);
+    assert_eq!(p.driver.stats().post_failures, 1);
+    let asked = route.asked.lock().unwrap();
+    assert_eq!(asked.len(), 2);
+    assert_eq!(
+        asked[0],
+        (
+            RouteDirection::Write,
+            "key-1".to_string(),
+            BlockIds::single_group(vec![3, 4])
+        )
+    );
+    drop(asked);
+    assert!(!poll(&mut d).is_empty(), "D gets the routed write's notification");
+}

@@ -22,7 +22,23 @@ const PASS: usize = 256;
 /// `slice_heads_nhd` from 0.47–0.58 of the copy to 0.55–0.73 (same build, runs alternated). In
 /// 256-byte pieces through `copy_from_slice`, as `copy_run` copies: pieces of 128 or 512 bytes,
 /// or the copied heads moved 32 bytes at a time in the loop, did no better; one piece per gap
-/// (1 KiB, glibc's slow length) or touching one byte a cache line did worse.
+/// (1 KiB, glibc's slow length) did worse, and loading one byte a cache line instead of copying
+/// the piece no better (median 0.75 against 0.71 over 22 alternated runs each, ahead in 13).
+///
+/// Why it stays near 0.7 of the copy: with gaps this short the machine fetches the skipped lines
+/// whether they are read or not (read alone, one line in two, or 1 KiB in 2 KiB, took as long as
+/// every line), and a core fills about as many lines a second however it spends them (a read of
+/// 64 MiB took about as long as a copy of 32 MiB, a write of 32 MiB a little under half of it). The
+/// copy fills two lines per line it writes (source, destination), this kernel three, so it sits
+/// near 2/3 of the copy, a little above as glibc's large-copy loop is slower than 256-byte pieces.
+/// What would read fewer lines or fill them faster measured worse or the same (same machine, a
+/// harness of the bench's shape, medians): only the copied runs read, with the first line of a run
+/// 2–16 tokens ahead loaded early (0.60–0.68 where this took 0.68–0.78); the runs of 4–16 tokens
+/// read interleaved or column-wise, into the destination or an L1 scratch (0.44–0.60); 8 lines or
+/// more of each gap left unread (the stream breaks: 0.42–0.56); the whole block staged in a scratch
+/// by one copy, then sliced (0.47); the destination written from a scratch by one `rep movsb` copy
+/// (0.49–0.52) or zeroed first (no better); blocks dealt to the threads in chunks of 1–64 instead
+/// of halves (no change).
 #[inline]
 fn pass_over(bytes: &[u8], lane: &mut [u8; PASS]) {
     for piece in bytes.chunks(PASS) {
