@@ -281,5 +281,8 @@ fn a_route_places_writes_and_its_refusal_is_a_post_failure() {
         )
     );
     drop(asked);
-    assert!(!poll(&mut d).is_empty(), "D gets the routed write's notification");
+    assert!(
+        !poll(&mut d).is_empty(),
+        "D gets the routed write's notification"
+    );
 }
