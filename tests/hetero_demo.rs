@@ -342,9 +342,24 @@ fn many_requests_in_flight_at_once() {
 #[test]
 fn chaos_fails_requests_but_never_the_accounting() {
     for (model, p, d, seed) in [
-        ("gqa8", "tp=2,block=16,layout=NHD", "tp=4,block=32,layout=HND", 3),
-        ("gqa2", "tp=8,block=32,layout=HND", "tp=1,block=16,layout=NHD", 4),
-        ("mamba", "tp=1,block=64,layout=HND", "tp=4,block=16,layout=NHD", 5),
+        (
+            "gqa8",
+            "tp=2,block=16,layout=NHD",
+            "tp=4,block=32,layout=HND",
+            3,
+        ),
+        (
+            "gqa2",
+            "tp=8,block=32,layout=HND",
+            "tp=1,block=16,layout=NHD",
+            4,
+        ),
+        (
+            "mamba",
+            "tp=1,block=64,layout=HND",
+            "tp=4,block=16,layout=NHD",
+            5,
+        ),
     ] {
         let mut o = options(model, p, d, 80);
         o.window = 8;
@@ -354,7 +369,11 @@ fn chaos_fails_requests_but_never_the_accounting() {
         let cell = format!("{model} {p} -> {d}");
         let h = r.hetero.as_ref().unwrap();
         // The precondition: faults were armed and some requests failed.
-        assert!(h.faults_injected > 0 && r.outcomes.failed > 0, "{cell}: {}", r.verdict);
+        assert!(
+            h.faults_injected > 0 && r.outcomes.failed > 0,
+            "{cell}: {}",
+            r.verdict
+        );
         assert!(!r.timed_out, "{cell}");
         assert_eq!(r.outcomes.ready + r.outcomes.failed, r.requests, "{cell}");
         assert_eq!(
@@ -363,12 +382,24 @@ fn chaos_fails_requests_but_never_the_accounting() {
             "{cell}"
         );
         assert_eq!(r.outcomes.missing + r.prefill_outcomes.missing, 0, "{cell}");
-        assert_eq!((r.events.decode, r.events.prefill), (r.requests, r.requests));
+        assert_eq!(
+            (r.events.decode, r.events.prefill),
+            (r.requests, r.requests)
+        );
         assert_eq!(r.events.duplicates + r.events.unknown, 0, "{cell}");
-        assert_eq!(r.leaked_blocks.prefill + r.leaked_blocks.decode, 0, "{cell}");
+        assert_eq!(
+            r.leaked_blocks.prefill + r.leaked_blocks.decode,
+            0,
+            "{cell}"
+        );
         assert_eq!((r.verified, r.byte_errors), (r.outcomes.ready, 0), "{cell}");
     }
-    let mut o = options("gqa8", "tp=1,block=16,layout=NHD", "tp=2,block=16,layout=NHD", 4);
+    let mut o = options(
+        "gqa8",
+        "tp=1,block=16,layout=NHD",
+        "tp=2,block=16,layout=NHD",
+        4,
+    );
     o.chaos = 1.5;
     assert!(matches!(run(&o), Err(DemoError::Options(_))));
 }

@@ -178,7 +178,9 @@ pub fn run(options: &HeteroDemoOptions) -> Result<DemoReport, DemoError> {
         )));
     }
     if !(0.0..=1.0).contains(&options.chaos) {
-        return Err(DemoError::Options("chaos is a share of requests, 0 to 1".into()));
+        return Err(DemoError::Options(
+            "chaos is a share of requests, 0 to 1".into(),
+        ));
     }
     if options.chaos > 0.0 && options.transport != DemoTransport::Mem {
         return Err(DemoError::Options(
@@ -311,7 +313,16 @@ fn nixl_run(
     let make = |name: kvhandoff_protocol::AgentName| {
         NixlTransport::new(name, NixlConfig::default()).map_err(|e| DemoError::Build(e.into()))
     };
-    drive(options, pair, handoffs, wall, "nixl", make, None, &mut |_| false)
+    drive(
+        options,
+        pair,
+        handoffs,
+        wall,
+        "nixl",
+        make,
+        None,
+        &mut |_| false,
+    )
 }
 
 #[cfg(not(feature = "nixl"))]
