@@ -403,3 +403,27 @@ fn chaos_fails_requests_but_never_the_accounting() {
     o.chaos = 1.5;
     assert!(matches!(run(&o), Err(DemoError::Options(_))));
 }
+
+/// P's transforms run in its route when D's registration comes, right before the write: a
+/// request filed without that staging work moves staging memory P never filled, and the byte
+/// check catches it. (The precondition: the pair stages on P.)
+#[test]
+fn staging_runs_when_the_registration_comes_and_is_checked() {
+    let mut o = options(
+        "gqa8",
+        "tp=2,block=16,layout=NHD",
+        "tp=4,block=32,layout=HND",
+        4,
+    );
+    o.fault = Some(HeteroFault::Unstaged);
+    let report = run(&o).unwrap();
+    let h = report.hetero.as_ref().unwrap();
+    assert!(
+        h.transforms.iter().any(|t| t.contains("on P")),
+        "{:?}",
+        h.transforms
+    );
+    assert_eq!(report.outcomes.ready, report.requests);
+    assert_eq!(report.verified, report.requests - 1);
+    assert!(report.byte_errors > 0);
+}

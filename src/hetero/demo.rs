@@ -16,11 +16,13 @@
 //! its own on every rank (a KV and a staging buffer per slot), so that later requests' calls
 //! interleave with earlier requests' writes and events on the same endpoints. Each request:
 //! 1. its plan and reference KV ([`Handoff::prepare`]: shuffled block ids, P's blocks filled
-//!    with the reference in P's geometry, junk everywhere else), P's staging jobs (the
-//!    transforms the plan runs on P), and every arena copied into its slot;
-//! 2. P files each link's pieces with its route, then every rank's call is made in a seeded
-//!    random order (P's `request_finished`, D's `request_allocated`), so that both races
-//!    (D registers first, P finishes first) happen;
+//!    with the reference in P's geometry, junk everywhere else), every arena copied into its
+//!    slot;
+//! 2. P files each link's pieces and staging work (the transforms the plan runs on P) with its
+//!    route, then every rank's call is made in a seeded random order (P's `request_finished`,
+//!    D's `request_allocated`), so that both races (D registers first, P finishes first)
+//!    happen; the route runs a link's staging when D's registration has come, right before
+//!    the write, since the plan aligns P's staging to D's blocks;
 //! 3. once every rank has its event, D's memory is read back, D's staging jobs and tail zeroing
 //!    run, and the verifier checks every byte of every arena of both sides; the slot is free.
 //!
@@ -103,6 +105,8 @@ pub enum HeteroFault {
     UnfiledLink,
     /// One piece of the request's first non-empty link lands one row off.
     ShiftedPiece,
+    /// P files its links without their staging work: the write moves staging P never filled.
+    Unstaged,
     /// D's first rank aborts the request after every D rank registered and before any P rank
     /// finished.
     DecodeAborts,
@@ -369,7 +373,7 @@ fn model_identity(pair: &PairPlan) -> ModelIdentity {
 fn drive<T, M>(
     options: &HeteroDemoOptions,
     pair: PairPlan,
-    mut handoffs: Vec<Handoff>,
+    handoffs: Vec<Handoff>,
     wall: Instant,
     transport: &'static str,
     mut make: M,
@@ -442,8 +446,12 @@ where
     let mut tally = Tally::default();
     let start = Instant::now();
     let fault = options.fault.map(|f| (options.requests / 2, f));
+    let shared: Vec<flight::Shared> = handoffs
+        .into_iter()
+        .map(|h| Arc::new(std::sync::Mutex::new(h)))
+        .collect();
     flight::run_all(
-        &mut handoffs,
+        &shared,
         &pair,
         &mut ranks,
         options.window,
@@ -483,7 +491,7 @@ where
     drop(ranks);
     runtime.shutdown();
     Ok(summary::report(
-        options, &pair, &handoffs, tally, bytes, window, wall, transport,
+        options, &pair, &shared, tally, bytes, window, wall, transport,
     ))
 }
 

@@ -433,6 +433,32 @@ impl Handoff {
         result
     }
 
+    /// P's staging jobs of one link only (what P runs when that link's D rank registered),
+    /// and where they wrote: `(staging offset, length)` per output block, in P's staging arena
+    /// of the link's P rank.
+    ///
+    /// # Errors
+    /// A [`HandoffError`] when a job or a range fails.
+    pub fn run_prefill_jobs_of_link(
+        &mut self,
+        link: usize,
+    ) -> Result<Vec<(u64, u64)>, HandoffError> {
+        let jobs = std::mem::take(&mut self.plan.prefill_jobs);
+        let mut written = Vec::new();
+        let result = jobs
+            .iter()
+            .enumerate()
+            .filter(|(_, job)| job.link == link)
+            .try_for_each(|(i, job)| {
+                self.prefill_job(i, job)?;
+                let len = job.output.block_len();
+                written.extend(job.output.addrs.iter().map(|&addr| (addr, len)));
+                Ok(())
+            });
+        self.plan.prefill_jobs = jobs;
+        result.map(|()| written)
+    }
+
     /// D's half after the wire landed: its staging jobs and its tail zeroing; the run's stats.
     ///
     /// # Errors

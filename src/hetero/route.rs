@@ -23,12 +23,26 @@ use kvhandoff_protocol::{BlockIds, KvGeometry, PairingKey};
 /// Most writes filed and not yet posted on one rank.
 pub const MAX_FILED: usize = 4096;
 
+/// The staging work of one link, run by the route right before the link's write.
+pub type Staging = Box<dyn FnOnce() -> Result<(), String> + Send>;
+
 /// One write filed ahead of its post.
-#[derive(Debug, Clone, PartialEq, Eq)]
 struct Filed {
     local: BlockIds,
     remote: BlockIds,
     descriptors: Vec<Descriptor>,
+    staging: Option<Staging>,
+}
+
+impl std::fmt::Debug for Filed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Filed")
+            .field("local", &self.local)
+            .field("remote", &self.remote)
+            .field("descriptors", &self.descriptors.len())
+            .field("staging", &self.staging.is_some())
+            .finish()
+    }
 }
 
 /// The route of one rank of a heterogeneous pair (see the module documentation).
@@ -55,7 +69,7 @@ impl PlannedRoute {
     }
 
     /// Files the descriptors of the write under `key`, planned for P's `local` and D's `remote`
-    /// block ids.
+    /// block ids, with the staging work to run right before it.
     ///
     /// # Errors
     /// A key filed already, or [`MAX_FILED`] writes waiting.
@@ -65,6 +79,7 @@ impl PlannedRoute {
         local: BlockIds,
         remote: BlockIds,
         descriptors: Vec<Descriptor>,
+        staging: Option<Staging>,
     ) -> Result<(), RouteError> {
         let mut filed = self.lock()?;
         if filed.len() >= MAX_FILED {
@@ -81,6 +96,7 @@ impl PlannedRoute {
                 local,
                 remote,
                 descriptors,
+                staging,
             },
         );
         Ok(())
@@ -143,9 +159,16 @@ impl TransferRoute for PlannedRoute {
                 request.key
             )));
         }
-        if let Some(entry) = filed.remove(request.key) {
-            out.extend_from_slice(&entry.descriptors);
+        let Some(entry) = filed.remove(request.key) else {
+            return Ok(());
+        };
+        // P's transforms for this link, now that D's registration named the planned blocks.
+        drop(filed);
+        if let Some(staging) = entry.staging {
+            staging()
+                .map_err(|why| RouteError(format!("{}: P's staging failed: {why}", request.key)))?;
         }
+        out.extend_from_slice(&entry.descriptors);
         Ok(())
     }
 }
@@ -205,11 +228,23 @@ mod tests {
             remote_addr: 20,
             len: 30,
         };
+        let staged = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = staged.clone();
+        let staging: Staging = Box::new(move || {
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        });
         route
-            .file(key.clone(), p.clone(), d.clone(), vec![descriptor])
+            .file(
+                key.clone(),
+                p.clone(),
+                d.clone(),
+                vec![descriptor],
+                Some(staging),
+            )
             .unwrap();
         assert!(route
-            .file(key.clone(), p.clone(), d.clone(), Vec::new())
+            .file(key.clone(), p.clone(), d.clone(), Vec::new(), None)
             .is_err());
         let info = peer(pair.decode.ranks[1].geometry.clone());
         let ask = |local: &BlockIds, remote: &BlockIds, out: &mut Vec<Descriptor>| {
@@ -229,10 +264,72 @@ mod tests {
         // A registration naming other blocks is refused, and nothing is appended.
         assert!(ask(&p, &BlockIds::single_group(vec![8]), &mut out).is_err());
         assert!(out.is_empty());
+        assert!(
+            !staged.load(std::sync::atomic::Ordering::SeqCst),
+            "staged for other blocks"
+        );
         ask(&p, &d, &mut out).unwrap();
         assert_eq!(out, vec![descriptor]);
+        assert!(staged.load(std::sync::atomic::Ordering::SeqCst));
         // Placed once: a second post of the key finds nothing.
         assert!(ask(&p, &d, &mut out).is_err());
         assert_eq!(route.pending(), 0);
+    }
+}
+
+#[cfg(test)]
+mod staging_tests {
+    use super::*;
+    use kvhandoff_protocol::driver::PeerInfo;
+    use kvhandoff_protocol::hetero::{model, plan_pair};
+    use kvhandoff_protocol::{AgentName, CompatHash, EngineId, Epoch, Incarnation, PeerAddr};
+
+    /// Staging that fails refuses the write, and nothing is appended.
+    #[test]
+    fn failed_staging_refuses_the_write() {
+        let pair = plan_pair(
+            model("gqa8").unwrap(),
+            "tp=1,block=16,layout=NHD".parse().unwrap(),
+            "tp=2,block=32,layout=HND".parse().unwrap(),
+        )
+        .unwrap();
+        let route = PlannedRoute::new(&pair, SideName::Prefill);
+        let key = PairingKey::new("k#p0d0").unwrap();
+        let blocks = BlockIds::single_group(vec![1]);
+        let staging: Staging = Box::new(|| Err("no kernel".into()));
+        route
+            .file(
+                key.clone(),
+                blocks.clone(),
+                blocks.clone(),
+                Vec::new(),
+                Some(staging),
+            )
+            .unwrap();
+        let info = PeerInfo {
+            peer: PeerAddr::new(EngineId::new("decode").unwrap(), 0),
+            agent: AgentName::new("decode-rank0").unwrap(),
+            metadata: Vec::new(),
+            regions: Vec::new(),
+            geometry: pair.decode.ranks[0].geometry.clone(),
+            compat: CompatHash([0; 32]),
+            incarnation: Incarnation::random(),
+        };
+        let mut out = Vec::new();
+        let error = route
+            .descriptors(
+                &RouteRequest {
+                    direction: RouteDirection::Write,
+                    peer: &info,
+                    key: &key,
+                    epoch: Epoch::FIRST,
+                    local: &blocks,
+                    remote: &blocks,
+                },
+                &mut out,
+            )
+            .unwrap_err();
+        assert!(error.0.contains("no kernel"), "{error}");
+        assert!(out.is_empty());
     }
 }

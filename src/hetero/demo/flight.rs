@@ -4,7 +4,7 @@
 //! memory read back, D's staging jobs, every byte checked) and its slot freed.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams};
@@ -16,7 +16,15 @@ use rand::seq::SliceRandom;
 
 use super::{HeteroFault, Tally, PREFILL};
 use crate::hetero::handoff::Handoff;
-use crate::hetero::route::PlannedRoute;
+use crate::hetero::route::{PlannedRoute, Staging};
+
+/// A request's plan and arenas, shared by the flight loop and the P routes that stage for it.
+pub(super) type Shared = Arc<Mutex<Handoff>>;
+
+fn lock(h: &Shared) -> Result<std::sync::MutexGuard<'_, Handoff>, String> {
+    h.lock()
+        .map_err(|_| "a request's arenas are poisoned".to_string())
+}
 
 /// One rank as the demo drives it.
 pub(super) struct Rank {
@@ -53,7 +61,7 @@ struct Flight {
 /// Runs every request, at most `window` at a time, until all ended or `deadline`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_all(
-    handoffs: &mut [Handoff],
+    handoffs: &[Shared],
     pair: &PairPlan,
     ranks: &mut [Rank],
     window: usize,
@@ -76,16 +84,7 @@ pub(super) fn run_all(
             next += 1;
             let fault = fault.filter(|(at, _)| *at == r).map(|(_, f)| f);
             tally.faults_injected += u64::from(chaos(&mut chaos_rng));
-            match start(
-                r,
-                slot,
-                &mut handoffs[r],
-                pair,
-                ranks,
-                &mut rng,
-                fault,
-                tally,
-            ) {
+            match start(r, slot, &handoffs[r], pair, ranks, &mut rng, fault, tally) {
                 Ok((request, ended)) => {
                     flights.insert(
                         request,
@@ -112,7 +111,7 @@ pub(super) fn run_all(
         for id in done {
             if let Some(flight) = flights.remove(&id) {
                 let r = flight.r;
-                if let Err(error) = finish(&flight, &mut handoffs[r], pair, ranks, tally) {
+                if let Err(error) = finish(&flight, &handoffs[r], pair, ranks, tally) {
                     tally.error(format!("request {r}: {error}"));
                 }
                 free.push(flight.slot);
@@ -129,8 +128,13 @@ pub(super) fn run_all(
     for flight in flights.into_values() {
         // Timed out in flight: whichever side has no event still holds its blocks.
         tally.timed_out = true;
-        let h = &handoffs[flight.r];
-        settle(&flight, h, ranks, tally);
+        withdraw(flight.r, pair, ranks);
+        match lock(&handoffs[flight.r]) {
+            Ok(h) => {
+                settle(&flight, &h, ranks, tally);
+            }
+            Err(error) => tally.error(error),
+        }
         tally.error(format!(
             "request {}: not every rank had its event",
             flight.r
@@ -138,14 +142,14 @@ pub(super) fn run_all(
     }
 }
 
-/// Starts request `r` in `slot`: P's staging jobs, every arena into the slot's memory, P's
-/// pieces filed, every rank's call in a seeded order. Returns the request's id, and per rank
+/// Starts request `r` in `slot`: every arena into the slot's memory, P's pieces and staging
+/// work filed with its routes, every rank's call in a seeded order. Returns the request's id, and per rank
 /// its end if its call was refused (the rank never exposed its blocks: D failed, P released).
 #[allow(clippy::too_many_arguments)]
 fn start(
     r: usize,
     slot: usize,
-    h: &mut Handoff,
+    shared: &Shared,
     pair: &PairPlan,
     ranks: &mut [Rank],
     rng: &mut rand_chacha::ChaCha8Rng,
@@ -154,19 +158,27 @@ fn start(
 ) -> Result<(RequestId, Vec<Option<Ended>>), String> {
     let request = RequestId::new(format!("req-{r}")).map_err(|e| e.to_string())?;
     let key = PairingKey::from_request_id(&request);
-    h.check_no_overlap().map_err(|e| e.to_string())?;
-    h.run_prefill_jobs().map_err(|e| e.to_string())?;
-    for rank in ranks.iter() {
-        for (i, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
-            let bytes = &h.arenas[h.arena(rank.side, rank.index, space)].bytes;
-            rank.slots[slot][i]
-                .bytes
-                .write(0, bytes)
-                .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.tp))?;
+    // Released before any call: a P route locks the arenas to stage when a registration comes.
+    let (tokens, prefill_blocks, decode_blocks) = {
+        let h = lock(shared)?;
+        h.check_no_overlap().map_err(|e| e.to_string())?;
+        for rank in ranks.iter() {
+            for (i, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
+                let bytes = &h.arenas[h.arena(rank.side, rank.index, space)].bytes;
+                rank.slots[slot][i]
+                    .bytes
+                    .write(0, bytes)
+                    .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.tp))?;
+            }
         }
-    }
-    file_routes(h, pair, ranks, slot, &key, fault)?;
-    tally.descriptors += h.plan.descriptors() as u64;
+        file_routes(&h, shared, pair, ranks, slot, &key, fault)?;
+        tally.descriptors += h.plan.descriptors() as u64;
+        (
+            h.shape.tokens,
+            h.prefill_blocks.clone(),
+            h.decode_blocks.clone(),
+        )
+    };
     tally.sub_requests += 2 * pair.links.len() as u64;
 
     let mut order: Vec<usize> = (0..ranks.len()).collect();
@@ -178,7 +190,6 @@ fn start(
     }
     let mut called: BTreeMap<(SideName, u32), usize> = BTreeMap::new();
     let mut ended = vec![None; ranks.len()];
-    let tokens = h.shape.tokens;
     for (turn, &i) in order.iter().enumerate() {
         if abort
             && ranks[i].side == SideName::Prefill
@@ -196,7 +207,7 @@ fn start(
                 .conn
                 .request_finished(
                     &request,
-                    h.prefill_blocks.clone(),
+                    prefill_blocks.clone(),
                     tokens,
                     &KvTransferParams {
                         do_remote_decode: true,
@@ -206,7 +217,7 @@ fn start(
                 .map(|_| ()),
             SideName::Decode => rank.conn.request_allocated(
                 &request,
-                h.decode_blocks.clone(),
+                decode_blocks.clone(),
                 tokens,
                 &KvTransferParams {
                     do_remote_prefill: true,
@@ -340,15 +351,18 @@ fn settle(flight: &Flight, h: &Handoff, ranks: &[Rank], tally: &mut Tally) -> bo
 /// blocks, reads the slot back, runs D's half and checks every byte of both sides.
 fn finish(
     flight: &Flight,
-    h: &mut Handoff,
-    _pair: &PairPlan,
+    shared: &Shared,
+    pair: &PairPlan,
     ranks: &[Rank],
     tally: &mut Tally,
 ) -> Result<(), String> {
     tally
         .latencies_us
         .push(flight.called.elapsed().as_secs_f64() * 1e6);
-    if !settle(flight, h, ranks, tally) {
+    // A sub-request that ended without its write leaves its filing behind.
+    withdraw(flight.r, pair, ranks);
+    let mut h = lock(shared)?;
+    if !settle(flight, &h, ranks, tally) {
         return Err("not every D rank got its blocks".into());
     }
     for rank in ranks {
@@ -375,11 +389,59 @@ fn finish(
     Ok(())
 }
 
-/// Files each link's pieces with its P rank's route, under the link's pair key, as addresses in
-/// `slot` of the two ranks' registered memory. Every link of the plan is filed, also one that
-/// moves nothing in this request, so that each sub-request has its write.
+/// Drops what request `r`'s links left filed with the P routes.
+fn withdraw(r: usize, pair: &PairPlan, ranks: &[Rank]) {
+    let Ok(request) = RequestId::new(format!("req-{r}")) else {
+        return;
+    };
+    let key = PairingKey::from_request_id(&request);
+    for link in &pair.links {
+        let p = pair.prefill.ranks[link.prefill].rank.tp;
+        let d = pair.decode.ranks[link.decode].rank.tp;
+        let (Ok(pair_key), Some(rank)) = (
+            key.for_pair(p, d),
+            ranks
+                .iter()
+                .find(|r| r.side == SideName::Prefill && r.index == link.prefill),
+        ) else {
+            continue;
+        };
+        rank.route.withdraw(&pair_key);
+    }
+}
+
+/// The staging work of `link` in request `shared`: P's jobs of the link, and their output
+/// blocks into P's registered staging memory of `region`; `None` for a link with no P job.
+fn staging_of(h: &Handoff, shared: &Shared, link: usize, region: &RoutedRegion) -> Option<Staging> {
+    if !h.plan.prefill_jobs.iter().any(|job| job.link == link) {
+        return None;
+    }
+    let shared = Arc::clone(shared);
+    let region = region.clone();
+    Some(Box::new(move || {
+        let mut h = lock(&shared)?;
+        let written = h
+            .run_prefill_jobs_of_link(link)
+            .map_err(|e| e.to_string())?;
+        let rank = h.pair.links[link].prefill;
+        let arena = &h.arenas[h.arena(SideName::Prefill, rank, Space::Staging)].bytes;
+        for (addr, len) in written {
+            let bytes = usize::try_from(addr)
+                .ok()
+                .and_then(|a| arena.get(a..a.checked_add(usize::try_from(len).ok()?)?))
+                .ok_or_else(|| format!("staging block {addr}+{len} outside the arena"))?;
+            region.bytes.write(addr, bytes).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }))
+}
+
+/// Files each link's pieces and staging work with its P rank's route, under the link's pair
+/// key, as addresses in `slot` of the two ranks' registered memory. Every link of the plan is
+/// filed, also one that moves nothing in this request, so that each sub-request has its write.
 fn file_routes(
     h: &Handoff,
+    shared: &Shared,
     pair: &PairPlan,
     ranks: &[Rank],
     slot: usize,
@@ -422,19 +484,24 @@ fn file_routes(
                 d.remote_addr += row;
             }
         }
-        Some(HeteroFault::DecodeAborts) | None => {}
+        Some(HeteroFault::DecodeAborts | HeteroFault::Unstaged) | None => {}
     }
     for (l, descriptors) in by_link {
         let link = &pair.links[l];
         let p = find(SideName::Prefill, link.prefill)?;
         let d = find(SideName::Decode, link.decode)?;
         let pair_key = key.for_pair(p.tp, d.tp).map_err(|e| e.to_string())?;
+        let staging = match fault {
+            Some(HeteroFault::Unstaged) => None,
+            _ => staging_of(h, shared, l, &p.slots[slot][1]),
+        };
         p.route
             .file(
                 pair_key,
                 h.prefill_blocks.clone(),
                 h.decode_blocks.clone(),
                 descriptors,
+                staging,
             )
             .map_err(|e| e.to_string())?;
     }

@@ -4,19 +4,19 @@ use std::time::{Duration, Instant};
 
 use kvhandoff_protocol::hetero::PairPlan;
 
+use super::flight::Shared;
 use super::{HeteroDemoOptions, HeteroSummary, Tally};
 use crate::demo::{
     DemoReport, EventCounts, GeometrySummary, Latency, Outcomes, PrefillOutcomes, ReportRole,
     TurnCounts,
 };
-use crate::hetero::handoff::Handoff;
 use crate::stats::percentile;
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn report(
     options: &HeteroDemoOptions,
     pair: &PairPlan,
-    handoffs: &[Handoff],
+    handoffs: &[Shared],
     t: Tally,
     bytes: u64,
     window: Duration,
@@ -70,10 +70,19 @@ pub(super) fn report(
             missing: t.prefill_missing,
         },
         bytes,
-        expected_bytes: handoffs.iter().map(|h| h.plan.bytes()).sum(),
-        tokens: handoffs.iter().map(|h| h.shape.tokens).sum(),
+        expected_bytes: handoffs
+            .iter()
+            .filter_map(|h| h.lock().ok())
+            .map(|h| h.plan.bytes())
+            .sum(),
+        tokens: handoffs
+            .iter()
+            .filter_map(|h| h.lock().ok())
+            .map(|h| h.shape.tokens)
+            .sum(),
         blocks: handoffs
             .iter()
+            .filter_map(|h| h.lock().ok())
             .map(|h| h.prefill_blocks.total() as u64)
             .sum(),
         gbps: if window.is_zero() {
@@ -99,6 +108,7 @@ pub(super) fn report(
         leaked_blocks: t.leaks,
         pool_blocks: handoffs
             .iter()
+            .filter_map(|h| h.lock().ok())
             .map(|h| {
                 h.prefill_memory
                     .pool_blocks
