@@ -293,16 +293,12 @@ fn mem_run(
         }
         fabric.set_faults(agent, faults).is_ok()
     };
-    drive(
-        options,
-        pair,
-        handoffs,
-        wall,
-        "mem",
-        make,
-        Some(&landed),
-        &mut chaos,
-    )
+    let hooks = Hooks {
+        transport: "mem",
+        landed: Some(&landed),
+        chaos: &mut chaos,
+    };
+    drive(options, pair, handoffs, wall, make, hooks)
 }
 
 #[cfg(feature = "nixl")]
@@ -317,16 +313,12 @@ fn nixl_run(
     let make = |name: kvhandoff_protocol::AgentName| {
         NixlTransport::new(name, NixlConfig::default()).map_err(|e| DemoError::Build(e.into()))
     };
-    drive(
-        options,
-        pair,
-        handoffs,
-        wall,
-        "nixl",
-        make,
-        None,
-        &mut |_| false,
-    )
+    let hooks = Hooks {
+        transport: "nixl",
+        landed: None,
+        chaos: &mut |_| false,
+    };
+    drive(options, pair, handoffs, wall, make, hooks)
 }
 
 #[cfg(not(feature = "nixl"))]
@@ -369,16 +361,24 @@ fn model_identity(pair: &PairPlan) -> ModelIdentity {
     }
 }
 
+/// What differs between the transports a run drives.
+struct Hooks<'a> {
+    /// `"mem"` or `"nixl"`.
+    transport: &'static str,
+    /// Bytes the transport landed, when it counts them (else: the bytes of requests sent).
+    landed: Option<&'a dyn Fn() -> u64>,
+    /// Arms a fault as a request starts (`chaos`); whether it did.
+    chaos: &'a mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
+}
+
 /// Builds every rank, runs every request, and reports.
 fn drive<T, M>(
     options: &HeteroDemoOptions,
     pair: PairPlan,
     handoffs: Vec<Handoff>,
     wall: Instant,
-    transport: &'static str,
     mut make: M,
-    landed: Option<&dyn Fn() -> u64>,
-    chaos: &mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
+    hooks: Hooks<'_>,
 ) -> Result<DemoReport, DemoError>
 where
     T: RankMemory + Unpin + Send + 'static,
@@ -457,7 +457,7 @@ where
         options.window,
         options.seed ^ 0x5eed_ca11,
         fault,
-        chaos,
+        hooks.chaos,
         deadline,
         &mut tally,
     );
@@ -484,14 +484,21 @@ where
         }
         let _ = rank.conn.shutdown();
     }
-    let bytes = match landed {
+    let bytes = match hooks.landed {
         Some(landed) => landed(),
         None => tally.sent_bytes,
     };
     drop(ranks);
     runtime.shutdown();
     Ok(summary::report(
-        options, &pair, &shared, tally, bytes, window, wall, transport,
+        options,
+        &pair,
+        &shared,
+        tally,
+        bytes,
+        window,
+        wall,
+        hooks.transport,
     ))
 }
 
