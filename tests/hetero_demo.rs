@@ -66,6 +66,22 @@ fn pairs_of_different_geometries_hand_off_over_the_lease_protocol() {
             "tp=4,block=16,layout=NHD",
             "tp=2,block=16,layout=NHD",
         ),
+        // Pipeline stages: ranks indexed stage by stage; each stage writes its layer window.
+        (
+            "gqa8",
+            "tp=2,block=16,layout=NHD,pp=2",
+            "tp=4,block=32,layout=HND",
+        ),
+        (
+            "mla",
+            "tp=2,block=16,layout=NHD,pp=2",
+            "tp=1,block=64,layout=NHD,pp=2",
+        ),
+        (
+            "mamba",
+            "tp=1,block=16,layout=HND",
+            "tp=2,block=16,layout=NHD,pp=2",
+        ),
     ];
     for (model, p, d) in cells {
         let report = run(&options(model, p, d, 12)).unwrap();
@@ -175,8 +191,8 @@ fn pairs_the_planner_refuses_are_option_errors() {
             "tp=1,block=16,layout=NHD",
         ),
         (
-            "gqa8",
-            "tp=1,block=16,layout=NHD,pp=2",
+            "swa",
+            "tp=1,block=16,layout=NHD,pp=4",
             "tp=1,block=16,layout=NHD",
         ),
         (

@@ -208,6 +208,12 @@ fn demo_pairs_over_real_nixl_hand_off_through_the_lease_protocol() {
             "tp=1,block=16,layout=HND",
             "tp=2,block=16,layout=NHD",
         ),
+        // Two pipeline stages on P: four agents named by rank index.
+        (
+            "gqa8",
+            "tp=2,block=16,layout=NHD,pp=2",
+            "tp=1,block=64,layout=HND",
+        ),
     ] {
         let options = HeteroDemoOptions {
             transport: DemoTransport::Nixl,

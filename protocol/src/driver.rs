@@ -65,10 +65,11 @@ impl PeerInfo {
         }
     }
 
-    /// The peer a received handshake describes: rank = its `geometry.tp_rank`.
+    /// The peer a received handshake describes: rank = its geometry's
+    /// [`rank_index`](KvGeometry::rank_index) (the TP rank, with one pipeline stage).
     pub fn from_handshake(handshake: Handshake) -> PeerInfo {
         PeerInfo {
-            peer: PeerAddr::new(handshake.engine_id, handshake.geometry.tp_rank),
+            peer: PeerAddr::new(handshake.engine_id, handshake.geometry.rank_index()),
             agent: handshake.agent_name,
             metadata: handshake.agent_metadata,
             regions: handshake.regions,

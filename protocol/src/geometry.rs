@@ -400,6 +400,24 @@ impl KvGeometry {
         Ok(())
     }
 
+    /// The rank's index in its engine, what [`PeerAddr::rank`](crate::PeerAddr) names: its TP
+    /// rank within its pipeline stage, the stages in order (`pp_rank × tp_size + tp_rank`). The
+    /// TP rank itself when the engine has one stage.
+    ///
+    /// ```
+    /// use kvhandoff_protocol::{KvGeometry, KvLayout};
+    /// let mut g = KvGeometry::dense(4, 8, 64, 2, 16, KvLayout::Hnd);
+    /// (g.tp_size, g.tp_rank) = (2, 1);
+    /// assert_eq!(g.rank_index(), 1);
+    /// (g.pp_size, g.pp_rank) = (2, 1);
+    /// assert_eq!(g.rank_index(), 3);
+    /// ```
+    pub fn rank_index(&self) -> u32 {
+        self.pp_rank
+            .saturating_mul(self.tp_size)
+            .saturating_add(self.tp_rank)
+    }
+
     /// Layers held by this PP rank.
     pub fn local_layers(&self) -> u32 {
         self.num_layers / self.pp_size.max(1)

@@ -42,7 +42,7 @@ pub(crate) struct DemoArgs {
     /// `--prefill` and `--decode`. Every rank of both sides runs in this process (push only).
     #[arg(long, requires_all = ["prefill", "decode"])]
     model: Option<String>,
-    /// P's geometry: `tp=N,block=N,layout=NHD|HND[,kbpl=N]` (with `--model`).
+    /// P's geometry: `tp=N,block=N,layout=NHD|HND[,pp=N][,kbpl=N]` (with `--model`).
     #[arg(long, requires = "model")]
     prefill: Option<String>,
     /// D's geometry, the same way (with `--model`).

@@ -168,7 +168,7 @@ pub struct HeteroSummary {
 ///
 /// # Errors
 /// [`DemoError::Options`] for an unknown model, a pair the planner refuses (with its reason),
-/// a pipeline-parallel side, or bad counts; [`DemoError::NoNixl`]/[`DemoError::NixlUnavailable`]
+/// or bad counts; [`DemoError::NoNixl`]/[`DemoError::NixlUnavailable`]
 /// for NIXL without its runtime; a rank that cannot be built. A run that starts and goes wrong
 /// returns a FAILED report.
 pub fn run(options: &HeteroDemoOptions) -> Result<DemoReport, DemoError> {
@@ -205,9 +205,6 @@ pub fn run(options: &HeteroDemoOptions) -> Result<DemoReport, DemoError> {
             kvhandoff_protocol::hetero::MAX_REQUEST_TOKENS
         )));
     }
-    // The runtime names ranks by TP rank alone: no pipeline stages yet.
-    RankLinks::for_rank(&pair, SideName::Prefill, 0)
-        .map_err(|e| DemoError::Options(e.to_string()))?;
     let handoffs = prepare(&pair, options)?;
     match options.transport {
         DemoTransport::Mem => mem_run(options, pair, handoffs, wall),
@@ -395,8 +392,8 @@ where
         };
         let rank = &layout.ranks[index];
         let engine_id = EngineId::new(engine).map_err(|e| DemoError::Options(e.to_string()))?;
-        let name =
-            agent_name(&engine_id, rank.rank.tp).map_err(|e| DemoError::Options(e.to_string()))?;
+        let name = agent_name(&engine_id, rank.geometry.rank_index())
+            .map_err(|e| DemoError::Options(e.to_string()))?;
         let route = Arc::new(PlannedRoute::new(&pair, side));
         // P hands its whole block list to the route, whose plan aligns the sides by tokens.
         let rank_config = Config {
@@ -421,7 +418,7 @@ where
         let mut conn = KvConnector::with_settings(
             ConnectorIdentity {
                 engine: engine_id,
-                rank: rank.rank.tp,
+                rank: rank.geometry.rank_index(),
                 tp_size: layout.spec.tp,
                 host: "127.0.0.1".into(),
                 port: 0,
@@ -429,14 +426,14 @@ where
             handle,
             ConnectorSettings::new(&config, &rank.geometry),
         );
-        let links = RankLinks::for_rank(&pair, side, rank.rank.tp)
+        let links = RankLinks::for_rank(&pair, side, rank.geometry.rank_index())
             .map_err(|e| DemoError::Options(e.to_string()))?;
         conn.set_links(links)
             .map_err(|e| DemoError::Options(e.to_string()))?;
         ranks.push(Rank {
             side,
             index,
-            tp: rank.rank.tp,
+            id: rank.geometry.rank_index(),
             conn,
             slots,
             route,
@@ -471,14 +468,14 @@ where
         } else {
             tally.error(format!(
                 "{} rank {}: counters did not come back",
-                rank.side, rank.tp
+                rank.side, rank.id
             ));
         }
         if rank.route.pending() > 0 {
             tally.error(format!(
                 "{} rank {}: {} filed writes were never posted",
                 rank.side,
-                rank.tp,
+                rank.id,
                 rank.route.pending()
             ));
         }

@@ -170,7 +170,7 @@ pub fn build_rank<T: RankMemory>(
             max: MAX_BLOCKS,
         });
     }
-    let rank = geometry.tp_rank;
+    let rank = geometry.rank_index();
     let specs = geometry.regions()?;
     let kernel_blocks = logical_blocks
         .checked_mul(geometry.kernel_blocks_per_logical)
@@ -222,7 +222,7 @@ fn own_info<T: Transport>(
     regions: Vec<RegionDesc>,
 ) -> Result<PeerInfo, BuildError> {
     Ok(PeerInfo {
-        peer: PeerAddr::new(engine.clone(), geometry.tp_rank),
+        peer: PeerAddr::new(engine.clone(), geometry.rank_index()),
         agent: transport.agent_name().clone(),
         metadata: transport.local_metadata()?,
         regions,
@@ -305,7 +305,7 @@ pub fn build_routed_rank<T: RankMemory>(
         regions.push(RoutedRegion { base, len, bytes });
     }
     let info = own_info(&transport, engine, &geometry, model, descs)?;
-    let endpoint = Endpoint::new(engine.clone(), geometry.tp_rank, config)?;
+    let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
     Ok((
         RankSetup {
             endpoint,
@@ -331,7 +331,7 @@ pub fn build_mem_rank(
     config: Config,
     shell: ShellConfig,
 ) -> Result<(RankSetup<MemTransport>, KvPool), BuildError> {
-    let transport = fabric.agent(agent_name(engine, geometry.tp_rank)?)?;
+    let transport = fabric.agent(agent_name(engine, geometry.rank_index())?)?;
     build_rank(
         transport,
         engine,

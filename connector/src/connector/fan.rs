@@ -42,6 +42,10 @@ use crate::{ConnectorError, ConnectorEvent, KvTransferParams, TransferMode};
 /// assert_eq!(RankLinks::decode(&plan, 3).unwrap().peers, vec![1]);
 /// // P rank 0 holds heads 0..4: D ranks 0 and 1.
 /// assert_eq!(RankLinks::prefill(&plan, 0).unwrap().peers, vec![0, 1]);
+/// // Pipeline stages: ranks are indexed stage by stage (`KvGeometry::rank_index`); D at one
+/// // stage takes layers from both of P's, so its rank 0 is fed by P ranks 0 (stage 0) and 2.
+/// let staged = plan_pair(gqa8, "tp=2,block=16,layout=NHD,pp=2".parse().unwrap(), d).unwrap();
+/// assert_eq!(RankLinks::decode(&staged, 0).unwrap().peers, vec![0, 2]);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankLinks {
@@ -49,18 +53,21 @@ pub struct RankLinks {
     pub side: SideName,
     /// The other engine's TP size (what the router's `tp_size` must say on D).
     pub remote_tp: u32,
-    /// The other engine's ranks this rank exchanges with, ascending (D: the P ranks writing to
-    /// it; P: the D ranks it writes to; empty for a P replica that writes nothing).
+    /// The other engine's ranks, over all its pipeline stages.
+    pub remote_ranks: u32,
+    /// The other engine's ranks this rank exchanges with, by
+    /// [`rank_index`](kvhandoff_protocol::KvGeometry::rank_index), ascending (D: the P ranks
+    /// writing to it; P: the D ranks it writes to; empty for a P replica that writes nothing).
     pub peers: Vec<u32>,
 }
 
 impl RankLinks {
-    /// D rank `rank`'s links in `plan`.
+    /// The links in `plan` of D's rank `rank` (its
+    /// [`rank_index`](kvhandoff_protocol::KvGeometry::rank_index): the TP rank with one
+    /// pipeline stage).
     ///
     /// # Errors
-    /// [`ConnectorError::InvalidParam`] for a rank outside D's, and
-    /// [`ConnectorError::Unsupported`] for a side with pipeline stages (ranks are named by TP
-    /// rank alone on the wire).
+    /// [`ConnectorError::InvalidParam`] for a rank outside D's.
     pub fn decode(plan: &PairPlan, rank: u32) -> Result<RankLinks, ConnectorError> {
         Self::for_rank(plan, SideName::Decode, rank)
     }
@@ -73,7 +80,7 @@ impl RankLinks {
         Self::for_rank(plan, SideName::Prefill, rank)
     }
 
-    /// TP rank `rank` of `side`'s links in `plan` (see [`RankLinks::decode`]).
+    /// The links of `side`'s rank `rank` in `plan` (see [`RankLinks::decode`]).
     ///
     /// # Errors
     /// As [`RankLinks::decode`].
@@ -82,11 +89,6 @@ impl RankLinks {
         side: SideName,
         rank: u32,
     ) -> Result<RankLinks, ConnectorError> {
-        if plan.prefill.spec.pp != 1 || plan.decode.spec.pp != 1 {
-            return Err(ConnectorError::Unsupported(
-                "heterogeneous pairs with pipeline stages in the runtime",
-            ));
-        }
         let (own, other) = match side {
             SideName::Prefill => (&plan.prefill, &plan.decode),
             SideName::Decode => (&plan.decode, &plan.prefill),
@@ -94,19 +96,19 @@ impl RankLinks {
         let index = own
             .ranks
             .iter()
-            .position(|r| r.rank.tp == rank)
+            .position(|r| r.geometry.rank_index() == rank)
             .ok_or_else(|| ConnectorError::InvalidParam {
                 name: "rank",
-                why: format!("{side} has no TP rank {rank}"),
+                why: format!("{side} has no rank {rank}"),
             })?;
         let mut peers: Vec<u32> = match side {
             SideName::Prefill => plan
                 .links_from(index)
-                .map(|(_, l)| plan.decode.ranks[l.decode].rank.tp)
+                .map(|(_, l)| plan.decode.ranks[l.decode].geometry.rank_index())
                 .collect(),
             SideName::Decode => plan
                 .links_into(index)
-                .map(|(_, l)| plan.prefill.ranks[l.prefill].rank.tp)
+                .map(|(_, l)| plan.prefill.ranks[l.prefill].geometry.rank_index())
                 .collect(),
         };
         peers.sort_unstable();
@@ -114,29 +116,34 @@ impl RankLinks {
         Ok(RankLinks {
             side,
             remote_tp: other.spec.tp,
+            remote_ranks: u32::try_from(other.ranks.len()).unwrap_or(u32::MAX),
             peers,
         })
     }
 }
 
 impl RankLinks {
-    /// Checks that the peers are distinct, ascending ranks below the other engine's TP size
-    /// (at most [`MAX_SUB_REQUESTS`](kvhandoff_protocol::machine::MAX_SUB_REQUESTS)).
+    /// Checks that the peers are distinct, ascending ranks of the other engine (at most
+    /// [`MAX_SUB_REQUESTS`](kvhandoff_protocol::machine::MAX_SUB_REQUESTS)), whose TP size
+    /// divides its ranks.
     ///
     /// # Errors
     /// [`ConnectorError::InvalidParam`] naming the rule.
     pub fn validate(&self) -> Result<(), ConnectorError> {
         let bad = |why: String| Err(ConnectorError::InvalidParam { name: "links", why });
-        if self.remote_tp == 0 {
-            return bad("the other engine's TP size is 0".into());
+        if self.remote_tp == 0 || self.remote_ranks % self.remote_tp != 0 {
+            return bad(format!(
+                "{} ranks are no whole number of TP {} stages",
+                self.remote_ranks, self.remote_tp
+            ));
         }
         if self.peers.len() > kvhandoff_protocol::machine::MAX_SUB_REQUESTS {
             return bad(format!("{} peers", self.peers.len()));
         }
-        if let Some(&p) = self.peers.iter().find(|&&p| p >= self.remote_tp) {
+        if let Some(&p) = self.peers.iter().find(|&&p| p >= self.remote_ranks) {
             return bad(format!(
-                "rank {p} is not a rank of a TP {} engine",
-                self.remote_tp
+                "rank {p} is not one of the other engine's {} ranks",
+                self.remote_ranks
             ));
         }
         if self.peers.windows(2).any(|w| w[0] >= w[1]) {
@@ -553,27 +560,30 @@ mod tests {
             RankLinks::decode(&pair, 4),
             Err(ConnectorError::InvalidParam { .. })
         ));
+        // Pipeline stages: P's stage 1 is rank 1 (TP 1), and writes to D's one rank.
         let staged = plan(
             "gqa8",
             "tp=1,block=16,layout=NHD,pp=2",
             "tp=1,block=16,layout=NHD",
         );
-        assert!(matches!(
-            RankLinks::prefill(&staged, 0),
-            Err(ConnectorError::Unsupported(_))
-        ));
-        let links = |remote_tp, peers: Vec<u32>| RankLinks {
+        assert_eq!(RankLinks::prefill(&staged, 1).unwrap().peers, vec![0]);
+        assert_eq!(RankLinks::decode(&staged, 0).unwrap().peers, vec![0, 1]);
+        assert!(RankLinks::prefill(&staged, 2).is_err());
+        let links = |remote_tp, remote_ranks, peers: Vec<u32>| RankLinks {
             side: SideName::Decode,
             remote_tp,
+            remote_ranks,
             peers,
         };
-        links(2, vec![0, 1]).validate().unwrap();
-        links(2, vec![]).validate().unwrap();
+        links(2, 2, vec![0, 1]).validate().unwrap();
+        links(2, 2, vec![]).validate().unwrap();
+        links(2, 4, vec![1, 3]).validate().unwrap();
         for bad in [
-            links(0, vec![]),
-            links(2, vec![2]),
-            links(4, vec![1, 1]),
-            links(4, vec![3, 1]),
+            links(0, 0, vec![]),
+            links(2, 3, vec![]),
+            links(2, 2, vec![2]),
+            links(4, 4, vec![1, 1]),
+            links(4, 4, vec![3, 1]),
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }

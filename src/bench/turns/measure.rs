@@ -146,7 +146,7 @@ impl<T: RankMemory> Pair<T> {
     ) -> Result<Self, TurnsBenchError> {
         let (p_engine, d_engine) = engines()?;
         let mut transport = |engine: &EngineId| {
-            let name = agent_name(engine, geometry.tp_rank)
+            let name = agent_name(engine, geometry.rank_index())
                 .map_err(|e| TurnsBenchError::Options(e.to_string()))?;
             make(name)
         };

@@ -31,7 +31,8 @@ pub(super) struct Rank {
     pub(super) side: SideName,
     /// Index in its side's `ranks`.
     pub(super) index: usize,
-    pub(super) tp: u32,
+    /// Its [`rank_index`](kvhandoff_protocol::KvGeometry::rank_index) in its engine.
+    pub(super) id: u32,
     pub(super) conn: KvConnector,
     /// Per slot: its KV tensors, then its staging.
     pub(super) slots: Vec<[RoutedRegion; 2]>,
@@ -168,7 +169,7 @@ fn start(
                 rank.slots[slot][i]
                     .bytes
                     .write(0, bytes)
-                    .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.tp))?;
+                    .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.id))?;
             }
         }
         file_routes(&h, shared, pair, ranks, slot, &key, fault)?;
@@ -197,7 +198,7 @@ fn start(
         {
             if let Some(rank) = ranks.iter_mut().find(|r| r.side == SideName::Decode) {
                 if let Err(error) = rank.conn.abort(&request) {
-                    tally.error(format!("request {r}: D rank {} abort: {error}", rank.tp));
+                    tally.error(format!("request {r}: D rank {} abort: {error}", rank.id));
                 }
             }
         }
@@ -230,18 +231,18 @@ fn start(
         if let Err(error) = result {
             tally.error(format!(
                 "request {r}: {} rank {}: {error}",
-                rank.side, rank.tp
+                rank.side, rank.id
             ));
             ended[i] = Some(match rank.side {
                 SideName::Decode => Ended::Failed,
                 SideName::Prefill => Ended::Released,
             });
         }
-        called.insert((rank.side, rank.tp), turn);
+        called.insert((rank.side, rank.id), turn);
     }
     for link in &pair.links {
-        let p = pair.prefill.ranks[link.prefill].rank.tp;
-        let d = pair.decode.ranks[link.decode].rank.tp;
+        let p = pair.prefill.ranks[link.prefill].geometry.rank_index();
+        let d = pair.decode.ranks[link.decode].geometry.rank_index();
         match (
             called.get(&(SideName::Prefill, p)),
             called.get(&(SideName::Decode, d)),
@@ -270,7 +271,7 @@ fn gather(
                 ConnectorEvent::Failed {
                     request, reason, ..
                 } => {
-                    tally.error(format!("{request}: D rank {} failed: {reason:?}", rank.tp));
+                    tally.error(format!("{request}: D rank {} failed: {reason:?}", rank.id));
                     (request, Ended::Failed)
                 }
                 ConnectorEvent::BlocksFree {
@@ -280,7 +281,7 @@ fn gather(
                     Some(cause) => {
                         tally.error(format!(
                             "{request}: P rank {} released unsent: {cause:?}",
-                            rank.tp
+                            rank.id
                         ));
                         (request, Ended::Released)
                     }
@@ -289,7 +290,7 @@ fn gather(
                     tally.unknown += 1;
                     tally.error(format!(
                         "{} rank {}: unexpected {other:?}",
-                        rank.side, rank.tp
+                        rank.side, rank.id
                     ));
                     continue;
                 }
@@ -372,7 +373,7 @@ fn finish(
             rank.slots[flight.slot][i]
                 .bytes
                 .read(0, bytes)
-                .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.tp))?;
+                .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.id))?;
         }
     }
     let stats = h.run_decode_side().map_err(|e| e.to_string())?;
@@ -396,8 +397,8 @@ fn withdraw(r: usize, pair: &PairPlan, ranks: &[Rank]) {
     };
     let key = PairingKey::from_request_id(&request);
     for link in &pair.links {
-        let p = pair.prefill.ranks[link.prefill].rank.tp;
-        let d = pair.decode.ranks[link.decode].rank.tp;
+        let p = pair.prefill.ranks[link.prefill].geometry.rank_index();
+        let d = pair.decode.ranks[link.decode].geometry.rank_index();
         let (Ok(pair_key), Some(rank)) = (
             key.for_pair(p, d),
             ranks
@@ -490,7 +491,7 @@ fn file_routes(
         let link = &pair.links[l];
         let p = find(SideName::Prefill, link.prefill)?;
         let d = find(SideName::Decode, link.decode)?;
-        let pair_key = key.for_pair(p.tp, d.tp).map_err(|e| e.to_string())?;
+        let pair_key = key.for_pair(p.id, d.id).map_err(|e| e.to_string())?;
         let staging = match fault {
             Some(HeteroFault::Unstaged) => None,
             _ => staging_of(h, shared, l, &p.slots[slot][1]),

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::{matrix_cells, Cell};
+use super::{edge_cells, matrix_cells, Cell};
 use crate::demo::DemoError;
 use crate::hetero::demo::{run, HeteroDemoOptions};
 
@@ -48,11 +48,13 @@ fn name(cell: &Cell) -> String {
     format!("{} {} -> {}", cell.model.name, cell.prefill, cell.decode)
 }
 
-/// Runs every cell of [`matrix_cells`] through the runtime, `requests` each, `window` at once,
-/// the seed differing per cell.
+/// Runs every cell of [`matrix_cells`] and the [`edge_cells`] (pipeline stages, kernel blocks
+/// per logical block, pairs the planner refuses) through the runtime, `requests` each,
+/// `window` at once, the seed differing per cell.
 pub fn run_runtime_matrix(requests: usize, window: usize) -> RuntimeMatrixReport {
     let start = Instant::now();
-    let cells = matrix_cells();
+    let mut cells = matrix_cells();
+    cells.extend(edge_cells());
     let mut report = RuntimeMatrixReport {
         requests_per_cell: requests,
         window,

@@ -73,9 +73,9 @@ pub(crate) fn validate_handshake(
                 expected: expected.engine.clone(),
             });
         }
-        if handshake.geometry.tp_rank != expected.rank {
+        if handshake.geometry.rank_index() != expected.rank {
             return Err(HandshakeError::UnexpectedRank {
-                found: handshake.geometry.tp_rank,
+                found: handshake.geometry.rank_index(),
                 expected: expected.rank,
             });
         }
@@ -112,7 +112,7 @@ pub(crate) fn validate_handshake(
             .map_err(|e| HandshakeError::RegionTable(format!("region {i}: {e}")))?;
     }
     let as_peer = PeerInfo {
-        peer: PeerAddr::new(handshake.engine_id.clone(), handshake.geometry.tp_rank),
+        peer: PeerAddr::new(handshake.engine_id.clone(), handshake.geometry.rank_index()),
         agent: handshake.agent_name.clone(),
         metadata: Vec::new(),
         regions: handshake.regions.clone(),

@@ -32,7 +32,7 @@ impl Push {
         let options = |e: kvhandoff_protocol::IdError| TransferBenchError::Options(e.to_string());
         let build = |engine: &str| {
             let engine = EngineId::new(engine).map_err(options)?;
-            let name = agent_name(&engine, geometry.tp_rank).map_err(options)?;
+            let name = agent_name(&engine, geometry.rank_index()).map_err(options)?;
             let transport = NixlTransport::new(name, nixl_config.clone())
                 .map_err(|e| TransferBenchError::Nixl(e.to_string()))?;
             build_rank(
