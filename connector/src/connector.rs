@@ -48,7 +48,7 @@ use crate::{
 };
 #[cfg(doc)]
 use crate::{ConnectorEvent, TransferMode};
-pub use fan::RankLinks;
+pub use fan::{RankLinks, MAX_FANS};
 use submit::LateBatch;
 
 /// One engine rank's connector.

@@ -30,7 +30,7 @@ mod params;
 mod settings;
 
 pub use calls::{ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply};
-pub use connector::{KvConnector, RankLinks};
+pub use connector::{KvConnector, RankLinks, MAX_FANS};
 pub use kvhandoff_actors as actors;
 pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_protocol as protocol;

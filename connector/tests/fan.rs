@@ -381,3 +381,42 @@ fn calls_that_do_not_fit_the_links_are_refused() {
     drop(d);
     runtime.shutdown();
 }
+
+/// The fan-in table is bounded: past the bound a new multi-rank request is refused with
+/// `TableFull` and nothing of it reaches the rank; once the live one ends, a new one is taken.
+#[test]
+fn multi_rank_requests_in_progress_are_bounded() {
+    let (runtime, mut p, mut d) = build(&pair(
+        "tp=2,block=16,layout=NHD",
+        "tp=1,block=16,layout=NHD",
+    ));
+    d[0].conn.set_fan_limit(1);
+    let (first, second) = (id("bound-1"), id("bound-2"));
+    allocate(&mut d[0], &first, 2).unwrap();
+    match allocate(&mut d[0], &second, 2) {
+        Err(ConnectorError::Rejected(kvhandoff::protocol::machine::Rejected::TableFull {
+            limit: 1,
+            ..
+        })) => {}
+        other => panic!("{other:?}"),
+    }
+    // The refused request exposed nothing: P ranks that finish it find no registration of it,
+    // and D's rank has one request's two sub-requests only.
+    let stats = d[0].conn.rank().stats(Duration::from_secs(5)).unwrap();
+    assert_eq!(stats.decode_requests, 2, "{stats:?}");
+    for rank in &mut p {
+        finish(rank, &first).unwrap();
+    }
+    assert!(matches!(
+        one_event(&mut d[0]),
+        ConnectorEvent::BlocksReady { .. }
+    ));
+    allocate(&mut d[0], &second, 2).unwrap();
+    d[0].conn.abort(&second).unwrap();
+    assert!(matches!(
+        one_event(&mut d[0]),
+        ConnectorEvent::Failed { .. }
+    ));
+    drop((p, d));
+    runtime.shutdown();
+}

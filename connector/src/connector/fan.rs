@@ -163,8 +163,11 @@ pub(super) struct Fan {
     proof: FreeProof,
 }
 
+/// Most multi-rank requests one connector tracks at once, and most events of P replicas
+/// waiting for the engine's next poll (the endpoint's default request table holds as many).
+pub const MAX_FANS: usize = 1 << 16;
+
 /// The fan-in bookkeeping of a connector.
-#[derive(Default)]
 pub(super) struct Fans {
     /// By the engine's request id.
     fans: BTreeMap<RequestId, Fan>,
@@ -172,6 +175,34 @@ pub(super) struct Fans {
     parents: BTreeMap<RequestId, RequestId>,
     /// Events decided without the rank (a P replica's), delivered on the next poll.
     pub(super) queued: Vec<ConnectorEvent>,
+    /// Bound of `fans` and of `queued` ([`MAX_FANS`] unless a test lowers it).
+    pub(super) limit: usize,
+}
+
+impl Default for Fans {
+    fn default() -> Self {
+        Fans {
+            fans: BTreeMap::new(),
+            parents: BTreeMap::new(),
+            queued: Vec::new(),
+            limit: MAX_FANS,
+        }
+    }
+}
+
+impl Fans {
+    /// Refuses a new multi-rank request (or replica event) when `table` is at the bound.
+    fn check_room(&self, len: usize, table: &'static str) -> Result<(), ConnectorError> {
+        if len >= self.limit {
+            return Err(ConnectorError::Rejected(
+                kvhandoff_protocol::machine::Rejected::TableFull {
+                    table,
+                    limit: self.limit,
+                },
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The id of `request`'s sub-request for the pair (P rank `p` → D rank `d`).
@@ -191,6 +222,12 @@ impl KvConnector {
         links.validate()?;
         self.links = Some(links);
         Ok(())
+    }
+
+    /// Lowers the bound on multi-rank requests in progress, for tests of the bound.
+    #[doc(hidden)]
+    pub fn set_fan_limit(&mut self, limit: usize) {
+        self.fans.limit = limit;
     }
 
     /// The links set with [`KvConnector::set_links`].
@@ -280,6 +317,8 @@ impl KvConnector {
         let p = self.identity.rank;
         if links.peers.is_empty() {
             // A replica: its D ranks get every byte from other P ranks.
+            self.fans
+                .check_room(self.fans.queued.len(), "replica events")?;
             self.fans.queued.push(ConnectorEvent::BlocksFree {
                 request,
                 released: None,
@@ -322,6 +361,8 @@ impl KvConnector {
                 kvhandoff_protocol::machine::Rejected::DuplicateRequest(request.clone()),
             ));
         }
+        self.fans
+            .check_room(self.fans.fans.len(), "multi-rank requests")?;
         let ids: Vec<RequestId> = subs.iter().map(|s| s.request.clone()).collect();
         let mut fan = FanIn::new(side, blocks, subs).map_err(|e| ConnectorError::InvalidParam {
             name: "links",
