@@ -53,6 +53,18 @@ pub struct Latency {
     pub max: f64,
 }
 
+impl Latency {
+    /// The percentiles of `samples_us` (any order; 0 for none).
+    pub fn of(mut samples_us: Vec<f64>) -> Latency {
+        samples_us.sort_by(f64::total_cmp);
+        Latency {
+            p50: crate::stats::percentile(&samples_us, 50.0),
+            p99: crate::stats::percentile(&samples_us, 99.0),
+            max: samples_us.last().copied().unwrap_or(0.0),
+        }
+    }
+}
+
 /// Engine events seen.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EventCounts {

@@ -206,9 +206,15 @@ pub fn run(options: &HeteroDemoOptions) -> Result<DemoReport, DemoError> {
         )));
     }
     let handoffs = prepare(&pair, options)?;
+    let lens = region_lens(&pair, &handoffs);
+    let run = Prepared {
+        pair,
+        handoffs,
+        lens,
+    };
     match options.transport {
-        DemoTransport::Mem => mem_run(options, pair, handoffs, wall),
-        DemoTransport::Nixl => nixl_run(options, pair, handoffs, wall),
+        DemoTransport::Mem => mem_run(options, run, wall),
+        DemoTransport::Nixl => nixl_run(options, run, wall),
     }
 }
 
@@ -236,14 +242,22 @@ fn prepare(pair: &PairPlan, options: &HeteroDemoOptions) -> Result<Vec<Handoff>,
         .collect()
 }
 
-fn mem_run(
-    options: &HeteroDemoOptions,
+/// A run's requests, planned: the pair, every request's plan and arenas, and the memory each
+/// rank registers per slot ([`region_lens`]).
+struct Prepared {
     pair: PairPlan,
     handoffs: Vec<Handoff>,
+    lens: Vec<((SideName, usize), [u64; 2])>,
+}
+
+fn mem_run(
+    options: &HeteroDemoOptions,
+    run: Prepared,
     wall: Instant,
 ) -> Result<DemoReport, DemoError> {
     use kvhandoff_actors::transport::mem::{MemFabric, MemLimits};
-    let total: u64 = region_lens(&pair, &handoffs)
+    let total: u64 = run
+        .lens
         .iter()
         .flat_map(|(_, lens)| lens.iter())
         .sum::<u64>()
@@ -295,14 +309,13 @@ fn mem_run(
         landed: Some(&landed),
         chaos: &mut chaos,
     };
-    drive(options, pair, handoffs, wall, make, hooks)
+    drive(options, run, wall, make, hooks)
 }
 
 #[cfg(feature = "nixl")]
 fn nixl_run(
     options: &HeteroDemoOptions,
-    pair: PairPlan,
-    handoffs: Vec<Handoff>,
+    run: Prepared,
     wall: Instant,
 ) -> Result<DemoReport, DemoError> {
     use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
@@ -315,16 +328,11 @@ fn nixl_run(
         landed: None,
         chaos: &mut |_| false,
     };
-    drive(options, pair, handoffs, wall, make, hooks)
+    drive(options, run, wall, make, hooks)
 }
 
 #[cfg(not(feature = "nixl"))]
-fn nixl_run(
-    _: &HeteroDemoOptions,
-    _: PairPlan,
-    _: Vec<Handoff>,
-    _: Instant,
-) -> Result<DemoReport, DemoError> {
+fn nixl_run(_: &HeteroDemoOptions, _: Prepared, _: Instant) -> Result<DemoReport, DemoError> {
     Err(DemoError::NoNixl)
 }
 
@@ -371,8 +379,7 @@ struct Hooks<'a> {
 /// Builds every rank, runs every request, and reports.
 fn drive<T, M>(
     options: &HeteroDemoOptions,
-    pair: PairPlan,
-    handoffs: Vec<Handoff>,
+    run: Prepared,
     wall: Instant,
     mut make: M,
     hooks: Hooks<'_>,
@@ -381,11 +388,16 @@ where
     T: RankMemory + Unpin + Send + 'static,
     M: FnMut(kvhandoff_protocol::AgentName) -> Result<T, DemoError>,
 {
+    let Prepared {
+        pair,
+        handoffs,
+        lens: all_lens,
+    } = run;
     let config = Config::default();
     let identity = model_identity(&pair);
     let mut runtime = Runtime::start()?;
     let mut ranks = Vec::new();
-    for ((side, index), lens) in region_lens(&pair, &handoffs) {
+    for ((side, index), lens) in all_lens {
         let (engine, layout) = match side {
             SideName::Prefill => (PREFILL, &pair.prefill),
             SideName::Decode => (DECODE, &pair.decode),

@@ -12,7 +12,7 @@ use super::{
 use crate::demo::engines::{note, DecodeRecord, PrefillRecord, TurnStart};
 use crate::demo::schedule::{Planned, Workload};
 use crate::demo::{DemoMode, DemoOptions};
-use crate::stats::percentile;
+use crate::stats::gbps;
 use kvhandoff::TransferMode;
 use kvhandoff_protocol::machine::{ExportOutcome, ImportOutcome};
 
@@ -92,7 +92,6 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
             last_ready = Some(last_ready.map_or(ready, |l| l.max(ready)));
         }
     }
-    latencies.sort_by(f64::total_cmp);
     let window = match (first_start, last_ready) {
         (Some(a), Some(b)) => b.saturating_duration_since(a),
         _ => Duration::ZERO,
@@ -132,17 +131,9 @@ pub(crate) fn build(facts: Facts<'_>, t: Tallies) -> DemoReport {
         expected_bytes: blocks * block_bytes + turns.read_back_bytes,
         tokens: plan.iter().map(|q| u64::from(q.tokens)).sum(),
         blocks,
-        gbps: if window.is_zero() {
-            0.0
-        } else {
-            t.bytes as f64 / window.as_secs_f64() / 1e9
-        },
+        gbps: gbps(t.bytes, window.as_secs_f64() * 1e6),
         handoff_window_ms: window.as_secs_f64() * 1e3,
-        handoff_latency_us: Latency {
-            p50: percentile(&latencies, 50.0),
-            p99: percentile(&latencies, 99.0),
-            max: latencies.last().copied().unwrap_or(0.0),
-        },
+        handoff_latency_us: Latency::of(latencies),
         wall_ms: t.wall.elapsed().as_secs_f64() * 1e3,
         events: EventCounts {
             prefill: p.iter().map(|r| u64::from(r.events)).sum(),

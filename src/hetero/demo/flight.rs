@@ -439,7 +439,9 @@ fn staging_of(h: &Handoff, shared: &Shared, link: usize, region: &RoutedRegion) 
 
 /// Files each link's pieces and staging work with its P rank's route, under the link's pair
 /// key, as addresses in `slot` of the two ranks' registered memory. Every link of the plan is
-/// filed, also one that moves nothing in this request, so that each sub-request has its write.
+/// filed, so that each sub-request's write is placed by its route or refused by it; a link with
+/// no piece would be refused by the transport (`NoDescriptors`, as NIXL does) and fail its
+/// request — the planner gives every link pieces when D lacks tokens (every runtime cell).
 fn file_routes(
     h: &Handoff,
     shared: &Shared,

@@ -10,7 +10,7 @@ use crate::demo::{
     DemoReport, EventCounts, GeometrySummary, Latency, Outcomes, PrefillOutcomes, ReportRole,
     TurnCounts,
 };
-use crate::stats::percentile;
+use crate::stats::gbps;
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn report(
@@ -23,8 +23,6 @@ pub(super) fn report(
     wall: Instant,
     transport: &str,
 ) -> DemoReport {
-    let mut latencies = t.latencies_us.clone();
-    latencies.sort_by(f64::total_cmp);
     let m = pair.model;
     let spec = pair.prefill.spec;
     let summary = HeteroSummary {
@@ -85,17 +83,9 @@ pub(super) fn report(
             .filter_map(|h| h.lock().ok())
             .map(|h| h.prefill_blocks.total() as u64)
             .sum(),
-        gbps: if window.is_zero() {
-            0.0
-        } else {
-            bytes as f64 / window.as_secs_f64() / 1e9
-        },
+        gbps: gbps(bytes, window.as_secs_f64() * 1e6),
         handoff_window_ms: window.as_secs_f64() * 1e3,
-        handoff_latency_us: Latency {
-            p50: percentile(&latencies, 50.0),
-            p99: percentile(&latencies, 99.0),
-            max: latencies.last().copied().unwrap_or(0.0),
-        },
+        handoff_latency_us: Latency::of(t.latencies_us),
         wall_ms: wall.elapsed().as_secs_f64() * 1e3,
         events: EventCounts {
             prefill: t.prefill_events,
