@@ -68,6 +68,11 @@ struct Rank {
 
 /// Every rank of both sides of `pair`, P's buffers filled with `p + 1`.
 fn build(pair: &PairPlan) -> (Runtime, Vec<Rank>, Vec<Rank>) {
+    build_with(pair, true)
+}
+
+/// [`build`], D's routes accepting P's geometries only if `decode_accepts`.
+fn build_with(pair: &PairPlan, decode_accepts: bool) -> (Runtime, Vec<Rank>, Vec<Rank>) {
     let mut runtime = Runtime::start().unwrap();
     let fabric = MemFabric::new();
     let model_id = ModelIdentity {
@@ -90,7 +95,11 @@ fn build(pair: &PairPlan) -> (Runtime, Vec<Rank>, Vec<Rank>) {
                 .unwrap();
             let own_base = Arc::new(Mutex::new(0));
             let route = Arc::new(TestRoute {
-                peers: other.ranks.iter().map(|r| r.geometry.clone()).collect(),
+                peers: if side == SideName::Decode && !decode_accepts {
+                    Vec::new()
+                } else {
+                    other.ranks.iter().map(|r| r.geometry.clone()).collect()
+                },
                 own_base: own_base.clone(),
                 own_tp: tp,
                 decode_bases: bases.clone(),
@@ -418,5 +427,33 @@ fn multi_rank_requests_in_progress_are_bounded() {
         ConnectorEvent::Failed { .. }
     ));
     drop((p, d));
+    runtime.shutdown();
+}
+
+/// Without a route that accepts the peer's geometry, ranks of different layouts do not pair:
+/// D's sub-requests fail at the handshake before anything is exposed, and D gets one `Failed`.
+#[test]
+fn a_route_that_refuses_the_peer_geometry_fails_the_request() {
+    let (runtime, _p, mut d) = build_with(
+        &pair("tp=2,block=16,layout=NHD", "tp=1,block=32,layout=HND"),
+        false,
+    );
+    let request = id("refused");
+    allocate(&mut d[0], &request, 2).unwrap();
+    match one_event(&mut d[0]) {
+        ConnectorEvent::Failed {
+            request: r,
+            reason,
+            proof,
+            ..
+        } => {
+            assert_eq!(r, request);
+            // The machine reports every refused connection as a failed handshake.
+            assert_eq!(reason, DecodeFailure::HandshakeFailed);
+            assert_eq!(proof, kvhandoff::protocol::machine::FreeProof::NeverExposed);
+        }
+        other => panic!("{other:?}"),
+    }
+    drop(d);
     runtime.shutdown();
 }
