@@ -3,67 +3,39 @@
 //!
 //! Needs the runtime of `scripts/nixl-env.sh` (`LD_LIBRARY_PATH` with `libnixl_capi.so`,
 //! `NIXL_PLUGIN_DIR` with the UCX plugin); without it these tests fail with a message naming
-//! both (they do not skip). Every wait polls against [`DEADLINE`].
+//! both (they do not skip). Every wait polls against [`DEADLINE`](nixl_common::DEADLINE).
 //!
 //! Some behaviours need a transfer that is still in progress after `post_xfer_req`, which
 //! in-process UCX (TCP + CMA) rarely gives: the tests re-run this binary as a child process with
 //! `UCX_TLS=tcp` (see [`run_child`]); the child tests are `#[ignore]`d and do nothing unless the
 //! parent started them.
 //!
+//! The `stall_*` tests (issue 19: a transfer in flight when its poster stops) are in
+//! `nixl_stall.rs`; the helpers both files use are in `nixl_common/mod.rs`.
+//!
 //! Run: `cargo test -p kvhandoff-actors --features nixl --test nixl_transport`; timings:
 //! `cargo test --release --features nixl -p kvhandoff-actors --test nixl_transport -- --ignored
 //! --nocapture timing`.
 #![cfg(feature = "nixl")]
 
-use std::io::Read;
-use std::process::{Command, Stdio};
-use std::sync::{Mutex, MutexGuard};
+mod nixl_common;
+use nixl_common::{
+    addr, is_child, median, name, raw_agent, require_runtime, run_child, serial, wait_for, QUIET,
+};
+
+use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::transport::nixl::{
-    nixl_runtime_available, HostBuffer, NixlConfig, NixlTransport,
-};
+use kvhandoff_actors::transport::nixl::{HostBuffer, NixlConfig, NixlTransport};
 use kvhandoff_actors::transport::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
 };
-use kvhandoff_protocol::{AgentName, EngineId, RegionDesc};
-use kvhandoff_protocol::{PeerAddr, WriteId};
-
-/// Every wait in this file polls against this deadline; nothing waits unbounded.
-const DEADLINE: Duration = Duration::from_secs(30);
-/// How long a test watches for something that must *not* happen.
-const QUIET: Duration = Duration::from_millis(500);
-/// Environment variable naming the child test a parent started.
-const CHILD_ENV: &str = "KVH_NIXL_TRANSPORT_CHILD";
-
-/// NIXL keeps process-wide state (plugin manager, UCX contexts); the tests of this binary take
-/// turns so they neither race on it nor skew the timings.
-static NIXL_SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    NIXL_SERIAL
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn require_runtime() {
-    if let Err(err) = nixl_runtime_available() {
-        panic!("{err}");
-    }
-}
+use kvhandoff_protocol::{AgentName, PeerAddr, RegionDesc, WriteId};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-fn name(s: &str) -> AgentName {
-    AgentName::new(s).expect("valid agent name")
-}
-
-fn addr(engine: &str) -> PeerAddr {
-    PeerAddr::new(EngineId::new(engine).expect("valid engine id"), 0)
-}
 
 /// One side of a pair: its transport, its registered buffer and how the other side calls it.
 struct Side {
@@ -131,21 +103,6 @@ fn permutation(seed: u64, n: usize) -> Vec<usize> {
     v
 }
 
-/// Polls `poll` until it yields a value, panicking after [`DEADLINE`].
-fn wait_for<T>(what: &str, mut poll: impl FnMut() -> Option<T>) -> T {
-    let start = Instant::now();
-    loop {
-        if let Some(value) = poll() {
-            return value;
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "timed out after {DEADLINE:?} waiting for {what}"
-        );
-        thread::yield_now();
-    }
-}
-
 /// Polls `t` until the completion of `write` arrives; every other completion is a failure.
 fn wait_completion(t: &mut NixlTransport, write: WriteId) -> Completion {
     let mut out = Vec::new();
@@ -200,71 +157,6 @@ fn whole(a: &Side, b: &Side, len: u64) -> Vec<Descriptor> {
         remote_addr: b.range.base,
         len,
     }]
-}
-
-/// Re-runs this test binary with `test` as the only (ignored) test, with extra environment;
-/// panics unless it passes within [`DEADLINE`]. Returns its output.
-fn run_child(test: &str, envs: &[(&str, &str)], unset: &[&str]) -> String {
-    let exe = std::env::current_exe().expect("test binary path");
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        "--exact",
-        test,
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD_ENV, test)
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
-    for k in unset {
-        cmd.env_remove(k);
-    }
-    let mut child = cmd.spawn().expect("spawn child test");
-    let mut stdout = child.stdout.take().expect("stdout");
-    let mut stderr = child.stderr.take().expect("stderr");
-    let out = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("child status") {
-            break Some(status);
-        }
-        if start.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        thread::sleep(Duration::from_millis(10));
-    };
-    let output = format!(
-        "{}{}",
-        out.join().unwrap_or_default(),
-        err.join().unwrap_or_default()
-    );
-    match status {
-        None => panic!("child {test} timed out after {DEADLINE:?}:\n{output}"),
-        Some(s) if !s.success() || !output.contains("1 passed") => {
-            panic!("child {test} failed ({s}):\n{output}")
-        }
-        Some(_) => output,
-    }
-}
-
-/// Whether this process is the child started for `test` (else the test returns at once).
-fn is_child(test: &str) -> bool {
-    std::env::var(CHILD_ENV).as_deref() == Ok(test)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1307,11 +1199,6 @@ fn prepared_vs_dynamic(small: u64) {
 // Timings
 // ---------------------------------------------------------------------------------------------
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
 fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
@@ -1443,23 +1330,11 @@ fn timing() {
 /// Five warm `count` x `len` writes (every other slot, scattered like the transport's) between
 /// two raw nixl-sys agents configured like `NixlTransport`: build lists, create, post, wait.
 fn raw_nixl_write_times(count: usize, len: u64) -> Vec<Duration> {
-    use nixl_sys::{Agent, AgentConfig, MemType, OptArgs, XferDescList, XferOp, XferStatus};
-    let config = AgentConfig {
-        enable_prog_thread: true,
-        pthr_delay_us: 10,
-        ..AgentConfig::default()
-    };
+    use nixl_sys::{MemType, OptArgs, XferDescList, XferOp, XferStatus};
     let tag = format!("kvh-raw-{count}");
-    let a = Agent::new_configured(&format!("{tag}-a"), &config).unwrap();
-    let b = Agent::new_configured(&format!("{tag}-b"), &config).unwrap();
-    let mut args = Vec::new();
-    for agent in [&a, &b] {
-        let (_, params) = agent.get_plugin_params("UCX").unwrap();
-        let backend = agent.create_backend("UCX", &params).unwrap();
-        let mut opt = OptArgs::new().unwrap();
-        opt.add_backend(&backend).unwrap();
-        args.push(opt);
-    }
+    let (a, a_args) = raw_agent(&format!("{tag}-a"));
+    let (b, b_args) = raw_agent(&format!("{tag}-b"));
+    let args = [a_args, b_args];
     let size = 2 * len * count as u64;
     let (src, dst) = (
         HostBuffer::new(size).unwrap(),

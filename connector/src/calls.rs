@@ -45,6 +45,12 @@ pub enum ConnectorError {
     /// [`KvConnector::has_pending_work`](crate::KvConnector::has_pending_work) stays true until then.
     #[error("the kvhandoff runtime took the call but has not answered yet; its event will tell")]
     VerdictLate,
+    /// The rank took the call and stopped (it panicked, or was shut down) before answering:
+    /// the call may or may not have been applied, and no event will come for it. Keep the
+    /// request's blocks out of use for the life of this process (a peer may still write or read
+    /// them); [`KvConnector::rank_stopped`](crate::KvConnector::rank_stopped) is then true.
+    #[error("the kvhandoff rank stopped while handling the call; whether it was applied is unknown")]
+    VerdictUnknown,
 }
 
 impl ConnectorError {

@@ -74,6 +74,8 @@ pub struct KvConnector {
     links: Option<RankLinks>,
     /// Multi-rank requests in progress (with `links`).
     fans: fan::Fans,
+    /// The rank's event channel closed: the rank is gone (see [`KvConnector::rank_stopped`]).
+    stopped: bool,
 }
 
 impl KvConnector {
@@ -105,6 +107,7 @@ impl KvConnector {
             clock_offsets: std::collections::BTreeMap::new(),
             links: None,
             fans: fan::Fans::default(),
+            stopped: false,
         }
     }
 

@@ -5,7 +5,8 @@
 use std::time::{Duration, Instant};
 
 use kvhandoff::actors::system::{build_mem_rank, KvPool, RankOptions, ShellConfig};
-use kvhandoff::actors::transport::mem::MemFabric;
+use kvhandoff::actors::system::agent_name;
+use kvhandoff::actors::transport::mem::{MemFabric, MemFaults};
 use kvhandoff::protocol::machine::{
     Config, ExportEnd, ExportOutcome, ImportOutcome, LoadFailurePolicy, ReadProof, Rejected,
 };
@@ -41,6 +42,12 @@ struct Engine {
 /// Both engines as in-process ranks of one runtime on one fabric; `settings` for both
 /// connectors (`None`: what the rank's config and geometry give).
 fn pair(settings: Option<ConnectorSettings>) -> (Runtime, Engine, Engine) {
+    let (runtime, p, d, _) = pair_on_fabric(settings);
+    (runtime, p, d)
+}
+
+/// [`pair`], with the fabric (to set a rank's transport faults).
+fn pair_on_fabric(settings: Option<ConnectorSettings>) -> (Runtime, Engine, Engine, MemFabric) {
     let mut runtime = Runtime::start().unwrap();
     let fabric = MemFabric::new();
     let config = Config::default();
@@ -72,7 +79,7 @@ fn pair(settings: Option<ConnectorSettings>) -> (Runtime, Engine, Engine) {
     };
     let p = engine(PREFILL);
     let d = engine(DECODE);
-    (runtime, p, d)
+    (runtime, p, d, fabric)
 }
 
 fn id(s: &str) -> RequestId {
@@ -315,6 +322,93 @@ fn a_declined_export_is_let_go_at_once() {
     runtime.shutdown();
 }
 
+/// A sibling request with the same `kv_transfer_params` (one the engine will recompute, or the
+/// engine reacting to an error) declines the export D is reading at that moment. The decline
+/// must not let P go: P would reuse the blocks while D's reads still land from them, and D would
+/// report another request's bytes as `Loaded`.
+#[test]
+fn a_decline_while_reading_is_refused_and_the_read_lands_the_right_bytes() {
+    let (runtime, mut p, mut d, fabric) = pair_on_fabric(None);
+    let p_request = id("cmpl-sibling-0-aaaaaaaa");
+    let p_blocks = vec![5, 6, 7];
+    fill(&p.pool, &p_blocks, 0x51b1);
+    let params = p
+        .conn
+        .request_finished(
+            &p_request,
+            BlockIds::single_group(p_blocks.clone()),
+            40,
+            &pull_router(),
+        )
+        .unwrap();
+    // D's reads are posted but land only when D's transport is let go.
+    let d_agent = agent_name(&EngineId::new(DECODE).unwrap(), 0).unwrap();
+    let stalled = MemFaults {
+        stall: true,
+        ..MemFaults::default()
+    };
+    fabric.set_faults(&d_agent, stalled).unwrap();
+    let d_request = id("cmpl-sibling-0-bbbbbbbb");
+    let d_blocks = vec![11, 12, 13];
+    d.conn
+        .request_allocated(
+            &d_request,
+            BlockIds::single_group(d_blocks.clone()),
+            40,
+            &params,
+        )
+        .unwrap();
+    // The precondition: D's reads are in flight.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d
+        .conn
+        .rank()
+        .counters(Duration::from_secs(1))
+        .is_none_or(|c| c.reads_posted == 0)
+    {
+        assert!(Instant::now() < deadline, "D never posted its reads");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+
+    // The sibling declines with the very same parameters.
+    let sibling = id("cmpl-sibling-0-cccccccc");
+    let declined = d.conn.decline_export(&sibling, &params);
+    // P's engine reuses its blocks for another request the moment the export ends.
+    let mut ended_early = None;
+    let watch = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < watch && ended_early.is_none() {
+        if let Some(event) = p.conn.poll_events().into_iter().next() {
+            if let ConnectorEvent::ExportEnded { blocks, .. } = &event {
+                fill(&p.pool, &blocks.groups[0], 0x0be5);
+            }
+            ended_early = Some(event);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    fabric.set_faults(&d_agent, MemFaults::default()).unwrap();
+    let (outcome, _) = expect_imported(&mut d.conn, &d_request);
+    assert_eq!(outcome, ImportOutcome::Loaded);
+    assert_eq!(
+        wrong_bytes(&d.pool, &d_blocks, &[0, 1, 2], 0x51b1),
+        0,
+        "D loaded bytes P reused (P's export ended early: {ended_early:?})"
+    );
+    assert_eq!(ended_early, None, "P's export ended while D was reading it");
+    assert!(
+        matches!(
+            declined,
+            Err(ConnectorError::Rejected(Rejected::ImportInProgress(_)))
+        ),
+        "{declined:?}"
+    );
+    let (outcome, proof, _) = expect_export_ended(&mut p.conn, &p_request);
+    assert_eq!(outcome, ExportOutcome::Read);
+    assert_eq!(proof, ReadProof::ReaderReleased);
+    assert!(!p.conn.has_pending_work() && !d.conn.has_pending_work());
+    drop((p, d));
+    runtime.shutdown();
+}
+
 #[test]
 fn d_keeps_a_turn_and_p_reads_it_back() {
     let (runtime, mut p, mut d) = pair(None);
@@ -399,6 +493,51 @@ fn d_keeps_a_turn_and_p_reads_it_back() {
     assert_eq!(blocks, BlockIds::single_group(d_blocks));
     assert!(!p.conn.has_pending_work() && !d.conn.has_pending_work());
     drop((p, d));
+    runtime.shutdown();
+}
+
+/// Durations the engine passes near `Duration::MAX` once overflowed the expiry arithmetic (a
+/// panic on the engine's thread, or in the rank actor halfway through a batch): now typed
+/// refusals that change nothing.
+#[test]
+fn a_huge_next_turn_ttl_is_a_typed_refusal() {
+    let (runtime, mut p, mut d) = pair(None);
+    let request = id("cmpl-huge-0-bbbbbbbb");
+    let params = KvTransferParams {
+        do_remote_prefill: true,
+        remote_engine_id: Some(PREFILL.into()),
+        ..KvTransferParams::default()
+    };
+    for ttl in [Duration::MAX, Duration::MAX / 2, Duration::from_secs(u64::MAX / 4)] {
+        let kept = d.conn.keep_for_next_turn(
+            &request,
+            BlockIds::single_group(vec![1, 2]),
+            32,
+            ttl,
+            &params,
+        );
+        assert!(
+            matches!(
+                kept,
+                Err(ConnectorError::Rejected(Rejected::TooLong { .. }))
+            ),
+            "{ttl:?}: {kept:?}"
+        );
+    }
+    assert!(!d.conn.has_pending_work());
+    // The rank is still serving: a lease within the limit is taken.
+    let kept = d.conn.keep_for_next_turn(
+        &request,
+        BlockIds::single_group(vec![1, 2]),
+        32,
+        Duration::from_secs(60),
+        &params,
+    );
+    assert!(kept.is_ok(), "{kept:?}");
+    d.conn.abort(&request).unwrap();
+    let (outcome, _, _) = expect_export_ended(&mut d.conn, &request);
+    assert_eq!(outcome, ExportOutcome::Released(ExportEnd::Aborted));
+    drop((p.conn.shutdown(), p, d));
     runtime.shutdown();
 }
 

@@ -311,13 +311,18 @@ impl<T: Transport> TransportDriver<T> {
             }
             TransportOp::Post(order) => feed.extend(self.post(&order)),
             TransportOp::PostRead(order) => feed.extend(self.post_read(&order)),
-            TransportOp::Abandon(write) => {
-                // On refusal the write stays in flight and its completion still comes; the
-                // endpoint invalidates the peer if it never does.
-                if let Err(error) = self.transport.abandon_write(write) {
-                    tracing::warn!(%write, %error, "abandon refused");
-                }
-            }
+            TransportOp::Abandon(write) => match self.transport.abandon_write(write) {
+                Ok(()) => {}
+                // Nothing is in flight under the id: its end was reported already (then this
+                // second report is dropped as unknown) or it was never posted. Either way it
+                // will never land: say so, or the machine waiting for it waits forever.
+                Err(TransportError::UnknownWrite { .. }) => feed.push(NetEvent::WriteFailed {
+                    write,
+                    failure: WriteFailure::TransferFailed,
+                }),
+                // On refusal the write stays in flight and its completion still comes.
+                Err(error) => tracing::warn!(%write, %error, "abandon refused"),
+            },
             TransportOp::Invalidate(peer) => {
                 self.transport.invalidate_remote(&peer);
                 self.peers.remove(&peer);

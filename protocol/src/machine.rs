@@ -41,6 +41,7 @@ pub use mutation::Mutation;
 pub use read_types::{
     export_hard_end, is_read, read_span, ExportEnd, ExportOutcome, ExportStart, ImportFailure,
     ImportOutcome, ImportStart, LoadFailurePolicy, ReadOrder, ReadProof, FIRST_READ_ID,
+    MAX_EXPORT_LEASE,
 };
 pub use types::{
     ConnectFailure, Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineCall,

@@ -95,6 +95,9 @@ pub(crate) struct Transfer {
     pub gate: bool,
     /// A second turn, if the request has one.
     pub second: Option<SecondTurn>,
+    /// How long after a read of this request starts a sibling with the same transfer
+    /// parameters declines the export it reads (real engines run siblings: `n > 1`, retries).
+    pub sibling_decline: Option<Duration>,
 }
 
 /// One request of the workload.
@@ -428,6 +431,8 @@ impl World {
                 }
             }
         }
+        // A stopped process can be killed: what it held is judged against its death.
+        self.end_stall_by_crash(node);
         let later = micros(&mut self.rng, 20_000, 400_000);
         self.schedule(later, Ev::Restart { node });
     }

@@ -2,7 +2,8 @@
 //! choice is listed, and [`World::apply`] performs one. Due times are ignored; time moves only
 //! when a timer is fired.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fmt::Write as _;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use crate::world::{Ev, NodeId, World, WorldConfig};
@@ -208,7 +209,9 @@ impl World {
         for node in &self.nodes {
             node.incarnation.hash(&mut h);
             node.pool.hash(&mut h);
-            format!("{:?}", node.endpoint).hash(&mut h);
+            // Streamed into the hasher: the endpoint's text is most of a state's, and building
+            // it as a string first costs as much again.
+            let _ = write!(HashWriter(&mut h), "{:?}", node.endpoint);
             node.shell
                 .as_ref()
                 .map(|s| s.transport().view())
@@ -217,10 +220,15 @@ impl World {
         let mut events: Vec<String> = self
             .queue
             .values()
-            .map(|(_, ev)| match ev {
-                Ev::Land { write } | Ev::Report { write, .. } => {
-                    format!("{ev:?} {:?}", self.writes.get(write))
+            .map(|(at, ev)| match ev {
+                // A transfer by what it is, not by its sequence number (which depends on the
+                // order of the path that reached the state).
+                Ev::Land { write } => format!("Land {:?}", self.writes.get(write)),
+                Ev::Report { write, failure } => {
+                    format!("Report {failure:?} {:?}", self.writes.get(write))
                 }
+                // When a message left decides when it is lost (`lose_messages_before`).
+                Ev::Deliver(_) => format!("{at:?} {ev:?}"),
                 other => format!("{other:?}"),
             })
             .collect();
@@ -229,30 +237,65 @@ impl World {
         let writes: BTreeSet<String> = self.writes.values().map(|w| format!("{w:?}")).collect();
         writes.hash(&mut h);
         self.requests.hash(&mut h);
+        // What decides whether a message is lost with its connection, where a write lands, and
+        // how the ledger judges a hand-back or a `Ready` (S8, `NeverExposed`).
+        self.conns.hash(&mut h);
+        self.views.hash(&mut h);
+        self.known.hash(&mut h);
+        self.registers_sent.hash(&mut h);
+        self.landed.hash(&mut h);
+        self.landed_pairs.hash(&mut h);
+        let _ = write!(HashWriter(&mut h), "{:?}", self.alloc_waiters);
         h.finish()
+    }
+}
+
+/// Feeds formatted text straight into a hasher.
+struct HashWriter<'a>(&'a mut DefaultHasher);
+
+impl std::fmt::Write for HashWriter<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0.write(s.as_bytes());
+        Ok(())
     }
 }
 
 /// What an exhaustive run saw.
 #[derive(Debug, Clone, Default)]
 pub struct Exhaustive {
-    /// Distinct states reached.
+    /// The depth bound: the most choices on a path.
+    pub depth: usize,
+    /// Distinct states visited (by [`World::state_hash`]).
     pub states: usize,
-    /// Paths cut by the depth bound.
-    pub depth_cut: usize,
-    /// Every state within the depth bound was visited (the search did not stop at
-    /// `max_states`, nor at a violation).
+    /// States cut at the depth bound: reached no earlier than the bound, with choices left that
+    /// the search did not take. Their successors, and whatever only they lead to, were not
+    /// explored.
+    pub cut: usize,
+    /// The search stopped at `max_states` distinct states.
+    pub capped: bool,
+    /// Every reachable state was visited: no state was cut at the bound, the search was not
+    /// capped and found no violation (the states visited are closed under every choice).
     pub complete: bool,
     /// The first violation, with the path of choices that reaches it.
     pub violation: Option<(crate::Violation, Vec<Action>)>,
 }
 
-/// Depth-first search over every choice sequence of a small world, up to `max_depth` steps and
-/// `max_states` distinct states, with a visited set over [`World::state_hash`]. Worlds are not
-/// cloneable (the machines are not), so each state is rebuilt by replaying its path.
+/// Depth-first search over every choice sequence of a small world, up to `max_depth` choices
+/// and `max_states` distinct states, with a visited set over [`World::state_hash`]. Worlds are
+/// not cloneable (the machines are not), so each state is rebuilt by replaying its path.
+///
+/// A state is expanded at the smallest depth the search reaches it: one first reached at the
+/// bound and later by a shorter path is expanded then, so that every state within `max_depth`
+/// choices of the start is visited (unless capped) and `cut` counts exactly the states whose
+/// choices the bound left untaken.
 pub fn exhaustive(cfg: &WorldConfig, max_depth: usize, max_states: usize) -> Exhaustive {
-    let mut result = Exhaustive::default();
-    let mut visited = BTreeSet::new();
+    let mut result = Exhaustive {
+        depth: max_depth,
+        ..Exhaustive::default()
+    };
+    // The smallest depth each state was reached at, and the states cut at the bound.
+    let mut shallowest: HashMap<u64, usize> = HashMap::new();
+    let mut cut: HashSet<u64> = HashSet::new();
     let mut stack: Vec<Vec<Action>> = vec![Vec::new()];
     while let Some(path) = stack.pop() {
         let mut world = World::new(cfg.clone(), 0);
@@ -261,26 +304,38 @@ pub fn exhaustive(cfg: &WorldConfig, max_depth: usize, max_states: usize) -> Exh
         }
         if let Some(v) = world.violations().first() {
             result.violation = Some((v.clone(), path));
-            return result;
+            break;
         }
-        if !visited.insert(world.state_hash()) {
+        let hash = world.state_hash();
+        let depth = path.len();
+        match shallowest.get(&hash) {
+            Some(&seen) if seen <= depth => continue,
+            Some(_) => {}
+            None => {
+                if shallowest.len() >= max_states {
+                    result.capped = true;
+                    break;
+                }
+            }
+        }
+        shallowest.insert(hash, depth);
+        let actions = world.actions();
+        if depth >= max_depth {
+            if !actions.is_empty() {
+                cut.insert(hash);
+            }
             continue;
         }
-        result.states += 1;
-        if result.states >= max_states {
-            // Stopped at the cap: `complete` stays false and says so.
-            return result;
-        }
-        if path.len() >= max_depth {
-            result.depth_cut += 1;
-            continue;
-        }
-        for a in world.actions().into_iter().rev() {
+        // Reached again within the bound: expanded now.
+        cut.remove(&hash);
+        for a in actions.into_iter().rev() {
             let mut next = path.clone();
             next.push(a);
             stack.push(next);
         }
     }
-    result.complete = true;
+    result.states = shallowest.len();
+    result.cut = cut.len();
+    result.complete = result.violation.is_none() && !result.capped && result.cut == 0;
     result
 }

@@ -34,7 +34,9 @@ pub use explore::{exhaustive, Action, Exhaustive, Kind};
 pub use kvhandoff_protocol::machine::Mutation;
 pub use ledger::{pattern, BLOCK_BYTES};
 pub use mode::{Mode, MULTI_SOURCE_MARKS, READ_MARKS};
-pub use world::{NodeId, Violation, World, WorldConfig};
+pub use world::{
+    NodeId, Violation, World, WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE, STALL_MARKS,
+};
 
 /// Which faults a run injects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -120,6 +122,15 @@ pub struct SimOptions {
     /// The share of requests that are multi-rank (see [`WorldConfig::multi_source`]); `None`:
     /// the mode's ([`Mode::multi_source_share`]).
     pub multi_source: Option<f64>,
+    /// Process stalls per world under chaos (see [`WorldConfig::stalls`]); 0 in
+    /// [`SimOptions::new`], so that every regression seed replays as found.
+    pub stalls: f64,
+    /// The share of stalls that freeze the stalled process's transfers (see
+    /// [`WorldConfig::stall_freeze`]).
+    pub stall_freeze: f64,
+    /// The share of resumes that hand over what was held before the due timers run (see
+    /// [`WorldConfig::stall_messages_first`]).
+    pub stall_messages_first: f64,
 }
 
 impl SimOptions {
@@ -135,7 +146,20 @@ impl SimOptions {
             poll_allocations: false,
             mode: Mode::Push,
             multi_source: None,
+            stalls: 0.0,
+            stall_freeze: DEFAULT_STALL_FREEZE,
+            stall_messages_first: 0.0,
         }
+    }
+
+    /// The coverage marks a sweep with these options must hit: the mode's, and the stall marks
+    /// if its worlds may stall.
+    pub fn required_marks(&self) -> Vec<&'static str> {
+        let mut marks = self.mode.required_marks();
+        if self.faults == Faults::Chaos && self.stalls > 0.0 {
+            marks.extend_from_slice(STALL_MARKS);
+        }
+        marks
     }
 
     /// The share of multi-rank requests these options run.
@@ -202,6 +226,9 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     cfg.pool_blocks = pool;
     cfg.poll_allocations = opts.poll_allocations;
     cfg.mode = opts.mode;
+    cfg.stalls = opts.stalls;
+    cfg.stall_freeze = opts.stall_freeze;
+    cfg.stall_messages_first = opts.stall_messages_first;
     let share = opts.multi_source_share();
     if share > 0.0 {
         // More P ranks only where some requests use them: other worlds keep their nodes, and
@@ -407,8 +434,8 @@ impl World {
             .insert("stale_cancel_newer_epoch", c.stale_settles_ignored);
         self.coverage
             .insert("tombstone_evicted", self.tombstones_evicted);
-        // Marks this world's mode need not hit are reported only when hit.
-        let required = self.cfg.mode.required_marks();
+        // Marks this world need not hit are reported only when hit.
+        let required = self.cfg.required_marks();
         self.coverage
             .retain(|mark, hits| *hits > 0 || required.contains(mark));
         let counters = BTreeMap::from([
@@ -429,6 +456,8 @@ impl World {
             ("reads_declined_near_expiry", c.reads_declined_near_expiry),
             ("exports_renewed", c.exports_renewed),
             ("grant_fence_frees", c.grant_fence_frees),
+            ("stalls", self.stalls_run),
+            ("transfers_frozen_by_stall", self.stall_frozen),
         ]);
         SeedResult {
             seed,
@@ -472,7 +501,6 @@ pub fn run_seeds(opts: &SimOptions) -> SimReport {
         pool_blocks_range: [*opts.pool_blocks.start(), *opts.pool_blocks.end()],
         mutation: opts.mutation.map(|m| m.name().to_string()),
         coverage: opts
-            .mode
             .required_marks()
             .into_iter()
             .map(|m| (m.to_string(), 0))
@@ -527,7 +555,7 @@ pub struct Turns {
 }
 
 /// One scope of the exhaustive check: requests, crashes and the depth bound.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ExhaustiveScope {
     /// Requests in the small world.
     pub requests: usize,
@@ -537,19 +565,26 @@ pub struct ExhaustiveScope {
     pub depth: usize,
     /// Distinct states visited.
     pub states: usize,
-    /// Paths cut by the depth bound.
-    pub depth_cut: usize,
-    /// Every state within the depth bound was visited.
+    /// States cut at the depth bound: their successors were not explored.
+    pub cut: usize,
+    /// The search stopped at [`EXHAUSTIVE_MAX_STATES`].
+    pub capped: bool,
+    /// Every reachable state was visited (`cut` is 0, not capped, no violation). A scope that
+    /// is not complete checked every state within `depth` choices, and no further.
     pub complete: bool,
+    /// Wall-clock seconds the scope took.
+    pub seconds: f64,
 }
 
 /// The exhaustive check over the CI scopes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ExhaustiveReport {
     /// States over all scopes.
     pub states: usize,
-    /// Every scope completed (no cap reached, no violation).
+    /// Every scope complete: every reachable state visited (see [`ExhaustiveScope::complete`]).
     pub complete: bool,
+    /// A scope stopped at its cap on states (its depth bound was not searched through).
+    pub capped: bool,
     /// Violations, each with the choice path that reaches it.
     pub violations: Vec<String>,
     /// The deliberate bug the run had, if any.
@@ -558,27 +593,47 @@ pub struct ExhaustiveReport {
     pub scopes: Vec<ExhaustiveScope>,
 }
 
-/// The scopes CI checks exhaustively: one request with a crash, and two requests, each at the
-/// depth where the search still completes well under `max_states`.
+/// The scopes CI checks exhaustively: (requests, crashes, depth bound). One request with a crash,
+/// and two requests, each searched through every state within its depth bound, well under
+/// [`EXHAUSTIVE_MAX_STATES`]. Neither is complete: heartbeats and deadlines keep every path
+/// going, so states are cut at the bound (each scope reports how many).
 pub const EXHAUSTIVE_SCOPES: &[(usize, u32, usize)] = &[(1, 1, 11), (2, 0, 9)];
 
-/// Cap on distinct states per scope (a search that reaches it reports `complete: false`).
+/// Cap on distinct states per scope (a search that reaches it reports `capped`: it did not
+/// search its whole depth bound).
 pub const EXHAUSTIVE_MAX_STATES: usize = 400_000;
 
-/// Runs the exhaustive check over [`EXHAUSTIVE_SCOPES`] with an optional deliberate bug.
+/// Runs the exhaustive check over [`EXHAUSTIVE_SCOPES`] with an optional deliberate bug, each
+/// scope on a thread of its own.
 pub fn run_exhaustive(mutation: Option<Mutation>) -> ExhaustiveReport {
+    let run = |&(requests, crashes, depth): &(usize, u32, usize)| {
+        let cfg = WorldConfig::small(requests, crashes, mutation);
+        let started = std::time::Instant::now();
+        let result = exhaustive(&cfg, depth, EXHAUSTIVE_MAX_STATES);
+        (result, started.elapsed().as_secs_f64())
+    };
+    let results: Vec<(explore::Exhaustive, f64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = EXHAUSTIVE_SCOPES
+            .iter()
+            .map(|s| scope.spawn(move || run(s)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("exhaustive thread panicked"))
+            .collect()
+    });
     let mut report = ExhaustiveReport {
         states: 0,
         complete: true,
+        capped: false,
         violations: Vec::new(),
         mutation: mutation.map(|m| m.name().to_string()),
         scopes: Vec::new(),
     };
-    for &(requests, crashes, depth) in EXHAUSTIVE_SCOPES {
-        let cfg = WorldConfig::small(requests, crashes, mutation);
-        let result = exhaustive(&cfg, depth, EXHAUSTIVE_MAX_STATES);
+    for (&(requests, crashes, depth), (result, seconds)) in EXHAUSTIVE_SCOPES.iter().zip(results) {
         report.states += result.states;
         report.complete &= result.complete;
+        report.capped |= result.capped;
         if let Some((v, path)) = &result.violation {
             report
                 .violations
@@ -589,8 +644,10 @@ pub fn run_exhaustive(mutation: Option<Mutation>) -> ExhaustiveReport {
             crashes,
             depth,
             states: result.states,
-            depth_cut: result.depth_cut,
+            cut: result.cut,
+            capped: result.capped,
             complete: result.complete,
+            seconds,
         });
     }
     report

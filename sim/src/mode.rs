@@ -99,6 +99,7 @@ pub const READ_MARKS: &[&str] = &[
     "d_ttl_renewed_by_p",
     "read_racing_ttl_expiry",
     "load_failure_recompute",
+    "decline_refused_while_reading",
 ];
 
 /// Read marks only a second turn can hit.

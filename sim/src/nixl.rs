@@ -80,6 +80,9 @@ pub(crate) struct SimWrite {
     /// A read (pull, bidirectional): the data flows from the target (the holder) into the
     /// poster's (the reader's) `local` blocks, owned by this owner.
     pub read: Option<Owner>,
+    /// A stall of its poster froze it (its life clock suspended): it may land later than
+    /// `max_write_life` after its post.
+    pub frozen: bool,
 }
 
 impl SimWrite {
@@ -165,6 +168,7 @@ impl World {
             reported: false,
             d_pinned,
             read: None,
+            frozen: false,
         };
         self.active_writes.insert((node, inc, order.write), seq);
         const _: () = assert!(matches!(effect(Happening::LifeBound), Effect::HasEnded));
@@ -315,7 +319,7 @@ impl World {
     }
 
     /// Re-arms the landing of `seq` (kept under the same sequence number).
-    fn schedule_at_seq(&mut self, seq: u64, after: std::time::Duration) {
+    pub(crate) fn schedule_at_seq(&mut self, seq: u64, after: std::time::Duration) {
         let at = self.now + after;
         self.queue.insert(seq, (at, Ev::Land { write: seq }));
         self.due.insert((at, seq));
@@ -358,7 +362,10 @@ impl World {
     pub(crate) fn abandon_write(&mut self, node: NodeId, id: WriteId) {
         let inc = self.nodes[node].incarnation;
         let Some(&seq) = self.active_writes.get(&(node, inc, id)) else {
+            // Nothing pending under the id (reported already, or never posted): the transport
+            // answers `UnknownWrite`, which the shell's driver reports as a failed transfer.
             self.record(format!("abandon {id} of node {node}: not active"));
+            self.shell_completion(node, id, true);
             return;
         };
         let phase = self.writes.get(&seq).map(|w| w.phase);

@@ -23,6 +23,11 @@
 //!   `NeverExposed` after a `Register`), is a violation; a harness with violations panics when
 //!   dropped.
 //!
+//! - **Stalls**: [`Harness::stall`] stops a process (SIGSTOP, a paused VM): no timer, no input,
+//!   no engine call; what reaches it is held, and the life clock of its pending transfers stops.
+//!   [`Harness::resume`] runs its due timers first, then hands it what was held, in order (the
+//!   shell's order since issue 19).
+//!
 //! Every public action runs the world until it is quiet (no output left, no auto-delivered
 //! message in flight) before returning.
 
@@ -100,6 +105,10 @@ pub struct Node {
     pub invalidated: Vec<(Time, PeerAddr)>,
     /// Requests the engine started (accepted `DecodeAllocated` / `PrefillFinished`).
     pub started: Vec<RequestId>,
+    /// When the process stopped, while it is stalled.
+    pub stalled_since: Option<Time>,
+    /// What reached the stalled process, in arrival order (handed over at the resume).
+    pub held: VecDeque<NetEvent>,
 }
 
 type Filter = Box<dyn FnMut(&mut Envelope) -> Rule>;
@@ -196,6 +205,8 @@ impl Harness {
                 events: Vec::new(),
                 invalidated: Vec::new(),
                 started: Vec::new(),
+                stalled_since: None,
+                held: VecDeque::new(),
             },
         );
     }
@@ -330,7 +341,11 @@ impl Harness {
     /// `addr` stops: no inputs, no timers; traffic to it is lost. Its posted writes stay in
     /// flight (they may still land until the target invalidates the connection).
     pub fn crash(&mut self, addr: &PeerAddr) {
-        self.node_mut(addr).alive = false;
+        let node = self.node_mut(addr);
+        node.alive = false;
+        // A stopped process can be killed: what it held dies with it.
+        node.stalled_since = None;
+        node.held.clear();
         self.writes_of_dead(addr);
         self.reads_of_dead(addr);
         self.run_until_quiet();
@@ -352,6 +367,68 @@ impl Harness {
         self.connect(addr, peer);
     }
 
+    /// `addr`'s process stops (SIGSTOP, a paused VM, a long GC pause): its endpoint runs no
+    /// timer and gets no input until [`Harness::resume`]; messages and transfer reports for it
+    /// are held, in arrival order; its engine makes no call (a call panics). Its pending writes
+    /// and reads stay pending for the test to land or fail (bytes may move without the poster's
+    /// CPU, or not), and the clock of their `max_write_life` stops with the process.
+    pub fn stall(&mut self, addr: &PeerAddr) {
+        self.run_until_quiet();
+        let now = self.now;
+        let node = self.node_mut(addr);
+        assert!(node.alive, "{addr} is not running");
+        node.stalled_since.get_or_insert(now);
+    }
+
+    /// `addr`'s process runs again: the life clock of its pending transfers moves on from where
+    /// it stopped, its due timers run first, and then it is handed what was held, in order.
+    pub fn resume(&mut self, addr: &PeerAddr) {
+        self.resume_timers(addr);
+        self.hand_over_held(addr);
+    }
+
+    /// The first half of [`Harness::resume`]: `addr` runs again and its due timers run, but what
+    /// it held stays held until [`Harness::hand_over_held`], so that a test can let something
+    /// else reach it first (a handshake its side channel completes before the shell feeds the
+    /// queued notifications).
+    pub fn resume_timers(&mut self, addr: &PeerAddr) {
+        let now = self.now;
+        let node = self.node_mut(addr);
+        let Some(since) = node.stalled_since.take() else {
+            return;
+        };
+        let stopped = now.saturating_since(since);
+        for w in self.writes.values_mut().filter(|w| &w.from == addr) {
+            w.ends_by = w.ends_by + stopped;
+        }
+        for r in self.reads.values_mut().filter(|r| &r.reader == addr) {
+            r.ends_by = r.ends_by + stopped;
+        }
+        // Timers first: each round runs every timer due by now (a few at most).
+        for _ in 0..16 {
+            let node = self.node_mut(addr);
+            if node.ep.poll_timeout().is_none_or(|t| t > now) {
+                break;
+            }
+            node.ep.handle_timeout(now);
+            self.run_until_quiet();
+        }
+    }
+
+    /// Hands resumed `addr` what it held through its stall, in arrival order.
+    pub fn hand_over_held(&mut self, addr: &PeerAddr) {
+        let held = std::mem::take(&mut self.node_mut(addr).held);
+        for event in held {
+            self.feed(addr, event);
+            self.run_until_quiet();
+        }
+    }
+
+    /// Whether `addr`'s process is stalled.
+    pub fn is_stalled(&self, addr: &PeerAddr) -> bool {
+        self.node(addr).stalled_since.is_some()
+    }
+
     /// The endpoint now at `addr` runs with the deliberate bug
     /// `mutation` (the ghost's own mutation check).
     pub fn set_mutation(&mut self, addr: &PeerAddr, mutation: Option<Mutation>) {
@@ -364,7 +441,7 @@ impl Harness {
     pub fn next_timeout(&self) -> Option<Time> {
         self.nodes
             .values()
-            .filter(|n| n.alive)
+            .filter(|n| n.alive && n.stalled_since.is_none())
             .filter_map(|n| n.ep.poll_timeout())
             .min()
     }
@@ -405,7 +482,8 @@ impl Harness {
             let due: Vec<PeerAddr> = self
                 .nodes
                 .iter()
-                .filter(|(_, n)| n.alive && n.ep.poll_timeout().is_some_and(|t| t <= self.now))
+                .filter(|(_, n)| n.alive && n.stalled_since.is_none())
+                .filter(|(_, n)| n.ep.poll_timeout().is_some_and(|t| t <= self.now))
                 .map(|(a, _)| a.clone())
                 .collect();
             for addr in due {
@@ -441,6 +519,10 @@ impl Harness {
         if !node.alive {
             return Ok(());
         }
+        assert!(
+            node.stalled_since.is_none(),
+            "the engine of stalled {addr} makes no call"
+        );
         let started = match &call {
             EngineCall::DecodeAllocated(s) => Some(s.request.clone()),
             EngineCall::PrefillFinished(s) => Some(s.request.clone()),
@@ -461,9 +543,14 @@ impl Harness {
     fn feed(&mut self, addr: &PeerAddr, event: NetEvent) {
         let now = self.now;
         let node = self.node_mut(addr);
-        if node.alive {
-            node.ep.handle_event(now, event);
+        if !node.alive {
+            return;
         }
+        if node.stalled_since.is_some() {
+            node.held.push_back(event);
+            return;
+        }
+        node.ep.handle_event(now, event);
     }
 
     /// Drains every endpoint's outputs once; true if any output was handled.

@@ -232,6 +232,9 @@ impl Transport for SimTransport {
                 why: "not a node id",
             })?;
         let node = u64::from_le_bytes(bytes) as NodeId;
+        // Agents are never forgotten: a notification maps to its peer as it would have when it
+        // arrived (a stalled process's transport may poll what queued before its rank's
+        // timers run, and before a newer incarnation of the peer is loaded).
         self.agents.insert(agent.clone(), peer.clone());
         self.peers.insert(
             peer.clone(),
@@ -455,9 +458,15 @@ impl crate::world::World {
         self.shell_poll(node);
     }
 
-    /// A notification from `from` reached `node`'s transport.
-    pub(crate) fn shell_notification(&mut self, node: NodeId, from: NodeId, message: &Message) {
-        let agent = agent_name(&self.nodes[from].addr, self.nodes[from].incarnation);
+    /// A notification from `from`'s incarnation `from_inc` reached `node`'s transport.
+    pub(crate) fn shell_notification(
+        &mut self,
+        node: NodeId,
+        from: NodeId,
+        from_inc: u32,
+        message: &Message,
+    ) {
+        let agent = agent_name(&self.nodes[from].addr, from_inc);
         let Some(shell) = self.nodes[node].shell.as_mut() else {
             return;
         };

@@ -3,6 +3,7 @@
 
 mod config;
 mod net;
+mod stall;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
@@ -19,8 +20,9 @@ use crate::engine::Request;
 use crate::ledger::Pool;
 use crate::nixl::SimWrite;
 
-pub use config::WorldConfig;
+pub use config::{WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE, STALL_MARKS};
 pub(crate) use net::{describe, is_notification};
+pub(crate) use stall::Stall;
 
 /// Index of an engine rank in the world: 0 is P's rank 0, `1..=decode_engines` are the D
 /// engines, and any further nodes are P's ranks 1.. (multi-rank worlds only).
@@ -46,6 +48,9 @@ pub struct Violation {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct NetMsg {
     pub from: NodeId,
+    /// The sender's incarnation when it sent (its NIXL agent): a message held through a stall
+    /// may be handled after its sender died.
+    pub from_inc: u32,
     pub to: NodeId,
     pub to_inc: u32,
     /// The connection it travels on (see [`World::conn`]).
@@ -56,7 +61,11 @@ pub(crate) struct NetMsg {
 /// Something that happens at a future time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Ev {
+    /// A message reaches its destination's transport (judged by the network now; handed to the
+    /// shell now, or held while the destination is stalled).
     Deliver(NetMsg),
+    /// A message that arrived while its destination was stalled, handed to the resumed shell.
+    Handle(NetMsg),
     Land {
         write: u64,
     },
@@ -112,6 +121,25 @@ pub(crate) enum Ev {
     SecondTurn {
         request: usize,
     },
+    /// A sibling request on `node` with the very transfer parameters of the import `node` is
+    /// running (the same key, epoch and holder) declines the export: one the engine will
+    /// recompute, or its reaction to an error.
+    SiblingDecline {
+        request: usize,
+        node: NodeId,
+        second_turn: bool,
+    },
+    /// `node`'s process stops for `length`; its transfers freeze with it or keep moving.
+    Stall {
+        node: NodeId,
+        length: Duration,
+        freeze: bool,
+    },
+    /// `node`'s process runs again after the stall that began at `since`.
+    Resume {
+        node: NodeId,
+        since: Time,
+    },
 }
 
 /// Fault rates drawn per seed (swarm testing).
@@ -154,6 +182,10 @@ pub(crate) struct Node {
     pub posts_seen: u64,
     /// Reads this incarnation's endpoint asked its shell to post.
     pub reads_seen: u64,
+    /// The stall the process is in, if it is stopped.
+    pub stall: Option<Stall>,
+    /// Stalls that ended, (from, until): the node's own deadlines could not run then.
+    pub stalled_spans: Vec<(Time, Time)>,
 }
 
 /// The simulated world.
@@ -218,6 +250,9 @@ pub struct World {
     /// Per node: starts waiting for free blocks (or for the process), oldest first, each as
     /// the event that starts it again.
     pub(crate) alloc_waiters: Vec<VecDeque<Ev>>,
+    /// Stalls that began, and the transfers they froze.
+    pub(crate) stalls_run: u64,
+    pub(crate) stall_frozen: u64,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
     pub print_trace: bool,
 }
@@ -263,10 +298,12 @@ impl World {
                 pool: Pool::new(cfg.pool_blocks),
                 posts_seen: 0,
                 reads_seen: 0,
+                stall: None,
+                stalled_spans: Vec::new(),
             });
         }
         let heal = Time::ZERO + cfg.span + Duration::from_millis(200);
-        let mode = cfg.mode;
+        let cfg_marks = cfg.required_marks();
         let mut world = World {
             crashes_left: cfg.max_crashes,
             cfg,
@@ -292,7 +329,7 @@ impl World {
             trace: VecDeque::new(),
             hasher: Sha256::new(),
             violations: Vec::new(),
-            coverage: mode.required_marks().into_iter().map(|m| (m, 0)).collect(),
+            coverage: cfg_marks.into_iter().map(|m| (m, 0)).collect(),
             outcomes: BTreeMap::new(),
             stale_writes: 0,
             muted: BTreeSet::new(),
@@ -309,6 +346,8 @@ impl World {
             fenced_block_us: 0,
             last_progress: Time::ZERO,
             alloc_waiters: Vec::new(),
+            stalls_run: 0,
+            stall_frozen: 0,
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),
         };
         world.alloc_waiters = vec![VecDeque::new(); world.nodes.len()];
@@ -494,9 +533,11 @@ impl World {
         self.check_step();
     }
 
-    /// The earliest endpoint timer: (time, node).
+    /// The earliest endpoint timer of a running process: (time, node). A stalled process runs
+    /// no timer until it resumes.
     pub(crate) fn next_timer(&self) -> Option<(Time, NodeId)> {
         (0..self.nodes.len())
+            .filter(|&n| !self.stalled(n))
             .filter_map(|n| Some((self.nodes[n].endpoint.as_ref()?.poll_timeout()?, n)))
             .min()
     }
@@ -530,8 +571,13 @@ impl World {
     /// Performs one event (dequeued already).
     pub(crate) fn run_event(&mut self, ev: Ev) {
         self.step_decode_events.clear();
+        if let Some(node) = self.held_by_stall(&ev) {
+            self.hold(node, ev);
+            return;
+        }
         match ev {
             Ev::Deliver(msg) => self.deliver(msg),
+            Ev::Handle(msg) => self.handle_held(msg),
             Ev::Land { write } => self.land(write, false),
             Ev::Report { write, failure } => self.report(write, failure),
             Ev::Connect {
@@ -539,7 +585,12 @@ impl World {
                 from_inc,
                 to,
                 ok,
-            } => self.connect_done(from, from_inc, to, ok),
+            } => {
+                // A dial to a stopped process gets no answer: the side channel's deadline
+                // fails it (the dialler tries again later).
+                let ok = ok && !self.stalled(to);
+                self.connect_done(from, from_inc, to, ok);
+            }
             Ev::DecodeStart { request } => self.decode_start(request),
             Ev::PrefillStart { request } => self.prefill_start(request),
             Ev::SubDecodeStart { request, node } => self.sub_decode_start(request, node),
@@ -549,6 +600,17 @@ impl World {
             Ev::Restart { node } => self.restart(node),
             Ev::SecondDecode { request } => self.second_decode(request),
             Ev::SecondTurn { request } => self.second_turn(request),
+            Ev::SiblingDecline {
+                request,
+                node,
+                second_turn,
+            } => self.sibling_decline(request, node, second_turn),
+            Ev::Stall {
+                node,
+                length,
+                freeze,
+            } => self.stall(node, length, freeze),
+            Ev::Resume { node, since } => self.resume(node, since),
             Ev::RepeatHandshake { a, b } => {
                 let line = format!("repeat handshake {a}<->{b}");
                 self.record(line);

@@ -146,7 +146,9 @@ fn seed_8_a_failed_pair_frees_the_shared_blocks_only_after_its_siblings() {
 }
 
 /// Worlds without multi-rank requests keep their nodes and replay exactly as before the
-/// feature: the trace hashes below were taken before it (push, and mixed as it was).
+/// feature: the trace hashes below were taken before it (push, and mixed as it was), and
+/// re-pinned where a protocol change moved them (push: P leaves a restarted D's registrations
+/// unanswered through its restart window, issue 19 finding 7).
 #[test]
 fn worlds_without_multi_rank_requests_replay_as_before() {
     let push = SimOptions::new(0..40, 30, Faults::Chaos);
@@ -154,7 +156,7 @@ fn worlds_without_multi_rank_requests_replay_as_before() {
     assert_eq!(seed_world(&push, 3).prefill_ranks, 1);
     assert_eq!(
         run_seeds(&push).trace_hash,
-        "fa81ef3e71c07085f5f1def456a5a7f7fcd22f849d8aeaa076fefb89b050e0ba"
+        "be530f6767d50ae62d8c070dc5f9f3183a7efa31d908395f594d681020aca629"
     );
     let mixed = SimOptions {
         mode: Mode::Mixed,

@@ -840,3 +840,196 @@ fn trimming_is_per_cache_group() {
     assert_eq!(h.d_results()[0].0, DecodeOutcome::Ready);
     h.assert_no_leak();
 }
+
+// -------------------------------------------------------------------------------------------
+// Who may speak for an attempt: a restarted D's retries, and each source rank's own share
+// (issue 19, finding 7)
+// -------------------------------------------------------------------------------------------
+
+/// Request 1 served once (P `Sent`, D `Ready` at epoch 1), then D restarts. Returns the harness
+/// and the first incarnation's registration.
+fn served_then_d_restarted() -> (Harness, Message) {
+    let mut h = Harness::new();
+    h.prefill(prefill_start(1, &[10, 11])).unwrap();
+    h.decode(decode_start(1, &[500, 501])).unwrap();
+    let old_register = h
+        .sent
+        .iter()
+        .find(|(_, e)| e.from == d_addr() && is_register(&e.message))
+        .map(|(_, e)| e.message.clone())
+        .expect("D registered");
+    h.complete_writes();
+    assert_eq!(
+        h.d_results(),
+        vec![(DecodeOutcome::Ready, FreeProof::WritesCompleted)]
+    );
+    h.advance(ms(50));
+    h.restart(
+        &d_addr(),
+        kvhandoff_protocol::machine::Config::fast(),
+        &p_addr(),
+    );
+    (h, old_register)
+}
+
+/// P's engine prefills request 1's key again (the router's retry), under a new request id.
+fn retry_on_p() -> PrefillStart {
+    PrefillStart {
+        key: key(1),
+        ..prefill_start(2, &[20, 21])
+    }
+}
+
+// Scenario: D restarts and the router retries request 1 with its default epoch 1 on both
+// sides. P still remembers the dead incarnation's attempt at (key 1, epoch 1): its floor used to
+// swallow every copy of the retry's registration, and D's retry failed at its deadline. P now
+// scopes that memory by D's incarnation: the retry is written and Ready. A late copy of the old
+// incarnation's registration — which P, shown it after the new handshake (a notification polled
+// late), can only take as the new incarnation's — arrives inside the restart window and is
+// left unanswered: it never reaches the retry's blocks.
+#[test]
+fn a_restarted_ds_retry_at_epoch_one_is_served_and_the_old_runs_registration_is_not() {
+    let (mut h, old_register) = served_then_d_restarted();
+    // The precondition: P ended the key at epoch 1 for the first incarnation, and saw the
+    // restart.
+    assert_eq!(h.p_results(), vec![PrefillOutcome::Sent]);
+    assert_eq!(h.p().counters().peer_restarts, 1);
+    h.prefill(retry_on_p()).unwrap();
+    // The old incarnation's registration, late.
+    h.inject(&d_addr(), &p_addr(), old_register);
+    assert_eq!(h.posted.len(), 1, "the old registration reached no blocks");
+    assert_eq!(h.p().counters().dropped(DropReason::PriorIncarnation), 1);
+    // The retry: its registration waits out the restart window (D repeats it) and is served.
+    h.decode(decode_start(1, &[600, 601])).unwrap();
+    h.advance(ms(2_000));
+    assert_eq!(h.posted.len(), 2, "the retry was written: {:?}", h.posted);
+    let order = h.posted[1].1.clone();
+    assert_eq!(
+        (order.local, order.remote),
+        (blocks(&[20, 21]), blocks(&[600, 601]))
+    );
+    h.complete_writes();
+    assert_eq!(
+        h.d_results(),
+        vec![(DecodeOutcome::Ready, FreeProof::WritesCompleted)]
+    );
+    assert_eq!(
+        h.p_results(),
+        vec![PrefillOutcome::Sent, PrefillOutcome::Sent]
+    );
+    h.assert_no_leak();
+}
+
+// The mutation `accept_prior_incarnation`: P takes the late copy of the old incarnation's
+// registration as the new one's at once, and writes the retry's prefill into the blocks the
+// dead process had named — in the new process, memory it may have given to anything.
+#[test]
+fn accept_prior_incarnation_writes_the_old_runs_registration() {
+    let (mut h, old_register) = served_then_d_restarted();
+    h.set_mutation(
+        &p_addr(),
+        Some(kvhandoff_protocol::machine::Mutation::AcceptPriorIncarnation),
+    );
+    h.prefill(retry_on_p()).unwrap();
+    h.inject(&d_addr(), &p_addr(), old_register);
+    assert_eq!(h.posted.len(), 2, "the old registration was written");
+    assert_eq!(h.posted[1].1.remote, blocks(&[500, 501]));
+    // Its landing is the ghost's violation; this test only shows the write.
+    h.fail_writes(WriteFailure::TransferFailed);
+    h.take_violations();
+}
+
+// Scenario: with two source ranks, P rank 0 sends a `WriteDone` naming rank 1. D counted the
+// rank the message names, so rank 0 settled rank 1's share and D was Ready while rank 1's write
+// was still in flight. D now counts a message only for the rank that sent it.
+#[test]
+fn a_rank_cannot_settle_another_ranks_share() {
+    let mut h = two_writers();
+    let from_p0 = h
+        .pending_writes()
+        .into_iter()
+        .find(|(a, _)| a == &p_addr())
+        .unwrap();
+    h.complete_write(&from_p0);
+    // The precondition: rank 0 has settled, rank 1's write is in flight.
+    assert!(h.events_d().is_empty());
+    assert!(h.pending_writes().iter().any(|(a, _)| a == &p1_addr()));
+    let forged = Message::WriteDone(WriteDone {
+        key: key(1),
+        epoch: Epoch::FIRST,
+        prefill_rank: 1,
+    });
+    h.inject(&p_addr(), &d_addr(), forged);
+    assert_eq!(h.d().counters().dropped(DropReason::Unexpected), 1);
+    assert!(
+        h.events_d().is_empty(),
+        "rank 1's share is rank 1's to settle"
+    );
+    h.complete_writes();
+    assert_eq!(
+        h.d_results(),
+        vec![(DecodeOutcome::Ready, FreeProof::WritesCompleted)]
+    );
+    h.assert_no_leak();
+}
+
+/// P holds request 1's prefill; D's first incarnation registered, but its `Register` sat in P's
+/// queue (a stalled P, a notification polled late) while D restarted. Returns the harness, with
+/// the registration still held, and runs P with `mutation`.
+fn registration_queued_across_a_d_restart(
+    mutation: Option<kvhandoff_protocol::machine::Mutation>,
+) -> Harness {
+    let mut h = Harness::new();
+    h.set_mutation(&p_addr(), mutation);
+    h.prefill(prefill_start(1, &[10, 11])).unwrap();
+    h.set_filter(|e| {
+        if is_register(&e.message) {
+            Rule::Hold
+        } else {
+            Rule::Deliver
+        }
+    });
+    h.decode(decode_start(1, &[500, 501])).unwrap();
+    h.advance(ms(50));
+    h.restart(
+        &d_addr(),
+        kvhandoff_protocol::machine::Config::fast(),
+        &p_addr(),
+    );
+    h.clear_filter();
+    h
+}
+
+// Scenario (issue 19, finding 7; the sweep's seed 275 at 300 × 40 showed it with a stalled P):
+// the old incarnation's registration reaches P only after the new incarnation's handshake. P
+// has no record of the key to stop it, and cannot tell it from the new incarnation's — but it
+// names blocks of the dead process, which the new one may have given to anything. Inside the
+// restart window every registration of the restarted rank is left unanswered; the mutation
+// `accept_prior_incarnation` writes it.
+#[test]
+fn an_old_runs_registration_after_the_restart_reaches_no_blocks() {
+    let mut h = registration_queued_across_a_d_restart(None);
+    // The precondition: P holds the prefill unclaimed, D restarted, the old registration is
+    // still on its way.
+    assert_eq!(h.p().stats().prefill_requests, 1);
+    assert_eq!(h.p().counters().peer_restarts, 1);
+    assert_eq!(h.held.len(), 1);
+    h.deliver_all_held();
+    assert!(
+        h.posted.is_empty(),
+        "the old registration reached no blocks"
+    );
+    assert_eq!(h.p().counters().dropped(DropReason::PriorIncarnation), 1);
+
+    let mut h = registration_queued_across_a_d_restart(Some(
+        kvhandoff_protocol::machine::Mutation::AcceptPriorIncarnation,
+    ));
+    h.deliver_all_held();
+    assert_eq!(
+        h.posted.len(),
+        1,
+        "the mutation writes the old registration"
+    );
+    h.fail_writes(WriteFailure::TransferFailed);
+    h.take_violations();
+}

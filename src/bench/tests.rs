@@ -215,3 +215,63 @@ fn a_late_verdict_is_settled_by_poll_events() {
     assert!(!conn.has_pending_work());
     runtime.shutdown();
 }
+
+/// An abort whose verdict comes late, for a request that already ended (its `BlocksFree` was
+/// polled): the rank refuses it (`UnknownRequest`), and that late refusal must not become a
+/// second event — `Refused` says the blocks are the engine's again, which it already believes.
+#[test]
+fn a_late_refused_abort_gives_no_second_event() {
+    let (runtime, mut conn) = one_rank(PREFILL_ENGINE);
+    let request = RequestId::new("p-ended-then-aborted").unwrap();
+    conn.submit(vec![ConnectorCall::RequestFinished {
+        request: request.clone(),
+        blocks: BlockIds::single_group(vec![1]),
+        num_tokens: 16,
+        params: KvTransferParams::default(),
+    }])
+    .pop()
+    .unwrap()
+    .unwrap();
+    conn.abort(&request).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut first = Vec::new();
+    while first.is_empty() && Instant::now() < deadline {
+        first = conn.poll_events();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        matches!(first.as_slice(), [ConnectorEvent::BlocksFree { .. }]),
+        "{first:?}"
+    );
+    assert!(!conn.has_pending_work());
+
+    // The engine aborts it again (its own bookkeeping lagged), and the verdict is late.
+    conn.set_call_timeout(Duration::ZERO);
+    const TRIES: usize = 200;
+    let mut late = false;
+    for _ in 0..TRIES {
+        match conn.abort(&request) {
+            Err(ConnectorError::VerdictLate) => {
+                late = true;
+                break;
+            }
+            // Answered in time: refused, nothing changed.
+            Err(ConnectorError::Rejected(
+                kvhandoff_protocol::machine::Rejected::UnknownRequest(_),
+            )) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    // The precondition: a refusal whose verdict was late.
+    assert!(late, "the abort's verdict was never late in {TRIES} calls");
+    conn.set_call_timeout(KvConnector::CALL_TIMEOUT);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while conn.has_pending_work() && Instant::now() < deadline {
+        let events = conn.poll_events();
+        assert!(events.is_empty(), "a second event: {events:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!conn.has_pending_work(), "the late verdict never settled");
+    assert!(conn.poll_events().is_empty());
+    runtime.shutdown();
+}

@@ -48,6 +48,20 @@ impl RankActor {
         Time::from_duration(super::process_clock())
     }
 
+    /// Now, after running every timer of the endpoint that is already due. A process that was
+    /// stopped (SIGSTOP, a VM pause, a debugger) resumes with messages queued in its mailbox
+    /// and its timer overdue; actix may hand it the messages first. Running the due timers
+    /// before any input means a peer whose deadline passed is declared dead, and a lease that
+    /// ended is ended, before anything the stall kept queued is handled (the machines also
+    /// refuse such inputs on their own; neither is trusted alone).
+    fn caught_up(&mut self) -> Time {
+        let now = self.now();
+        if self.endpoint.poll_timeout().is_some_and(|at| at <= now) {
+            self.endpoint.handle_timeout(now);
+        }
+        now
+    }
+
     /// Routes every queued output, then re-arms the timer.
     fn flush(&mut self, ctx: &mut Context<Self>) {
         let mut ops = Vec::new();
@@ -101,7 +115,7 @@ impl Handler<Call> for RankActor {
     type Result = ();
 
     fn handle(&mut self, call: Call, ctx: &mut Context<Self>) {
-        let now = self.now();
+        let now = self.caught_up();
         let verdict = self.endpoint.handle_call(now, call.call);
         if let Some(reply) = call.reply {
             reply(verdict);
@@ -120,6 +134,7 @@ impl Handler<Calls> for RankActor {
             self.book.do_send(address);
         }
         let mut verdicts = Vec::with_capacity(calls.calls.len());
+        self.caught_up();
         for call in calls.calls {
             let now = self.now();
             verdicts.push(self.endpoint.handle_call(now, call));
@@ -135,7 +150,7 @@ impl Handler<Feed> for RankActor {
     type Result = ();
 
     fn handle(&mut self, feed: Feed, ctx: &mut Context<Self>) {
-        let now = self.now();
+        let now = self.caught_up();
         for event in feed.0 {
             self.endpoint.handle_event(now, event);
         }
@@ -167,7 +182,7 @@ impl Handler<LinkUp> for RankActor {
         if let HandshakeStep::Repeat(event) = handshake_step(&self.endpoint, &info) {
             // A repeated handshake of the live incarnation (a late copy, a second dial, a
             // replay): reloading would cut the live connection, so only the endpoint hears it.
-            let now = self.now();
+            let now = self.caught_up();
             self.endpoint.handle_event(now, event);
             self.flush(ctx);
             return actix::AtomicResponse::new(Box::pin(actix::fut::ready(Ok(()))));
@@ -175,7 +190,7 @@ impl Handler<LinkUp> for RankActor {
         let load = self.loader.send(LoadPeer(info.clone()));
         actix::AtomicResponse::new(Box::pin(load.into_actor(self).map(
             move |loaded, act, ctx| {
-                let now = act.now();
+                let now = act.caught_up();
                 let result = match loaded {
                     Ok(Ok(())) => Ok(()),
                     Ok(Err(error)) => Err(ConnectFailure::Refused(error.to_string())),

@@ -14,7 +14,21 @@ impl KvConnector {
         if !self.late.is_empty() {
             self.settle_late(&mut events);
         }
-        while let Ok(event) = self.rank.events.try_recv() {
+        loop {
+            let event = match self.rank.events.try_recv() {
+                Ok(event) => event,
+                Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
+                Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
+                    if !self.stopped {
+                        tracing::error!(
+                            in_progress = self.live,
+                            "the rank stopped: no event will come for the requests in progress"
+                        );
+                    }
+                    self.stopped = true;
+                    break;
+                }
+            };
             self.live -= 1;
             if self.fan_event(&event, &mut events).is_some() {
                 continue;
@@ -91,8 +105,21 @@ impl KvConnector {
     }
 
     /// True while a request accepted by this connector has not had its event yet, or a call's
-    /// verdict is still late.
+    /// verdict is still late — and the rank is running: once it stopped
+    /// ([`KvConnector::rank_stopped`]), nothing more can come, so there is no work to wait for.
     pub fn has_pending_work(&self) -> bool {
+        if self.stopped {
+            return !self.fans.queued.is_empty();
+        }
         self.live > 0 || !self.late.is_empty() || !self.fans.queued.is_empty()
+    }
+
+    /// True once [`KvConnector::poll_events`] found the rank gone (it panicked, or the runtime
+    /// shut down). The requests in progress then never get their event and their fate is
+    /// unknown: a peer may still write into (D) or read from (P) their blocks, so the engine
+    /// must keep those blocks out of use for the life of the process, and start a new rank
+    /// (a new incarnation, which peers fence from the old one) to serve again.
+    pub fn rank_stopped(&self) -> bool {
+        self.stopped
     }
 }

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use kvhandoff_actors::system::AddPeerAddress;
-use kvhandoff_protocol::machine::{EngineCall, ExportStart, ImportStart, Time};
+use kvhandoff_protocol::machine::{
+    EngineCall, ExportStart, ImportStart, Rejected, Time, MAX_EXPORT_LEASE,
+};
 use kvhandoff_protocol::{BlockIds, PairingKey, RequestId};
 
 use super::KvConnector;
@@ -33,12 +35,23 @@ impl KvConnector {
         lease: Duration,
         reply: &mut KvTransferParams,
     ) -> Result<EngineCall, ConnectorError> {
+        // The endpoint refuses such a lease too; checked here first because the expiry below
+        // is computed from it.
+        if lease > MAX_EXPORT_LEASE {
+            return Err(ConnectorError::Rejected(Rejected::TooLong {
+                what: "an export's lease",
+                given: lease,
+                max: MAX_EXPORT_LEASE,
+            }));
+        }
         reply.transfer_mode = Some(mode_name(TransferMode::Pull).into());
         reply.remote_block_ids = Some(blocks.groups.clone());
         reply.remote_num_tokens = Some(num_tokens);
         // The export's hard end (twice the lease and a read's span after its start, see
         // `export_hard_end`); it starts a moment after now, so this is a lower bound.
-        let hard_end = lease.saturating_mul(2) + self.settings.read_span;
+        let hard_end = lease
+            .saturating_mul(2)
+            .saturating_add(self.settings.read_span);
         reply.remote_blocks_expiry_time = Some(Self::clock_secs() + hard_end.as_secs_f64());
         Ok(EngineCall::Export(ExportStart {
             request,

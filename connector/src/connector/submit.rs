@@ -12,10 +12,13 @@ use crate::{ConnectorCall, ConnectorError, ConnectorEvent, ConnectorReply};
 
 /// Why a batch has no verdict.
 enum Late {
-    /// It never reached the runtime (or the runtime dropped it): nothing changed.
+    /// It never reached the runtime: nothing changed.
     NotSent,
     /// The runtime took it; its verdict will come on this channel.
     NoVerdict(mpsc::Receiver<Verdicts>),
+    /// The runtime took it and the rank dropped it unanswered (it panicked or stopped while
+    /// handling the batch): any prefix of its calls may have been applied.
+    Lost,
 }
 
 /// Most batches waiting for a late verdict; past it the runtime is taken as hung and calls are
@@ -105,6 +108,11 @@ impl KvConnector {
                     results[slot] = Err(ConnectorError::Unavailable);
                 }
             }
+            Err(Late::Lost) => {
+                for (slot, _, _) in slots {
+                    results[slot] = Err(ConnectorError::VerdictUnknown);
+                }
+            }
             Err(Late::NoVerdict(verdicts)) => {
                 let mut inputs = Vec::with_capacity(slots.len());
                 for (slot, request, starts) in slots {
@@ -145,8 +153,9 @@ impl KvConnector {
         match rx.recv_timeout(self.call_timeout) {
             Ok(verdicts) => Ok(verdicts),
             Err(mpsc::RecvTimeoutError::Timeout) => Err(Late::NoVerdict(rx)),
-            // The runtime dropped the batch unanswered: it is gone.
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Late::NotSent),
+            // The rank took the batch and dropped it unanswered: it died handling it, maybe
+            // halfway through. "Nothing changed" would be a guess; say that nobody knows.
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Late::Lost),
         }
     }
 
@@ -158,19 +167,23 @@ impl KvConnector {
             match batch.verdicts.try_recv() {
                 Ok(verdicts) => {
                     for ((request, starts), verdict) in batch.inputs.into_iter().zip(verdicts) {
-                        match verdict {
-                            Ok(()) => self.live += i64::from(starts),
-                            Err(rejected) => match request {
-                                // A sub-request the rank refused: its fan decides the event.
-                                Some(request) if self.is_sub_request(&request) => {
-                                    self.sub_not_started(&request, events);
-                                }
-                                Some(request) => events.push(ConnectorEvent::Refused {
-                                    request,
-                                    error: ConnectorError::from(rejected),
-                                }),
-                                None => {}
-                            },
+                        match (verdict, request) {
+                            (Ok(()), _) => self.live += i64::from(starts),
+                            // A refused abort or decline started nothing and ended nothing: the
+                            // request it names has (or had) its own one event. A `Refused`
+                            // would tell the engine its blocks are back a second time.
+                            (Err(rejected), _) if !starts => {
+                                tracing::debug!(%rejected, "a late verdict refused a call that starts nothing");
+                            }
+                            // A sub-request the rank refused: its fan decides the event.
+                            (Err(_), Some(request)) if self.is_sub_request(&request) => {
+                                self.sub_not_started(&request, events);
+                            }
+                            (Err(rejected), Some(request)) => events.push(ConnectorEvent::Refused {
+                                request,
+                                error: ConnectorError::from(rejected),
+                            }),
+                            (Err(_), None) => {}
                         }
                     }
                 }
@@ -188,7 +201,8 @@ impl KvConnector {
     ///
     /// # Errors
     /// [`ConnectorError::Unavailable`] when the batch never reached the runtime;
-    /// [`ConnectorError::VerdictLate`] when it did but its verdicts are late.
+    /// [`ConnectorError::VerdictLate`] when it did but its verdicts are late;
+    /// [`ConnectorError::VerdictUnknown`] when the rank dropped it unanswered.
     pub(super) fn call_inputs(
         &mut self,
         inputs: Vec<EngineCall>,
@@ -205,6 +219,7 @@ impl KvConnector {
         match self.call_batch(inputs, addresses) {
             Ok(verdicts) => Ok(verdicts),
             Err(Late::NotSent) => Err(ConnectorError::Unavailable),
+            Err(Late::Lost) => Err(ConnectorError::VerdictUnknown),
             Err(Late::NoVerdict(verdicts)) => {
                 self.late.push(LateBatch {
                     verdicts,

@@ -131,13 +131,25 @@ pub enum ConfigError {
     /// A duration or bound that must be positive is zero.
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
+    /// A duration or count beyond what the endpoint accepts ([`Config::MAX_DURATION`],
+    /// [`Config::MAX_RETRIES`]).
+    #[error("{0} is beyond its limit")]
+    TooLarge(&'static str),
     /// Two settings contradict each other.
     #[error("{0}")]
     Contradiction(&'static str),
 }
 
 impl Config {
-    /// Checks that every value is positive and that the settings agree with each other.
+    /// The longest any duration of a configuration may be (30 days). Sums of a few of them —
+    /// the fences — then stay far from `Duration`'s range, so no rule below can overflow.
+    pub const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
+
+    /// The most retries of a registration or a cancel a configuration may ask for.
+    pub const MAX_RETRIES: u32 = 1_000;
+
+    /// Checks that every value is positive and within its limit, and that the settings agree
+    /// with each other. Never panics, whatever the values.
     ///
     /// # Errors
     /// The first broken rule.
@@ -162,6 +174,18 @@ impl Config {
         for (name, value) in durations {
             if value.is_zero() {
                 return Err(ConfigError::Zero(name));
+            }
+            if value > Self::MAX_DURATION {
+                return Err(ConfigError::TooLarge(name));
+            }
+        }
+        let retries = [
+            ("max_register_retries", self.max_register_retries),
+            ("max_cancel_retries", self.max_cancel_retries),
+        ];
+        for (name, value) in retries {
+            if value > Self::MAX_RETRIES {
+                return Err(ConfigError::TooLarge(name));
             }
         }
         let bounds = [
@@ -227,6 +251,24 @@ impl Config {
             + self.heartbeat_interval
             + self.max_message_delay
             + self.max_write_life
+    }
+
+    /// The longest a process may be stopped (SIGSTOP, a VM pause, a GC pause) while it has a
+    /// write in flight without a time-based free (`DeadPeerFence`, `Quarantine`) handing out
+    /// blocks the write can still land in: `quarantine − fence_floor`. Measured on NIXL over
+    /// UCX (`actors/tests/nixl_stall.rs`): a stopped poster's transfer moves again on its resume,
+    /// however long the stop, and nothing the target can do stops it; so the quarantine must
+    /// exceed the fence floor by the longest stop a deployment allows. A deployment requirement
+    /// the endpoint cannot enforce: it counts every stop it sees past it
+    /// (`Counters::stalls_past_allowance`).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kvhandoff_protocol::machine::Config;
+    /// assert_eq!(Config::default().stall_allowance(), Duration::from_secs(8));
+    /// ```
+    pub fn stall_allowance(&self) -> Duration {
+        self.quarantine.saturating_sub(self.fence_floor())
     }
 
     /// How long a copy of a registration can still arrive after P settled its attempt: D
@@ -299,5 +341,52 @@ mod tests {
         let mut c = Config::default();
         c.lease_extension = c.lease_duration + Duration::from_secs(1);
         assert!(matches!(c.validate(), Err(ConfigError::Contradiction(_))));
+    }
+
+    /// Durations near `Duration::MAX` once made the fence arithmetic overflow (a panic inside
+    /// `validate`); now each is refused by name, before any sum.
+    #[test]
+    fn huge_values_are_refused_without_a_panic() {
+        let c = Config {
+            max_write_life: Duration::MAX,
+            max_message_delay: Duration::MAX,
+            quarantine: Duration::MAX,
+            ..Config::default()
+        };
+        assert_eq!(c.validate(), Err(ConfigError::TooLarge("max_write_life")));
+        let c = Config {
+            register_retry_interval: Config::MAX_DURATION,
+            max_register_retries: u32::MAX,
+            ..Config::default()
+        };
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::TooLarge("max_register_retries"))
+        );
+        // Every duration at its limit: the rules are judged, nothing overflows.
+        let at_limit = Config {
+            lease_duration: Config::MAX_DURATION,
+            lease_extension: Config::MAX_DURATION,
+            heartbeat_interval: Config::MAX_DURATION,
+            peer_timeout: Config::MAX_DURATION,
+            connect_timeout: Config::MAX_DURATION,
+            decode_deadline: Config::MAX_DURATION,
+            registration_ttl: Config::MAX_DURATION,
+            write_timeout: Config::MAX_DURATION,
+            abandon_timeout: Config::MAX_DURATION,
+            max_write_life: Config::MAX_DURATION,
+            max_message_delay: Config::MAX_DURATION,
+            register_retry_interval: Config::MAX_DURATION,
+            max_register_retries: Config::MAX_RETRIES,
+            cancel_retry_interval: Config::MAX_DURATION,
+            max_cancel_retries: Config::MAX_RETRIES,
+            quarantine: Config::MAX_DURATION,
+            tombstone_ttl: Config::MAX_DURATION,
+            ..Config::default()
+        };
+        assert!(matches!(
+            at_limit.validate(),
+            Err(ConfigError::Contradiction(_))
+        ));
     }
 }

@@ -8,6 +8,8 @@
 mod decodes;
 mod peers;
 mod reads;
+#[cfg(test)]
+mod tests;
 
 use crate::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, RequestId};
 
@@ -16,7 +18,7 @@ use super::decode::{DecodeInput, DecodeRequest};
 use super::decode_table::DecodeTable;
 use super::effects::Outbox;
 use super::peer::{Peer, PeerInput};
-use super::prefill_table::PrefillTable;
+use super::prefill_table::{PrefillTable, Sender};
 use super::read_tables::{ExportTable, ImportTable};
 use super::tables::Machines;
 use super::types::{Counters, DropReason, EngineCall, NetEvent, Output, Rejected, Time};
@@ -267,6 +269,21 @@ impl Endpoint {
 
     /// Fires every timer due at `now`.
     pub fn handle_timeout(&mut self, now: Time) {
+        if let Some(due) = self.poll_timeout() {
+            let late = now.saturating_since(due);
+            if late > self.config.stall_allowance() {
+                // Only a stopped process (or a shell starved for that long) runs a timer this
+                // late; a write it had in flight may land after a peer's fence.
+                self.outbox.counters.stalls_past_allowance += 1;
+                tracing::error!(
+                    late_ms = late.as_millis() as u64,
+                    allowance_ms = self.config.stall_allowance().as_millis() as u64,
+                    "this rank ran its timers late by more than the stall allowance \
+                     (quarantine − fence floor): a transfer it had in flight may have landed \
+                     after a peer's time-based fence; raise quarantine or prevent such stops"
+                );
+            }
+        }
         for key in self.decodes.take_due(now) {
             self.step_decode(now, &key, DecodeInput::Timeout);
         }
@@ -355,10 +372,16 @@ impl Endpoint {
         match message {
             Message::Handshake(_) => self.outbox.counters.drop(DropReason::WrongPath),
             Message::Register(register) => {
+                let Some(from) = self.sender(from) else {
+                    return;
+                };
                 let fx = &mut self.outbox;
                 self.prefills.on_register(now, from, register, fx);
             }
             Message::Cancel(cancel) => {
+                let Some(from) = self.sender(from) else {
+                    return;
+                };
                 let fx = &mut self.outbox;
                 self.prefills
                     .on_cancel(now, from, cancel.key, cancel.epoch, fx);
@@ -370,9 +393,12 @@ impl Endpoint {
                 self.received_read_path(now, from, message);
             }
             Message::Release(release) => {
+                let Some(from) = self.sender(from) else {
+                    return;
+                };
                 let fx = &mut self.outbox;
                 let (key, epoch, reason) = (release.key, release.epoch, release.reason);
-                self.prefills.on_release(now, &from, key, epoch, reason, fx);
+                self.prefills.on_release(now, from, key, epoch, reason, fx);
             }
             Message::Heartbeat(heartbeat) => {
                 if heartbeat.engine != from.engine {
@@ -384,25 +410,34 @@ impl Endpoint {
                 self.prefills.on_heartbeat(now, &from, leases, fx);
             }
             Message::WriteDone(m) => {
-                let input = DecodeInput::WriteDone {
-                    rank: m.prefill_rank,
-                };
-                self.route_to_decode(now, &from, &m.key, m.epoch, input);
+                let rank = m.prefill_rank;
+                let input = DecodeInput::WriteDone { rank };
+                self.route_to_decode(now, &from, rank, &m.key, m.epoch, input);
             }
             Message::WriteFailed(m) => {
+                let rank = m.prefill_rank;
                 let input = DecodeInput::WriteFailed {
-                    rank: m.prefill_rank,
+                    rank,
                     reason: m.reason,
                 };
-                self.route_to_decode(now, &from, &m.key, m.epoch, input);
+                self.route_to_decode(now, &from, rank, &m.key, m.epoch, input);
             }
             Message::CancelAck(m) => {
-                let input = DecodeInput::CancelAck {
-                    rank: m.prefill_rank,
-                };
-                self.route_to_decode(now, &from, &m.key, m.epoch, input);
+                let rank = m.prefill_rank;
+                let input = DecodeInput::CancelAck { rank };
+                self.route_to_decode(now, &from, rank, &m.key, m.epoch, input);
             }
         }
+    }
+
+    /// A D rank's message to P's table, taken as from the incarnation P is connected to (see
+    /// `prefill_table/runs.rs`); `None` (counted) if the peer is not connected.
+    fn sender(&mut self, from: PeerAddr) -> Option<Sender> {
+        let Some(run) = self.connected_incarnation(&from) else {
+            self.outbox.counters.drop(DropReason::UnknownPeer);
+            return None;
+        };
+        Some(Sender { addr: from, run })
     }
 
     fn write_result(&mut self, now: Time, write: WriteId, failure: Option<crate::WriteFailure>) {

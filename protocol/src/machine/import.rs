@@ -22,7 +22,9 @@ use crate::{BlockIds, Epoch, Message, PairingKey, ReadAsk, ReadRefusal, Release,
 use crate::{RequestId, WriteId};
 
 use super::effects::{Outbox, Step};
-use super::read_types::{ImportFailure, ImportOutcome, ImportStart, LoadFailurePolicy, ReadOrder};
+use super::read_types::{
+    read_span, ImportFailure, ImportOutcome, ImportStart, LoadFailurePolicy, ReadOrder,
+};
 use super::shape::Machine;
 use super::types::{DropReason, Output, Time};
 use super::{ActiveMutation, Config, Mutation};
@@ -55,6 +57,11 @@ pub(crate) struct Asking {
     pub(crate) common: ImportCommon,
     pub(crate) next_ask: Time,
     pub(crate) asks_left: u32,
+    /// When the latest ask was sent. The holder grants (or grants again, moving its fence) on
+    /// every copy of the ask it gets, and fences the grant a read's span after sending it, so
+    /// a grant handled within `max_message_delay` of this ask is read before the fence; one
+    /// handled later sat in a stalled process's queue, and is not read under.
+    pub(crate) asked_at: Time,
 }
 
 /// Reads are posted under a grant.
@@ -70,6 +77,16 @@ pub(crate) struct Reading {
     /// After this every read posted has ended (posted at the grant, each ends within the
     /// fabric's bound), reported or not (plus a margin for the report).
     pub(crate) reads_end_by: Time,
+    /// The earliest the holder's fence can be: the holder fences a grant a read's span
+    /// (`max_message_delay + max_write_life`) after the ask it answers, the latest one sent.
+    /// A read reported done later than this may have run after the fence (only a stall of
+    /// this process explains it: the bytes moved after the resume), so its bytes are not
+    /// trusted.
+    pub(crate) trusted_until: Time,
+    /// The reads still pending at `reads_end_by` were abandoned; the import now waits for the
+    /// transport's report of each (a read frozen by a stall of this process moves again on
+    /// the resume and may still land: its blocks are not handed back before it ended).
+    pub(crate) abandoned: bool,
 }
 
 /// A live import.
@@ -246,6 +263,7 @@ impl Connecting {
                 Step::Live(ImportRequest::Asking(Asking {
                     next_ask: ctx.now + ctx.config.register_retry_interval,
                     asks_left: ctx.config.max_register_retries,
+                    asked_at: ctx.now,
                     common: self.common,
                 }))
             }
@@ -275,6 +293,15 @@ impl Asking {
         // The holder may have granted in a message still on its way: tell it to let go.
         let aborted = Some(ReleaseReason::Aborted);
         match input {
+            ImportInput::Grant { .. }
+                if ctx.now > self.asked_at + ctx.config.max_message_delay
+                    && !ctx.mutation.is(Mutation::ReadOnStaleGrant) =>
+            {
+                // Nothing is read under it, so the holder may let go at once.
+                fx.counters.stale_grants_refused += 1;
+                self.common
+                    .fail(ImportFailure::StaleGrant, Some(ReleaseReason::Declined))
+            }
             ImportInput::Grant { blocks } => self.granted(ctx, blocks, fx),
             ImportInput::Refused { reason } => {
                 self.common.fail(ImportFailure::Refused(reason), None)
@@ -289,6 +316,7 @@ impl Asking {
                 if self.asks_left > 0 && ctx.now >= self.next_ask {
                     fx.send(&self.common.holder, self.common.ask_message(ctx.own));
                     self.asks_left -= 1;
+                    self.asked_at = ctx.now;
                     self.next_ask = ctx.now + ctx.config.register_retry_interval;
                 }
                 Step::Live(ImportRequest::Asking(self))
@@ -307,6 +335,7 @@ impl Asking {
     /// may hold fewer blocks than the holder (its own prefix cache had the start): it reads the
     /// holder's last blocks of each group.
     fn granted(self, ctx: &ImportCtx<'_>, remote: BlockIds, fx: &mut Outbox) -> ImportStep {
+        let trusted_until = self.asked_at + read_span(ctx.config);
         let common = self.common;
         let fits = remote.groups.len() == common.blocks.groups.len()
             && remote
@@ -355,6 +384,8 @@ impl Asking {
             // report of a read that ended right at that bound is given `abandon_timeout` to
             // arrive before the reader stops waiting.
             reads_end_by: ctx.now + ctx.config.max_write_life + ctx.config.abandon_timeout,
+            trusted_until,
+            abandoned: false,
             common,
         }))
     }
@@ -388,6 +419,21 @@ fn chunks(local: &BlockIds, remote: &[Vec<u32>], chunk: u32) -> Vec<(usize, Bloc
 impl Reading {
     fn handle(mut self, ctx: &ImportCtx<'_>, input: ImportInput, fx: &mut Outbox) -> ImportStep {
         match input {
+            ImportInput::ReadDone { read }
+                if ctx.now > self.trusted_until
+                    && self.pending.contains_key(&read)
+                    && !ctx.mutation.is(Mutation::TrustLateReads) =>
+            {
+                // Reported after the fabric's bound: only a stall of this process explains it,
+                // and the holder's fence may have handed the blocks to another request before
+                // the bytes were read. Its blocks count as not arrived.
+                fx.counters.late_reads_distrusted += 1;
+                if let Some(first) = self.pending.remove(&read) {
+                    let lowest = self.first_failed_block.map_or(first, |f| f.min(first));
+                    self.first_failed_block = Some(lowest);
+                    self.failure.get_or_insert(ImportFailure::LateRead);
+                }
+            }
             ImportInput::ReadDone { read } => {
                 if self.pending.remove(&read).is_none() {
                     fx.drop_input(DropReason::UnknownWrite);
@@ -414,16 +460,44 @@ impl Reading {
             ImportInput::Shutdown => {
                 self.failure = Some(ImportFailure::Shutdown);
             }
-            ImportInput::Timeout if ctx.now >= self.reads_end_by => {
-                // By the fabric's bound every read has ended, reported or not; one never
-                // reported did not land for sure.
-                let unreported: Vec<usize> = self.pending.values().copied().collect();
-                if let Some(&first) = unreported.iter().min() {
+            ImportInput::Timeout
+                if ctx.now >= self.reads_end_by
+                    && ctx.mutation.is(Mutation::ReturnBlocksAtReadBound) =>
+            {
+                // The deliberate bug: trusts the fabric's bound on a read whatever happened to
+                // this process, so a read frozen by a stall lands in blocks handed back.
+                if let Some(&first) = self.pending.values().min() {
                     let lowest = self.first_failed_block.map_or(first, |f| f.min(first));
                     self.first_failed_block = Some(lowest);
                     self.failure.get_or_insert(ImportFailure::Deadline);
                 }
                 self.pending.clear();
+            }
+            ImportInput::Timeout if ctx.now >= self.reads_end_by && !self.abandoned => {
+                // Past the fabric's bound every read of a running process has ended; one not
+                // reported yet was frozen by a stall of this process (measured: it moves again
+                // on the resume), or its report is lost. Whatever arrives now is not trusted;
+                // the blocks wait for the transport to say each read is over.
+                if let Some(&first) = self.pending.values().min() {
+                    let lowest = self.first_failed_block.map_or(first, |f| f.min(first));
+                    self.first_failed_block = Some(lowest);
+                    self.failure.get_or_insert(ImportFailure::Deadline);
+                }
+                for &read in self.pending.keys() {
+                    fx.emit(Output::AbandonWrite { write: read });
+                    fx.counters.reads_abandoned += 1;
+                }
+                self.abandoned = true;
+                self.reads_end_by = ctx.now + ctx.config.abandon_timeout;
+            }
+            ImportInput::Timeout if ctx.now >= self.reads_end_by => {
+                // The transport has not confirmed the abandons: the reads may still land. The
+                // blocks stay with the import until it reports them (no deadline frees them,
+                // as none frees a write's source blocks on P).
+                fx.counters.stuck_reads += 1;
+                tracing::warn!(key = %self.common.key, epoch = %self.common.epoch,
+                    pending = self.pending.len(), "abandoned reads not confirmed; the blocks stay held");
+                self.reads_end_by = ctx.now + ctx.config.max_write_life;
             }
             ImportInput::Timeout | ImportInput::PeerConnected | ImportInput::PeerConnectFailed => {}
             // The answer to a copy of the ask, after the grant in force (which stands): counted.

@@ -50,11 +50,45 @@ pub enum Mutation {
     /// shell (an output lost on its way): that read never runs, and the import waits for it
     /// until its reads' bound and falls back to recomputing.
     LoseLastReadPost,
+    /// A reader's engine declines an export the reader is reading, and the decline goes out:
+    /// the holder ends the export and reuses the blocks while the reads still land.
+    DeclineDuringRead,
+    /// A message from a peer whose liveness deadline passed long ago (the receiver was stalled
+    /// with it queued) is taken as from a live peer.
+    AcceptFromOverduePeer,
+    /// P writes into a registration that reaches blocks whose lease ended (its timer had not
+    /// run: a stalled process), and a stale heartbeat renews such a lease.
+    WriteOnExpiredLease,
+    /// A reader posts its reads under a grant that arrived later than a grant can travel (it
+    /// sat in a stalled process's queue): the holder's fence may have freed the blocks.
+    ReadOnStaleGrant,
+    /// P writes records on a peer's behalf for keys it holds nothing for without a budget: a
+    /// flood of cancels for made-up keys fills the tombstone table, and admission control then
+    /// refuses the engine's own prefills.
+    UnboundedPeerTombstones,
+    /// P takes a registration that may be a late one of a restarted D's previous incarnation
+    /// (within `max_message_delay` of the restart) as the new incarnation's: a record of the old
+    /// run stops judging at once, and the copy reaches blocks.
+    AcceptPriorIncarnation,
+    /// D counts a P answer (`WriteDone`, `WriteFailed`, `CancelAck`) for the rank the message
+    /// names, whichever rank of the P engine sent it: one rank can settle another's share.
+    TrustNamedRank,
+    /// A reader trusts the bytes of a read reported done after the fabric's bound on it (the
+    /// reader was stalled while it was in flight; the holder's fence may have freed the blocks
+    /// before they were read).
+    TrustLateReads,
+    /// A reader hands its blocks back at the fabric's bound on its reads although one is still
+    /// unreported (frozen by a stall of the reader, it lands after the resume).
+    ReturnBlocksAtReadBound,
+    /// P serves registrations of a D rank that reconnected after a death (same incarnation: a
+    /// false death healed) at once, though one of the old session may still arrive, or sit in
+    /// a stalled P's queue, naming blocks D fenced and reused.
+    ServeRejoinedSessionAtOnce,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 14] = [
+    pub const ALL: [Mutation; 24] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -69,6 +103,16 @@ impl Mutation {
         Mutation::FreeOnFirstSourceSettled,
         Mutation::LongGrantFence,
         Mutation::LoseLastReadPost,
+        Mutation::DeclineDuringRead,
+        Mutation::AcceptFromOverduePeer,
+        Mutation::WriteOnExpiredLease,
+        Mutation::ReadOnStaleGrant,
+        Mutation::UnboundedPeerTombstones,
+        Mutation::AcceptPriorIncarnation,
+        Mutation::TrustNamedRank,
+        Mutation::TrustLateReads,
+        Mutation::ReturnBlocksAtReadBound,
+        Mutation::ServeRejoinedSessionAtOnce,
     ];
 
     /// The mutation's name on the command line.
@@ -94,6 +138,16 @@ impl Mutation {
             Mutation::FreeOnFirstSourceSettled => "free_on_first_source_settled",
             Mutation::LongGrantFence => "long_grant_fence",
             Mutation::LoseLastReadPost => "lose_last_read_post",
+            Mutation::DeclineDuringRead => "decline_during_read",
+            Mutation::AcceptFromOverduePeer => "accept_from_overdue_peer",
+            Mutation::WriteOnExpiredLease => "write_on_expired_lease",
+            Mutation::ReadOnStaleGrant => "read_on_stale_grant",
+            Mutation::TrustLateReads => "trust_late_reads",
+            Mutation::ReturnBlocksAtReadBound => "return_blocks_at_read_bound",
+            Mutation::ServeRejoinedSessionAtOnce => "serve_rejoined_session_at_once",
+            Mutation::UnboundedPeerTombstones => "unbounded_peer_tombstones",
+            Mutation::AcceptPriorIncarnation => "accept_prior_incarnation",
+            Mutation::TrustNamedRank => "trust_named_rank",
         }
     }
 }

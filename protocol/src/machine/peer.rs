@@ -129,6 +129,15 @@ impl Peer {
         }
     }
 
+    /// Whether the peer is connected but silent past its timeout at `now`: its timer is due to
+    /// declare it dead (and has not run yet).
+    pub(crate) fn overdue(&self, now: Time, config: &Config) -> bool {
+        match self {
+            Peer::Connected(s) => now >= s.last_heard + config.peer_timeout,
+            Peer::Connecting(_) | Peer::Dead(_) => false,
+        }
+    }
+
     pub(crate) fn is_dead(&self) -> bool {
         match self {
             Peer::Dead(_) => true,

@@ -335,7 +335,32 @@ impl Held {
     }
 
     fn handle(mut self, ctx: &PrefillCtx<'_>, input: PrefillInput, fx: &mut Outbox) -> PrefillStep {
+        // The lease ended and its timer has not run (this process was stalled): the blocks are
+        // released as the timer would have, whatever the late input says. D may have fenced
+        // and reused the blocks it registered since.
+        let lapsed = ctx.now >= self.lease_until && !ctx.mutation.is(Mutation::WriteOnExpiredLease);
         match input {
+            PrefillInput::Registered { from, register } if lapsed => {
+                fx.counters.expired_leases_refused += 1;
+                fx.send(
+                    &from,
+                    write_failed(
+                        &register.key,
+                        register.epoch,
+                        ctx.own_rank,
+                        WriteFailure::LeaseExpired,
+                    ),
+                );
+                self.common.end(
+                    PrefillOutcome::Released(ReleaseCause::LeaseExpired),
+                    Some(register.epoch),
+                )
+            }
+            PrefillInput::Heartbeat if lapsed => {
+                fx.counters.expired_leases_refused += 1;
+                self.common
+                    .end(PrefillOutcome::Released(ReleaseCause::LeaseExpired), None)
+            }
             PrefillInput::Registered { from, register } => {
                 self.start_write(ctx, from, *register, fx)
             }

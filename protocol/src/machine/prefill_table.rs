@@ -9,14 +9,16 @@
 //! Ended keys leave a tombstone so that a late registration is answered (or swallowed, if D
 //! already cancelled it) instead of waiting forever.
 
+mod budget;
 mod from_decode;
+mod runs;
 mod tombstones;
 
 use std::collections::BTreeMap;
 
 use crate::{
-    CancelAck, Epoch, LeaseRef, Message, PairingKey, Register, ReleaseReason, RequestId,
-    WriteFailed, WriteFailure,
+    CancelAck, Epoch, Incarnation, LeaseRef, Message, PairingKey, Register, ReleaseReason,
+    RequestId, WriteFailed, WriteFailure,
 };
 
 use super::effects::{Outbox, Step};
@@ -27,14 +29,17 @@ use super::types::{DropReason, PrefillOutcome, PrefillStart, Rejected, ReleaseCa
 use super::{ActiveMutation, Config, Mutation};
 use crate::{PeerAddr, WriteId};
 
-use tombstones::floor_of;
+use budget::PeerBudget;
+use runs::Runs;
+pub(crate) use runs::Sender;
 pub(crate) use tombstones::PrefillTombstone;
 pub(crate) use tombstones::{assert_old_record_to_evict, young_cutoff};
+use tombstones::{floor_of, Record};
 
 /// A registration that arrived before its prefill finished.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PendingRegistration {
-    pub(crate) from: PeerAddr,
+    pub(crate) from: Sender,
     pub(crate) register: Box<Register>,
     pub(crate) expires: Time,
 }
@@ -49,7 +54,13 @@ pub(crate) struct PrefillTable {
     pending: BTreeMap<PairingKey, PendingRegistration>,
     writes: BTreeMap<WriteId, PairingKey>,
     pending_timers: TimerIndex<PairingKey>,
-    tombstones: Tombstones<PairingKey, PrefillTombstone>,
+    tombstones: Tombstones<PairingKey, Record>,
+    /// The D run each request bound to a registration serves (its record is written for it).
+    bound: BTreeMap<PairingKey, Incarnation>,
+    /// Records written on peers' behalf for keys P held nothing for.
+    budget: PeerBudget,
+    /// What P knows of D ranks' incarnations.
+    runs: Runs,
     next_write: u64,
     mutation: ActiveMutation,
 }
@@ -65,6 +76,9 @@ impl PrefillTable {
             writes: BTreeMap::new(),
             pending_timers: TimerIndex::default(),
             tombstones: Tombstones::new(config.max_tombstones),
+            bound: BTreeMap::new(),
+            budget: PeerBudget::new(config),
+            runs: Runs::new(config),
             next_write: 1,
             mutation: ActiveMutation::default(),
         }
@@ -91,7 +105,7 @@ impl PrefillTable {
     pub(crate) fn pending_of(&self, key: &PairingKey) -> Option<(&PeerAddr, Epoch, Time)> {
         self.pending
             .get(key)
-            .map(|p| (&p.from, p.register.epoch, p.expires))
+            .map(|p| (&p.from.addr, p.register.epoch, p.expires))
     }
 
     pub(crate) fn writes_in_flight(&self) -> usize {
@@ -209,9 +223,15 @@ impl PrefillTable {
         // past the tombstone) still wants the blocks: it supersedes the tombstone.
         let pending_epoch = self.pending.get(&common.key).map(|p| p.register.epoch);
         let superseded = |epoch: Epoch| pending_epoch.is_some_and(|pending| pending > epoch);
-        let tombstone = self.tombstones.get(&common.key).copied();
+        let record = self.tombstones.get(&common.key).copied();
+        // A give-up of a run its rank's newer incarnation replaced says nothing of these blocks:
+        // they may be a retry's, for the new run. They are held; the record stays their floor.
+        let dead_run = self.runs.is_replaced(record.and_then(|r| r.run));
+        let tombstone = record.map(|r| r.tombstone);
         let settled_by_peer = match tombstone {
-            Some(PrefillTombstone::GaveUpEarly { epoch, cause }) if !superseded(epoch) => {
+            Some(PrefillTombstone::GaveUpEarly { epoch, cause })
+                if !superseded(epoch) && !dead_run =>
+            {
                 Some((cause, epoch))
             }
             Some(
@@ -268,13 +288,38 @@ impl PrefillTable {
         // Only a registration seen above can be pending: nothing ran in between.
         if let Some(pending) = pending_epoch.and_then(|_| self.take_pending(&key)) {
             fx.counters.decode_registered_first += 1;
-            let input = PrefillInput::Registered {
-                from: pending.from,
-                register: pending.register,
-            };
-            self.step(now, &key, input, fx);
+            self.step_registered(now, &key, pending.from, pending.register, fx);
         }
         Ok(())
+    }
+
+    /// Runs a registration of `from` through the request of `key`, noting the run its blocks
+    /// are bound to if it binds them (their record is written for that run).
+    fn step_registered(
+        &mut self,
+        now: Time,
+        key: &PairingKey,
+        from: Sender,
+        register: Box<Register>,
+        fx: &mut Outbox,
+    ) {
+        let binds = matches!(self.requests.get(key), Some(PrefillRequest::Held(_)));
+        if binds {
+            self.bound.insert(key.clone(), from.run);
+        }
+        let input = PrefillInput::Registered {
+            from: from.addr,
+            register,
+        };
+        self.step(now, key, input, fx);
+        if binds
+            && self
+                .requests
+                .get(key)
+                .is_some_and(|r| r.bound_epoch().is_none())
+        {
+            self.bound.remove(key);
+        }
     }
 
     fn take_pending(&mut self, key: &PairingKey) -> Option<PendingRegistration> {
@@ -320,21 +365,18 @@ impl PrefillTable {
         let dropped: Vec<PairingKey> = self
             .pending
             .iter()
-            .filter(|(_, p)| &p.from == peer)
+            .filter(|(_, p)| &p.from.addr == peer)
             .map(|(k, _)| k.clone())
             .collect();
         for key in dropped {
             if let Some(pending) = self.take_pending(&key) {
                 // Nobody will claim these blocks: release them the moment they finish rather
                 // than at the end of their lease.
-                self.remember(
-                    now,
-                    key,
-                    PrefillTombstone::GaveUpEarly {
-                        epoch: pending.register.epoch,
-                        cause: ReleaseCause::PeerDead,
-                    },
-                );
+                let gave_up = PrefillTombstone::GaveUpEarly {
+                    epoch: pending.register.epoch,
+                    cause: ReleaseCause::PeerDead,
+                };
+                self.remember(now, key, gave_up, Some(pending.from.run));
             }
         }
         let bound: Vec<PairingKey> = self.writes.values().cloned().collect();
@@ -391,6 +433,11 @@ impl PrefillTable {
                 !self.pending.contains_key(key),
                 "a key is matched or pending, not both"
             );
+            assert_eq!(
+                self.bound.contains_key(key),
+                request.bound_epoch().is_some(),
+                "a request bound to a registration knows its run"
+            );
             if let Some(write) = request.write() {
                 assert_eq!(self.writes.get(&write), Some(key));
             }
@@ -402,6 +449,9 @@ impl PrefillTable {
                 .filter(|r| r.write().is_some())
                 .count()
         );
+        assert!(self.bound.keys().all(|key| self.requests.contains_key(key)));
+        self.budget.check_invariants();
+        self.runs.check_invariants();
     }
 }
 

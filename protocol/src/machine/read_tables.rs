@@ -105,6 +105,13 @@ impl ExportTable {
         if start.lease.is_zero() {
             return Err(Rejected::Invalid("an export's lease must be positive"));
         }
+        if start.lease > crate::machine::MAX_EXPORT_LEASE {
+            return Err(Rejected::TooLong {
+                what: "an export's lease",
+                given: start.lease,
+                max: crate::machine::MAX_EXPORT_LEASE,
+            });
+        }
         start.blocks.validate().map_err(Rejected::BlockList)?;
         let lease = start.lease;
         let common = ExportCommon::from_start(start, now, config);

@@ -93,6 +93,13 @@ pub enum ImportFailure {
     HandshakeFailed,
     /// The holder's blocks do not fit the reader's (count or shape).
     PlanMismatch,
+    /// The grant arrived later than a grant can travel after the ask (this process was
+    /// stalled with it queued): the holder may have fenced it, so nothing was read.
+    StaleGrant,
+    /// A read was reported done later than the fabric's bound on it (this process was stalled
+    /// while it was in flight): the holder may have reused the blocks first, so its bytes are
+    /// not trusted.
+    LateRead,
 }
 
 /// The one terminal outcome of an import.
@@ -173,6 +180,11 @@ pub struct ReadOrder {
     /// The holder's logical blocks, per group.
     pub remote: BlockIds,
 }
+
+/// The longest lease an export may have (a day): a kept conversation turn waits minutes, not
+/// days, and the export's hard end (twice the lease plus a read's span) stays far from the end
+/// of time.
+pub const MAX_EXPORT_LEASE: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 /// How long after a grant is sent a read posted under it may still run: the grant's delivery
 /// (`max_message_delay`), then the fabric's bound on a transfer posted on its arrival

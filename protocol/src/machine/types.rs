@@ -445,6 +445,20 @@ pub enum Rejected {
     /// The endpoint is shutting down and takes no new requests.
     #[error("the endpoint is shutting down")]
     ShuttingDown,
+    /// A decline names an export this rank is reading now: letting the holder go would free
+    /// blocks its reads may still land from. The import's own end releases the holder.
+    #[error("an import of {0} from that holder is in progress on this rank; its end releases the holder")]
+    ImportInProgress(PairingKey),
+    /// A duration the engine passed is beyond what this rank accepts.
+    #[error("{what} of {given:?} is beyond the limit of {max:?}")]
+    TooLong {
+        /// Which duration.
+        what: &'static str,
+        /// What was passed.
+        given: std::time::Duration,
+        /// The most accepted.
+        max: std::time::Duration,
+    },
 }
 
 /// Why a message or completion from outside was ignored.
@@ -472,6 +486,13 @@ pub enum DropReason {
     UnknownWrite,
     /// A registration or request that did not fit its table.
     TableFull,
+    /// A cancel, release or registration whose answer would write a record, for a key P holds
+    /// nothing for, beyond the sender's budget of such records (or the peers' together).
+    TombstoneBudget,
+    /// A message that may be a late one of a restarted peer's previous incarnation: within
+    /// `max_message_delay` of the restart, a registration of the restarted rank, or a message
+    /// about a key whose record the old incarnation's attempt left.
+    PriorIncarnation,
 }
 
 /// Counts of everything worth watching that is not an outcome.
@@ -528,6 +549,29 @@ pub struct Counters {
     pub reads_posted: u64,
     /// Reads that failed (readers).
     pub reads_failed: u64,
+    /// Declines the engine made of an export this rank was reading, refused (the import's own
+    /// end releases the holder).
+    pub declines_refused_while_reading: u64,
+    /// Messages refused because they came from a peer whose liveness deadline had passed
+    /// before they were handled (this process was stalled with them queued): the peer was
+    /// declared dead instead.
+    pub stale_messages_refused: u64,
+    /// Registrations and heartbeats that reached held blocks whose lease had ended before the
+    /// timer ran: the blocks were released, nothing written.
+    pub expired_leases_refused: u64,
+    /// Grants that arrived later than a grant can travel after the ask: not read under.
+    pub stale_grants_refused: u64,
+    /// Reads reported done later than the fabric's bound on them: their bytes not trusted.
+    pub late_reads_distrusted: u64,
+    /// Reads abandoned because they were not reported by the fabric's bound on them (readers).
+    pub reads_abandoned: u64,
+    /// Times an import found its abandoned reads still not confirmed (its blocks stay held
+    /// until the transport reports each read's end).
+    pub stuck_reads: u64,
+    /// Times this endpoint found its timers overdue by more than `Config::stall_allowance`:
+    /// the process was stopped long enough that a write it had in flight may have landed
+    /// after a peer's time-based fence (see the safety story in docs/architecture.md).
+    pub stalls_past_allowance: u64,
 }
 
 impl Counters {

@@ -108,12 +108,13 @@ impl World {
                 label
             }
         };
-        self.check_life(decode, &id, started);
+        self.check_life(node, decode, &id, started);
         self.record(format!("engine: {id} ended: {label}"));
         *self.outcomes.entry(label).or_insert(0) += 1;
         if !kept_blocks {
+            let frozen = frozen_note(self.frozen_touching(node, &flat));
             for e in self.nodes[node].pool.free(&flat, owner) {
-                self.violate(format!("node {node}: {e}"));
+                self.violate(format!("node {node}: {e}{frozen}"));
             }
             self.wake_waiters(node, flat.len());
         }
@@ -139,8 +140,9 @@ impl World {
 
     /// L1: the longest a request may legally take. D waits for its deadline, then at worst for
     /// the quarantine (every answer lost); P is bounded by its lease, D's renewals until D's
-    /// deadline, and one write's life.
-    pub(super) fn check_life(&mut self, decode: bool, id: &RequestId, started: Time) {
+    /// deadline, and one write's life. Time `node`'s process spent stalled since the start is
+    /// added: its own deadlines could not run then.
+    pub(super) fn check_life(&mut self, node: NodeId, decode: bool, id: &RequestId, started: Time) {
         let m = &self.cfg.machine;
         let limit = if decode {
             m.connect_timeout + m.decode_deadline + m.quarantine + Duration::from_secs(1)
@@ -152,6 +154,7 @@ impl World {
                 + m.abandon_timeout
                 + Duration::from_secs(10)
         };
+        let limit = limit + self.stalled_since(node, started);
         if !self.cfg.explore && self.now.saturating_since(started) > limit {
             self.violate(format!(
                 "L1: {id} took {:?} to end",
@@ -198,7 +201,7 @@ impl World {
         writer: Writer<'_>,
     ) {
         let inc = self.nodes[node].incarnation;
-        let writes_in_flight = self
+        let in_flight: Vec<bool> = self
             .writes
             .values()
             .filter(|w| {
@@ -210,7 +213,10 @@ impl World {
                     && w.epoch == epoch
                     && w.in_flight()
             })
-            .count();
+            .map(|w| w.frozen)
+            .collect();
+        let writes_in_flight = in_flight.len();
+        let frozen = in_flight.iter().filter(|&&f| f).count();
         let d_addr = &self.nodes[node].addr;
         let now = self.now;
         let p_holds = self.nodes[writer.node]
@@ -225,7 +231,10 @@ impl World {
             p_holds_registration: p_holds && self.known_incarnation(writer.node, node) == inc,
         };
         for fault in judge_hand_back(&hand_back) {
-            self.violate(format!("proof: request {request} e{epoch} {fault}"));
+            self.violate(format!(
+                "proof: request {request} e{epoch} {fault}{}",
+                frozen_note(frozen)
+            ));
         }
         if proof == FreeProof::DeadPeerFence {
             self.mark("fence_free");
@@ -299,6 +308,18 @@ impl World {
             let p_at = micros(&mut self.rng, 0, 10_000);
             self.schedule(p_at, Ev::PrefillStart { request });
         }
+    }
+}
+
+/// What a violation about transfers still in flight adds when a stall froze some of them: their
+/// life clock stopped with their poster, so no time bound on them held.
+pub(super) fn frozen_note(frozen: usize) -> String {
+    if frozen == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({frozen} frozen by their poster's stall: past max_write_life, no time fence holds)"
+        )
     }
 }
 

@@ -8,6 +8,7 @@ use kvhandoff_protocol::machine::{
 };
 use kvhandoff_protocol::{BlockIds, Epoch, ReadRefusal};
 
+use super::events::frozen_note;
 use super::{rid, Attempt, AttemptKind, Status};
 use crate::ledger::Owner;
 use crate::world::{micros, Ev, NodeId, World};
@@ -92,6 +93,7 @@ impl World {
             started: self.now,
         };
         self.last_progress = self.now;
+        self.schedule_sibling_decline(request, node, false);
         self.drain(node);
     }
 
@@ -271,7 +273,70 @@ impl World {
             sub: None,
         });
         self.last_progress = self.now;
+        self.schedule_sibling_decline(request, 0, true);
         self.drain(0);
+    }
+
+    /// If the request has a sibling that declines, it does so a while after this read started.
+    fn schedule_sibling_decline(&mut self, request: usize, node: NodeId, second_turn: bool) {
+        if let Some(after) = self.requests[request].transfer.sibling_decline {
+            let ev = Ev::SiblingDecline {
+                request,
+                node,
+                second_turn,
+            };
+            self.schedule(after, ev);
+        }
+    }
+
+    /// A sibling of the read `node` runs for `request` declines the export, with the very
+    /// parameters the read was started with (key, epoch, holder). While the read is live the
+    /// endpoint must refuse it; once it ended the decline goes out and changes nothing.
+    pub(crate) fn sibling_decline(&mut self, request: usize, node: NodeId, second_turn: bool) {
+        let r = &self.requests[request];
+        let (attempts, key, holder) = if second_turn {
+            let Some(second) = &r.transfer.second else {
+                return;
+            };
+            let Some(export) =
+                r.d.iter()
+                    .rev()
+                    .find(|x| matches!(x.kind, AttemptKind::Export { .. }))
+            else {
+                return;
+            };
+            (&r.p, second.key.clone(), export.node)
+        } else {
+            (&r.d, r.key.clone(), 0)
+        };
+        let Some(epoch) = attempts.iter().rev().find_map(|x| match x.kind {
+            AttemptKind::Import { read_epoch } if x.node == node => Some(read_epoch),
+            AttemptKind::Import { .. }
+            | AttemptKind::Push
+            | AttemptKind::Export { .. } => None,
+        }) else {
+            return;
+        };
+        let holder = self.nodes[holder].addr.clone();
+        if self.nodes[node].endpoint.is_none() {
+            return;
+        }
+        self.record(format!("engine: a sibling on node {node} declines {key}"));
+        let decline = EngineCall::DeclineExport {
+            key,
+            epoch: Epoch(epoch),
+            holder,
+        };
+        let now = self.now;
+        let Some(endpoint) = self.nodes[node].endpoint.as_mut() else {
+            return;
+        };
+        match endpoint.handle_call(now, decline) {
+            Ok(()) => self.mark("sibling_decline_sent"),
+            Err(Rejected::ImportInProgress(_)) => self.mark("decline_refused_while_reading"),
+            Err(rejected) => self.violate(format!("sibling decline refused: {rejected}")),
+        }
+        self.drain(node);
     }
 
     /// The checks of an export's or an import's terminal event (the shared ones, S3 and S4,
@@ -289,7 +354,15 @@ impl World {
         match event {
             EngineEvent::Export { outcome, proof, .. } => {
                 if let AttemptKind::Export { hard_end, .. } = a.kind {
-                    if self.now > hard_end {
+                    // A holder stalled past its hard end ends the export when it runs again
+                    // (late, so safe for the reader): the bound moves by the stall.
+                    let stalled = match a.status {
+                        Status::Live { started, .. } => self.stalled_since(node, started),
+                        Status::Pending | Status::Done | Status::Lost | Status::Skipped => {
+                            std::time::Duration::ZERO
+                        }
+                    };
+                    if self.now > hard_end + stalled {
                         self.violate(format!(
                             "L3: export {} ended at {} after its hard end {hard_end}",
                             a.id, self.now
@@ -303,11 +376,12 @@ impl World {
                 (format!("export.{outcome:?}"), false)
             }
             EngineEvent::Import { epoch, outcome, .. } => {
-                let in_flight = self.reads_into(node, request, epoch.0);
+                let (in_flight, frozen) = self.reads_into(node, request, epoch.0);
                 if in_flight > 0 {
                     self.violate(format!(
-                        "proof: import {} handed its blocks back while {in_flight} read(s) may still land",
-                        a.id
+                        "proof: import {} handed its blocks back while {in_flight} read(s) may still land{}",
+                        a.id,
+                        frozen_note(frozen)
                     ));
                 }
                 let second_turn = node == 0;

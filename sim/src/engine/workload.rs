@@ -40,6 +40,7 @@ impl World {
             policy: LoadFailurePolicy::Fail,
             gate: false,
             second: None,
+            sibling_decline: None,
         };
         if mode == Mode::Push {
             return none;
@@ -75,6 +76,7 @@ impl World {
             policy,
             gate,
             second,
+            sibling_decline: None,
         }
     }
 
@@ -89,6 +91,14 @@ impl World {
         if self.cfg.mode.reads() && self.cfg.faults == Faults::Chaos {
             self.rates.lose_ask = [0.0, 0.1, 0.3][trng.gen_range(0..3)];
         }
+        // Siblings that decline the export a read is reading: a stream of their own, so that
+        // every other draw of the seed stays as it was.
+        let mut srng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x7369_626c_696e_6773);
+        let sibling_rate = if self.cfg.mode.reads() && self.cfg.faults == Faults::Chaos {
+            [0.0, 0.1, 0.3][srng.gen_range(0..3)]
+        } else {
+            0.0
+        };
         for i in 0..self.cfg.requests {
             let key = PairingKey::new(format!("k{i}")).expect("valid key");
             let (d_node, p_blocks, d_blocks) = if self.cfg.explore {
@@ -105,6 +115,9 @@ impl World {
             self.keys.insert(key.clone(), i);
             let multi = self.draw_multi(&mut mrng, &key, d_node);
             let mut transfer = self.draw_transfer(&mut trng, i);
+            if srng.gen_bool(sibling_rate) {
+                transfer.sibling_decline = Some(micros(&mut srng, 0, 20_000));
+            }
             // Drawn as for any request (the stream stays aligned), then kept to one push turn:
             // a multi-rank request is pushed.
             let drawn_pull = transfer.pull;
@@ -223,6 +236,8 @@ impl World {
                     }
                 }
             }
+            // Process stalls, from a stream of their own too.
+            self.draw_stalls();
         }
     }
 }

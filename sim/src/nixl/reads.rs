@@ -87,6 +87,7 @@ impl World {
             reported: false,
             d_pinned: target_current,
             read: Some(dst_owner),
+            frozen: false,
         };
         self.active_writes.insert((node, inc, order.read), seq);
         const _: () = assert!(matches!(effect(Happening::LifeBound), Effect::HasEnded));
@@ -172,13 +173,16 @@ impl World {
     }
 
     /// Reads in flight into `node`'s blocks for (`request`, `epoch`) of its current
-    /// incarnation (a reader's hand-back must find none).
-    pub(crate) fn reads_into(&self, node: NodeId, request: usize, epoch: u64) -> usize {
+    /// incarnation (a reader's hand-back must find none), and how many of them a stall froze.
+    pub(crate) fn reads_into(&self, node: NodeId, request: usize, epoch: u64) -> (usize, usize) {
         let inc = self.nodes[node].incarnation;
-        self.writes
+        let reads: Vec<bool> = self
+            .writes
             .values()
             .filter(|w| w.read.is_some() && w.poster == node && w.poster_inc == inc)
             .filter(|w| w.request == request && w.epoch == epoch && w.in_flight())
-            .count()
+            .map(|w| w.frozen)
+            .collect();
+        (reads.len(), reads.iter().filter(|&&f| f).count())
     }
 }

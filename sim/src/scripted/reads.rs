@@ -88,7 +88,11 @@ impl Harness {
     }
 
     pub(super) fn next_read_end(&self) -> Option<Time> {
-        self.reads.values().map(|r| r.ends_by).min()
+        self.reads
+            .values()
+            .filter(|r| !self.is_stalled(&r.reader))
+            .map(|r| r.ends_by)
+            .min()
     }
 
     /// Fails every pending read whose bound has come.
@@ -97,7 +101,7 @@ impl Harness {
         let due: Vec<_> = self
             .reads
             .iter()
-            .filter(|(_, r)| r.ends_by <= now)
+            .filter(|(_, r)| r.ends_by <= now && !self.is_stalled(&r.reader))
             .map(|(id, _)| id.clone())
             .collect();
         for id in due {

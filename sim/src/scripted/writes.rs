@@ -119,7 +119,11 @@ impl Harness {
 
     /// The earliest bound by which a pending write has ended.
     pub(super) fn next_write_end(&self) -> Option<Time> {
-        self.writes.values().map(|w| w.ends_by).min()
+        self.writes
+            .values()
+            .filter(|w| !self.is_stalled(&w.from))
+            .map(|w| w.ends_by)
+            .min()
     }
 
     /// Ends every pending write whose bound has come: one the test left unresolved fails then
@@ -130,7 +134,8 @@ impl Harness {
         let due: Vec<_> = self
             .writes
             .iter()
-            .filter(|(_, w)| w.ends_by <= now)
+            // A stalled poster's write has its life clock stopped (see `Harness::stall`).
+            .filter(|(_, w)| w.ends_by <= now && !self.is_stalled(&w.from))
             .map(|(id, _)| id.clone())
             .collect();
         for id in due {

@@ -50,7 +50,34 @@ pub struct WorldConfig {
     pub slow_message_max: Duration,
     /// How the requests move their KV.
     pub mode: crate::Mode,
+    /// Process stalls (chaos, seeded mode; see `world/stall.rs`): the mean number per world,
+    /// each world drawing 0 to twice as many. 0 (the constructors' default, so that every
+    /// regression seed replays as found) runs none; `kvhandoff sim` runs
+    /// [`DEFAULT_STALLS`] under chaos.
+    pub stalls: f64,
+    /// The chance that a stall freezes the stalled process's transfers until it resumes
+    /// (their life clock suspended), rather than letting them move on.
+    pub stall_freeze: f64,
+    /// The chance that a resumed process handles what it held before its due timers run: the
+    /// shell before issue 19's fix, or one whose transport polled the queue before its rank's
+    /// timers ran. 0 by default (the fixed shell: timers first); above 0 it exercises the
+    /// machines' own refusals of stale messages, which timers-first makes unreachable.
+    pub stall_messages_first: f64,
 }
+
+/// Stalls per world in the chaos mix of `kvhandoff sim` (mean; each world draws 0 to twice as
+/// many).
+pub const DEFAULT_STALLS: f64 = 1.0;
+
+/// The share of stalls that freeze the stalled process's transfers in the chaos mix of
+/// `kvhandoff sim`.
+pub const DEFAULT_STALL_FREEZE: f64 = 0.5;
+
+/// The coverage marks of process stalls, required wherever a world may stall:
+/// `stall_past_peer_timeout` (a process connected to a peer stopped for longer than the peer
+/// timeout) and `stale_message_after_stall` (a message that arrived while its process was
+/// stopped was handed to the resumed shell, after its due timers ran).
+pub const STALL_MARKS: &[&str] = &["stall_past_peer_timeout", "stale_message_after_stall"];
 
 impl WorldConfig {
     /// A seeded world of `requests` requests with the fast machine configuration.
@@ -76,7 +103,24 @@ impl WorldConfig {
             poll_allocations: false,
             slow_message_max: Duration::from_millis(140),
             mode: crate::Mode::Push,
+            stalls: 0.0,
+            stall_freeze: DEFAULT_STALL_FREEZE,
+            stall_messages_first: 0.0,
         }
+    }
+
+    /// Whether this world's processes may stall (chaos in seeded mode, a positive rate).
+    pub fn may_stall(&self) -> bool {
+        !self.explore && self.faults == Faults::Chaos && self.stalls > 0.0
+    }
+
+    /// The coverage marks this world must hit: its mode's, and the stall marks if it may stall.
+    pub fn required_marks(&self) -> Vec<&'static str> {
+        let mut marks = self.mode.required_marks();
+        if self.may_stall() {
+            marks.extend_from_slice(STALL_MARKS);
+        }
+        marks
     }
 
     /// A small world for the ordering fuzz and the exhaustive check: 1 P, 1 D, short
@@ -120,6 +164,9 @@ impl WorldConfig {
             poll_allocations: false,
             slow_message_max: Duration::from_millis(140),
             mode: crate::Mode::Push,
+            stalls: 0.0,
+            stall_freeze: 0.0,
+            stall_messages_first: 0.0,
         }
     }
 }

@@ -31,7 +31,7 @@ impl World {
     }
 
     /// The incarnation of `b` that `a`'s endpoint is connected to, if any.
-    fn connected_incarnation(&self, a: NodeId, b: NodeId) -> Option<Incarnation> {
+    pub(super) fn connected_incarnation(&self, a: NodeId, b: NodeId) -> Option<Incarnation> {
         let peer = &self.nodes[b].addr;
         self.nodes[a].endpoint.as_ref()?.connected_incarnation(peer)
     }
@@ -82,13 +82,21 @@ impl World {
         self.note_sent(from, &message);
         let msg = NetMsg {
             from,
+            from_inc: self.nodes[from].incarnation,
             to,
             // Aimed at the incarnation the sender shook hands with: lost if the peer restarted.
             to_inc: self.known_incarnation(from, to),
             conn: self.view(from, to),
             message,
         };
-        let mut delay = micros(&mut self.rng, 50, 2_000);
+        // In explore mode the scheduler chooses every delivery and due times are ignored, but
+        // when a message left decides when it is lost past its bound: no random delay there,
+        // so that a state is the same whatever the stream drew before it.
+        let mut delay = if self.cfg.explore {
+            std::time::Duration::ZERO
+        } else {
+            micros(&mut self.rng, 50, 2_000)
+        };
         if self.chance(self.rates.slow_msg) {
             let slowest = self.cfg.slow_message_max.as_micros() as u64;
             delay = micros(&mut self.rng, 20_000, slowest.max(20_001));
@@ -250,7 +258,9 @@ impl World {
         }
     }
 
-    /// Delivers a network message to its destination.
+    /// Delivers a network message to its destination: the network judges it now (lost with
+    /// its connection or its incarnation), and the destination's shell handles it now, or when
+    /// its process resumes if it is stalled.
     pub(crate) fn deliver(&mut self, msg: NetMsg) {
         let line = format!("deliver {}", describe(&msg));
         self.record(line);
@@ -262,6 +272,28 @@ impl World {
             self.mark("message_lost_with_connection");
             return;
         }
+        if self.stalled(msg.to) {
+            // In the stopped process's receive queue: it stays there, whatever happens to the
+            // connection meanwhile, until the process runs again.
+            self.hold(msg.to, Ev::Handle(msg));
+            return;
+        }
+        self.handle(msg);
+    }
+
+    /// A message held through its destination's stall, handed to the resumed shell (unless the
+    /// process died meanwhile).
+    pub(crate) fn handle_held(&mut self, msg: NetMsg) {
+        let line = format!("handle held {}", describe(&msg));
+        self.record(line);
+        if !self.alive(msg.to) || self.nodes[msg.to].incarnation != msg.to_inc {
+            return;
+        }
+        self.handle(msg);
+    }
+
+    /// The destination's shell handles a message that arrived (the S5 check around it).
+    fn handle(&mut self, msg: NetMsg) {
         let stale_key = self.note_delivered(&msg);
         // S5: a P→D message for an epoch D does not hold changes nothing of D's live request.
         let before = stale_key.map(|(request, key)| {
@@ -270,7 +302,7 @@ impl World {
         });
         let kind = describe(&msg);
         let renewals_before = self.exports_renewed(msg.to);
-        self.shell_notification(msg.to, msg.from, &msg.message);
+        self.shell_notification(msg.to, msg.from, msg.from_inc, &msg.message);
         if let Message::Heartbeat(heartbeat) = &msg.message {
             if self.exports_renewed(msg.to) > renewals_before {
                 let keys: Vec<_> = heartbeat.leases.iter().map(|l| l.key.clone()).collect();

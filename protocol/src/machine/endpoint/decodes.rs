@@ -126,12 +126,13 @@ impl Endpoint {
             }));
     }
 
-    /// Delivers a P→D message to the live request of `key` if it is for its epoch and from its
-    /// P engine; counts why not otherwise.
+    /// Delivers a P→D message naming P rank `rank` to the live request of `key` if it is for
+    /// its epoch and from one of its sources; counts why not otherwise.
     pub(super) fn route_to_decode(
         &mut self,
         now: Time,
         from: &PeerAddr,
+        rank: u32,
         key: &PairingKey,
         epoch: Epoch,
         input: DecodeInput,
@@ -146,7 +147,17 @@ impl Endpoint {
             return;
         };
         let common = request.common();
-        if common.prefill.engine != from.engine {
+        // Each source rank settles its own share, so the rank a message is counted for must be
+        // the rank that sent it: a rank of the P engine (the one D registered with when it
+        // expects one write; D holds only the count of several), speaking for itself.
+        let source = if common.expected_writes > 1 {
+            from.engine == common.prefill.engine
+        } else {
+            *from == common.prefill
+        };
+        let from_source =
+            (source && from.rank == rank) || self.mutation.is(Mutation::TrustNamedRank);
+        if common.prefill.engine != from.engine || !from_source {
             self.outbox.counters.drop(DropReason::Unexpected);
             return;
         }
@@ -163,3 +174,6 @@ impl Endpoint {
         self.step_decode(now, key, input);
     }
 }
+
+#[cfg(test)]
+mod tests;

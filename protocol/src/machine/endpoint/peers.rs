@@ -18,6 +18,18 @@ impl Endpoint {
     /// table once and leaves the timer alone: hearing from a peer only pushes its liveness
     /// deadline later, and a timer that fires early is answered by the machine re-checking.
     pub(super) fn heard(&mut self, now: Time, peer: &PeerAddr) -> bool {
+        // A message from a peer whose deadline passed before we got to it sat in a queue while
+        // this process was stalled: the peer is dead as the timer would have found it, and
+        // what it says now may be older than any fence its side already passed.
+        let overdue = self
+            .peers
+            .get(peer)
+            .is_some_and(|p| p.overdue(now, &self.config));
+        if overdue && !self.mutation.is(Mutation::AcceptFromOverduePeer) {
+            self.outbox.counters.stale_messages_refused += 1;
+            self.peer_input(now, peer, PeerInput::Timeout);
+            return false;
+        }
         let config = &self.config;
         let ctx = PeerCtx { now, config };
         let fx = &mut self.outbox;
@@ -97,6 +109,7 @@ impl Endpoint {
                         message,
                     });
                 }
+                self.note_connected(now, peer);
                 self.wake_connecting_decodes(now, peer);
             }
             PeerNotice::Repeated if self.mutation.is(Mutation::HandshakeAlwaysRestart) => {
@@ -113,6 +126,7 @@ impl Endpoint {
                 // The shell replaced the old incarnation before reporting the new one (see
                 // `NetEvent::PeerConnected`): invalidating now would cut the new one.
                 self.peer_died(now, peer, false);
+                self.note_connected(now, peer);
                 self.wake_connecting_decodes(now, peer);
             }
             PeerNotice::ConnectFailed(reason) => {
@@ -124,6 +138,15 @@ impl Endpoint {
                 self.peer_died(now, peer, true);
             }
             PeerNotice::HeartbeatDue => self.send_heartbeats(peer),
+        }
+    }
+
+    /// Tells P's table which incarnation of `peer` it is now connected to: a registration, a
+    /// cancel or a release is then taken as that incarnation's, and one that replaced another
+    /// opens the old one's restart window (`prefill_table/runs.rs`).
+    fn note_connected(&mut self, now: Time, peer: &PeerAddr) {
+        if let Some(run) = self.peers.get(peer).and_then(Peer::incarnation) {
+            self.prefills.on_peer_connected(now, peer, run);
         }
     }
 

@@ -13,6 +13,7 @@ use crate::machine::read_types::{
     ExportEnd, ExportOutcome, ExportStart, ImportOutcome, ImportStart, ReadProof,
 };
 use crate::machine::types::{DropReason, EngineEvent, Output, Rejected, Time};
+use crate::machine::Mutation;
 use crate::{PeerAddr, WriteId};
 
 impl Endpoint {
@@ -100,6 +101,18 @@ impl Endpoint {
         }
         if holder.engine == self.own.engine {
             return Err(Rejected::Invalid("the holder is this engine"));
+        }
+        // A sibling request with the same transfer parameters (or the engine reacting to an
+        // error) declines an export this rank is reading: the holder would end the export and
+        // reuse the blocks while our reads still land from them. Whatever the epochs, the
+        // import's own release lets the holder go once no read of it is in flight.
+        let reading = self
+            .imports
+            .get(&key)
+            .is_some_and(|import| import.common().holder == holder);
+        if reading && !self.mutation.is(Mutation::DeclineDuringRead) {
+            self.outbox.counters.declines_refused_while_reading += 1;
+            return Err(Rejected::ImportInProgress(key));
         }
         let release = release_message(&key, epoch, ReleaseReason::Declined);
         self.send_or_queue(now, &holder, release);

@@ -118,7 +118,16 @@ fn asking_with(policy: LoadFailurePolicy, next_ask: Time, asks_left: u32) -> Imp
         common: common(policy),
         next_ask,
         asks_left,
+        asked_at: ms(NOW_MS),
     })
+}
+
+/// `asking` with its latest ask sent at `at`.
+fn asked_again_at(asking: ImportRequest, at: Time) -> ImportRequest {
+    match asking {
+        ImportRequest::Asking(s) => ImportRequest::Asking(Asking { asked_at: at, ..s }),
+        other => other,
+    }
 }
 
 fn asking(policy: LoadFailurePolicy) -> ImportRequest {
@@ -132,6 +141,10 @@ struct ReadingAt {
     pending: &'static [(u64, usize)],
     first_failed_block: Option<usize>,
     failure: Option<ImportFailure>,
+    granted: Time,
+    abandoned: bool,
+    /// When the reads' bound falls, if not the grant's.
+    reads_end_by: Option<Time>,
 }
 
 impl ReadingAt {
@@ -145,6 +158,31 @@ impl ReadingAt {
             pending,
             first_failed_block: None,
             failure: None,
+            granted: ms(NOW_MS),
+            abandoned: false,
+            reads_end_by: None,
+        }
+    }
+
+    /// Granted at `at` instead of NOW.
+    fn granted_at(self, at: Time) -> Self {
+        ReadingAt { granted: at, ..self }
+    }
+
+    /// Its unreported reads were abandoned at `at` (the bound): it waits an abandon's
+    /// confirmation time for the transport's word.
+    fn abandoned_at(self, at: Time) -> Self {
+        ReadingAt {
+            abandoned: true,
+            reads_end_by: Some(at + config().abandon_timeout),
+            ..self
+        }
+    }
+
+    fn reads_end_by(self, at: Time) -> Self {
+        ReadingAt {
+            reads_end_by: Some(at),
+            ..self
         }
     }
 
@@ -172,7 +210,12 @@ impl ReadingAt {
                 .collect::<BTreeMap<_, _>>(),
             first_failed_block: self.first_failed_block,
             failure: self.failure,
-            reads_end_by: ms(READS_END_MS),
+            reads_end_by: self
+                .reads_end_by
+                .unwrap_or(self.granted + (ms(READS_END_MS) - ms(NOW_MS))),
+            // Every fixture asked at NOW.
+            trusted_until: ms(NOW_MS) + crate::machine::read_span(&config()),
+            abandoned: self.abandoned,
         })
     }
 }
@@ -259,6 +302,17 @@ fn dropped(reason: DropReason) -> Counters {
 fn posted(reads: u64) -> Counters {
     Counters {
         reads_posted: reads,
+        ..Counters::default()
+    }
+}
+
+fn abandon(n: u64) -> Output {
+    Output::AbandonWrite { write: rid(n) }
+}
+
+fn abandoned_reads(n: u64) -> Counters {
+    Counters {
+        reads_abandoned: n,
         ..Counters::default()
     }
 }
@@ -466,6 +520,41 @@ fn cases() -> Vec<Case> {
             posted(1),
         ),
         case(
+            "asking + grant just within a grant's travel after the latest ask: read",
+            asking(FAIL),
+            grant(single(&[100, 101, 102, 103])),
+            live(
+                ReadingAt::new(FAIL, &[(0, 0)])
+                    .granted_at(ms(NOW_MS + 1_000))
+                    .build(),
+            ),
+            vec![read_posted(
+                0,
+                single(&LOCAL),
+                single(&[100, 101, 102, 103]),
+            )],
+            posted(1),
+        )
+        .at(ms(NOW_MS + 1_000)),
+        case(
+            "asking + grant later than a grant can travel after the latest ask (a stall): \
+             nothing read, the holder let go",
+            asking(RECOMPUTE),
+            grant(single(&[100, 101, 102, 103])),
+            ended_unread(
+                common(RECOMPUTE),
+                recompute(0, F::StaleGrant),
+                Some(R::Declined),
+            ),
+            vec![],
+            {
+                let mut counters = no_counters();
+                counters.stale_grants_refused = 1;
+                counters
+            },
+        )
+        .at(ms(NOW_MS + 1_001)),
+        case(
             "asking + grant, chunks of 2: two reads in order",
             asking(FAIL),
             grant(single(&[100, 101, 102, 103])),
@@ -632,7 +721,10 @@ fn cases() -> Vec<Case> {
             "asking + timeout at the next ask: ask again",
             asking(FAIL),
             I::Timeout,
-            live(asking_with(FAIL, ms(NEXT_ASK_MS + 500), ASKS - 1)),
+            live(asked_again_at(
+                asking_with(FAIL, ms(NEXT_ASK_MS + 500), ASKS - 1),
+                ms(NEXT_ASK_MS),
+            )),
             vec![ask_sent()],
             no_counters(),
         )
@@ -641,7 +733,10 @@ fn cases() -> Vec<Case> {
             "asking + late timeout after the next ask: ask again, next one from now",
             asking_with(FAIL, ms(NEXT_ASK_MS), 1),
             I::Timeout,
-            live(asking_with(FAIL, ms(NEXT_ASK_MS + 200 + 500), 0)),
+            live(asked_again_at(
+                asking_with(FAIL, ms(NEXT_ASK_MS + 200 + 500), 0),
+                ms(NEXT_ASK_MS + 200),
+            )),
             vec![ask_sent()],
             no_counters(),
         )
@@ -680,6 +775,7 @@ fn cases() -> Vec<Case> {
                 common: two_groups(FAIL),
                 next_ask: ms(NEXT_ASK_MS),
                 asks_left: ASKS,
+                asked_at: ms(NOW_MS),
             }),
             grant(groups(&[&[100, 101], &[200, 201]])),
             live(ReadingAt::of(two_groups(FAIL), &[(0, 0)]).build()),
@@ -697,6 +793,7 @@ fn cases() -> Vec<Case> {
                 common: two_groups(FAIL),
                 next_ask: ms(NEXT_ASK_MS),
                 asks_left: ASKS,
+                asked_at: ms(NOW_MS),
             }),
             grant(groups(&[&[100, 101, 102], &[200, 201, 202, 203]])),
             live(ReadingAt::of(two_groups(FAIL), &[(0, 0)]).build()),
@@ -713,6 +810,7 @@ fn cases() -> Vec<Case> {
                 common: two_groups(FAIL),
                 next_ask: ms(NEXT_ASK_MS),
                 asks_left: ASKS,
+                asked_at: ms(NOW_MS),
             }),
             grant(groups(&[&[100, 101, 102], &[200]])),
             ended_unread(
@@ -729,6 +827,7 @@ fn cases() -> Vec<Case> {
                 common: two_groups(FAIL),
                 next_ask: ms(NEXT_ASK_MS),
                 asks_left: ASKS,
+                asked_at: ms(NOW_MS),
             }),
             grant(single(&[100, 101, 102, 103])),
             ended_unread(
@@ -748,6 +847,46 @@ fn cases() -> Vec<Case> {
             vec![],
             no_counters(),
         ),
+        case(
+            "reading + the only read done at the earliest holder fence: Loaded",
+            ReadingAt::new(FAIL, &[(0, 0)]).build(),
+            done(0),
+            ended_read(common(FAIL), ImportOutcome::Loaded, Some(R::ReadDone)),
+            vec![],
+            no_counters(),
+        )
+        .at(ms(NOW_MS + 3_000)),
+        case(
+            "reading + the only read done after the fabric's bound, past the earliest holder \
+             fence (this process stalled): not trusted, nothing valid",
+            ReadingAt::new(RECOMPUTE, &[(0, 0)]).build(),
+            done(0),
+            ended_read(
+                common(RECOMPUTE),
+                recompute(0, F::LateRead),
+                read_failed_release,
+            ),
+            vec![],
+            {
+                let mut counters = no_counters();
+                counters.late_reads_distrusted = 1;
+                counters
+            },
+        )
+        .at(ms(NOW_MS + 3_001)),
+        case(
+            "reading, peer dead + the last read done after the fabric's bound: not Loaded",
+            ReadingAt::new(FAIL, &[(1, 2)]).failure(F::PeerDead).build(),
+            done(1),
+            ended_read(common(FAIL), failed(F::PeerDead), None),
+            vec![],
+            {
+                let mut counters = no_counters();
+                counters.late_reads_distrusted = 1;
+                counters
+            },
+        )
+        .at(ms(NOW_MS + 3_001)),
         case(
             "reading + one of two reads done: waits",
             ReadingAt::new(FAIL, &[(0, 0), (1, 2)]).build(),
@@ -959,74 +1098,160 @@ fn cases() -> Vec<Case> {
             no_counters(),
         )
         .at(ms(READS_END_MS - 1)),
+        // Past the bound a read still unreported was frozen by a stall of this process (or its
+        // report is lost): abandoned, and its blocks wait for the transport's word.
         case(
-            "reading + timeout at the bound, nothing reported (recompute): Deadline, all lost",
+            "reading + timeout at the bound, nothing reported (recompute): both abandoned, waits",
             ReadingAt::new(RECOMPUTE, &[(0, 0), (1, 2)]).build(),
             I::Timeout,
-            ended_read(
-                common(RECOMPUTE),
-                recompute(0, F::Deadline),
-                read_failed_release,
+            live(
+                ReadingAt::new(RECOMPUTE, &[(0, 0), (1, 2)])
+                    .failed_from(0)
+                    .failure(F::Deadline)
+                    .abandoned_at(ms(READS_END_MS))
+                    .build(),
             ),
-            vec![],
-            no_counters(),
+            vec![abandon(0), abandon(1)],
+            abandoned_reads(2),
         )
         .at(ms(READS_END_MS)),
         case(
-            "reading + timeout at the bound, the first chunk landed (recompute): 2 blocks valid",
+            "reading + timeout at the bound, the first chunk landed (recompute): the second \
+             abandoned, 2 blocks valid so far",
             ReadingAt::new(RECOMPUTE, &[(1, 2)]).build(),
             I::Timeout,
-            ended_read(
-                common(RECOMPUTE),
-                recompute(2 * u64::from(BLOCK_TOKENS), F::Deadline),
-                read_failed_release,
+            live(
+                ReadingAt::new(RECOMPUTE, &[(1, 2)])
+                    .failed_from(2)
+                    .failure(F::Deadline)
+                    .abandoned_at(ms(READS_END_MS))
+                    .build(),
             ),
-            vec![],
-            no_counters(),
+            vec![abandon(1)],
+            abandoned_reads(1),
         )
         .at(ms(READS_END_MS)),
         case(
-            "reading + timeout after the bound (fail): Deadline",
+            "reading + timeout after the bound (fail): abandoned, Deadline noted",
             ReadingAt::new(FAIL, &[(0, 0)]).build(),
             I::Timeout,
-            ended_read(common(FAIL), failed(F::Deadline), read_failed_release),
-            vec![],
-            no_counters(),
+            live(
+                ReadingAt::new(FAIL, &[(0, 0)])
+                    .failed_from(0)
+                    .failure(F::Deadline)
+                    .abandoned_at(ms(READS_END_MS + 10))
+                    .build(),
+            ),
+            vec![abandon(0)],
+            abandoned_reads(1),
         )
         .at(ms(READS_END_MS + 10)),
         case(
-            "reading + timeout at the bound after an earlier read failed: lowest block, Deadline",
+            "reading + timeout at the bound after an earlier read failed: lowest block kept",
             ReadingAt::new(RECOMPUTE, &[(1, 2)]).failed_from(0).build(),
             I::Timeout,
-            ended_read(
-                common(RECOMPUTE),
-                recompute(0, F::Deadline),
-                read_failed_release,
+            live(
+                ReadingAt::new(RECOMPUTE, &[(1, 2)])
+                    .failed_from(0)
+                    .failure(F::Deadline)
+                    .abandoned_at(ms(READS_END_MS))
+                    .build(),
             ),
-            vec![],
-            no_counters(),
+            vec![abandon(1)],
+            abandoned_reads(1),
         )
         .at(ms(READS_END_MS)),
         case(
-            "reading, peer dead + timeout at the bound: PeerDead stays the reason, no release",
+            "reading, peer dead + timeout at the bound: abandoned, PeerDead stays the reason",
             ReadingAt::new(FAIL, &[(0, 0)]).failure(F::PeerDead).build(),
             I::Timeout,
-            ended_read(common(FAIL), failed(F::PeerDead), None),
-            vec![],
-            no_counters(),
+            live(
+                ReadingAt::new(FAIL, &[(0, 0)])
+                    .failed_from(0)
+                    .failure(F::PeerDead)
+                    .abandoned_at(ms(READS_END_MS))
+                    .build(),
+            ),
+            vec![abandon(0)],
+            abandoned_reads(1),
         )
         .at(ms(READS_END_MS)),
         case(
-            "reading, aborted + timeout at the bound: Aborted, release ReadFailed",
+            "reading, aborted + timeout at the bound: abandoned, Aborted stays the reason",
             ReadingAt::new(RECOMPUTE, &[(1, 2)])
                 .failure(F::Aborted)
                 .build(),
             I::Timeout,
-            ended_read(common(RECOMPUTE), failed(F::Aborted), read_failed_release),
-            vec![],
-            no_counters(),
+            live(
+                ReadingAt::new(RECOMPUTE, &[(1, 2)])
+                    .failed_from(2)
+                    .failure(F::Aborted)
+                    .abandoned_at(ms(READS_END_MS))
+                    .build(),
+            ),
+            vec![abandon(1)],
+            abandoned_reads(1),
         )
         .at(ms(READS_END_MS)),
+        case(
+            "reading, abandoned + the transport confirms the read's end: Deadline, all lost",
+            ReadingAt::new(RECOMPUTE, &[(0, 0)])
+                .failed_from(0)
+                .failure(F::Deadline)
+                .abandoned_at(ms(READS_END_MS))
+                .build(),
+            read_failed(0),
+            ended_read(
+                common(RECOMPUTE),
+                recompute(0, F::Deadline),
+                read_failed_release,
+            ),
+            vec![],
+            one_failed_read(),
+        )
+        .at(ms(READS_END_MS + 100)),
+        case(
+            "reading, abandoned (fail) + the read lands after all, after the fabric's bound \
+             (a stall froze it): not trusted, Deadline",
+            ReadingAt::new(FAIL, &[(0, 0)])
+                .failed_from(0)
+                .failure(F::Deadline)
+                .abandoned_at(ms(READS_END_MS))
+                .build(),
+            done(0),
+            ended_read(common(FAIL), failed(F::Deadline), read_failed_release),
+            vec![],
+            {
+                let mut counters = no_counters();
+                counters.late_reads_distrusted = 1;
+                counters
+            },
+        )
+        .at(ms(NOW_MS + 3_001)),
+        case(
+            "reading, abandoned + timeout, the abandon not confirmed: stuck, the blocks stay",
+            ReadingAt::new(FAIL, &[(0, 0)])
+                .failed_from(0)
+                .failure(F::Deadline)
+                .abandoned_at(ms(READS_END_MS))
+                .build(),
+            I::Timeout,
+            live(
+                ReadingAt::new(FAIL, &[(0, 0)])
+                    .failed_from(0)
+                    .failure(F::Deadline)
+                    .abandoned_at(ms(READS_END_MS))
+                    .reads_end_by(ms(READS_END_MS + 500 + 2_000))
+                    .build(),
+            ),
+            vec![],
+            {
+                let mut counters = no_counters();
+                counters.stuck_reads = 1;
+                counters
+            },
+        )
+        .at(ms(READS_END_MS + 500)),
         case(
             "reading + grant again: duplicate",
             ReadingAt::new(FAIL, &[(0, 0)]).build(),
@@ -1496,4 +1721,79 @@ fn the_table_tells_apart_a_lost_read_post() {
         }
     }
     assert!(!caught.is_empty(), "no case tells the mutation apart");
+}
+
+/// The table catches the deliberate bug of a reader that reads under a grant that arrived
+/// later than a grant can travel (`read_on_stale_grant`): exactly the stale-grant case.
+#[cfg(feature = "mutations")]
+#[test]
+fn the_table_catches_a_read_on_a_stale_grant() {
+    let mutation = ActiveMutation(Some(crate::machine::Mutation::ReadOnStaleGrant));
+    let mut caught = Vec::new();
+    for case in cases() {
+        let (next, outputs, counters, _) = step_mutated(
+            case.state,
+            case.now,
+            case.chunk,
+            FIRST_READ_ID,
+            case.input,
+            mutation,
+        );
+        if next != case.next || outputs != case.outputs || counters != case.counters {
+            caught.push(case.name);
+        }
+    }
+    assert_eq!(caught.len(), 1, "{caught:?}");
+    assert!(caught[0].contains("later than a grant can travel"), "{caught:?}");
+}
+
+/// The table catches the deliberate bug of a reader that trusts a read reported after the
+/// fabric's bound (`trust_late_reads`): exactly the three late-report cases.
+#[cfg(feature = "mutations")]
+#[test]
+fn the_table_catches_trusting_a_late_read() {
+    let mutation = ActiveMutation(Some(crate::machine::Mutation::TrustLateReads));
+    let mut caught = Vec::new();
+    for case in cases() {
+        let (next, outputs, counters, _) = step_mutated(
+            case.state,
+            case.now,
+            case.chunk,
+            FIRST_READ_ID,
+            case.input,
+            mutation,
+        );
+        if next != case.next || outputs != case.outputs || counters != case.counters {
+            caught.push(case.name);
+        }
+    }
+    assert_eq!(caught.len(), 3, "{caught:?}");
+    assert!(caught.iter().all(|name| name.contains("after the fabric's bound")), "{caught:?}");
+}
+
+/// The table catches the deliberate bug of a reader that hands its blocks back at the bound
+/// although a read is unreported (`return_blocks_at_read_bound`): every at-the-bound case.
+#[cfg(feature = "mutations")]
+#[test]
+fn the_table_catches_blocks_returned_at_the_read_bound() {
+    let mutation = ActiveMutation(Some(crate::machine::Mutation::ReturnBlocksAtReadBound));
+    let mut caught = Vec::new();
+    for case in cases() {
+        let (next, outputs, counters, _) = step_mutated(
+            case.state,
+            case.now,
+            case.chunk,
+            FIRST_READ_ID,
+            case.input,
+            mutation,
+        );
+        if next != case.next || outputs != case.outputs || counters != case.counters {
+            caught.push(case.name);
+        }
+    }
+    assert!(caught.len() >= 6, "{caught:?}");
+    assert!(
+        caught.iter().all(|name| name.contains("timeout")),
+        "{caught:?}"
+    );
 }

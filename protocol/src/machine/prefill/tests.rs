@@ -442,6 +442,28 @@ fn held_cases() -> Vec<Case> {
         )
         .at(ms(3_000)),
         case(
+            "held + register after the lease ended, its timer not run (a stall): released, \
+             WriteFailed(LeaseExpired), nothing posted",
+            held(),
+            register(EPOCH),
+            ended(
+                PrefillOutcome::Released(ReleaseCause::LeaseExpired),
+                Some(EPOCH),
+            ),
+            vec![write_failed(WriteFailure::LeaseExpired)],
+            counted(|c| c.expired_leases_refused = 1),
+        )
+        .at(ms(LEASE_MS)),
+        case(
+            "held + heartbeat after the lease ended, its timer not run: released, not renewed",
+            held(),
+            I::Heartbeat,
+            ended(PrefillOutcome::Released(ReleaseCause::LeaseExpired), None),
+            vec![],
+            counted(|c| c.expired_leases_refused = 1),
+        )
+        .at(ms(LEASE_MS + 1)),
+        case(
             "held + heartbeat: a lease is never shortened",
             held(),
             I::Heartbeat,
@@ -1373,4 +1395,24 @@ fn pair_blocks_is_tail_aligned() {
             "as given: {local:?}, {remote:?}"
         );
     }
+}
+
+/// Without the lease check (the deliberate bug `write_on_expired_lease`), a registration that
+/// reaches held blocks after their lease ended — the timer not run, a stalled process — is
+/// written; the table case above shows the check refuses it.
+#[cfg(feature = "mutations")]
+#[test]
+fn a_lapsed_lease_is_written_under_its_mutation() {
+    let config = config();
+    let ctx = PrefillCtx {
+        now: ms(LEASE_MS),
+        own_rank: OWN_RANK,
+        config: &config,
+        next_write: WRITE,
+        mutation: crate::machine::ActiveMutation(Some(crate::machine::Mutation::WriteOnExpiredLease)),
+    };
+    let mut fx = Outbox::default();
+    let next = held().handle(&ctx, register(EPOCH), &mut fx);
+    assert!(matches!(next, Step::Live(PrefillRequest::Writing(_))));
+    assert!(fx.out.iter().any(|o| matches!(o, Output::PostWrite(_))));
 }

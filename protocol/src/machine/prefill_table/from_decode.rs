@@ -3,21 +3,25 @@
 use super::*;
 
 impl PrefillTable {
-    /// D's registration arrived.
+    /// D's registration arrived. (`Into`: table tests name a bare address.)
     pub(crate) fn on_register(
         &mut self,
         now: Time,
-        from: PeerAddr,
+        from: impl Into<Sender>,
         register: Box<Register>,
         fx: &mut Outbox,
     ) {
+        let from = from.into();
         self.expire_pending_before_use(now, fx);
-        if register.decode_engine != from.engine || register.decode_rank != from.rank {
+        if register.decode_engine != from.addr.engine || register.decode_rank != from.addr.rank {
             // A registration must come from the rank whose blocks it names.
             fx.drop_input(DropReason::Unexpected);
             return;
         }
         let key = register.key.clone();
+        if !self.admit_run(now, &key, &from, true, fx) {
+            return;
+        }
         let request = self.requests.get(&key);
         if request.is_some()
             && !self.mutation.is(Mutation::SkipEpochFloor)
@@ -35,14 +39,8 @@ impl PrefillTable {
                 // The blocks serve one attempt; a newer one cannot have them. Answered here,
                 // not by the request, so that the answer raises the key's floor.
                 fx.drop_input(DropReason::FutureEpoch);
-                self.answer_unbound(
-                    now,
-                    &from,
-                    &key,
-                    register.epoch,
-                    WriteFailure::Unavailable,
-                    fx,
-                );
+                let failure = WriteFailure::Unavailable;
+                self.answer_unbound(now, &from, &key, register.epoch, failure, fx);
                 return;
             }
         }
@@ -52,11 +50,10 @@ impl PrefillTable {
                 PrefillRequest::Held(_) => fx.counters.prefill_finished_first += 1,
                 PrefillRequest::Writing(_) | PrefillRequest::Draining(_) => {}
             }
-            let input = PrefillInput::Registered { from, register };
-            self.step(now, &key, input, fx);
+            self.step_registered(now, &key, from, register, fx);
             return;
         }
-        match self.tombstones.get(&key).copied() {
+        match self.tombstone(&key) {
             Some(PrefillTombstone::GaveUpEarly { epoch, .. }) if register.epoch <= epoch => {
                 // D already gave up on this attempt; this registration was overtaken.
                 fx.drop_input(DropReason::Late);
@@ -74,6 +71,10 @@ impl PrefillTable {
                     fx.drop_input(DropReason::TableFull);
                     return;
                 }
+                // P holds nothing for the key: the raised floor is written on D's behalf.
+                if !same_attempt && !self.peer_budget_allows(now, &from.addr, fx) {
+                    return;
+                }
                 let answer = if same_attempt { replay } else { Some(newer) };
                 fx.drop_input(if same_attempt && epoch == Some(register.epoch) {
                     DropReason::Duplicate
@@ -82,22 +83,20 @@ impl PrefillTable {
                 });
                 if let Some(failure) = answer {
                     fx.send(
-                        &from,
+                        &from.addr,
                         write_failed(&key, register.epoch, self.rank, failure),
                     );
                 }
                 if !same_attempt {
                     // Every epoch P answers raises the floor, so that a copy of this
                     // registration can never reach blocks a later request of the key holds.
-                    self.remember(
-                        now,
-                        key,
-                        PrefillTombstone::Ended {
-                            epoch: Some(register.epoch),
-                            replay,
-                            newer,
-                        },
-                    );
+                    let raised = PrefillTombstone::Ended {
+                        epoch: Some(register.epoch),
+                        replay,
+                        newer,
+                    };
+                    self.remember(now, key, raised, Some(from.run));
+                    self.charge_peer(now, &from.addr);
                 }
                 return;
             }
@@ -107,7 +106,10 @@ impl PrefillTable {
                 } else {
                     DropReason::Late
                 });
-                fx.send(&from, write_failed(&key, register.epoch, self.rank, replay));
+                fx.send(
+                    &from.addr,
+                    write_failed(&key, register.epoch, self.rank, replay),
+                );
                 return;
             }
             Some(PrefillTombstone::GaveUpEarly { .. } | PrefillTombstone::Answered { .. })
@@ -128,15 +130,16 @@ impl PrefillTable {
             fx.drop_input(DropReason::TableFull);
             return;
         } else if self.pending.len() >= self.config.max_pending_registrations {
+            // The answer's record is written on D's behalf for a key P holds nothing for.
+            let records = self.floor_below(&key, register.epoch);
+            if records && !self.peer_budget_allows(now, &from.addr, fx) {
+                return;
+            }
             fx.drop_input(DropReason::TableFull);
-            self.answer_unbound(
-                now,
-                &from,
-                &key,
-                register.epoch,
-                WriteFailure::Unavailable,
-                fx,
-            );
+            let failure = WriteFailure::Unavailable;
+            if self.answer_unbound(now, &from, &key, register.epoch, failure, fx) {
+                self.charge_peer(now, &from.addr);
+            }
             return;
         }
         let expires = now + self.config.registration_ttl;
@@ -151,20 +154,25 @@ impl PrefillTable {
         );
     }
 
-    /// D cancelled an attempt. Answered in every state.
+    /// D cancelled an attempt. Answered in every state (unless there is no room or budget
+    /// for the record the answer needs, or the cancel may be a replaced run's).
     pub(crate) fn on_cancel(
         &mut self,
         now: Time,
-        from: PeerAddr,
+        from: impl Into<Sender>,
         key: PairingKey,
         epoch: Epoch,
         fx: &mut Outbox,
     ) {
+        let from = from.into();
         self.expire_pending_before_use(now, fx);
-        if !self.may_settle(&key, &from) {
+        if !self.may_settle(&key, &from.addr) {
             // Only the D that registered the key may cancel it: another peer's cancel would
             // free blocks, or stop a write, that a different request waits for.
             fx.drop_input(DropReason::Unexpected);
+            return;
+        }
+        if !self.admit_run(now, &key, &from, false, fx) {
             return;
         }
         if self.settled_before(&key, epoch) {
@@ -173,21 +181,31 @@ impl PrefillTable {
             // flight here, so it is still acknowledged.
             fx.counters.stale_settles_ignored += 1;
             fx.drop_input(DropReason::StaleEpoch);
-            fx.send(&from, cancel_ack_message(&key, epoch, self.rank));
+            fx.send(&from.addr, cancel_ack_message(&key, epoch, self.rank));
             return;
         }
         if self.requests.contains_key(&key) {
-            self.step(now, &key, PrefillInput::Cancel { from, epoch }, fx);
+            let input = PrefillInput::Cancel {
+                from: from.addr.clone(),
+                epoch,
+            };
+            self.step(now, &key, input, fx);
             // Whatever the request did with it, the cancelled epoch is settled for the key.
-            self.raise_floor(now, &key, epoch);
+            self.raise_floor(now, &key, epoch, from.run);
             return;
         }
-        if !self.pending.contains_key(&key) && !self.tombstone_room(now) {
+        let holds_nothing = !self.pending.contains_key(&key);
+        if holds_nothing && !self.tombstone_room(now) {
             // Acknowledging needs a tombstone record (the floor that swallows the registration
             // this cancel may have overtaken: a new record, or an old one made young again),
             // and none can be made without evicting a young one: no answer; D frees at its
             // quarantine.
             fx.drop_input(DropReason::TableFull);
+            return;
+        }
+        let records = self.floor_below(&key, epoch);
+        if holds_nothing && records && !self.peer_budget_allows(now, &from.addr, fx) {
+            // Nor on the peer's budget: no answer, as above.
             return;
         }
         if self
@@ -199,8 +217,10 @@ impl PrefillTable {
         }
         // Nothing of this epoch is or will be in flight: remember the cancel so that a
         // registration it overtook is swallowed, and acknowledge.
-        self.raise_floor(now, &key, epoch);
-        fx.send(&from, cancel_ack_message(&key, epoch, self.rank));
+        if self.raise_floor(now, &key, epoch, from.run) && holds_nothing {
+            self.charge_peer(now, &from.addr);
+        }
+        fx.send(&from.addr, cancel_ack_message(&key, epoch, self.rank));
     }
 
     /// Whether a cancel or release for `epoch` of `key` is about an attempt that an older
@@ -218,15 +238,19 @@ impl PrefillTable {
     pub(crate) fn on_release(
         &mut self,
         now: Time,
-        from: &PeerAddr,
+        from: impl Into<Sender>,
         key: PairingKey,
         epoch: Epoch,
         reason: ReleaseReason,
         fx: &mut Outbox,
     ) {
+        let from = from.into();
         self.expire_pending_before_use(now, fx);
-        if !self.may_settle(&key, from) {
+        if !self.may_settle(&key, &from.addr) {
             fx.drop_input(DropReason::Unexpected);
+            return;
+        }
+        if !self.admit_run(now, &key, &from, false, fx) {
             return;
         }
         if self.settled_before(&key, epoch) {
@@ -239,24 +263,29 @@ impl PrefillTable {
             self.step(now, &key, PrefillInput::Release { epoch, reason }, fx);
             return;
         }
-        if self.tombstones.get(&key).is_some() {
+        if self.tombstone(&key).is_some() {
             fx.drop_input(DropReason::Late);
             return;
         }
-        if !self.pending.contains_key(&key) && !self.tombstone_room(now) {
+        let holds_nothing = !self.pending.contains_key(&key);
+        if holds_nothing && !self.tombstone_room(now) {
             // No room for the record: the blocks, when they finish, wait for their lease.
             fx.drop_input(DropReason::TableFull);
             return;
         }
+        if holds_nothing && !self.peer_budget_allows(now, &from.addr, fx) {
+            // Nor on the peer's budget: the blocks wait for their lease, as above.
+            return;
+        }
         // P has not finished yet: remember, so its blocks are released as soon as they finish.
-        self.remember(
-            now,
-            key,
-            PrefillTombstone::GaveUpEarly {
-                epoch,
-                cause: ReleaseCause::ReleasedByPeer(reason),
-            },
-        );
+        let gave_up = PrefillTombstone::GaveUpEarly {
+            epoch,
+            cause: ReleaseCause::ReleasedByPeer(reason),
+        };
+        self.remember(now, key, gave_up, Some(from.run));
+        if holds_nothing {
+            self.charge_peer(now, &from.addr);
+        }
     }
 
     /// D renews leases. A pending registration is renewed only by the rank that sent it, for
@@ -275,7 +304,7 @@ impl PrefillTable {
             if self.requests.contains_key(&lease.key) {
                 self.step(now, &lease.key, PrefillInput::Heartbeat, fx);
             } else if let Some(pending) = self.pending.get_mut(&lease.key) {
-                let own = &pending.from == from && pending.register.epoch == lease.epoch;
+                let own = &pending.from.addr == from && pending.register.epoch == lease.epoch;
                 if !own && !any_sender {
                     fx.drop_input(DropReason::Unexpected);
                     continue;

@@ -126,7 +126,7 @@ fn apply(w: &mut PrefillTable, now: Time, input: WInput, fx: &mut Outbox) -> Res
     match input {
         WInput::Register(from, register) => w.on_register(now, from, register, fx),
         WInput::Cancel(from, epoch) => w.on_cancel(now, from, key(), epoch, fx),
-        WInput::Release(epoch, reason) => w.on_release(now, &d(), key(), epoch, reason, fx),
+        WInput::Release(epoch, reason) => w.on_release(now, d(), key(), epoch, reason, fx),
         WInput::Heartbeat(keys) => {
             let leases = keys
                 .into_iter()
@@ -241,7 +241,7 @@ fn snapshot(w: &PrefillTable) -> KeyState {
     KeyState {
         request: w.requests.get(&key()).cloned(),
         pending: w.pending.get(&key()).cloned(),
-        tombstone: w.tombstones.get(&key()).copied(),
+        tombstone: w.tombstone(&key()),
     }
 }
 
@@ -253,7 +253,7 @@ fn is_pending(from: PeerAddr, epoch: Epoch, expires: Time) -> KeyState {
     KeyState {
         pending: Some(PendingRegistration {
             register: registration(&from, epoch),
-            from,
+            from: from.into(),
             expires,
         }),
         ..KeyState::default()
@@ -2649,7 +2649,7 @@ fn a_cancel_from_another_peer_is_refused() {
     w.on_cancel(ms(NOW_MS), d2(), key(), EPOCH, &mut fx);
     w.on_release(
         ms(NOW_MS),
-        &d2(),
+        d2(),
         key(),
         EPOCH,
         ReleaseReason::Aborted,
@@ -2897,4 +2897,169 @@ fn a_registration_past_its_wait_is_never_matched_even_if_the_timer_is_late() {
         w.requests.get(&key()),
         Some(PrefillRequest::Held(_))
     ));
+}
+
+/// Issue 19, finding 6: one peer floods P with cancels for keys P never saw. Each cancel P
+/// acknowledges writes a young record, and admission control counts young records, so without
+/// a budget the flood fills the table: P refuses its own prefills, and another peer's cancels,
+/// for `tombstone_min_life`. With the budget the flooding peer gets at most its share
+/// (`PeerBudget::peer_cap`) answered; the rest of its flood is left unanswered and counted, and
+/// the engine and the other peers keep their room.
+#[test]
+fn a_cancel_flood_from_one_peer_leaves_room_for_the_engine_and_the_other_peers() {
+    use super::budget::PeerBudget;
+    let config = Config {
+        max_tombstones: 16,
+        ..config()
+    };
+    let share = PeerBudget::peer_cap(&config);
+    let now = ms(NOW_MS);
+    let made_up = |n: usize| PairingKey::new(format!("made-up-{n}")).unwrap();
+    let acked_to = |fx: &Outbox, peer: &PeerAddr, key: &PairingKey| {
+        fx.out.iter().any(|o| {
+            matches!(o, Output::Send { to, message: Message::CancelAck(a) }
+                if to == peer && &a.key == key)
+        })
+    };
+    let run = |mutated: bool| {
+        let mut w = PrefillTable::new(RANK, &config);
+        #[cfg(not(feature = "mutations"))]
+        let _ = mutated;
+        #[cfg(feature = "mutations")]
+        if mutated {
+            w.set_mutation(super::super::ActiveMutation(Some(
+                super::super::Mutation::UnboundedPeerTombstones,
+            )));
+        }
+        let mut fx = Outbox::default();
+        // The flood: as many cancels as the table has records, for keys P never saw.
+        for n in 0..config.max_tombstones {
+            w.on_cancel(now, d(), made_up(n), EPOCH, &mut fx);
+            w.check_invariants();
+        }
+        let flood_acked = (0..config.max_tombstones)
+            .filter(|&n| acked_to(&fx, &d(), &made_up(n)))
+            .count();
+        // The precondition: the flooding peer filled (at least) its share with young records.
+        assert!(flood_acked >= share, "{flood_acked} of a share of {share}");
+        assert!(w.young_tombstones(now) >= share);
+        let own = w.finished(now, start(), &mut fx);
+        let other = made_up(1_000);
+        w.on_cancel(now, d2(), other.clone(), EPOCH, &mut fx);
+        w.check_invariants();
+        let budget_drops = fx.counters.dropped(DropReason::TombstoneBudget);
+        (flood_acked, budget_drops, own, acked_to(&fx, &d2(), &other))
+    };
+    let flood = config.max_tombstones;
+    assert_eq!(
+        run(false),
+        (share, (flood - share) as u64, Ok(()), true),
+        "the flood gets its share answered; the engine's prefill and the other peer's cancel \
+         are taken"
+    );
+    #[cfg(feature = "mutations")]
+    {
+        let (acked, drops, own, other) = run(true);
+        assert_eq!(
+            (acked, drops, other),
+            (flood, 0, false),
+            "no budget: the flood fills it"
+        );
+        assert!(
+            matches!(own, Err(Rejected::TableFull { .. })),
+            "the engine's own prefill is refused: {own:?}"
+        );
+    }
+}
+
+/// Issue 19, finding 7: P's memory of a key is scoped by the D run it was written for. D's
+/// first incarnation (`old`) left a record of key() at epoch 1 — a give-up (its pending
+/// registration when it died), or an ended request whose failure a copy would be told again —
+/// and D restarts (`new`); the router retries at epoch 1. Inside the restart window the new
+/// run's registrations are left unanswered (any of them may be a late copy of the old run's);
+/// past it the old run's record judges nothing: the retry is served, not swallowed, not told
+/// the old attempt's failure, and the old give-up does not release the retry's prefill.
+#[test]
+fn a_restarted_ds_retry_is_not_judged_by_the_old_runs_record() {
+    use super::Sender;
+    use crate::Incarnation;
+    let config = config();
+    let (old, new) = (Incarnation(1), Incarnation(2));
+    let of = |run| Sender { addr: d(), run };
+    let t0 = ms(T0_MS);
+    let restart = t0 + config.lease_duration / 2;
+    let past_window = restart + config.max_message_delay;
+    let retry = || start_with(RequestId::new("req-retry").unwrap(), p_blocks());
+    let posted = |fx: &Outbox| fx.out.iter().any(|o| matches!(o, Output::PostWrite(_)));
+    let failed = |fx: &Outbox| {
+        fx.out.iter().any(|o| {
+            matches!(
+                o,
+                Output::Send {
+                    message: Message::WriteFailed(_),
+                    ..
+                }
+            )
+        })
+    };
+
+    // The old run's registration was pending when it died: a give-up of epoch 1.
+    let mut w = PrefillTable::new(RANK, &config);
+    let mut fx = Outbox::default();
+    w.on_peer_connected(t0, &d(), old);
+    w.on_register(t0, of(old), registration(&d(), Epoch(1)), &mut fx);
+    w.on_peer_dead(t0, &d(), &mut fx);
+    assert_eq!(
+        w.tombstone(&key()),
+        Some(gave_up(Epoch(1), ReleaseCause::PeerDead)),
+        "the precondition: the old run gave epoch 1 up"
+    );
+    w.on_peer_connected(restart, &d(), new);
+    w.finished(restart, retry(), &mut fx).unwrap();
+    assert!(
+        matches!(w.requests.get(&key()), Some(PrefillRequest::Held(_))),
+        "the old run's give-up does not release the retry's blocks"
+    );
+    let mut fx = Outbox::default();
+    w.on_register(restart, of(new), registration(&d(), Epoch(1)), &mut fx);
+    assert!(fx.out.is_empty(), "inside the window: no answer, no write");
+    assert_eq!(fx.counters.dropped(DropReason::PriorIncarnation), 1);
+    w.on_register(past_window, of(new), registration(&d(), Epoch(1)), &mut fx);
+    assert!(posted(&fx), "past the window the retry is written");
+    w.check_invariants();
+
+    // The old run's request ended in a failure a copy of its registration is told again.
+    let mut w = PrefillTable::new(RANK, &config);
+    let mut fx = Outbox::default();
+    w.on_peer_connected(t0, &d(), old);
+    w.finished(t0, start(), &mut fx).unwrap();
+    w.on_register(t0, of(old), registration(&d(), Epoch(1)), &mut fx);
+    w.on_write_result(t0, W1, Some(WriteFailure::TransferFailed), &mut fx);
+    assert!(
+        matches!(
+            w.tombstone(&key()),
+            Some(PrefillTombstone::Ended {
+                epoch: Some(Epoch(1)),
+                replay: Some(_),
+                ..
+            })
+        ),
+        "the precondition: an ended attempt at epoch 1 with a replay"
+    );
+    w.on_peer_connected(restart, &d(), new);
+    let mut fx = Outbox::default();
+    w.on_register(past_window, of(new), registration(&d(), Epoch(1)), &mut fx);
+    assert!(
+        !failed(&fx),
+        "not told the old attempt's failure: {:?}",
+        fx.out
+    );
+    assert!(
+        w.pending.contains_key(&key()),
+        "the retry waits for its prefill"
+    );
+    w.finished(past_window, retry(), &mut fx).unwrap();
+    assert!(posted(&fx), "and is written when it finishes");
+    assert!(!w.bound.is_empty());
+    w.check_invariants();
 }

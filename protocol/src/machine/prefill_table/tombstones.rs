@@ -4,9 +4,9 @@
 
 use std::hash::Hash;
 
-use crate::{Epoch, PairingKey, WriteFailure};
+use crate::{Epoch, Incarnation, PairingKey, WriteFailure};
 
-use super::{write_failed, PrefillTable};
+use super::{write_failed, PrefillTable, Sender};
 use crate::machine::effects::Outbox;
 use crate::machine::prefill::{PrefillEnded, PrefillRequest};
 use crate::machine::tables::Tombstones;
@@ -36,6 +36,16 @@ pub(crate) enum PrefillTombstone {
         /// What a registration for any other attempt is told.
         newer: WriteFailure,
     },
+}
+
+/// A tombstone, and the run of the D rank it was written for (see `runs.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub(crate) tombstone: PrefillTombstone,
+    /// The incarnation of the D rank whose registration, cancel or release the record settles;
+    /// `None` where no D was involved (P's own abort of blocks nobody claimed). A record of a
+    /// run its rank's newer incarnation replaced stops judging once that run can send nothing.
+    pub(crate) run: Option<Incarnation>,
 }
 
 pub(super) fn tombstone_for(outcome: PrefillOutcome, epoch: Option<Epoch>) -> PrefillTombstone {
@@ -125,15 +135,21 @@ impl PrefillTable {
         reserved + self.young_tombstones(now) < self.config.max_tombstones
     }
 
-    /// The rule admission keeps: a new record in a full table evicts an old one, never a young
-    /// one.
-    /// Remembers `tombstone` for `key`.
-    pub(super) fn remember(&mut self, now: Time, key: PairingKey, tombstone: PrefillTombstone) {
+    /// Remembers `tombstone` for `key`, written for the D run `run`. Admission kept room: a
+    /// new record in a full table evicts an old one, never a young one.
+    pub(super) fn remember(
+        &mut self,
+        now: Time,
+        key: PairingKey,
+        tombstone: PrefillTombstone,
+        run: Option<Incarnation>,
+    ) {
         if !self.mutation.is(Mutation::EvictYoungTombstones) {
             assert_old_record_to_evict(&mut self.tombstones, now, &key, &self.config);
         }
+        let record = Record { tombstone, run };
         self.tombstones
-            .insert(key, tombstone, now + self.config.tombstone_ttl);
+            .insert(key, record, now + self.config.tombstone_ttl);
     }
 
     pub(super) fn file_ended(&mut self, now: Time, ended: PrefillEnded, fx: &mut Outbox) {
@@ -144,6 +160,9 @@ impl PrefillTable {
         } = ended;
         tracing::debug!(key = %common.key, ?epoch, ?outcome, "prefill request ended");
         self.by_request.remove(&common.request);
+        // The run the blocks were bound to; else the run an older record of the key speaks for
+        // (the floor, or the early give-up, this request ended by).
+        let bound = self.bound.remove(&common.key);
         // Never lower the floor an older request of the key left behind. The request's
         // admission reserved room for this record (see `Births`).
         if !self.mutation.is(Mutation::EvictYoungTombstones) {
@@ -151,7 +170,11 @@ impl PrefillTable {
         }
         self.tombstones
             .upsert(common.key.clone(), now + self.config.tombstone_ttl, |old| {
-                tombstone_for(outcome, epoch.max(old.and_then(floor_of)))
+                let floor = old.and_then(|old| floor_of(&old.tombstone));
+                Record {
+                    tombstone: tombstone_for(outcome, epoch.max(floor)),
+                    run: bound.or(old.and_then(|old| old.run)),
+                }
             });
         fx.emit(Output::Event(EngineEvent::Prefill {
             request: common.request,
@@ -164,7 +187,12 @@ impl PrefillTable {
     /// The highest epoch an ended request of `key` (or an early cancel, release or answer)
     /// settled.
     pub(super) fn epoch_floor(&self, key: &PairingKey) -> Option<Epoch> {
-        floor_of(self.tombstones.get(key)?)
+        floor_of(&self.tombstones.get(key)?.tombstone)
+    }
+
+    /// What P remembers about `key`, if anything.
+    pub(super) fn tombstone(&self, key: &PairingKey) -> Option<PrefillTombstone> {
+        self.tombstones.get(key).map(|record| record.tombstone)
     }
 
     /// Whether `from` may cancel or release `key`: the peer the key's blocks are bound to (or
@@ -174,18 +202,31 @@ impl PrefillTable {
             .requests
             .get(key)
             .and_then(PrefillRequest::bound_peer)
-            .or_else(|| self.pending.get(key).map(|p| &p.from));
+            .or_else(|| self.pending.get(key).map(|p| &p.from.addr));
         owner.is_none_or(|owner| owner == from)
     }
 
-    /// Makes sure registrations for `epoch` or older of `key` never reach blocks again (D
-    /// cancelled that epoch): raises the key's floor, keeping what the tombstone says otherwise.
-    pub(super) fn raise_floor(&mut self, now: Time, key: &PairingKey, epoch: Epoch) {
+    /// Whether [`Self::raise_floor`] for `epoch` would write a record (the key's floor is below
+    /// it, or there is none).
+    pub(super) fn floor_below(&self, key: &PairingKey, epoch: Epoch) -> bool {
+        self.epoch_floor(key).is_none_or(|floor| floor < epoch)
+    }
+
+    /// Makes sure registrations for `epoch` or older of `key` never reach blocks again (D's run
+    /// `run` cancelled that epoch): raises the key's floor, keeping what the tombstone says
+    /// otherwise. True if it wrote a record.
+    pub(super) fn raise_floor(
+        &mut self,
+        now: Time,
+        key: &PairingKey,
+        epoch: Epoch,
+        run: Incarnation,
+    ) -> bool {
         let cancelled = PrefillTombstone::GaveUpEarly {
             epoch,
             cause: ReleaseCause::CancelledByPeer,
         };
-        let raised = match self.tombstones.get(key).copied() {
+        let raised = match self.tombstone(key) {
             Some(
                 PrefillTombstone::GaveUpEarly { epoch: old, .. }
                 | PrefillTombstone::Answered { epoch: old, .. }
@@ -203,33 +244,34 @@ impl PrefillTable {
                 newer,
             }),
         };
-        if let Some(tombstone) = raised {
-            self.remember(now, key.clone(), tombstone);
-        }
+        let Some(tombstone) = raised else {
+            return false;
+        };
+        self.remember(now, key.clone(), tombstone, Some(run));
+        true
     }
 
-    /// Answers a registration P will never serve, and remembers the answer so that a copy of
-    /// the registration arriving later cannot reach blocks that finish afterwards.
+    /// Answers a registration (of `to`) P will never serve, and remembers the answer
+    /// so that a copy of the registration arriving later cannot reach blocks that finish
+    /// afterwards. True if it wrote a record (see [`Self::floor_below`]).
     pub(super) fn answer_unbound(
         &mut self,
         now: Time,
-        to: &PeerAddr,
+        to: &Sender,
         key: &PairingKey,
         epoch: Epoch,
         failure: WriteFailure,
         fx: &mut Outbox,
-    ) {
-        fx.send(to, write_failed(key, epoch, self.rank, failure));
-        if self.epoch_floor(key).is_some_and(|floor| floor >= epoch) {
-            return;
+    ) -> bool {
+        fx.send(&to.addr, write_failed(key, epoch, self.rank, failure));
+        if !self.floor_below(key, epoch) {
+            return false;
         }
-        self.remember(
-            now,
-            key.clone(),
-            PrefillTombstone::Answered {
-                epoch,
-                replay: failure,
-            },
-        );
+        let answered = PrefillTombstone::Answered {
+            epoch,
+            replay: failure,
+        };
+        self.remember(now, key.clone(), answered, Some(to.run));
+        true
     }
 }

@@ -69,7 +69,7 @@ impl World {
                 return;
             }
         };
-        self.check_life(decode, &id, started);
+        self.check_life(node, decode, &id, started);
         self.record(format!("engine: {id} ended: {label}"));
         *self.outcomes.entry(label).or_insert(0) += 1;
         let r = &mut self.requests[request];
@@ -196,8 +196,9 @@ impl World {
         self.record(format!(
             "engine: rank {node} hands back the shared blocks of {key}"
         ));
+        let frozen = super::super::events::frozen_note(self.frozen_touching(node, &flat));
         for e in self.nodes[node].pool.free(&flat, Owner { request, epoch }) {
-            self.violate(format!("node {node}: {e}"));
+            self.violate(format!("node {node}: {e}{frozen}"));
         }
         self.wake_waiters(node, flat.len());
     }

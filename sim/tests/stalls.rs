@@ -1,0 +1,80 @@
+//! Process stalls in the seeded world (issue 19): chaos worlds in which processes stop for up
+//! to past the quarantine and resume (timers first, then what they held).
+
+use kvhandoff_sim::{
+    run_seeds, run_world, seed_world, Faults, Mode, SimOptions, DEFAULT_STALLS, STALL_MARKS,
+};
+
+fn stalling(seeds: std::ops::Range<u64>, mode: Mode, freeze: f64) -> SimOptions {
+    SimOptions {
+        mode,
+        stalls: DEFAULT_STALLS,
+        stall_freeze: freeze,
+        ..SimOptions::new(seeds, 40, Faults::Chaos)
+    }
+}
+
+/// Stalls happen, reach their marks, and a stalling sweep replays bit for bit; a world without
+/// stalls draws none (its other faults are drawn as before: stalls come from a stream of their
+/// own).
+#[test]
+fn stalls_hit_their_marks_and_replay() {
+    let options = stalling(0..60, Mode::Push, 0.5);
+    let report = run_seeds(&options);
+    assert!(report.counters["stalls"] > 20, "{:?}", report.counters);
+    assert!(report.counters["transfers_frozen_by_stall"] > 0);
+    for mark in STALL_MARKS {
+        assert!(
+            report.coverage.get(*mark).is_some_and(|&n| n > 0),
+            "coverage mark {mark} never hit: {:?}",
+            report.coverage
+        );
+    }
+    assert_eq!(report, run_seeds(&options));
+    let quiet = run_seeds(&SimOptions {
+        stalls: 0.0,
+        ..options
+    });
+    assert_eq!(quiet.counters["stalls"], 0);
+    assert!(STALL_MARKS.iter().all(|m| !quiet.coverage.contains_key(*m)));
+}
+
+/// Found by the first stalling sweep (`kvhandoff sim --mode push --seeds 1..300 --requests 40
+/// --stall-freeze 0`): P stopped for 9.9 s with D's `Register(k1 e1)` held; D declared P dead
+/// and freed the blocks by its fence at 8.7 s; P resumed (timers first), a late handshake with
+/// D completed, P handled the held `Register`, finished the prefill of k1 and wrote into the
+/// freed block (S1). Seeds 52 and 89 show the same hole earlier: D's fence frees while P holds
+/// the registration it took from the queue.
+#[test]
+#[ignore = "issue 19: fails until P refuses a registration that sat out a stall (protocol fix in progress)"]
+fn seed_245_a_stalled_p_never_writes_a_held_register_into_freed_blocks() {
+    let options = stalling(245..246, Mode::Push, 0.0);
+    let r = run_world(seed_world(&options, 245), 245);
+    // The precondition: a held message handled after a stall past the peer timeout, and a
+    // fence free.
+    assert!(
+        r.coverage["stall_past_peer_timeout"] > 0,
+        "{:?}",
+        r.coverage
+    );
+    assert!(r.coverage["stale_message_after_stall"] > 0);
+    assert!(r.violations.is_empty(), "{:#?}", r.violations);
+    assert_eq!(r.stale_writes, 0);
+    assert_eq!(r.leaked_blocks, 0, "{:?}", r.leaks);
+}
+
+/// The target once the protocol refuses what sat out a stall: every mode clean at 300 seeds ×
+/// 40 requests with stalls whose transfers keep moving. (Frozen transfers, which land after any
+/// time fence, are the measured question of issue 19's deliverable 3 and are left out here.)
+#[test]
+#[ignore = "issue 19: fails until the protocol refuses stale messages (protocol fix in progress)"]
+fn stalling_sweeps_are_clean() {
+    for mode in [Mode::Push, Mode::Pull, Mode::Mixed, Mode::Bidir] {
+        let report = run_seeds(&stalling(1..301, mode, 0.0));
+        let first = report
+            .violations
+            .first()
+            .map(|v| format!("seed {}: {}", v.seed, v.message));
+        assert!(report.clean(), "{mode:?}: {first:?}");
+    }
+}
