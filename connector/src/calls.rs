@@ -49,7 +49,9 @@ pub enum ConnectorError {
     /// the call may or may not have been applied, and no event will come for it. Keep the
     /// request's blocks out of use for the life of this process (a peer may still write or read
     /// them); [`KvConnector::rank_stopped`](crate::KvConnector::rank_stopped) is then true.
-    #[error("the kvhandoff rank stopped while handling the call; whether it was applied is unknown")]
+    #[error(
+        "the kvhandoff rank stopped while handling the call; whether it was applied is unknown"
+    )]
     VerdictUnknown,
 }
 

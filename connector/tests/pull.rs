@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvhandoff::actors::system::{build_mem_rank, KvPool, RankOptions, ShellConfig};
 use kvhandoff::actors::system::agent_name;
+use kvhandoff::actors::system::{build_mem_rank, KvPool, RankOptions, ShellConfig};
 use kvhandoff::actors::transport::mem::{MemFabric, MemFaults};
 use kvhandoff::protocol::machine::{
     Config, ExportEnd, ExportOutcome, ImportOutcome, LoadFailurePolicy, ReadProof, Rejected,
@@ -508,7 +508,11 @@ fn a_huge_next_turn_ttl_is_a_typed_refusal() {
         remote_engine_id: Some(PREFILL.into()),
         ..KvTransferParams::default()
     };
-    for ttl in [Duration::MAX, Duration::MAX / 2, Duration::from_secs(u64::MAX / 4)] {
+    for ttl in [
+        Duration::MAX,
+        Duration::MAX / 2,
+        Duration::from_secs(u64::MAX / 4),
+    ] {
         let kept = d.conn.keep_for_next_turn(
             &request,
             BlockIds::single_group(vec![1, 2]),

@@ -11,9 +11,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use actix::{Actor, Context, Handler, Recipient};
-use kvhandoff::actors::system::{
-    build_mem_rank, Calls, KvPool, RankOptions, ShellConfig,
-};
+use kvhandoff::actors::system::{build_mem_rank, Calls, KvPool, RankOptions, ShellConfig};
 use kvhandoff::actors::transport::mem::MemFabric;
 use kvhandoff::protocol::machine::{Config, EngineEvent};
 use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
@@ -108,7 +106,10 @@ fn a_rank_that_dies_mid_batch_gives_verdict_unknown_and_no_endless_wait() {
         num_tokens: 16,
         params: KvTransferParams::default(),
     };
-    let results = conn.submit(vec![finished("applied-before-the-panic"), finished("never-run")]);
+    let results = conn.submit(vec![
+        finished("applied-before-the-panic"),
+        finished("never-run"),
+    ]);
     assert_eq!(results.len(), 2);
     for result in &results {
         assert!(

@@ -131,6 +131,9 @@ pub struct SimOptions {
     /// The share of resumes that hand over what was held before the due timers run (see
     /// [`WorldConfig::stall_messages_first`]).
     pub stall_messages_first: f64,
+    /// Let stalls freeze writes past the stall allowance (see
+    /// [`WorldConfig::stall_past_allowance`]).
+    pub stall_past_allowance: bool,
 }
 
 impl SimOptions {
@@ -149,6 +152,7 @@ impl SimOptions {
             stalls: 0.0,
             stall_freeze: DEFAULT_STALL_FREEZE,
             stall_messages_first: 0.0,
+            stall_past_allowance: false,
         }
     }
 
@@ -229,6 +233,7 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     cfg.stalls = opts.stalls;
     cfg.stall_freeze = opts.stall_freeze;
     cfg.stall_messages_first = opts.stall_messages_first;
+    cfg.stall_past_allowance = opts.stall_past_allowance;
     let share = opts.multi_source_share();
     if share > 0.0 {
         // More P ranks only where some requests use them: other worlds keep their nodes, and

@@ -198,7 +198,7 @@ impl World {
         );
     }
 
-    fn unpin_target(&mut self, write: &mut SimWrite) {
+    pub(crate) fn unpin_target(&mut self, write: &mut SimWrite) {
         if write.d_pinned {
             write.d_pinned = false;
             if self.nodes[write.target].incarnation == write.target_inc {

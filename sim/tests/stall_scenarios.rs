@@ -40,7 +40,6 @@ fn a_stalled_process_runs_its_timers_before_what_it_held() {
 /// into the blocks D freed. Found by the seeded world's stalls (`kvhandoff sim --mode push
 /// --seeds 1..300 --requests 40`: seeds 52, 89, 245, 265).
 #[test]
-#[ignore = "issue 19: fails until P refuses a registration that sat out a stall (protocol fix in progress)"]
 fn a_stalled_p_never_writes_a_held_register_into_freed_blocks() {
     let mut h = Harness::new();
     h.connect(&d_addr(), &p_addr());

@@ -49,6 +49,11 @@ pub(crate) struct SimArgs {
     /// machines' own refusals of stale messages.
     #[arg(long, value_parser = parse_share, default_value_t = 0.0)]
     stall_messages_first: f64,
+    /// Let stalls freeze a process's writes for longer than the stall allowance (quarantine −
+    /// fence floor): the deployment requirement the time-based frees rest on, broken on
+    /// purpose; the run must then find blocks handed out under a write that still lands.
+    #[arg(long)]
+    stall_past_allowance: bool,
     /// The long sweep: requests and pool sizes drawn per seed over wide ranges, four times the
     /// virtual time.
     #[arg(long)]
@@ -177,6 +182,7 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
     options.stalls = args.stalls;
     options.stall_freeze = args.stall_freeze;
     options.stall_messages_first = args.stall_messages_first;
+    options.stall_past_allowance = args.stall_past_allowance;
     let started = std::time::Instant::now();
     let report = kvhandoff_sim::run_seeds(&options);
     let elapsed = started.elapsed();
@@ -196,7 +202,7 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
             false => format!("{}..{}", options.requests.start(), options.requests.end()),
         };
         eprintln!(
-            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {} --stalls {} --stall-freeze {} --stall-messages-first {}{}{}",
+            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {} --stalls {} --stall-freeze {} --stall-messages-first {}{}{}{}",
             options.pool_blocks.start(),
             options.pool_blocks.end(),
             args.faults,
@@ -204,6 +210,7 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
             args.stalls,
             args.stall_freeze,
             args.stall_messages_first,
+            if args.stall_past_allowance { " --stall-past-allowance" } else { "" },
             args.multi_source
                 .map(|s| format!(" --multi-source {s}"))
                 .unwrap_or_default(),

@@ -179,10 +179,12 @@ impl KvConnector {
                             (Err(_), Some(request)) if self.is_sub_request(&request) => {
                                 self.sub_not_started(&request, events);
                             }
-                            (Err(rejected), Some(request)) => events.push(ConnectorEvent::Refused {
-                                request,
-                                error: ConnectorError::from(rejected),
-                            }),
+                            (Err(rejected), Some(request)) => {
+                                events.push(ConnectorEvent::Refused {
+                                    request,
+                                    error: ConnectorError::from(rejected),
+                                })
+                            }
                             (Err(_), None) => {}
                         }
                     }

@@ -311,9 +311,7 @@ impl World {
         };
         let Some(epoch) = attempts.iter().rev().find_map(|x| match x.kind {
             AttemptKind::Import { read_epoch } if x.node == node => Some(read_epoch),
-            AttemptKind::Import { .. }
-            | AttemptKind::Push
-            | AttemptKind::Export { .. } => None,
+            AttemptKind::Import { .. } | AttemptKind::Push | AttemptKind::Export { .. } => None,
         }) else {
             return;
         };

@@ -63,6 +63,10 @@ pub struct WorldConfig {
     /// timers ran. 0 by default (the fixed shell: timers first); above 0 it exercises the
     /// machines' own refusals of stale messages, which timers-first makes unreachable.
     pub stall_messages_first: f64,
+    /// Stalls freeze writes for longer than the stall allowance (`Config::stall_allowance`): a
+    /// deployment that breaks the requirement the time-based frees rest on. Off by default; on,
+    /// the checker must find blocks handed out under a write that still lands.
+    pub stall_past_allowance: bool,
 }
 
 /// Stalls per world in the chaos mix of `kvhandoff sim` (mean; each world draws 0 to twice as
@@ -106,6 +110,7 @@ impl WorldConfig {
             stalls: 0.0,
             stall_freeze: DEFAULT_STALL_FREEZE,
             stall_messages_first: 0.0,
+            stall_past_allowance: false,
         }
     }
 
@@ -167,6 +172,7 @@ impl WorldConfig {
             stalls: 0.0,
             stall_freeze: 0.0,
             stall_messages_first: 0.0,
+            stall_past_allowance: false,
         }
     }
 }

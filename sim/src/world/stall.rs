@@ -127,19 +127,38 @@ impl World {
         let mut frozen = Vec::new();
         if freeze {
             let inc = self.nodes[node].incarnation;
+            // A write frozen longer than the stall allowance (quarantine − fence floor) may land
+            // after D's time-based frees: measured, and nothing the protocol can do stops it
+            // (`actors/tests/nixl_stall.rs`), so the allowance is a deployment requirement. The
+            // world keeps to it unless told to break it (`stall_past_allowance`), where the
+            // checker must find the blocks handed out. Reads freeze for any stall: the reader's
+            // own defences (it distrusts a read reported past its bound, and keeps its blocks
+            // until the transport reports the read) cover them.
+            let writes_freeze =
+                self.cfg.stall_past_allowance || length <= self.cfg.machine.stall_allowance();
             let mine: Vec<u64> = self
                 .writes
                 .iter()
                 .filter(|(_, w)| w.poster == node && w.poster_inc == inc && w.in_flight())
+                .filter(|(_, w)| w.read.is_some() || writes_freeze)
                 .map(|(&seq, _)| seq)
                 .collect();
             for seq in mine {
                 // A transfer's landing is its own sequence number's event.
                 if let Some((at, _)) = self.unschedule(seq) {
                     frozen.push((seq, at.saturating_since(self.now)));
-                    if let Some(w) = self.writes.get_mut(&seq) {
-                        w.frozen = true;
+                    let Some(mut w) = self.writes.remove(&seq) else {
+                        continue;
+                    };
+                    w.frozen = true;
+                    if w.read.is_some() {
+                        // The holder's grant fence may free its source blocks before the read
+                        // moves again: what the read then copies is not the holder's KV, and
+                        // the reader must not trust it (the byte check of a `Loaded` import
+                        // judges that), so the sources are no longer pinned.
+                        self.unpin_target(&mut w);
                     }
+                    self.writes.insert(seq, w);
                 }
             }
             self.stall_frozen += frozen.len() as u64;

@@ -48,6 +48,22 @@ impl Endpoint {
 
     /// Runs one input through a peer's machine and acts on what it says.
     pub(super) fn peer_input(&mut self, now: Time, peer: &PeerAddr, input: PeerInput) {
+        if let PeerInput::Connected(run) = &input {
+            // A repeat of the connected incarnation's handshake (a late copy, a second dial)
+            // that this process gets to only after the peer's deadline passed (it was stalled
+            // with it queued) would make an overdue peer look fresh, and the stale messages
+            // queued behind it would pass `heard`. The peer is dead, as the timer would have
+            // found it; a new dial (with its reload) connects it again.
+            let overdue_repeat = self
+                .peers
+                .get(peer)
+                .is_some_and(|p| p.overdue(now, &self.config) && p.incarnation() == Some(*run));
+            if overdue_repeat && !self.mutation.is(Mutation::AcceptFromOverduePeer) {
+                self.outbox.counters.stale_messages_refused += 1;
+                self.peer_input(now, peer, PeerInput::Timeout);
+                return;
+            }
+        }
         let config = &self.config;
         let ctx = PeerCtx { now, config };
         let fx = &mut self.outbox;

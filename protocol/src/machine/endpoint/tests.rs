@@ -105,7 +105,10 @@ fn a_message_within_the_peer_timeout_is_served() {
         },
     );
     let out = outputs(&mut p);
-    assert!(out.iter().any(|o| matches!(o, Output::PostWrite(_))), "{out:?}");
+    assert!(
+        out.iter().any(|o| matches!(o, Output::PostWrite(_))),
+        "{out:?}"
+    );
     assert_eq!(p.counters().stale_messages_refused, 0);
 }
 
@@ -128,7 +131,10 @@ fn the_overdue_peer_guard_can_fail() {
         },
     );
     let out = outputs(&mut p);
-    assert!(out.iter().any(|o| matches!(o, Output::PostWrite(_))), "{out:?}");
+    assert!(
+        out.iter().any(|o| matches!(o, Output::PostWrite(_))),
+        "{out:?}"
+    );
 }
 
 /// A stall past the lease too: with the overdue-peer guard switched off, the lease check alone
@@ -148,7 +154,10 @@ fn past_the_lease_the_lease_check_alone_refuses_the_write() {
         },
     );
     let out = outputs(&mut p);
-    assert!(!out.iter().any(|o| matches!(o, Output::PostWrite(_))), "{out:?}");
+    assert!(
+        !out.iter().any(|o| matches!(o, Output::PostWrite(_))),
+        "{out:?}"
+    );
     assert!(out.iter().any(|o| matches!(
         o,
         Output::Send { message: Message::WriteFailed(m), .. } if m.reason == WriteFailure::LeaseExpired
@@ -172,7 +181,11 @@ fn a_huge_export_lease_is_refused_typed() {
             lease,
         })
     };
-    for lease in [Duration::MAX, Duration::MAX / 2, MAX_EXPORT_LEASE + Duration::from_nanos(1)] {
+    for lease in [
+        Duration::MAX,
+        Duration::MAX / 2,
+        MAX_EXPORT_LEASE + Duration::from_nanos(1),
+    ] {
         let refused = p.handle_call(Time::ZERO, export(lease));
         assert!(
             matches!(refused, Err(Rejected::TooLong { .. })),

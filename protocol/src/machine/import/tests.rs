@@ -166,7 +166,10 @@ impl ReadingAt {
 
     /// Granted at `at` instead of NOW.
     fn granted_at(self, at: Time) -> Self {
-        ReadingAt { granted: at, ..self }
+        ReadingAt {
+            granted: at,
+            ..self
+        }
     }
 
     /// Its unreported reads were abandoned at `at` (the bound): it waits an abandon's
@@ -1744,7 +1747,10 @@ fn the_table_catches_a_read_on_a_stale_grant() {
         }
     }
     assert_eq!(caught.len(), 1, "{caught:?}");
-    assert!(caught[0].contains("later than a grant can travel"), "{caught:?}");
+    assert!(
+        caught[0].contains("later than a grant can travel"),
+        "{caught:?}"
+    );
 }
 
 /// The table catches the deliberate bug of a reader that trusts a read reported after the
@@ -1768,7 +1774,12 @@ fn the_table_catches_trusting_a_late_read() {
         }
     }
     assert_eq!(caught.len(), 3, "{caught:?}");
-    assert!(caught.iter().all(|name| name.contains("after the fabric's bound")), "{caught:?}");
+    assert!(
+        caught
+            .iter()
+            .all(|name| name.contains("after the fabric's bound")),
+        "{caught:?}"
+    );
 }
 
 /// The table catches the deliberate bug of a reader that hands its blocks back at the bound

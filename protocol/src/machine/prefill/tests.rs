@@ -1409,7 +1409,9 @@ fn a_lapsed_lease_is_written_under_its_mutation() {
         own_rank: OWN_RANK,
         config: &config,
         next_write: WRITE,
-        mutation: crate::machine::ActiveMutation(Some(crate::machine::Mutation::WriteOnExpiredLease)),
+        mutation: crate::machine::ActiveMutation(Some(
+            crate::machine::Mutation::WriteOnExpiredLease,
+        )),
     };
     let mut fx = Outbox::default();
     let next = held().handle(&ctx, register(EPOCH), &mut fx);
