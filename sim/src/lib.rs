@@ -35,7 +35,8 @@ pub use kvhandoff_protocol::machine::Mutation;
 pub use ledger::{pattern, BLOCK_BYTES};
 pub use mode::{Mode, MULTI_SOURCE_MARKS, READ_MARKS};
 pub use world::{
-    NodeId, Violation, World, WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE, STALL_MARKS,
+    NodeId, Violation, World, WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE,
+    DEFAULT_STALL_MESSAGES_FIRST, STALL_MARKS,
 };
 
 /// Which faults a run injects.

@@ -20,7 +20,9 @@ use crate::engine::Request;
 use crate::ledger::Pool;
 use crate::nixl::SimWrite;
 
-pub use config::{WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE, STALL_MARKS};
+pub use config::{
+    WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE, DEFAULT_STALL_MESSAGES_FIRST, STALL_MARKS,
+};
 pub(crate) use net::{describe, is_notification};
 pub(crate) use stall::Stall;
 

@@ -47,7 +47,7 @@ pub(crate) struct SimArgs {
     /// The share of resumes in which the process handles what queued before its due timers run
     /// (the shell before issue 19's fix), 0 to 1 (0: always timers first); exercises the
     /// machines' own refusals of stale messages.
-    #[arg(long, value_parser = parse_share, default_value_t = 0.0)]
+    #[arg(long, value_parser = parse_share, default_value_t = kvhandoff_sim::DEFAULT_STALL_MESSAGES_FIRST)]
     stall_messages_first: f64,
     /// Let stalls freeze a process's writes for longer than the stall allowance (quarantine −
     /// fence floor): the deployment requirement the time-based frees rest on, broken on

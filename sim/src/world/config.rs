@@ -77,6 +77,12 @@ pub const DEFAULT_STALLS: f64 = 1.0;
 /// `kvhandoff sim`.
 pub const DEFAULT_STALL_FREEZE: f64 = 0.5;
 
+/// The share of resumes in the chaos mix of `kvhandoff sim` that hand the resumed endpoint what
+/// it held before its due timers run: neither the shell's timers-first order nor the machines'
+/// own refusals of stale messages is trusted alone, so the sweeps exercise each without the
+/// other half the time.
+pub const DEFAULT_STALL_MESSAGES_FIRST: f64 = 0.5;
+
 /// The coverage marks of process stalls, required wherever a world may stall:
 /// `stall_past_peer_timeout` (a process connected to a peer stopped for longer than the peer
 /// timeout) and `stale_message_after_stall` (a message that arrived while its process was
