@@ -281,6 +281,22 @@ impl Machine for PrefillRequest {
 }
 
 impl Held {
+    /// Answers a registration `WriteFailed(failure)` and releases the blocks (`cause`) without
+    /// writing: the attempt's epoch becomes the key's floor.
+    fn refuse(
+        self,
+        ctx: &PrefillCtx<'_>,
+        from: &PeerAddr,
+        register: &Register,
+        (failure, cause): (WriteFailure, ReleaseCause),
+        fx: &mut Outbox,
+    ) -> PrefillStep {
+        let answer = write_failed(&register.key, register.epoch, ctx.own_rank, failure);
+        fx.send(from, answer);
+        self.common
+            .end(PrefillOutcome::Released(cause), Some(register.epoch))
+    }
+
     /// Starts the write for a registration, or rejects a registration that does not fit.
     fn start_write(
         self,
@@ -294,19 +310,8 @@ impl Held {
             &register.blocks,
             ctx.config.block_pairing,
         ) else {
-            fx.send(
-                &from,
-                write_failed(
-                    &register.key,
-                    register.epoch,
-                    ctx.own_rank,
-                    WriteFailure::PlanMismatch,
-                ),
-            );
-            return self.common.end(
-                PrefillOutcome::Released(ReleaseCause::Rejected),
-                Some(register.epoch),
-            );
+            let refused = (WriteFailure::PlanMismatch, ReleaseCause::Rejected);
+            return self.refuse(ctx, &from, &register, refused, fx);
         };
         let write = ctx.next_write;
         fx.emit(Output::PostWrite(Box::new(WriteOrder {
@@ -342,19 +347,8 @@ impl Held {
         match input {
             PrefillInput::Registered { from, register } if lapsed => {
                 fx.counters.expired_leases_refused += 1;
-                fx.send(
-                    &from,
-                    write_failed(
-                        &register.key,
-                        register.epoch,
-                        ctx.own_rank,
-                        WriteFailure::LeaseExpired,
-                    ),
-                );
-                self.common.end(
-                    PrefillOutcome::Released(ReleaseCause::LeaseExpired),
-                    Some(register.epoch),
-                )
+                let refused = (WriteFailure::LeaseExpired, ReleaseCause::LeaseExpired);
+                self.refuse(ctx, &from, &register, refused, fx)
             }
             PrefillInput::Heartbeat if lapsed => {
                 fx.counters.expired_leases_refused += 1;

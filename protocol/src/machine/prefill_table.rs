@@ -208,7 +208,7 @@ impl PrefillTable {
         }
         if !self.tombstone_room(now) {
             // Every live request must be able to leave a tombstone without evicting a young
-            // one (see `Births`): the engine retries once older records have aged.
+            // one (see `tombstone_room`): the engine retries once older records have aged.
             return Err(Rejected::TableFull {
                 table: "prefill tombstones (young)",
                 limit: self.config.max_tombstones,

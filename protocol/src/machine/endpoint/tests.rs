@@ -38,6 +38,18 @@ fn outputs(ep: &mut Endpoint) -> Vec<Output> {
     std::iter::from_fn(|| ep.poll_output()).collect()
 }
 
+/// D's registration of `key()` reaches P at `at` (no timer run before it); P's outputs.
+fn receive_register(p: &mut Endpoint, at: Time) -> Vec<Output> {
+    p.handle_event(
+        at,
+        NetEvent::Received {
+            from: d(),
+            message: register(),
+        },
+    );
+    outputs(p)
+}
+
 /// P, connected to D at time zero, with a prefill of `key()` finished and held.
 fn p_holding() -> Endpoint {
     let mut p = p_endpoint();
@@ -71,14 +83,7 @@ fn a_message_queued_past_the_peer_timeout_is_from_a_dead_peer() {
     let resumed = Time::ZERO + config.peer_timeout + Duration::from_millis(1);
     // The precondition: P's timer is overdue and has not run.
     assert!(p.poll_timeout().is_some_and(|t| t <= resumed));
-    p.handle_event(
-        resumed,
-        NetEvent::Received {
-            from: d(),
-            message: register(),
-        },
-    );
-    let out = outputs(&mut p);
+    let out = receive_register(&mut p, resumed);
     assert!(
         !out.iter().any(|o| matches!(o, Output::PostWrite(_))),
         "a stale registration was written: {out:?}"
@@ -97,14 +102,7 @@ fn a_message_within_the_peer_timeout_is_served() {
     let mut p = p_holding();
     let config = Config::fast();
     let in_time = Time::ZERO + (config.peer_timeout - Duration::from_millis(1));
-    p.handle_event(
-        in_time,
-        NetEvent::Received {
-            from: d(),
-            message: register(),
-        },
-    );
-    let out = outputs(&mut p);
+    let out = receive_register(&mut p, in_time);
     assert!(
         out.iter().any(|o| matches!(o, Output::PostWrite(_))),
         "{out:?}"
@@ -123,14 +121,7 @@ fn the_overdue_peer_guard_can_fail() {
     let config = Config::fast();
     let resumed = Time::ZERO + config.peer_timeout + Duration::from_millis(1);
     assert!(resumed < Time::ZERO + config.lease_duration);
-    p.handle_event(
-        resumed,
-        NetEvent::Received {
-            from: d(),
-            message: register(),
-        },
-    );
-    let out = outputs(&mut p);
+    let out = receive_register(&mut p, resumed);
     assert!(
         out.iter().any(|o| matches!(o, Output::PostWrite(_))),
         "{out:?}"
@@ -146,14 +137,7 @@ fn past_the_lease_the_lease_check_alone_refuses_the_write() {
     p.set_mutation(Some(crate::machine::Mutation::AcceptFromOverduePeer));
     let config = Config::fast();
     let resumed = Time::ZERO + config.lease_duration + Duration::from_millis(1);
-    p.handle_event(
-        resumed,
-        NetEvent::Received {
-            from: d(),
-            message: register(),
-        },
-    );
-    let out = outputs(&mut p);
+    let out = receive_register(&mut p, resumed);
     assert!(
         !out.iter().any(|o| matches!(o, Output::PostWrite(_))),
         "{out:?}"

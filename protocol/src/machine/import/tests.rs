@@ -1669,11 +1669,10 @@ fn no_read_before_the_grant() {
     }
 }
 
-/// The table catches the deliberate bug of a reader that takes one completion for all.
+/// The names of the table's cases whose step differs under `mutation`.
 #[cfg(feature = "mutations")]
-#[test]
-fn the_table_catches_a_release_before_the_reads_end() {
-    let mutation = ActiveMutation(Some(crate::machine::Mutation::ReleaseBeforeReadsEnd));
+fn caught_under(mutation: crate::machine::Mutation) -> Vec<&'static str> {
+    let mutation = ActiveMutation(Some(mutation));
     let mut caught = Vec::new();
     for case in cases() {
         let (next, outputs, counters, _) = step_mutated(
@@ -1688,6 +1687,14 @@ fn the_table_catches_a_release_before_the_reads_end() {
             caught.push(case.name);
         }
     }
+    caught
+}
+
+/// The table catches the deliberate bug of a reader that takes one completion for all.
+#[cfg(feature = "mutations")]
+#[test]
+fn the_table_catches_a_release_before_the_reads_end() {
+    let caught = caught_under(crate::machine::Mutation::ReleaseBeforeReadsEnd);
     assert!(!caught.is_empty(), "no case tells the mutation apart");
 }
 
@@ -1731,21 +1738,7 @@ fn the_table_tells_apart_a_lost_read_post() {
 #[cfg(feature = "mutations")]
 #[test]
 fn the_table_catches_a_read_on_a_stale_grant() {
-    let mutation = ActiveMutation(Some(crate::machine::Mutation::ReadOnStaleGrant));
-    let mut caught = Vec::new();
-    for case in cases() {
-        let (next, outputs, counters, _) = step_mutated(
-            case.state,
-            case.now,
-            case.chunk,
-            FIRST_READ_ID,
-            case.input,
-            mutation,
-        );
-        if next != case.next || outputs != case.outputs || counters != case.counters {
-            caught.push(case.name);
-        }
-    }
+    let caught = caught_under(crate::machine::Mutation::ReadOnStaleGrant);
     assert_eq!(caught.len(), 1, "{caught:?}");
     assert!(
         caught[0].contains("later than a grant can travel"),
@@ -1758,21 +1751,7 @@ fn the_table_catches_a_read_on_a_stale_grant() {
 #[cfg(feature = "mutations")]
 #[test]
 fn the_table_catches_trusting_a_late_read() {
-    let mutation = ActiveMutation(Some(crate::machine::Mutation::TrustLateReads));
-    let mut caught = Vec::new();
-    for case in cases() {
-        let (next, outputs, counters, _) = step_mutated(
-            case.state,
-            case.now,
-            case.chunk,
-            FIRST_READ_ID,
-            case.input,
-            mutation,
-        );
-        if next != case.next || outputs != case.outputs || counters != case.counters {
-            caught.push(case.name);
-        }
-    }
+    let caught = caught_under(crate::machine::Mutation::TrustLateReads);
     assert_eq!(caught.len(), 3, "{caught:?}");
     assert!(
         caught
@@ -1787,21 +1766,7 @@ fn the_table_catches_trusting_a_late_read() {
 #[cfg(feature = "mutations")]
 #[test]
 fn the_table_catches_blocks_returned_at_the_read_bound() {
-    let mutation = ActiveMutation(Some(crate::machine::Mutation::ReturnBlocksAtReadBound));
-    let mut caught = Vec::new();
-    for case in cases() {
-        let (next, outputs, counters, _) = step_mutated(
-            case.state,
-            case.now,
-            case.chunk,
-            FIRST_READ_ID,
-            case.input,
-            mutation,
-        );
-        if next != case.next || outputs != case.outputs || counters != case.counters {
-            caught.push(case.name);
-        }
-    }
+    let caught = caught_under(crate::machine::Mutation::ReturnBlocksAtReadBound);
     assert!(caught.len() >= 6, "{caught:?}");
     assert!(
         caught.iter().all(|name| name.contains("timeout")),

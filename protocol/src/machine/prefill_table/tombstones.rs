@@ -164,7 +164,7 @@ impl PrefillTable {
         // (the floor, or the early give-up, this request ended by).
         let bound = self.bound.remove(&common.key);
         // Never lower the floor an older request of the key left behind. The request's
-        // admission reserved room for this record (see `Births`).
+        // admission reserved room for this record (see `tombstone_room`).
         if !self.mutation.is(Mutation::EvictYoungTombstones) {
             assert_old_record_to_evict(&mut self.tombstones, now, &common.key, &self.config);
         }
