@@ -99,7 +99,10 @@ fn a_repeated_handshake_mid_run_changes_nothing() {
 
 /// (b) P is stopped 500 ms into the schedule for 1.2 s (four peer timeouts), then resumed.
 /// D declares the live P dead; whatever D had exposed to it comes back only through a proof or
-/// the fence, so P's writes that land after the resume never reach a reused block. Both run as
+/// the fence, so P's writes that land after the resume never reach a reused block. The death
+/// was false: when the same incarnation of P connects again, D asks it again (a cancel per
+/// fenced request), and P's acknowledgements settle them within a round trip — none waits
+/// for the fence. Both run as
 /// survivors (`--expect-peer-loss`): every request has exactly one typed outcome, every block
 /// is back, no error is unexplained, and no request on D has a wrong byte.
 #[test]
@@ -131,10 +134,24 @@ fn a_stopped_prefill_is_fenced_and_both_sides_recover() {
     );
     assert_eq!(count(d, "peer_restarts"), 0, "P never restarted\n{all}");
     let outcomes = &d["node"]["outcomes"];
+    // The death was false and P came back within the quarantine: D's requests fenced by it
+    // are settled by P's answer to the cancel D asks again on the rejoin, not by the fence.
+    let proofs: Vec<String> = ends(d).into_iter().filter_map(|r| r.proof).collect();
+    let acked = proofs.iter().filter(|p| *p == "CancelAcknowledged").count();
+    let fenced = proofs.iter().filter(|p| *p == "DeadPeerFence").count();
     eprintln!(
-        "P stopped {:.0} ms: D declared it dead {:.0} ms after the stop; D outcomes {outcomes}",
+        "P stopped {:.0} ms: D declared it dead {:.0} ms after the stop; D outcomes {outcomes}; \
+         fenced requests settled by P's answer {acked}, by the fence {fenced}",
         resumed - stopped,
         seen - stopped
+    );
+    assert!(
+        acked > 0,
+        "precondition: requests fenced by the false death\n{all}"
+    );
+    assert_eq!(
+        fenced, 0,
+        "P came back within the quarantine and could answer\n{all}"
     );
 }
 

@@ -444,11 +444,23 @@ impl Cancelling {
                 Step::Live(DecodeRequest::Cancelling(self))
             }
             DecodeInput::Timeout => Step::Live(DecodeRequest::Cancelling(self)),
+            // The endpoint feeds this only when the incarnation that was declared dead
+            // connected again (a false death healed): it can answer for its writes, so ask it
+            // again rather than wait out the fence.
+            DecodeInput::PeerConnected => {
+                fx.send(
+                    &self.common.prefill,
+                    self.common.cancel_message(cancel_reason(self.reason)),
+                );
+                fx.counters.cancel_resends += 1;
+                self.resends_left = ctx.config.max_cancel_retries;
+                self.next_resend = ctx.now + ctx.config.cancel_retry_interval;
+                Step::Live(DecodeRequest::Cancelling(self))
+            }
             // Already giving up; the first reason stands.
-            DecodeInput::Abort
-            | DecodeInput::Shutdown
-            | DecodeInput::PeerConnected
-            | DecodeInput::PeerConnectFailed => Step::Live(DecodeRequest::Cancelling(self)),
+            DecodeInput::Abort | DecodeInput::Shutdown | DecodeInput::PeerConnectFailed => {
+                Step::Live(DecodeRequest::Cancelling(self))
+            }
         }
     }
 }

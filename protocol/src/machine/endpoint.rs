@@ -91,6 +91,9 @@ pub struct Endpoint {
     exports: ExportTable,
     imports: ImportTable,
     peers: Machines<PeerAddr, Peer>,
+    /// Peers this rank declared dead while connected, with the incarnation it declared dead
+    /// (bounded by `max_peers`): a reconnection of the same one is a false death healed.
+    fenced_runs: std::collections::BTreeMap<PeerAddr, crate::Incarnation>,
     outbox: Outbox,
     /// Set by [`EngineCall::Shutdown`]: no new requests are taken.
     shutting_down: bool,
@@ -113,6 +116,7 @@ impl Endpoint {
             imports: ImportTable::new(&config),
             config,
             peers: Machines::default(),
+            fenced_runs: std::collections::BTreeMap::new(),
             outbox: Outbox::default(),
             shutting_down: false,
             mutation: ActiveMutation::default(),

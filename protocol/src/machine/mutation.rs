@@ -84,11 +84,14 @@ pub enum Mutation {
     /// false death healed) at once, though one of the old session may still arrive, or sit in
     /// a stalled P's queue, naming blocks D fenced and reused.
     ServeRejoinedSessionAtOnce,
+    /// D waits out the fence of requests fenced from a peer declared dead even when the same
+    /// incarnation connects again (a liveness bug: the blocks wait the whole quarantine).
+    WaitOutRejoinedPeersFence,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 24] = [
+    pub const ALL: [Mutation; 25] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -113,6 +116,7 @@ impl Mutation {
         Mutation::TrustLateReads,
         Mutation::ReturnBlocksAtReadBound,
         Mutation::ServeRejoinedSessionAtOnce,
+        Mutation::WaitOutRejoinedPeersFence,
     ];
 
     /// The mutation's name on the command line.
@@ -145,6 +149,7 @@ impl Mutation {
             Mutation::TrustLateReads => "trust_late_reads",
             Mutation::ReturnBlocksAtReadBound => "return_blocks_at_read_bound",
             Mutation::ServeRejoinedSessionAtOnce => "serve_rejoined_session_at_once",
+            Mutation::WaitOutRejoinedPeersFence => "wait_out_rejoined_peers_fence",
             Mutation::UnboundedPeerTombstones => "unbounded_peer_tombstones",
             Mutation::AcceptPriorIncarnation => "accept_prior_incarnation",
             Mutation::TrustNamedRank => "trust_named_rank",

@@ -572,6 +572,9 @@ pub struct Counters {
     /// the process was stopped long enough that a write it had in flight may have landed
     /// after a peer's time-based fence (see the safety story in docs/architecture.md).
     pub stalls_past_allowance: u64,
+    /// Peers declared dead that connected again with the same incarnation (a false death
+    /// healed); the D requests they fenced asked them again for a proof.
+    pub peers_rejoined: u64,
 }
 
 impl Counters {

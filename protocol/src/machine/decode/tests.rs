@@ -580,12 +580,24 @@ fn cases() -> Vec<Case> {
         .at(ms(DEADLINE_MS)),
         // ---- Cancelling: ends only with a proof (or the quarantine).
         case(
-            "cancelling + peer connected: unchanged",
-            c1(),
+            "cancelling, fenced by P's death + the same incarnation connected again (a false \
+             death healed): cancel again now, every resend back",
+            CancellingAt::new(1)
+                .reason(F::PeerDead)
+                .resends(0, ms(RESEND_MS))
+                .build(),
             I::PeerConnected,
-            live(c1()),
-            vec![],
-            no_counters(),
+            live(
+                CancellingAt::new(1)
+                    .reason(F::PeerDead)
+                    .resends(
+                        config().max_cancel_retries,
+                        ms(NOW_MS) + config().cancel_retry_interval,
+                    )
+                    .build(),
+            ),
+            vec![cancel_sent(CancelReason::Aborted)],
+            resent(),
         ),
         case(
             "cancelling + connect failed: unchanged",

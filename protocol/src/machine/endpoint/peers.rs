@@ -1,7 +1,7 @@
 //! The endpoint's peer handling: running a peer's machine and acting on its notices (connect,
 //! wake or fail the D requests bound to it, declare it dead, send heartbeats).
 
-use crate::{Heartbeat, LeaseRef, Message, PairingKey, MAX_HEARTBEAT_LEASES};
+use crate::{Heartbeat, Incarnation, LeaseRef, Message, PairingKey, MAX_HEARTBEAT_LEASES};
 
 use super::Endpoint;
 use crate::machine::decode::{DecodeInput, DecodeRequest};
@@ -64,6 +64,7 @@ impl Endpoint {
                 return;
             }
         }
+        let run_before = self.peers.get(peer).and_then(Peer::incarnation);
         let config = &self.config;
         let ctx = PeerCtx { now, config };
         let fx = &mut self.outbox;
@@ -119,6 +120,8 @@ impl Endpoint {
             PeerNotice::NotConnected => self.outbox.counters.drop(DropReason::UnknownPeer),
             PeerNotice::Up(queued) => {
                 tracing::debug!(peer = %peer, "peer connected");
+                let run = self.peers.get(peer).and_then(Peer::incarnation);
+                let rejoined = run.is_some() && self.fenced_runs.remove(peer) == run;
                 for message in queued {
                     self.outbox.out.push_back(Output::Send {
                         to: peer.clone(),
@@ -127,6 +130,9 @@ impl Endpoint {
                 }
                 self.note_connected(now, peer);
                 self.wake_connecting_decodes(now, peer);
+                if rejoined && !self.mutation.is(Mutation::WaitOutRejoinedPeersFence) {
+                    self.ask_rejoined_peer(now, peer);
+                }
             }
             PeerNotice::Repeated if self.mutation.is(Mutation::HandshakeAlwaysRestart) => {
                 self.outbox.counters.peer_restarts += 1;
@@ -137,6 +143,9 @@ impl Endpoint {
                 self.outbox.counters.repeated_handshakes += 1;
             }
             PeerNotice::Restarted => {
+                // Requests fenced from the old incarnation wait out their fence: the new one
+                // cannot answer for the old one's writes.
+                self.fenced_runs.remove(peer);
                 self.outbox.counters.peer_restarts += 1;
                 tracing::info!(peer = %peer, "peer restarted; its old incarnation is dead");
                 // The shell replaced the old incarnation before reporting the new one (see
@@ -151,6 +160,9 @@ impl Endpoint {
             }
             PeerNotice::Died => {
                 tracing::info!(peer = %peer, "peer declared dead");
+                if let Some(run) = run_before {
+                    self.remember_fenced_run(peer, run);
+                }
                 self.peer_died(now, peer, true);
             }
             PeerNotice::HeartbeatDue => self.send_heartbeats(peer),
@@ -163,6 +175,28 @@ impl Endpoint {
     fn note_connected(&mut self, now: Time, peer: &PeerAddr) {
         if let Some(run) = self.peers.get(peer).and_then(Peer::incarnation) {
             self.prefills.on_peer_connected(now, peer, run);
+        }
+    }
+
+    /// Remembers which incarnation of `peer` this rank declared dead (bounded by `max_peers`):
+    /// if the same one connects again, the death was false and it can answer for its writes.
+    fn remember_fenced_run(&mut self, peer: &PeerAddr, run: Incarnation) {
+        if !self.fenced_runs.contains_key(peer) && self.fenced_runs.len() >= self.config.max_peers {
+            self.fenced_runs.pop_first();
+        }
+        self.fenced_runs.insert(peer.clone(), run);
+    }
+
+    /// The incarnation this rank declared dead is connected again (a false death healed: a
+    /// stall, a network blip): the D requests it fenced ask it again with a cancel. P answers
+    /// one only once nothing of the attempt is in flight (and never writes it after), so its
+    /// acknowledgement frees the blocks within a round trip instead of the quarantine.
+    fn ask_rejoined_peer(&mut self, now: Time, peer: &PeerAddr) {
+        self.outbox.counters.peers_rejoined += 1;
+        for key in self.decodes_bound_to(peer) {
+            if matches!(self.decodes.get(&key), Some(DecodeRequest::Cancelling(_))) {
+                self.step_decode(now, &key, DecodeInput::PeerConnected);
+            }
         }
     }
 
