@@ -149,7 +149,8 @@ fn seed_8_a_failed_pair_frees_the_shared_blocks_only_after_its_siblings() {
 /// feature: the trace hashes below were taken before it (push, and mixed as it was), and
 /// re-pinned where a protocol change moved them (issue 19: P leaves a restarted or rejoined D's
 /// registrations unanswered through its window; the sweeps' mixed mode also draws siblings that
-/// decline a read, and the stale-message guards change what a late input does).
+/// decline a read, the stale-message guards change what a late input does, and a D rank dials
+/// a dead P whose death fenced requests, to ask it again).
 #[test]
 fn worlds_without_multi_rank_requests_replay_as_before() {
     let push = SimOptions::new(0..40, 30, Faults::Chaos);
@@ -157,7 +158,7 @@ fn worlds_without_multi_rank_requests_replay_as_before() {
     assert_eq!(seed_world(&push, 3).prefill_ranks, 1);
     assert_eq!(
         run_seeds(&push).trace_hash,
-        "b7e0ee294a79120b6ddbf76083ebcfef52c62a36af4f0a01ab33552637dfc596"
+        "31c8859579282420f96f99589e1ddf12d1bc947a1420eba0750058f435684de2"
     );
     let mixed = SimOptions {
         mode: Mode::Mixed,
@@ -166,7 +167,7 @@ fn worlds_without_multi_rank_requests_replay_as_before() {
     };
     assert_eq!(
         run_seeds(&mixed).trace_hash,
-        "2dc752e6689ceeeda0a6153d2a818ddc3f9dd0ef6141ba98913ca5e706c34217"
+        "b96c37879f422ec5e121ee8f4b68ae986de6aac05019d5df93ef6aafc94a67e6"
     );
     let default_mixed = SimOptions {
         mode: Mode::Mixed,

@@ -1069,12 +1069,14 @@ fn retry_after_ready_runs_at_the_next_epoch() {
 // Confused or foreign peers
 // -------------------------------------------------------------------------------------------
 
-// Scenario: a network partition during the write (both sides alive, nothing gets through):
-// each side declares the other dead and invalidates it; nothing lands and both sides end.
+// Scenario: a network partition during the write (both sides alive, nothing gets through, not
+// even a new dial): each side declares the other dead and invalidates it; D dials P again while
+// the death fences its request, and every dial fails; nothing lands and both sides end.
 #[test]
 fn partition_during_the_write_ends_both_sides_without_landing() {
     let mut h = writing();
     h.set_filter(|_| Rule::Drop);
+    h.connect_mode = ConnectMode::Fail(ConnectFailure::TimedOut);
     h.advance(ms(1_000));
     let quarantine = h.d().config().quarantine;
     h.advance(quarantine);

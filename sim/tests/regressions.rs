@@ -1,7 +1,7 @@
 //! Bugs the simulator found, each a named test with its seed or path.
 
 use kvhandoff_sim::{
-    exhaustive, run_world, seed_world, Action, Faults, Mutation, SimOptions, WorldConfig,
+    exhaustive, run_world, seed_world, Action, Faults, SimOptions, WorldConfig,
     SMALL_TOMBSTONE_TABLE,
 };
 
@@ -129,10 +129,10 @@ fn seed_912083_crash_mid_write_after_invalidation_is_fenced() {
 #[test]
 fn seed_930298_backlog_after_heal_is_progress_not_a_hang() {
     let r = reported(150, 930298);
-    // Its path has drifted with the fence (P's pool now drains ~19 s after the heal): the
-    // backlog is there, shorter.
+    // Its path has drifted with the fence and with the proofs a rejoined P gives (P's pool now
+    // drains ~10 s after the heal): the backlog is there, shorter.
     assert!(
-        r.last_progress > r.heal + std::time::Duration::from_secs(10),
+        r.last_progress > r.heal + std::time::Duration::from_secs(5),
         "last progress {:?}, heal {:?}",
         r.last_progress,
         r.heal
@@ -203,12 +203,15 @@ fn seed_14753_a_young_epoch_floor_is_never_evicted() {
     assert_clean(&r);
 }
 
-/// The check that catches `ignore_heartbeat_sender` (a heartbeat renews a pending registration
+/// The check that caught `ignore_heartbeat_sender` (a heartbeat renews a pending registration
 /// whatever its sender): a second D engine serving the same key keeps renewing the first one's
 /// registration after the first gave up, so P still holds it when the first D's fence hands the
 /// blocks back, and the next prefill of the key would be written into them. Seed 399 at 200
-/// requests reaches it (the first of four in `--seeds 1..20000`); without the mutation it is
-/// clean.
+/// requests reached it (the first of four in `--seeds 1..20000`). Since a D asks a P it declared
+/// dead again when the same incarnation comes back (issue 19), it settles by P's answer rather
+/// than the fence, and no seed of 20,000 × 200 push reaches the bug any more; the table test
+/// `prefill_table::tests::another_ranks_heartbeat_never_renews_a_pending_registration` carries
+/// the mutation check. The seed stays clean.
 #[test]
 fn seed_399_a_second_decode_never_keeps_a_freed_registration_alive() {
     let options = SimOptions::new(399..400, 200, Faults::Chaos);
@@ -217,14 +220,5 @@ fn seed_399_a_second_decode_never_keeps_a_freed_registration_alive() {
     // The precondition: second decodes of a key on another D engine.
     assert!(r.coverage["second_decode_same_key"] > 0, "{:?}", r.coverage);
     assert_clean(&r);
-    let mut mutated = cfg;
-    mutated.mutation = Some(Mutation::IgnoreHeartbeatSender);
-    let r = run_world(mutated, 399);
-    assert!(
-        r.violations
-            .iter()
-            .any(|v| v.message.contains("while P still holds its registration")),
-        "{:#?}",
-        r.violations
-    );
+    let _ = cfg;
 }

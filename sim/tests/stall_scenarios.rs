@@ -19,8 +19,9 @@ fn a_stalled_process_runs_its_timers_before_what_it_held() {
 
     h.stall(&p_addr());
     h.advance(ms(1_000));
-    // D noticed the silence and declared P dead; P ran nothing and holds D's heartbeats.
-    assert_eq!(h.d().counters().peers_declared_dead, 1);
+    // D noticed the silence and declared P dead (again after each of its dials to ask the
+    // stopped P, which answers nothing); P ran nothing and holds D's heartbeats.
+    assert!(h.d().counters().peers_declared_dead >= 1);
     assert_eq!(h.p().counters().peers_declared_dead, p_dead_before);
     assert!(!h.nodes[&p_addr()].held.is_empty(), "D's traffic is held");
     assert_eq!(h.p().stats().pending_registrations, 1, "no timer ran");

@@ -92,8 +92,9 @@ pub struct Endpoint {
     imports: ImportTable,
     peers: Machines<PeerAddr, Peer>,
     /// Peers this rank declared dead while connected, with the incarnation it declared dead
-    /// (bounded by `max_peers`): a reconnection of the same one is a false death healed.
-    fenced_runs: std::collections::BTreeMap<PeerAddr, crate::Incarnation>,
+    /// and when it next dials it to ask (bounded by `max_peers`): a reconnection of the same
+    /// one is a false death healed.
+    fenced_runs: std::collections::BTreeMap<PeerAddr, (crate::Incarnation, Time)>,
     outbox: Outbox,
     /// Set by [`EngineCall::Shutdown`]: no new requests are taken.
     shutting_down: bool,
@@ -201,6 +202,7 @@ impl Endpoint {
             self.exports.next_timer(),
             self.imports.next_timer(),
             self.peers.next_timer(),
+            self.fenced_runs.values().map(|&(_, probe)| probe).min(),
         ]
         .into_iter()
         .flatten()
@@ -304,6 +306,7 @@ impl Endpoint {
         for peer in self.peers.take_due(now) {
             self.peer_input(now, &peer, PeerInput::Timeout);
         }
+        self.probe_fenced_peers(now);
         self.check_invariants();
     }
 

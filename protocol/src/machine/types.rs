@@ -575,6 +575,8 @@ pub struct Counters {
     /// Peers declared dead that connected again with the same incarnation (a false death
     /// healed); the D requests they fenced asked them again for a proof.
     pub peers_rejoined: u64,
+    /// Dials of a peer declared dead that still had D requests fenced by its death.
+    pub fenced_peer_probes: u64,
 }
 
 impl Counters {

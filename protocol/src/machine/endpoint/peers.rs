@@ -121,7 +121,8 @@ impl Endpoint {
             PeerNotice::Up(queued) => {
                 tracing::debug!(peer = %peer, "peer connected");
                 let run = self.peers.get(peer).and_then(Peer::incarnation);
-                let rejoined = run.is_some() && self.fenced_runs.remove(peer) == run;
+                let fenced = self.fenced_runs.remove(peer).map(|(run, _)| run);
+                let rejoined = run.is_some() && fenced == run;
                 for message in queued {
                     self.outbox.out.push_back(Output::Send {
                         to: peer.clone(),
@@ -161,7 +162,7 @@ impl Endpoint {
             PeerNotice::Died => {
                 tracing::info!(peer = %peer, "peer declared dead");
                 if let Some(run) = run_before {
-                    self.remember_fenced_run(peer, run);
+                    self.remember_fenced_run(now, peer, run);
                 }
                 self.peer_died(now, peer, true);
             }
@@ -180,11 +181,44 @@ impl Endpoint {
 
     /// Remembers which incarnation of `peer` this rank declared dead (bounded by `max_peers`):
     /// if the same one connects again, the death was false and it can answer for its writes.
-    fn remember_fenced_run(&mut self, peer: &PeerAddr, run: Incarnation) {
+    fn remember_fenced_run(&mut self, now: Time, peer: &PeerAddr, run: Incarnation) {
         if !self.fenced_runs.contains_key(peer) && self.fenced_runs.len() >= self.config.max_peers {
             self.fenced_runs.pop_first();
         }
-        self.fenced_runs.insert(peer.clone(), run);
+        let probe = now + self.config.peer_timeout;
+        self.fenced_runs.insert(peer.clone(), (run, probe));
+    }
+
+    /// Dials, every `peer_timeout`, each peer declared dead that still has D requests fenced
+    /// by its death: nothing else may reconnect it (an engine whose pool the fence holds makes
+    /// no new request), and if the death was false the same incarnation answers and settles
+    /// them (`ask_rejoined_peer`). Stops once none is left (the fence freed them, or a restart
+    /// replaced the incarnation).
+    pub(super) fn probe_fenced_peers(&mut self, now: Time) {
+        let due: Vec<PeerAddr> = self
+            .fenced_runs
+            .iter()
+            .filter(|(_, &(_, probe))| probe <= now)
+            .map(|(peer, _)| peer.clone())
+            .collect();
+        for peer in due {
+            let fenced = self
+                .decodes_bound_to(&peer)
+                .iter()
+                .any(|key| matches!(self.decodes.get(key), Some(DecodeRequest::Cancelling(_))));
+            if !fenced || self.mutation.is(Mutation::WaitOutRejoinedPeersFence) {
+                self.fenced_runs.remove(&peer);
+                continue;
+            }
+            if let Some(entry) = self.fenced_runs.get_mut(&peer) {
+                entry.1 = now + self.config.peer_timeout;
+            }
+            let dead = self.peers.get(&peer).is_none_or(Peer::is_dead);
+            if dead {
+                self.outbox.counters.fenced_peer_probes += 1;
+                self.peer_input(now, &peer, PeerInput::ConnectRequested);
+            }
+        }
     }
 
     /// The incarnation this rank declared dead is connected again (a false death healed: a

@@ -3063,3 +3063,41 @@ fn a_restarted_ds_retry_is_not_judged_by_the_old_runs_record() {
     assert!(!w.bound.is_empty());
     w.check_invariants();
 }
+
+/// A pending registration is renewed only by the heartbeat of the rank that sent it: another D
+/// engine serving the same key (a second decode) must not keep alive a registration whose D may
+/// have freed its blocks. Under the deliberate bug `ignore_heartbeat_sender` it is renewed. (The
+/// seeded sweeps reached this only through a D freeing by its fence while a second decode kept
+/// renewing; since a D asks a rejoined P for proofs instead of waiting out the fence, 20,000 ×
+/// 200 push seeds no longer reach it, so this table test carries the mutation check.)
+#[test]
+fn another_ranks_heartbeat_never_renews_a_pending_registration() {
+    let renewed_by_stranger = |mutation: Option<crate::machine::Mutation>| {
+        let mut w = pending();
+        #[cfg(feature = "mutations")]
+        w.set_mutation(super::super::ActiveMutation(mutation));
+        #[cfg(not(feature = "mutations"))]
+        let _ = mutation;
+        let (_, _, before) = w
+            .pending_of(&key())
+            .map(|(a, e, t)| (a.clone(), e, t))
+            .unwrap();
+        let later = ms(T0_MS + 1_000);
+        let mut fx = Outbox::default();
+        let leases = vec![LeaseRef {
+            key: key(),
+            epoch: EPOCH,
+        }];
+        w.on_heartbeat(later, &d2(), leases, &mut fx);
+        let (_, _, after) = w
+            .pending_of(&key())
+            .map(|(a, e, t)| (a.clone(), e, t))
+            .unwrap();
+        after > before
+    };
+    assert!(!renewed_by_stranger(None));
+    #[cfg(feature = "mutations")]
+    assert!(renewed_by_stranger(Some(
+        crate::machine::Mutation::IgnoreHeartbeatSender
+    )));
+}
