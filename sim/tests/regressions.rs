@@ -222,3 +222,34 @@ fn seed_399_a_second_decode_never_keeps_a_freed_registration_alive() {
     assert_clean(&r);
     let _ = cfg;
 }
+
+/// Found by `kvhandoff sim --mode push --seeds 1..20001 --requests 50` with the default stalls:
+/// D stopped 10 s with P's late `CancelAck(k16 e1)` held and its engine's retry of k16 (epoch 2)
+/// held too; the resume handed them over before the timers (messages first), so the retry
+/// registered with P, already past its deadline, and the stale `CancelAck` that came next
+/// declared P dead (the overdue-peer guard) and failed the retry. The simulator's S5 took that
+/// death for the stale message's doing; it now leaves a message that declared its sender dead to
+/// the death's own checks. Not a protocol bug.
+#[test]
+fn seed_3017_a_stale_message_that_declares_its_sender_dead_is_not_s5() {
+    let options = SimOptions {
+        mode: kvhandoff_sim::Mode::Push,
+        stalls: kvhandoff_sim::DEFAULT_STALLS,
+        stall_freeze: kvhandoff_sim::DEFAULT_STALL_FREEZE,
+        stall_messages_first: kvhandoff_sim::DEFAULT_STALL_MESSAGES_FIRST,
+        ..SimOptions::new(3017..3018, 50, Faults::Chaos)
+    };
+    let r = run_world(seed_world(&options, 3017), 3017);
+    // The precondition: a held message handled after a stall past the peer timeout.
+    assert!(
+        r.coverage["stale_message_after_stall"] > 0,
+        "{:?}",
+        r.coverage
+    );
+    assert!(
+        r.coverage["stall_past_peer_timeout"] > 0,
+        "{:?}",
+        r.coverage
+    );
+    assert_clean(&r);
+}

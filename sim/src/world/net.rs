@@ -314,14 +314,19 @@ impl World {
         });
         let kind = describe(&msg);
         let renewals_before = self.exports_renewed(msg.to);
+        let refused_before = self.stale_messages_refused(msg.to);
         self.shell_notification(msg.to, msg.from, msg.from_inc, &msg.message);
+        // A message handled after its sender's deadline (a stall handed it over before the
+        // timers) declares the sender dead instead: that death, not the message, changes the
+        // requests bound to the sender.
+        let sender_declared_dead = self.stale_messages_refused(msg.to) > refused_before;
         if let Message::Heartbeat(heartbeat) = &msg.message {
             if self.exports_renewed(msg.to) > renewals_before {
                 let keys: Vec<_> = heartbeat.leases.iter().map(|l| l.key.clone()).collect();
                 self.note_renewals(msg.to, &keys);
             }
         }
-        if let Some((request, key, before)) = before {
+        if let Some((request, key, before)) = before.filter(|_| !sender_declared_dead) {
             if self.step_decode_events.contains(&request) {
                 self.violate(format!(
                     "S5: a stale-epoch message ended request {request} on D ({kind})"
@@ -336,6 +341,14 @@ impl World {
 }
 
 impl World {
+    /// Messages `node`'s endpoint refused as from a peer past its deadline (this incarnation).
+    fn stale_messages_refused(&self, node: NodeId) -> u64 {
+        self.nodes[node]
+            .endpoint
+            .as_ref()
+            .map_or(0, |e| e.counters().stale_messages_refused)
+    }
+
     /// Export leases `node`'s endpoint has renewed so far (this incarnation).
     fn exports_renewed(&self, node: NodeId) -> u64 {
         self.nodes[node]
