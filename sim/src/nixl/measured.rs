@@ -15,8 +15,10 @@ pub(crate) enum Happening {
     TargetDies,
     /// The poster's process dies.
     PosterDies,
-    /// `max_write_life` has passed since the post.
+    /// `max_write_life` has passed since the post (while the poster ran).
     LifeBound,
+    /// The poster's process is stopped (SIGSTOP, a VM pause) and later resumed.
+    PosterStalls,
 }
 
 /// What that does to the write.
@@ -36,7 +38,9 @@ pub(crate) enum Effect {
 /// The row of the table.
 pub(crate) const fn effect(happening: Happening) -> Effect {
     match happening {
-        Happening::PosterAbandons | Happening::Invalidation => Effect::GoesOn,
+        Happening::PosterAbandons | Happening::Invalidation | Happening::PosterStalls => {
+            Effect::GoesOn
+        }
         Happening::TargetDies => Effect::Fails,
         Happening::LifeBound => Effect::HasEnded,
         Happening::PosterDies => Effect::Vanishes,
@@ -63,8 +67,15 @@ pub(crate) const fn evidence(happening: Happening) -> &'static str {
             "assumed (pessimistic): part of the bytes may land, nothing more, nobody is told"
         }
         Happening::LifeBound => {
-            "assumed: the fabric ends every transfer within max_write_life; the protocol's \
-             quarantine is sized on it"
+            "assumed while the poster runs: the fabric ends every transfer within \
+             max_write_life; the protocol's quarantine is sized on it (a stopped poster \
+             suspends it: PosterStalls)"
+        }
+        Happening::PosterStalls => {
+            "actors/tests/nixl_stall.rs stall_write_lands_after_the_resume, \
+             stall_read_returns_bytes_written_after_the_fence: nothing (or only socket \
+             buffers) moves while the poster is stopped, the rest lands after the resume \
+             however long the stop, and the poster reports Ok"
         }
     }
 }
@@ -86,6 +97,7 @@ mod tests {
             Happening::TargetDies,
             Happening::PosterDies,
             Happening::LifeBound,
+            Happening::PosterStalls,
         ] {
             let _ = effect(happening);
             assert!(evidence(happening).len() > 20, "{happening:?}");

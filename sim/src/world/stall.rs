@@ -143,6 +143,8 @@ impl World {
                 .filter(|(_, w)| w.read.is_some() || writes_freeze)
                 .map(|(&seq, _)| seq)
                 .collect();
+            use crate::nixl::measured::{effect, Effect, Happening};
+            const _: () = assert!(matches!(effect(Happening::PosterStalls), Effect::GoesOn));
             for seq in mine {
                 // A transfer's landing is its own sequence number's event.
                 if let Some((at, _)) = self.unschedule(seq) {
