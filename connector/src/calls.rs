@@ -64,7 +64,9 @@ impl ConnectorError {
     }
 }
 
-/// What the engine learns each step.
+/// What the engine learns each step: exactly one *final* event per request, the one that hands
+/// its blocks back ([`ConnectorEvent::hands_back`]); a D request may first get one
+/// [`ConnectorEvent::DecodeFenced`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConnectorEvent {
     /// D: the request's KV has arrived in its blocks; schedule it.
@@ -74,7 +76,23 @@ pub enum ConnectorEvent {
         /// Its blocks, now holding the prompt's KV.
         blocks: BlockIds,
     },
-    /// D: the request's KV will not arrive; the blocks are free again.
+    /// D: the request has failed, but its blocks are **still held**: its P was declared dead
+    /// (or restarted) after the blocks were exposed to it, and a write of the old P, which
+    /// nothing can stop, may still land in them. Sent at most once per request, when the
+    /// death fences it, so that the engine can recompute the prompt into other blocks now
+    /// instead of waiting for the fence (`Config::quarantine`, minutes by default).
+    ///
+    /// Do not read, reuse or free the request's blocks yet: they are handed back only by the
+    /// request's [`ConnectorEvent::Failed`], which always follows, with the same `reason`.
+    DecodeFenced {
+        /// The request.
+        request: RequestId,
+        /// Why it failed: `PeerDead`, or what it was already giving up for (a deadline, an
+        /// abort, ...) when the death fenced it. Its `Failed` event repeats it.
+        reason: DecodeFailure,
+    },
+    /// D: the request's KV will not arrive; the blocks are free again. The request's final
+    /// event, after its [`ConnectorEvent::DecodeFenced`] if it had one.
     Failed {
         /// The request.
         request: RequestId,
@@ -202,11 +220,27 @@ impl ConnectorEvent {
     pub fn request(&self) -> &RequestId {
         match self {
             ConnectorEvent::BlocksReady { request, .. }
+            | ConnectorEvent::DecodeFenced { request, .. }
             | ConnectorEvent::Failed { request, .. }
             | ConnectorEvent::Refused { request, .. }
             | ConnectorEvent::BlocksFree { request, .. }
             | ConnectorEvent::ExportEnded { request, .. }
             | ConnectorEvent::Imported { request, .. } => request,
+        }
+    }
+
+    /// Whether this is its request's final event, the one that hands the blocks back (or,
+    /// for `Refused`, leaves them with the engine): every event but
+    /// [`ConnectorEvent::DecodeFenced`].
+    pub fn hands_back(&self) -> bool {
+        match self {
+            ConnectorEvent::DecodeFenced { .. } => false,
+            ConnectorEvent::BlocksReady { .. }
+            | ConnectorEvent::Failed { .. }
+            | ConnectorEvent::Refused { .. }
+            | ConnectorEvent::BlocksFree { .. }
+            | ConnectorEvent::ExportEnded { .. }
+            | ConnectorEvent::Imported { .. } => true,
         }
     }
 }
@@ -227,7 +261,7 @@ impl ConnectorCall {
 }
 
 impl ConnectorCall {
-    /// Whether the call, once accepted, owes the engine exactly one event of its request
+    /// Whether the call, once accepted, owes the engine exactly one final event of its request
     /// (`Abort`, `Shutdown` and `DeclineExport` start nothing).
     pub fn starts_request(&self) -> bool {
         match self {

@@ -13,7 +13,10 @@
 //! ([`TransferMode`]): **push** (the default: D registers its blocks, P writes into them; D
 //! gets [`ConnectorEvent::BlocksReady`], P [`ConnectorEvent::BlocksFree`]) or **pull** (P
 //! exports its blocks and D reads them; D gets [`ConnectorEvent::Imported`], P
-//! [`ConnectorEvent::ExportEnded`]). Bidirectional conversations add the reverse direction
+//! [`ConnectorEvent::ExportEnded`]). A push request on D whose P dies after D exposed its
+//! blocks fails at once with [`ConnectorEvent::DecodeFenced`] (recompute it elsewhere; the
+//! blocks stay held) and hands the blocks back later with [`ConnectorEvent::Failed`], when the
+//! fence passes or the old P proves it wrote nothing more. Bidirectional conversations add the reverse direction
 //! between turns: D keeps a finished turn's blocks with [`KvConnector::keep_for_next_turn`],
 //! and P's next turn reads them with [`KvConnector::next_turn_allocated`]. A reader that will
 //! not read (it recomputes instead) lets the holder go with [`KvConnector::decline_export`].
@@ -21,7 +24,8 @@
 //! Between engines of different geometries (TP, block size, layout; see
 //! `kvhandoff_protocol::hetero`), [`KvConnector::set_links`] gives the rank its [`RankLinks`]:
 //! each push request then runs as one sub-request per (P rank → D rank) pair this rank takes
-//! part in, and the engine still sees exactly one event per request (see `connector/fan.rs`).
+//! part in, and the engine still sees exactly one final event per request, and at most one
+//! `DecodeFenced` before it (see `connector/fan.rs`).
 //!
 //! Calls are synchronous, for an engine's scheduler thread; each waits for its verdict for at
 //! most [`KvConnector::CALL_TIMEOUT`]. Never call them from inside the runtime's own thread.

@@ -13,6 +13,7 @@
 //! lives here, so the simulator and the actix shells run the very same code.
 
 mod config;
+mod counters;
 mod decode;
 mod decode_table;
 mod effects;

@@ -35,7 +35,7 @@ use kvhandoff_protocol::{
 /// The protocol version the golden files were made with. If this test fails because
 /// `PROTOCOL_VERSION` changed, bless the files and update this constant in the same change; if
 /// the files changed, `PROTOCOL_VERSION` must change too.
-const GOLDEN_PROTOCOL_VERSION: u16 = 3;
+const GOLDEN_PROTOCOL_VERSION: u16 = 4;
 
 #[test]
 fn goldens_pin_the_protocol_version() {
@@ -200,6 +200,7 @@ fn read_ask() -> Message {
         reader_request: RequestId::new("cmpl-5b1c9a52-6f0e-4c1b-9a7e-0c4c3f2d1e00-0-bbbbbbbb")
             .unwrap(),
         reader_rank: 1,
+        ask: 1,
     })
 }
 
@@ -212,6 +213,7 @@ fn read_grant() -> Message {
             groups: vec![vec![4, 5, 6, 90_000], vec![1]],
         },
         num_tokens: 61,
+        ask: 1,
     }))
 }
 
@@ -387,7 +389,7 @@ fn the_release_vector_reads_as_documented() {
     let bytes = wire::encode(&release());
     let expected: Vec<u8> = [
         &b"KVHO"[..],     // magic
-        &[0x03, 0x00],    // version 3, little endian
+        &[0x04, 0x00],    // version 4, little endian
         &[0x08],          // kind: Release
         &[0x00],          // flags
         &[0x0a, 0, 0, 0], // payload length 10, little endian

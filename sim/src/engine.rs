@@ -3,6 +3,8 @@
 //! event.
 
 mod events;
+mod fenced;
+pub(crate) use fenced::FencedWatch;
 mod multi;
 mod reads;
 mod report;
@@ -15,7 +17,8 @@ pub(crate) use workload::draw_rates;
 use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
-    DecodeStart, Endpoint, EngineCall, LoadFailurePolicy, PrefillStart, Rejected, Time,
+    DecodeFailure, DecodeStart, Endpoint, EngineCall, LoadFailurePolicy, PrefillStart, Rejected,
+    Time,
 };
 use kvhandoff_protocol::{BlockIds, Epoch, Message, PairingKey, RequestId};
 use rand::{Rng, SeedableRng};
@@ -29,7 +32,14 @@ use crate::Faults;
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Status {
     Pending,
-    Live { node_inc: u32, started: Time },
+    /// Started on incarnation `node_inc` of its node at `started`; `fenced` once a D attempt
+    /// was told it failed while its blocks stay out (`EngineEvent::DecodeFenced`), with the
+    /// failure its final event must repeat.
+    Live {
+        node_inc: u32,
+        started: Time,
+        fenced: Option<DecodeFailure>,
+    },
     Done,
     Lost,
     Skipped,
@@ -228,6 +238,7 @@ impl World {
         r.d[attempt].status = Status::Live {
             node_inc: inc,
             started: self.now,
+            fenced: None,
         };
         self.last_progress = self.now;
         self.drain(node);
@@ -253,6 +264,7 @@ impl World {
             Ok(()) => true,
             Err(Rejected::TableFull { .. }) => {
                 self.mark("admission_refused");
+                self.check_flood_admission(node);
                 for error in self.nodes[node].pool.free(blocks, owner) {
                     self.violate(error);
                 }
@@ -326,6 +338,7 @@ impl World {
         r.p[attempt].status = Status::Live {
             node_inc: inc,
             started: self.now,
+            fenced: None,
         };
         self.last_progress = self.now;
         self.drain(0);

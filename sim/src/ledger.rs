@@ -10,8 +10,8 @@ use kvhandoff_protocol::machine::FreeProof;
 /// Bytes per simulated block.
 pub const BLOCK_BYTES: usize = 64;
 
-/// Bytes a freshly allocated block holds before anything is written (so that a missing write
-/// is visible in the bytes, not just in the ledger).
+/// Bytes a freshly allocated or freed block holds (so that a missing write, or a read of freed
+/// blocks, is visible in the bytes, not just in the ledger).
 pub const POISON: u8 = 0xEE;
 
 /// Who holds a block: the request index, the attempt's epoch (D) or attempt number (P).
@@ -162,6 +162,10 @@ impl Pool {
             }
             state.owner = None;
             state.written = false;
+            // A freed block's bytes are gone at once, as if another request already wrote it:
+            // a read or a trusted report that relied on freed blocks shows in the bytes, not
+            // only when the seed happens to reuse them.
+            self.bytes[id as usize] = [POISON; BLOCK_BYTES];
             self.free.push(id);
         }
         errors

@@ -18,6 +18,7 @@ mod ledger;
 mod mode;
 mod nixl;
 pub mod scripted;
+mod swarm;
 mod transport;
 mod world;
 
@@ -36,7 +37,7 @@ pub use ledger::{pattern, BLOCK_BYTES};
 pub use mode::{Mode, MULTI_SOURCE_MARKS, READ_MARKS};
 pub use world::{
     NodeId, Violation, World, WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE,
-    DEFAULT_STALL_MESSAGES_FIRST, STALL_MARKS,
+    DEFAULT_STALL_MESSAGES_FIRST, FLOOD_MARKS, MISNAME_MARKS, STALL_MARKS,
 };
 
 /// Which faults a run injects.
@@ -98,6 +99,8 @@ pub const COVERAGE_MARKS: &[&str] = &[
     "second_decode_same_key",
     "shell_post_refused",
     "shell_send_refused",
+    "decode_fenced_early",
+    "fenced_peer_asked_again",
 ];
 
 /// What to run.
@@ -135,6 +138,16 @@ pub struct SimOptions {
     /// Let stalls freeze writes past the stall allowance (see
     /// [`WorldConfig::stall_past_allowance`]).
     pub stall_past_allowance: bool,
+    /// Each seed draws its own configuration around these options (`swarm.rs`): timing
+    /// profiles, table sizes, resends, stall mixes. Off in [`SimOptions::new`], so that every
+    /// regression seed replays as found; on in `kvhandoff sim` unless `--no-swarm`.
+    pub swarm: bool,
+    /// A hostile peer floods P with made-up keys in every world (see
+    /// [`WorldConfig::flood_peer`]); the swarm also draws it per seed.
+    pub flood_peer: bool,
+    /// P ranks name another rank in their answers at this rate in every world with several P
+    /// ranks (see [`WorldConfig::misname_rank`]); the swarm also draws it per seed.
+    pub misname_rank: f64,
 }
 
 impl SimOptions {
@@ -154,15 +167,27 @@ impl SimOptions {
             stall_freeze: DEFAULT_STALL_FREEZE,
             stall_messages_first: 0.0,
             stall_past_allowance: false,
+            swarm: false,
+            flood_peer: false,
+            misname_rank: 0.0,
         }
     }
 
-    /// The coverage marks a sweep with these options must hit: the mode's, and the stall marks
-    /// if its worlds may stall.
+    /// The coverage marks a sweep with these options must hit: the mode's, the stall marks if
+    /// its worlds may stall, and the hostile peers' marks where its worlds have them (always
+    /// under chaos with the swarm, which draws them per seed).
     pub fn required_marks(&self) -> Vec<&'static str> {
         let mut marks = self.mode.required_marks();
-        if self.faults == Faults::Chaos && self.stalls > 0.0 {
+        let chaos = self.faults == Faults::Chaos;
+        if chaos && self.stalls > 0.0 {
             marks.extend_from_slice(STALL_MARKS);
+        }
+        let swarmed = chaos && self.swarm;
+        if self.mode.pushes() && (self.flood_peer || swarmed) {
+            marks.extend_from_slice(FLOOD_MARKS);
+        }
+        if self.multi_source_share() > 0.0 && (self.misname_rank > 0.0 || swarmed) {
+            marks.extend_from_slice(MISNAME_MARKS);
         }
         marks
     }
@@ -256,6 +281,11 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     }
     if rng.gen_ratio(1, 8) {
         slow_network(&mut cfg);
+    }
+    cfg.flood_peer = opts.flood_peer;
+    cfg.misname_rank = opts.misname_rank;
+    if opts.swarm {
+        swarm::draw(opts, seed, &mut cfg);
     }
     cfg
 }
@@ -464,6 +494,11 @@ impl World {
             ("grant_fence_frees", c.grant_fence_frees),
             ("stalls", self.stalls_run),
             ("transfers_frozen_by_stall", self.stall_frozen),
+            ("decodes_fenced", c.decodes_fenced),
+            ("stale_grants_refused", c.stale_grants_refused),
+            ("late_reads_distrusted", c.late_reads_distrusted),
+            ("expired_leases_refused", c.expired_leases_refused),
+            ("stale_messages_refused", c.stale_messages_refused),
         ]);
         SeedResult {
             seed,

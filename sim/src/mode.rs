@@ -117,4 +117,5 @@ pub const MULTI_SOURCE_MARKS: &[&str] = &[
     "multi_source_partial_failure",
     "multi_source_sibling_aborted",
     "multi_target_partial_failure",
+    "multi_source_fenced_early",
 ];

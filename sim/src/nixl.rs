@@ -185,6 +185,7 @@ impl World {
         self.writes.insert(seq, write);
         let scheduled = self.schedule(delay, Ev::Land { write: seq });
         assert_eq!(scheduled, seq, "the write's id is its landing event's");
+        self.maybe_stall_after_post(node);
     }
 
     fn schedule_report(&mut self, seq: u64, failure: Option<WriteFailure>, lo: u64, hi: u64) {

@@ -41,9 +41,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
-    Config, ConnectFailure, DecodeOutcome, DecodeStart, Endpoint, EngineCall, EngineEvent,
-    ExportStart, FreeProof, ImportStart, Mutation, NetEvent, Output, PrefillOutcome, PrefillStart,
-    ReadOrder, Rejected, Time, WriteOrder,
+    Config, ConnectFailure, DecodeStart, Endpoint, EngineCall, EngineEvent, ExportStart,
+    ImportStart, Mutation, NetEvent, Output, PrefillStart, ReadOrder, Rejected, Time, WriteOrder,
 };
 use kvhandoff_protocol::{Message, PeerAddr, RequestId, WriteFailure, WriteId};
 
@@ -99,8 +98,12 @@ pub struct Node {
     pub alive: bool,
     /// Bumped by each restart.
     pub incarnation: u32,
-    /// Engine events, with the time they were emitted.
+    /// Engine events that end a request and hand its blocks back, with the time they were
+    /// emitted.
     pub events: Vec<(Time, EngineEvent)>,
+    /// Early failures of D requests whose blocks stay fenced (`EngineEvent::DecodeFenced`),
+    /// with their time: not ends, so kept apart from `events`.
+    pub early: Vec<(Time, EngineEvent)>,
     /// `Output::Invalidate`s, with their time.
     pub invalidated: Vec<(Time, PeerAddr)>,
     /// Requests the engine started (accepted `DecodeAllocated` / `PrefillFinished`).
@@ -203,6 +206,7 @@ impl Harness {
                 alive: true,
                 incarnation: 0,
                 events: Vec::new(),
+                early: Vec::new(),
                 invalidated: Vec::new(),
                 started: Vec::new(),
                 stalled_since: None,
@@ -238,44 +242,6 @@ impl Harness {
         self.nodes
             .get_mut(addr)
             .unwrap_or_else(|| panic!("no endpoint {addr}"))
-    }
-
-    /// Engine events of `addr`, in order.
-    pub fn events_of(&self, addr: &PeerAddr) -> Vec<EngineEvent> {
-        self.node(addr)
-            .events
-            .iter()
-            .map(|(_, e)| e.clone())
-            .collect()
-    }
-
-    /// D's engine events.
-    pub fn events_d(&self) -> Vec<EngineEvent> {
-        self.events_of(&d_addr())
-    }
-
-    /// P's engine events.
-    pub fn events_p(&self) -> Vec<EngineEvent> {
-        self.events_of(&p_addr())
-    }
-
-    /// `(outcome, proof)` of every D event.
-    pub fn d_results(&self) -> Vec<(DecodeOutcome, FreeProof)> {
-        self.events_d().iter().map(decode_result).collect()
-    }
-
-    /// Outcome of every P event.
-    pub fn p_results(&self) -> Vec<PrefillOutcome> {
-        self.events_p().iter().map(prefill_result).collect()
-    }
-
-    /// When `addr` emitted its event about `request`.
-    pub fn event_time(&self, addr: &PeerAddr, request: &RequestId) -> Option<Time> {
-        self.node(addr)
-            .events
-            .iter()
-            .find(|(_, e)| e.request() == request)
-            .map(|(t, _)| *t)
     }
 
     /// Messages sent by `from` for which `pred` holds.
@@ -609,7 +575,12 @@ impl Harness {
             }
             Output::Event(event) => {
                 self.check_event(from, &event);
-                self.node_mut(from).events.push((now, event));
+                let node = self.node_mut(from);
+                if event.hands_back() {
+                    node.events.push((now, event));
+                } else {
+                    node.early.push((now, event));
+                }
             }
         }
     }

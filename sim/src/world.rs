@@ -2,6 +2,7 @@
 //! future events, and the checks that run after every step.
 
 mod config;
+mod hostile;
 mod net;
 mod stall;
 
@@ -21,7 +22,8 @@ use crate::ledger::Pool;
 use crate::nixl::SimWrite;
 
 pub use config::{
-    WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE, DEFAULT_STALL_MESSAGES_FIRST, STALL_MARKS,
+    WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE, DEFAULT_STALL_MESSAGES_FIRST, FLOOD_MARKS,
+    MISNAME_MARKS, STALL_MARKS,
 };
 pub(crate) use net::{describe, is_notification};
 pub(crate) use stall::Stall;
@@ -254,7 +256,14 @@ pub struct World {
     pub(crate) alloc_waiters: Vec<VecDeque<Ev>>,
     /// Stalls that began, and the transfers they froze.
     pub(crate) stalls_run: u64,
+    /// Stalls started right after a post (`WorldConfig::stall_after_post`).
+    pub(crate) post_stalls: u32,
+    /// D attempts told fenced from a peer declared dead, by (D node, key, epoch): what L4
+    /// checks at their end (`engine/fenced.rs`).
+    pub(crate) fenced_watch: BTreeMap<(NodeId, PairingKey, u64), crate::engine::FencedWatch>,
     pub(crate) stall_frozen: u64,
+    /// The hostile peers' streams and what the checks saw of them (`world/hostile.rs`).
+    pub(crate) hostile: hostile::Hostile,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
     pub print_trace: bool,
 }
@@ -272,7 +281,11 @@ impl World {
         let rates = if cfg.explore {
             Rates::default()
         } else {
-            crate::engine::draw_rates(&mut rng, cfg.faults)
+            let mut rates = crate::engine::draw_rates(&mut rng, cfg.faults);
+            if cfg.swarm {
+                crate::swarm::draw_rates(seed, cfg.faults, &mut rates);
+            }
+            rates
         };
         let mut nodes = Vec::new();
         let mut by_addr = BTreeMap::new();
@@ -306,6 +319,7 @@ impl World {
         }
         let heal = Time::ZERO + cfg.span + Duration::from_millis(200);
         let cfg_marks = cfg.required_marks();
+        let hostile = hostile::Hostile::new(seed, cfg.machine.heartbeat_interval);
         let mut world = World {
             crashes_left: cfg.max_crashes,
             cfg,
@@ -349,7 +363,10 @@ impl World {
             last_progress: Time::ZERO,
             alloc_waiters: Vec::new(),
             stalls_run: 0,
+            post_stalls: 0,
+            fenced_watch: BTreeMap::new(),
             stall_frozen: 0,
+            hostile,
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),
         };
         world.alloc_waiters = vec![VecDeque::new(); world.nodes.len()];
@@ -549,6 +566,9 @@ impl World {
     pub(crate) fn step_seeded(&mut self) -> bool {
         let event = self.due.first().copied();
         let timer = self.next_timer();
+        if self.flood_step(event.map(|(at, _)| at), timer.map(|(t, _)| t)) {
+            return true;
+        }
         match (event, timer) {
             (None, None) => false,
             (Some((at, _)), Some((t, node))) if t <= at => {

@@ -132,8 +132,10 @@ fn exhaustive_catches_free_on_deadline() {
 /// A late shell: P's prefill finishes after the wait of D's registration ended but before P's
 /// timer ran, while D has freed its blocks at the quarantine. With the mutation
 /// `match_expired_registration` (P expires registrations only on its timer) P matches it and
-/// writes into the freed blocks (S1); found at depth 13 of one request. The same path without
-/// the mutation is clean.
+/// writes into the freed blocks (S1), or the blocks are freed while that write may still land
+/// (the proof check, which sees it first since the quarantine of the small world moved above
+/// the fence floor that counts a peer timeout); found at depth 13 of one request. The same path
+/// without the mutation is clean.
 #[test]
 fn exhaustive_catches_match_expired_registration() {
     let cfg = WorldConfig::small(1, 0, Some(Mutation::MatchExpiredRegistration));
@@ -141,7 +143,11 @@ fn exhaustive_catches_match_expired_registration() {
     let (v, path) = result
         .violation
         .expect("the exhaustive check must find the mutation");
-    assert!(v.message.starts_with("S1"), "{}", v.message);
+    assert!(
+        v.message.starts_with("S1") || v.message.starts_with("proof:"),
+        "{}",
+        v.message
+    );
     let mut world = World::new(WorldConfig::small(1, 0, None), 0);
     for &a in &path {
         world.apply(a);

@@ -150,7 +150,8 @@ fn seed_8_a_failed_pair_frees_the_shared_blocks_only_after_its_siblings() {
 /// re-pinned where a protocol change moved them (issue 19: P leaves a restarted or rejoined D's
 /// registrations unanswered through its window; the sweeps' mixed mode also draws siblings that
 /// decline a read, the stale-message guards change what a late input does, and a D rank dials
-/// a dead P whose death fenced requests, to ask it again).
+/// a dead P whose death fenced requests, to ask it again; then the tombstones' minimum life
+/// counts a peer timeout, and a read's ask and grant carry the ask's number).
 #[test]
 fn worlds_without_multi_rank_requests_replay_as_before() {
     let push = SimOptions::new(0..40, 30, Faults::Chaos);
@@ -158,7 +159,7 @@ fn worlds_without_multi_rank_requests_replay_as_before() {
     assert_eq!(seed_world(&push, 3).prefill_ranks, 1);
     assert_eq!(
         run_seeds(&push).trace_hash,
-        "31c8859579282420f96f99589e1ddf12d1bc947a1420eba0750058f435684de2"
+        "dc4e93151f288f9a9ca36d134309d4f5f1a23b75d5ea61b8c62bbd4c9b42715d"
     );
     let mixed = SimOptions {
         mode: Mode::Mixed,
@@ -167,7 +168,7 @@ fn worlds_without_multi_rank_requests_replay_as_before() {
     };
     assert_eq!(
         run_seeds(&mixed).trace_hash,
-        "b96c37879f422ec5e121ee8f4b68ae986de6aac05019d5df93ef6aafc94a67e6"
+        "aac09e70a9b11b82b9073d99d91b450a5dae093380b71a75a81413e2337f41ea"
     );
     let default_mixed = SimOptions {
         mode: Mode::Mixed,

@@ -676,6 +676,7 @@ fn a_copy_of_the_ask_changes_nothing() {
         epoch: Epoch::FIRST,
         reader_request: d_request(1),
         reader_rank: 0,
+        ask: 0,
     });
     // The same attempt again: the same grant, nothing changes.
     h.inject(&d_addr(), &p_addr(), ask);
@@ -759,6 +760,7 @@ fn the_ghost_catches_a_short_grant_fence() {
         epoch: Epoch(2),
         reader_request: d_request(1),
         reader_rank: 0,
+        ask: 0,
     });
     h.inject(&d_addr(), &p_addr(), ask);
     h.advance(config.max_message_delay + ms(1));

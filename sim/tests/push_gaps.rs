@@ -57,6 +57,50 @@ fn p_death_before_the_write_is_detected_in_bounded_time() {
     h.assert_no_leak();
 }
 
+// Scenario: the same death, as D's engine sees it (issue 19, deliverable 4): told that the
+// request failed the moment P is declared dead (`DecodeFenced`, no blocks), so that it can
+// recompute elsewhere; the blocks only with the final `Failed`, after the fence.
+#[test]
+fn p_death_tells_the_engine_at_once_and_hands_the_blocks_back_at_the_fence() {
+    let mut h = Harness::new();
+    h.decode(decode_start(1, &[500])).unwrap();
+    h.advance(ms(1_000));
+    h.crash(&p_addr());
+    let config = h.d().config().clone();
+    h.advance(config.peer_timeout + config.heartbeat_interval);
+    assert_eq!(
+        h.d().counters().peers_declared_dead,
+        1,
+        "precondition: P declared dead"
+    );
+    assert_eq!(
+        h.early_d(),
+        vec![EngineEvent::DecodeFenced {
+            request: d_request(1),
+            key: key(1),
+            epoch: Epoch(1),
+            failure: DecodeFailure::PeerDead,
+        }]
+    );
+    let told = h.nodes[&d_addr()].early[0].0;
+    assert!(h.d_results().is_empty(), "the blocks stay fenced");
+    h.advance(config.quarantine);
+    assert_eq!(
+        h.d_results(),
+        vec![(
+            DecodeOutcome::Failed(DecodeFailure::PeerDead),
+            FreeProof::DeadPeerFence
+        )]
+    );
+    let freed = h.event_time(&d_addr(), &d_request(1)).unwrap();
+    assert!(
+        freed >= told + config.quarantine,
+        "told at {told}, freed at {freed}"
+    );
+    assert_eq!(h.early_d().len(), 1, "told once");
+    h.assert_no_leak();
+}
+
 // Scenario: P dies with its write in flight. D invalidates P and keeps its blocks fenced for
 // the quarantine, longer than any write of P can stay in flight, before handing them back.
 #[test]

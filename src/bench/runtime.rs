@@ -34,6 +34,8 @@ impl Engine {
                 self.late.remove(event.request());
             }
             let (why_bad, blocks) = match event {
+                // The request's `Failed` follows and brings the blocks back; counted there.
+                ConnectorEvent::DecodeFenced { .. } => continue,
                 ConnectorEvent::BlocksReady { blocks, .. } => (
                     (!self.decode).then(|| "P got BlocksReady".to_string()),
                     blocks,

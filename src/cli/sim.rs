@@ -54,6 +54,22 @@ pub(crate) struct SimArgs {
     /// purpose; the run must then find blocks handed out under a write that still lands.
     #[arg(long)]
     stall_past_allowance: bool,
+    /// Run every seed with the configuration given here instead of one it draws for itself
+    /// (the swarm: timing profiles whose peer timeout passes the lease extension and the read
+    /// span, small tombstone tables, registration resends, stall mixes, storms of late
+    /// messages, hostile peers).
+    #[arg(long)]
+    no_swarm: bool,
+    /// A hostile peer: D's rank 0 also floods P's rank 0 with cancels and releases for made-up
+    /// keys during the faulty phase (tens per heartbeat); P must keep them within the peer's
+    /// budget of records, and its engine's admission with it.
+    #[arg(long)]
+    flood_peer: bool,
+    /// The chance, 0 to 1, that a P rank's answer (WriteDone, WriteFailed, CancelAck) in a
+    /// world with several P ranks names another rank, or a sibling rank's share (a buggy or
+    /// forged peer; needs --multi-source above 0); D must count answers only for their sender.
+    #[arg(long, value_parser = parse_share, default_value_t = 0.0)]
+    misname_rank: f64,
     /// The long sweep: requests and pool sizes drawn per seed over wide ranges, four times the
     /// virtual time.
     #[arg(long)]
@@ -183,7 +199,10 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
     options.stall_freeze = args.stall_freeze;
     options.stall_messages_first = args.stall_messages_first;
     options.stall_past_allowance = args.stall_past_allowance;
+    options.swarm = !args.no_swarm;
     let started = std::time::Instant::now();
+    options.flood_peer = args.flood_peer;
+    options.misname_rank = args.misname_rank;
     let report = kvhandoff_sim::run_seeds(&options);
     let elapsed = started.elapsed();
     if args.json {
@@ -202,7 +221,7 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
             false => format!("{}..{}", options.requests.start(), options.requests.end()),
         };
         eprintln!(
-            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {} --stalls {} --stall-freeze {} --stall-messages-first {}{}{}{}",
+            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {} --stalls {} --stall-freeze {} --stall-messages-first {}{}{}{}{}{}",
             options.pool_blocks.start(),
             options.pool_blocks.end(),
             args.faults,
@@ -215,9 +234,23 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
                 .map(|s| format!(" --multi-source {s}"))
                 .unwrap_or_default(),
             if args.long { " --long" } else { "" },
+            if args.no_swarm { " --no-swarm" } else { "" },
+            hostile_flags(&args),
         );
         ExitCode::FAILURE
     }
+}
+
+/// The hostile-peer flags of a replay line.
+fn hostile_flags(args: &SimArgs) -> String {
+    let mut flags = String::new();
+    if args.flood_peer {
+        flags.push_str(" --flood-peer");
+    }
+    if args.misname_rank > 0.0 {
+        flags.push_str(&format!(" --misname-rank {}", args.misname_rank));
+    }
+    flags
 }
 
 fn run_exhaustive(args: &SimArgs) -> ExitCode {

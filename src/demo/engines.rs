@@ -336,6 +336,9 @@ pub(crate) struct DecodeRecord {
     pub(crate) ready_at: Option<Instant>,
     /// When the loop took the request's first event (`BlocksReady` or `Failed`).
     pub(crate) ended_at: Option<Instant>,
+    /// When the request was told it failed while its blocks stayed fenced (`DecodeFenced`,
+    /// its P declared dead): a real engine would recompute it from then, not from `ended_at`.
+    pub(crate) fenced_at: Option<Instant>,
     pub(crate) events: u32,
     pub(crate) ready: bool,
     pub(crate) failed: bool,

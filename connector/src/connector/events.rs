@@ -1,4 +1,5 @@
-//! What the engine polls: each request's one event, and whether work is still pending.
+//! What the engine polls: each request's one final event (after, for a D request fenced by its
+//! P's death, its one early `DecodeFenced`), and whether work is still pending.
 
 use std::time::Duration;
 
@@ -8,7 +9,9 @@ use super::KvConnector;
 use crate::ConnectorEvent;
 
 impl KvConnector {
-    /// Everything that happened since the last call; exactly one event per request.
+    /// Everything that happened since the last call: exactly one final event per request
+    /// ([`ConnectorEvent::hands_back`]), and before it, for a D request whose P died, at most
+    /// one [`ConnectorEvent::DecodeFenced`].
     pub fn poll_events(&mut self) -> Vec<ConnectorEvent> {
         let mut events = std::mem::take(&mut self.fans.queued);
         if !self.late.is_empty() {
@@ -29,7 +32,9 @@ impl KvConnector {
                     break;
                 }
             };
-            self.live -= 1;
+            if event.hands_back() {
+                self.live -= 1;
+            }
             if self.fan_event(&event, &mut events).is_some() {
                 continue;
             }
@@ -51,6 +56,12 @@ impl KvConnector {
                     reason,
                     proof,
                     blocks,
+                },
+                EngineEvent::DecodeFenced {
+                    request, failure, ..
+                } => ConnectorEvent::DecodeFenced {
+                    request,
+                    reason: failure,
                 },
                 EngineEvent::Prefill {
                     request,

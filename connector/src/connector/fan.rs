@@ -7,7 +7,9 @@
 //!   blocks with every P rank that writes to it; the request is `BlocksReady` only when every
 //!   pair's write landed. After a failure the live siblings are aborted at once (each cancels
 //!   at its own P rank), and the engine gets `Failed` only when every pair handed the blocks
-//!   back, with the most cautious proof among them.
+//!   back, with the most cautious proof among them. If a pair is fenced by its P rank's death
+//!   first, the engine gets one `DecodeFenced` for the request then (the blocks still held),
+//!   with the reason its `Failed` will repeat.
 //! - P side ([`KvConnector::request_finished`]): one held request per D rank this rank writes;
 //!   `BlocksFree` once every pair let the blocks go. A P rank that writes to no D rank (a
 //!   replica under GQA replication) gets `BlocksFree` at once.
@@ -446,7 +448,9 @@ impl KvConnector {
         events: &mut Vec<ConnectorEvent>,
     ) -> Option<()> {
         let sub = match event {
-            EngineEvent::Decode { request, .. } | EngineEvent::Prefill { request, .. } => request,
+            EngineEvent::Decode { request, .. }
+            | EngineEvent::DecodeFenced { request, .. }
+            | EngineEvent::Prefill { request, .. } => request,
             EngineEvent::Export { .. } | EngineEvent::Import { .. } => return None,
         };
         let parent = self.fans.parents.get(sub)?.clone();
@@ -463,7 +467,8 @@ impl KvConnector {
         Some(())
     }
 
-    /// Aborts what `step` names, and hands the request back to the engine when it says so.
+    /// Aborts what `step` names, tells the engine of a failure whose blocks stay fenced, and
+    /// hands the request back to the engine when it says so.
     fn apply_step(
         &mut self,
         parent: &RequestId,
@@ -483,6 +488,14 @@ impl KvConnector {
                 tracing::warn!(request = %parent, %error, "aborting sibling sub-requests");
             }
         }
+        if step.fenced {
+            if let Some(fan) = self.fans.fans.get(parent) {
+                events.push(ConnectorEvent::DecodeFenced {
+                    request: parent.clone(),
+                    reason: decode_reason(fan.fan.outcome()),
+                });
+            }
+        }
         let Some(blocks) = step.hand_back else {
             return;
         };
@@ -497,13 +510,7 @@ impl KvConnector {
             }
             (FanSide::Decode, failed) => ConnectorEvent::Failed {
                 request,
-                reason: match failed {
-                    Some(FanOutcome::Failed {
-                        failure: SubFailure::Decode(reason),
-                        ..
-                    }) => *reason,
-                    _ => DecodeFailure::Aborted,
-                },
+                reason: decode_reason(failed),
                 proof: fan.proof,
                 blocks,
             },
@@ -547,86 +554,27 @@ impl KvConnector {
     }
 }
 
+/// Why a failed D request failed, as its engine is told (early and at the end alike): the
+/// first failed sub-request's reason, or `Aborted` for one that never started.
+fn decode_reason(outcome: Option<&FanOutcome>) -> DecodeFailure {
+    match outcome {
+        Some(FanOutcome::Failed {
+            failure: SubFailure::Decode(reason),
+            ..
+        }) => *reason,
+        Some(FanOutcome::Failed {
+            failure: SubFailure::Prefill(_) | SubFailure::NotStarted,
+            ..
+        })
+        | Some(FanOutcome::Ready)
+        | None => DecodeFailure::Aborted,
+    }
+}
+
 fn pair_key(key: &PairingKey, p: u32, d: u32) -> Result<PairingKey, ConnectorError> {
     key.for_pair(p, d)
         .map_err(|e| ConnectorError::invalid("transfer_id", e))
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use kvhandoff_protocol::hetero::{model, plan_pair};
-
-    fn plan(name: &str, p: &str, d: &str) -> PairPlan {
-        plan_pair(model(name).unwrap(), p.parse().unwrap(), d.parse().unwrap()).unwrap()
-    }
-
-    #[test]
-    fn links_follow_the_plan_both_ways() {
-        // GQA 2 heads, P at TP 8: ranks 0 and 4 hold the two heads' first replicas and write;
-        // the others write nothing.
-        let pair = plan(
-            "gqa2",
-            "tp=8,block=16,layout=NHD",
-            "tp=1,block=16,layout=NHD",
-        );
-        let d = RankLinks::decode(&pair, 0).unwrap();
-        assert_eq!((d.remote_tp, d.peers.len()), (8, 2));
-        let writers: Vec<u32> = (0..8)
-            .filter(|&p| !RankLinks::prefill(&pair, p).unwrap().peers.is_empty())
-            .collect();
-        assert_eq!(writers, d.peers);
-        // MLA: every D rank has exactly one writer.
-        let pair = plan(
-            "mla",
-            "tp=4,block=16,layout=NHD",
-            "tp=2,block=64,layout=NHD",
-        );
-        for rank in 0..2 {
-            assert_eq!(RankLinks::decode(&pair, rank).unwrap().peers.len(), 1);
-        }
-        for links in (0..4).map(|p| RankLinks::prefill(&pair, p).unwrap()) {
-            links.validate().unwrap();
-        }
-    }
-
-    #[test]
-    fn what_the_runtime_cannot_name_is_refused() {
-        let pair = plan(
-            "gqa8",
-            "tp=2,block=16,layout=NHD",
-            "tp=4,block=16,layout=NHD",
-        );
-        assert!(matches!(
-            RankLinks::decode(&pair, 4),
-            Err(ConnectorError::InvalidParam { .. })
-        ));
-        // Pipeline stages: P's stage 1 is rank 1 (TP 1), and writes to D's one rank.
-        let staged = plan(
-            "gqa8",
-            "tp=1,block=16,layout=NHD,pp=2",
-            "tp=1,block=16,layout=NHD",
-        );
-        assert_eq!(RankLinks::prefill(&staged, 1).unwrap().peers, vec![0]);
-        assert_eq!(RankLinks::decode(&staged, 0).unwrap().peers, vec![0, 1]);
-        assert!(RankLinks::prefill(&staged, 2).is_err());
-        let links = |remote_tp, remote_ranks, peers: Vec<u32>| RankLinks {
-            side: SideName::Decode,
-            remote_tp,
-            remote_ranks,
-            peers,
-        };
-        links(2, 2, vec![0, 1]).validate().unwrap();
-        links(2, 2, vec![]).validate().unwrap();
-        links(2, 4, vec![1, 3]).validate().unwrap();
-        for bad in [
-            links(0, 0, vec![]),
-            links(2, 3, vec![]),
-            links(2, 2, vec![2]),
-            links(4, 4, vec![1, 1]),
-            links(4, 4, vec![3, 1]),
-        ] {
-            assert!(bad.validate().is_err(), "{bad:?}");
-        }
-    }
-}
+mod tests;

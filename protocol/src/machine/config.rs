@@ -225,13 +225,15 @@ impl Config {
         if self.quarantine <= self.fence_floor() {
             return Err(ConfigError::Contradiction(
                 "quarantine must exceed registration_ttl + heartbeat_interval + max_message_delay + \
-                 max_write_life (the latest a write can land after D's last renewal)",
+                 peer_timeout + max_write_life (the latest a write can land after D's last \
+                 renewal)",
             ));
         }
         if self.tombstone_ttl < self.tombstone_min_life() {
             return Err(ConfigError::Contradiction(
                 "tombstone_ttl must cover max_register_retries * register_retry_interval + \
-                 max_message_delay, or a late registration copy outlives the epoch floor",
+                 max_message_delay + peer_timeout, or a late registration copy outlives the \
+                 epoch floor",
             ));
         }
         if self.tombstone_ttl < self.peer_timeout {
@@ -242,14 +244,28 @@ impl Config {
         Ok(())
     }
 
+    /// The longest between a message's send and its handling that no check of the receiver
+    /// notices: `max_message_delay` on the way, and then up to `peer_timeout` in the queue of a
+    /// receiver that was stopped (SIGSTOP, a VM pause, a GC pause) with it queued. A receiver
+    /// stopped longer finds the sender past its liveness deadline and handles the message as
+    /// from a dead peer (`Endpoint::heard`); one stopped less cannot tell a message that waited
+    /// in its queue from a fresh one, so every bound on when a message can still act counts
+    /// this delay, not `max_message_delay` alone. Found by the simulator's swarm: with a peer
+    /// timeout past the quarantine, a stopped P matched a registration D had freed by its
+    /// quarantine (`sim/tests/regressions.rs`).
+    pub fn max_handling_delay(&self) -> Duration {
+        self.max_message_delay + self.peer_timeout
+    }
+
     /// The latest a write for a lease can land after D's last renewal of it: P may still match a
     /// registration until `registration_ttl` after the renewal (plus a heartbeat of slack, plus
-    /// a registration still travelling), and the write it posts may stay in flight for
+    /// a registration still travelling or waiting in a stopped P's queue:
+    /// [`Config::max_handling_delay`]), and the write it posts may stay in flight for
     /// `max_write_life`. `quarantine` must exceed it.
     pub fn fence_floor(&self) -> Duration {
         self.registration_ttl
             + self.heartbeat_interval
-            + self.max_message_delay
+            + self.max_handling_delay()
             + self.max_write_life
     }
 
@@ -265,7 +281,7 @@ impl Config {
     /// ```
     /// use std::time::Duration;
     /// use kvhandoff_protocol::machine::Config;
-    /// assert_eq!(Config::default().stall_allowance(), Duration::from_secs(8));
+    /// assert_eq!(Config::default().stall_allowance(), Duration::from_secs(5));
     /// ```
     pub fn stall_allowance(&self) -> Duration {
         self.quarantine.saturating_sub(self.fence_floor())
@@ -274,10 +290,10 @@ impl Config {
     /// How long a copy of a registration can still arrive after P settled its attempt: D
     /// repeats a registration for at most `max_register_retries × register_retry_interval`
     /// after sending it (P cannot settle an attempt before its registration arrived), and every
-    /// copy arrives within `max_message_delay`. P's tombstone of an attempt (its epoch floor) is
-    /// never evicted younger than this; `tombstone_ttl` must cover it.
+    /// copy is handled within [`Config::max_handling_delay`]. P's tombstone of an attempt (its
+    /// epoch floor) is never evicted younger than this; `tombstone_ttl` must cover it.
     pub fn tombstone_min_life(&self) -> Duration {
-        self.register_retry_interval * self.max_register_retries + self.max_message_delay
+        self.register_retry_interval * self.max_register_retries + self.max_handling_delay()
     }
 
     /// A configuration with short deadlines for tests and demos: heartbeats every 100 ms.
@@ -314,6 +330,46 @@ mod tests {
     fn default_and_fast_are_valid() {
         Config::default().validate().unwrap();
         Config::fast().validate().unwrap();
+    }
+
+    /// Found by the simulator's swarm (a timing profile with the peer timeout past D's deadline
+    /// plus its quarantine, seed 7049 of `kvhandoff sim --seeds 7000..7300 --requests 40` as
+    /// the swarm first drew it): P, stopped for 17.9 s with D's `Register` queued, was not
+    /// overdue to itself (peer timeout 18.6 s), matched the registration on its resume and
+    /// wrote into blocks D had freed by its quarantine at 15.3 s. A message can wait a peer
+    /// timeout in a stopped receiver's queue unnoticed, so the fence floor counts it, and such
+    /// a configuration is refused.
+    #[test]
+    fn the_fence_floor_counts_a_message_waiting_in_a_stopped_queue() {
+        let fast = Config::fast();
+        assert_eq!(
+            fast.fence_floor(),
+            fast.registration_ttl
+                + fast.heartbeat_interval
+                + fast.max_message_delay
+                + fast.peer_timeout
+                + fast.max_write_life
+        );
+        let swarmed = Config {
+            heartbeat_interval: Duration::from_secs(1),
+            peer_timeout: Duration::from_millis(18_600),
+            tombstone_ttl: Duration::from_secs(30),
+            ..Config::fast()
+        };
+        assert!(swarmed.quarantine < swarmed.decode_deadline + swarmed.peer_timeout);
+        assert!(matches!(
+            swarmed.validate(),
+            Err(ConfigError::Contradiction(m)) if m.starts_with("quarantine must exceed")
+        ));
+        let fixed = Config {
+            quarantine: swarmed.fence_floor() + swarmed.heartbeat_interval,
+            ..swarmed
+        };
+        fixed.validate().unwrap();
+        assert!(
+            fixed.quarantine > fixed.peer_timeout,
+            "a stall the peer timeout lets pass never outlasts the quarantine"
+        );
     }
 
     #[test]

@@ -5,19 +5,31 @@
 //!       |                             resend timer |   \--WriteFailed(all)-----> [Failed]
 //!       |          (nothing landed yet, bounded):  |
 //!       |          send Register again             |
-//!       |--fail/abort/deadline/dead--> [Failed]    |--PeerDead-----------------> [Failed]
-//!                                                  |--deadline/abort: send Cancel
-//!                                                  v
+//!       |--fail/abort/deadline/dead--> [Failed]    |--PeerDead: emit DecodeFenced----+
+//!                                                  |--deadline/abort: send Cancel     |
+//!                                                  v                                  v
 //!                                              Cancelling --CancelAck / WriteFailed / WriteDone
 //!                                                  |           / quarantine --> [Failed]
+//!                                                  |--PeerDead: emit DecodeFenced (if not yet)
 //!                                                  '--resend timer: send Cancel again
-//!   Registered --PeerDead--> Cancelling (no cancel to send: fenced until the quarantine ends
-//!                            or a proof from the old incarnation arrives)
+//!   Registered --PeerDead--> Cancelling (no cancel to send; the engine told at once: fenced
+//!                            until the quarantine ends or a proof from the old incarnation
+//!                            arrives, then [Failed] with the failure told)
 //! ```
 //!
 //! The rule this machine exists for: once a `Register` naming D's blocks has been sent, the
 //! blocks are handed back only with a proof that no write of this epoch can still land
 //! ([`FreeProof`]).
+//!
+//! A proof from a dead P may take the whole fence (`Config::quarantine`, minutes), so the
+//! request's failure is told apart from its hand-back: the moment a peer's death fences a
+//! request, the engine gets [`EngineEvent::DecodeFenced`] (once, no blocks) and may recompute
+//! elsewhere; the final `Decode` event, always `Failed` with the same failure, hands the blocks
+//! back later. Only a death fences: a request cancelling for another reason (deadline, abort,
+//! a partial `WriteFailed`) waits for a live P's answer, which comes within a round trip, and
+//! if P stops answering it is declared dead within `peer_timeout`, which fences the request
+//! and tells the engine then. So the engine hears of every such failure within its deadline
+//! plus `peer_timeout`, never a fence later.
 
 use std::collections::BTreeSet;
 
@@ -27,7 +39,9 @@ use crate::{
 
 use super::effects::{Outbox, Step};
 use super::shape::Machine;
-use super::types::{DecodeFailure, DecodeOutcome, DecodeStart, DropReason, FreeProof, Time};
+use super::types::{
+    DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent, FreeProof, Output, Time,
+};
 use super::{ActiveMutation, Config, Mutation};
 use crate::PeerAddr;
 
@@ -88,6 +102,9 @@ pub(crate) struct Cancelling {
     pub(crate) next_resend: Time,
     pub(crate) resends_left: u32,
     pub(crate) quarantine_until: Time,
+    /// The engine was told of the failure while the blocks stay fenced
+    /// ([`EngineEvent::DecodeFenced`]): never told twice.
+    pub(crate) announced: bool,
 }
 
 /// A live D request.
@@ -104,6 +121,9 @@ pub(crate) struct DecodeEnded {
     pub(crate) common: DecodeCommon,
     pub(crate) outcome: DecodeOutcome,
     pub(crate) proof: FreeProof,
+    /// The failure the engine was told of early ([`EngineEvent::DecodeFenced`]), if it was:
+    /// the outcome must repeat it.
+    pub(crate) announced: Option<DecodeFailure>,
 }
 
 /// What can happen to a live D request. Epochs are checked by the endpoint before routing: these
@@ -142,7 +162,19 @@ impl DecodeCommon {
             common: self,
             outcome,
             proof,
+            announced: None,
         })
+    }
+
+    /// Tells the engine that the request failed while its blocks stay fenced.
+    fn announce_fenced(&self, failure: DecodeFailure, fx: &mut Outbox) {
+        fx.emit(Output::Event(EngineEvent::DecodeFenced {
+            request: self.request.clone(),
+            key: self.key.clone(),
+            epoch: self.epoch,
+            failure,
+        }));
+        fx.counters.decodes_fenced += 1;
     }
 
     fn register_message(&self, own: &PeerAddr) -> Message {
@@ -288,8 +320,10 @@ impl Connecting {
 
 impl Registered {
     /// P is declared dead or replaced: nothing can be sent to it, so no cancel; the blocks
-    /// wait for the fence (`quarantine`) or for a proof the old incarnation still sends.
-    fn fence(self, ctx: &DecodeCtx<'_>) -> DecodeStep {
+    /// wait for the fence (`quarantine`) or for a proof the old incarnation still sends. The
+    /// engine hears of the failure now: it need not wait out the fence to recompute.
+    fn fence(self, ctx: &DecodeCtx<'_>, fx: &mut Outbox) -> DecodeStep {
+        self.common.announce_fenced(DecodeFailure::PeerDead, fx);
         Step::Live(DecodeRequest::Cancelling(Cancelling {
             common: self.common,
             reason: DecodeFailure::PeerDead,
@@ -297,6 +331,7 @@ impl Registered {
             next_resend: ctx.now,
             resends_left: 0,
             quarantine_until: ctx.now + ctx.config.quarantine,
+            announced: true,
         }))
     }
 
@@ -312,6 +347,7 @@ impl Registered {
             next_resend: ctx.now + ctx.config.cancel_retry_interval,
             resends_left: ctx.config.max_cancel_retries,
             quarantine_until: ctx.now + ctx.config.quarantine,
+            announced: false,
         }))
     }
 
@@ -349,7 +385,7 @@ impl Registered {
             }
             // NIXL cannot stop P's writes, and a peer declared dead may be alive (a partition,
             // a stall): the blocks are fenced, not freed (see `Cancelling`).
-            DecodeInput::PeerDead => self.fence(ctx),
+            DecodeInput::PeerDead => self.fence(ctx, fx),
             DecodeInput::Abort => self.cancel(ctx, DecodeFailure::Aborted, fx),
             DecodeInput::Shutdown => self.cancel(ctx, DecodeFailure::Shutdown, fx),
             DecodeInput::Timeout
@@ -391,6 +427,18 @@ impl Registered {
 }
 
 impl Cancelling {
+    /// The one way a cancelling request ends: failed for its first reason, whatever proof
+    /// frees it — so a request the engine was told of early ends as it was told, never
+    /// `Ready` (a late `WriteDone` only proves that the write is over).
+    fn end(self, proof: FreeProof) -> DecodeStep {
+        Step::Ended(DecodeEnded {
+            outcome: DecodeOutcome::Failed(self.reason),
+            proof,
+            announced: self.announced.then_some(self.reason),
+            common: self.common,
+        })
+    }
+
     fn settle(mut self, rank: u32, proof: FreeProof, fx: &mut Outbox) -> DecodeStep {
         if !self.settled.insert(rank) {
             // As in `Registered`: the rank already settled; counted, and nothing changes.
@@ -398,25 +446,29 @@ impl Cancelling {
             return Step::Live(DecodeRequest::Cancelling(self));
         }
         if self.settled.len() >= self.common.expected_writes as usize {
-            let outcome = DecodeOutcome::Failed(self.reason);
-            return self.common.end(outcome, proof);
+            return self.end(proof);
         }
         Step::Live(DecodeRequest::Cancelling(self))
     }
 
     fn handle(mut self, ctx: &DecodeCtx<'_>, input: DecodeInput, fx: &mut Outbox) -> DecodeStep {
-        let outcome = DecodeOutcome::Failed(self.reason);
         match input {
             // Each source rank acknowledges for itself; the blocks come back once every rank
             // that may write has settled.
             DecodeInput::CancelAck { rank } => self.settle(rank, FreeProof::CancelAcknowledged, fx),
             DecodeInput::PeerDead if ctx.mutation(Mutation::FreeOnPeerDead) => {
-                self.common.end(outcome, FreeProof::DeadPeerFence)
+                self.end(FreeProof::DeadPeerFence)
             }
             // Nobody to resend the cancel to; the quarantine already runs from the cancel, when
-            // renewals stopped, so it bounds the old incarnation's writes too.
+            // renewals stopped, so it bounds the old incarnation's writes too. The request is
+            // now fenced by the death like one fenced from `Registered`, so the engine hears
+            // of it now (once: a second death, after a rejoin, tells it nothing new).
             DecodeInput::PeerDead => {
                 self.resends_left = 0;
+                if !self.announced {
+                    self.common.announce_fenced(self.reason, fx);
+                    self.announced = true;
+                }
                 Step::Live(DecodeRequest::Cancelling(self))
             }
             DecodeInput::WriteDone { rank } => self.settle(rank, FreeProof::WritesCompleted, fx),
@@ -431,7 +483,7 @@ impl Cancelling {
                     | DecodeFailure::HandshakeFailed
                     | DecodeFailure::Incompatible => FreeProof::Quarantine,
                 };
-                self.common.end(outcome, proof)
+                self.end(proof)
             }
             DecodeInput::Timeout if self.resends_left > 0 && ctx.now >= self.next_resend => {
                 fx.send(

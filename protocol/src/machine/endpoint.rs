@@ -154,6 +154,14 @@ impl Endpoint {
         self.peers.get(peer).and_then(Peer::incarnation)
     }
 
+    /// The incarnation of `peer` that was declared dead while requests had blocks exposed to
+    /// it, as long as those requests wait for its proofs (the endpoint dials it meanwhile, and
+    /// asks it again if the same incarnation answers). For observers: the simulator checks
+    /// with it that a rejoined peer is asked.
+    pub fn fenced_run(&self, peer: &PeerAddr) -> Option<Incarnation> {
+        self.fenced_runs.get(peer).map(|&(run, _)| run)
+    }
+
     /// Sizes of every table.
     pub fn stats(&self) -> EndpointStats {
         EndpointStats {

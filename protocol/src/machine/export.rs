@@ -85,6 +85,8 @@ pub(crate) enum ExportInput {
     Ask {
         from: PeerAddr,
         epoch: Epoch,
+        /// Which ask of the reader's attempt (its grant names it back).
+        ask: u32,
     },
     /// A reader lets go of the blocks.
     Release {
@@ -162,13 +164,14 @@ impl ExportCommon {
         })
     }
 
-    fn grant(&self, ctx: &ExportCtx<'_>, epoch: Epoch) -> Message {
+    fn grant(&self, ctx: &ExportCtx<'_>, epoch: Epoch, ask: u32) -> Message {
         Message::ReadGrant(Box::new(ReadGrant {
             key: self.key.clone(),
             epoch,
             holder_rank: ctx.own.rank,
             blocks: self.blocks.clone(),
             num_tokens: self.num_tokens,
+            ask,
         }))
     }
 
@@ -257,7 +260,7 @@ impl Machine for ExportRequest {
 impl Offered {
     fn handle(self, ctx: &ExportCtx<'_>, input: ExportInput, fx: &mut Outbox) -> ExportStep {
         match input {
-            ExportInput::Ask { from, epoch } if ctx.now >= self.lease_until => {
+            ExportInput::Ask { from, epoch, .. } if ctx.now >= self.lease_until => {
                 // The lease has ended (its timer has not run yet): as if it had.
                 let refusal = self.common.refuse(ctx, epoch, ReadRefusal::Expired);
                 fx.send(&from, refusal);
@@ -266,14 +269,14 @@ impl Offered {
                     ReadProof::NeverGranted,
                 )
             }
-            ExportInput::Ask { from, epoch } => {
+            ExportInput::Ask { from, epoch, ask } => {
                 // Within the lease, which never runs past the renewal cap, a grant always fits
                 // before the hard end.
                 assert!(
                     !self.common.too_late_to_grant(ctx),
                     "an ask within the lease fits before the hard end"
                 );
-                fx.send(&from, self.common.grant(ctx, epoch));
+                fx.send(&from, self.common.grant(ctx, epoch, ask));
                 fx.counters.reads_granted += 1;
                 Step::Live(ExportRequest::Granted(Granted {
                     fence: ctx.fence(),
@@ -312,7 +315,7 @@ impl Offered {
 impl Granted {
     fn handle(mut self, ctx: &ExportCtx<'_>, input: ExportInput, fx: &mut Outbox) -> ExportStep {
         match input {
-            ExportInput::Ask { from, epoch } if from == self.reader && epoch == self.epoch => {
+            ExportInput::Ask { from, epoch, ask } if from == self.reader && epoch == self.epoch => {
                 // A copy of the ask, or a resend whose grant was lost: the same grant again. A
                 // read under the copy may start only when it arrives, so the fence moves with
                 // it; a copy that could outlive the hard end is refused instead (a read under
@@ -324,10 +327,10 @@ impl Granted {
                     return Step::Live(ExportRequest::Granted(self));
                 }
                 self.fence = self.fence.max(ctx.fence());
-                fx.send(&from, self.common.grant(ctx, epoch));
+                fx.send(&from, self.common.grant(ctx, epoch, ask));
                 Step::Live(ExportRequest::Granted(self))
             }
-            ExportInput::Ask { from, epoch }
+            ExportInput::Ask { from, epoch, .. }
                 if from == self.reader && epoch > self.epoch && self.common.aborted =>
             {
                 // The engine gave the export up: no new attempt is served.
@@ -335,7 +338,7 @@ impl Granted {
                 fx.send(&from, refusal);
                 Step::Live(ExportRequest::Granted(self))
             }
-            ExportInput::Ask { from, epoch } if from == self.reader && epoch > self.epoch => {
+            ExportInput::Ask { from, epoch, ask } if from == self.reader && epoch > self.epoch => {
                 // The reader ends an attempt only after its reads ended, so a newer attempt
                 // means none of the older one's is in flight: grant it afresh, fence from now.
                 if self.common.too_late_to_grant(ctx) {
@@ -344,13 +347,13 @@ impl Granted {
                     fx.send(&from, refusal);
                     return Step::Live(ExportRequest::Granted(self));
                 }
-                fx.send(&from, self.common.grant(ctx, epoch));
+                fx.send(&from, self.common.grant(ctx, epoch, ask));
                 fx.counters.reads_granted += 1;
                 self.epoch = epoch;
                 self.fence = ctx.fence();
                 Step::Live(ExportRequest::Granted(self))
             }
-            ExportInput::Ask { from, epoch } => {
+            ExportInput::Ask { from, epoch, .. } => {
                 let reason = if from == self.reader {
                     ReadRefusal::StaleEpoch
                 } else {

@@ -18,8 +18,13 @@
 //!   sub-request's hand-back is the proof (its `FreeProof`, or its write's end on P) that its
 //!   own peer rank can no longer write (or read) them, and no other proof covers that rank.
 //!
+//! A D sub-request fenced by its P rank's death tells its failure early
+//! ([`EngineEvent::DecodeFenced`]): the fan-in takes it as the sub-request's failure (the
+//! request's outcome, the siblings' aborts) but not as its hand-back, and says once, for the
+//! whole request, that it failed with its blocks still out ([`FanInStep::fenced`]).
+//!
 //! The engine (or its connector) owns one [`FanIn`] per multi-rank request per rank, feeds it
-//! every terminal event of the request's sub-requests, and does what each [`FanInStep`] says.
+//! every event of the request's sub-requests, and does what each [`FanInStep`] says.
 
 use std::collections::BTreeMap;
 
@@ -28,6 +33,7 @@ use crate::{BlockIds, PairingKey, ReleaseReason, RequestId};
 use super::types::{DecodeOutcome, EngineEvent, PrefillOutcome, ReleaseCause};
 use super::{ActiveMutation, DecodeFailure, Mutation};
 
+mod fenced;
 #[cfg(test)]
 mod tests;
 
@@ -95,6 +101,13 @@ pub struct FanInStep {
     /// or read (P) them any more. On `Ready` (D) they hold the prompt's KV; otherwise they may
     /// go back to the pool. Reported once.
     pub hand_back: Option<BlockIds>,
+    /// D: the request has failed (its outcome, reported in this step or an earlier one, is
+    /// `Failed`) and its shared blocks stay out, because a sub-request was fenced by its P
+    /// rank's death ([`EngineEvent::DecodeFenced`]). The engine may recompute the prompt
+    /// elsewhere now, and must neither read nor reuse the blocks until `hand_back`, which
+    /// always follows in a later step. Reported at most once per request: for the first
+    /// sub-request fenced, and only while the blocks are out.
+    pub fenced: bool,
 }
 
 /// Why the fan-in refused an input. A refused input changed nothing.
@@ -131,6 +144,13 @@ pub enum FanInError {
     /// The event hands back other blocks than the shared ones.
     #[error("sub-request {0} handed back other blocks than the shared ones")]
     BlocksMismatch(RequestId),
+    /// A second [`EngineEvent::DecodeFenced`] for a sub-request.
+    #[error("sub-request {0} was already told fenced")]
+    AlreadyFenced(RequestId),
+    /// A sub-request told fenced ended otherwise than `Failed` with the failure it was told
+    /// (the endpoint promises it does).
+    #[error("sub-request {0} ended otherwise than its early failure said")]
+    FencedOutcomeChanged(RequestId),
     /// An event of another kind than the fan-in's side (a prefill event on D's side, an export
     /// or import anywhere).
     #[error("a {got} event cannot end a sub-request of a {expected:?} fan-in")]
@@ -150,6 +170,10 @@ enum SubState {
     /// Started, not ended, and already named for abort (by a sibling's failure or by
     /// [`FanIn::abort_all`]): never named again.
     Aborting,
+    /// Failed (its peer rank died, [`EngineEvent::DecodeFenced`]) but not ended: its blocks
+    /// stay out until its final event, which repeats the failure. Not named for abort: an
+    /// abort cannot free them sooner.
+    Fenced(SubFailure),
     /// Ended well, its blocks handed back.
     Succeeded,
     /// Ended in failure (or never started), its blocks handed back.
@@ -159,7 +183,7 @@ enum SubState {
 impl SubState {
     fn ended(self) -> bool {
         match self {
-            SubState::Live | SubState::Aborting => false,
+            SubState::Live | SubState::Aborting | SubState::Fenced(_) => false,
             SubState::Succeeded | SubState::Failed(_) => true,
         }
     }
@@ -168,7 +192,7 @@ impl SubState {
 /// How many sub-requests are in each state (see [`FanIn::counts`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FanCounts {
-    /// Not ended yet (aborting ones included).
+    /// Not ended yet (aborting and fenced ones included).
     pub live: usize,
     /// Ended well.
     pub succeeded: usize,
@@ -222,6 +246,8 @@ pub struct FanIn {
     subs: BTreeMap<RequestId, (PairingKey, SubState)>,
     outcome: Option<FanOutcome>,
     handed_back: bool,
+    /// [`FanInStep::fenced`] was reported.
+    fenced: bool,
     mutation: ActiveMutation,
 }
 
@@ -258,6 +284,7 @@ impl FanIn {
             subs: table,
             outcome: None,
             handed_back: false,
+            fenced: false,
             mutation: ActiveMutation::default(),
         })
     }
@@ -289,12 +316,17 @@ impl FanIn {
         self.handed_back
     }
 
+    /// Whether [`FanInStep::fenced`] was reported: the request failed with its blocks out.
+    pub fn is_fenced(&self) -> bool {
+        self.fenced
+    }
+
     /// How many sub-requests are live, succeeded and failed.
     pub fn counts(&self) -> FanCounts {
         let mut counts = FanCounts::default();
         for (_, state) in self.subs.values() {
             match state {
-                SubState::Live | SubState::Aborting => counts.live += 1,
+                SubState::Live | SubState::Aborting | SubState::Fenced(_) => counts.live += 1,
                 SubState::Succeeded => counts.succeeded += 1,
                 SubState::Failed(_) => counts.failed += 1,
             }
@@ -324,13 +356,25 @@ impl FanIn {
         abort
     }
 
-    /// A sub-request's terminal event (its blocks handed back): what the engine does next.
+    /// A sub-request's event: its terminal one (its blocks handed back), or the early failure
+    /// of a D sub-request fenced by its peer rank's death. What the engine does next.
     ///
     /// # Errors
     /// [`FanInError`] for an event that is not the first terminal event of one of this
-    /// fan-in's sub-requests, with its key and the shared blocks; nothing changed then.
+    /// fan-in's sub-requests, with its key and the shared blocks (or its first early failure,
+    /// with its key), or a terminal event that breaks the early failure's promise; nothing
+    /// changed then.
     pub fn on_event(&mut self, event: &EngineEvent) -> Result<FanInStep, FanInError> {
         let (request, key, blocks, result) = match (self.side, event) {
+            (
+                FanSide::Decode,
+                EngineEvent::DecodeFenced {
+                    request,
+                    key,
+                    failure,
+                    ..
+                },
+            ) => return self.on_fenced(request, key, *failure),
             (
                 FanSide::Decode,
                 EngineEvent::Decode {
@@ -364,6 +408,12 @@ impl FanIn {
                     got: "decode",
                 })
             }
+            (expected, EngineEvent::DecodeFenced { .. }) => {
+                return Err(FanInError::WrongSide {
+                    expected,
+                    got: "decode-fenced",
+                })
+            }
             (expected, EngineEvent::Prefill { .. }) => {
                 return Err(FanInError::WrongSide {
                     expected,
@@ -393,6 +443,11 @@ impl FanIn {
         }
         if *blocks != self.blocks {
             return Err(FanInError::BlocksMismatch(request.clone()));
+        }
+        if let Some((_, SubState::Fenced(failure))) = self.subs.get(request) {
+            if result != SubState::Failed(*failure) {
+                return Err(FanInError::FencedOutcomeChanged(request.clone()));
+            }
         }
         Ok(self.end(request, result))
     }
@@ -471,11 +526,23 @@ impl FanIn {
                 "a request whose sub-requests all ended has an outcome"
             ),
             Some(FanOutcome::Ready) => assert!(all_succeeded, "Ready needs every sub-request"),
-            Some(FanOutcome::Failed { request, failure }) => assert_eq!(
-                self.subs.get(request).map(|(_, state)| *state),
-                Some(SubState::Failed(*failure)),
+            Some(FanOutcome::Failed { request, failure }) => assert!(
+                matches!(
+                    self.subs.get(request).map(|(_, state)| *state),
+                    Some(SubState::Failed(f) | SubState::Fenced(f)) if f == *failure
+                ),
                 "the outcome names a failed sub-request"
             ),
+        }
+        let any_fenced = self
+            .subs
+            .values()
+            .any(|(_, state)| matches!(state, SubState::Fenced(_)));
+        if self.fenced || any_fenced {
+            assert!(
+                matches!(self.outcome, Some(FanOutcome::Failed { .. })),
+                "a request told fenced has failed, and never becomes Ready"
+            );
         }
     }
 }

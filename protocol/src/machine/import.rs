@@ -57,11 +57,14 @@ pub(crate) struct Asking {
     pub(crate) common: ImportCommon,
     pub(crate) next_ask: Time,
     pub(crate) asks_left: u32,
-    /// When the latest ask was sent. The holder grants (or grants again, moving its fence) on
-    /// every copy of the ask it gets, and fences the grant a read's span after sending it, so
-    /// a grant handled within `max_message_delay` of this ask is read before the fence; one
-    /// handled later sat in a stalled process's queue, and is not read under.
-    pub(crate) asked_at: Time,
+    /// When each ask of the attempt was sent, in order (at most `max_register_retries + 1`).
+    /// The holder grants (or grants again, moving its fence) on every copy of an ask it gets,
+    /// names the ask in the grant, and fences the grant a read's span after sending it, so a
+    /// grant handled within `max_message_delay` of the ask it answers is read before the fence;
+    /// one handled later sat in a stopped process's queue, and is not read under. Judged by the
+    /// ask the grant names, not the latest: a resend on the resume of a stopped reader must not
+    /// make the grant of an ask sent before the stop look fresh.
+    pub(crate) asked_at: Vec<Time>,
 }
 
 /// Reads are posted under a grant.
@@ -114,7 +117,7 @@ pub(crate) enum ImportInput {
     PeerConnected,
     PeerConnectFailed,
     PeerDead,
-    Grant { blocks: BlockIds },
+    Grant { blocks: BlockIds, ask: u32 },
     Refused { reason: ReadRefusal },
     ReadDone { read: WriteId },
     ReadFailed { read: WriteId },
@@ -175,12 +178,13 @@ impl ImportCommon {
         }
     }
 
-    fn ask_message(&self, own: &PeerAddr) -> Message {
+    fn ask_message(&self, own: &PeerAddr, ask: u32) -> Message {
         Message::ReadAsk(ReadAsk {
             key: self.key.clone(),
             epoch: self.epoch,
             reader_request: self.request.clone(),
             reader_rank: own.rank,
+            ask,
         })
     }
 }
@@ -259,11 +263,11 @@ impl Connecting {
         let aborted = Some(ReleaseReason::Aborted);
         match input {
             ImportInput::PeerConnected => {
-                fx.send(&self.common.holder, self.common.ask_message(ctx.own));
+                fx.send(&self.common.holder, self.common.ask_message(ctx.own, 0));
                 Step::Live(ImportRequest::Asking(Asking {
                     next_ask: ctx.now + ctx.config.register_retry_interval,
                     asks_left: ctx.config.max_register_retries,
-                    asked_at: ctx.now,
+                    asked_at: vec![ctx.now],
                     common: self.common,
                 }))
             }
@@ -293,16 +297,15 @@ impl Asking {
         // The holder may have granted in a message still on its way: tell it to let go.
         let aborted = Some(ReleaseReason::Aborted);
         match input {
-            ImportInput::Grant { .. }
-                if ctx.now > self.asked_at + ctx.config.max_message_delay
-                    && !ctx.mutation.is(Mutation::ReadOnStaleGrant) =>
+            ImportInput::Grant { ask, .. }
+                if self.stale(ctx, ask) && !ctx.mutation.is(Mutation::ReadOnStaleGrant) =>
             {
                 // Nothing is read under it, so the holder may let go at once.
                 fx.counters.stale_grants_refused += 1;
                 self.common
                     .fail(ImportFailure::StaleGrant, Some(ReleaseReason::Declined))
             }
-            ImportInput::Grant { blocks } => self.granted(ctx, blocks, fx),
+            ImportInput::Grant { blocks, ask } => self.granted(ctx, blocks, ask, fx),
             ImportInput::Refused { reason } => {
                 self.common.fail(ImportFailure::Refused(reason), None)
             }
@@ -314,9 +317,10 @@ impl Asking {
             }
             ImportInput::Timeout => {
                 if self.asks_left > 0 && ctx.now >= self.next_ask {
-                    fx.send(&self.common.holder, self.common.ask_message(ctx.own));
+                    let ask = self.asked_at.len() as u32;
+                    fx.send(&self.common.holder, self.common.ask_message(ctx.own, ask));
                     self.asks_left -= 1;
-                    self.asked_at = ctx.now;
+                    self.asked_at.push(ctx.now);
                     self.next_ask = ctx.now + ctx.config.register_retry_interval;
                 }
                 Step::Live(ImportRequest::Asking(self))
@@ -334,8 +338,27 @@ impl Asking {
     /// The grant came: check that the holder's blocks fit ours and post the reads. The reader
     /// may hold fewer blocks than the holder (its own prefix cache had the start): it reads the
     /// holder's last blocks of each group.
-    fn granted(self, ctx: &ImportCtx<'_>, remote: BlockIds, fx: &mut Outbox) -> ImportStep {
-        let trusted_until = self.asked_at + read_span(ctx.config);
+    /// Whether a grant naming `ask` cannot be read under: the ask is unknown (a peer's bug), or
+    /// the grant is handled later than `max_message_delay` after that ask was sent.
+    fn stale(&self, ctx: &ImportCtx<'_>, ask: u32) -> bool {
+        self.asked_at
+            .get(ask as usize)
+            .is_none_or(|&sent| ctx.now > sent + ctx.config.max_message_delay)
+    }
+
+    fn granted(
+        self,
+        ctx: &ImportCtx<'_>,
+        remote: BlockIds,
+        ask: u32,
+        fx: &mut Outbox,
+    ) -> ImportStep {
+        // An unknown ask reaches here only under the stale-grant mutation: the latest stands in.
+        let asked = self.asked_at.get(ask as usize).or(self.asked_at.last());
+        let Some(&asked) = asked else {
+            unreachable!("an import asks before it waits for a grant");
+        };
+        let trusted_until = asked + read_span(ctx.config);
         let common = self.common;
         let fits = remote.groups.len() == common.blocks.groups.len()
             && remote

@@ -18,6 +18,10 @@ pub struct ReadAsk {
     pub reader_request: RequestId,
     /// The reader's TP rank.
     pub reader_rank: u32,
+    /// Which ask of the attempt this is (0 for the first, 1 for the first resend...). The holder
+    /// names it in its grant, so the reader knows how old the ask is that the grant answers: a
+    /// grant that waited in a stopped reader's queue must not pass for the answer to a resend.
+    pub ask: u32,
 }
 
 /// Holder → reader: the blocks are bound to the reader's `epoch` until it releases them (or,
@@ -34,6 +38,8 @@ pub struct ReadGrant {
     pub blocks: BlockIds,
     /// Tokens the blocks hold.
     pub num_tokens: u64,
+    /// The ask this grant answers (`ReadAsk::ask`).
+    pub ask: u32,
 }
 
 /// Why a holder will not let a reader read.

@@ -88,6 +88,7 @@ fn one_of_each() -> Vec<Message> {
             epoch: Epoch(7),
             reader_request: RequestId::new("r").unwrap(),
             reader_rank: 0,
+            ask: 2,
         }),
         Message::ReadGrant(Box::new(ReadGrant {
             key: key(),
@@ -95,6 +96,7 @@ fn one_of_each() -> Vec<Message> {
             holder_rank: 0,
             blocks: BlockIds::default(),
             num_tokens: 0,
+            ask: 2,
         })),
         Message::ReadRefused(ReadRefused {
             key: key(),

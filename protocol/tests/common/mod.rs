@@ -400,14 +400,20 @@ pub fn release() -> impl Strategy<Value = Release> {
 }
 
 pub fn read_ask() -> impl Strategy<Value = ReadAsk> {
-    (pairing_key(), epoch(), request_id(), any::<u32>()).prop_map(
-        |(key, epoch, reader_request, reader_rank)| ReadAsk {
+    (
+        pairing_key(),
+        epoch(),
+        request_id(),
+        any::<u32>(),
+        any::<u32>(),
+    )
+        .prop_map(|(key, epoch, reader_request, reader_rank, ask)| ReadAsk {
             key,
             epoch,
             reader_request,
             reader_rank,
-        },
-    )
+            ask,
+        })
 }
 
 pub fn read_grant() -> impl Strategy<Value = ReadGrant> {
@@ -417,14 +423,18 @@ pub fn read_grant() -> impl Strategy<Value = ReadGrant> {
         any::<u32>(),
         block_ids(),
         any::<u64>(),
+        any::<u32>(),
     )
-        .prop_map(|(key, epoch, holder_rank, blocks, num_tokens)| ReadGrant {
-            key,
-            epoch,
-            holder_rank,
-            blocks,
-            num_tokens,
-        })
+        .prop_map(
+            |(key, epoch, holder_rank, blocks, num_tokens, ask)| ReadGrant {
+                key,
+                epoch,
+                holder_rank,
+                blocks,
+                num_tokens,
+                ask,
+            },
+        )
 }
 
 pub fn read_refused() -> impl Strategy<Value = ReadRefused> {

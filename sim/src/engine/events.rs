@@ -11,9 +11,14 @@ use crate::world::{micros, Ev, NodeId, World};
 use kvhandoff_protocol::{PairingKey, RequestId};
 
 impl World {
-    /// The one terminal event of a request on one side: checks S3, S4, S7, S8 and frees.
+    /// The one terminal event of a request on one side: checks S3, S4, S7, S8 and frees. A D
+    /// request's early failure (`DecodeFenced`, not terminal) goes to `fenced.rs`.
     pub(crate) fn engine_event(&mut self, node: NodeId, event: EngineEvent) {
         let (id, key, blocks, decode) = match &event {
+            EngineEvent::DecodeFenced { .. } => {
+                self.decode_fenced(node, &event);
+                return;
+            }
             EngineEvent::Decode {
                 request,
                 key,
@@ -51,7 +56,12 @@ impl World {
         };
         let a = attempts[ai].clone();
         let inc = self.nodes[node].incarnation;
-        let Status::Live { node_inc, started } = a.status else {
+        let Status::Live {
+            node_inc,
+            started,
+            fenced,
+        } = a.status
+        else {
             self.violate(format!(
                 "S4: second terminal event for {id} ({:?})",
                 a.status
@@ -69,6 +79,10 @@ impl World {
                 a.blocks
             ));
         }
+        if let Some(told) = fenced {
+            self.check_fenced_end(&id, told, &event);
+        }
+        self.check_rejoined_asked(node, &event);
         if a.sub.is_some() {
             self.sub_event(node, request, ai, &event, started);
             return;
@@ -101,6 +115,7 @@ impl World {
                 *self.outcomes.entry(format!("proof.{proof:?}")).or_insert(0) += 1;
                 format!("decode.{outcome:?}")
             }
+            EngineEvent::DecodeFenced { .. } => unreachable!("early events return above"),
             EngineEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
             EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
                 let (label, kept) = self.read_event_checks(node, request, &a, &event, &flat);

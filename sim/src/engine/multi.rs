@@ -294,12 +294,14 @@ impl World {
                     a.status = Status::Live {
                         node_inc: inc,
                         started: now,
+                        fenced: None,
                     };
                 }
                 Err(Rejected::TableFull { .. }) if admitted == 0 => {
                     // Nothing started yet: give the blocks back and call again a little later,
                     // as for a single request.
                     self.mark("admission_refused");
+                    self.check_flood_admission(node);
                     for error in self.nodes[node].pool.free(&blocks, owner) {
                         self.violate(error);
                     }
@@ -312,6 +314,7 @@ impl World {
                     // Some siblings run already: this one never will, and the request fails.
                     if matches!(rejected, Rejected::TableFull { .. }) {
                         self.mark("admission_refused");
+                        self.check_flood_admission(node);
                     } else {
                         self.violate(format!("engine input refused by node {node}: {rejected}"));
                     }

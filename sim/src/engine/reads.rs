@@ -91,6 +91,7 @@ impl World {
         a.status = Status::Live {
             node_inc: inc,
             started: self.now,
+            fenced: None,
         };
         self.last_progress = self.now;
         self.schedule_sibling_decline(request, node, false);
@@ -149,6 +150,7 @@ impl World {
             Ok(()) => {}
             Err(Rejected::TableFull { .. }) => {
                 self.mark("admission_refused");
+                self.check_flood_admission(node);
                 return false;
             }
             Err(rejected) => {
@@ -169,6 +171,7 @@ impl World {
             status: Status::Live {
                 node_inc: inc,
                 started: now,
+                fenced: None,
             },
             kind: AttemptKind::Export {
                 hard_end: export_hard_end(now, second.ttl, &self.cfg.machine),
@@ -268,6 +271,7 @@ impl World {
             status: Status::Live {
                 node_inc: inc,
                 started: self.now,
+                fenced: None,
             },
             kind: AttemptKind::Import { read_epoch: 1 },
             sub: None,
@@ -439,7 +443,9 @@ impl World {
                     && self.keep_for_second_turn(node, request, a);
                 (format!("import.{outcome:?}"), kept)
             }
-            EngineEvent::Decode { .. } | EngineEvent::Prefill { .. } => {
+            EngineEvent::Decode { .. }
+            | EngineEvent::DecodeFenced { .. }
+            | EngineEvent::Prefill { .. } => {
                 unreachable!("push events are checked in events.rs")
             }
         }

@@ -107,6 +107,7 @@ impl World {
         self.writes.insert(seq, read);
         let scheduled = self.schedule(delay, Ev::Land { write: seq });
         assert_eq!(scheduled, seq, "the read's id is its landing event's");
+        self.maybe_stall_after_post(node);
     }
 
     /// The `Land` event of read `seq`: the holder's bytes into the reader's blocks, or a

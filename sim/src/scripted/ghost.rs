@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kvhandoff_protocol::machine::EngineEvent;
+use kvhandoff_protocol::machine::{DecodeFailure, DecodeOutcome, EngineEvent};
 use kvhandoff_protocol::{Message, PeerAddr, RequestId, WriteId};
 
 use super::Harness;
@@ -47,6 +47,12 @@ impl Harness {
                 counts.is_empty(),
                 "{addr}: events for requests the engine never started: {counts:?}"
             );
+            for (_, early) in &node.early {
+                assert!(
+                    node.started.contains(early.request()),
+                    "{addr}: an early failure for a request the engine never started: {early:?}"
+                );
+            }
             let stats = node.ep.stats();
             assert_eq!(
                 stats.decode_requests, 0,
@@ -95,6 +101,44 @@ impl Harness {
         );
     }
 
+    /// An early failure (`DecodeFenced`) comes once per request, before its end, and hands
+    /// nothing back: the blocks stay the request's.
+    fn check_early(&mut self, at: &PeerAddr, request: &RequestId, failure: DecodeFailure) {
+        let node = self.node(at);
+        let told = node.early.iter().any(|(_, e)| e.request() == request);
+        let ended = node.events.iter().any(|(_, e)| e.request() == request);
+        if told || ended {
+            self.violations.push(format!(
+                "at {}: {at} told {request} fenced ({failure:?}) again or after its end",
+                self.now
+            ));
+        }
+    }
+
+    /// A request told fenced ends `Failed` with the failure it was told.
+    fn check_told_end(&mut self, at: &PeerAddr, request: &RequestId, outcome: DecodeOutcome) {
+        let told = self.node(at).early.iter().find_map(|(_, e)| match e {
+            EngineEvent::DecodeFenced {
+                request: r,
+                failure,
+                ..
+            } if r == request => Some(*failure),
+            EngineEvent::DecodeFenced { .. }
+            | EngineEvent::Decode { .. }
+            | EngineEvent::Prefill { .. }
+            | EngineEvent::Export { .. }
+            | EngineEvent::Import { .. } => None,
+        });
+        if let Some(failure) = told {
+            if outcome != DecodeOutcome::Failed(failure) {
+                self.violations.push(format!(
+                    "at {}: {at} told {request} fenced ({failure:?}), then it ended {outcome:?}",
+                    self.now
+                ));
+            }
+        }
+    }
+
     /// Takes the violations the ghost saw (so that a test that provokes one on purpose, a
     /// mutation check, can inspect it and the harness does not panic when dropped).
     pub fn take_violations(&mut self) -> Vec<String> {
@@ -107,8 +151,22 @@ impl Harness {
     pub(super) fn check_event(&mut self, at: &PeerAddr, event: &EngineEvent) {
         let (key, epoch, proof) = match event {
             EngineEvent::Decode {
-                key, epoch, proof, ..
-            } => (key, epoch, proof),
+                key,
+                epoch,
+                proof,
+                outcome,
+                request,
+                ..
+            } => {
+                self.check_told_end(at, request, *outcome);
+                (key, epoch, proof)
+            }
+            EngineEvent::DecodeFenced {
+                request, failure, ..
+            } => {
+                self.check_early(at, request, *failure);
+                return;
+            }
             EngineEvent::Prefill {
                 request, blocks, ..
             } => {

@@ -105,7 +105,10 @@ pub fn ms(n: u64) -> Duration {
 pub fn decode_result(event: &EngineEvent) -> (DecodeOutcome, FreeProof) {
     match event {
         EngineEvent::Decode { outcome, proof, .. } => (*outcome, *proof),
-        EngineEvent::Prefill { .. } | EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
+        EngineEvent::DecodeFenced { .. }
+        | EngineEvent::Prefill { .. }
+        | EngineEvent::Export { .. }
+        | EngineEvent::Import { .. } => {
             panic!("expected a decode event, got {event:?}")
         }
     }
@@ -115,7 +118,10 @@ pub fn decode_result(event: &EngineEvent) -> (DecodeOutcome, FreeProof) {
 pub fn prefill_result(event: &EngineEvent) -> PrefillOutcome {
     match event {
         EngineEvent::Prefill { outcome, .. } => *outcome,
-        EngineEvent::Decode { .. } | EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
+        EngineEvent::Decode { .. }
+        | EngineEvent::DecodeFenced { .. }
+        | EngineEvent::Export { .. }
+        | EngineEvent::Import { .. } => {
             panic!("expected a prefill event, got {event:?}")
         }
     }
@@ -125,7 +131,10 @@ pub fn prefill_result(event: &EngineEvent) -> PrefillOutcome {
 pub fn export_result(event: &EngineEvent) -> (ExportOutcome, ReadProof) {
     match event {
         EngineEvent::Export { outcome, proof, .. } => (*outcome, *proof),
-        EngineEvent::Decode { .. } | EngineEvent::Prefill { .. } | EngineEvent::Import { .. } => {
+        EngineEvent::Decode { .. }
+        | EngineEvent::DecodeFenced { .. }
+        | EngineEvent::Prefill { .. }
+        | EngineEvent::Import { .. } => {
             panic!("expected an export event, got {event:?}")
         }
     }
@@ -135,7 +144,10 @@ pub fn export_result(event: &EngineEvent) -> (ExportOutcome, ReadProof) {
 pub fn import_result(event: &EngineEvent) -> ImportOutcome {
     match event {
         EngineEvent::Import { outcome, .. } => *outcome,
-        EngineEvent::Decode { .. } | EngineEvent::Prefill { .. } | EngineEvent::Export { .. } => {
+        EngineEvent::Decode { .. }
+        | EngineEvent::DecodeFenced { .. }
+        | EngineEvent::Prefill { .. }
+        | EngineEvent::Export { .. } => {
             panic!("expected an import event, got {event:?}")
         }
     }
@@ -206,4 +218,54 @@ pub fn two_writers() -> Harness {
     h.inject(&d_addr(), &p1_addr(), register);
     assert_eq!(h.writes.len(), 2, "both ranks posted their write");
     h
+}
+
+/// Reading a scenario's engine events.
+impl Harness {
+    /// Engine events of `addr`, in order.
+    pub fn events_of(&self, addr: &PeerAddr) -> Vec<EngineEvent> {
+        self.node(addr)
+            .events
+            .iter()
+            .map(|(_, e)| e.clone())
+            .collect()
+    }
+
+    /// D's engine events.
+    pub fn events_d(&self) -> Vec<EngineEvent> {
+        self.events_of(&d_addr())
+    }
+
+    /// D's early failures (`EngineEvent::DecodeFenced`), in order.
+    pub fn early_d(&self) -> Vec<EngineEvent> {
+        self.node(&d_addr())
+            .early
+            .iter()
+            .map(|(_, e)| e.clone())
+            .collect()
+    }
+
+    /// P's engine events.
+    pub fn events_p(&self) -> Vec<EngineEvent> {
+        self.events_of(&p_addr())
+    }
+
+    /// `(outcome, proof)` of every D event.
+    pub fn d_results(&self) -> Vec<(DecodeOutcome, FreeProof)> {
+        self.events_d().iter().map(decode_result).collect()
+    }
+
+    /// Outcome of every P event.
+    pub fn p_results(&self) -> Vec<PrefillOutcome> {
+        self.events_p().iter().map(prefill_result).collect()
+    }
+
+    /// When `addr` emitted its event about `request`.
+    pub fn event_time(&self, addr: &PeerAddr, request: &RequestId) -> Option<Time> {
+        self.node(addr)
+            .events
+            .iter()
+            .find(|(_, e)| e.request() == request)
+            .map(|(t, _)| *t)
+    }
 }

@@ -67,7 +67,42 @@ pub struct WorldConfig {
     /// deployment that breaks the requirement the time-based frees rest on. Off by default; on,
     /// the checker must find blocks handed out under a write that still lands.
     pub stall_past_allowance: bool,
+    /// The configuration was drawn by the swarm (`swarm.rs`): stall lengths fall around every
+    /// threshold of this configuration (not only the fast one's order of them). Off in the
+    /// constructors, so that every regression seed replays as found.
+    pub swarm: bool,
+    /// Half the stalls stop P's rank 0 (the writer and holder most requests meet), the rest a
+    /// node drawn at random (swarm).
+    pub stall_prefill: bool,
+    /// D's rank 0 is also a hostile peer: during the faulty phase it sends P's rank 0 a stream
+    /// of cancels and releases for made-up keys (tens per heartbeat, from a random stream of
+    /// its own, see `world/hostile.rs`). Honest simulated peers never exercise the per-peer
+    /// budget of the records P writes for keys it holds nothing for, so without this its loss
+    /// would go unseen. Off in the constructors, so that every seed replays as found.
+    pub flood_peer: bool,
+    /// The chance that an answer of a P rank (`WriteDone`, `WriteFailed`, `CancelAck`) in a
+    /// world with several P ranks names another rank (a buggy or forged peer): the rank number
+    /// alone, or, for a multi-rank request, the share of a sibling rank writing the same D rank
+    /// (its pair's key). D must count an answer only for the rank that sent it; honest ranks
+    /// always name themselves, so without this a D that trusts the named rank goes unseen.
+    /// Faulty phase only, from a random stream of its own; 0 in the constructors.
+    pub misname_rank: f64,
+    /// The chance that a process stops right after it posts a transfer, its transfers frozen
+    /// (a pause that follows a post), at most [`MAX_POST_STALLS`] per world: transfers in
+    /// flight meet stalls often, and their reports come late (swarm).
+    pub stall_after_post: f64,
 }
+
+/// Most stalls per world that start right after a post.
+pub const MAX_POST_STALLS: u32 = 3;
+
+/// The coverage mark of [`WorldConfig::flood_peer`]: `peer_flood_refused` (P left a made-up
+/// key's cancel or release unanswered for the sender's budget, `DropReason::TombstoneBudget`).
+pub const FLOOD_MARKS: &[&str] = &["peer_flood_refused"];
+
+/// The coverage mark of [`WorldConfig::misname_rank`]: `misnamed_rank_refused` (D refused an
+/// answer naming a rank other than its sender's, `DropReason::Unexpected`).
+pub const MISNAME_MARKS: &[&str] = &["misnamed_rank_refused"];
 
 /// Stalls per world in the chaos mix of `kvhandoff sim` (mean; each world draws 0 to twice as
 /// many).
@@ -117,6 +152,11 @@ impl WorldConfig {
             stall_freeze: DEFAULT_STALL_FREEZE,
             stall_messages_first: 0.0,
             stall_past_allowance: false,
+            swarm: false,
+            stall_prefill: false,
+            flood_peer: false,
+            misname_rank: 0.0,
+            stall_after_post: 0.0,
         }
     }
 
@@ -125,13 +165,30 @@ impl WorldConfig {
         !self.explore && self.faults == Faults::Chaos && self.stalls > 0.0
     }
 
-    /// The coverage marks this world must hit: its mode's, and the stall marks if it may stall.
+    /// The coverage marks this world must hit: its mode's, the stall marks if it may stall, and
+    /// the hostile peers' marks if it has them.
     pub fn required_marks(&self) -> Vec<&'static str> {
         let mut marks = self.mode.required_marks();
         if self.may_stall() {
             marks.extend_from_slice(STALL_MARKS);
         }
+        if self.floods() {
+            marks.extend_from_slice(FLOOD_MARKS);
+        }
+        if self.misnames() {
+            marks.extend_from_slice(MISNAME_MARKS);
+        }
         marks
+    }
+
+    /// Whether a hostile peer floods P with made-up keys (seeded mode only).
+    pub fn floods(&self) -> bool {
+        !self.explore && self.flood_peer
+    }
+
+    /// Whether P ranks may name another rank in their answers (seeded mode, several P ranks).
+    pub fn misnames(&self) -> bool {
+        !self.explore && self.misname_rank > 0.0 && self.prefill_ranks > 1
     }
 
     /// A small world for the ordering fuzz and the exhaustive check: 1 P, 1 D, short
@@ -155,7 +212,9 @@ impl WorldConfig {
             // Registration resends would multiply the timer orderings; the seeded sweeps
             // cover them.
             max_register_retries: 0,
-            quarantine: ms(2_000),
+            // Above the fence floor, which counts a message waiting a peer timeout in a
+            // stopped receiver's queue.
+            quarantine: ms(3_500),
             tombstone_ttl: ms(3_000),
             ..Config::default()
         };
@@ -179,6 +238,11 @@ impl WorldConfig {
             stall_freeze: 0.0,
             stall_messages_first: 0.0,
             stall_past_allowance: false,
+            swarm: false,
+            stall_prefill: false,
+            flood_peer: false,
+            misname_rank: 0.0,
+            stall_after_post: 0.0,
         }
     }
 }

@@ -31,7 +31,7 @@ impl World {
     }
 
     /// The incarnation of `b` that `a`'s endpoint is connected to, if any.
-    pub(super) fn connected_incarnation(&self, a: NodeId, b: NodeId) -> Option<Incarnation> {
+    pub(crate) fn connected_incarnation(&self, a: NodeId, b: NodeId) -> Option<Incarnation> {
         let peer = &self.nodes[b].addr;
         self.nodes[a].endpoint.as_ref()?.connected_incarnation(peer)
     }
@@ -79,7 +79,11 @@ impl World {
             self.violate(format!("node {from} sends to unknown {to}"));
             return;
         };
+        let message = self.hostile_send(from, to, message);
         self.note_sent(from, &message);
+        if let Message::Cancel(cancel) = &message {
+            self.note_cancel(from, to, cancel);
+        }
         let msg = NetMsg {
             from,
             from_inc: self.nodes[from].incarnation,
@@ -315,11 +319,15 @@ impl World {
         let kind = describe(&msg);
         let renewals_before = self.exports_renewed(msg.to);
         let refused_before = self.stale_messages_refused(msg.to);
+        let hostile = self.hostile_before(&msg);
         self.shell_notification(msg.to, msg.from, msg.from_inc, &msg.message);
         // A message handled after its sender's deadline (a stall handed it over before the
         // timers) declares the sender dead instead: that death, not the message, changes the
         // requests bound to the sender.
         let sender_declared_dead = self.stale_messages_refused(msg.to) > refused_before;
+        if let Some(before) = hostile {
+            self.hostile_after(&msg, before, sender_declared_dead);
+        }
         if let Message::Heartbeat(heartbeat) = &msg.message {
             if self.exports_renewed(msg.to) > renewals_before {
                 let keys: Vec<_> = heartbeat.leases.iter().map(|l| l.key.clone()).collect();

@@ -72,7 +72,11 @@ impl World {
         let most = (2.0 * self.cfg.stalls.min(1_000.0)).round() as u32;
         let span = self.cfg.span.as_micros() as u64;
         for _ in 0..rng.gen_range(0..=most) {
-            let node = rng.gen_range(0..self.nodes.len());
+            let node = if self.cfg.stall_prefill && rng.gen_bool(0.5) {
+                0
+            } else {
+                rng.gen_range(0..self.nodes.len())
+            };
             let at = micros(&mut rng, 0, span.max(1));
             let length = self.stall_length(&mut rng);
             let freeze = rng.gen_bool(self.cfg.stall_freeze.clamp(0.0, 1.0));
@@ -96,6 +100,9 @@ impl World {
     /// stale) and past the quarantine (a dead peer's fence frees what the stalled writer still
     /// holds a registration for).
     fn stall_length(&self, rng: &mut ChaCha8Rng) -> Duration {
+        if self.cfg.swarm {
+            return self.swarm_stall_length(rng);
+        }
         let m = &self.cfg.machine;
         let micros_of = |d: Duration| d.as_micros() as u64;
         let timeout = micros_of(m.peer_timeout);
@@ -109,6 +116,71 @@ impl World {
             _ => (quarantine, far.max(quarantine + 1)),
         };
         micros(rng, lo, hi)
+    }
+
+    /// A stall's length in a swarm world, whose thresholds may come in any order: between two
+    /// neighbouring thresholds of its configuration, each band as likely (the peer timeout, a
+    /// lease's extension, a read's span, the quarantine, D's deadline plus its quarantine, and
+    /// the quarantine past the peer timeout), or shorter than all of them, or past the last.
+    fn swarm_stall_length(&self, rng: &mut ChaCha8Rng) -> Duration {
+        let m = &self.cfg.machine;
+        let micros_of = |d: Duration| d.as_micros() as u64;
+        let mut cuts: Vec<u64> = [
+            m.peer_timeout,
+            m.lease_extension,
+            read_span(m),
+            m.quarantine,
+            m.decode_deadline + m.quarantine,
+            m.peer_timeout + m.quarantine,
+        ]
+        .iter()
+        .map(|&d| micros_of(d))
+        .collect();
+        cuts.sort_unstable();
+        cuts.dedup();
+        let last = cuts.last().copied().unwrap_or(1);
+        cuts.insert(0, 10_000.min(cuts.first().copied().unwrap_or(1)));
+        cuts.push(last + micros_of(m.max_write_life + Duration::from_secs(1)));
+        // One stall in three falls between the read span and the peer timeout where that band
+        // exists: long enough to outlive a holder's grant fence and a lease, too short for the
+        // stopped process to find its peers overdue, so only the deeper guards (the stale
+        // grant, the late read) stand between a queued message and the blocks.
+        let span = micros_of(read_span(m));
+        let timeout = micros_of(m.peer_timeout);
+        if timeout > span + 1 && rng.gen_ratio(1, 3) {
+            return micros(rng, span, timeout);
+        }
+        let band = rng.gen_range(0..cuts.len() - 1);
+        micros(rng, cuts[band], cuts[band + 1].max(cuts[band] + 1))
+    }
+
+    /// Swarm: `node` may stop right after it posted a transfer, its transfers frozen, so that a
+    /// transfer in flight meets a stall and its report comes after the resume.
+    pub(crate) fn maybe_stall_after_post(&mut self, node: NodeId) {
+        let share = self.cfg.stall_after_post;
+        if share <= 0.0
+            || self.post_stalls >= super::config::MAX_POST_STALLS
+            || !self.faulty()
+            || self.stalled(node)
+            || !self.rng.gen_bool(share.min(1.0))
+        {
+            return;
+        }
+        self.post_stalls += 1;
+        let mut rng = self.rng.clone();
+        let length = self.stall_length(&mut rng);
+        self.rng = rng;
+        self.schedule(
+            Duration::ZERO,
+            Ev::Stall {
+                node,
+                length,
+                freeze: true,
+            },
+        );
+        self.heal = self
+            .heal
+            .max(self.now + length + Duration::from_millis(200));
     }
 
     /// `node`'s process stops for `length`.

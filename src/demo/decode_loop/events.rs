@@ -91,6 +91,20 @@ impl DecodeLoop<'_> {
         st: &mut State,
     ) {
         let (request, blocks, failure) = match event {
+            ConnectorEvent::DecodeFenced { request, reason } => {
+                // Not an end: the blocks stay held until the request's `Failed`.
+                note(
+                    &mut st.errors,
+                    format!("D: {request} failed early ({reason:?}), its blocks fenced"),
+                );
+                match index.get(&request) {
+                    Some(&i) => {
+                        st.records[i].fenced_at.get_or_insert(now);
+                    }
+                    None => st.unknown += 1,
+                }
+                return;
+            }
             ConnectorEvent::BlocksReady { request, blocks } => (request, blocks, None),
             ConnectorEvent::Imported {
                 request,

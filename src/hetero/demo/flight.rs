@@ -268,6 +268,14 @@ fn gather(
             any = true;
             let (request, end) = match &event {
                 ConnectorEvent::BlocksReady { request, .. } => (request, Ended::Ready),
+                ConnectorEvent::DecodeFenced { request, reason } => {
+                    // Not an end: the request's `Failed` follows with its blocks.
+                    tally.error(format!(
+                        "{request}: D rank {} failed early: {reason:?}",
+                        rank.id
+                    ));
+                    continue;
+                }
                 ConnectorEvent::Failed {
                     request, reason, ..
                 } => {

@@ -15,7 +15,7 @@ use super::{
 use crate::machine::effects::{Outbox, Step};
 use crate::machine::shape::Machine;
 use crate::machine::types::{
-    Counters, DecodeFailure, DecodeOutcome, DropReason, FreeProof, Output, Time,
+    Counters, DecodeFailure, DecodeOutcome, DropReason, EngineEvent, FreeProof, Output, Time,
 };
 use crate::machine::Config;
 use crate::PeerAddr;
@@ -96,6 +96,7 @@ struct CancellingAt {
     next_resend: Time,
     resends_left: u32,
     quarantine_until: Time,
+    announced: bool,
 }
 
 impl CancellingAt {
@@ -108,7 +109,24 @@ impl CancellingAt {
             next_resend: ms(RESEND_MS),
             resends_left: config().max_cancel_retries,
             quarantine_until: ms(QUARANTINE_MS),
+            announced: false,
         }
+    }
+
+    /// The engine was told of the failure (`EngineEvent::DecodeFenced`).
+    fn announced(self) -> Self {
+        CancellingAt {
+            announced: true,
+            ..self
+        }
+    }
+
+    /// As P's death leaves a registered request: fenced, no resend, the engine told.
+    fn fenced(expected: u32) -> Self {
+        CancellingAt::new(expected)
+            .reason(DecodeFailure::PeerDead)
+            .resends(0, ms(NOW_MS))
+            .announced()
     }
 
     fn reason(self, reason: DecodeFailure) -> Self {
@@ -135,6 +153,7 @@ impl CancellingAt {
             next_resend: self.next_resend,
             resends_left: self.resends_left,
             quarantine_until: self.quarantine_until,
+            announced: self.announced,
         })
     }
 }
@@ -151,7 +170,35 @@ fn ended(expected_writes: u32, outcome: DecodeOutcome, proof: FreeProof) -> Next
         common: common(expected_writes),
         outcome,
         proof,
+        announced: None,
     })
+}
+
+/// A request whose engine was told of its failure early ends with that same failure.
+fn failed_told(expected_writes: u32, reason: DecodeFailure, proof: FreeProof) -> Next {
+    Next::Ended(DecodeEnded {
+        common: common(expected_writes),
+        outcome: DecodeOutcome::Failed(reason),
+        proof,
+        announced: Some(reason),
+    })
+}
+
+/// The early event a peer's death gives the engine.
+fn fenced_told(failure: DecodeFailure) -> Output {
+    Output::Event(EngineEvent::DecodeFenced {
+        request: RequestId::new("req-d").unwrap(),
+        key: key(),
+        epoch: Epoch(2),
+        failure,
+    })
+}
+
+fn told_fenced() -> Counters {
+    Counters {
+        decodes_fenced: 1,
+        ..Counters::default()
+    }
 }
 
 fn failed(expected_writes: u32, reason: DecodeFailure, proof: FreeProof) -> Next {
@@ -268,6 +315,7 @@ fn cases() -> Vec<Case> {
                 next_resend: ms(NOW_MS + 100),
                 resends_left: 5,
                 quarantine_until: ms(NOW_MS + 8_500),
+                announced: false,
             }
             .build(),
         )
@@ -384,43 +432,26 @@ fn cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
-            "registered + peer dead: fenced (no cancel to a dead peer)",
+            "registered + peer dead: fenced (no cancel to a dead peer), the engine told now",
             registered(2, &[0]),
             I::PeerDead,
-            live(
-                CancellingAt::new(2)
-                    .reason(F::PeerDead)
-                    .settled(&[0])
-                    .resends(0, ms(NOW_MS))
-                    .build(),
-            ),
-            vec![],
-            no_counters(),
+            live(CancellingAt::fenced(2).settled(&[0]).build()),
+            vec![fenced_told(F::PeerDead)],
+            told_fenced(),
         ),
         case(
             "fenced + timeout before the quarantine: still fenced",
-            CancellingAt::new(1)
-                .reason(F::PeerDead)
-                .resends(0, ms(NOW_MS))
-                .build(),
+            CancellingAt::fenced(1).build(),
             I::Timeout,
-            live(
-                CancellingAt::new(1)
-                    .reason(F::PeerDead)
-                    .resends(0, ms(NOW_MS))
-                    .build(),
-            ),
+            live(CancellingAt::fenced(1).build()),
             vec![],
             no_counters(),
         ),
         case(
-            "fenced + write done (old incarnation's proof): writes completed",
-            CancellingAt::new(1)
-                .reason(F::PeerDead)
-                .resends(0, ms(NOW_MS))
-                .build(),
+            "fenced + write done (old incarnation's proof): failed as told, never Ready",
+            CancellingAt::fenced(1).build(),
             write_done(0),
-            failed(1, F::PeerDead, P::WritesCompleted),
+            failed_told(1, F::PeerDead, P::WritesCompleted),
             vec![],
             no_counters(),
         ),
@@ -571,6 +602,7 @@ fn cases() -> Vec<Case> {
                     next_resend: ms(DEADLINE_MS + 100),
                     resends_left: 5,
                     quarantine_until: ms(DEADLINE_MS + 8_500),
+                    announced: false,
                 }
                 .build(),
             ),
@@ -582,14 +614,10 @@ fn cases() -> Vec<Case> {
         case(
             "cancelling, fenced by P's death + the same incarnation connected again (a false \
              death healed): cancel again now, every resend back",
-            CancellingAt::new(1)
-                .reason(F::PeerDead)
-                .resends(0, ms(RESEND_MS))
-                .build(),
+            CancellingAt::fenced(1).build(),
             I::PeerConnected,
             live(
-                CancellingAt::new(1)
-                    .reason(F::PeerDead)
+                CancellingAt::fenced(1)
                     .resends(
                         config().max_cancel_retries,
                         ms(NOW_MS) + config().cancel_retry_interval,
@@ -608,18 +636,45 @@ fn cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
-            "cancelling + peer dead: no more resends; the quarantine from the cancel stands",
+            "cancelling + peer dead: no more resends; the quarantine from the cancel stands; \
+             fenced now, so the engine is told (the first reason stands)",
             CancellingAt::new(2).settled(&[0]).build(),
             I::PeerDead,
             live(
                 CancellingAt::new(2)
                     .settled(&[0])
                     .resends(0, ms(RESEND_MS))
+                    .announced()
                     .build(),
             ),
+            vec![fenced_told(F::Aborted)],
+            told_fenced(),
+        ),
+        case(
+            "cancelling, told already + peer dead again (after a rejoin): nothing told twice",
+            CancellingAt::fenced(1).resends(3, ms(RESEND_MS)).build(),
+            I::PeerDead,
+            live(CancellingAt::fenced(1).resends(0, ms(RESEND_MS)).build()),
             vec![],
             no_counters(),
         ),
+        case(
+            "cancelling, told + ack (the rejoined incarnation's proof): failed as told",
+            CancellingAt::new(1).reason(F::Deadline).announced().build(),
+            cancel_ack(0),
+            failed_told(1, F::Deadline, P::CancelAcknowledged),
+            vec![],
+            no_counters(),
+        ),
+        case(
+            "fenced + timeout at the quarantine: freed by the fence, failed as told",
+            CancellingAt::fenced(1).build(),
+            I::Timeout,
+            failed_told(1, F::PeerDead, P::DeadPeerFence),
+            vec![],
+            no_counters(),
+        )
+        .at(ms(QUARANTINE_MS)),
         case(
             "cancelling(1) + write done: writes completed, first reason stands",
             CancellingAt::new(1).reason(F::Deadline).build(),
@@ -1003,3 +1058,5 @@ fn cancel_ack_from_one_of_two_ranks_does_not_free() {
     assert_eq!(outputs, vec![]);
     assert_eq!(counters, Counters::default());
 }
+
+mod fenced;

@@ -97,7 +97,17 @@ impl Endpoint {
             common,
             outcome,
             proof,
+            announced,
         } = ended;
+        if let Some(failure) = announced {
+            // The promise of `EngineEvent::DecodeFenced`: the final event repeats its failure
+            // (an engine that recomputed must never see the request `Ready` after all).
+            assert_eq!(
+                outcome,
+                DecodeOutcome::Failed(failure),
+                "a request told of early ends as it was told"
+            );
+        }
         let gave_up_before_registering = proof == FreeProof::NeverExposed
             && matches!(
                 outcome,

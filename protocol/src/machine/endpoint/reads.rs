@@ -219,6 +219,7 @@ impl Endpoint {
                     let input = ExportInput::Ask {
                         from,
                         epoch: ask.epoch,
+                        ask: ask.ask,
                     };
                     self.step_export(now, &ask.key, input);
                 } else {
@@ -236,6 +237,7 @@ impl Endpoint {
                 let (key, epoch) = (grant.key.clone(), grant.epoch);
                 let input = ImportInput::Grant {
                     blocks: grant.blocks,
+                    ask: grant.ask,
                 };
                 if !self.route_to_import(now, &from, &key, epoch, input) {
                     // Not for a live attempt (late, duplicated, or ours ended): nothing was or

@@ -186,6 +186,7 @@ fn grant_sent(to: PeerAddr, epoch: Epoch) -> Output {
             holder_rank: 2,
             blocks: blocks(),
             num_tokens: 40,
+            ask: 0,
         })),
     }
 }
@@ -276,7 +277,11 @@ impl Case {
 }
 
 fn ask(from: PeerAddr, epoch: Epoch) -> ExportInput {
-    ExportInput::Ask { from, epoch }
+    ExportInput::Ask {
+        from,
+        epoch,
+        ask: 0,
+    }
 }
 
 fn release(from: PeerAddr, epoch: Epoch, reason: ReleaseReason) -> ExportInput {

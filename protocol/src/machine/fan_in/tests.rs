@@ -415,3 +415,140 @@ fn the_mutation_hands_back_at_the_first_failure() {
     let step = fan.on_event(&decode_event(1, ABORTED)).unwrap();
     assert_eq!(step.hand_back, None, "handed back once");
 }
+
+fn fenced_event(n: u32, failure: DecodeFailure) -> EngineEvent {
+    EngineEvent::DecodeFenced {
+        request: id(n),
+        key: sub(n).key,
+        epoch: Epoch::FIRST,
+        failure,
+    }
+}
+
+fn fence_freed(n: u32, failure: DecodeFailure) -> EngineEvent {
+    EngineEvent::Decode {
+        request: id(n),
+        key: sub(n).key,
+        epoch: Epoch::FIRST,
+        outcome: DecodeOutcome::Failed(failure),
+        proof: FreeProof::DeadPeerFence,
+        blocks: shared(),
+    }
+}
+
+/// P rank 1 dies: its sub-request tells its failure early, the request fails at once (its
+/// sibling aborted, the engine told once) while the shared blocks wait for the fence; a second
+/// sub-request fenced tells the engine nothing new.
+#[test]
+fn the_first_sub_request_fenced_fails_the_request_once_and_holds_the_blocks() {
+    let mut fan = fan(FanSide::Decode, 3);
+    let landed = fan.on_event(&decode_event(0, READY)).unwrap();
+    assert_eq!(
+        landed,
+        FanInStep::default(),
+        "precondition: one pair landed"
+    );
+    let step = fan
+        .on_event(&fenced_event(1, DecodeFailure::PeerDead))
+        .unwrap();
+    let failed = FanOutcome::Failed {
+        request: id(1),
+        failure: SubFailure::Decode(DecodeFailure::PeerDead),
+    };
+    assert_eq!(
+        step,
+        FanInStep {
+            abort: vec![id(2)],
+            outcome: Some(failed.clone()),
+            hand_back: None,
+            fenced: true,
+        }
+    );
+    assert!(fan.is_fenced());
+    assert_eq!(fan.counts().live, 2, "the fenced one has not handed back");
+    // The aborted sibling is fenced too (its P rank died as well): nothing new to tell.
+    let step = fan
+        .on_event(&fenced_event(2, DecodeFailure::Aborted))
+        .unwrap();
+    assert_eq!(step, FanInStep::default());
+    let step = fan
+        .on_event(&fence_freed(2, DecodeFailure::Aborted))
+        .unwrap();
+    assert_eq!(step, FanInStep::default(), "rank 1's blocks still out");
+    let step = fan
+        .on_event(&fence_freed(1, DecodeFailure::PeerDead))
+        .unwrap();
+    assert_eq!(step.hand_back, Some(shared()));
+    assert_eq!((step.outcome, step.fenced), (None, false));
+    assert_eq!(fan.outcome(), Some(&failed));
+}
+
+/// A sibling's final failure decided the outcome; a later fenced sub-request still tells the
+/// engine, once, that the blocks stay out.
+#[test]
+fn a_fence_after_the_outcome_is_told_without_a_new_outcome() {
+    let mut fan = fan(FanSide::Decode, 2);
+    let step = fan.on_event(&decode_event(0, ABORTED)).unwrap();
+    assert_eq!(step.abort, vec![id(1)], "precondition: the request failed");
+    assert!(step.outcome.is_some());
+    let step = fan
+        .on_event(&fenced_event(1, DecodeFailure::Aborted))
+        .unwrap();
+    assert_eq!(
+        step,
+        FanInStep {
+            fenced: true,
+            ..FanInStep::default()
+        }
+    );
+    let step = fan
+        .on_event(&fence_freed(1, DecodeFailure::Aborted))
+        .unwrap();
+    assert_eq!(step.hand_back, Some(shared()));
+    assert!(!step.fenced);
+}
+
+#[test]
+fn a_fenced_sub_request_keeps_its_promise() {
+    let mut fan = fan(FanSide::Decode, 2);
+    fan.on_event(&fenced_event(0, DecodeFailure::PeerDead))
+        .unwrap();
+    assert!(fan.is_fenced(), "precondition: told fenced");
+    let before = fan.clone();
+    let refused = [
+        (
+            fenced_event(0, DecodeFailure::PeerDead),
+            FanInError::AlreadyFenced(id(0)),
+        ),
+        (
+            decode_event(0, READY),
+            FanInError::FencedOutcomeChanged(id(0)),
+        ),
+        (
+            fence_freed(0, DecodeFailure::Deadline),
+            FanInError::FencedOutcomeChanged(id(0)),
+        ),
+        (
+            fenced_event(5, DecodeFailure::PeerDead),
+            FanInError::UnknownRequest(id(5)),
+        ),
+    ];
+    for (event, error) in refused {
+        assert_eq!(fan.on_event(&event), Err(error.clone()), "{error}");
+        assert_eq!(fan, before, "{error}: a refused input changed nothing");
+    }
+    let mut p = self::fan(FanSide::Prefill, 2);
+    assert_eq!(
+        p.on_event(&fenced_event(0, DecodeFailure::PeerDead)),
+        Err(FanInError::WrongSide {
+            expected: FanSide::Prefill,
+            got: "decode-fenced",
+        })
+    );
+    let mut ended = self::fan(FanSide::Decode, 2);
+    ended.on_event(&decode_event(0, READY)).unwrap();
+    assert_eq!(
+        ended.on_event(&fenced_event(0, DecodeFailure::PeerDead)),
+        Err(FanInError::AlreadyEnded(id(0)))
+    );
+}

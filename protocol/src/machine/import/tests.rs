@@ -118,14 +118,17 @@ fn asking_with(policy: LoadFailurePolicy, next_ask: Time, asks_left: u32) -> Imp
         common: common(policy),
         next_ask,
         asks_left,
-        asked_at: ms(NOW_MS),
+        asked_at: vec![ms(NOW_MS)],
     })
 }
 
-/// `asking` with its latest ask sent at `at`.
-fn asked_again_at(asking: ImportRequest, at: Time) -> ImportRequest {
+/// `asking` with another ask sent at `at` (a resend).
+fn asked_also_at(asking: ImportRequest, at: Time) -> ImportRequest {
     match asking {
-        ImportRequest::Asking(s) => ImportRequest::Asking(Asking { asked_at: at, ..s }),
+        ImportRequest::Asking(mut s) => {
+            s.asked_at.push(at);
+            ImportRequest::Asking(s)
+        }
         other => other,
     }
 }
@@ -142,6 +145,8 @@ struct ReadingAt {
     first_failed_block: Option<usize>,
     failure: Option<ImportFailure>,
     granted: Time,
+    /// When the ask the grant answered was sent.
+    asked: Time,
     abandoned: bool,
     /// When the reads' bound falls, if not the grant's.
     reads_end_by: Option<Time>,
@@ -159,6 +164,7 @@ impl ReadingAt {
             first_failed_block: None,
             failure: None,
             granted: ms(NOW_MS),
+            asked: ms(NOW_MS),
             abandoned: false,
             reads_end_by: None,
         }
@@ -170,6 +176,11 @@ impl ReadingAt {
             granted: at,
             ..self
         }
+    }
+
+    /// Under a grant of an ask sent at `at` instead of NOW.
+    fn asked_at(self, at: Time) -> Self {
+        ReadingAt { asked: at, ..self }
     }
 
     /// Its unreported reads were abandoned at `at` (the bound): it waits an abandon's
@@ -216,8 +227,7 @@ impl ReadingAt {
             reads_end_by: self
                 .reads_end_by
                 .unwrap_or(self.granted + (ms(READS_END_MS) - ms(NOW_MS))),
-            // Every fixture asked at NOW.
-            trusted_until: ms(NOW_MS) + crate::machine::read_span(&config()),
+            trusted_until: self.asked + crate::machine::read_span(&config()),
             abandoned: self.abandoned,
         })
     }
@@ -270,6 +280,11 @@ fn recompute(valid_tokens: u64, failure: ImportFailure) -> ImportOutcome {
 }
 
 fn ask_sent() -> Output {
+    ask_sent_n(0)
+}
+
+/// The `n`th ask of the attempt (0: the first).
+fn ask_sent_n(n: u32) -> Output {
     Output::Send {
         to: holder(),
         message: Message::ReadAsk(ReadAsk {
@@ -277,6 +292,7 @@ fn ask_sent() -> Output {
             epoch: EPOCH,
             reader_request: request(),
             reader_rank: 3,
+            ask: n,
         }),
     }
 }
@@ -370,7 +386,12 @@ impl Case {
 }
 
 fn grant(blocks: BlockIds) -> ImportInput {
-    ImportInput::Grant { blocks }
+    grant_of_ask(blocks, 0)
+}
+
+/// A grant answering the attempt's `ask`th ask.
+fn grant_of_ask(blocks: BlockIds, ask: u32) -> ImportInput {
+    ImportInput::Grant { blocks, ask }
 }
 
 fn refused(reason: ReadRefusal) -> ImportInput {
@@ -558,6 +579,60 @@ fn cases() -> Vec<Case> {
         )
         .at(ms(NOW_MS + 1_001)),
         case(
+            "asking + grant of the first ask, handled after a resend and later than a grant can \
+             travel after that ask (a stopped reader resent on its resume): nothing read",
+            asked_also_at(asking(RECOMPUTE), ms(NOW_MS + 1_500)),
+            grant_of_ask(single(&[100, 101, 102, 103]), 0),
+            ended_unread(
+                common(RECOMPUTE),
+                recompute(0, F::StaleGrant),
+                Some(R::Declined),
+            ),
+            vec![],
+            {
+                let mut counters = no_counters();
+                counters.stale_grants_refused = 1;
+                counters
+            },
+        )
+        .at(ms(NOW_MS + 1_600)),
+        case(
+            "asking + grant of the resend, within a grant's travel after it: read, trusted from \
+             the resend",
+            asked_also_at(asking(FAIL), ms(NOW_MS + 1_500)),
+            grant_of_ask(single(&[100, 101, 102, 103]), 1),
+            live(
+                ReadingAt::new(FAIL, &[(0, 0)])
+                    .granted_at(ms(NOW_MS + 1_600))
+                    .asked_at(ms(NOW_MS + 1_500))
+                    .build(),
+            ),
+            vec![read_posted(
+                0,
+                single(&LOCAL),
+                single(&[100, 101, 102, 103]),
+            )],
+            posted(1),
+        )
+        .at(ms(NOW_MS + 1_600)),
+        case(
+            "asking + grant naming an ask never sent (a peer's bug): nothing read, the holder \
+             let go",
+            asking(RECOMPUTE),
+            grant_of_ask(single(&[100, 101, 102, 103]), 7),
+            ended_unread(
+                common(RECOMPUTE),
+                recompute(0, F::StaleGrant),
+                Some(R::Declined),
+            ),
+            vec![],
+            {
+                let mut counters = no_counters();
+                counters.stale_grants_refused = 1;
+                counters
+            },
+        ),
+        case(
             "asking + grant, chunks of 2: two reads in order",
             asking(FAIL),
             grant(single(&[100, 101, 102, 103])),
@@ -724,11 +799,11 @@ fn cases() -> Vec<Case> {
             "asking + timeout at the next ask: ask again",
             asking(FAIL),
             I::Timeout,
-            live(asked_again_at(
+            live(asked_also_at(
                 asking_with(FAIL, ms(NEXT_ASK_MS + 500), ASKS - 1),
                 ms(NEXT_ASK_MS),
             )),
-            vec![ask_sent()],
+            vec![ask_sent_n(1)],
             no_counters(),
         )
         .at(ms(NEXT_ASK_MS)),
@@ -736,11 +811,11 @@ fn cases() -> Vec<Case> {
             "asking + late timeout after the next ask: ask again, next one from now",
             asking_with(FAIL, ms(NEXT_ASK_MS), 1),
             I::Timeout,
-            live(asked_again_at(
+            live(asked_also_at(
                 asking_with(FAIL, ms(NEXT_ASK_MS + 200 + 500), 0),
                 ms(NEXT_ASK_MS + 200),
             )),
-            vec![ask_sent()],
+            vec![ask_sent_n(1)],
             no_counters(),
         )
         .at(ms(NEXT_ASK_MS + 200)),
@@ -778,7 +853,7 @@ fn cases() -> Vec<Case> {
                 common: two_groups(FAIL),
                 next_ask: ms(NEXT_ASK_MS),
                 asks_left: ASKS,
-                asked_at: ms(NOW_MS),
+                asked_at: vec![ms(NOW_MS)],
             }),
             grant(groups(&[&[100, 101], &[200, 201]])),
             live(ReadingAt::of(two_groups(FAIL), &[(0, 0)]).build()),
@@ -796,7 +871,7 @@ fn cases() -> Vec<Case> {
                 common: two_groups(FAIL),
                 next_ask: ms(NEXT_ASK_MS),
                 asks_left: ASKS,
-                asked_at: ms(NOW_MS),
+                asked_at: vec![ms(NOW_MS)],
             }),
             grant(groups(&[&[100, 101, 102], &[200, 201, 202, 203]])),
             live(ReadingAt::of(two_groups(FAIL), &[(0, 0)]).build()),
@@ -813,7 +888,7 @@ fn cases() -> Vec<Case> {
                 common: two_groups(FAIL),
                 next_ask: ms(NEXT_ASK_MS),
                 asks_left: ASKS,
-                asked_at: ms(NOW_MS),
+                asked_at: vec![ms(NOW_MS)],
             }),
             grant(groups(&[&[100, 101, 102], &[200]])),
             ended_unread(
@@ -830,7 +905,7 @@ fn cases() -> Vec<Case> {
                 common: two_groups(FAIL),
                 next_ask: ms(NEXT_ASK_MS),
                 asks_left: ASKS,
-                asked_at: ms(NOW_MS),
+                asked_at: vec![ms(NOW_MS)],
             }),
             grant(single(&[100, 101, 102, 103])),
             ended_unread(
@@ -1557,7 +1632,7 @@ fn connect_ask_read_release() {
     let Next::Live(state) = next else { panic!() };
     let (next, outputs, _, next_read) =
         step_from(state, ms(NEXT_ASK_MS), 3, next_read, ImportInput::Timeout);
-    assert_eq!(outputs, vec![ask_sent()], "no grant yet: ask again");
+    assert_eq!(outputs, vec![ask_sent_n(1)], "no grant yet: ask again");
     let Next::Live(state) = next else { panic!() };
     let granted_at = NEXT_ASK_MS + 100;
     let (next, outputs, counters, next_read) = step_from(
@@ -1734,14 +1809,18 @@ fn the_table_tells_apart_a_lost_read_post() {
 }
 
 /// The table catches the deliberate bug of a reader that reads under a grant that arrived
-/// later than a grant can travel (`read_on_stale_grant`): exactly the stale-grant case.
+/// later than a grant can travel after the ask it answers (`read_on_stale_grant`): exactly the
+/// three stale-grant cases.
 #[cfg(feature = "mutations")]
 #[test]
 fn the_table_catches_a_read_on_a_stale_grant() {
     let caught = caught_under(crate::machine::Mutation::ReadOnStaleGrant);
-    assert_eq!(caught.len(), 1, "{caught:?}");
+    assert_eq!(caught.len(), 3, "{caught:?}");
     assert!(
-        caught[0].contains("later than a grant can travel"),
+        caught
+            .iter()
+            .all(|name| name.contains("later than a grant can travel")
+                || name.contains("never sent")),
         "{caught:?}"
     );
 }

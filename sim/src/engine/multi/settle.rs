@@ -63,6 +63,7 @@ impl World {
                 }
                 (true, format!("sub.decode.{outcome:?}"))
             }
+            EngineEvent::DecodeFenced { .. } => unreachable!("early events go to fenced.rs"),
             EngineEvent::Prefill { outcome, .. } => (false, format!("sub.prefill.{outcome:?}")),
             EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
                 self.violate(format!("S4: a read event for the push sub-request {id}"));
@@ -89,7 +90,12 @@ impl World {
     /// Does what the fan-in of `request` on `node` said: the shared blocks back (judged
     /// first), then the siblings' aborts (each cancels at its own peer rank; their outputs
     /// are drained by the caller).
-    pub(super) fn after_fan_step(&mut self, node: NodeId, request: usize, step: FanInStep) {
+    pub(in crate::engine) fn after_fan_step(
+        &mut self,
+        node: NodeId,
+        request: usize,
+        step: FanInStep,
+    ) {
         if let Some(outcome) = &step.outcome {
             let key = &self.requests[request].key;
             let line = format!("engine: {key} on rank {node}: {outcome:?}");

@@ -189,3 +189,5 @@ fn a_p_answer_counts_only_for_the_rank_that_sent_it() {
         );
     }
 }
+
+mod fenced;

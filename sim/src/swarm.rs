@@ -1,0 +1,137 @@
+//! Swarm testing: each seed draws its own configuration, so that states one fixed configuration
+//! makes rare are common in some seeds of any 300.
+//!
+//! One configuration cannot reach every defence: the machines' guards are layered. With the
+//! fast configuration's 150 ms peer timeout, any stall long enough to lapse a lease or outlive a
+//! grant fence first makes the stalled process's peers look dead, and the overdue-peer guard
+//! refuses what the deeper guards (the lease check, the stale-grant check, the late-read check)
+//! would have refused; a bug in one of those is then invisible. Real deployments set the peer
+//! timeout where they like, so the swarm draws timing profiles in which each threshold is
+//! crossed alone: peer timeouts past the lease extension and the read span. (A profile with the
+//! peer timeout past D's deadline plus its quarantine found that the fence floor must count a
+//! peer timeout, `Config::max_handling_delay`; such a configuration is now refused.) Likewise
+//! small tombstone tables, registration resends, stall counts, which stalls freeze transfers,
+//! which resumes hand over messages first, stalls aimed at P or right after a post, storms of
+//! late messages and retries, and hostile peers.
+//!
+//! The draws come from streams of their own, seeded by the seed alone: a seed's load is drawn
+//! as without the swarm, and a seed replays with the same options. [`SimOptions::new`] leaves
+//! the swarm off, so every regression seed replays the world it was found in.
+//!
+//! [`SimOptions::new`]: crate::SimOptions::new
+
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::world::Rates;
+use crate::{Faults, SimOptions, WorldConfig};
+
+/// Tombstones per side in the swarm's small tables: from a handful (eviction at capacity under
+/// any load, budgets of one or two records per peer) to the fixed sweep's small table.
+const SMALL_TABLES: std::ops::RangeInclusive<usize> = 6..=24;
+
+/// How each seed's timings relate its peer timeout to the other thresholds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TimingProfile {
+    /// The fast configuration: a death is declared before any lease or fence runs out.
+    Fast,
+    /// A peer timeout of a second: deaths after a few hundred milliseconds of silence are not
+    /// declared, short stalls pass unnoticed.
+    Second,
+    /// A peer timeout past the lease extension and the read span: a stall lapses leases and
+    /// outlives grant fences while its peers still look alive.
+    PastLeases,
+}
+
+/// Draws seed `seed`'s configuration into `cfg` (already built for the seed's load).
+pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x7377_6172_6d5f_6366);
+    cfg.swarm = true;
+    let profile = match rng.gen_range(0..10) {
+        0..=3 => TimingProfile::Fast,
+        4..=5 => TimingProfile::Second,
+        _ => TimingProfile::PastLeases,
+    };
+    apply_profile(&mut rng, cfg, profile);
+    if rng.gen_ratio(1, 4) {
+        cfg.machine.max_tombstones = rng.gen_range(SMALL_TABLES);
+    }
+    if rng.gen_ratio(1, 4) {
+        // Resends multiply late registration copies, which the epoch floor and the tombstones
+        // must stop.
+        let m = &mut cfg.machine;
+        m.max_register_retries = rng.gen_range(0..=6);
+        m.register_retry_interval = Duration::from_millis(rng.gen_range(100..=500));
+        m.tombstone_ttl = m
+            .tombstone_ttl
+            .max(m.tombstone_min_life() + m.heartbeat_interval);
+    }
+    if cfg.stalls > 0.0 {
+        cfg.stalls *= [0.5, 1.0, 2.0, 3.0][rng.gen_range(0..4)];
+        cfg.stall_freeze = [0.0, cfg.stall_freeze, 1.0][rng.gen_range(0..3)];
+        if cfg.stall_messages_first > 0.0 {
+            cfg.stall_messages_first = [0.0, cfg.stall_messages_first, 1.0][rng.gen_range(0..3)];
+        }
+        cfg.stall_prefill = rng.gen_ratio(1, 2);
+        if rng.gen_ratio(1, 2) {
+            cfg.stall_after_post = 0.05;
+        }
+    }
+    if cfg.faults == Faults::Chaos {
+        // Hostile peers: honest simulated ones never test the budgets and checks kept for
+        // buggy or forged ones.
+        cfg.flood_peer |= rng.gen_ratio(1, 6);
+        if cfg.prefill_ranks > 1 && rng.gen_ratio(1, 4) {
+            cfg.misname_rank = cfg.misname_rank.max(0.2);
+        }
+    }
+    debug_assert!(opts.faults == cfg.faults);
+    if let Err(e) = cfg.machine.validate() {
+        // The profiles are built to be valid: a refusal is a bug of this module.
+        panic!("swarm drew an invalid configuration for seed {seed}: {e}");
+    }
+}
+
+/// Moves the heartbeat and peer timeout of `cfg` to `profile`, keeping every bound valid.
+fn apply_profile(rng: &mut ChaCha8Rng, cfg: &mut WorldConfig, profile: TimingProfile) {
+    let ms = Duration::from_millis;
+    let m = &mut cfg.machine;
+    let heartbeat = match profile {
+        TimingProfile::Fast => return,
+        TimingProfile::Second => ms(250),
+        TimingProfile::PastLeases => ms(500),
+    };
+    m.heartbeat_interval = heartbeat;
+    m.lease_extension = m.lease_extension.max(m.heartbeat_interval * 2);
+    m.lease_duration = m.lease_duration.max(m.lease_extension);
+    m.peer_timeout = match profile {
+        TimingProfile::Fast | TimingProfile::Second => ms(1_000),
+        TimingProfile::PastLeases => {
+            let floor = m
+                .lease_extension
+                .max(kvhandoff_protocol::machine::read_span(m));
+            floor + ms(rng.gen_range(300..=2_500))
+        }
+    };
+    // The fence floor and the tombstones' minimum life count a message waiting a peer timeout
+    // in a stopped receiver's queue: the quarantine and the tombstones move with it, a
+    // heartbeat to spare.
+    m.quarantine = m.quarantine.max(m.fence_floor() + m.heartbeat_interval);
+    m.tombstone_ttl = m
+        .tombstone_ttl
+        .max(m.tombstone_min_life() + m.heartbeat_interval);
+}
+
+/// Seed `seed`'s fault rates beyond the fixed sweep's picks (chaos only): one seed in three
+/// runs a storm of late messages — many slow messages, many copies, most failed requests
+/// retried with a new epoch — where answers of an old attempt meet the new one.
+pub(crate) fn draw_rates(seed: u64, faults: Faults, rates: &mut Rates) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x7377_6172_6d5f_7274);
+    if faults == Faults::Chaos && rng.gen_ratio(1, 3) {
+        rates.slow_msg = rates.slow_msg.max(0.2);
+        rates.dup = rates.dup.max(0.1);
+        rates.retry = rates.retry.max(0.9);
+    }
+}
