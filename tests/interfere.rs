@@ -184,7 +184,7 @@ fn served_after(d: &serde_json::Value, after: f64, all: &str) -> usize {
 }
 
 /// (c) P is stopped 500 ms into the schedule for 4.5 s: past D's peer timeout and past D's
-/// quarantine (about 3.4 s with the nodes' fence flags), so D fences and then frees by
+/// quarantine (about 3.7 s with the nodes' fence flags), so D fences and then frees by
 /// `DeadPeerFence` the blocks it had exposed to P, and reuses them. On the resume P runs its
 /// overdue timers before anything that queued during the stop (and its machines refuse what is
 /// stale on its face): it takes D as dead rather than handling D's old registrations, whose
@@ -281,6 +281,21 @@ fn a_pulling_decode_stopped_past_the_grant_fence_reads_no_stale_bytes() {
 /// and every request ends (well within the nodes' 60 s limit), no byte wrong, every block back.
 #[test]
 fn a_false_death_with_production_bounds_heals_by_proof() {
+    false_deaths_heal_by_proof(&[Duration::from_millis(6_000)]);
+}
+
+/// Issue 19, finding 3, twice in one run: P stopped 6 s, served again, stopped 6 s again.
+#[test]
+fn two_false_deaths_with_production_bounds_heal_by_proof() {
+    false_deaths_heal_by_proof(&[Duration::from_millis(6_000), Duration::from_millis(6_000)]);
+}
+
+/// Two nodes with the production bounds (peer timeout 3 s, quarantine 200 s), 400 requests; P
+/// stopped for each of `stops` (4 s apart), each past the peer timeout: every request ends,
+/// 0 wrong bytes, every block back; the engine is told of each fenced request within a peer
+/// timeout of the stop (`DecodeFenced`, blocks still out) and gets them back by P's answer
+/// after the resume, none by the 200 s fence.
+fn false_deaths_heal_by_proof(stops: &[Duration]) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     require_runtime();
     let (p_addr, d_addr) = two_ports();
@@ -297,9 +312,16 @@ fn a_false_death_with_production_bounds_heals_by_proof() {
     p.await_schedule(started + WAIT);
     d.await_schedule(started + WAIT);
     thread::sleep(Duration::from_millis(1_000));
-    let stopped = p.signal("STOP");
-    thread::sleep(Duration::from_millis(6_000));
-    let resumed = p.signal("CONT");
+    let mut spans = Vec::new();
+    for (i, &stop) in stops.iter().enumerate() {
+        if i > 0 {
+            thread::sleep(Duration::from_millis(4_000));
+        }
+        let stopped = p.signal("STOP");
+        thread::sleep(stop);
+        spans.push((stopped, p.signal("CONT")));
+    }
+    let resumed = spans.last().map_or(0.0, |&(_, r)| r);
     let done = finish_all(vec![p, d], Instant::now() + Duration::from_secs(90));
     let all: String = done.iter().map(Finished::show).collect();
     let reports: Vec<serde_json::Value> = done
@@ -317,12 +339,13 @@ fn a_false_death_with_production_bounds_heals_by_proof() {
         })
         .collect();
     let d = &reports[1];
-    let proofs: Vec<String> = ends(d).into_iter().filter_map(|r| r.proof).collect();
+    let d_ends = ends(d);
+    let proofs: Vec<String> = d_ends.iter().filter_map(|r| r.proof.clone()).collect();
     let acked = proofs.iter().filter(|p| *p == "CancelAcknowledged").count();
     let fenced = proofs.iter().filter(|p| *p == "DeadPeerFence").count();
     assert!(
-        count(d, "peer_deaths") >= 1,
-        "precondition: D declared P dead\n{all}"
+        count(d, "peer_deaths") >= stops.len() as u64,
+        "precondition: D declared P dead at each stop\n{all}"
     );
     assert!(
         acked > 0,
@@ -332,14 +355,46 @@ fn a_false_death_with_production_bounds_heals_by_proof() {
         fenced, 0,
         "a fenced request waited for the 200 s fence\n{all}"
     );
-    let last = ends(d)
-        .iter()
-        .filter_map(|r| r.ended)
-        .fold(0.0f64, f64::max);
+    let told: Vec<&End> = d_ends.iter().filter(|r| r.fenced.is_some()).collect();
+    assert!(
+        !told.is_empty(),
+        "precondition: the engine was told of fenced requests early\n{all}"
+    );
+    // Told within a peer timeout (3 s) of the stop that fenced it, with a second of slack for
+    // the heartbeat and the engine's loop; handed back only later.
+    for r in &told {
+        let at = r.fenced.unwrap_or_default();
+        let stop = spans
+            .iter()
+            .rev()
+            .find(|&&(stopped, _)| stopped <= at)
+            .map(|&(stopped, _)| stopped);
+        let Some(stopped) = stop else {
+            panic!("request {} told fenced before any stop\n{all}", r.index);
+        };
+        assert!(
+            at - stopped <= 4_000.0,
+            "request {} told fenced {:.0} ms after the stop\n{all}",
+            r.index,
+            at - stopped
+        );
+        assert!(
+            r.ended.is_some_and(|ended| ended >= at) && r.outcome.starts_with("Failed"),
+            "request {} told fenced, then {:?} at {:?}\n{all}",
+            r.index,
+            r.outcome,
+            r.ended
+        );
+    }
+    let last = d_ends.iter().filter_map(|r| r.ended).fold(0.0f64, f64::max);
     eprintln!(
-        "P stopped {:.0} ms: {acked} fenced D requests settled by P's answer, 0 by the fence; \
-         D outcomes {}; the last request ended {:.1} s after the resume",
-        resumed - stopped,
+        "P stopped {:?} ms: {} told fenced at once, {acked} settled by P's answer, 0 by the \
+         fence; D outcomes {}; the last request ended {:.1} s after the last resume",
+        spans
+            .iter()
+            .map(|(s, r)| (r - s).round())
+            .collect::<Vec<_>>(),
+        told.len(),
         d["node"]["outcomes"],
         (last - resumed) / 1e3
     );

@@ -308,6 +308,10 @@ pub struct RequestEnd {
     pub called_unix_ms: Option<f64>,
     /// When the engine took its event, unix ms.
     pub ended_unix_ms: Option<f64>,
+    /// D: when the engine was told the request failed while its blocks stayed fenced from a
+    /// peer declared dead (`DecodeFenced`; the final event, later, hands them back), unix ms.
+    #[serde(default)]
+    pub fenced_unix_ms: Option<f64>,
     /// D: bytes found wrong (of a `Ready` request).
     pub byte_errors: u64,
     /// What freed its blocks when no transfer proved it: D, a failed pushed request

@@ -51,7 +51,7 @@ fn timing_flags_give_a_valid_config() {
     .config()
     .unwrap();
     assert_eq!(fenced.write_timeout + fenced.abandon_timeout, ms(1500));
-    assert_eq!(fenced.fence_floor(), ms(1000 + 200 + 500 + 1500));
+    assert_eq!(fenced.fence_floor(), ms(1000 + 200 + 500 + 300 + 1500));
     assert!(fenced.quarantine > fenced.fence_floor());
     assert!(fenced.quarantine < ms(4000), "{:?}", fenced.quarantine);
 }

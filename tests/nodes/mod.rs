@@ -26,7 +26,7 @@ pub const GAP_MS: f64 = 20.0;
 /// Requests in the whole seeded plan.
 pub const REQUESTS: u64 = 120;
 /// The fabric bounds both nodes run with (they must agree): they size D's fence, the
-/// quarantine, to about 3.4 s instead of the production defaults' minutes.
+/// quarantine, to about 3.7 s (the fence floor counts the 300 ms peer timeout) instead of the production defaults' minutes.
 pub const FENCE_FLAGS: [&str; 6] = [
     "--registration-ttl-ms",
     "1000",
@@ -348,6 +348,8 @@ pub struct End {
     pub events: u64,
     pub called: Option<f64>,
     pub ended: Option<f64>,
+    /// D: when the engine was told the request failed while its blocks stayed fenced.
+    pub fenced: Option<f64>,
     pub byte_errors: u64,
     /// What freed its blocks when no transfer proved it (D: a failed pushed request; P: a
     /// pulled one).
@@ -371,6 +373,7 @@ pub fn ends(report: &Value) -> Vec<End> {
             events: r["events"].as_u64().unwrap_or(0),
             called: f(&r["called_unix_ms"]),
             ended: f(&r["ended_unix_ms"]),
+            fenced: f(&r["fenced_unix_ms"]),
             byte_errors: r["byte_errors"].as_u64().unwrap_or(0),
             proof: r["proof"].as_str().map(str::to_string),
             turn: r["turn"].as_str().map(str::to_string),

@@ -12,7 +12,7 @@
 //!
 //! The checks, from outside the machines:
 //!
-//! - F1 (the flood): P's rank 0 refuses its own engine's call for a full table while the
+//! - B1 (the flood): P's rank 0 refuses its own engine's call for a full table while the
 //!   flooding peer's made-up keys hold more young records than one peer's share of the table
 //!   (`PeerBudget::peer_cap` in the protocol crate: a quarter). That is the budget's promise
 //!   (`prefill_table/budget.rs`): one peer can never take more than its share, so the engine's
@@ -211,7 +211,7 @@ impl World {
     }
 
     /// A message `from` sends to `to`, as it goes on the network: a P rank's answer may name
-    /// another rank (`misname_rank`), and P's acknowledgement of a made-up key is noted (F1).
+    /// another rank (`misname_rank`), and P's acknowledgement of a made-up key is noted (B1).
     pub(crate) fn hostile_send(&mut self, from: NodeId, to: NodeId, message: Message) -> Message {
         if let (Message::CancelAck(ack), Some(handling)) = (&message, &self.hostile.handling) {
             if from == FLOOD_TARGET && to == FLOOD_NODE && &ack.key == handling {
@@ -336,7 +336,7 @@ impl World {
         }
     }
 
-    /// F1, when `node`'s engine was refused for a full table: if it is the flooded P rank, the
+    /// B1, when `node`'s engine was refused for a full table: if it is the flooded P rank, the
     /// flooding peer's made-up keys must not hold more young records than one peer's share.
     pub(crate) fn check_flood_admission(&mut self, node: NodeId) {
         if !self.cfg.floods() || node != FLOOD_TARGET {
@@ -356,7 +356,7 @@ impl World {
             .count();
         if young > cap {
             self.violate(format!(
-                "F1: P rank 0 refused its engine for a full table while peer {} held {young} \
+                "B1: P rank 0 refused its engine for a full table while peer {} held {young} \
                  young records of made-up keys, over one peer's share of {cap} (table {}, young \
                  for {young_for:?})",
                 self.nodes[FLOOD_NODE].addr, table

@@ -91,12 +91,9 @@ impl DecodeLoop<'_> {
         st: &mut State,
     ) {
         let (request, blocks, failure) = match event {
-            ConnectorEvent::DecodeFenced { request, reason } => {
-                // Not an end: the blocks stay held until the request's `Failed`.
-                note(
-                    &mut st.errors,
-                    format!("D: {request} failed early ({reason:?}), its blocks fenced"),
-                );
+            ConnectorEvent::DecodeFenced { request, .. } => {
+                // Not an end: the blocks stay held until the request's `Failed`, which carries
+                // the same failure and is noted (and explained) as any failure is.
                 match index.get(&request) {
                     Some(&i) => {
                         st.records[i].fenced_at.get_or_insert(now);
