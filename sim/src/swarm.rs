@@ -124,12 +124,12 @@ fn apply_profile(rng: &mut ChaCha8Rng, cfg: &mut WorldConfig, profile: TimingPro
         .max(m.tombstone_min_life() + m.heartbeat_interval);
 }
 
-/// Seed `seed`'s fault rates beyond the fixed sweep's picks (chaos only): one seed in three
+/// Seed `seed`'s fault rates beyond the fixed sweep's picks (chaos only): one seed in two
 /// runs a storm of late messages — many slow messages, many copies, most failed requests
 /// retried with a new epoch — where answers of an old attempt meet the new one.
 pub(crate) fn draw_rates(seed: u64, faults: Faults, rates: &mut Rates) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x7377_6172_6d5f_7274);
-    if faults == Faults::Chaos && rng.gen_ratio(1, 3) {
+    if faults == Faults::Chaos && rng.gen_ratio(1, 2) {
         rates.slow_msg = rates.slow_msg.max(0.2);
         rates.dup = rates.dup.max(0.1);
         rates.retry = rates.retry.max(0.9);
