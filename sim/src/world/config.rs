@@ -88,7 +88,7 @@ pub struct WorldConfig {
     /// Faulty phase only, from a random stream of its own; 0 in the constructors.
     pub misname_rank: f64,
     /// The chance that a process stops right after it posts a transfer, its transfers frozen
-    /// (a pause that follows a post), at most [`MAX_POST_STALLS`] per world: transfers in
+    /// (a pause that follows a post), at most three per world: transfers in
     /// flight meet stalls often, and their reports come late (swarm).
     pub stall_after_post: f64,
 }
