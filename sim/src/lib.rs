@@ -495,6 +495,7 @@ impl World {
             ("stalls", self.stalls_run),
             ("transfers_frozen_by_stall", self.stall_frozen),
             ("decodes_fenced", c.decodes_fenced),
+            ("cancels_unanswered", c.cancels_unanswered),
             ("stale_grants_refused", c.stale_grants_refused),
             ("late_reads_distrusted", c.late_reads_distrusted),
             ("expired_leases_refused", c.expired_leases_refused),

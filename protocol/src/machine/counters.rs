@@ -56,6 +56,9 @@ pub struct Counters {
     /// D requests fenced by their P's death whose engine was told of the failure before the
     /// blocks came back ([`EngineEvent::DecodeFenced`](super::EngineEvent::DecodeFenced)).
     pub decodes_fenced: u64,
+    /// Of those, D requests told because every resend of their cancel went unanswered while
+    /// their P was not declared dead.
+    pub cancels_unanswered: u64,
     /// P writes whose abandon the transport did not confirm in time: their source blocks stay
     /// held until the transport reports the write's end.
     pub stuck_writes: u64,

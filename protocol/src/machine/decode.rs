@@ -11,6 +11,7 @@
 //!                                              Cancelling --CancelAck / WriteFailed / WriteDone
 //!                                                  |           / quarantine --> [Failed]
 //!                                                  |--PeerDead: emit DecodeFenced (if not yet)
+//!                                                  |--last resend: emit DecodeFenced (if not yet)
 //!                                                  '--resend timer: send Cancel again
 //!   Registered --PeerDead--> Cancelling (no cancel to send; the engine told at once: fenced
 //!                            until the quarantine ends or a proof from the old incarnation
@@ -25,11 +26,13 @@
 //! request's failure is told apart from its hand-back: the moment a peer's death fences a
 //! request, the engine gets [`EngineEvent::DecodeFenced`] (once, no blocks) and may recompute
 //! elsewhere; the final `Decode` event, always `Failed` with the same failure, hands the blocks
-//! back later. Only a death fences: a request cancelling for another reason (deadline, abort,
-//! a partial `WriteFailed`) waits for a live P's answer, which comes within a round trip, and
-//! if P stops answering it is declared dead within `peer_timeout`, which fences the request
-//! and tells the engine then. So the engine hears of every such failure within its deadline
-//! plus `peer_timeout`, never a fence later.
+//! back later. A request cancelling for another reason (deadline, abort, a partial
+//! `WriteFailed`) waits for a live P's answer, which comes within a round trip; if P stops
+//! answering it is declared dead within `peer_timeout`, which fences the request and tells the
+//! engine then; and if P stays alive but answers none of the cancel's resends (its answers
+//! lost, or a write it cannot abandon), the engine is told when the last resend goes out. So
+//! the engine hears of every such failure within its deadline plus `peer_timeout`, or plus the
+//! cancel's resends, never a fence later.
 
 use std::collections::BTreeSet;
 
@@ -493,6 +496,16 @@ impl Cancelling {
                 fx.counters.cancel_resends += 1;
                 self.resends_left -= 1;
                 self.next_resend = ctx.now + ctx.config.cancel_retry_interval;
+                if self.resends_left == 0 && !self.announced {
+                    // The last resend, and nothing answered the others while P is not declared
+                    // dead (its heartbeats get through, its answers do not, or it is stuck on a
+                    // write it cannot abandon): if this one goes unanswered too the blocks wait
+                    // for the quarantine, so the engine hears of the failure now. Harmless if an
+                    // answer comes after all: the blocks come back with it.
+                    fx.counters.cancels_unanswered += 1;
+                    self.common.announce_fenced(self.reason, fx);
+                    self.announced = true;
+                }
                 Step::Live(DecodeRequest::Cancelling(self))
             }
             DecodeInput::Timeout => Step::Live(DecodeRequest::Cancelling(self)),

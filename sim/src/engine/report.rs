@@ -21,6 +21,7 @@ impl World {
         self.counters.stale_settles_ignored += c.stale_settles_ignored;
         self.counters.fence_frees += c.fence_frees;
         self.counters.decodes_fenced += c.decodes_fenced;
+        self.counters.cancels_unanswered += c.cancels_unanswered;
         self.counters.stuck_writes += c.stuck_writes;
         self.counters.reads_granted += c.reads_granted;
         self.counters.reads_declined_near_expiry += c.reads_declined_near_expiry;

@@ -798,7 +798,8 @@ fn cases() -> Vec<Case> {
         )
         .at(ms(RESEND_MS)),
         case(
-            "cancelling(Deadline) + timeout after resend: cancel again (Deadline)",
+            "cancelling(Deadline) + timeout after resend, the last: cancel again (Deadline), and \
+             with nothing answered the engine told (P alive, its answers lost)",
             CancellingAt::new(1)
                 .reason(F::Deadline)
                 .resends(1, ms(RESEND_MS))
@@ -808,6 +809,34 @@ fn cases() -> Vec<Case> {
                 CancellingAt::new(1)
                     .reason(F::Deadline)
                     .resends(0, ms(RESEND_MS + 50 + 100))
+                    .announced()
+                    .build(),
+            ),
+            vec![
+                cancel_sent(CancelReason::Deadline),
+                fenced_told(DecodeFailure::Deadline),
+            ],
+            {
+                let mut counters = resent();
+                counters.decodes_fenced = 1;
+                counters.cancels_unanswered = 1;
+                counters
+            },
+        )
+        .at(ms(RESEND_MS + 50)),
+        case(
+            "cancelling, told already + the last resend: cancel again, nothing told twice",
+            CancellingAt::new(1)
+                .reason(F::Deadline)
+                .resends(1, ms(RESEND_MS))
+                .announced()
+                .build(),
+            I::Timeout,
+            live(
+                CancellingAt::new(1)
+                    .reason(F::Deadline)
+                    .resends(0, ms(RESEND_MS + 50 + 100))
+                    .announced()
                     .build(),
             ),
             vec![cancel_sent(CancelReason::Deadline)],
