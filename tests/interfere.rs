@@ -294,7 +294,8 @@ fn two_false_deaths_with_production_bounds_heal_by_proof() {
 /// stopped for each of `stops` (4 s apart), each past the peer timeout: every request ends,
 /// 0 wrong bytes, every block back; the engine is told of each fenced request within a peer
 /// timeout of the stop (`DecodeFenced`, blocks still out) and gets them back by P's answer
-/// after the resume, none by the 200 s fence.
+/// after the resume, none by the 200 s fence; every request started after the last resume is
+/// verified.
 fn false_deaths_heal_by_proof(stops: &[Duration]) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     require_runtime();
@@ -386,10 +387,14 @@ fn false_deaths_heal_by_proof(stops: &[Duration]) {
             r.ended
         );
     }
+    // Served again after the false deaths: every request D's engine started a peer timeout
+    // after the last resume (D dials a dead P that often) is verified.
+    let served = served_after(d, resumed + 3_000.0, &all);
     let last = d_ends.iter().filter_map(|r| r.ended).fold(0.0f64, f64::max);
     eprintln!(
         "P stopped {:?} ms: {} told fenced at once, {acked} settled by P's answer, 0 by the \
-         fence; D outcomes {}; the last request ended {:.1} s after the last resume",
+         fence; {served} started after the last resume (+3 s), all verified; D outcomes {}; the last \
+         request ended {:.1} s after the last resume",
         spans
             .iter()
             .map(|(s, r)| (r - s).round())
