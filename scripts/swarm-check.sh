@@ -24,7 +24,7 @@ CAUGHT=(
     free_on_first_source_settled long_grant_fence lose_last_read_post decline_during_read
     accept_from_overdue_peer read_on_stale_grant unbounded_peer_tombstones
     accept_prior_incarnation trust_named_rank return_blocks_at_read_bound
-    serve_rejoined_session_at_once wait_out_rejoined_peers_fence
+    serve_rejoined_session_at_once wait_out_rejoined_peers_fence tell_fenced_twice
 )
 
 report="$(mktemp)"

@@ -34,7 +34,16 @@ fn count(report: &serde_json::Value, field: &str) -> u64 {
 /// Waits for `nodes`; each must exit 0 with one typed outcome per request, every block back and
 /// no wrong byte. Returns their reports (in order) and everything they printed.
 fn finish_clean(nodes: Vec<Node>) -> (Vec<serde_json::Value>, String) {
-    let done = finish_all(nodes, Instant::now() + WAIT);
+    finish_clean_within(nodes, WAIT, REQUESTS)
+}
+
+/// [`finish_clean`] for runs of `requests` requests, waiting at most `wait`.
+fn finish_clean_within(
+    nodes: Vec<Node>,
+    wait: Duration,
+    requests: u64,
+) -> (Vec<serde_json::Value>, String) {
+    let done = finish_all(nodes, Instant::now() + wait);
     let all: String = done.iter().map(Finished::show).collect();
     let reports = done
         .iter()
@@ -45,7 +54,7 @@ fn finish_clean(nodes: Vec<Node>) -> (Vec<serde_json::Value>, String) {
                 node.name
             );
             let report = node.json(&all);
-            check_node(&report, REQUESTS, &all);
+            check_node(&report, requests, &all);
             no_byte_errors(&report, &all);
             report
         })
@@ -323,22 +332,7 @@ fn false_deaths_heal_by_proof(stops: &[Duration]) {
         spans.push((stopped, p.signal("CONT")));
     }
     let resumed = spans.last().map_or(0.0, |&(_, r)| r);
-    let done = finish_all(vec![p, d], Instant::now() + Duration::from_secs(90));
-    let all: String = done.iter().map(Finished::show).collect();
-    let reports: Vec<serde_json::Value> = done
-        .iter()
-        .map(|node| {
-            assert!(
-                node.status.is_some_and(|s| s.success()),
-                "{} did not exit 0\n{all}",
-                node.name
-            );
-            let report = node.json(&all);
-            check_node(&report, 400, &all);
-            no_byte_errors(&report, &all);
-            report
-        })
-        .collect();
+    let (reports, all) = finish_clean_within(vec![p, d], Duration::from_secs(90), 400);
     let d = &reports[1];
     let d_ends = ends(d);
     let proofs: Vec<String> = d_ends.iter().filter_map(|r| r.proof.clone()).collect();

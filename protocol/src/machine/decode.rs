@@ -468,7 +468,7 @@ impl Cancelling {
             // of it now (once: a second death, after a rejoin, tells it nothing new).
             DecodeInput::PeerDead => {
                 self.resends_left = 0;
-                if !self.announced {
+                if !self.announced || ctx.mutation(Mutation::TellFencedTwice) {
                     self.common.announce_fenced(self.reason, fx);
                     self.announced = true;
                 }

@@ -87,11 +87,14 @@ pub enum Mutation {
     /// D waits out the fence of requests fenced from a peer declared dead even when the same
     /// incarnation connects again (a liveness bug: the blocks wait the whole quarantine).
     WaitOutRejoinedPeersFence,
+    /// D tells the engine a request failed early (`DecodeFenced`) again at every death of its
+    /// peer, though it told it already: an engine that recomputes on the event does it twice.
+    TellFencedTwice,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 25] = [
+    pub const ALL: [Mutation; 26] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -117,6 +120,7 @@ impl Mutation {
         Mutation::ReturnBlocksAtReadBound,
         Mutation::ServeRejoinedSessionAtOnce,
         Mutation::WaitOutRejoinedPeersFence,
+        Mutation::TellFencedTwice,
     ];
 
     /// The mutation's name on the command line.
@@ -153,6 +157,7 @@ impl Mutation {
             Mutation::UnboundedPeerTombstones => "unbounded_peer_tombstones",
             Mutation::AcceptPriorIncarnation => "accept_prior_incarnation",
             Mutation::TrustNamedRank => "trust_named_rank",
+            Mutation::TellFencedTwice => "tell_fenced_twice",
         }
     }
 }

@@ -193,14 +193,7 @@ impl World {
                     reason: ReleaseReason::Aborted,
                 })
             };
-            let msg = NetMsg {
-                from,
-                from_inc: self.nodes[from].incarnation,
-                to,
-                to_inc: self.known_incarnation(from, to),
-                conn: self.view(from, to),
-                message,
-            };
+            let msg = self.net_msg(from, to, message);
             // The delay comes from the flood's stream; a partition holds these as any message.
             let mut delay = micros(&mut self.hostile.flood_rng, 50, 2_000);
             if let Some(until) = self.partitioned(from, to, self.now) {

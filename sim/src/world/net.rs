@@ -73,6 +73,19 @@ impl World {
         );
     }
 
+    /// `message` from `from` to `to` on their current connection, aimed at the incarnation the
+    /// sender shook hands with (lost if the peer restarted since).
+    pub(crate) fn net_msg(&self, from: NodeId, to: NodeId, message: Message) -> NetMsg {
+        NetMsg {
+            from,
+            from_inc: self.nodes[from].incarnation,
+            to,
+            to_inc: self.known_incarnation(from, to),
+            conn: self.view(from, to),
+            message,
+        }
+    }
+
     /// Puts a control message (or a write's notification) on the network.
     pub(crate) fn send(&mut self, from: NodeId, to: &PeerAddr, message: Message) {
         let Some(&to) = self.by_addr.get(to) else {
@@ -84,15 +97,7 @@ impl World {
         if let Message::Cancel(cancel) = &message {
             self.note_cancel(from, to, cancel);
         }
-        let msg = NetMsg {
-            from,
-            from_inc: self.nodes[from].incarnation,
-            to,
-            // Aimed at the incarnation the sender shook hands with: lost if the peer restarted.
-            to_inc: self.known_incarnation(from, to),
-            conn: self.view(from, to),
-            message,
-        };
+        let msg = self.net_msg(from, to, message);
         // In explore mode the scheduler chooses every delivery and due times are ignored, but
         // when a message left decides when it is lost past its bound: no random delay there,
         // so that a state is the same whatever the stream drew before it.
