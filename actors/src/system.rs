@@ -37,8 +37,9 @@ pub use build::{
 pub use clock::process_clock;
 pub use link::LinkActor;
 pub use messages::{
-    AddPeerAddress, Call, Calls, Connect, Feed, Hello, LinkUp, LoadPeer, QueryCounters,
-    QuerySideChannel, QueryStats, QueryTransportStats, TransportOps, Verdict, Verdicts,
+    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Feed, Hello, LinkUp,
+    LoadPeer, QueryCounters, QuerySideChannel, QueryStats, QueryTransportStats, SetLinks,
+    TransportOps, Verdict, Verdicts,
 };
 pub use rank::RankActor;
 pub use runtime::{Runtime, RuntimeError};
@@ -49,7 +50,8 @@ pub use side_channel::{
 pub use transport_actor::TransportActor;
 
 use crate::transport::Transport;
-use kvhandoff_protocol::machine::{Counters, Endpoint, EndpointStats, EngineEvent};
+use kvhandoff_protocol::machine::{Counters, Endpoint, EndpointStats};
+use kvhandoff_protocol::session::{ConnectorEvent, ConnectorIdentity, ConnectorSettings, Session};
 use kvhandoff_protocol::PeerAddr;
 
 /// Where in-process ranks find each other: a shared table of handshake payloads and link
@@ -129,7 +131,7 @@ pub struct RankHandle {
     /// The rank's transport actor, for its counters ([`QueryTransportStats`]).
     pub transport: Recipient<QueryTransportStats>,
     /// The engine's events.
-    pub events: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
+    pub events: tokio::sync::mpsc::UnboundedReceiver<ConnectorEvent>,
 }
 
 impl RankHandle {
@@ -273,6 +275,7 @@ where
         listen,
         rank_addr.clone().recipient(),
         rank_addr.clone().recipient(),
+        rank_addr.clone().recipient(),
         shell.handshake_timeout,
         route,
     )
@@ -282,8 +285,18 @@ where
     }
     let transport_ops = transport.clone().recipient();
     let loader = transport.clone().recipient();
+    // Until the engine's connector configures it: the endpoint's own name, TP 1, the side
+    // channel's address, default settings.
+    let own = endpoint.address().clone();
+    let mut identity = ConnectorIdentity::in_process(own.engine, own.rank, 1);
+    if let Some(addr) = listen {
+        identity.host = addr.ip().to_string();
+        identity.port = addr.port();
+    }
+    let mut session = Session::new(endpoint, identity, ConnectorSettings::default());
+    session.set_peer_addresses(listen.is_some());
     let rank = rank_ctx.run(RankActor::new(
-        endpoint,
+        session,
         transport_ops,
         loader,
         link.clone().recipient(),

@@ -26,9 +26,9 @@ use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
 use kvhandoff_actors::transport::{Transport, TransportError, MAX_NOTIFICATION_LEN};
 use kvhandoff_protocol::driver::{PeerInfo, TransportStats};
 use kvhandoff_protocol::machine::{
-    Config, Counters, DecodeOutcome, DecodeStart, DropReason, EngineCall, EngineEvent,
-    PrefillOutcome, PrefillStart,
+    Config, Counters, DecodeStart, DropReason, EngineCall, PrefillStart,
 };
+use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::wire::{self, WireError, HEADER_LEN, MAGIC, MAX_PAYLOAD_LEN};
 use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{
@@ -66,7 +66,7 @@ fn start(fabric: &MemFabric, directory: &Directory, name: &str) -> Rank {
     }
 }
 
-async fn next_event(rank: &mut RankHandle) -> EngineEvent {
+async fn next_event(rank: &mut RankHandle) -> ConnectorEvent {
     tokio::time::timeout(Duration::from_secs(5), rank.events.recv())
         .await
         .expect("an event within 5 s")
@@ -133,13 +133,7 @@ async fn finish_on_p(p: &mut Rank, d: &mut Rank, base: &str) {
     .unwrap();
     let event = next_event(&mut d.handle).await;
     assert!(
-        matches!(
-            &event,
-            EngineEvent::Decode {
-                outcome: DecodeOutcome::Ready,
-                ..
-            }
-        ),
+        matches!(&event, ConnectorEvent::BlocksReady { .. }),
         "{base}: {event:?}"
     );
     assert_eq!(
@@ -149,13 +143,7 @@ async fn finish_on_p(p: &mut Rank, d: &mut Rank, base: &str) {
     );
     let event = next_event(&mut p.handle).await;
     assert!(
-        matches!(
-            event,
-            EngineEvent::Prefill {
-                outcome: PrefillOutcome::Sent,
-                ..
-            }
-        ),
+        matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{base}: {event:?}"
     );
 }

@@ -20,9 +20,9 @@ use kvhandoff_actors::system::{
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::driver::PeerInfo;
 use kvhandoff_protocol::machine::{
-    Config, Counters, DecodeFailure, DecodeOutcome, DecodeStart, EngineCall, EngineEvent,
-    FreeProof, PrefillOutcome, PrefillStart,
+    Config, Counters, DecodeFailure, DecodeStart, EngineCall, FreeProof, PrefillStart,
 };
+use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
 use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{
@@ -110,7 +110,7 @@ async fn stats(rank: &Rank) -> SideChannelStats {
     rank.handle.link.send(QuerySideChannel).await.unwrap()
 }
 
-async fn next_event(rank: &mut RankHandle) -> EngineEvent {
+async fn next_event(rank: &mut RankHandle) -> ConnectorEvent {
     tokio::time::timeout(Duration::from_secs(10), rank.events.recv())
         .await
         .expect("an event within 10 s")
@@ -165,14 +165,7 @@ async fn push_d_first(
     .unwrap();
     let event = next_event(&mut d.handle).await;
     assert!(
-        matches!(
-            &event,
-            EngineEvent::Decode {
-                outcome: DecodeOutcome::Ready,
-                proof: FreeProof::WritesCompleted,
-                ..
-            }
-        ),
+        matches!(&event, ConnectorEvent::BlocksReady { .. }),
         "{event:?}"
     );
     assert_eq!(
@@ -182,13 +175,7 @@ async fn push_d_first(
     );
     let event = next_event(&mut p.handle).await;
     assert!(
-        matches!(
-            event,
-            EngineEvent::Prefill {
-                outcome: PrefillOutcome::Sent,
-                ..
-            }
-        ),
+        matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{event:?}"
     );
 }
@@ -223,13 +210,7 @@ async fn tcp_ranks_deliver_both_races() {
     .unwrap();
     let event = next_event(&mut d.handle).await;
     assert!(
-        matches!(
-            event,
-            EngineEvent::Decode {
-                outcome: DecodeOutcome::Ready,
-                ..
-            }
-        ),
+        matches!(event, ConnectorEvent::BlocksReady { .. }),
         "{event:?}"
     );
     assert_eq!(
@@ -239,13 +220,7 @@ async fn tcp_ranks_deliver_both_races() {
     );
     let event = next_event(&mut p.handle).await;
     assert!(
-        matches!(
-            event,
-            EngineEvent::Prefill {
-                outcome: PrefillOutcome::Sent,
-                ..
-            }
-        ),
+        matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{event:?}"
     );
 
@@ -627,8 +602,8 @@ async fn initiator_failures_are_typed() {
         assert!(
             matches!(
                 event,
-                EngineEvent::Decode {
-                    outcome: DecodeOutcome::Failed(DecodeFailure::HandshakeFailed),
+                ConnectorEvent::Failed {
+                    reason: DecodeFailure::HandshakeFailed,
                     proof: FreeProof::NeverExposed,
                     ..
                 }

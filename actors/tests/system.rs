@@ -11,9 +11,9 @@ use kvhandoff_actors::system::{
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{
-    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineCall, EngineEvent, FreeProof,
-    PrefillOutcome, PrefillStart, Rejected,
+    Config, DecodeFailure, DecodeStart, EngineCall, FreeProof, PrefillStart, Rejected,
 };
+use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{BlockIds, EngineId, Epoch, PairingKey, RequestId};
 
@@ -40,7 +40,7 @@ fn start(fabric: &MemFabric, directory: &Directory, engine: &str) -> Rank {
     }
 }
 
-async fn next_event(rank: &mut RankHandle) -> EngineEvent {
+async fn next_event(rank: &mut RankHandle) -> ConnectorEvent {
     tokio::time::timeout(Duration::from_secs(30), rank.events.recv())
         .await
         .expect("an event within 30 s of virtual time")
@@ -96,14 +96,7 @@ async fn both_races_deliver_every_byte() {
     .unwrap();
     let event = next_event(&mut d.handle).await;
     assert!(
-        matches!(
-            &event,
-            EngineEvent::Decode {
-                outcome: DecodeOutcome::Ready,
-                proof: FreeProof::WritesCompleted,
-                ..
-            }
-        ),
+        matches!(&event, ConnectorEvent::BlocksReady { .. }),
         "{event:?}"
     );
     assert_eq!(
@@ -113,13 +106,7 @@ async fn both_races_deliver_every_byte() {
     );
     let event = next_event(&mut p.handle).await;
     assert!(
-        matches!(
-            event,
-            EngineEvent::Prefill {
-                outcome: PrefillOutcome::Sent,
-                ..
-            }
-        ),
+        matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{event:?}"
     );
 
@@ -142,13 +129,7 @@ async fn both_races_deliver_every_byte() {
     .unwrap();
     let event = next_event(&mut d.handle).await;
     assert!(
-        matches!(
-            event,
-            EngineEvent::Decode {
-                outcome: DecodeOutcome::Ready,
-                ..
-            }
-        ),
+        matches!(event, ConnectorEvent::BlocksReady { .. }),
         "{event:?}"
     );
     assert_eq!(
@@ -158,13 +139,7 @@ async fn both_races_deliver_every_byte() {
     );
     let event = next_event(&mut p.handle).await;
     assert!(
-        matches!(
-            event,
-            EngineEvent::Prefill {
-                outcome: PrefillOutcome::Sent,
-                ..
-            }
-        ),
+        matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{event:?}"
     );
 }
@@ -220,8 +195,8 @@ async fn d_fails_with_a_typed_outcome_when_p_is_missing() {
     assert!(
         matches!(
             event,
-            EngineEvent::Decode {
-                outcome: DecodeOutcome::Failed(DecodeFailure::HandshakeFailed),
+            ConnectorEvent::Failed {
+                reason: DecodeFailure::HandshakeFailed,
                 proof: FreeProof::NeverExposed,
                 ..
             }

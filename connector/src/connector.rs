@@ -30,29 +30,26 @@
 //! Calls are synchronous, for an engine's scheduler thread; each waits for its verdict for at
 //! most [`KvConnector::CALL_TIMEOUT`]. Never call them from inside the runtime's own thread.
 //!
-//! Layout: this file has the connector and its hooks, one call each; `submit` the plumbing that
-//! takes a step's calls to the rank in one round trip (and settles verdicts that came late),
-//! `prepare` how each call is checked and turned into the endpoint's input, `reads` the read
-//! path's inputs (pull, bidirectional turns, declines), `events` what the engine polls.
+//! The connector is a thin handle: what a call means — its parameters into the endpoint's
+//! input, the sub-requests of a multi-rank request and their events folded into one — is the
+//! rank's [`Session`](kvhandoff_protocol::session::Session), which the rank's actor hosts and
+//! the simulator steps. Here: the hooks, one call each; `submit` the round trip to the rank (and
+//! the verdicts that came late); `events` what the engine polls.
 
 mod events;
-mod fan;
-mod prepare;
-mod reads;
 mod submit;
 
 use std::time::Duration;
 
-use kvhandoff_actors::system::RankHandle;
+use kvhandoff_actors::system::{blocking, ConfigureSession, RankHandle, SetLinks};
 use kvhandoff_protocol::{BlockIds, RequestId};
 
 use crate::{
     ConnectorCall, ConnectorError, ConnectorIdentity, ConnectorReply, ConnectorSettings,
-    KvTransferParams,
+    KvTransferParams, RankLinks,
 };
 #[cfg(doc)]
 use crate::{ConnectorEvent, TransferMode};
-pub use fan::{RankLinks, MAX_FANS};
 use submit::LateBatch;
 
 /// One engine rank's connector.
@@ -67,17 +64,10 @@ pub struct KvConnector {
     late: Vec<LateBatch>,
     /// How long a call waits for its verdict ([`Self::CALL_TIMEOUT`] unless a test shortens it).
     call_timeout: Duration,
-    /// The read path's settings.
+    /// The settings the rank's session was given.
     settings: ConnectorSettings,
-    /// Clock offsets (peer minus ours, µs) of the holders this connector read from, as the side
-    /// channel measured them at the handshake, or `None` with when it was last asked (bounded;
-    /// see `reads.rs`).
-    clock_offsets:
-        std::collections::BTreeMap<kvhandoff_protocol::EngineId, (Option<i64>, std::time::Instant)>,
-    /// The other engine's ranks this rank pairs with, when the geometries differ.
+    /// The links the rank's session was given.
     links: Option<RankLinks>,
-    /// Multi-rank requests in progress (with `links`).
-    fans: fan::Fans,
     /// The rank's event channel closed: the rank is gone (see [`KvConnector::rank_stopped`]).
     stopped: bool,
 }
@@ -101,6 +91,12 @@ impl KvConnector {
     ) -> Self {
         // Start the clock of `remote_blocks_expiry_time` no later than the first connector.
         let _ = Self::clock_secs();
+        // Ahead of every call in the rank's mailbox.
+        rank.rank.do_send(ConfigureSession {
+            identity: identity.clone(),
+            settings,
+            fan_limit: None,
+        });
         KvConnector {
             identity,
             rank,
@@ -108,11 +104,48 @@ impl KvConnector {
             late: Vec::new(),
             call_timeout: Self::CALL_TIMEOUT,
             settings,
-            clock_offsets: std::collections::BTreeMap::new(),
             links: None,
-            fans: fan::Fans::default(),
             stopped: false,
         }
+    }
+
+    /// Makes this rank split every push request into one sub-request per pair of ranks in
+    /// `links` (see [`RankLinks`]). Set it before the first request.
+    ///
+    /// # Errors
+    /// [`ConnectorError::InvalidParam`] for links that are not distinct ranks of the other
+    /// engine ([`RankLinks::validate`]) or that name another rank than this connector's;
+    /// [`ConnectorError::Unavailable`] if the rank does not answer.
+    pub fn set_links(&mut self, links: RankLinks) -> Result<(), ConnectorError> {
+        links.validate()?;
+        if links.rank != self.identity.rank {
+            return Err(ConnectorError::InvalidParam {
+                name: "links",
+                why: format!(
+                    "links of rank {}, for the connector of rank {}",
+                    links.rank, self.identity.rank
+                ),
+            });
+        }
+        blocking::ask(&self.rank.rank, SetLinks(links.clone()), self.call_timeout)
+            .ok_or(ConnectorError::Unavailable)??;
+        self.links = Some(links);
+        Ok(())
+    }
+
+    /// The links set with [`KvConnector::set_links`].
+    pub fn links(&self) -> Option<&RankLinks> {
+        self.links.as_ref()
+    }
+
+    /// Lowers the bound on multi-rank requests in progress, for tests of the bound.
+    #[doc(hidden)]
+    pub fn set_fan_limit(&mut self, limit: usize) {
+        self.rank.rank.do_send(ConfigureSession {
+            identity: self.identity.clone(),
+            settings: self.settings,
+            fan_limit: Some(limit),
+        });
     }
 
     /// The connector's settings.

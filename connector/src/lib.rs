@@ -24,16 +24,15 @@
 //! ```
 #![warn(missing_docs)]
 
-mod calls;
 mod connector;
-mod params;
-mod settings;
 
-pub use calls::{ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply};
-pub use connector::{KvConnector, RankLinks, MAX_FANS};
+pub use connector::KvConnector;
 pub use kvhandoff_actors as actors;
 pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_protocol as protocol;
+pub use kvhandoff_protocol::session::{
+    ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply,
+    ConnectorSettings, KvTransferParams, RankLinks, DEFAULT_NEXT_TURN_TTL,
+    DEFAULT_RECOMPUTE_THRESHOLD, MAX_FANS,
+};
 pub use kvhandoff_protocol::TransferMode;
-pub use params::KvTransferParams;
-pub use settings::{ConnectorSettings, DEFAULT_NEXT_TURN_TTL, DEFAULT_RECOMPUTE_THRESHOLD};

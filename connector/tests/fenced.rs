@@ -1,21 +1,18 @@
 //! A D request fenced by its P's death reaches the engine twice: `DecodeFenced` at the death
 //! (the blocks still held, work still pending) and `Failed` with the same reason when the
-//! blocks come back. A multi-rank request forwards one `DecodeFenced` for the whole request.
+//! blocks come back; the connector owes the engine the second one until it came. (How a
+//! multi-rank request folds its pairs' deaths into one `DecodeFenced` is the session's, tested
+//! with it: `kvhandoff_protocol::session`.)
 //!
 //! The rank is a real in-memory D rank (it takes the calls), but the connector's event channel
-//! is the test's: it plays the endpoint's events of a death, which a single process cannot
+//! is the test's: it plays the session's events of a death, which a single process cannot
 //! stage without a second engine dying.
 
 use kvhandoff::actors::system::{build_mem_rank, KvPool, RankOptions, ShellConfig};
 use kvhandoff::actors::transport::mem::MemFabric;
-use kvhandoff::protocol::hetero::SideName;
-use kvhandoff::protocol::machine::{Config, DecodeFailure, DecodeOutcome, EngineEvent, FreeProof};
-use kvhandoff::protocol::{
-    BlockIds, EngineId, Epoch, KvGeometry, KvLayout, ModelIdentity, PairingKey, RequestId,
-};
-use kvhandoff::{
-    ConnectorEvent, ConnectorIdentity, KvConnector, KvTransferParams, RankLinks, Runtime,
-};
+use kvhandoff::protocol::machine::{Config, DecodeFailure, FreeProof};
+use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
+use kvhandoff::{ConnectorEvent, ConnectorIdentity, KvConnector, KvTransferParams, Runtime};
 use tokio::sync::mpsc::UnboundedSender;
 
 fn id(s: &str) -> RequestId {
@@ -27,7 +24,7 @@ fn blocks() -> BlockIds {
 }
 
 /// A connector on a real D rank whose events the test sends.
-fn connector(links: Option<RankLinks>) -> (Runtime, KvConnector, UnboundedSender<EngineEvent>) {
+fn connector() -> (Runtime, KvConnector, UnboundedSender<ConnectorEvent>) {
     let fabric = MemFabric::new();
     let engine = EngineId::new("decode").unwrap();
     let model = ModelIdentity {
@@ -56,10 +53,7 @@ fn connector(links: Option<RankLinks>) -> (Runtime, KvConnector, UnboundedSender
         host: "127.0.0.1".into(),
         port: 0,
     };
-    let mut conn = KvConnector::new(identity, handle);
-    if let Some(links) = links {
-        conn.set_links(links).unwrap();
-    }
+    let conn = KvConnector::new(identity, handle);
     (runtime, conn, events_tx)
 }
 
@@ -74,21 +68,17 @@ fn allocate(conn: &mut KvConnector, request: &RequestId, tp: u32) {
         .unwrap();
 }
 
-fn fenced(request: &RequestId, key: PairingKey, failure: DecodeFailure) -> EngineEvent {
-    EngineEvent::DecodeFenced {
+fn fenced(request: &RequestId) -> ConnectorEvent {
+    ConnectorEvent::DecodeFenced {
         request: request.clone(),
-        key,
-        epoch: Epoch::FIRST,
-        failure,
+        reason: DecodeFailure::PeerDead,
     }
 }
 
-fn freed(request: &RequestId, key: PairingKey, failure: DecodeFailure) -> EngineEvent {
-    EngineEvent::Decode {
+fn freed(request: &RequestId) -> ConnectorEvent {
+    ConnectorEvent::Failed {
         request: request.clone(),
-        key,
-        epoch: Epoch::FIRST,
-        outcome: DecodeOutcome::Failed(failure),
+        reason: DecodeFailure::PeerDead,
         proof: FreeProof::DeadPeerFence,
         blocks: blocks(),
     }
@@ -96,14 +86,11 @@ fn freed(request: &RequestId, key: PairingKey, failure: DecodeFailure) -> Engine
 
 #[test]
 fn a_fenced_request_fails_early_and_hands_back_later() {
-    let (runtime, mut conn, events) = connector(None);
+    let (runtime, mut conn, events) = connector();
     let request = id("d-1");
     allocate(&mut conn, &request, 1);
     assert!(conn.has_pending_work(), "precondition: the request is live");
-    let key = PairingKey::from_request_id(&request);
-    events
-        .send(fenced(&request, key.clone(), DecodeFailure::PeerDead))
-        .unwrap();
+    events.send(fenced(&request)).unwrap();
     assert_eq!(
         conn.poll_events(),
         vec![ConnectorEvent::DecodeFenced {
@@ -115,9 +102,7 @@ fn a_fenced_request_fails_early_and_hands_back_later() {
         conn.has_pending_work(),
         "the blocks are still out: the final event is owed"
     );
-    events
-        .send(freed(&request, key, DecodeFailure::PeerDead))
-        .unwrap();
+    events.send(freed(&request)).unwrap();
     let last = conn.poll_events();
     assert_eq!(
         last,
@@ -129,59 +114,6 @@ fn a_fenced_request_fails_early_and_hands_back_later() {
         }]
     );
     assert!(last[0].hands_back());
-    assert!(!conn.has_pending_work());
-    drop(conn);
-    runtime.shutdown();
-}
-
-/// D rank 0 fed by P ranks 0 and 1; both die. The engine hears one `DecodeFenced` for its
-/// request (at the first pair fenced), and one `Failed` once both pairs handed back.
-#[test]
-fn a_multi_rank_request_is_told_once() {
-    let links = RankLinks {
-        side: SideName::Decode,
-        remote_tp: 2,
-        remote_ranks: 2,
-        peers: vec![0, 1],
-    };
-    let (runtime, mut conn, events) = connector(Some(links));
-    let request = id("d-2");
-    allocate(&mut conn, &request, 2);
-    let key = PairingKey::from_request_id(&request);
-    let sub = |p: u32| (id(&format!("d-2#p{p}d0")), key.for_pair(p, 0).unwrap());
-    let ((sub0, key0), (sub1, key1)) = (sub(0), sub(1));
-    assert!(conn.has_pending_work(), "precondition: both pairs are live");
-    events
-        .send(fenced(&sub1, key1.clone(), DecodeFailure::PeerDead))
-        .unwrap();
-    assert_eq!(
-        conn.poll_events(),
-        vec![ConnectorEvent::DecodeFenced {
-            request: request.clone(),
-            reason: DecodeFailure::PeerDead,
-        }]
-    );
-    // The sibling, aborted by the fan-in, is fenced too when its own P rank dies.
-    events
-        .send(fenced(&sub0, key0.clone(), DecodeFailure::Aborted))
-        .unwrap();
-    events
-        .send(freed(&sub0, key0, DecodeFailure::Aborted))
-        .unwrap();
-    assert_eq!(conn.poll_events(), vec![], "told once; rank 1 still fenced");
-    assert!(conn.has_pending_work());
-    events
-        .send(freed(&sub1, key1, DecodeFailure::PeerDead))
-        .unwrap();
-    assert_eq!(
-        conn.poll_events(),
-        vec![ConnectorEvent::Failed {
-            request,
-            reason: DecodeFailure::PeerDead,
-            proof: FreeProof::DeadPeerFence,
-            blocks: blocks(),
-        }]
-    );
     assert!(!conn.has_pending_work());
     drop(conn);
     runtime.shutdown();

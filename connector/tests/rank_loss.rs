@@ -13,7 +13,7 @@ use std::time::Duration;
 use actix::{Actor, Context, Handler, Recipient};
 use kvhandoff::actors::system::{build_mem_rank, Calls, KvPool, RankOptions, ShellConfig};
 use kvhandoff::actors::transport::mem::MemFabric;
-use kvhandoff::protocol::machine::{Config, EngineEvent};
+use kvhandoff::protocol::machine::Config;
 use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
 use kvhandoff::{
     ConnectorCall, ConnectorError, ConnectorIdentity, KvConnector, KvTransferParams, Runtime,
@@ -25,7 +25,7 @@ const PREFILL: &str = "prefill-0";
 struct DiesMidBatch {
     real: Recipient<Calls>,
     /// The connector's event channel: dropped with the actor, as a dead rank's is.
-    _events: tokio::sync::mpsc::UnboundedSender<EngineEvent>,
+    _events: tokio::sync::mpsc::UnboundedSender<kvhandoff::ConnectorEvent>,
 }
 
 impl Actor for DiesMidBatch {
@@ -39,7 +39,6 @@ impl Handler<Calls> for DiesMidBatch {
         let first = calls.calls.remove(0);
         self.real.do_send(Calls {
             calls: vec![first],
-            addresses: Vec::new(),
             reply: None,
         });
         panic!("deliberate: the rank dies halfway through a batch");

@@ -27,6 +27,7 @@ mod ids;
 pub mod machine;
 mod message;
 pub mod planner;
+pub mod session;
 pub mod transport;
 pub mod wire;
 

@@ -10,7 +10,9 @@ use actix::{
 };
 use tokio::net::TcpListener;
 
-use super::messages::{AddPeerAddress, Connect, Feed, Hello, LinkUp, QuerySideChannel};
+use super::messages::{
+    AddPeerAddress, ClockMeasured, Connect, Feed, Hello, LinkUp, QuerySideChannel,
+};
 use super::side_channel::{self, HandshakeError, Local, PeerBook, PeerBookFull, SideChannelConfig};
 use super::Directory;
 use kvhandoff_protocol::driver::{PeerInfo, SharedRoute};
@@ -36,6 +38,8 @@ pub struct LinkActor {
     shared: Arc<side_channel::Shared>,
     up: Recipient<LinkUp>,
     rank: Recipient<Feed>,
+    /// Where the clock offsets measured at handshakes go (the rank's session).
+    clocks: Recipient<ClockMeasured>,
     timeout: Duration,
     /// Which peer geometries other than our own this rank pairs with (in process).
     route: Option<SharedRoute>,
@@ -48,6 +52,7 @@ impl LinkActor {
         listen: Option<SocketAddr>,
         up: Recipient<LinkUp>,
         rank: Recipient<Feed>,
+        clocks: Recipient<ClockMeasured>,
         timeout: Duration,
         route: Option<SharedRoute>,
     ) -> Self {
@@ -63,6 +68,7 @@ impl LinkActor {
             shared: Arc::new(side_channel::Shared::new(listen, limit)),
             up,
             rank,
+            clocks,
             timeout,
             route,
         }
@@ -135,6 +141,7 @@ impl LinkActor {
         let shared = self.shared.clone();
         let up = self.up.clone();
         let rank = self.rank.clone();
+        let clocks = self.clocks.clone();
         let handshake = async move {
             let shaken = match addr {
                 Some(addr) => side_channel::initiate(&local, addr, &peer).await,
@@ -156,6 +163,10 @@ impl LinkActor {
             match side_channel::link_up(&up, info, limit).await {
                 Ok(()) => {
                     tracing::info!(peer = %peer, ?clock, "side channel handshake completed");
+                    clocks.do_send(ClockMeasured {
+                        engine: peer.engine.clone(),
+                        offset_us: clock.offset_us,
+                    });
                     side_channel::outgoing_ok(&shared, &peer.engine, clock);
                 }
                 Err(error) => {

@@ -1,8 +1,9 @@
 //! Every message the actors of a rank exchange, and those the engine side sends them, in one
 //! place: the actors depend on this module, never on each other's files.
 //!
-//! Who handles what: the [`RankActor`](super::RankActor) takes [`Call`], [`Calls`], [`Feed`],
-//! [`LinkUp`], [`QueryStats`] and [`QueryCounters`]; the [`TransportActor`](super::TransportActor)
+//! Who handles what: the [`RankActor`](super::RankActor) takes [`Calls`], [`Call`],
+//! [`ConfigureSession`], [`SetLinks`], [`Feed`], [`LinkUp`], [`ClockMeasured`], [`QueryStats`]
+//! and [`QueryCounters`]; the [`TransportActor`](super::TransportActor)
 //! takes [`TransportOps`], [`LoadPeer`] and [`QueryTransportStats`]; the
 //! [`LinkActor`](super::LinkActor) takes [`Connect`], [`Hello`], [`AddPeerAddress`] and
 //! [`QuerySideChannel`].
@@ -14,6 +15,9 @@ use kvhandoff_protocol::driver::{PeerInfo, TransportOp, TransportStats};
 use kvhandoff_protocol::machine::{
     ConnectFailure, Counters, EndpointStats, EngineCall, NetEvent, Rejected,
 };
+use kvhandoff_protocol::session::{
+    ConnectorCall, ConnectorError, ConnectorIdentity, ConnectorReply, ConnectorSettings, RankLinks,
+};
 use kvhandoff_protocol::{EngineId, PeerAddr};
 
 use super::side_channel::{PeerBookFull, SideChannelStats};
@@ -22,7 +26,8 @@ use crate::transport::TransportError;
 /// Receives whether an engine input was accepted.
 pub type Verdict = Box<dyn FnOnce(Result<(), Rejected>) + Send>;
 
-/// An engine's call into its rank, and where to send the verdict.
+/// A call in the endpoint's own terms (keys, epochs, peer ranks), past the rank's session: for
+/// tests of the shells and tools that speak the protocol directly. Engines send [`Calls`].
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Call {
@@ -32,22 +37,48 @@ pub struct Call {
     pub reply: Option<Verdict>,
 }
 
-/// Receives, in order, whether each call of a [`Calls`] batch was accepted.
-pub type Verdicts = Box<dyn FnOnce(Vec<Result<(), Rejected>>) + Send>;
+/// Receives, in order, each call's result of a [`Calls`] batch.
+pub type Verdicts = Box<dyn FnOnce(Vec<Result<ConnectorReply, ConnectorError>>) + Send>;
 
-/// A batch of engine calls (one engine step's worth): the inputs are handled in order, the
-/// verdicts come back together, and the outputs are flushed once for the whole batch.
+/// A batch of the engine's calls (one engine step's worth), for the rank's
+/// [`Session`](kvhandoff_protocol::session::Session): handled in order, the results come back
+/// together, and the outputs are flushed once for the whole batch.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Calls {
     /// The calls, in order.
-    pub calls: Vec<EngineCall>,
-    /// Where the peers these calls need listen (a TCP rank's side channel, from the router's
-    /// `remote_host`/`remote_port`): the rank hands them to its link before it runs the calls,
-    /// so an engine talks to its rank only. Empty for in-process ranks.
-    pub addresses: Vec<AddPeerAddress>,
-    /// Called with one verdict per call, in the same order.
+    pub calls: Vec<ConnectorCall>,
+    /// Called with one result per call, in the same order.
     pub reply: Option<Verdicts>,
+}
+
+/// Tells the rank's session whom it speaks for and with which settings (sent by the
+/// connector when it is made; calls after it use them).
+#[derive(Message, Debug, Clone)]
+#[rtype(result = "()")]
+pub struct ConfigureSession {
+    /// The engine rank's identity.
+    pub identity: ConnectorIdentity,
+    /// The connector's settings.
+    pub settings: ConnectorSettings,
+    /// Lowers the bound on multi-rank requests in progress (tests of the bound).
+    pub fan_limit: Option<usize>,
+}
+
+/// Gives the rank's session its links to the other engine's ranks
+/// ([`Session::set_links`](kvhandoff_protocol::session::Session::set_links)).
+#[derive(Message, Debug, Clone)]
+#[rtype(result = "Result<(), ConnectorError>")]
+pub struct SetLinks(pub RankLinks);
+
+/// The side channel measured a peer engine's clock (peer minus ours, µs) at a handshake.
+#[derive(Message, Debug, Clone)]
+#[rtype(result = "()")]
+pub struct ClockMeasured {
+    /// The peer engine.
+    pub engine: EngineId,
+    /// Its clock minus ours, in microseconds.
+    pub offset_us: i64,
 }
 
 /// Events from the transport actor (completions, notifications) or the link (handshakes).

@@ -1,39 +1,45 @@
-//! `RankActor`: hosts one rank's `Endpoint` and keeps its single timer.
+//! `RankActor`: hosts one rank's [`Session`] (and through it the rank's endpoint) and keeps its
+//! single timer.
+
+use std::net::ToSocketAddrs;
 
 use actix::{Actor, AsyncContext, Context, Handler, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::messages::{
-    AddPeerAddress, Call, Calls, Connect, Feed, LinkUp, LoadPeer, QueryCounters, QueryStats,
-    TransportOps,
+    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Feed, LinkUp, LoadPeer,
+    QueryCounters, QueryStats, SetLinks, TransportOps,
 };
-use kvhandoff_protocol::driver::{connected_input, handshake_step, route, HandshakeStep, Routed};
-use kvhandoff_protocol::machine::{ConnectFailure, Endpoint, EngineEvent, Time};
+use kvhandoff_protocol::driver::{connected_input, handshake_step, HandshakeStep};
+use kvhandoff_protocol::machine::{ConnectFailure, Time};
+use kvhandoff_protocol::session::{
+    ConnectorError, ConnectorEvent, PeerAddress, Session, SessionOutput,
+};
 
-/// Hosts an [`Endpoint`]: turns engine calls into `handle_call`, network and transport reports
-/// into `handle_event`, and outputs into actions.
+/// Hosts a [`Session`]: engine calls become `handle_call`, network and transport reports
+/// `handle_event`, and outputs actions.
 pub struct RankActor {
-    endpoint: Endpoint,
+    session: Session,
     transport: Recipient<TransportOps>,
     loader: Recipient<LoadPeer>,
     link: Recipient<Connect>,
     /// The link's book of side-channel addresses.
     book: Recipient<AddPeerAddress>,
-    events: UnboundedSender<EngineEvent>,
+    events: UnboundedSender<ConnectorEvent>,
     timer: Option<(Time, SpawnHandle)>,
 }
 
 impl RankActor {
     pub(crate) fn new(
-        endpoint: Endpoint,
+        session: Session,
         transport: Recipient<TransportOps>,
         loader: Recipient<LoadPeer>,
         link: Recipient<Connect>,
         book: Recipient<AddPeerAddress>,
-        events: UnboundedSender<EngineEvent>,
+        events: UnboundedSender<ConnectorEvent>,
     ) -> Self {
         RankActor {
-            endpoint,
+            session,
             transport,
             loader,
             link,
@@ -56,8 +62,8 @@ impl RankActor {
     /// refuse such inputs on their own; neither is trusted alone).
     fn caught_up(&mut self) -> Time {
         let now = self.now();
-        if self.endpoint.poll_timeout().is_some_and(|at| at <= now) {
-            self.endpoint.handle_timeout(now);
+        if self.session.poll_timeout().is_some_and(|at| at <= now) {
+            self.session.handle_timeout(now);
         }
         now
     }
@@ -65,14 +71,16 @@ impl RankActor {
     /// Routes every queued output, then re-arms the timer.
     fn flush(&mut self, ctx: &mut Context<Self>) {
         let mut ops = Vec::new();
-        while let Some(output) = self.endpoint.poll_output() {
-            match route(output) {
-                Routed::Transport(op) => ops.push(op),
-                Routed::Connect(peer) => self.link.do_send(Connect(peer)),
-                Routed::Event(event) => {
+        while let Some(output) = self.session.poll_output() {
+            match output {
+                SessionOutput::Transport(op) => ops.push(op),
+                SessionOutput::Connect(peer) => self.link.do_send(Connect(peer)),
+                SessionOutput::PeerAddress(address) => self.learn_address(address),
+                SessionOutput::Event(event) => {
                     // The engine may have gone away; its events then have nowhere to go.
                     let _ = self.events.send(event);
                 }
+                SessionOutput::Observed(_) => {}
             }
         }
         if !ops.is_empty() {
@@ -81,8 +89,23 @@ impl RankActor {
         self.arm_timer(ctx);
     }
 
+    /// Hands the link where a peer engine's side channel listens. Resolving a host name may
+    /// wait on DNS; one that does not resolve fails only the handshake that needs it (a typed
+    /// `ConnectFailed` outcome of its requests), as a full book does.
+    fn learn_address(&self, address: PeerAddress) {
+        let PeerAddress { engine, host, port } = address;
+        match (host.as_str(), port)
+            .to_socket_addrs()
+            .map(|mut a| a.next())
+        {
+            Ok(Some(addr)) => self.book.do_send(AddPeerAddress { engine, addr }),
+            Ok(None) => tracing::warn!(%engine, %host, "peer side channel resolves to no address"),
+            Err(error) => tracing::warn!(%engine, %host, %error, "peer side channel unresolved"),
+        }
+    }
+
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
-        let next = self.endpoint.poll_timeout();
+        let next = self.session.poll_timeout();
         if let Some((at, handle)) = self.timer.take() {
             if Some(at) == next {
                 self.timer = Some((at, handle));
@@ -95,7 +118,7 @@ impl RankActor {
             let handle = ctx.run_later(delay, |act, ctx| {
                 act.timer = None;
                 let now = act.now();
-                act.endpoint.handle_timeout(now);
+                act.session.handle_timeout(now);
                 act.flush(ctx);
             });
             self.timer = Some((at, handle));
@@ -116,7 +139,7 @@ impl Handler<Call> for RankActor {
 
     fn handle(&mut self, call: Call, ctx: &mut Context<Self>) {
         let now = self.caught_up();
-        let verdict = self.endpoint.handle_call(now, call.call);
+        let verdict = self.session.endpoint_mut().handle_call(now, call.call);
         if let Some(reply) = call.reply {
             reply(verdict);
         }
@@ -128,16 +151,11 @@ impl Handler<Calls> for RankActor {
     type Result = ();
 
     fn handle(&mut self, calls: Calls, ctx: &mut Context<Self>) {
-        for address in calls.addresses {
-            // A full book only fails the handshake that needed the address, as a typed
-            // `ConnectFailed` outcome of the request.
-            self.book.do_send(address);
-        }
         let mut verdicts = Vec::with_capacity(calls.calls.len());
         self.caught_up();
         for call in calls.calls {
             let now = self.now();
-            verdicts.push(self.endpoint.handle_call(now, call));
+            verdicts.push(self.session.handle_call(now, call));
         }
         if let Some(reply) = calls.reply {
             reply(verdicts);
@@ -152,7 +170,7 @@ impl Handler<Feed> for RankActor {
     fn handle(&mut self, feed: Feed, ctx: &mut Context<Self>) {
         let now = self.caught_up();
         for event in feed.0 {
-            self.endpoint.handle_event(now, event);
+            self.session.handle_event(now, event);
         }
         self.flush(ctx);
     }
@@ -162,7 +180,7 @@ impl Handler<QueryStats> for RankActor {
     type Result = actix::MessageResult<QueryStats>;
 
     fn handle(&mut self, _: QueryStats, _: &mut Context<Self>) -> Self::Result {
-        actix::MessageResult(self.endpoint.stats())
+        actix::MessageResult(self.session.endpoint().stats())
     }
 }
 
@@ -170,7 +188,7 @@ impl Handler<QueryCounters> for RankActor {
     type Result = actix::MessageResult<QueryCounters>;
 
     fn handle(&mut self, _: QueryCounters, _: &mut Context<Self>) -> Self::Result {
-        actix::MessageResult(self.endpoint.counters().clone())
+        actix::MessageResult(self.session.endpoint().counters().clone())
     }
 }
 
@@ -179,11 +197,11 @@ impl Handler<LinkUp> for RankActor {
 
     fn handle(&mut self, LinkUp(info): LinkUp, ctx: &mut Context<Self>) -> Self::Result {
         use actix::{ActorFutureExt, WrapFuture};
-        if let HandshakeStep::Repeat(event) = handshake_step(&self.endpoint, &info) {
+        if let HandshakeStep::Repeat(event) = handshake_step(self.session.endpoint(), &info) {
             // A repeated handshake of the live incarnation (a late copy, a second dial, a
             // replay): reloading would cut the live connection, so only the endpoint hears it.
             let now = self.caught_up();
-            self.endpoint.handle_event(now, event);
+            self.session.handle_event(now, event);
             self.flush(ctx);
             return actix::AtomicResponse::new(Box::pin(actix::fut::ready(Ok(()))));
         }
@@ -198,11 +216,40 @@ impl Handler<LinkUp> for RankActor {
                         "transport actor unavailable".into(),
                     )),
                 };
-                act.endpoint
+                act.session
                     .handle_event(now, connected_input(&info, &result));
                 act.flush(ctx);
                 result
             },
         )))
+    }
+}
+
+impl Handler<ConfigureSession> for RankActor {
+    type Result = ();
+
+    fn handle(&mut self, configure: ConfigureSession, _: &mut Context<Self>) {
+        self.session.set_identity(configure.identity);
+        self.session.set_settings(configure.settings);
+        if let Some(limit) = configure.fan_limit {
+            self.session.set_fan_limit(limit);
+        }
+    }
+}
+
+impl Handler<SetLinks> for RankActor {
+    type Result = Result<(), ConnectorError>;
+
+    fn handle(&mut self, SetLinks(links): SetLinks, _: &mut Context<Self>) -> Self::Result {
+        self.session.set_links(links)
+    }
+}
+
+impl Handler<ClockMeasured> for RankActor {
+    type Result = ();
+
+    fn handle(&mut self, measured: ClockMeasured, _: &mut Context<Self>) {
+        self.session
+            .clock_measured(measured.engine, measured.offset_us);
     }
 }

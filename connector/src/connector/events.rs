@@ -3,8 +3,6 @@
 
 use std::time::Duration;
 
-use kvhandoff_protocol::machine::{DecodeOutcome, EngineEvent, PrefillOutcome};
-
 use super::KvConnector;
 use crate::ConnectorEvent;
 
@@ -13,7 +11,7 @@ impl KvConnector {
     /// ([`ConnectorEvent::hands_back`]), and before it, for a D request whose P died, at most
     /// one [`ConnectorEvent::DecodeFenced`].
     pub fn poll_events(&mut self) -> Vec<ConnectorEvent> {
-        let mut events = std::mem::take(&mut self.fans.queued);
+        let mut events = Vec::new();
         if !self.late.is_empty() {
             self.settle_late(&mut events);
         }
@@ -35,70 +33,7 @@ impl KvConnector {
             if event.hands_back() {
                 self.live -= 1;
             }
-            if self.fan_event(&event, &mut events).is_some() {
-                continue;
-            }
-            events.push(match event {
-                EngineEvent::Decode {
-                    request,
-                    outcome: DecodeOutcome::Ready,
-                    blocks,
-                    ..
-                } => ConnectorEvent::BlocksReady { request, blocks },
-                EngineEvent::Decode {
-                    request,
-                    outcome: DecodeOutcome::Failed(reason),
-                    proof,
-                    blocks,
-                    ..
-                } => ConnectorEvent::Failed {
-                    request,
-                    reason,
-                    proof,
-                    blocks,
-                },
-                EngineEvent::DecodeFenced {
-                    request, failure, ..
-                } => ConnectorEvent::DecodeFenced {
-                    request,
-                    reason: failure,
-                },
-                EngineEvent::Prefill {
-                    request,
-                    outcome,
-                    blocks,
-                    ..
-                } => ConnectorEvent::BlocksFree {
-                    request,
-                    released: match outcome {
-                        PrefillOutcome::Sent => None,
-                        PrefillOutcome::Released(cause) => Some(cause),
-                    },
-                    blocks,
-                },
-                EngineEvent::Export {
-                    request,
-                    outcome,
-                    proof,
-                    blocks,
-                    ..
-                } => ConnectorEvent::ExportEnded {
-                    request,
-                    outcome,
-                    proof,
-                    blocks,
-                },
-                EngineEvent::Import {
-                    request,
-                    outcome,
-                    blocks,
-                    ..
-                } => ConnectorEvent::Imported {
-                    request,
-                    outcome,
-                    blocks,
-                },
-            });
+            events.push(event);
         }
         events
     }
@@ -119,10 +54,7 @@ impl KvConnector {
     /// verdict is still late — and the rank is running: once it stopped
     /// ([`KvConnector::rank_stopped`]), nothing more can come, so there is no work to wait for.
     pub fn has_pending_work(&self) -> bool {
-        if self.stopped {
-            return !self.fans.queued.is_empty();
-        }
-        self.live > 0 || !self.late.is_empty() || !self.fans.queued.is_empty()
+        !self.stopped && (self.live > 0 || !self.late.is_empty())
     }
 
     /// True once [`KvConnector::poll_events`] found the rank gone (it panicked, or the runtime

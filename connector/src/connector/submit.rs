@@ -1,10 +1,9 @@
-//! The plumbing of the calls: a step's calls checked and sent to the rank in one round trip
+//! The round trip of the calls: a step's calls taken to the rank's session in one message
 //! ([`KvConnector::submit`]), and the verdicts that came too late settled when they come.
 
 use std::sync::mpsc;
 
-use kvhandoff_actors::system::{AddPeerAddress, Calls};
-use kvhandoff_protocol::machine::{EngineCall, Rejected};
+use kvhandoff_actors::system::Calls;
 use kvhandoff_protocol::RequestId;
 
 use super::KvConnector;
@@ -25,20 +24,20 @@ enum Late {
 /// refused (`Unavailable`) without being sent.
 const MAX_LATE_BATCHES: usize = 1024;
 
-type Verdicts = Vec<Result<(), Rejected>>;
+type Verdicts = Vec<Result<ConnectorReply, ConnectorError>>;
 
 /// A batch the runtime took without answering in time.
 pub(super) struct LateBatch {
     verdicts: mpsc::Receiver<Verdicts>,
-    /// Per input: its request (if any) and whether an acceptance starts a request.
-    inputs: Vec<(Option<RequestId>, bool)>,
+    /// Per call: its request (if any) and whether an acceptance starts a request.
+    calls: Vec<(Option<RequestId>, bool)>,
 }
 
 impl KvConnector {
     /// Runs a batch of engine hook calls (one scheduler step's worth) with one round trip to
-    /// the runtime: each call is checked as its single-call form checks it, the valid ones go to
-    /// the rank together and are handled in order, and one result per call comes back, in
-    /// order. A call refused here or by the endpoint changes nothing; the others still run.
+    /// the runtime: the rank's session handles them in order, each as its single-call form,
+    /// and one result per call comes back, in order. A refused call changes nothing; the
+    /// others still run.
     ///
     /// ```no_run
     /// # fn step(conn: &mut kvhandoff::KvConnector, calls: Vec<kvhandoff::ConnectorCall>) {
@@ -56,89 +55,47 @@ impl KvConnector {
         &mut self,
         calls: Vec<ConnectorCall>,
     ) -> Vec<Result<ConnectorReply, ConnectorError>> {
-        if self.links.is_some() {
-            // Each call becomes several sub-requests: one round trip per call.
-            return calls
-                .into_iter()
-                .map(|call| self.linked_call(call))
-                .collect();
+        if calls.is_empty() {
+            return Vec::new();
         }
-        self.submit_batch(calls)
-    }
-
-    /// [`KvConnector::submit`] for a rank without links: the whole batch in one round trip.
-    fn submit_batch(
-        &mut self,
-        calls: Vec<ConnectorCall>,
-    ) -> Vec<Result<ConnectorReply, ConnectorError>> {
-        let mut results = Vec::with_capacity(calls.len());
-        let mut inputs = Vec::with_capacity(calls.len());
-        let mut addresses = Vec::new();
-        // Per input: its result's index, its request, and whether it starts a request.
-        let mut slots = Vec::with_capacity(calls.len());
-        for call in calls {
-            let starts = call.starts_request();
-            let request = call.request().cloned();
-            match self.prepare(call) {
-                Ok((input, address, reply)) => {
-                    slots.push((results.len(), request, starts));
-                    inputs.push(input);
-                    addresses.extend(address);
-                    results.push(Ok(reply));
-                }
-                Err(error) => results.push(Err(error)),
-            }
-        }
-        if inputs.is_empty() {
-            return results;
-        }
-        match self.call_batch(inputs, addresses) {
-            Ok(verdicts) => {
-                let mut verdicts = verdicts.into_iter();
-                for (slot, _, starts) in slots {
-                    match verdicts.next() {
-                        Some(Ok(())) => self.live += i64::from(starts),
-                        Some(Err(rejected)) => results[slot] = Err(ConnectorError::from(rejected)),
-                        None => results[slot] = Err(ConnectorError::Unavailable),
+        let n = calls.len();
+        let starts: Vec<(Option<RequestId>, bool)> = calls
+            .iter()
+            .map(|call| (call.request().cloned(), call.starts_request()))
+            .collect();
+        match self.call_batch(calls) {
+            Ok(mut results) => {
+                results.resize_with(n, || Err(ConnectorError::Unavailable));
+                for (result, (_, starts)) in results.iter().zip(&starts) {
+                    if result.is_ok() {
+                        self.live += i64::from(*starts);
                     }
                 }
+                results
             }
-            Err(Late::NotSent) => {
-                for (slot, _, _) in slots {
-                    results[slot] = Err(ConnectorError::Unavailable);
-                }
-            }
-            Err(Late::Lost) => {
-                for (slot, _, _) in slots {
-                    results[slot] = Err(ConnectorError::VerdictUnknown);
-                }
-            }
+            Err(Late::NotSent) => vec![Err(ConnectorError::Unavailable); n],
+            // The rank took the batch and dropped it unanswered: it died handling it, maybe
+            // halfway through. "Nothing changed" would be a guess; say that nobody knows.
+            Err(Late::Lost) => vec![Err(ConnectorError::VerdictUnknown); n],
             Err(Late::NoVerdict(verdicts)) => {
-                let mut inputs = Vec::with_capacity(slots.len());
-                for (slot, request, starts) in slots {
-                    results[slot] = Err(ConnectorError::VerdictLate);
-                    inputs.push((request, starts));
-                }
-                self.late.push(LateBatch { verdicts, inputs });
+                self.late.push(LateBatch {
+                    verdicts,
+                    calls: starts,
+                });
+                vec![Err(ConnectorError::VerdictLate); n]
             }
         }
-        results
     }
 
-    /// Sends `inputs` to the rank as one message and waits for their verdicts, up to
+    /// Sends `calls` to the rank as one message and waits for their results, up to
     /// [`Self::CALL_TIMEOUT`]; past it the batch may still be applied ([`Late::NoVerdict`]).
-    fn call_batch(
-        &mut self,
-        inputs: Vec<EngineCall>,
-        addresses: Vec<AddPeerAddress>,
-    ) -> Result<Verdicts, Late> {
+    fn call_batch(&mut self, calls: Vec<ConnectorCall>) -> Result<Verdicts, Late> {
         if self.late.len() >= MAX_LATE_BATCHES {
             return Err(Late::NotSent);
         }
         let (tx, rx) = mpsc::sync_channel(1);
         let calls = Calls {
-            calls: inputs,
-            addresses,
+            calls,
             reply: Some(Box::new(move |verdicts| {
                 let _ = tx.send(verdicts);
             })),
@@ -153,37 +110,28 @@ impl KvConnector {
         match rx.recv_timeout(self.call_timeout) {
             Ok(verdicts) => Ok(verdicts),
             Err(mpsc::RecvTimeoutError::Timeout) => Err(Late::NoVerdict(rx)),
-            // The rank took the batch and dropped it unanswered: it died handling it, maybe
-            // halfway through. "Nothing changed" would be a guess; say that nobody knows.
             Err(mpsc::RecvTimeoutError::Disconnected) => Err(Late::Lost),
         }
     }
 
     /// Settles the late batches whose verdicts have come: acceptances count as live requests,
-    /// refusals become [`ConnectorEvent::Refused`].
+    /// refusals of calls that start one become [`ConnectorEvent::Refused`].
     pub(super) fn settle_late(&mut self, events: &mut Vec<ConnectorEvent>) {
         let mut still_late = Vec::new();
         for batch in std::mem::take(&mut self.late) {
             match batch.verdicts.try_recv() {
                 Ok(verdicts) => {
-                    for ((request, starts), verdict) in batch.inputs.into_iter().zip(verdicts) {
+                    for ((request, starts), verdict) in batch.calls.into_iter().zip(verdicts) {
                         match (verdict, request) {
-                            (Ok(()), _) => self.live += i64::from(starts),
+                            (Ok(_), _) => self.live += i64::from(starts),
                             // A refused abort or decline started nothing and ended nothing: the
                             // request it names has (or had) its own one event. A `Refused`
                             // would tell the engine its blocks are back a second time.
-                            (Err(rejected), _) if !starts => {
-                                tracing::debug!(%rejected, "a late verdict refused a call that starts nothing");
+                            (Err(error), _) if !starts => {
+                                tracing::debug!(%error, "a late verdict refused a call that starts nothing");
                             }
-                            // A sub-request the rank refused: its fan decides the event.
-                            (Err(_), Some(request)) if self.is_sub_request(&request) => {
-                                self.sub_not_started(&request, events);
-                            }
-                            (Err(rejected), Some(request)) => {
-                                events.push(ConnectorEvent::Refused {
-                                    request,
-                                    error: ConnectorError::from(rejected),
-                                })
+                            (Err(error), Some(request)) => {
+                                events.push(ConnectorEvent::Refused { request, error })
                             }
                             (Err(_), None) => {}
                         }
@@ -197,41 +145,6 @@ impl KvConnector {
         self.late = still_late;
     }
 
-    /// Engine inputs built by the connector itself (a multi-rank request's sub-requests, or
-    /// the aborts of its siblings), in one round trip: each input's verdict, in order. A late
-    /// batch is settled as [`KvConnector::submit`]'s are (acceptances of starts count as live).
-    ///
-    /// # Errors
-    /// [`ConnectorError::Unavailable`] when the batch never reached the runtime;
-    /// [`ConnectorError::VerdictLate`] when it did but its verdicts are late;
-    /// [`ConnectorError::VerdictUnknown`] when the rank dropped it unanswered.
-    pub(super) fn call_inputs(
-        &mut self,
-        inputs: Vec<EngineCall>,
-        addresses: Vec<AddPeerAddress>,
-    ) -> Result<Verdicts, ConnectorError> {
-        let pending: Vec<(Option<RequestId>, bool)> = inputs
-            .iter()
-            .map(|input| match input {
-                EngineCall::DecodeAllocated(start) => (Some(start.request.clone()), true),
-                EngineCall::PrefillFinished(start) => (Some(start.request.clone()), true),
-                _ => (None, false),
-            })
-            .collect();
-        match self.call_batch(inputs, addresses) {
-            Ok(verdicts) => Ok(verdicts),
-            Err(Late::NotSent) => Err(ConnectorError::Unavailable),
-            Err(Late::Lost) => Err(ConnectorError::VerdictUnknown),
-            Err(Late::NoVerdict(verdicts)) => {
-                self.late.push(LateBatch {
-                    verdicts,
-                    inputs: pending,
-                });
-                Err(ConnectorError::VerdictLate)
-            }
-        }
-    }
-
     /// One call, through [`KvConnector::submit`].
     pub(super) fn call_one(
         &mut self,
@@ -240,49 +153,5 @@ impl KvConnector {
         self.submit(vec![call])
             .pop()
             .unwrap_or(Err(ConnectorError::Unavailable))
-    }
-
-    /// One call as a rank without links makes it.
-    fn unlinked_call(&mut self, call: ConnectorCall) -> Result<ConnectorReply, ConnectorError> {
-        self.submit_batch(vec![call])
-            .pop()
-            .unwrap_or(Err(ConnectorError::Unavailable))
-    }
-
-    /// One call on a rank with links: push requests split into pair sub-requests, aborts of
-    /// multi-rank requests abort every sub-request; everything else as without links.
-    fn linked_call(&mut self, call: ConnectorCall) -> Result<ConnectorReply, ConnectorError> {
-        let Some(links) = self.links.clone() else {
-            return self.unlinked_call(call);
-        };
-        match call {
-            ConnectorCall::RequestAllocated {
-                request,
-                blocks,
-                num_tokens,
-                params,
-            } => self
-                .fan_allocated(&links, &request, blocks, num_tokens, &params)
-                .map(|()| ConnectorReply::Accepted),
-            ConnectorCall::RequestFinished { .. } => match self.prepare(call)? {
-                (EngineCall::PrefillFinished(start), _, reply) => {
-                    self.fan_finished(&links, start).map(|()| reply)
-                }
-                _ => Err(ConnectorError::Unsupported(
-                    "pull between engines of different geometries",
-                )),
-            },
-            ConnectorCall::Abort { request } if self.is_fan(&request) => {
-                self.abort_fan(&request).map(|()| ConnectorReply::Accepted)
-            }
-            ConnectorCall::KeepForNextTurn { .. }
-            | ConnectorCall::NextTurnAllocated { .. }
-            | ConnectorCall::DeclineExport { .. } => Err(ConnectorError::Unsupported(
-                "bidirectional turns between engines of different geometries",
-            )),
-            other @ (ConnectorCall::Abort { .. } | ConnectorCall::Shutdown) => {
-                self.unlinked_call(other)
-            }
-        }
     }
 }

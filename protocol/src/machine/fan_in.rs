@@ -342,6 +342,11 @@ impl FanIn {
             .map(|(id, _)| id)
     }
 
+    /// Every sub-request, in id order.
+    pub fn subs(&self) -> impl Iterator<Item = &RequestId> + '_ {
+        self.subs.keys()
+    }
+
     /// The engine aborts the whole request: the live sub-requests not yet named for abort, which
     /// the engine aborts now (each then ends with its own event). The outcome is decided by the
     /// first of those events, as for any failure.

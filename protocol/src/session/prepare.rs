@@ -2,25 +2,26 @@
 //! every mode shares (the other engine's rank and side-channel address). The read path's inputs
 //! are in `reads`.
 
-use std::net::ToSocketAddrs;
+use crate::machine::{DecodeStart, EngineCall, PrefillStart, Time};
+use crate::{BlockIds, EngineId, PeerAddr, RequestId, TransferMode};
 
-use kvhandoff_actors::system::AddPeerAddress;
-use kvhandoff_protocol::machine::{DecodeStart, EngineCall, PrefillStart};
-use kvhandoff_protocol::PeerAddr;
-use kvhandoff_protocol::{BlockIds, EngineId, RequestId};
+use super::params::{epoch, mode_name, pairing_key};
+use super::{
+    ConnectorCall, ConnectorError, ConnectorReply, KvTransferParams, PeerAddress, Session,
+};
 
-use super::KvConnector;
-use crate::params::{epoch, mode_name, pairing_key};
-use crate::{ConnectorCall, ConnectorError, ConnectorReply, KvTransferParams, TransferMode};
-
-/// A call checked by the connector: the endpoint's input, the side-channel address that
+/// A call checked by the session: the endpoint's input, the side-channel address that
 /// travels with it, and the reply it earns if accepted.
-type Prepared = (EngineCall, Option<AddPeerAddress>, ConnectorReply);
+type Prepared = (EngineCall, Option<PeerAddress>, ConnectorReply);
 
-impl KvConnector {
+impl Session {
     /// Checks one call and turns it into the endpoint's input, the side-channel address that
     /// travels with it (if any), and the reply it earns if accepted.
-    pub(super) fn prepare(&mut self, call: ConnectorCall) -> Result<Prepared, ConnectorError> {
+    pub(super) fn prepare(
+        &mut self,
+        now: Time,
+        call: ConnectorCall,
+    ) -> Result<Prepared, ConnectorError> {
         match call {
             ConnectorCall::RequestAllocated {
                 request,
@@ -55,7 +56,7 @@ impl KvConnector {
                 };
                 let input = if pull {
                     let lease = self.settings.lease_duration;
-                    self.export_input(request, key, blocks, num_tokens, lease, &mut reply)?
+                    self.export_input(now, request, key, blocks, num_tokens, lease, &mut reply)?
                 } else {
                     EngineCall::PrefillFinished(PrefillStart {
                         request,
@@ -72,7 +73,8 @@ impl KvConnector {
                 ttl,
                 params,
             } => {
-                let (input, reply) = self.keep_input(request, blocks, num_tokens, ttl, &params)?;
+                let (input, reply) =
+                    self.keep_input(now, request, blocks, num_tokens, ttl, &params)?;
                 Ok((input, None, ConnectorReply::NextTurnParams(reply)))
             }
             ConnectorCall::NextTurnAllocated {
@@ -109,7 +111,7 @@ impl KvConnector {
         blocks: BlockIds,
         num_tokens: u64,
         params: &KvTransferParams,
-    ) -> Result<(EngineCall, Option<AddPeerAddress>), ConnectorError> {
+    ) -> Result<(EngineCall, Option<PeerAddress>), ConnectorError> {
         self.check_remote_prefill(params)?;
         let (prefill, address) = self.remote_peer(params, params.tp_size)?;
         let key = pairing_key(&request, params)?;
@@ -127,7 +129,10 @@ impl KvConnector {
     }
 
     /// D's hook is only for a request whose prefill ran remotely.
-    fn check_remote_prefill(&self, params: &KvTransferParams) -> Result<(), ConnectorError> {
+    pub(super) fn check_remote_prefill(
+        &self,
+        params: &KvTransferParams,
+    ) -> Result<(), ConnectorError> {
         if params.do_remote_prefill {
             return Ok(());
         }
@@ -144,7 +149,7 @@ impl KvConnector {
         &self,
         params: &KvTransferParams,
         remote_tp: Option<u32>,
-    ) -> Result<(PeerAddr, Option<AddPeerAddress>), ConnectorError> {
+    ) -> Result<(PeerAddr, Option<PeerAddress>), ConnectorError> {
         let engine = remote_engine(params)?;
         let remote_tp = remote_tp.ok_or(ConnectorError::MissingParam("tp_size"))?;
         if remote_tp != self.identity.tp_size {
@@ -156,15 +161,15 @@ impl KvConnector {
         Ok((PeerAddr::new(engine, self.identity.rank), address))
     }
 
-    /// Where `engine`'s side channel listens, from `remote_host` and `remote_port`, for a TCP
-    /// rank (it travels to the rank with the call); `None` for an in-process rank, which finds
-    /// its peers by itself.
+    /// Where `engine`'s side channel listens, from `remote_host` and `remote_port`, for a rank
+    /// that reaches its peers over a side channel (the shell resolves it); `None` for one that
+    /// finds its peers by itself.
     pub(super) fn peer_address(
         &self,
         engine: &EngineId,
         params: &KvTransferParams,
-    ) -> Result<Option<AddPeerAddress>, ConnectorError> {
-        if self.rank.side_channel.is_none() {
+    ) -> Result<Option<PeerAddress>, ConnectorError> {
+        if !self.peer_addresses {
             return Ok(None);
         }
         let host = params
@@ -174,18 +179,20 @@ impl KvConnector {
         let port = params
             .remote_port
             .ok_or(ConnectorError::MissingParam("remote_port"))?;
-        let bad_host = |why: String| ConnectorError::InvalidParam {
-            name: "remote_host",
-            why,
-        };
-        let addr = (host, port)
-            .to_socket_addrs()
-            .map_err(|e| bad_host(e.to_string()))?
-            .next()
-            .ok_or_else(|| bad_host(format!("{host} resolves to no address")))?;
-        Ok(Some(AddPeerAddress {
+        if host.is_empty() || port == 0 {
+            return Err(ConnectorError::InvalidParam {
+                name: if host.is_empty() {
+                    "remote_host"
+                } else {
+                    "remote_port"
+                },
+                why: "empty".into(),
+            });
+        }
+        Ok(Some(PeerAddress {
             engine: engine.clone(),
-            addr,
+            host: host.to_owned(),
+            port,
         }))
     }
 }

@@ -4,30 +4,22 @@
 
 use std::time::Duration;
 
-use kvhandoff_actors::system::AddPeerAddress;
-use kvhandoff_protocol::machine::{
-    EngineCall, ExportStart, ImportStart, Rejected, Time, MAX_EXPORT_LEASE,
-};
-use kvhandoff_protocol::{BlockIds, PairingKey, RequestId};
+use crate::machine::{EngineCall, ExportStart, ImportStart, Rejected, Time, MAX_EXPORT_LEASE};
+use crate::{BlockIds, EngineId, PairingKey, RequestId, TransferMode};
 
-use super::KvConnector;
-use crate::params::{epoch, mode_name, pairing_key, remote_blocks};
-use crate::{ConnectorError, KvTransferParams, TransferMode};
-
-/// How long a read waits for the side channel's clock offsets (once per holder).
-const OFFSET_QUERY_TIMEOUT: Duration = Duration::from_millis(500);
-
-/// How long a holder whose offset was not measured yet is not asked about again.
-const OFFSET_RETRY: Duration = Duration::from_secs(1);
+use super::params::{epoch, mode_name, pairing_key, remote_blocks};
+use super::{ConnectorError, KvTransferParams, PeerAddress, Session};
 
 /// vLLM's pull connector reads `tp_size` as 1 when the holder did not send it.
 const PULL_DEFAULT_TP: u32 = 1;
 
-impl KvConnector {
+impl Session {
     /// The export of `blocks` under `key` for `lease`, and what the answer to the router adds:
     /// the blocks, their tokens and the export's hard end.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn export_input(
         &self,
+        now: Time,
         request: RequestId,
         key: PairingKey,
         blocks: BlockIds,
@@ -52,7 +44,7 @@ impl KvConnector {
         let hard_end = lease
             .saturating_mul(2)
             .saturating_add(self.settings.read_span);
-        reply.remote_blocks_expiry_time = Some(Self::clock_secs() + hard_end.as_secs_f64());
+        reply.remote_blocks_expiry_time = Some((now.since_origin() + hard_end).as_secs_f64());
         Ok(EngineCall::Export(ExportStart {
             request,
             key,
@@ -65,6 +57,7 @@ impl KvConnector {
     /// D keeps a finished turn's blocks for the next turn's reader.
     pub(super) fn keep_input(
         &self,
+        now: Time,
         request: RequestId,
         blocks: BlockIds,
         num_tokens: u64,
@@ -80,7 +73,7 @@ impl KvConnector {
             epoch: None,
             ..self.answer_from_here(&request)
         };
-        let input = self.export_input(request, key, blocks, num_tokens, ttl, &mut reply)?;
+        let input = self.export_input(now, request, key, blocks, num_tokens, ttl, &mut reply)?;
         Ok((input, reply))
     }
 
@@ -100,12 +93,12 @@ impl KvConnector {
     /// A read of the export `params` describe into `blocks` (D in pull mode, P on a later
     /// turn): the holder is the engine the parameters name.
     pub(super) fn import_input(
-        &mut self,
+        &self,
         request: RequestId,
         blocks: BlockIds,
         num_tokens: u64,
         params: &KvTransferParams,
-    ) -> Result<(EngineCall, Option<AddPeerAddress>), ConnectorError> {
+    ) -> Result<(EngineCall, Option<PeerAddress>), ConnectorError> {
         let tp = params.tp_size.or(Some(PULL_DEFAULT_TP));
         let (holder, address) = self.remote_peer(params, tp)?;
         let remote_blocks = remote_blocks(params, &blocks)?;
@@ -137,35 +130,11 @@ impl KvConnector {
         Ok((call, address))
     }
 
-    /// `remote_secs` on `engine`'s process clock, as a time of this rank's machines (the same
-    /// process clock), using the clock offset the side channel measured at the handshake; `None`
-    /// if it has none (no handshake yet, or the side channel did not answer in time).
-    fn local_time_of(
-        &mut self,
-        engine: &kvhandoff_protocol::EngineId,
-        remote_secs: f64,
-    ) -> Option<Time> {
-        /// Holders remembered; past it the cache starts over (a peer's restart changes its
-        /// offset, and a stale one only makes the gate early or late, never unsafe).
-        const MAX_OFFSETS: usize = 4096;
-        let now = std::time::Instant::now();
-        let offset_us = match self.clock_offsets.get(engine) {
-            Some(&(Some(offset), _)) => offset,
-            // Not measured when last asked (the first read from a holder usually comes before
-            // the handshake): ask again at most once per `OFFSET_RETRY`, not on every read.
-            Some(&(None, asked)) if now.duration_since(asked) < OFFSET_RETRY => return None,
-            Some(&(None, _)) | None => {
-                let offset = self
-                    .rank
-                    .side_channel_stats(OFFSET_QUERY_TIMEOUT)
-                    .and_then(|stats| stats.clocks.get(engine).map(|c| c.offset_us));
-                if self.clock_offsets.len() >= MAX_OFFSETS {
-                    self.clock_offsets.clear();
-                }
-                self.clock_offsets.insert(engine.clone(), (offset, now));
-                offset?
-            }
-        };
+    /// `remote_secs` on `engine`'s clock as a time of this session's clock, with the offset the
+    /// side channel measured ([`Session::clock_measured`]); `None` if it has none (no handshake
+    /// yet: the holder's own refusal of a read that could outlive its export is then the guard).
+    fn local_time_of(&self, engine: &EngineId, remote_secs: f64) -> Option<Time> {
+        let offset_us = *self.clock_offsets.get(engine)?;
         remote_to_local(remote_secs, offset_us)
     }
 
@@ -174,7 +143,7 @@ impl KvConnector {
         &self,
         request: &RequestId,
         params: &KvTransferParams,
-    ) -> Result<(EngineCall, Option<AddPeerAddress>), ConnectorError> {
+    ) -> Result<(EngineCall, Option<PeerAddress>), ConnectorError> {
         let tp = params.tp_size.or(Some(PULL_DEFAULT_TP));
         let (holder, address) = self.remote_peer(params, tp)?;
         let key = pairing_key(request, params)?;

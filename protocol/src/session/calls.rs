@@ -3,12 +3,12 @@
 
 use std::time::Duration;
 
-use kvhandoff_protocol::machine::{
+use crate::machine::{
     DecodeFailure, ExportOutcome, FreeProof, ImportOutcome, ReadProof, Rejected, ReleaseCause,
 };
-use kvhandoff_protocol::{BlockIds, EngineId, IdError, RequestId};
+use crate::{BlockIds, EngineId, IdError, RequestId};
 
-use crate::KvTransferParams;
+use super::KvTransferParams;
 
 /// Why a connector call failed. Nothing changed — except for [`ConnectorError::VerdictLate`],
 /// which says that it is not known yet.
@@ -32,23 +32,23 @@ pub enum ConnectorError {
     #[error("unsupported: {0}")]
     Unsupported(&'static str),
     /// The call needs a connector setting that was not given
-    /// ([`ConnectorSettings`](crate::ConnectorSettings); e.g. `block_tokens` to read).
+    /// ([`ConnectorSettings`](super::ConnectorSettings); e.g. `block_tokens` to read).
     #[error("the connector's {0} setting is not set")]
     NotConfigured(&'static str),
     /// The runtime is gone (or refused the call before taking it): nothing changed.
     #[error("the kvhandoff runtime is not running")]
     Unavailable,
-    /// The runtime took the call but gave no verdict within [`KvConnector::CALL_TIMEOUT`](crate::KvConnector::CALL_TIMEOUT). The
+    /// The runtime took the call but gave no verdict within `kvhandoff::KvConnector::CALL_TIMEOUT`. The
     /// call may still be applied, so nothing may be assumed: keep the request's blocks. Its
-    /// fate comes through [`KvConnector::poll_events`](crate::KvConnector::poll_events) — the request's one event if it was
+    /// fate comes through `kvhandoff::KvConnector::poll_events` — the request's one event if it was
     /// accepted, or [`ConnectorEvent::Refused`] if not — and
-    /// [`KvConnector::has_pending_work`](crate::KvConnector::has_pending_work) stays true until then.
+    /// `kvhandoff::KvConnector::has_pending_work` stays true until then.
     #[error("the kvhandoff runtime took the call but has not answered yet; its event will tell")]
     VerdictLate,
     /// The rank took the call and stopped (it panicked, or was shut down) before answering:
     /// the call may or may not have been applied, and no event will come for it. Keep the
     /// request's blocks out of use for the life of this process (a peer may still write or read
-    /// them); [`KvConnector::rank_stopped`](crate::KvConnector::rank_stopped) is then true.
+    /// them); `kvhandoff::KvConnector::rank_stopped` is then true.
     #[error(
         "the kvhandoff rank stopped while handling the call; whether it was applied is unknown"
     )]
@@ -147,10 +147,10 @@ pub enum ConnectorEvent {
     },
 }
 
-/// One engine hook call, for [`KvConnector::submit`](crate::KvConnector::submit).
+/// One engine hook call, for `kvhandoff::KvConnector::submit`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ConnectorCall {
-    /// D side, as [`KvConnector::request_allocated`](crate::KvConnector::request_allocated).
+    /// D side, as `kvhandoff::KvConnector::request_allocated`.
     RequestAllocated {
         /// The request.
         request: RequestId,
@@ -161,7 +161,7 @@ pub enum ConnectorCall {
         /// The router's parameters.
         params: KvTransferParams,
     },
-    /// P side, as [`KvConnector::request_finished`](crate::KvConnector::request_finished).
+    /// P side, as `kvhandoff::KvConnector::request_finished`.
     RequestFinished {
         /// The request.
         request: RequestId,
@@ -173,7 +173,7 @@ pub enum ConnectorCall {
         params: KvTransferParams,
     },
     /// D side, after a turn, as
-    /// [`KvConnector::keep_for_next_turn`](crate::KvConnector::keep_for_next_turn).
+    /// `kvhandoff::KvConnector::keep_for_next_turn`.
     KeepForNextTurn {
         /// The request whose turn ended.
         request: RequestId,
@@ -188,7 +188,7 @@ pub enum ConnectorCall {
         params: KvTransferParams,
     },
     /// P side, on a later turn, as
-    /// [`KvConnector::next_turn_allocated`](crate::KvConnector::next_turn_allocated).
+    /// `kvhandoff::KvConnector::next_turn_allocated`.
     NextTurnAllocated {
         /// The new turn's request.
         request: RequestId,
@@ -199,19 +199,19 @@ pub enum ConnectorCall {
         /// The parameters D returned from `keep_for_next_turn`.
         params: KvTransferParams,
     },
-    /// Reader side, as [`KvConnector::decline_export`](crate::KvConnector::decline_export).
+    /// Reader side, as `kvhandoff::KvConnector::decline_export`.
     DeclineExport {
         /// The reader's request.
         request: RequestId,
         /// The export's parameters (the holder's answer).
         params: KvTransferParams,
     },
-    /// Either side, as [`KvConnector::abort`](crate::KvConnector::abort).
+    /// Either side, as `kvhandoff::KvConnector::abort`.
     Abort {
         /// The request.
         request: RequestId,
     },
-    /// Either side, as [`KvConnector::shutdown`](crate::KvConnector::shutdown).
+    /// Either side, as `kvhandoff::KvConnector::shutdown`.
     Shutdown,
 }
 
@@ -302,4 +302,18 @@ pub struct ConnectorIdentity {
     pub host: String,
     /// The side-channel port advertised to the router.
     pub port: u16,
+}
+
+impl ConnectorIdentity {
+    /// Rank `rank` of `engine` (TP size `tp_size`), reached in process: no side-channel address
+    /// to advertise (empty host, port 0).
+    pub fn in_process(engine: EngineId, rank: u32, tp_size: u32) -> Self {
+        ConnectorIdentity {
+            engine,
+            rank,
+            tp_size,
+            host: String::new(),
+            port: 0,
+        }
+    }
 }

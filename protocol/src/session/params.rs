@@ -1,10 +1,10 @@
 //! The transfer parameters that travel through the router, and what the connector reads from
 //! them.
 
-use kvhandoff_protocol::{BlockIds, Epoch, PairingKey, RequestId, TransferMode};
+use crate::{BlockIds, Epoch, PairingKey, RequestId, TransferMode};
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::ConnectorError;
+use super::ConnectorError;
 
 /// The transfer parameters that travel through the router between P and D, with vLLM's key
 /// names (0.33, `kv_transfer_params`) plus ours (`transfer_id`, `epoch`). Unknown keys are
@@ -12,7 +12,7 @@ use crate::ConnectorError;
 /// `remote_blocks_expiry_time`) are left out of the JSON when absent.
 ///
 /// ```
-/// use kvhandoff::KvTransferParams;
+/// use kvhandoff_protocol::session::KvTransferParams;
 /// let params: KvTransferParams = serde_json::from_str(r#"{
 ///     "do_remote_prefill": true, "remote_engine_id": "prefill-0",
 ///     "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1,
@@ -21,7 +21,7 @@ use crate::ConnectorError;
 /// }"#).unwrap();
 /// assert!(params.do_remote_prefill);
 /// assert_eq!(params.epoch, None);
-/// assert_eq!(params.transfer_mode().unwrap(), kvhandoff::TransferMode::Pull);
+/// assert_eq!(params.transfer_mode().unwrap(), kvhandoff_protocol::TransferMode::Pull);
 /// assert_eq!(params.remote_block_ids, Some(vec![vec![4, 5, 6]]));
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -30,7 +30,7 @@ pub struct KvTransferParams {
     #[serde(default)]
     pub do_remote_prefill: bool,
     /// P: the decode runs remotely and the KV must be kept for it. In the parameters a D
-    /// returns from [`KvConnector::keep_for_next_turn`](crate::KvConnector::keep_for_next_turn):
+    /// returns from `kvhandoff::KvConnector::keep_for_next_turn`:
     /// D keeps the KV for the next turn's prefill.
     #[serde(default)]
     pub do_remote_decode: bool,
@@ -72,7 +72,7 @@ pub struct KvTransferParams {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_num_tokens: Option<u64>,
     /// Pull and bidirectional: when the holder's export ends at the latest, in seconds of the
-    /// holder's own monotonic clock ([`KvConnector::clock_secs`](crate::KvConnector::clock_secs)
+    /// holder's own monotonic clock (`kvhandoff::KvConnector::clock_secs`
     /// of the holder's process): only comparable with that clock, so a reader in another
     /// process needs the clocks' offset to use it.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -3,17 +3,17 @@
 
 use std::time::Duration;
 
-use kvhandoff_protocol::machine::{Config, LoadFailurePolicy};
-use kvhandoff_protocol::KvGeometry;
+use crate::machine::{Config, LoadFailurePolicy};
+use crate::KvGeometry;
 
 /// A connector's own settings, for the read path (pull and bidirectional turns). Push needs
 /// none of them.
 ///
 /// ```
 /// use std::time::Duration;
-/// use kvhandoff::ConnectorSettings;
-/// use kvhandoff::protocol::machine::{Config, LoadFailurePolicy};
-/// use kvhandoff::protocol::{KvGeometry, KvLayout};
+/// use kvhandoff_protocol::session::ConnectorSettings;
+/// use kvhandoff_protocol::machine::{Config, LoadFailurePolicy};
+/// use kvhandoff_protocol::{KvGeometry, KvLayout};
 /// let geometry = KvGeometry::dense(8, 8, 128, 2, 16, KvLayout::Hnd);
 /// let settings = ConnectorSettings::new(&Config::fast(), &geometry);
 /// assert_eq!(settings.block_tokens, Some(16));
@@ -33,7 +33,7 @@ pub struct ConnectorSettings {
     /// ([`Config::max_message_delay`]) plus a transfer's life ([`Config::max_write_life`]).
     /// An export's hard end, when its blocks are back whatever happens, is twice its lease plus
     /// this after its start
-    /// ([`export_hard_end`](kvhandoff_protocol::machine::export_hard_end)): what the answer
+    /// ([`export_hard_end`](crate::machine::export_hard_end)): what the answer
     /// exports as `remote_blocks_expiry_time`.
     pub read_span: Duration,
     /// What a failed read means to this engine (vLLM's `kv_load_failure_policy`; default
@@ -42,11 +42,11 @@ pub struct ConnectorSettings {
     /// Tokens per logical block of this rank's geometry (kernel block size × kernel blocks per
     /// logical block): where a recompute starts after a partly failed read. `None` (the
     /// default, when the connector was not told the geometry): reads are refused with
-    /// [`ConnectorError::NotConfigured`](crate::ConnectorError::NotConfigured).
+    /// [`ConnectorError::NotConfigured`](super::ConnectorError::NotConfigured).
     pub block_tokens: Option<u32>,
     /// How long D keeps a finished turn's blocks for the next turn (vLLM's
     /// `decoder_kv_blocks_ttl`; default [`DEFAULT_NEXT_TURN_TTL`], 480 s): the `ttl` to pass to
-    /// [`KvConnector::keep_for_next_turn`](crate::KvConnector::keep_for_next_turn).
+    /// `kvhandoff::KvConnector::keep_for_next_turn`.
     pub next_turn_ttl: Duration,
     /// The fewest tokens a read of the previous turn must save for P to read rather than
     /// recompute (vLLM's `kv_recompute_threshold`; default
@@ -84,14 +84,14 @@ impl ConnectorSettings {
     }
 
     /// Whether P's next turn should read the previous turn's KV back from D (call
-    /// [`KvConnector::next_turn_allocated`](crate::KvConnector::next_turn_allocated)) or
-    /// recompute it (call [`KvConnector::decline_export`](crate::KvConnector::decline_export),
+    /// `kvhandoff::KvConnector::next_turn_allocated`) or
+    /// recompute it (call `kvhandoff::KvConnector::decline_export`,
     /// so D lets go at once): vLLM's rule, `min(remote_num_tokens, prompt_tokens) −
     /// local_hit_tokens` saved tokens, read iff positive and at least the threshold (any
     /// positive saving with a threshold of 0).
     ///
     /// ```
-    /// use kvhandoff::ConnectorSettings;
+    /// use kvhandoff_protocol::session::ConnectorSettings;
     /// let settings = ConnectorSettings::default(); // threshold 64
     /// assert!(settings.worth_reading(4_000, 4_100, 0));
     /// assert!(!settings.worth_reading(4_000, 4_100, 3_950)); // 50 tokens saved
@@ -112,7 +112,7 @@ impl ConnectorSettings {
     fn of_config(config: &Config) -> Self {
         ConnectorSettings {
             lease_duration: config.lease_duration,
-            read_span: kvhandoff_protocol::machine::read_span(config),
+            read_span: crate::machine::read_span(config),
             load_failure_policy: LoadFailurePolicy::Fail,
             next_turn_ttl: DEFAULT_NEXT_TURN_TTL,
             recompute_threshold: DEFAULT_RECOMPUTE_THRESHOLD,

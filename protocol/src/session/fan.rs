@@ -3,14 +3,14 @@
 //! pair's key ([`PairingKey::for_pair`]), and a [`FanIn`] folds their events back into the one
 //! event the engine expects.
 //!
-//! - D side ([`KvConnector::request_allocated`] with [`RankLinks`] set): this rank registers its
+//! - D side (`kvhandoff::KvConnector::request_allocated` with [`RankLinks`] set): this rank registers its
 //!   blocks with every P rank that writes to it; the request is `BlocksReady` only when every
 //!   pair's write landed. After a failure the live siblings are aborted at once (each cancels
 //!   at its own P rank), and the engine gets `Failed` only when every pair handed the blocks
 //!   back, with the most cautious proof among them. If a pair is fenced by its P rank's death
 //!   first, the engine gets one `DecodeFenced` for the request then (the blocks still held),
 //!   with the reason its `Failed` will repeat.
-//! - P side ([`KvConnector::request_finished`]): one held request per D rank this rank writes;
+//! - P side (`kvhandoff::KvConnector::request_finished`): one held request per D rank this rank writes;
 //!   `BlocksFree` once every pair let the blocks go. A P rank that writes to no D rank (a
 //!   replica under GQA replication) gets `BlocksFree` at once.
 //!
@@ -18,24 +18,24 @@
 
 use std::collections::BTreeMap;
 
-use kvhandoff_protocol::hetero::{PairPlan, SideName};
-use kvhandoff_protocol::machine::{
+use crate::hetero::{PairPlan, SideName};
+use crate::machine::{
     DecodeFailure, DecodeStart, EngineCall, EngineEvent, FanIn, FanInStep, FanOutcome, FanSide,
-    FreeProof, PrefillStart, ReleaseCause, SubFailure, SubRequest,
+    FreeProof, PrefillStart, Rejected, ReleaseCause, SubFailure, SubRequest, Time,
 };
-use kvhandoff_protocol::{BlockIds, PairingKey, PeerAddr, RequestId};
+use crate::{BlockIds, PairingKey, PeerAddr, RequestId};
 
-use super::KvConnector;
-use crate::params::{epoch, pairing_key};
-use crate::{ConnectorError, ConnectorEvent, KvTransferParams, TransferMode};
+use super::params::{epoch, pairing_key};
+use super::{ConnectorError, ConnectorEvent, KvTransferParams, Session, SessionOutput};
+use crate::TransferMode;
 
 /// The ranks of the other engine this rank exchanges every request's KV with, when the two
 /// engines' geometries differ (a heterogeneous pair, planned by
-/// [`plan_pair`](kvhandoff_protocol::hetero::plan_pair)).
+/// [`plan_pair`](crate::hetero::plan_pair)).
 ///
 /// ```
-/// use kvhandoff::RankLinks;
-/// use kvhandoff_protocol::hetero::{model, plan_pair, SideSpec};
+/// use crate::session::RankLinks;
+/// use crate::hetero::{model, plan_pair, SideSpec};
 /// let gqa8 = model("gqa8").unwrap();
 /// let p: SideSpec = "tp=2,block=16,layout=NHD".parse().unwrap();
 /// let d: SideSpec = "tp=4,block=16,layout=NHD".parse().unwrap();
@@ -53,19 +53,23 @@ use crate::{ConnectorError, ConnectorEvent, KvTransferParams, TransferMode};
 pub struct RankLinks {
     /// This rank's side of the pair.
     pub side: SideName,
+    /// This rank, as the pair's plan numbers it
+    /// ([`rank_index`](crate::KvGeometry::rank_index)): the sub-requests' pair keys and ids
+    /// name it.
+    pub rank: u32,
     /// The other engine's TP size (what the router's `tp_size` must say on D).
     pub remote_tp: u32,
     /// The other engine's ranks, over all its pipeline stages.
     pub remote_ranks: u32,
     /// The other engine's ranks this rank exchanges with, by
-    /// [`rank_index`](kvhandoff_protocol::KvGeometry::rank_index), ascending (D: the P ranks
+    /// [`rank_index`](crate::KvGeometry::rank_index), ascending (D: the P ranks
     /// writing to it; P: the D ranks it writes to; empty for a P replica that writes nothing).
     pub peers: Vec<u32>,
 }
 
 impl RankLinks {
     /// The links in `plan` of D's rank `rank` (its
-    /// [`rank_index`](kvhandoff_protocol::KvGeometry::rank_index): the TP rank with one
+    /// [`rank_index`](crate::KvGeometry::rank_index): the TP rank with one
     /// pipeline stage).
     ///
     /// # Errors
@@ -117,6 +121,7 @@ impl RankLinks {
         peers.dedup();
         Ok(RankLinks {
             side,
+            rank,
             remote_tp: other.spec.tp,
             remote_ranks: u32::try_from(other.ranks.len()).unwrap_or(u32::MAX),
             peers,
@@ -126,7 +131,7 @@ impl RankLinks {
 
 impl RankLinks {
     /// Checks that the peers are distinct, ascending ranks of the other engine (at most
-    /// [`MAX_SUB_REQUESTS`](kvhandoff_protocol::machine::MAX_SUB_REQUESTS)), whose TP size
+    /// [`MAX_SUB_REQUESTS`](crate::machine::MAX_SUB_REQUESTS)), whose TP size
     /// divides its ranks.
     ///
     /// # Errors
@@ -139,7 +144,7 @@ impl RankLinks {
                 self.remote_ranks, self.remote_tp
             ));
         }
-        if self.peers.len() > kvhandoff_protocol::machine::MAX_SUB_REQUESTS {
+        if self.peers.len() > crate::machine::MAX_SUB_REQUESTS {
             return bad(format!("{} peers", self.peers.len()));
         }
         if let Some(&p) = self.peers.iter().find(|&&p| p >= self.remote_ranks) {
@@ -159,25 +164,25 @@ impl RankLinks {
 }
 
 /// One multi-rank request in progress on this rank.
-pub(super) struct Fan {
+#[derive(Debug)]
+struct Fan {
     fan: FanIn,
     /// The most cautious proof among the sub-requests handed back so far (D).
     proof: FreeProof,
 }
 
-/// Most multi-rank requests one connector tracks at once, and most events of P replicas
-/// waiting for the engine's next poll (the endpoint's default request table holds as many).
+/// Most multi-rank requests one session tracks at once (the endpoint's default request table
+/// holds as many).
 pub const MAX_FANS: usize = 1 << 16;
 
-/// The fan-in bookkeeping of a connector.
+/// The fan-in bookkeeping of a session.
+#[derive(Debug)]
 pub(super) struct Fans {
     /// By the engine's request id.
     fans: BTreeMap<RequestId, Fan>,
     /// Sub-request id → the engine's request id.
     parents: BTreeMap<RequestId, RequestId>,
-    /// Events decided without the rank (a P replica's), delivered on the next poll.
-    pub(super) queued: Vec<ConnectorEvent>,
-    /// Bound of `fans` and of `queued` ([`MAX_FANS`] unless a test lowers it).
+    /// Bound of `fans` ([`MAX_FANS`] unless a test lowers it).
     pub(super) limit: usize,
 }
 
@@ -186,60 +191,49 @@ impl Default for Fans {
         Fans {
             fans: BTreeMap::new(),
             parents: BTreeMap::new(),
-            queued: Vec::new(),
             limit: MAX_FANS,
         }
     }
 }
 
 impl Fans {
-    /// Refuses a new multi-rank request (or replica event) when `table` is at the bound.
-    fn check_room(&self, len: usize, table: &'static str) -> Result<(), ConnectorError> {
-        if len >= self.limit {
-            return Err(ConnectorError::Rejected(
-                kvhandoff_protocol::machine::Rejected::TableFull {
-                    table,
-                    limit: self.limit,
-                },
-            ));
+    /// Whether `request` is a multi-rank request in progress.
+    pub(super) fn is_fan(&self, request: &RequestId) -> bool {
+        self.fans.contains_key(request)
+    }
+
+    /// Multi-rank requests in progress.
+    pub(super) fn len(&self) -> usize {
+        self.fans.len()
+    }
+
+    /// Refuses a new multi-rank request when the table is at the bound.
+    fn check_room(&self) -> Result<(), ConnectorError> {
+        if self.fans.len() >= self.limit {
+            return Err(ConnectorError::Rejected(Rejected::TableFull {
+                table: "multi-rank requests",
+                limit: self.limit,
+            }));
         }
         Ok(())
     }
 }
 
-/// The id of `request`'s sub-request for the pair (P rank `p` → D rank `d`).
-fn sub_id(request: &RequestId, p: u32, d: u32) -> Result<RequestId, ConnectorError> {
+/// The engine's id of `request`'s sub-request for the pair (P rank `p` → D rank `d`): what the
+/// endpoint, its counters and its traces call it.
+///
+/// # Errors
+/// [`ConnectorError::InvalidParam`] when the id would be too long.
+pub fn sub_request_id(request: &RequestId, p: u32, d: u32) -> Result<RequestId, ConnectorError> {
     RequestId::new(format!("{request}#p{p}d{d}"))
         .map_err(|e| ConnectorError::invalid("request id", e))
 }
 
-impl KvConnector {
-    /// Makes this rank split every push request into one sub-request per pair of ranks in
-    /// `links` (see the module documentation of `fan`). Set it before the first request.
-    ///
-    /// # Errors
-    /// [`ConnectorError::InvalidParam`] for links that are not distinct ranks of the other
-    /// engine ([`RankLinks::validate`]).
-    pub fn set_links(&mut self, links: RankLinks) -> Result<(), ConnectorError> {
-        links.validate()?;
-        self.links = Some(links);
-        Ok(())
-    }
-
-    /// Lowers the bound on multi-rank requests in progress, for tests of the bound.
-    #[doc(hidden)]
-    pub fn set_fan_limit(&mut self, limit: usize) {
-        self.fans.limit = limit;
-    }
-
-    /// The links set with [`KvConnector::set_links`].
-    pub fn links(&self) -> Option<&RankLinks> {
-        self.links.as_ref()
-    }
-
+impl Session {
     /// D's push request as one sub-request per P rank writing to this rank.
     pub(super) fn fan_allocated(
         &mut self,
+        now: Time,
         links: &RankLinks,
         request: &RequestId,
         blocks: BlockIds,
@@ -256,12 +250,7 @@ impl KvConnector {
                 "pull between engines of different geometries",
             ));
         }
-        if !params.do_remote_prefill {
-            return Err(ConnectorError::InvalidParam {
-                name: "do_remote_prefill",
-                why: "must be true for a request whose prefill ran remotely".into(),
-            });
-        }
+        self.check_remote_prefill(params)?;
         let tp = params
             .tp_size
             .ok_or(ConnectorError::MissingParam("tp_size"))?;
@@ -269,7 +258,7 @@ impl KvConnector {
             return Err(ConnectorError::InvalidParam {
                 name: "tp_size",
                 why: format!(
-                    "P runs TP {}, this rank is linked to TP {tp}",
+                    "P runs TP {tp}, this rank is linked to TP {}",
                     links.remote_tp
                 ),
             });
@@ -278,12 +267,12 @@ impl KvConnector {
         let address = self.peer_address(&engine, params)?;
         let key = pairing_key(request, params)?;
         let epoch = epoch(params)?;
-        let d = self.identity.rank;
+        let d = links.rank;
         let mut subs = Vec::with_capacity(links.peers.len());
         let mut calls = Vec::with_capacity(links.peers.len());
         for &p in &links.peers {
             let sub = SubRequest {
-                request: sub_id(request, p, d)?,
+                request: sub_request_id(request, p, d)?,
                 key: pair_key(&key, p, d)?,
             };
             calls.push(EngineCall::DecodeAllocated(DecodeStart {
@@ -297,12 +286,16 @@ impl KvConnector {
             }));
             subs.push(sub);
         }
-        self.start_fan(FanSide::Decode, request, blocks, subs, calls, address)
+        if let Some(address) = address {
+            self.ready.push_back(SessionOutput::PeerAddress(address));
+        }
+        self.start_fan(now, FanSide::Decode, request, blocks, subs, calls)
     }
 
     /// P's push request as one held sub-request per D rank this rank writes to.
     pub(super) fn fan_finished(
         &mut self,
+        now: Time,
         links: &RankLinks,
         start: PrefillStart,
     ) -> Result<(), ConnectorError> {
@@ -316,23 +309,27 @@ impl KvConnector {
             key,
             blocks,
         } = start;
-        let p = self.identity.rank;
+        let p = links.rank;
         if links.peers.is_empty() {
             // A replica: its D ranks get every byte from other P ranks.
-            self.fans
-                .check_room(self.fans.queued.len(), "replica events")?;
-            self.fans.queued.push(ConnectorEvent::BlocksFree {
-                request,
-                released: None,
-                blocks,
-            });
+            if self.fans.is_fan(&request) {
+                return Err(ConnectorError::Rejected(Rejected::DuplicateRequest(
+                    request,
+                )));
+            }
+            self.ready
+                .push_back(SessionOutput::Event(ConnectorEvent::BlocksFree {
+                    request,
+                    released: None,
+                    blocks,
+                }));
             return Ok(());
         }
         let mut subs = Vec::with_capacity(links.peers.len());
         let mut calls = Vec::with_capacity(links.peers.len());
         for &d in &links.peers {
             let sub = SubRequest {
-                request: sub_id(&request, p, d)?,
+                request: sub_request_id(&request, p, d)?,
                 key: pair_key(&key, p, d)?,
             };
             calls.push(EngineCall::PrefillFinished(PrefillStart {
@@ -342,71 +339,61 @@ impl KvConnector {
             }));
             subs.push(sub);
         }
-        self.start_fan(FanSide::Prefill, &request, blocks, subs, calls, None)
+        self.start_fan(now, FanSide::Prefill, &request, blocks, subs, calls)
     }
 
+    /// Starts the sub-requests in order. None accepted: the call is refused with the first
+    /// refusal and the engine keeps its blocks. Some refused after others started: the fan-in
+    /// counts them failed (the request cannot be `Ready`; the started ones are aborted) and
+    /// the engine gets the request's one event when every started one handed the blocks back.
     fn start_fan(
         &mut self,
+        now: Time,
         side: FanSide,
         request: &RequestId,
         blocks: BlockIds,
         subs: Vec<SubRequest>,
         calls: Vec<EngineCall>,
-        address: Option<kvhandoff_actors::system::AddPeerAddress>,
     ) -> Result<(), ConnectorError> {
-        if self.fans.fans.contains_key(request)
+        if self.fans.is_fan(request)
             || subs
                 .iter()
                 .any(|s| self.fans.parents.contains_key(&s.request))
         {
-            return Err(ConnectorError::Rejected(
-                kvhandoff_protocol::machine::Rejected::DuplicateRequest(request.clone()),
-            ));
+            return Err(ConnectorError::Rejected(Rejected::DuplicateRequest(
+                request.clone(),
+            )));
         }
-        self.fans
-            .check_room(self.fans.fans.len(), "multi-rank requests")?;
+        self.fans.check_room()?;
         let ids: Vec<RequestId> = subs.iter().map(|s| s.request.clone()).collect();
         let mut fan = FanIn::new(side, blocks, subs).map_err(|e| ConnectorError::InvalidParam {
             name: "links",
             why: e.to_string(),
         })?;
-        let verdicts = match self.call_inputs(calls, address.into_iter().collect()) {
-            Ok(verdicts) => verdicts,
-            Err(ConnectorError::VerdictLate) => {
-                // The rank took the sub-requests but has not answered: the fan is kept, its
-                // refusals (if any) settle through it when the verdicts come
-                // (`settle_late`), and the engine gets the request's one event as usual.
-                self.keep_fan(request, &ids, fan);
-                return Err(ConnectorError::VerdictLate);
+        #[cfg(feature = "mutations")]
+        fan.set_mutation(self.mutation);
+        let mut refused = Vec::new();
+        let mut first_refusal = None;
+        for (id, call) in ids.iter().zip(calls) {
+            if let Err(rejected) = self.endpoint.handle_call(now, call) {
+                tracing::debug!(%request, sub = %id, %rejected, "sub-request refused");
+                first_refusal.get_or_insert(rejected);
+                refused.push(id.clone());
             }
-            Err(error) => return Err(error),
-        };
-        let accepted = verdicts.iter().filter(|v| v.is_ok()).count();
-        if accepted == 0 {
+        }
+        if refused.len() == ids.len() {
             // Nothing was exposed to any peer rank: the engine keeps its blocks.
-            let first = verdicts.into_iter().find_map(Result::err);
-            return Err(first.map_or(ConnectorError::Unavailable, ConnectorError::from));
+            return Err(first_refusal.map_or(ConnectorError::Unavailable, ConnectorError::from));
         }
-        self.live += accepted as i64;
-        let mut steps = Vec::new();
-        for (id, verdict) in ids.iter().zip(&verdicts) {
-            if verdict.is_err() {
-                if let Ok(step) = fan.not_started(id) {
-                    steps.push(step);
-                }
+        let mut steps = Vec::with_capacity(refused.len());
+        for id in &refused {
+            match fan.not_started(id) {
+                Ok(step) => steps.push(step),
+                Err(error) => tracing::error!(%request, sub = %id, %error, "refusal out of place"),
             }
         }
-        self.keep_fan(request, &ids, fan);
-        let mut events = Vec::new();
-        for step in steps {
-            self.apply_step(request, step, &mut events);
-        }
-        self.fans.queued.extend(events);
-        Ok(())
-    }
-
-    fn keep_fan(&mut self, request: &RequestId, ids: &[RequestId], fan: FanIn) {
-        for id in ids {
+        self.counters.subs_refused += refused.len() as u64;
+        for id in &ids {
             self.fans.parents.insert(id.clone(), request.clone());
         }
         self.fans.fans.insert(
@@ -416,95 +403,81 @@ impl KvConnector {
                 proof: FreeProof::NeverExposed,
             },
         );
-    }
-
-    /// Whether `request` is a sub-request of a multi-rank request in progress.
-    pub(super) fn is_sub_request(&self, request: &RequestId) -> bool {
-        self.fans.parents.contains_key(request)
-    }
-
-    /// The rank refused sub-request `sub` (a late verdict): its fan counts it failed and
-    /// handed back, and says what follows.
-    pub(super) fn sub_not_started(&mut self, sub: &RequestId, events: &mut Vec<ConnectorEvent>) {
-        let Some(parent) = self.fans.parents.get(sub).cloned() else {
-            return;
-        };
-        let Some(fan) = self.fans.fans.get_mut(&parent) else {
-            return;
-        };
-        match fan.fan.not_started(sub) {
-            Ok(step) => self.apply_step(&parent, step, events),
-            Err(error) => {
-                tracing::error!(request = %parent, %sub, %error, "late refusal out of place");
-            }
+        for step in steps {
+            self.apply_step(now, request, step);
         }
+        Ok(())
     }
 
-    /// Feeds a sub-request's terminal event to its fan; `None` when `event` is not a
+    /// Feeds a sub-request's event to its fan; gives the event back when it is not a
     /// sub-request's (the caller turns it into the engine's event as usual).
-    pub(super) fn fan_event(
-        &mut self,
-        event: &EngineEvent,
-        events: &mut Vec<ConnectorEvent>,
-    ) -> Option<()> {
-        let sub = match event {
+    pub(super) fn fan_event(&mut self, event: EngineEvent) -> Option<EngineEvent> {
+        let sub = match &event {
             EngineEvent::Decode { request, .. }
             | EngineEvent::DecodeFenced { request, .. }
             | EngineEvent::Prefill { request, .. } => request,
-            EngineEvent::Export { .. } | EngineEvent::Import { .. } => return None,
+            EngineEvent::Export { .. } | EngineEvent::Import { .. } => return Some(event),
         };
-        let parent = self.fans.parents.get(sub)?.clone();
-        let fan = self.fans.fans.get_mut(&parent)?;
-        if let EngineEvent::Decode { proof, .. } = event {
+        let Some(parent) = self.fans.parents.get(sub).cloned() else {
+            return Some(event);
+        };
+        let Some(fan) = self.fans.fans.get_mut(&parent) else {
+            tracing::error!(request = %parent, %sub, "sub-request of no fan");
+            return None;
+        };
+        if let EngineEvent::Decode { proof, .. } = &event {
             fan.proof = fan.proof.max(*proof);
         }
-        match fan.fan.on_event(event) {
-            Ok(step) => self.apply_step(&parent, step, events),
+        match fan.fan.on_event(&event) {
+            Ok(step) => self.apply_step(self.now, &parent, step),
             Err(error) => {
                 tracing::error!(request = %parent, %sub, %error, "sub-request event out of place");
             }
         }
-        Some(())
+        None
     }
 
     /// Aborts what `step` names, tells the engine of a failure whose blocks stay fenced, and
     /// hands the request back to the engine when it says so.
-    fn apply_step(
-        &mut self,
-        parent: &RequestId,
-        step: FanInStep,
-        events: &mut Vec<ConnectorEvent>,
-    ) {
-        if !step.abort.is_empty() {
-            let calls = step
-                .abort
-                .iter()
-                .map(|request| EngineCall::Abort {
-                    request: request.clone(),
-                })
-                .collect();
+    fn apply_step(&mut self, now: Time, parent: &RequestId, step: FanInStep) {
+        for sub in &step.abort {
             // A refused abort means the sub-request ended meanwhile: its event is on its way.
-            if let Err(error) = self.call_inputs(calls, Vec::new()) {
-                tracing::warn!(request = %parent, %error, "aborting sibling sub-requests");
+            let abort = EngineCall::Abort {
+                request: sub.clone(),
+            };
+            match self.endpoint.handle_call(now, abort) {
+                Ok(()) => self.counters.siblings_aborted += 1,
+                Err(rejected) => {
+                    tracing::debug!(request = %parent, %sub, %rejected, "sibling ended already");
+                }
             }
         }
         if step.fenced {
             if let Some(fan) = self.fans.fans.get(parent) {
-                events.push(ConnectorEvent::DecodeFenced {
-                    request: parent.clone(),
-                    reason: decode_reason(fan.fan.outcome()),
-                });
+                let reason = decode_reason(fan.fan.outcome());
+                self.ready
+                    .push_back(SessionOutput::Event(ConnectorEvent::DecodeFenced {
+                        request: parent.clone(),
+                        reason,
+                    }));
             }
         }
         let Some(blocks) = step.hand_back else {
             return;
         };
+        self.hand_back_fan(parent, blocks);
+    }
+
+    /// The request's one final event: every sub-request handed the shared blocks back.
+    fn hand_back_fan(&mut self, parent: &RequestId, blocks: BlockIds) {
         let Some(fan) = self.fans.fans.remove(parent) else {
             return;
         };
-        self.fans.parents.retain(|_, p| p != parent);
+        for sub in fan.fan.subs() {
+            self.fans.parents.remove(sub);
+        }
         let request = parent.clone();
-        events.push(match (fan.fan.side(), fan.fan.outcome()) {
+        let event = match (fan.fan.side(), fan.fan.outcome()) {
             (FanSide::Decode, Some(FanOutcome::Ready)) => {
                 ConnectorEvent::BlocksReady { request, blocks }
             }
@@ -526,31 +499,32 @@ impl KvConnector {
                 },
                 blocks,
             },
-        });
-    }
-
-    /// Whether `request` is a multi-rank request in progress here.
-    pub(super) fn is_fan(&self, request: &RequestId) -> bool {
-        self.fans.fans.contains_key(request)
+        };
+        self.ready.push_back(SessionOutput::Event(event));
     }
 
     /// Aborts every live sub-request of the multi-rank request `request`.
-    pub(super) fn abort_fan(&mut self, request: &RequestId) -> Result<(), ConnectorError> {
+    pub(super) fn abort_fan(
+        &mut self,
+        now: Time,
+        request: &RequestId,
+    ) -> Result<(), ConnectorError> {
         let Some(fan) = self.fans.fans.get_mut(request) else {
-            return Err(ConnectorError::Rejected(
-                kvhandoff_protocol::machine::Rejected::UnknownRequest(request.clone()),
-            ));
+            return Err(ConnectorError::Rejected(Rejected::UnknownRequest(
+                request.clone(),
+            )));
         };
-        let calls: Vec<EngineCall> = fan
-            .fan
-            .abort_all()
-            .into_iter()
-            .map(|request| EngineCall::Abort { request })
-            .collect();
-        if calls.is_empty() {
-            return Ok(());
+        for sub in fan.fan.abort_all() {
+            if let Err(rejected) = self.endpoint.handle_call(
+                now,
+                EngineCall::Abort {
+                    request: sub.clone(),
+                },
+            ) {
+                tracing::debug!(%request, %sub, %rejected, "sub-request ended already");
+            }
         }
-        self.call_inputs(calls, Vec::new()).map(|_| ())
+        Ok(())
     }
 }
 

@@ -1,7 +1,7 @@
 //! How `RankLinks` follow a pair's plan, and which links are refused.
 
 use super::*;
-use kvhandoff_protocol::hetero::{model, plan_pair};
+use crate::hetero::{model, plan_pair};
 
 fn plan(name: &str, p: &str, d: &str) -> PairPlan {
     plan_pair(model(name).unwrap(), p.parse().unwrap(), d.parse().unwrap()).unwrap()
@@ -58,6 +58,7 @@ fn what_the_runtime_cannot_name_is_refused() {
     assert!(RankLinks::prefill(&staged, 2).is_err());
     let links = |remote_tp, remote_ranks, peers: Vec<u32>| RankLinks {
         side: SideName::Decode,
+        rank: 0,
         remote_tp,
         remote_ranks,
         peers,

@@ -1,0 +1,85 @@
+//! The endpoint's events as the engine gets them: a sub-request's folded into its multi-rank
+//! request (`fan`), every other one turned into its [`ConnectorEvent`] one for one.
+
+use crate::machine::{DecodeOutcome, EngineEvent, PrefillOutcome};
+
+use super::{ConnectorEvent, Session, SessionOutput};
+
+impl Session {
+    /// Takes one event of the endpoint: queues what the engine gets of it, if anything yet.
+    pub(super) fn engine_event(&mut self, event: EngineEvent) {
+        let Some(event) = self.fan_event(event) else {
+            return;
+        };
+        self.ready
+            .push_back(SessionOutput::Event(ConnectorEvent::from(event)));
+    }
+}
+
+impl From<EngineEvent> for ConnectorEvent {
+    /// One request's event in the engine's terms (what a request that is not a multi-rank
+    /// request's part gets as it is).
+    fn from(event: EngineEvent) -> Self {
+        match event {
+            EngineEvent::Decode {
+                request,
+                outcome: DecodeOutcome::Ready,
+                blocks,
+                ..
+            } => ConnectorEvent::BlocksReady { request, blocks },
+            EngineEvent::Decode {
+                request,
+                outcome: DecodeOutcome::Failed(reason),
+                proof,
+                blocks,
+                ..
+            } => ConnectorEvent::Failed {
+                request,
+                reason,
+                proof,
+                blocks,
+            },
+            EngineEvent::DecodeFenced {
+                request, failure, ..
+            } => ConnectorEvent::DecodeFenced {
+                request,
+                reason: failure,
+            },
+            EngineEvent::Prefill {
+                request,
+                outcome,
+                blocks,
+                ..
+            } => ConnectorEvent::BlocksFree {
+                request,
+                released: match outcome {
+                    PrefillOutcome::Sent => None,
+                    PrefillOutcome::Released(cause) => Some(cause),
+                },
+                blocks,
+            },
+            EngineEvent::Export {
+                request,
+                outcome,
+                proof,
+                blocks,
+                ..
+            } => ConnectorEvent::ExportEnded {
+                request,
+                outcome,
+                proof,
+                blocks,
+            },
+            EngineEvent::Import {
+                request,
+                outcome,
+                blocks,
+                ..
+            } => ConnectorEvent::Imported {
+                request,
+                outcome,
+                blocks,
+            },
+        }
+    }
+}
