@@ -34,8 +34,8 @@ use crate::TransferMode;
 /// [`plan_pair`](crate::hetero::plan_pair)).
 ///
 /// ```
-/// use crate::session::RankLinks;
-/// use crate::hetero::{model, plan_pair, SideSpec};
+/// use kvhandoff_protocol::session::RankLinks;
+/// use kvhandoff_protocol::hetero::{model, plan_pair, SideSpec};
 /// let gqa8 = model("gqa8").unwrap();
 /// let p: SideSpec = "tp=2,block=16,layout=NHD".parse().unwrap();
 /// let d: SideSpec = "tp=4,block=16,layout=NHD".parse().unwrap();
