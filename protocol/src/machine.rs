@@ -21,7 +21,7 @@ mod endpoint;
 mod export;
 mod fan_in;
 mod import;
-mod mutation;
+pub(crate) mod mutation;
 mod peer;
 mod prefill;
 mod prefill_table;

@@ -64,7 +64,10 @@ pub use params::KvTransferParams;
 pub use settings::{ConnectorSettings, DEFAULT_NEXT_TURN_TTL, DEFAULT_RECOMPUTE_THRESHOLD};
 
 use crate::driver::{route, Routed, TransportOp};
-use crate::machine::{Endpoint, EngineEvent, Mutation, NetEvent, Time};
+use crate::machine::mutation::ActiveMutation;
+#[cfg(feature = "mutations")]
+use crate::machine::Mutation;
+use crate::machine::{Endpoint, EngineEvent, NetEvent, Time};
 use crate::{EngineId, PeerAddr};
 
 /// Where another engine's side channel listens, as the router's parameters name it
@@ -121,8 +124,9 @@ pub struct Session {
     /// The time of the latest input: what the outputs it queued are handled at.
     now: Time,
     counters: SessionCounters,
-    #[cfg_attr(not(feature = "mutations"), allow(dead_code))]
-    mutation: Option<Mutation>,
+    /// The sub-requests the endpoint refused in the latest call (its siblings started).
+    refused: Vec<crate::RequestId>,
+    mutation: ActiveMutation,
 }
 
 /// What a session counts beyond its endpoint's [`Counters`](crate::machine::Counters).
@@ -159,7 +163,8 @@ impl Session {
             observe: false,
             now: Time::ZERO,
             counters: SessionCounters::default(),
-            mutation: None,
+            refused: Vec::new(),
+            mutation: ActiveMutation::default(),
         }
     }
 
@@ -235,13 +240,20 @@ impl Session {
     #[cfg(feature = "mutations")]
     #[doc(hidden)]
     pub fn set_mutation(&mut self, mutation: Option<Mutation>) {
-        self.mutation = mutation;
+        self.mutation = ActiveMutation(mutation);
         self.endpoint.set_mutation(mutation);
     }
 
     /// What the session counted.
     pub fn counters(&self) -> SessionCounters {
         self.counters
+    }
+
+    /// The sub-requests of a multi-rank request that the endpoint refused in the latest call,
+    /// while their siblings started (the request then fails, and its one event comes when the
+    /// started ones handed the blocks back).
+    pub fn refused_sub_requests(&self) -> &[crate::RequestId] {
+        &self.refused
     }
 
     /// The side channel measured `engine`'s clock: `offset_us` microseconds ahead of ours. A
@@ -268,6 +280,7 @@ impl Session {
         call: ConnectorCall,
     ) -> Result<ConnectorReply, ConnectorError> {
         self.now = now;
+        self.refused.clear();
         match &call {
             ConnectorCall::Abort { request } if self.fans.is_fan(request) => {
                 let request = request.clone();
@@ -297,6 +310,7 @@ impl Session {
         links: &RankLinks,
     ) -> Result<ConnectorReply, ConnectorError> {
         self.now = now;
+        self.refused.clear();
         links.validate()?;
         self.linked_call(now, call, links)
     }

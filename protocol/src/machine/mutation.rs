@@ -90,11 +90,15 @@ pub enum Mutation {
     /// D tells the engine a request failed early (`DecodeFenced`) again at every death of its
     /// peer, though it told it already: an engine that recomputes on the event does it twice.
     TellFencedTwice,
+    /// The session hands a multi-rank request's shared blocks back to the engine as soon as
+    /// the request's failure is decided, not when every sub-request handed them back: a
+    /// sibling's peer rank may still write into them (D) or read them (P).
+    FanHandBackAtFailure,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 26] = [
+    pub const ALL: [Mutation; 27] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -121,6 +125,7 @@ impl Mutation {
         Mutation::ServeRejoinedSessionAtOnce,
         Mutation::WaitOutRejoinedPeersFence,
         Mutation::TellFencedTwice,
+        Mutation::FanHandBackAtFailure,
     ];
 
     /// The mutation's name on the command line.
@@ -158,6 +163,7 @@ impl Mutation {
             Mutation::AcceptPriorIncarnation => "accept_prior_incarnation",
             Mutation::TrustNamedRank => "trust_named_rank",
             Mutation::TellFencedTwice => "tell_fenced_twice",
+            Mutation::FanHandBackAtFailure => "fan_hand_back_at_failure",
         }
     }
 }

@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use crate::hetero::{PairPlan, SideName};
 use crate::machine::{
     DecodeFailure, DecodeStart, EngineCall, EngineEvent, FanIn, FanInStep, FanOutcome, FanSide,
-    FreeProof, PrefillStart, Rejected, ReleaseCause, SubFailure, SubRequest, Time,
+    FreeProof, Mutation, PrefillStart, Rejected, ReleaseCause, SubFailure, SubRequest, Time,
 };
 use crate::{BlockIds, PairingKey, PeerAddr, RequestId};
 
@@ -371,7 +371,7 @@ impl Session {
             why: e.to_string(),
         })?;
         #[cfg(feature = "mutations")]
-        fan.set_mutation(self.mutation);
+        fan.set_mutation(self.mutation.0);
         let mut refused = Vec::new();
         let mut first_refusal = None;
         for (id, call) in ids.iter().zip(calls) {
@@ -393,6 +393,7 @@ impl Session {
             }
         }
         self.counters.subs_refused += refused.len() as u64;
+        self.refused.clone_from(&refused);
         for id in &ids {
             self.fans.parents.insert(id.clone(), request.clone());
         }
@@ -462,8 +463,16 @@ impl Session {
                     }));
             }
         }
-        let Some(blocks) = step.hand_back else {
-            return;
+        let failed = matches!(step.outcome, Some(FanOutcome::Failed { .. }));
+        let blocks = match step.hand_back {
+            Some(blocks) => blocks,
+            None if failed && self.mutation.is(Mutation::FanHandBackAtFailure) => {
+                match self.fans.fans.get(parent) {
+                    Some(fan) => fan.fan.blocks().clone(),
+                    None => return,
+                }
+            }
+            None => return,
         };
         self.hand_back_fan(parent, blocks);
     }
