@@ -125,7 +125,7 @@ pub struct Session {
     now: Time,
     counters: SessionCounters,
     /// The sub-requests the endpoint refused in the latest call (its siblings started).
-    refused: Vec<crate::RequestId>,
+    refused: Vec<(crate::RequestId, crate::machine::Rejected)>,
     mutation: ActiveMutation,
 }
 
@@ -250,9 +250,9 @@ impl Session {
     }
 
     /// The sub-requests of a multi-rank request that the endpoint refused in the latest call,
-    /// while their siblings started (the request then fails, and its one event comes when the
+    /// and why, while their siblings started (the request then fails, and its one event comes when the
     /// started ones handed the blocks back).
-    pub fn refused_sub_requests(&self) -> &[crate::RequestId] {
+    pub fn refused_sub_requests(&self) -> &[(crate::RequestId, crate::machine::Rejected)] {
         &self.refused
     }
 

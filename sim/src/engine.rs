@@ -2,8 +2,10 @@
 //! aborts, retries with a new epoch, crashes and restarts, and the checks on every terminal
 //! event.
 
+mod calls;
 mod events;
 mod fenced;
+pub(crate) use events::PendingHandBack;
 pub(crate) use fenced::FencedWatch;
 mod multi;
 mod reads;
@@ -16,11 +18,9 @@ pub(crate) use workload::draw_rates;
 
 use std::time::Duration;
 
-use kvhandoff_protocol::machine::{
-    DecodeFailure, DecodeStart, Endpoint, EngineCall, LoadFailurePolicy, PrefillStart, Rejected,
-    Time,
-};
-use kvhandoff_protocol::{BlockIds, Epoch, Message, PairingKey, RequestId};
+use kvhandoff_protocol::machine::{DecodeFailure, LoadFailurePolicy, Time};
+use kvhandoff_protocol::session::ConnectorCall;
+use kvhandoff_protocol::{BlockIds, Message, PairingKey, RequestId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -124,6 +124,9 @@ pub(crate) struct Request {
     pub multi: Option<Box<Multi>>,
 }
 
+/// Tokens per simulated block.
+pub(crate) const BLOCK_TOKENS: u32 = 16;
+
 /// The engine event that (re)tries to start `request` on D (`decode`) or P.
 fn start_event(request: usize, decode: bool) -> Ev {
     if decode {
@@ -215,18 +218,14 @@ impl World {
             self.wait_for_blocks(node, start_event(request, true));
             return;
         };
-        let start = DecodeStart {
+        let call = ConnectorCall::RequestAllocated {
             request: a.id,
-            key: r.key.clone(),
-            epoch: Epoch(a.epoch),
-            prefill: self.nodes[0].addr.clone(),
             blocks: BlockIds::single_group(blocks.clone()),
-            num_tokens: 16 * r.d_blocks as u64,
-            expected_writes: 1,
+            num_tokens: u64::from(BLOCK_TOKENS) * r.d_blocks as u64,
+            params: self.router_params(&r.key, a.epoch, 0),
         };
-        let input = EngineCall::DecodeAllocated(start);
         let retry = primary.then(|| start_event(request, true));
-        if !self.engine_call(node, input, &blocks, owner, retry) {
+        if self.engine_call(node, call, &blocks, owner, retry).is_none() {
             if !primary {
                 self.requests[request].d[attempt].status = Status::Skipped;
             }
@@ -242,44 +241,6 @@ impl World {
         };
         self.last_progress = self.now;
         self.drain(node);
-    }
-
-    /// An engine's start call (`DecodeAllocated`, `PrefillFinished`) with `blocks` allocated:
-    /// true if the endpoint took it (its outputs are not drained yet). Refused for lack of
-    /// tombstone room (admission control), the engine gives the blocks back and calls again a
-    /// little later (`retry`), as a scheduler would; any other refusal is a violation.
-    fn engine_call(
-        &mut self,
-        node: NodeId,
-        call: EngineCall,
-        blocks: &[u32],
-        owner: Owner,
-        retry: Option<Ev>,
-    ) -> bool {
-        let now = self.now;
-        let Some(endpoint) = self.nodes[node].endpoint.as_mut() else {
-            return false;
-        };
-        match endpoint.handle_call(now, call) {
-            Ok(()) => true,
-            Err(Rejected::TableFull { .. }) => {
-                self.mark("admission_refused");
-                self.check_flood_admission(node);
-                for error in self.nodes[node].pool.free(blocks, owner) {
-                    self.violate(error);
-                }
-                self.wake_waiters(node, blocks.len());
-                if let Some(retry) = retry {
-                    let later = micros(&mut self.rng, 200_000, 1_000_000);
-                    self.schedule(later, retry);
-                }
-                false
-            }
-            Err(rejected) => {
-                self.violate(format!("engine input refused by node {node}: {rejected}"));
-                false
-            }
-        }
     }
 
     pub(crate) fn prefill_start(&mut self, request: usize) {
@@ -309,17 +270,24 @@ impl World {
         for (index, &b) in blocks.iter().enumerate() {
             self.nodes[0].pool.fill(b, request, 0, index);
         }
-        let input = if r.transfer.pull {
-            self.export_call(&a.id, request, &blocks)
-        } else {
-            EngineCall::PrefillFinished(PrefillStart {
-                request: a.id,
-                key: r.key.clone(),
-                blocks: BlockIds::single_group(blocks.clone()),
-            })
+        let mut params = self.router_params(&r.key, a.epoch, 1);
+        params.do_remote_prefill = false;
+        params.do_remote_decode = true;
+        if r.transfer.pull {
+            params.transfer_mode = Some("pull".into());
+        }
+        let call = ConnectorCall::RequestFinished {
+            request: a.id.clone(),
+            blocks: BlockIds::single_group(blocks.clone()),
+            num_tokens: u64::from(BLOCK_TOKENS) * n as u64,
+            params,
         };
-        if !self.engine_call(0, input, &blocks, owner, Some(Ev::PrefillStart { request })) {
+        let retry = Some(Ev::PrefillStart { request });
+        let Some(reply) = self.engine_call(0, call, &blocks, owner, retry) else {
             return;
+        };
+        if r.transfer.pull {
+            self.keep_answer(&a.id, reply);
         }
         let inc = self.nodes[0].incarnation;
         let hard_end = kvhandoff_protocol::machine::export_hard_end(
@@ -392,19 +360,18 @@ impl World {
         let a = a.expect("one attempt at least").clone();
         self.record(format!("engine: abort {}", a.id));
         if matches!(a.status, Status::Live { .. }) && self.alive(node) {
-            let now = self.now;
-            let endpoint = self.nodes[node].endpoint.as_mut().expect("alive");
             // Refused only if the request just ended, which is fine.
-            let _ = endpoint.handle_call(now, EngineCall::Abort { request: a.id });
+            let _ = self.call(node, ConnectorCall::Abort { request: a.id });
             self.drain(node);
         }
     }
 
     pub(crate) fn crash(&mut self, node: NodeId) {
         self.record(format!("crash {}", self.nodes[node].addr));
-        let Some(endpoint) = self.nodes[node].endpoint.take() else {
+        let Some(session) = self.nodes[node].session.take() else {
             return;
         };
+        let endpoint = session.endpoint();
         self.mark("crash_restart");
         self.nodes[node].shell = None;
         let agent =
@@ -414,7 +381,7 @@ impl World {
                 shell.transport_mut().agent_died(agent.clone());
             }
         }
-        self.absorb_counters(&endpoint);
+        self.absorb_counters(endpoint);
         self.writes_of_crashed(node);
         // Its connections die with the process: nothing in flight on them arrives.
         for peer in 0..self.nodes.len() {
@@ -428,10 +395,6 @@ impl World {
         self.nodes[node].reads_seen = 0;
         let prefill = self.is_prefill(node);
         for r in &mut self.requests {
-            if let Some(multi) = r.multi.as_mut() {
-                // The rank's shared blocks went with its pool.
-                multi.fans.remove(&node);
-            }
             let attempts = if prefill { &mut r.p } else { &mut r.d };
             for a in attempts.iter_mut().filter(|a| a.node == node) {
                 if matches!(a.status, Status::Live { .. }) {
@@ -455,11 +418,8 @@ impl World {
         if self.alive(node) {
             return;
         }
-        let addr = self.nodes[node].addr.clone();
-        let mut endpoint =
-            Endpoint::new(addr.engine, addr.rank, self.cfg.machine.clone()).expect("valid config");
-        endpoint.set_mutation(self.cfg.mutation);
-        self.nodes[node].endpoint = Some(endpoint);
+        let session = crate::world::new_session(&self.nodes[node].addr, &self.cfg);
+        self.nodes[node].session = Some(session);
         let info = self.info_of(node);
         self.nodes[node].shell = Some(crate::transport::shell(node, info));
         self.wake_waiters(node, usize::MAX);

@@ -66,8 +66,7 @@ impl World {
         }
         for node in 0..self.nodes.len() {
             if self.nodes[node]
-                .endpoint
-                .as_ref()
+                .endpoint()
                 .and_then(|e| e.poll_timeout())
                 .is_some()
             {
@@ -138,8 +137,7 @@ impl World {
             }
             Action::Timer(node) => {
                 let due = self.nodes[node]
-                    .endpoint
-                    .as_ref()
+                    .endpoint()
                     .and_then(|e| e.poll_timeout());
                 if let Some(t) = due {
                     self.end_writes_before(t);
@@ -211,7 +209,7 @@ impl World {
             node.pool.hash(&mut h);
             // Streamed into the hasher: the endpoint's text is most of a state's, and building
             // it as a string first costs as much again.
-            let _ = write!(HashWriter(&mut h), "{:?}", node.endpoint);
+            let _ = write!(HashWriter(&mut h), "{:?}", node.endpoint());
             node.shell
                 .as_ref()
                 .map(|s| s.transport().view())

@@ -178,6 +178,9 @@ impl SimOptions {
     /// under chaos with the swarm, which draws them per seed).
     pub fn required_marks(&self) -> Vec<&'static str> {
         let mut marks = self.mode.required_marks();
+        if self.multi_source_share() > 0.0 && self.mode.multi_source_share() == 0.0 {
+            marks.extend_from_slice(MULTI_SOURCE_MARKS);
+        }
         let chaos = self.faults == Faults::Chaos;
         if chaos && self.stalls > 0.0 {
             marks.extend_from_slice(STALL_MARKS);
@@ -455,8 +458,8 @@ pub fn run_world(cfg: WorldConfig, seed: u64) -> SeedResult {
 impl World {
     fn finish(mut self, seed: u64) -> SeedResult {
         for n in 0..self.nodes.len() {
-            if let Some(endpoint) = self.nodes[n].endpoint.take() {
-                self.absorb_counters(&endpoint);
+            if let Some(session) = self.nodes[n].session.take() {
+                self.absorb_counters(session.endpoint());
             }
         }
         let c = self.counters.clone();

@@ -111,11 +111,19 @@ const SECOND_TURN_MARKS: &[&str] = &["turn2_read_declined_near_expiry", "d_ttl_r
 /// the request failed, and the shared blocks went back only after every pair handed them
 /// back), `multi_source_sibling_aborted` (a failure aborted a live sibling, which then cancelled
 /// at its own peer rank), `multi_target_partial_failure` (a P rank writing to several D ranks
-/// kept its sources until every pair ended, one having delivered and another not).
+/// kept its sources until every pair ended, one having delivered and another not),
+/// `multi_source_fenced_early` (the session told the engine once that a request fenced by a P
+/// rank's death failed), `multi_source_sub_refused` (the endpoint refused one pair's sub-request
+/// after a sibling had started: the session failed the request at once and handed it back when
+/// the sibling had), `multi_source_failed_after_a_write` (a request failed on a D rank after a
+/// pair's write had landed in its blocks: the engine heard `Failed`, never `Ready`). All of them
+/// are decided by the session the engine's connector runs (`kvhandoff_protocol::session`).
 pub const MULTI_SOURCE_MARKS: &[&str] = &[
     "multi_source_ready",
     "multi_source_partial_failure",
     "multi_source_sibling_aborted",
     "multi_target_partial_failure",
     "multi_source_fenced_early",
+    "multi_source_sub_refused",
+    "multi_source_failed_after_a_write",
 ];

@@ -482,7 +482,7 @@ impl crate::world::World {
     /// the incarnation the endpoint is connected to) and the endpoint hears of it.
     pub(crate) fn shell_handshake(&mut self, node: NodeId, peer: NodeId) {
         let info = self.info_of(peer);
-        let Some(endpoint) = self.nodes[node].endpoint.as_ref() else {
+        let Some(endpoint) = self.nodes[node].endpoint() else {
             return;
         };
         let input = match handshake_step(endpoint, &info) {

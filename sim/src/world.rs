@@ -9,9 +9,12 @@ mod stall;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use kvhandoff_protocol::driver::{route, Routed, TransportOp};
+use kvhandoff_protocol::driver::TransportOp;
 use kvhandoff_protocol::machine::{Endpoint, NetEvent, Time};
-use kvhandoff_protocol::{EngineId, Message, PairingKey, WriteFailure};
+use kvhandoff_protocol::session::{
+    ConnectorIdentity, ConnectorSettings, KvTransferParams, Session, SessionOutput,
+};
+use kvhandoff_protocol::{EngineId, Message, PairingKey, RequestId, WriteFailure};
 use kvhandoff_protocol::{PeerAddr, WriteId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -177,7 +180,9 @@ pub(crate) fn incarnation_of(node: NodeId, inc: u32) -> kvhandoff_protocol::Inca
 #[derive(Debug)]
 pub(crate) struct Node {
     pub addr: PeerAddr,
-    pub endpoint: Option<Endpoint>,
+    /// The rank's session, which owns its endpoint (`None` while crashed): the engine model
+    /// calls it as an engine calls its connector.
+    pub session: Option<Session>,
     /// The shell's transport driver over the simulated transport (`None` while crashed).
     pub shell: Option<crate::transport::Shell>,
     pub incarnation: u32,
@@ -190,6 +195,48 @@ pub(crate) struct Node {
     pub stall: Option<Stall>,
     /// Stalls that ended, (from, until): the node's own deadlines could not run then.
     pub stalled_spans: Vec<(Time, Time)>,
+    /// Siblings this incarnation's session aborted, as last seen.
+    pub siblings_aborted: u64,
+}
+
+impl Node {
+    /// The running incarnation's endpoint.
+    pub fn endpoint(&self) -> Option<&Endpoint> {
+        self.session.as_ref().map(Session::endpoint)
+    }
+}
+
+/// A new incarnation of the rank at `addr`: its endpoint under `cfg`'s machine config, inside
+/// the session an engine's connector would drive, which reports every endpoint event to the
+/// checker too ([`SessionOutput::Observed`]).
+pub(crate) fn new_session(addr: &PeerAddr, cfg: &WorldConfig) -> Session {
+    let mut endpoint =
+        Endpoint::new(addr.engine.clone(), addr.rank, cfg.machine.clone()).expect("valid machine config");
+    endpoint.set_mutation(cfg.mutation);
+    let identity = ConnectorIdentity::in_process(addr.engine.clone(), addr.rank, 1);
+    let settings = ConnectorSettings {
+        lease_duration: cfg.machine.lease_duration,
+        read_span: kvhandoff_protocol::machine::read_span(&cfg.machine),
+        block_tokens: Some(crate::engine::BLOCK_TOKENS),
+        ..ConnectorSettings::default()
+    };
+    let mut session = Session::new(endpoint, identity, settings);
+    session.set_mutation(cfg.mutation);
+    session.observe_endpoint_events(true);
+    // One clock for the whole world: every engine's offset is known and zero, so a reader
+    // converts a holder's `remote_blocks_expiry_time` exactly (the actix shell learns each
+    // from its side channel's handshake).
+    for engine in engine_names(cfg) {
+        session.clock_measured(engine, 0);
+    }
+    session
+}
+
+/// The world's engines: P's and each D's.
+fn engine_names(cfg: &WorldConfig) -> impl Iterator<Item = EngineId> {
+    std::iter::once("prefill-0".to_string())
+        .chain((0..cfg.decode_engines).map(|d| format!("decode-{d}")))
+        .map(|name| EngineId::new(name).expect("valid engine id"))
 }
 
 /// The simulated world.
@@ -262,6 +309,16 @@ pub struct World {
     /// checks at their end (`engine/fenced.rs`).
     pub(crate) fenced_watch: BTreeMap<(NodeId, PairingKey, u64), crate::engine::FencedWatch>,
     pub(crate) stall_frozen: u64,
+    /// What each export answered the router with, by the export's request id: the reader's
+    /// engine is handed these parameters (`engine/calls.rs`).
+    pub(crate) answers: BTreeMap<RequestId, KvTransferParams>,
+    /// Requests whose endpoint event the checker judged, by (node, request id): the blocks
+    /// the engine frees when the session's event for the request comes (`engine/events.rs`).
+    pub(crate) hand_backs: BTreeMap<(NodeId, RequestId), crate::engine::PendingHandBack>,
+    /// Multi-rank requests by (rank, the engine's request id): the request's index.
+    pub(crate) fan_parents: BTreeMap<(NodeId, RequestId), usize>,
+    /// Multi-rank requests the session told fenced early, by (rank, request id).
+    pub(crate) parents_fenced: BTreeSet<(NodeId, RequestId)>,
     /// The hostile peers' streams and what the checks saw of them (`world/hostile.rs`).
     pub(crate) hostile: hostile::Hostile,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
@@ -300,21 +357,20 @@ impl World {
             };
             let addr = PeerAddr::new(EngineId::new(name).expect("valid engine id"), rank);
             by_addr.insert(addr.clone(), i);
-            let mut endpoint = Endpoint::new(addr.engine.clone(), rank, cfg.machine.clone())
-                .expect("valid machine config");
-            endpoint.set_mutation(cfg.mutation);
+            let session = new_session(&addr, &cfg);
             let info =
                 crate::transport::peer_info(i, &addr, incarnation_of(i, 0), 0, cfg.pool_blocks);
             nodes.push(Node {
                 shell: Some(crate::transport::shell(i, info)),
                 addr,
-                endpoint: Some(endpoint),
+                session: Some(session),
                 incarnation: 0,
                 pool: Pool::new(cfg.pool_blocks),
                 posts_seen: 0,
                 reads_seen: 0,
                 stall: None,
                 stalled_spans: Vec::new(),
+                siblings_aborted: 0,
             });
         }
         let heal = Time::ZERO + cfg.span + Duration::from_millis(200);
@@ -365,6 +421,10 @@ impl World {
             stalls_run: 0,
             post_stalls: 0,
             fenced_watch: BTreeMap::new(),
+            answers: BTreeMap::new(),
+            hand_backs: BTreeMap::new(),
+            fan_parents: BTreeMap::new(),
+            parents_fenced: BTreeSet::new(),
             stall_frozen: 0,
             hostile,
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),
@@ -467,17 +527,17 @@ impl World {
     }
 
     pub(crate) fn alive(&self, node: NodeId) -> bool {
-        self.nodes[node].endpoint.is_some()
+        self.nodes[node].session.is_some()
     }
 
     /// Feeds `event` to `node`'s endpoint and acts on everything it outputs; false if the
     /// node is down.
     pub(crate) fn feed(&mut self, node: NodeId, event: NetEvent) -> bool {
         let now = self.now;
-        let Some(endpoint) = self.nodes[node].endpoint.as_mut() else {
+        let Some(session) = self.nodes[node].session.as_mut() else {
             return false;
         };
-        endpoint.handle_event(now, event);
+        session.handle_event(now, event);
         self.drain(node);
         true
     }
@@ -486,16 +546,17 @@ impl World {
     pub(crate) fn drain(&mut self, node: NodeId) {
         loop {
             let Some(output) = self.nodes[node]
-                .endpoint
+                .session
                 .as_mut()
-                .and_then(Endpoint::poll_output)
+                .and_then(Session::poll_output)
             else {
+                self.note_siblings_aborted(node);
                 return;
             };
-            // Routed as the actix shell routes; transport outputs go through the shell's own
-            // driver (`transport.rs`).
-            match route(output) {
-                Routed::Transport(TransportOp::Invalidate(peer)) => {
+            // Handled as the actix shell handles them; transport outputs go through the shell's
+            // own driver (`transport.rs`).
+            match output {
+                SessionOutput::Transport(TransportOp::Invalidate(peer)) => {
                     if let Some(&other) = self.by_addr.get(&peer) {
                         if self.alive(other) {
                             // Declared dead while its process runs (a partition, lost
@@ -506,9 +567,14 @@ impl World {
                     }
                     self.shell_op(node, TransportOp::Invalidate(peer));
                 }
-                Routed::Transport(op) => self.shell_op(node, op),
-                Routed::Connect(peer) => self.connect(node, &peer),
-                Routed::Event(event) => self.engine_event(node, event),
+                SessionOutput::Transport(op) => self.shell_op(node, op),
+                SessionOutput::Connect(peer) => self.connect(node, &peer),
+                SessionOutput::PeerAddress(address) => self.violate(format!(
+                    "node {node} asked for the side channel of {} in process",
+                    address.engine
+                )),
+                SessionOutput::Observed(event) => self.endpoint_event(node, event),
+                SessionOutput::Event(event) => self.connector_event(node, event),
             }
         }
     }
@@ -519,7 +585,7 @@ impl World {
             if let Err(e) = self.nodes[node].pool.check() {
                 self.violate(format!("node {node}: {e}"));
             }
-            if let Some(endpoint) = &self.nodes[node].endpoint {
+            if let Some(endpoint) = self.nodes[node].endpoint() {
                 let posted = endpoint.counters().writes_posted;
                 let reads = endpoint.counters().reads_posted;
                 if reads != self.nodes[node].reads_seen {
@@ -545,8 +611,8 @@ impl World {
         let now = self.now;
         let line = format!("timer {}", self.nodes[node].addr);
         self.record(line);
-        if let Some(endpoint) = self.nodes[node].endpoint.as_mut() {
-            endpoint.handle_timeout(now);
+        if let Some(session) = self.nodes[node].session.as_mut() {
+            session.handle_timeout(now);
         }
         self.drain(node);
         self.check_step();
@@ -557,7 +623,7 @@ impl World {
     pub(crate) fn next_timer(&self) -> Option<(Time, NodeId)> {
         (0..self.nodes.len())
             .filter(|&n| !self.stalled(n))
-            .filter_map(|n| Some((self.nodes[n].endpoint.as_ref()?.poll_timeout()?, n)))
+            .filter_map(|n| Some((self.nodes[n].endpoint()?.poll_timeout()?, n)))
             .min()
     }
 

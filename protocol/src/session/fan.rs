@@ -372,21 +372,20 @@ impl Session {
         })?;
         #[cfg(feature = "mutations")]
         fan.set_mutation(self.mutation.0);
-        let mut refused = Vec::new();
-        let mut first_refusal = None;
+        let mut refused: Vec<(RequestId, Rejected)> = Vec::new();
         for (id, call) in ids.iter().zip(calls) {
             if let Err(rejected) = self.endpoint.handle_call(now, call) {
                 tracing::debug!(%request, sub = %id, %rejected, "sub-request refused");
-                first_refusal.get_or_insert(rejected);
-                refused.push(id.clone());
+                refused.push((id.clone(), rejected));
             }
         }
         if refused.len() == ids.len() {
             // Nothing was exposed to any peer rank: the engine keeps its blocks.
-            return Err(first_refusal.map_or(ConnectorError::Unavailable, ConnectorError::from));
+            let first = refused.into_iter().next().map(|(_, rejected)| rejected);
+            return Err(first.map_or(ConnectorError::Unavailable, ConnectorError::from));
         }
         let mut steps = Vec::with_capacity(refused.len());
-        for id in &refused {
+        for (id, _) in &refused {
             match fan.not_started(id) {
                 Ok(step) => steps.push(step),
                 Err(error) => tracing::error!(%request, sub = %id, %error, "refusal out of place"),

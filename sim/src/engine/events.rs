@@ -1,19 +1,84 @@
-//! The one terminal event of a request on one side: the checks it must pass, freeing its
-//! blocks, and D's retry with a new epoch.
+//! The one terminal event of a request on one side: the checks its endpoint event must pass
+//! (the checker sees every endpoint event, [`SessionOutput::Observed`]), D's retry with a new
+//! epoch, and the engine's side: the blocks go back to the pool when the session's event for
+//! the request comes, as a real engine frees them on its connector's event.
+//!
+//! [`SessionOutput::Observed`]: kvhandoff_protocol::session::SessionOutput::Observed
 
 use std::time::Duration;
 
 use kvhandoff_protocol::machine::{DecodeOutcome, EngineEvent, FreeProof, Time};
+use kvhandoff_protocol::session::ConnectorEvent;
 
 use super::{rid, Attempt, AttemptKind, Status};
 use crate::ledger::{judge_hand_back, pattern, HandBack, Owner, BLOCK_BYTES};
 use crate::world::{micros, Ev, NodeId, World};
 use kvhandoff_protocol::{PairingKey, RequestId};
 
+/// A request the checker saw end at its endpoint, whose blocks the engine gets back with the
+/// session's event for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PendingHandBack {
+    pub owner: Owner,
+    pub blocks: Vec<u32>,
+    /// The engine keeps the blocks (a second turn exports them) instead of freeing them.
+    pub kept: bool,
+    /// A failed D attempt the engine may try again with the next epoch.
+    pub may_retry: bool,
+}
+
 impl World {
-    /// The one terminal event of a request on one side: checks S3, S4, S7, S8 and frees. A D
-    /// request's early failure (`DecodeFenced`, not terminal) goes to `fenced.rs`.
-    pub(crate) fn engine_event(&mut self, node: NodeId, event: EngineEvent) {
+    /// The session's event for the engine: a single request's frees the blocks its endpoint
+    /// event was judged with (and must hand back the same ones); a multi-rank request's is
+    /// judged against every pair of the rank (`multi/settle.rs`).
+    pub(crate) fn connector_event(&mut self, node: NodeId, event: ConnectorEvent) {
+        let id = event.request().clone();
+        if let Some(&request) = self.fan_parents.get(&(node, id.clone())) {
+            self.parent_event(node, request, &event);
+            return;
+        }
+        match &event {
+            ConnectorEvent::DecodeFenced { .. } => return, // judged on the endpoint's (F1)
+            ConnectorEvent::Refused { error, .. } => {
+                self.violate(format!("S4: {id} refused late ({error}) with no late verdict"));
+                return;
+            }
+            ConnectorEvent::BlocksReady { .. }
+            | ConnectorEvent::Failed { .. }
+            | ConnectorEvent::BlocksFree { .. }
+            | ConnectorEvent::ExportEnded { .. }
+            | ConnectorEvent::Imported { .. } => {}
+        }
+        let Some(hand_back) = self.hand_backs.remove(&(node, id.clone())) else {
+            self.violate(format!(
+                "S4: the engine heard {id} end ({event:?}) though its endpoint did not"
+            ));
+            return;
+        };
+        let flat = hand_back_blocks(&event).concat();
+        if flat != hand_back.blocks {
+            self.violate(format!(
+                "S3: the session handed {id}'s blocks back as {flat:?}, its endpoint as {:?}",
+                hand_back.blocks
+            ));
+        }
+        if !hand_back.kept {
+            let frozen = frozen_note(self.frozen_touching(node, &hand_back.blocks));
+            for e in self.nodes[node].pool.free(&hand_back.blocks, hand_back.owner) {
+                self.violate(format!("node {node}: {e}{frozen}"));
+            }
+            self.wake_waiters(node, hand_back.blocks.len());
+        }
+        let owner = hand_back.owner;
+        if hand_back.may_retry && self.chance(self.rates.retry) {
+            self.retry(owner.request, owner.epoch + 1);
+        }
+    }
+
+    /// The one terminal event of a request on one side, as its endpoint reported it: checks
+    /// S3, S4, S7, S8. A D request's early failure (`DecodeFenced`, not terminal) goes to
+    /// `fenced.rs`.
+    pub(crate) fn endpoint_event(&mut self, node: NodeId, event: EngineEvent) {
         let (id, key, blocks, decode) = match &event {
             EngineEvent::DecodeFenced { .. } => {
                 self.decode_fenced(node, &event);
@@ -126,13 +191,6 @@ impl World {
         self.check_life(node, decode, &id, started);
         self.record(format!("engine: {id} ended: {label}"));
         *self.outcomes.entry(label).or_insert(0) += 1;
-        if !kept_blocks {
-            let frozen = frozen_note(self.frozen_touching(node, &flat));
-            for e in self.nodes[node].pool.free(&flat, owner) {
-                self.violate(format!("node {node}: {e}{frozen}"));
-            }
-            self.wake_waiters(node, flat.len());
-        }
         let r = &mut self.requests[request];
         let attempts = if decode { &mut r.d } else { &mut r.p };
         attempts[ai].status = Status::Done;
@@ -148,8 +206,14 @@ impl World {
             }
         );
         let primary = a.node == r.d_node;
-        if decode && primary && failed && a.epoch < 3 && self.chance(self.rates.retry) {
-            self.retry(request, a.epoch + 1);
+        let pending = PendingHandBack {
+            owner,
+            blocks: flat,
+            kept: kept_blocks,
+            may_retry: decode && primary && failed && a.epoch < 3,
+        };
+        if let Some(earlier) = self.hand_backs.insert((node, id.clone()), pending) {
+            self.violate(format!("S4: {id} ended twice before the engine heard ({earlier:?})"));
         }
     }
 
@@ -235,8 +299,7 @@ impl World {
         let d_addr = &self.nodes[node].addr;
         let now = self.now;
         let p_holds = self.nodes[writer.node]
-            .endpoint
-            .as_ref()
+            .endpoint()
             .and_then(|p| p.pending_registration(writer.key))
             .is_some_and(|(from, e, expires)| from == d_addr && e.0 == epoch && expires > now);
         let hand_back = HandBack {
@@ -344,4 +407,16 @@ pub(super) struct Writer<'a> {
     pub node: NodeId,
     pub key: &'a PairingKey,
     pub registered: bool,
+}
+
+/// The blocks a final event of the engine hands back, per cache group (none for an early one).
+fn hand_back_blocks(event: &ConnectorEvent) -> Vec<Vec<u32>> {
+    match event {
+        ConnectorEvent::BlocksReady { blocks, .. }
+        | ConnectorEvent::Failed { blocks, .. }
+        | ConnectorEvent::BlocksFree { blocks, .. }
+        | ConnectorEvent::ExportEnded { blocks, .. }
+        | ConnectorEvent::Imported { blocks, .. } => blocks.groups.clone(),
+        ConnectorEvent::DecodeFenced { .. } | ConnectorEvent::Refused { .. } => Vec::new(),
+    }
 }

@@ -69,8 +69,7 @@ impl World {
 
     /// F1: the early event names a live attempt of this incarnation, in its epoch, told for the
     /// first time, whose blocks the engine still holds (they stay leased to it until the final
-    /// event frees them: a reuse or a double free in between is the pool's violation). A
-    /// sub-request's fan-in hears it (it may fail the request and abort the siblings).
+    /// event frees them: a reuse or a double free in between is the pool's violation).
     pub(crate) fn decode_fenced(&mut self, node: NodeId, event: &EngineEvent) {
         let EngineEvent::DecodeFenced {
             request: id,
@@ -136,8 +135,7 @@ impl World {
         let p = a.sub.as_ref().map_or(0, |sub| sub.peer);
         let peer = self.nodes[p].addr.clone();
         if let Some(run) = self.nodes[node]
-            .endpoint
-            .as_ref()
+            .endpoint()
             .and_then(|e| e.fenced_run(&peer))
         {
             let watch = FencedWatch {
@@ -150,23 +148,8 @@ impl World {
         }
         // No trace line of its own: a world without multi-rank requests replays exactly as it
         // did before the early event existed (its trace hash is pinned in
-        // `sim/tests/multi_source.rs`), which shows the event changes nothing it does.
-        if a.sub.is_none() {
-            return;
-        }
-        let multi = self.requests[request].multi.as_mut().expect("multi-rank");
-        match multi.fans.get_mut(&node).map(|fan| fan.on_event(event)) {
-            None => self.violate(format!("no fan-in of request {request} on node {node}")),
-            Some(Err(error)) => self.violate(format!(
-                "fan-in of request {request} on node {node}: {error}"
-            )),
-            Some(Ok(step)) => {
-                if step.fenced {
-                    self.mark("multi_source_fenced_early");
-                }
-                self.after_fan_step(node, request, step);
-            }
-        }
+        // `sim/tests/multi_source.rs`), which shows the event changes nothing it does. A
+        // sub-request's reaches the engine folded into its request's (`multi/settle.rs`).
     }
 
     /// F1: the final event of an attempt told fenced is `Failed` with the failure it was told

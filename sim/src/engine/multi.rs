@@ -1,10 +1,10 @@
 //! Multi-rank requests in the engine model: a D rank fed by several P ranks, a P rank feeding
-//! several D ranks, or both. Each (P rank → D rank) pair is an ordinary 1:1 sub-request under
-//! its pair's key (`PairingKey::for_pair`), run by the real machines; each rank allocates its
-//! blocks once and shares them between its sub-requests, with the protocol crate's `FanIn`
-//! deciding which siblings to abort, the request's outcome and when the shared blocks go back.
-//! This file draws the shapes and starts and aborts the sub-requests; `multi/settle.rs` takes
-//! their ends and judges the shared hand-backs.
+//! several D ranks, or both. Each rank's engine makes one call for the request, with the links
+//! of this request's shape (`Session::handle_call_linked`), and the rank's session splits it
+//! into one 1:1 sub-request per pair under the pair's key (`PairingKey::for_pair`), decides
+//! which siblings to abort, the request's outcome and when the shared blocks go back — the
+//! code an engine's connector runs. This file draws the shapes and makes the calls;
+//! `multi/settle.rs` judges each pair's end and the request's one event per rank.
 
 mod settle;
 
@@ -12,15 +12,15 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::time::Duration;
 
-use kvhandoff_protocol::machine::{
-    DecodeStart, EngineCall, FanIn, FanInStep, FanSide, PrefillStart, Rejected, SubRequest,
-};
-use kvhandoff_protocol::{BlockIds, Epoch, PairingKey, RequestId};
+use kvhandoff_protocol::hetero::SideName;
+use kvhandoff_protocol::machine::{FreeProof, Rejected};
+use kvhandoff_protocol::session::{sub_request_id, ConnectorCall, RankLinks};
+use kvhandoff_protocol::{BlockIds, PairingKey, RequestId};
 use rand::seq::SliceRandom;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
-use super::{Attempt, AttemptKind, Status, Sub};
+use super::{rid, Attempt, AttemptKind, Status, Sub, BLOCK_TOKENS};
 use crate::ledger::{Owner, BLOCK_BYTES};
 use crate::world::{micros, Ev, NodeId, World};
 
@@ -49,11 +49,18 @@ pub(crate) struct Multi {
     pub pairs: Vec<Pair>,
     /// The P rank whose engine aborts the request, if the workload aborts it on P's side.
     pub abort_p: NodeId,
-    /// The fan-in of each rank that started its sub-requests, until the last of them ended.
-    pub fans: BTreeMap<NodeId, FanIn>,
-    /// D ranks: how many of the rank's sub-requests ended `Ready` and how many failed, as the
-    /// ledger reads their events (checked against the fan-in's outcome).
-    pub tally: BTreeMap<NodeId, (usize, usize)>,
+    /// Per rank that started its share: how many of its sub-requests delivered (D `Ready`, P
+    /// `Sent`) and how many did not, as the checker reads their endpoint events, and the most
+    /// cautious proof of D's (checked against the session's one event for the rank).
+    pub tally: BTreeMap<NodeId, Tally>,
+}
+
+/// What one rank's sub-requests of a multi-rank request ended with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub(crate) struct Tally {
+    pub delivered: usize,
+    pub failed: usize,
+    pub proof: Option<FreeProof>,
 }
 
 impl Multi {
@@ -75,9 +82,9 @@ impl Multi {
     }
 }
 
-/// The engine's id of the sub-request of `request` for pair (`p` → `d`) on `side` (`d` or `p`).
-fn sub_id(side: &str, request: usize, p: NodeId, d: NodeId) -> RequestId {
-    RequestId::new(format!("{side}{request}a1-p{p}d{d}")).expect("valid request id")
+/// The engine's id of multi-rank request `request` on `side` (`d` or `p`).
+fn parent_id(side: &str, request: usize) -> RequestId {
+    rid(side, request, 1)
 }
 
 impl World {
@@ -135,7 +142,6 @@ impl World {
         Some(Multi {
             pairs,
             abort_p,
-            fans: BTreeMap::new(),
             tally: BTreeMap::new(),
         })
     }
@@ -166,18 +172,15 @@ impl World {
         let mut p = Vec::new();
         for pair in &multi.pairs {
             self.keys.insert(pair.key.clone(), i);
-            d.push(attempt(
-                sub_id("d", i, pair.p, pair.d),
-                pair.d,
-                &pair.key,
-                pair.p,
-            ));
-            p.push(attempt(
-                sub_id("p", i, pair.p, pair.d),
-                pair.p,
-                &pair.key,
-                pair.d,
-            ));
+            let (p_rank, d_rank) = (self.prefill_rank(pair.p), decode_rank(pair.d));
+            let sub = |side| {
+                sub_request_id(&parent_id(side, i), p_rank, d_rank)
+                    .expect("the simulator's ids are short")
+            };
+            d.push(attempt(sub("d"), pair.d, &pair.key, pair.p));
+            p.push(attempt(sub("p"), pair.p, &pair.key, pair.d));
+            self.fan_parents.insert((pair.d, parent_id("d", i)), i);
+            self.fan_parents.insert((pair.p, parent_id("p", i)), i);
         }
         let mut d_nodes: Vec<NodeId> = multi.pairs.iter().map(|pair| pair.d).collect();
         let mut p_nodes: Vec<NodeId> = multi.pairs.iter().map(|pair| pair.p).collect();
@@ -206,16 +209,15 @@ impl World {
 
     /// D rank `node` allocates the request's blocks once and starts its sub-requests.
     pub(crate) fn sub_decode_start(&mut self, request: usize, node: NodeId) {
-        self.start_subs(request, node, FanSide::Decode);
+        self.start_subs(request, node, true);
     }
 
     /// P rank `node` finished the prefill: one set of source blocks for all its sub-requests.
     pub(crate) fn sub_prefill_start(&mut self, request: usize, node: NodeId) {
-        self.start_subs(request, node, FanSide::Prefill);
+        self.start_subs(request, node, false);
     }
 
-    fn start_subs(&mut self, request: usize, node: NodeId, side: FanSide) {
-        let decode = side == FanSide::Decode;
+    fn start_subs(&mut self, request: usize, node: NodeId, decode: bool) {
         let again = if decode {
             Ev::SubDecodeStart { request, node }
         } else {
@@ -223,13 +225,13 @@ impl World {
         };
         let r = &self.requests[request];
         let attempts = if decode { &r.d } else { &r.p };
-        let subs: Vec<(usize, RequestId, Sub)> = attempts
+        let pending: Vec<usize> = attempts
             .iter()
             .enumerate()
             .filter(|(_, a)| a.node == node && a.status == Status::Pending)
-            .map(|(ai, a)| (ai, a.id.clone(), a.sub.clone().expect("a sub-request")))
+            .map(|(ai, _)| ai)
             .collect();
-        let Some(epoch) = subs.first().map(|&(ai, ..)| attempts[ai].epoch) else {
+        let Some(epoch) = pending.first().map(|&ai| attempts[ai].epoch) else {
             // Nothing to start (a duplicate start): pass the wake-up on.
             self.wake_waiters(node, 1);
             return;
@@ -239,7 +241,7 @@ impl World {
         let side_name = if decode { "D" } else { "P" };
         self.record(format!(
             "engine: {side_name} rank {node} starts {} sub-request(s) of {key}",
-            subs.len()
+            pending.len()
         ));
         let owner = Owner { request, epoch };
         let Some(blocks) = self.allocate_on(node, n, owner) else {
@@ -251,99 +253,105 @@ impl World {
                 self.nodes[node].pool.fill(b, request, 0, index);
             }
         }
+        let links = self.links_of(request, node, decode);
         let shared = BlockIds::single_group(blocks.clone());
-        let sub_requests = subs.iter().map(|(_, id, sub)| SubRequest {
-            request: id.clone(),
-            key: sub.key.clone(),
-        });
-        let mut fan =
-            FanIn::new(side, shared.clone(), sub_requests).expect("distinct sub-requests");
-        fan.set_mutation(self.cfg.mutation);
-        let mut steps: Vec<FanInStep> = Vec::new();
-        let mut admitted = 0;
-        for (ai, id, sub) in subs {
-            let call = if decode {
-                EngineCall::DecodeAllocated(DecodeStart {
-                    request: id.clone(),
-                    key: sub.key,
-                    epoch: Epoch(epoch),
-                    prefill: self.nodes[sub.peer].addr.clone(),
-                    blocks: shared.clone(),
-                    num_tokens: 16 * d_blocks as u64,
-                    expected_writes: 1,
-                })
-            } else {
-                EngineCall::PrefillFinished(PrefillStart {
-                    request: id.clone(),
-                    key: sub.key,
-                    blocks: shared.clone(),
-                })
-            };
-            let now = self.now;
-            let endpoint = self.nodes[node]
-                .endpoint
-                .as_mut()
-                .expect("allocated: alive");
-            match endpoint.handle_call(now, call) {
-                Ok(()) => {
-                    admitted += 1;
-                    let inc = self.nodes[node].incarnation;
-                    let r = &mut self.requests[request];
-                    let a = if decode { &mut r.d[ai] } else { &mut r.p[ai] };
-                    a.blocks = blocks.clone();
-                    a.status = Status::Live {
-                        node_inc: inc,
-                        started: now,
-                        fenced: None,
-                    };
-                }
-                Err(Rejected::TableFull { .. }) if admitted == 0 => {
-                    // Nothing started yet: give the blocks back and call again a little later,
-                    // as for a single request.
-                    self.mark("admission_refused");
-                    self.check_flood_admission(node);
-                    for error in self.nodes[node].pool.free(&blocks, owner) {
-                        self.violate(error);
-                    }
-                    self.wake_waiters(node, blocks.len());
-                    let later = micros(&mut self.rng, 200_000, 1_000_000);
-                    self.schedule(later, again);
-                    return;
-                }
-                Err(rejected) => {
-                    // Some siblings run already: this one never will, and the request fails.
-                    if matches!(rejected, Rejected::TableFull { .. }) {
-                        self.mark("admission_refused");
-                        self.check_flood_admission(node);
-                    } else {
-                        self.violate(format!("engine input refused by node {node}: {rejected}"));
-                    }
-                    let r = &mut self.requests[request];
-                    let a = if decode { &mut r.d[ai] } else { &mut r.p[ai] };
-                    a.status = Status::Skipped;
-                    match fan.not_started(&id) {
-                        Ok(step) => steps.push(step),
-                        Err(error) => self.violate(format!("fan-in: {error}")),
-                    }
-                }
+        let call = if decode {
+            let mut params = self.router_params(&key, epoch, 0);
+            params.tp_size = Some(links.remote_tp);
+            ConnectorCall::RequestAllocated {
+                request: parent_id("d", request),
+                blocks: shared,
+                num_tokens: u64::from(BLOCK_TOKENS) * d_blocks as u64,
+                params,
             }
+        } else {
+            ConnectorCall::RequestFinished {
+                request: parent_id("p", request),
+                blocks: shared,
+                num_tokens: u64::from(BLOCK_TOKENS) * n as u64,
+                params: self.router_params(&key, epoch, 1),
+            }
+        };
+        if let Err(error) = self.call_linked(node, call, &links) {
+            // Nothing started: the blocks go back and the engine calls again later (a full
+            // table), as for a single request.
+            self.start_refused(node, error, &blocks, owner, Some(again));
+            return;
+        }
+        let refused: Vec<(RequestId, Rejected)> = self.nodes[node]
+            .session
+            .as_ref()
+            .map(|s| s.refused_sub_requests().to_vec())
+            .unwrap_or_default();
+        for (sub, rejected) in &refused {
+            // Some siblings run already: this one never will, and the request fails.
+            if matches!(rejected, Rejected::TableFull { .. }) {
+                self.mark("multi_source_sub_refused");
+                self.mark("admission_refused");
+                self.check_flood_admission(node);
+            } else {
+                self.violate(format!("sub-request {sub} refused by node {node}: {rejected}"));
+            }
+        }
+        let now = self.now;
+        let inc = self.nodes[node].incarnation;
+        for ai in pending {
+            let r = &mut self.requests[request];
+            let a = if decode { &mut r.d[ai] } else { &mut r.p[ai] };
+            if refused.iter().any(|(sub, _)| sub == &a.id) {
+                a.status = Status::Skipped;
+                continue;
+            }
+            a.blocks = blocks.clone();
+            a.status = Status::Live {
+                node_inc: inc,
+                started: now,
+                fenced: None,
+            };
         }
         self.last_progress = self.now;
         let multi = self.requests[request].multi.as_mut().expect("multi-rank");
-        multi.fans.insert(node, fan);
-        if decode {
-            multi.tally.insert(node, (0, 0));
-        }
-        for step in steps {
-            self.after_fan_step(node, request, step);
-        }
+        multi.tally.insert(node, Tally::default());
         self.drain(node);
     }
 
-    /// The engine aborts a multi-rank request: on D's side every rank aborts all its
-    /// sub-requests; on P's side, the one rank the workload chose. Each aborted sub-request
-    /// cancels at its own peer rank; a rank that has not started its share yet has nothing to
-    /// abort, as for a single request.
+    /// This request's links of rank `node`: the other side's ranks it pairs with.
+    fn links_of(&self, request: usize, node: NodeId, decode: bool) -> RankLinks {
+        let multi = self.requests[request].multi.as_ref().expect("multi-rank");
+        let mut peers: Vec<u32> = multi
+            .pairs
+            .iter()
+            .filter(|pair| if decode { pair.d == node } else { pair.p == node })
+            .map(|pair| {
+                if decode {
+                    self.prefill_rank(pair.p)
+                } else {
+                    decode_rank(pair.d)
+                }
+            })
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        let (side, rank, remote) = if decode {
+            let ranks = self.prefill_nodes().len() as u32;
+            (SideName::Decode, decode_rank(node), ranks)
+        } else {
+            let ranks = self.cfg.decode_engines as u32;
+            (SideName::Prefill, self.prefill_rank(node), ranks)
+        };
+        RankLinks {
+            side,
+            rank,
+            remote_tp: remote,
+            remote_ranks: remote,
+            peers,
+        }
+    }
+
+    /// The engine aborts a multi-rank request: on D's side every rank aborts its share; on
+    /// P's side, the one rank the workload chose. The session aborts each live sub-request,
+    /// which cancels at its own peer rank; a rank that has not started its share yet has
+    /// nothing to abort, as for a single request.
     pub(crate) fn multi_abort(&mut self, request: usize, decode: bool) {
         let r = &self.requests[request];
         let multi = r.multi.as_ref().expect("multi-rank");
@@ -356,38 +364,35 @@ impl World {
         nodes.dedup();
         let side = if decode { "D" } else { "P" };
         self.record(format!("engine: {side} aborts {} on {nodes:?}", r.key));
+        let id = parent_id(if decode { "d" } else { "p" }, request);
         for node in nodes {
-            if !self.alive(node) {
+            let started = self.requests[request]
+                .multi
+                .as_ref()
+                .is_some_and(|m| m.tally.contains_key(&node));
+            if !self.alive(node) || !started {
                 continue;
             }
-            let multi = self.requests[request].multi.as_mut().expect("multi-rank");
-            let Some(fan) = multi.fans.get_mut(&node) else {
-                continue;
-            };
-            let ids = fan.abort_all();
-            self.abort_subs(node, ids);
+            // Refused only if the request ended meanwhile, which is fine.
+            let _ = self.call(node, ConnectorCall::Abort { request: id.clone() });
             self.drain(node);
         }
     }
 
-    /// Aborts the sub-requests `ids` on `node` (outputs not drained). A refusal means the
-    /// sub-request just ended, which is fine.
-    fn abort_subs(&mut self, node: NodeId, ids: Vec<RequestId>) -> usize {
-        let now = self.now;
-        let Some(endpoint) = self.nodes[node].endpoint.as_mut() else {
-            return 0;
+    /// The siblings `node`'s session aborted since last seen, for the coverage marks.
+    pub(crate) fn note_siblings_aborted(&mut self, node: NodeId) {
+        let Some(session) = self.nodes[node].session.as_ref() else {
+            return;
         };
-        ids.into_iter()
-            .filter(|id| {
-                endpoint
-                    .handle_call(
-                        now,
-                        EngineCall::Abort {
-                            request: id.clone(),
-                        },
-                    )
-                    .is_ok()
-            })
-            .count()
+        let now = session.counters().siblings_aborted;
+        let seen = std::mem::replace(&mut self.nodes[node].siblings_aborted, now);
+        for _ in seen..now {
+            self.mark("multi_source_sibling_aborted");
+        }
     }
+}
+
+/// The rank number of D's node `d` in a multi-rank request (node 1 is rank 0).
+fn decode_rank(d: NodeId) -> u32 {
+    (d - 1) as u32
 }

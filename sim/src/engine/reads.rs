@@ -3,18 +3,15 @@
 //! and the checks on every export's and import's terminal event.
 
 use kvhandoff_protocol::machine::{
-    export_hard_end, EngineCall, EngineEvent, ExportStart, ImportFailure, ImportOutcome,
-    ImportStart, Rejected,
+    export_hard_end, EngineEvent, ImportFailure, ImportOutcome, Rejected,
 };
-use kvhandoff_protocol::{BlockIds, Epoch, ReadRefusal};
+use kvhandoff_protocol::session::{ConnectorCall, ConnectorError, KvTransferParams};
+use kvhandoff_protocol::{BlockIds, ReadRefusal, RequestId};
 
 use super::events::frozen_note;
-use super::{rid, Attempt, AttemptKind, Status};
+use super::{rid, Attempt, AttemptKind, Status, BLOCK_TOKENS};
 use crate::ledger::Owner;
 use crate::world::{micros, Ev, NodeId, World};
-
-/// Tokens per simulated block.
-const BLOCK_TOKENS: u32 = 16;
 
 impl World {
     /// D attempt `attempt` of a pulled request: it needs P's answer (a live export) first, as
@@ -53,9 +50,6 @@ impl World {
             self.schedule(later, Ev::DecodeStart { request });
             return;
         };
-        let AttemptKind::Export { hard_end, .. } = export.kind else {
-            unreachable!("filtered above");
-        };
         self.record(format!("engine: D allocates to read {} {}", r.key, a.id));
         let owner = Owner {
             request,
@@ -66,20 +60,18 @@ impl World {
             self.wait_for_blocks(node, super::start_event(request, true));
             return;
         };
-        let start = ImportStart {
+        // What the router hands D: P's answer, with D's attempt as the epoch.
+        let mut params = self.read_params(&export.id, r.transfer.gate);
+        params.epoch = Some(a.epoch);
+        self.set_policy(node, r.transfer.policy);
+        let call = ConnectorCall::RequestAllocated {
             request: a.id,
-            key: r.key.clone(),
-            epoch: Epoch(a.epoch),
-            holder: self.nodes[0].addr.clone(),
             blocks: BlockIds::single_group(blocks.clone()),
-            remote_blocks: BlockIds::single_group(export.blocks.clone()),
             num_tokens: u64::from(BLOCK_TOKENS) * r.p_blocks as u64,
-            block_tokens: BLOCK_TOKENS,
-            policy: r.transfer.policy,
-            expires: r.transfer.gate.then_some(hard_end),
+            params,
         };
         let retry = Some(Ev::DecodeStart { request });
-        if !self.engine_call(node, EngineCall::Import(start), &blocks, owner, retry) {
+        if self.engine_call(node, call, &blocks, owner, retry).is_none() {
             return;
         }
         let inc = self.nodes[node].incarnation;
@@ -98,21 +90,26 @@ impl World {
         self.drain(node);
     }
 
-    /// P's engine finished a pulled request's prefill into `blocks`: it exports them.
-    pub(super) fn export_call(
-        &self,
-        id: &kvhandoff_protocol::RequestId,
-        request: usize,
-        blocks: &[u32],
-    ) -> EngineCall {
-        let r = &self.requests[request];
-        EngineCall::Export(ExportStart {
-            request: id.clone(),
-            key: r.key.clone(),
-            blocks: BlockIds::single_group(blocks.to_vec()),
-            num_tokens: u64::from(BLOCK_TOKENS) * r.p_blocks as u64,
-            lease: self.cfg.machine.lease_duration,
-        })
+    /// The parameters the router hands the reader of export `export`: the holder's answer,
+    /// without its expiry if the router does not forward it (`gate` off).
+    fn read_params(&mut self, export: &RequestId, gate: bool) -> KvTransferParams {
+        let Some(mut params) = self.answers.get(export).cloned() else {
+            self.violate(format!("no answer of export {export}"));
+            return KvTransferParams::default();
+        };
+        if !gate {
+            params.remote_blocks_expiry_time = None;
+        }
+        params
+    }
+
+    /// The reader's engine's load-failure policy for its next read (drawn per request).
+    fn set_policy(&mut self, node: NodeId, policy: kvhandoff_protocol::machine::LoadFailurePolicy) {
+        if let Some(session) = self.nodes[node].session.as_mut() {
+            let mut settings = *session.settings();
+            settings.load_failure_policy = policy;
+            session.set_settings(settings);
+        }
     }
 
     /// D's attempt ended with the KV in its blocks: if the request has a second turn, D's
@@ -137,31 +134,31 @@ impl World {
             return false;
         }
         let id = rid("x", request, a.epoch);
-        let start = ExportStart {
+        let call = ConnectorCall::KeepForNextTurn {
             request: id.clone(),
-            key: second.key.clone(),
             blocks: BlockIds::single_group(a.blocks.clone()),
             num_tokens: u64::from(BLOCK_TOKENS) * a.blocks.len() as u64,
-            lease: second.ttl,
+            ttl: second.ttl,
+            params: KvTransferParams {
+                transfer_id: Some(second.key.as_str().to_owned()),
+                ..KvTransferParams::default()
+            },
         };
         let now = self.now;
-        let endpoint = self.nodes[node].endpoint.as_mut().expect("alive");
-        match endpoint.handle_call(now, EngineCall::Export(start)) {
-            Ok(()) => {}
-            Err(Rejected::TableFull { .. }) => {
+        match self.call(node, call) {
+            Ok(reply) => self.keep_answer(&id, reply),
+            Err(ConnectorError::Rejected(Rejected::TableFull { .. })) => {
                 self.mark("admission_refused");
                 self.check_flood_admission(node);
                 return false;
             }
-            Err(rejected) => {
-                self.violate(format!("export refused by node {node}: {rejected}"));
+            Err(error) => {
+                self.violate(format!("export refused by node {node}: {error}"));
                 return false;
             }
         }
-        self.record(format!(
-            "engine: D keeps {} for a second turn as {id}",
-            r.key
-        ));
+        let key = &self.requests[request].key;
+        self.record(format!("engine: D keeps {key} for a second turn as {id}"));
         let inc = self.nodes[node].incarnation;
         self.requests[request].d.push(Attempt {
             id,
@@ -201,7 +198,6 @@ impl World {
         if !self.alive(0) {
             return;
         }
-        let holder = self.nodes[export.node].addr.clone();
         let m = second.blocks.min(export.blocks.len());
         if second.decline || m == 0 {
             self.record(format!("engine: P declines the second turn of {}", r.key));
@@ -209,15 +205,12 @@ impl World {
                 .outcomes
                 .entry("turn2.recomputed".to_string())
                 .or_insert(0) += 1;
-            let decline = EngineCall::DeclineExport {
-                key: second.key.clone(),
-                epoch: Epoch::FIRST,
-                holder,
+            let decline = ConnectorCall::DeclineExport {
+                request: rid("t", request, 0),
+                params: self.read_params(&export.id, second.gate),
             };
-            let now = self.now;
-            let endpoint = self.nodes[0].endpoint.as_mut().expect("alive");
-            if let Err(rejected) = endpoint.handle_call(now, decline) {
-                self.violate(format!("decline refused by P: {rejected}"));
+            if let Err(error) = self.call(0, decline) {
+                self.violate(format!("decline refused by P: {error}"));
             }
             self.drain(0);
             return;
@@ -238,28 +231,20 @@ impl World {
             self.schedule(later, Ev::SecondTurn { request });
             return;
         };
-        let AttemptKind::Export { hard_end, .. } = export.kind else {
-            unreachable!("found above");
-        };
         let id = rid("t", request, k + 1);
         self.record(format!(
             "engine: P reads the second turn of {} as {id}",
             r.key
         ));
-        let start = ImportStart {
+        self.set_policy(0, r.transfer.policy);
+        let call = ConnectorCall::NextTurnAllocated {
             request: id.clone(),
-            key: second.key.clone(),
-            epoch: Epoch::FIRST,
-            holder,
             blocks: BlockIds::single_group(blocks.clone()),
-            remote_blocks: BlockIds::single_group(export.blocks.clone()),
             num_tokens: u64::from(BLOCK_TOKENS) * export.blocks.len() as u64,
-            block_tokens: BLOCK_TOKENS,
-            policy: r.transfer.policy,
-            expires: second.gate.then_some(hard_end),
+            params: self.read_params(&export.id, second.gate),
         };
         let retry = Some(Ev::SecondTurn { request });
-        if !self.engine_call(0, EngineCall::Import(start), &blocks, owner, retry) {
+        if self.engine_call(0, call, &blocks, owner, retry).is_none() {
             return;
         }
         let inc = self.nodes[0].incarnation;
@@ -298,45 +283,47 @@ impl World {
     /// endpoint must refuse it; once it ended the decline goes out and changes nothing.
     pub(crate) fn sibling_decline(&mut self, request: usize, node: NodeId, second_turn: bool) {
         let r = &self.requests[request];
-        let (attempts, key, holder) = if second_turn {
+        let holders = if second_turn { &r.d } else { &r.p };
+        let Some(export) = holders
+            .iter()
+            .rev()
+            .find(|x| matches!(x.kind, AttemptKind::Export { .. }))
+        else {
+            return;
+        };
+        let export = export.id.clone();
+        let key = if second_turn {
             let Some(second) = &r.transfer.second else {
                 return;
             };
-            let Some(export) =
-                r.d.iter()
-                    .rev()
-                    .find(|x| matches!(x.kind, AttemptKind::Export { .. }))
-            else {
-                return;
-            };
-            (&r.p, second.key.clone(), export.node)
+            second.key.clone()
         } else {
-            (&r.d, r.key.clone(), 0)
+            r.key.clone()
         };
+        let attempts = if second_turn { &r.p } else { &r.d };
         let Some(epoch) = attempts.iter().rev().find_map(|x| match x.kind {
             AttemptKind::Import { read_epoch } if x.node == node => Some(read_epoch),
             AttemptKind::Import { .. } | AttemptKind::Push | AttemptKind::Export { .. } => None,
         }) else {
             return;
         };
-        let holder = self.nodes[holder].addr.clone();
-        if self.nodes[node].endpoint.is_none() {
+        if self.nodes[node].session.is_none() {
             return;
         }
         self.record(format!("engine: a sibling on node {node} declines {key}"));
-        let decline = EngineCall::DeclineExport {
-            key,
-            epoch: Epoch(epoch),
-            holder,
+        // The very parameters the read was started with.
+        let mut params = self.read_params(&export, true);
+        params.epoch = Some(epoch);
+        let decline = ConnectorCall::DeclineExport {
+            request: rid("s", request, epoch),
+            params,
         };
-        let now = self.now;
-        let Some(endpoint) = self.nodes[node].endpoint.as_mut() else {
-            return;
-        };
-        match endpoint.handle_call(now, decline) {
-            Ok(()) => self.mark("sibling_decline_sent"),
-            Err(Rejected::ImportInProgress(_)) => self.mark("decline_refused_while_reading"),
-            Err(rejected) => self.violate(format!("sibling decline refused: {rejected}")),
+        match self.call(node, decline) {
+            Ok(_) => self.mark("sibling_decline_sent"),
+            Err(ConnectorError::Rejected(Rejected::ImportInProgress(_))) => {
+                self.mark("decline_refused_while_reading")
+            }
+            Err(error) => self.violate(format!("sibling decline refused: {error}")),
         }
         self.drain(node);
     }

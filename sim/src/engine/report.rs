@@ -49,7 +49,7 @@ impl World {
             parts.push(format!("write#{seq} {} {:?}", w.id, w.phase));
         }
         for (i, n) in self.nodes.iter().enumerate() {
-            match &n.endpoint {
+            match n.endpoint() {
                 Some(e) => parts.push(format!(
                     "node{i} leased={} {:?}",
                     n.pool.leased(),
@@ -74,7 +74,7 @@ impl World {
                     .find(|a| a.node == n && a.epoch == owner.epoch);
                 let held_by = match attempt {
                     Some(a) => {
-                        let in_machine = node.endpoint.as_ref().is_some_and(|e| {
+                        let in_machine = node.endpoint().is_some_and(|e| {
                             e.live_decode_blocks().any(|(id, _)| id == &a.id)
                                 || e.live_prefill_requests().any(|id| id == &a.id)
                         });
@@ -104,7 +104,7 @@ impl World {
             && self.writes.is_empty()
             && self.nodes.iter().all(|n| {
                 n.pool.leased() == 0
-                    && n.endpoint.as_ref().is_some_and(|e| {
+                    && n.endpoint().is_some_and(|e| {
                         let s = e.stats();
                         s.decode_requests
                             + s.prefill_requests

@@ -254,7 +254,7 @@ impl World {
 
     /// What the checks need from before `msg` is handled (`None`: not a hostile message).
     pub(crate) fn hostile_before(&mut self, msg: &NetMsg) -> Option<Before> {
-        let endpoint = self.nodes[msg.to].endpoint.as_ref()?;
+        let endpoint = self.nodes[msg.to].endpoint()?;
         let made_up = match &msg.message {
             Message::Cancel(m) => Some(&m.key),
             Message::Release(m) => Some(&m.key),
@@ -288,7 +288,7 @@ impl World {
         sender_declared_dead: bool,
     ) {
         self.hostile.handling = None;
-        let Some(endpoint) = self.nodes[msg.to].endpoint.as_ref() else {
+        let Some(endpoint) = self.nodes[msg.to].endpoint() else {
             return;
         };
         match before {

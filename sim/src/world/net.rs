@@ -33,7 +33,7 @@ impl World {
     /// The incarnation of `b` that `a`'s endpoint is connected to, if any.
     pub(crate) fn connected_incarnation(&self, a: NodeId, b: NodeId) -> Option<Incarnation> {
         let peer = &self.nodes[b].addr;
-        self.nodes[a].endpoint.as_ref()?.connected_incarnation(peer)
+        self.nodes[a].endpoint()?.connected_incarnation(peer)
     }
 
     /// Tears the connection between `a` and `b` down (a handshake or an invalidation).
@@ -220,8 +220,7 @@ impl World {
                 .iter()
                 .map(|&n| {
                     w.nodes[n]
-                        .endpoint
-                        .as_ref()
+                        .endpoint()
                         .map_or(0, |e| e.counters().peers_declared_dead)
                 })
                 .collect();
@@ -237,8 +236,7 @@ impl World {
         // peer dead is what the timer would have done — the one case S9 allows a death.
         let overdue = [a, b].iter().any(|&n| {
             self.nodes[n]
-                .endpoint
-                .as_ref()
+                .endpoint()
                 .and_then(|e| e.poll_timeout())
                 .is_some_and(|due| due < self.now)
         });
@@ -262,7 +260,7 @@ impl World {
 
     /// The state of D `node`'s live request for `key`, as text.
     fn decode_state_of(&self, node: NodeId, key: &PairingKey) -> Option<String> {
-        self.nodes[node].endpoint.as_ref()?.decode_state(key)
+        self.nodes[node].endpoint()?.decode_state(key)
     }
 
     /// The (D node, key) of `request`'s decodes: its key on its D node, or the pair key of each
@@ -357,16 +355,14 @@ impl World {
     /// Messages `node`'s endpoint refused as from a peer past its deadline (this incarnation).
     fn stale_messages_refused(&self, node: NodeId) -> u64 {
         self.nodes[node]
-            .endpoint
-            .as_ref()
+            .endpoint()
             .map_or(0, |e| e.counters().stale_messages_refused)
     }
 
     /// Export leases `node`'s endpoint has renewed so far (this incarnation).
     fn exports_renewed(&self, node: NodeId) -> u64 {
         self.nodes[node]
-            .endpoint
-            .as_ref()
+            .endpoint()
             .map_or(0, |e| e.counters().exports_renewed)
     }
 }

@@ -365,8 +365,7 @@ impl World {
     fn run_due_timers(&mut self, node: NodeId) {
         for _ in 0..MAX_TIMER_ROUNDS {
             let due = self.nodes[node]
-                .endpoint
-                .as_ref()
+                .endpoint()
                 .and_then(|e| e.poll_timeout())
                 .is_some_and(|t| t <= self.now);
             if !due {

@@ -1,11 +1,13 @@
-//! The ends of a multi-rank request's sub-requests: each sub-request's hand-back is judged as
-//! any single request's is (its proof against the writes of its own P rank), then fed to its
-//! rank's fan-in; the shared blocks' hand-back is judged against every pair (S10).
+//! The ends of a multi-rank request: each sub-request's end, as its endpoint reported it, is
+//! judged as any single request's is (its proof against the writes of its own P rank); the
+//! session's one event per rank for the request — the shared blocks' hand-back — is judged
+//! against every pair (S10), and only then are the blocks freed, as an engine frees them.
 
 use kvhandoff_protocol::machine::{
-    DecodeOutcome, EngineEvent, FanInStep, FanOutcome, FanSide, Time,
+    DecodeOutcome, EngineEvent, PrefillOutcome, ReleaseCause, Time,
 };
-use kvhandoff_protocol::BlockIds;
+use kvhandoff_protocol::session::ConnectorEvent;
+use kvhandoff_protocol::{BlockIds, ReleaseReason};
 
 use super::super::events::Writer;
 use super::super::Status;
@@ -57,14 +59,36 @@ impl World {
                 let multi = self.requests[request].multi.as_mut().expect("multi-rank");
                 let tally = multi.tally.entry(node).or_default();
                 if ready {
-                    tally.0 += 1;
+                    tally.delivered += 1;
                 } else {
-                    tally.1 += 1;
+                    tally.failed += 1;
                 }
+                tally.proof = Some(tally.proof.map_or(*proof, |p| p.max(*proof)));
                 (true, format!("sub.decode.{outcome:?}"))
             }
             EngineEvent::DecodeFenced { .. } => unreachable!("early events go to fenced.rs"),
-            EngineEvent::Prefill { outcome, .. } => (false, format!("sub.prefill.{outcome:?}")),
+            EngineEvent::Prefill { outcome, .. } => {
+                let multi = self.requests[request].multi.as_mut().expect("multi-rank");
+                let tally = multi.tally.entry(node).or_default();
+                // D needed nothing more of this pair (a full prefix hit, nothing to send): as
+                // good as delivered (`FanIn`'s rule, stated again here).
+                let delivered = matches!(
+                    outcome,
+                    PrefillOutcome::Sent
+                        | PrefillOutcome::Released(
+                            ReleaseCause::Empty
+                                | ReleaseCause::ReleasedByPeer(
+                                    ReleaseReason::FullPrefixHit | ReleaseReason::ReadDone
+                                )
+                        )
+                );
+                if delivered {
+                    tally.delivered += 1;
+                } else {
+                    tally.failed += 1;
+                }
+                (false, format!("sub.prefill.{outcome:?}"))
+            }
             EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
                 self.violate(format!("S4: a read event for the push sub-request {id}"));
                 return;
@@ -77,52 +101,51 @@ impl World {
         let attempts = if decode { &mut r.d } else { &mut r.p };
         attempts[ai].status = Status::Done;
         self.last_progress = self.now;
-        let multi = r.multi.as_mut().expect("multi-rank");
-        match multi.fans.get_mut(&node).map(|fan| fan.on_event(event)) {
-            None => self.violate(format!("no fan-in of request {request} on node {node}")),
-            Some(Err(error)) => self.violate(format!(
-                "fan-in of request {request} on node {node}: {error}"
-            )),
-            Some(Ok(step)) => self.after_fan_step(node, request, step),
-        }
     }
 
-    /// Does what the fan-in of `request` on `node` said: the shared blocks back (judged
-    /// first), then the siblings' aborts (each cancels at its own peer rank; their outputs
-    /// are drained by the caller).
-    pub(in crate::engine) fn after_fan_step(
-        &mut self,
-        node: NodeId,
-        request: usize,
-        step: FanInStep,
-    ) {
-        if let Some(outcome) = &step.outcome {
-            let key = &self.requests[request].key;
-            let line = format!("engine: {key} on rank {node}: {outcome:?}");
-            self.record(line);
+    /// The session's event for multi-rank request `request` on rank `node`: its early failure
+    /// (once per request and rank, while the blocks are out), or its one final event, which
+    /// hands the shared blocks back (judged first, S10).
+    pub(crate) fn parent_event(&mut self, node: NodeId, request: usize, event: &ConnectorEvent) {
+        let id = event.request().clone();
+        let blocks = match event {
+            ConnectorEvent::DecodeFenced { .. } => {
+                if !self.parents_fenced.insert((node, id.clone())) {
+                    self.violate(format!("F1: {id} on rank {node} told fenced twice"));
+                }
+                self.mark("multi_source_fenced_early");
+                return;
+            }
+            ConnectorEvent::Refused { error, .. } => {
+                self.violate(format!("S4: {id} refused late ({error}) with no late verdict"));
+                return;
+            }
+            ConnectorEvent::BlocksReady { blocks, .. }
+            | ConnectorEvent::Failed { blocks, .. }
+            | ConnectorEvent::BlocksFree { blocks, .. }
+            | ConnectorEvent::ExportEnded { blocks, .. }
+            | ConnectorEvent::Imported { blocks, .. } => blocks.clone(),
+        };
+        let key = self.requests[request].key.clone();
+        self.record(format!("engine: {key} on rank {node}: {}", parent_label(event)));
+        if self.fan_parents.remove(&(node, id.clone())).is_none() {
+            self.violate(format!("S4: {id} on rank {node} handed back twice"));
+            return;
         }
-        if let Some(blocks) = &step.hand_back {
-            self.shared_hand_back(node, request, blocks);
-        }
-        let aborted = self.abort_subs(node, step.abort);
-        for _ in 0..aborted {
-            self.mark("multi_source_sibling_aborted");
-        }
-        let multi = self.requests[request].multi.as_mut().expect("multi-rank");
-        if multi
-            .fans
-            .get(&node)
-            .is_some_and(|fan| fan.is_handed_back() && fan.counts().live == 0)
-        {
-            multi.fans.remove(&node);
-        }
+        self.shared_hand_back(node, request, &blocks, event);
     }
 
     /// S10: a rank hands the blocks its sub-requests shared back only once each of them handed
     /// them back, so that no write of any pair can still land in them (D) or read them (P);
     /// the outcome agrees with the sub-requests' ends (D: `Ready` only if every pair was);
     /// then the blocks go back to the rank's pool.
-    fn shared_hand_back(&mut self, node: NodeId, request: usize, blocks: &BlockIds) {
+    fn shared_hand_back(
+        &mut self,
+        node: NodeId,
+        request: usize,
+        blocks: &BlockIds,
+        event: &ConnectorEvent,
+    ) {
         let flat = blocks.groups.concat();
         let inc = self.nodes[node].incarnation;
         let decode = !self.is_prefill(node);
@@ -159,24 +182,41 @@ impl World {
             ));
         }
         let multi = self.requests[request].multi.as_ref().expect("multi-rank");
-        let fan = multi.fans.get(&node).expect("the step's fan-in");
-        let outcome = fan.outcome().cloned();
-        let counts = fan.counts();
-        let ready = outcome == Some(FanOutcome::Ready);
-        let side = match fan.side() {
-            FanSide::Decode => "decode",
-            FanSide::Prefill => "prefill",
-        };
+        let ready = matches!(
+            event,
+            ConnectorEvent::BlocksReady { .. } | ConnectorEvent::BlocksFree { released: None, .. }
+        );
+        let side = if decode { "decode" } else { "prefill" };
         let key = self.requests[request].key.clone();
         let sources = multi.sources_of(node);
-        if decode {
-            let (ok, failed) = multi.tally.get(&node).copied().unwrap_or_default();
-            if sound && ready != (failed == 0 && ok == subs) {
+        let tally = multi.tally.get(&node).copied().unwrap_or_default();
+        let (ok, failed) = (tally.delivered, tally.failed);
+        if sound && ready != (failed == 0 && ok == subs) {
+            self.violate(format!(
+                "S10: request {request} on rank {node}: the engine heard {}, but {ok} of {subs} \
+                 sub-request(s) delivered and {failed} did not",
+                parent_label(event)
+            ));
+        }
+        if let ConnectorEvent::Failed { proof, .. } = event {
+            if sound && tally.proof.is_some_and(|most| most != *proof) {
                 self.violate(format!(
-                    "S10: request {request} on rank {node}: outcome {outcome:?}, but {ok} of \
-                     {subs} sub-request(s) ready and {failed} failed"
+                    "S10: request {request} on rank {node} handed back with proof {proof:?}, \
+                     its sub-requests' most cautious is {:?}",
+                    tally.proof
                 ));
             }
+            let wrote = sources.iter().any(|&p| {
+                let inc = self.nodes[node].incarnation;
+                self.landed_pairs
+                    .get(&(node, inc, request, epoch, p))
+                    .is_some_and(|&n| n > 0)
+            });
+            if sound && wrote {
+                self.mark("multi_source_failed_after_a_write");
+            }
+        }
+        if decode {
             if ready {
                 let skip = self.requests[request].p_blocks - self.requests[request].d_blocks;
                 for p in sources {
@@ -191,7 +231,7 @@ impl World {
                     self.mark("multi_source_partial_failure");
                 }
             }
-        } else if sound && subs >= 2 && counts.succeeded >= 1 && counts.failed >= 1 {
+        } else if sound && subs >= 2 && ok >= 1 && failed >= 1 {
             self.mark("multi_target_partial_failure");
         }
         let verdict = if ready { "Ready" } else { "Failed" };
@@ -255,5 +295,19 @@ impl World {
                 ));
             }
         }
+    }
+}
+
+/// How the engine's event of a multi-rank request reads in the trace.
+fn parent_label(event: &ConnectorEvent) -> &'static str {
+    match event {
+        ConnectorEvent::BlocksReady { .. } => "Ready",
+        ConnectorEvent::Failed { .. } => "Failed",
+        ConnectorEvent::BlocksFree { released: None, .. } => "Sent",
+        ConnectorEvent::BlocksFree { .. } => "Released",
+        ConnectorEvent::DecodeFenced { .. } => "Fenced",
+        ConnectorEvent::Refused { .. } => "Refused",
+        ConnectorEvent::ExportEnded { .. } => "ExportEnded",
+        ConnectorEvent::Imported { .. } => "Imported",
     }
 }
