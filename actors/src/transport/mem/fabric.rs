@@ -65,11 +65,7 @@ impl Fabric {
                 r.registered
                     && &r.owner == name
                     && r.incarnation == incarnation
-                    && AddrRange {
-                        base,
-                        len: r.bytes.len() as u64,
-                    }
-                    .contains(addr, len)
+                    && AddrRange { base, len: r.len }.contains(addr, len)
             })
     }
 
@@ -282,23 +278,36 @@ impl Fabric {
             };
             let mut data = std::mem::take(&mut self.scratch);
             data.clear();
-            data.extend_from_slice(self.slice(src, len));
-            self.slice(dst, len).copy_from_slice(&data);
+            let moved = match self.slice(src, len) {
+                Some(from) => {
+                    data.extend_from_slice(from);
+                    match self.slice(dst, len) {
+                        Some(to) => {
+                            to.copy_from_slice(&data);
+                            true
+                        }
+                        None => false,
+                    }
+                }
+                None => false,
+            };
             self.scratch = data;
+            if !moved {
+                // Memory released under the transfer (not reachable while both agents live).
+                break;
+            }
             left -= len;
         }
         budget - left
     }
 
-    /// The bytes at `[addr, addr + len)`, which posting proved lie inside one region.
-    fn slice(&mut self, addr: u64, len: u64) -> &mut [u8] {
-        let (&base, region) = self
-            .regions
-            .range_mut(..=addr)
-            .next_back()
-            .expect("invariant: a posted span lies inside a region");
-        let start = (addr - base) as usize;
-        &mut region.bytes[start..start + len as usize]
+    /// The bytes at `[addr, addr + len)`, which posting proved lie inside one region; `None` if
+    /// that region's adopted memory is gone.
+    fn slice(&mut self, addr: u64, len: u64) -> Option<&mut [u8]> {
+        let (&base, region) = self.regions.range_mut(..=addr).next_back()?;
+        let start = usize::try_from(addr - base).ok()?;
+        let end = start.checked_add(usize::try_from(len).ok()?)?;
+        region.bytes()?.get_mut(start..end)
     }
 
     /// Puts a notification from agent `name` in `target`'s queue, unless the drop fault eats it.
