@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::process::ExitCode;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use kvhandoff::{
@@ -192,13 +192,19 @@ fn fill(kv: &KvCache, request: u32, blocks: &[u32]) -> Result<(), Error> {
 fn decode_engine(mut d: EngineRank, router: Receiver<Handoff>, n: u32) -> Result<u32, Error> {
     let mut free: VecDeque<u32> = (0..POOL_BLOCKS).collect();
     let mut waiting: VecDeque<Handoff> = VecDeque::new();
-    let mut verified = 0u32;
+    let (mut allocated, mut verified) = (0u32, 0u32);
     let deadline = Instant::now() + TIMEOUT;
     while verified < n {
         if Instant::now() > deadline {
             return Err(format!("D: timed out with {verified} of {n} requests verified").into());
         }
-        waiting.extend(router.try_iter());
+        match router.try_recv() {
+            Ok(handoff) => waiting.push_back(handoff),
+            Err(TryRecvError::Disconnected) if waiting.is_empty() && allocated == verified => {
+                return Err(format!("D: P stopped after {verified} of {n} requests").into());
+            }
+            Err(_) => {}
+        }
         if let Some((request, blocks, answer)) = waiting.pop_front() {
             if free.len() >= blocks as usize {
                 let ids = BlockIds::single_group(free.drain(..blocks as usize).collect());
@@ -206,6 +212,7 @@ fn decode_engine(mut d: EngineRank, router: Receiver<Handoff>, n: u32) -> Result
                     .remote_num_tokens
                     .ok_or("P's answer has no token count")?;
                 d.request_allocated(&request, ids, tokens, &answer)?;
+                allocated += 1;
             } else {
                 waiting.push_front((request, blocks, answer));
             }

@@ -186,14 +186,47 @@ unsafe impl Send for RawMemory {}
 // SAFETY: as above.
 unsafe impl Sync for RawMemory {}
 
+impl RawMemory {
+    /// Panics unless `[offset, offset + len)` is inside the memory (the fabric checks first).
+    fn check(&self, offset: usize, len: usize) {
+        let end = offset.checked_add(len);
+        assert!(
+            end.is_some_and(|end| end <= self.len),
+            "span {offset}+{len} outside {} bytes",
+            self.len
+        );
+    }
+}
+
 impl RegionMemory for RawMemory {
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: `from_raw_parts`'s contract: `[ptr, ptr + len)` is one readable and writable
-        // host allocation, valid until `owner` is dropped (it is dropped after this memory is
-        // released by the fabric, never before), and not aliased by Rust references; the fabric
-        // calls this under its lock only, so the slice is the only one alive. Only host memory
-        // reaches a fabric (`adopt` refuses device memory).
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn read_at(&self, offset: usize, buf: &mut [u8]) {
+        self.check(offset, buf.len());
+        // SAFETY: `from_raw_parts`'s contract: `[ptr, ptr + len)` is readable host memory, valid
+        // until `owner` is dropped (after the fabric releases this value); the span is inside it
+        // (checked above) and `buf`, a Rust slice, cannot overlap it. Only the span is touched.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                buf.as_mut_ptr(),
+                buf.len(),
+            );
+        }
+    }
+
+    fn write_at(&mut self, offset: usize, bytes: &[u8]) {
+        self.check(offset, bytes.len());
+        // SAFETY: as in `read_at`, for writable memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.ptr.as_ptr().add(offset),
+                bytes.len(),
+            );
+        }
     }
 }
 

@@ -80,20 +80,47 @@ static NEXT_FABRIC_ID: AtomicU64 = AtomicU64::new(1);
 /// assert_eq!(buf, [5; 4]);
 /// ```
 pub trait RegionMemory: Send + 'static {
-    /// The memory's bytes. Must be the same span (the same length) on every call: a region
-    /// whose memory changes length is treated as gone.
-    fn bytes_mut(&mut self) -> &mut [u8];
+    /// Bytes in the memory; the same on every call.
+    fn len(&self) -> usize;
+
+    /// Whether the memory has no bytes (a fabric refuses it).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies the bytes at `offset` into `buf`. The fabric calls it only for spans inside
+    /// [`RegionMemory::len`], under its lock; an implementation may panic outside them.
+    fn read_at(&self, offset: usize, buf: &mut [u8]);
+
+    /// Copies `bytes` to `offset`, as [`RegionMemory::read_at`].
+    fn write_at(&mut self, offset: usize, bytes: &[u8]);
 }
 
 impl RegionMemory for Vec<u8> {
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        self
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    fn read_at(&self, offset: usize, buf: &mut [u8]) {
+        buf.copy_from_slice(&self[offset..offset + buf.len()]);
+    }
+
+    fn write_at(&mut self, offset: usize, bytes: &[u8]) {
+        self[offset..offset + bytes.len()].copy_from_slice(bytes);
     }
 }
 
 impl RegionMemory for Box<[u8]> {
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        self
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn read_at(&self, offset: usize, buf: &mut [u8]) {
+        buf.copy_from_slice(&self[offset..offset + buf.len()]);
+    }
+
+    fn write_at(&mut self, offset: usize, bytes: &[u8]) {
+        self[offset..offset + bytes.len()].copy_from_slice(bytes);
     }
 }
 
@@ -424,7 +451,7 @@ impl MemRegion {
     pub fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), TransportError> {
         let mut fab = self.fabric.lock();
         let span = self.span(offset, bytes.len())?;
-        self.bytes_mut(&mut fab)?[span].copy_from_slice(bytes);
+        self.region(&mut fab)?.write_at(span.start, bytes);
         Ok(())
     }
 
@@ -435,30 +462,29 @@ impl MemRegion {
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), TransportError> {
         let mut fab = self.fabric.lock();
         let span = self.span(offset, buf.len())?;
-        buf.copy_from_slice(&self.bytes_mut(&mut fab)?[span]);
+        self.region(&mut fab)?.read_at(span.start, buf);
         Ok(())
     }
 
     /// A copy of the whole region (empty once adopted memory was released).
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut fab = self.fabric.lock();
-        self.bytes_mut(&mut fab)
-            .map_or_else(|_| Vec::new(), |b| b.to_vec())
+        let mut out = vec![0; self.len as usize];
+        match self.read(0, &mut out) {
+            Ok(()) => out,
+            Err(_) => Vec::new(),
+        }
     }
 
     /// Sets every byte of the region to `byte` (nothing once adopted memory was released).
     pub fn fill(&self, byte: u8) {
-        let mut fab = self.fabric.lock();
-        if let Ok(bytes) = self.bytes_mut(&mut fab) {
-            bytes.fill(byte);
-        }
+        let _ = self.write(0, &vec![byte; self.len as usize]);
     }
 
     /// Whether the region's memory is still there: always for allocated regions, until its
     /// agent dies for adopted ones ([`MemTransport::adopt_region`]).
     pub fn is_live(&self) -> bool {
         let mut fab = self.fabric.lock();
-        self.bytes_mut(&mut fab).is_ok()
+        self.region(&mut fab).is_ok()
     }
 
     fn span(&self, offset: u64, len: usize) -> Result<std::ops::Range<usize>, TransportError> {
@@ -475,10 +501,10 @@ impl MemRegion {
         Ok(offset as usize..end as usize)
     }
 
-    fn bytes_mut<'f>(&self, fab: &'f mut Fabric) -> Result<&'f mut [u8], TransportError> {
+    fn region<'f>(&self, fab: &'f mut Fabric) -> Result<&'f mut Region, TransportError> {
         fab.regions
             .get_mut(&self.base)
-            .and_then(Region::bytes)
+            .filter(|r| r.is_live())
             .ok_or(TransportError::ForeignRegion { base: self.base })
     }
 }
@@ -562,14 +588,32 @@ enum Backing {
 }
 
 impl Region {
-    /// The region's bytes, or `None` once adopted memory was released (or changed length).
-    fn bytes(&mut self) -> Option<&mut [u8]> {
-        let bytes: &mut [u8] = match &mut self.bytes {
-            Backing::Fabric(bytes) => bytes,
-            Backing::Engine(memory) => memory.bytes_mut(),
-            Backing::Released => return None,
-        };
-        (bytes.len() as u64 == self.len).then_some(bytes)
+    /// Whether its memory is there (adopted memory goes when its agent dies, or is treated as
+    /// gone if it changed length).
+    fn is_live(&self) -> bool {
+        match &self.bytes {
+            Backing::Fabric(bytes) => bytes.len() as u64 == self.len,
+            Backing::Engine(memory) => memory.len() as u64 == self.len,
+            Backing::Released => false,
+        }
+    }
+
+    /// Copies the bytes at `offset` into `buf`; the caller checked the span and liveness.
+    fn read_at(&self, offset: usize, buf: &mut [u8]) {
+        match &self.bytes {
+            Backing::Fabric(bytes) => buf.copy_from_slice(&bytes[offset..offset + buf.len()]),
+            Backing::Engine(memory) => memory.read_at(offset, buf),
+            Backing::Released => {}
+        }
+    }
+
+    /// Copies `bytes` to `offset`; the caller checked the span and liveness.
+    fn write_at(&mut self, offset: usize, bytes: &[u8]) {
+        match &mut self.bytes {
+            Backing::Fabric(mine) => mine[offset..offset + bytes.len()].copy_from_slice(bytes),
+            Backing::Engine(memory) => memory.write_at(offset, bytes),
+            Backing::Released => {}
+        }
     }
 }
 

@@ -278,19 +278,17 @@ impl Fabric {
             };
             let mut data = std::mem::take(&mut self.scratch);
             data.clear();
-            let moved = match self.slice(src, len) {
-                Some(from) => {
-                    data.extend_from_slice(from);
-                    match self.slice(dst, len) {
-                        Some(to) => {
-                            to.copy_from_slice(&data);
-                            true
-                        }
-                        None => false,
-                    }
-                }
-                None => false,
-            };
+            data.resize(len as usize, 0);
+            let moved = self
+                .span(src, len)
+                .map(|(base, at)| self.regions[&base].read_at(at, &mut data))
+                .and_then(|()| self.span(dst, len))
+                .and_then(|(base, at)| {
+                    let region = self.regions.get_mut(&base)?;
+                    region.write_at(at, &data);
+                    Some(())
+                })
+                .is_some();
             self.scratch = data;
             if !moved {
                 // Memory released under the transfer (not reachable while both agents live).
@@ -301,13 +299,16 @@ impl Fabric {
         budget - left
     }
 
-    /// The bytes at `[addr, addr + len)`, which posting proved lie inside one region; `None` if
-    /// that region's adopted memory is gone.
-    fn slice(&mut self, addr: u64, len: u64) -> Option<&mut [u8]> {
-        let (&base, region) = self.regions.range_mut(..=addr).next_back()?;
-        let start = usize::try_from(addr - base).ok()?;
-        let end = start.checked_add(usize::try_from(len).ok()?)?;
-        region.bytes()?.get_mut(start..end)
+    /// The region holding `[addr, addr + len)` (which posting proved lies inside one) and the
+    /// span's offset in it; `None` if that region's adopted memory is gone.
+    fn span(&self, addr: u64, len: u64) -> Option<(u64, usize)> {
+        let (&base, region) = self.regions.range(..=addr).next_back()?;
+        let inside = AddrRange {
+            base,
+            len: region.len,
+        }
+        .contains(addr, len);
+        (inside && region.is_live()).then_some((base, usize::try_from(addr - base).ok()?))
     }
 
     /// Puts a notification from agent `name` in `target`'s queue, unless the drop fault eats it.

@@ -75,9 +75,9 @@ impl MemTransport {
     /// [`TransportError::BadRegionLen`] for zero bytes or more than the address space holds.
     pub fn adopt_region(
         &mut self,
-        mut memory: Box<dyn RegionMemory>,
+        memory: Box<dyn RegionMemory>,
     ) -> Result<MemRegion, TransportError> {
-        let len = memory.bytes_mut().len() as u64;
+        let len = memory.len() as u64;
         let mut fab = self.fabric.lock();
         if len == 0 {
             return Err(TransportError::BadRegionLen { len });
