@@ -191,6 +191,16 @@ cargo test -p kvhandoff-kernels --features cuda -- --nocapture
 banner "cargo test --workspace --all-features"
 cargo test --workspace --all-features "$@"
 
+# The integrator's example (connector/examples/handoff.rs, the `kvhandoff` crate only, no
+# `unsafe`): a P and a D engine loop on KV memory they allocated themselves, handed over and
+# checked byte for byte on D, over the in-memory transport (push and pull) and over NIXL (UCX
+# loopback, the runtime of scripts/nixl-env.sh sourced above); a few seconds. Fails (non-zero)
+# on any wrong byte or failed request.
+banner "cargo run --release -p kvhandoff --example handoff (mem push, mem pull, nixl push)"
+cargo run --release --quiet -p kvhandoff --example handoff -- --transport mem --mode push
+cargo run --release --quiet -p kvhandoff --example handoff -- --transport mem --mode pull
+cargo run --release --quiet -p kvhandoff --example handoff --features nixl -- --transport nixl --mode push
+
 # Every cell of the heterogeneous-geometry matrix (5 models x TP {1,2,4,8}^2 x kernel blocks
 # {16,32,64}^2 x layouts {NHD,HND}^2 = 2,880 cells, two requests each) run on host memory and
 # verified byte for byte; a few seconds in release. Fails if any cell delivers a wrong byte.

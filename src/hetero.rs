@@ -29,7 +29,6 @@ pub mod matrix;
 pub mod nixl_wire;
 pub mod plan_report;
 pub mod reference;
-pub mod route;
 pub mod verify;
 pub mod vllm;
 pub mod wire;

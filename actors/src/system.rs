@@ -18,6 +18,7 @@ pub mod blocking;
 mod build;
 mod clock;
 mod link;
+mod memory;
 pub mod messages;
 mod rank;
 mod runtime;
@@ -31,11 +32,13 @@ use actix::{Actor, Addr, AsyncContext, Recipient};
 use kvhandoff_protocol::driver::PeerInfo;
 
 pub use build::{
-    agent_name, build_mem_rank, build_rank, build_routed_rank, BuildError, KvPool, RankMemory,
-    RegionBytes, RoutedRegion, MAX_ROUTED_REGIONS,
+    agent_name, build_mem_rank, build_rank, build_rank_on_regions, build_routed_rank,
+    build_routed_rank_on_regions, BuildError, KvPool, RankMemory, RegionBytes, RegionProblem,
+    RoutedRegion, MAX_POOL_BLOCKS, MAX_ROUTED_REGIONS,
 };
 pub use clock::process_clock;
 pub use link::LinkActor;
+pub use memory::{AdoptError, AdoptMemory, KvRegion, MemoryLocation};
 pub use messages::{
     AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Feed, Hello, LinkUp,
     LoadPeer, QueryCounters, QuerySideChannel, QueryStats, QueryTransportStats, SetLinks,

@@ -5,10 +5,13 @@
 //! ([`actors`]) re-exported. The `kvhandoff` command line (demo, bench, node, sim) lives in its
 //! own crate, `kvhandoff-cli`, and none of its code is compiled here.
 //!
-//! The engine-facing surface is small: start a [`Runtime`], build a rank on a transport, and
-//! drive it through a [`KvConnector`] with the hooks an engine already calls each step. The
-//! protocol itself lives in pure state machines ([`protocol::machine`]) that the simulator steps
-//! deterministically.
+//! The engine-facing surface is small: a [`RankBuilder`] starts a rank on the engine's own KV
+//! memory ([`KvRegion`]) over a transport ([`TransportKind`]), and the engine drives it through
+//! its [`KvConnector`] with the hooks it already calls each step, reading and writing its blocks
+//! through the rank's [`KvCache`]. Everything an engine needs is re-exported here (ids,
+//! geometry, configuration, events), so it links this crate only; `examples/handoff.rs` is a P
+//! and a D engine loop to start from. The protocol itself lives in pure state machines
+//! ([`protocol::machine`]) that the simulator steps deterministically.
 //!
 //! ```
 //! use kvhandoff::KvTransferParams;
@@ -24,9 +27,28 @@
 //! ```
 #![warn(missing_docs)]
 
+mod builder;
+mod cache;
 mod connector;
+pub mod route;
 
+pub use builder::{EngineRank, RankBuilder, SideChannel, StartError, TransportKind};
+pub use cache::{KvCache, KvCacheError};
 pub use connector::KvConnector;
+pub use kvhandoff_actors::system::{
+    AdoptError, BuildError, KvRegion, MemoryLocation, Placement, RegionProblem, RuntimeError,
+    ShellConfig, SideChannelConfig,
+};
+pub use kvhandoff_actors::transport::mem::MemFabric;
+#[cfg(feature = "nixl")]
+pub use kvhandoff_actors::transport::nixl::NixlConfig;
+pub use kvhandoff_protocol::hetero::{PairPlan, SideName};
+pub use kvhandoff_protocol::machine::{
+    Config, DecodeFailure, ExportOutcome, FreeProof, ImportOutcome, ReadProof, ReleaseCause,
+};
+pub use kvhandoff_protocol::{
+    BlockIds, EngineId, IdError, KvGeometry, KvLayout, ModelIdentity, RegionSpec, RequestId,
+};
 pub use kvhandoff_actors as actors;
 pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_protocol as protocol;

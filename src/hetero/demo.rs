@@ -49,9 +49,9 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use super::handoff::{Handoff, RequestShape};
-use super::route::PlannedRoute;
 use crate::demo::{DemoError, DemoReport, DemoTransport, Leaks, Races};
 use flight::Rank;
+use kvhandoff::route::PlannedRoute;
 
 /// P's engine id in the heterogeneous demo.
 pub const PREFILL: &str = "prefill";

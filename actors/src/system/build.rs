@@ -7,6 +7,7 @@ use kvhandoff_protocol::{
     ModelIdentity, RegionDesc, RegionSpec,
 };
 
+use super::memory::{AdoptError, AdoptMemory, KvRegion};
 use super::{RankSetup, ShellConfig};
 use crate::transport::mem::{MemFabric, MemRegion, MemTransport};
 use crate::transport::{AddrRange, Transport, TransportError};
@@ -34,6 +35,62 @@ pub enum BuildError {
     PoolSize {
         /// Blocks asked for.
         got: u64,
+        /// The most allowed.
+        max: u64,
+    },
+    /// The engine gave a number of regions other than the geometry has.
+    #[error("the geometry has {expected} regions (one per layer and K/V part); {got} were given")]
+    RegionCount {
+        /// Regions the geometry has ([`KvGeometry::regions`]).
+        expected: usize,
+        /// Regions given.
+        got: usize,
+    },
+    /// A region given by the engine does not fit the geometry.
+    #[error("region {index} ({len} bytes): {problem}")]
+    RegionSize {
+        /// The region's index, in the order given.
+        index: usize,
+        /// Its length in bytes.
+        len: u64,
+        /// What is wrong with it.
+        problem: RegionProblem,
+    },
+    /// The transport cannot take a region the engine gave.
+    #[error("region {index}: {source}")]
+    Adopt {
+        /// The region's index, in the order given.
+        index: usize,
+        /// Why.
+        source: AdoptError,
+    },
+}
+
+/// What is wrong with one engine region ([`BuildError::RegionSize`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RegionProblem {
+    /// It has no bytes.
+    #[error("a region cannot be empty")]
+    Empty,
+    /// Its length is not a whole number of logical blocks.
+    #[error("not a whole number of {block_len}-byte logical blocks")]
+    NotBlockAligned {
+        /// Bytes of one logical block of this region.
+        block_len: u64,
+    },
+    /// It holds another number of logical blocks than the first region.
+    #[error("{blocks} logical blocks, but region 0 has {expected}")]
+    BlockCount {
+        /// Its blocks.
+        blocks: u64,
+        /// The first region's.
+        expected: u64,
+    },
+    /// It holds no more than the most blocks a pool may have.
+    #[error("{blocks} logical blocks, above the limit of {max}")]
+    TooManyBlocks {
+        /// Its blocks.
+        blocks: u64,
         /// The most allowed.
         max: u64,
     },
@@ -140,6 +197,10 @@ impl RankMemory for crate::transport::nixl::NixlTransport {
     }
 }
 
+/// Most logical blocks of one pool.
+pub const MAX_POOL_BLOCKS: u64 = 1 << 24;
+const MAX_BLOCKS: u64 = MAX_POOL_BLOCKS;
+
 /// The agent name of `rank` of `engine`.
 ///
 /// # Errors
@@ -163,7 +224,6 @@ pub fn build_rank<T: RankMemory>(
     shell: ShellConfig,
 ) -> Result<(RankSetup<T>, KvPool), BuildError> {
     geometry.validate()?;
-    const MAX_BLOCKS: u64 = 1 << 24;
     if logical_blocks == 0 || u64::from(logical_blocks) > MAX_BLOCKS {
         return Err(BuildError::PoolSize {
             got: logical_blocks.into(),
@@ -341,4 +401,200 @@ pub fn build_mem_rank(
         config,
         shell,
     )
+}
+
+/// Checks `regions` against `geometry` before anything is adopted or registered: one region per
+/// [`RegionSpec`], each a whole, equal number of logical blocks (at most [`MAX_POOL_BLOCKS`]),
+/// in memory the transport can register. Returns the pool's logical blocks.
+fn check_regions<T: AdoptMemory>(
+    geometry: &KvGeometry,
+    specs: &[RegionSpec],
+    regions: &[KvRegion],
+) -> Result<u32, BuildError> {
+    if regions.len() != specs.len() {
+        return Err(BuildError::RegionCount {
+            expected: specs.len(),
+            got: regions.len(),
+        });
+    }
+    let mut first = None;
+    for (index, (spec, region)) in specs.iter().zip(regions).enumerate() {
+        let len = region.len();
+        let bad = |problem| BuildError::RegionSize {
+            index,
+            len,
+            problem,
+        };
+        if len == 0 {
+            return Err(bad(RegionProblem::Empty));
+        }
+        let block_len = spec
+            .block_len
+            .checked_mul(u64::from(geometry.kernel_blocks_per_logical))
+            .ok_or(GeometryError::Overflow)?;
+        if block_len == 0 || len % block_len != 0 {
+            return Err(bad(RegionProblem::NotBlockAligned { block_len }));
+        }
+        let blocks = len / block_len;
+        if blocks > MAX_BLOCKS {
+            return Err(bad(RegionProblem::TooManyBlocks {
+                blocks,
+                max: MAX_BLOCKS,
+            }));
+        }
+        let expected = *first.get_or_insert(blocks);
+        if blocks != expected {
+            return Err(bad(RegionProblem::BlockCount { blocks, expected }));
+        }
+        check_location::<T>(index, region)?;
+    }
+    let blocks = first.unwrap_or(0);
+    u32::try_from(blocks).map_err(|_| BuildError::PoolSize {
+        got: blocks,
+        max: MAX_BLOCKS,
+    })
+}
+
+fn check_location<T: AdoptMemory>(index: usize, region: &KvRegion) -> Result<(), BuildError> {
+    let location = region.location();
+    if T::supports(location) {
+        return Ok(());
+    }
+    Err(BuildError::Adopt {
+        index,
+        source: AdoptError::Unsupported {
+            transport: T::NAME,
+            location,
+        },
+    })
+}
+
+/// Adopts and registers `regions` on `transport`, in order; `block_len(i)` is region `i`'s
+/// kernel-block stride in the handshake's region table.
+fn adopt_all<T: AdoptMemory>(
+    transport: &mut T,
+    regions: Vec<KvRegion>,
+    block_len: impl Fn(usize, u64) -> u64,
+) -> Result<(Vec<RegionDesc>, Vec<RoutedRegion>), BuildError> {
+    let mut descs = Vec::with_capacity(regions.len());
+    let mut out = Vec::with_capacity(regions.len());
+    for (index, region) in regions.into_iter().enumerate() {
+        let (handle, bytes) = transport
+            .adopt(region)
+            .map_err(|source| BuildError::Adopt { index, source })?;
+        let AddrRange { base, len } = transport.register_region(&handle)?;
+        let stride = block_len(index, len);
+        let num_blocks = u32::try_from(len / stride.max(1)).map_err(|_| BuildError::PoolSize {
+            got: len / stride.max(1),
+            max: MAX_BLOCKS,
+        })?;
+        descs.push(RegionDesc {
+            base,
+            len,
+            num_blocks,
+            block_len: stride,
+        });
+        out.push(RoutedRegion { base, len, bytes });
+    }
+    Ok((descs, out))
+}
+
+/// Builds a rank on `transport` whose KV cache is `regions`, memory the engine owns, registered
+/// as it is (no copy): region `i` is the memory of [`RegionSpec`] `i` of
+/// [`KvGeometry::regions`], and logical block `b` is its `b`-th slice of
+/// `block_len × kernel_blocks_per_logical` bytes. Everything is checked before the first
+/// region is adopted, so a refused build registers nothing and hands the memory back (drops
+/// it).
+///
+/// Returns the rank's setup, its pool (the engine's byte access, by block) and the regions as
+/// registered (their addresses in the transport's address space), in the order given.
+///
+/// # Errors
+/// [`BuildError::RegionCount`], [`BuildError::RegionSize`] (empty, not a whole number of
+/// logical blocks, unequal block counts, too many), [`BuildError::Adopt`] (memory the
+/// transport cannot register, e.g. a GPU's on a host-only transport), an invalid geometry or
+/// configuration, or a transport refusal.
+pub fn build_rank_on_regions<T: AdoptMemory>(
+    mut transport: T,
+    engine: &EngineId,
+    geometry: KvGeometry,
+    model: &ModelIdentity,
+    regions: Vec<KvRegion>,
+    config: Config,
+    shell: ShellConfig,
+) -> Result<(RankSetup<T>, KvPool, Vec<RoutedRegion>), BuildError> {
+    geometry.validate()?;
+    let specs = geometry.regions()?;
+    let logical_blocks = check_regions::<T>(&geometry, &specs, &regions)?;
+    // Checked before anything is registered.
+    let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
+    let (descs, registered) = adopt_all(&mut transport, regions, |i, _| specs[i].block_len)?;
+    let info = own_info(&transport, engine, &geometry, model, descs)?;
+    let pool = KvPool {
+        geometry,
+        specs,
+        regions: registered.iter().map(|r| r.bytes.clone()).collect(),
+        logical_blocks,
+    };
+    Ok((
+        RankSetup {
+            endpoint,
+            transport,
+            info,
+            shell,
+            route: None,
+        },
+        pool,
+        registered,
+    ))
+}
+
+/// As [`build_routed_rank`], on `regions`, memory the engine owns (its KV tensors and staging
+/// buffers, laid out by its owner), registered as it is.
+///
+/// # Errors
+/// As [`build_routed_rank`]; [`BuildError::RegionSize`] for an empty region and
+/// [`BuildError::Adopt`] for memory the transport cannot register, both before anything is
+/// registered.
+#[allow(clippy::too_many_arguments)]
+pub fn build_routed_rank_on_regions<T: AdoptMemory>(
+    mut transport: T,
+    engine: &EngineId,
+    geometry: KvGeometry,
+    model: &ModelIdentity,
+    regions: Vec<KvRegion>,
+    config: Config,
+    shell: ShellConfig,
+    route: kvhandoff_protocol::driver::SharedRoute,
+) -> Result<(RankSetup<T>, Vec<RoutedRegion>), BuildError> {
+    geometry.validate()?;
+    if regions.is_empty() || regions.len() > MAX_ROUTED_REGIONS {
+        return Err(BuildError::PoolSize {
+            got: regions.len() as u64,
+            max: MAX_ROUTED_REGIONS as u64,
+        });
+    }
+    for (index, region) in regions.iter().enumerate() {
+        if region.is_empty() {
+            return Err(BuildError::RegionSize {
+                index,
+                len: 0,
+                problem: RegionProblem::Empty,
+            });
+        }
+        check_location::<T>(index, region)?;
+    }
+    let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
+    let (descs, registered) = adopt_all(&mut transport, regions, |_, len| len)?;
+    let info = own_info(&transport, engine, &geometry, model, descs)?;
+    Ok((
+        RankSetup {
+            endpoint,
+            transport,
+            info,
+            shell,
+            route: Some(route),
+        },
+        registered,
+    ))
 }

@@ -3,11 +3,15 @@
 //! # Model
 //!
 //! - **Memory.** [`MemTransport::alloc_region`] allocates zeroed bytes in the fabric and hands back
-//!   a [`MemRegion`], through which the engine reads and writes them (no `unsafe`). Every region
+//!   a [`MemRegion`], through which the engine reads and writes them (no `unsafe`);
+//!   [`MemTransport::adopt_region`] does the same for memory the engine allocated itself (any
+//!   [`RegionMemory`]: a `Vec<u8>`, a `Box<[u8]>`, ...), which the fabric then reads and writes
+//!   in place, without a copy, and releases when the agent dies. Every region
 //!   gets a synthetic address, unique on the fabric, page aligned, with an unmapped page after it,
 //!   so a span that runs past a region's end never falls into the next one. A region must be
-//!   registered ([`Transport::register_region`]) before transfers may touch it. Region memory
-//!   lives as long as the fabric (bounded by [`MemLimits::max_fabric_bytes`]).
+//!   registered ([`Transport::register_region`]) before transfers may touch it. Allocated region
+//!   memory lives as long as the fabric (bounded by [`MemLimits::max_fabric_bytes`]); adopted
+//!   memory until its agent dies (it does not count against that bound).
 //! - **Landing.** A posted transfer is queued on its initiator. It lands (its bytes are copied,
 //!   reading the source at that moment) during the initiator's
 //!   [`MemFaults::land_after_polls`]-th call of [`Transport::poll_completions`] after the post
@@ -58,6 +62,67 @@ const METADATA_MAGIC: [u8; 8] = *b"KVHMEM01";
 
 /// Source of fabric ids, so that metadata from one fabric is refused by another.
 static NEXT_FABRIC_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Memory an engine allocated that a fabric region can be backed by
+/// ([`MemTransport::adopt_region`]): the fabric reads and writes it in place, under its lock, and
+/// drops it when the agent that adopted it dies.
+///
+/// ```
+/// use kvhandoff_actors::transport::mem::MemFabric;
+/// use kvhandoff_protocol::AgentName;
+///
+/// let fabric = MemFabric::new();
+/// let mut agent = fabric.agent(AgentName::new("engine-rank0").unwrap()).unwrap();
+/// // The engine's own buffer becomes the region: no copy.
+/// let region = agent.adopt_region(Box::new(vec![5u8; 64])).unwrap();
+/// let mut buf = [0u8; 4];
+/// region.read(60, &mut buf).unwrap();
+/// assert_eq!(buf, [5; 4]);
+/// ```
+pub trait RegionMemory: Send + 'static {
+    /// Bytes in the memory; the same on every call.
+    fn len(&self) -> usize;
+
+    /// Whether the memory has no bytes (a fabric refuses it).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies the bytes at `offset` into `buf`. The fabric calls it only for spans inside
+    /// [`RegionMemory::len`], under its lock; an implementation may panic outside them.
+    fn read_at(&self, offset: usize, buf: &mut [u8]);
+
+    /// Copies `bytes` to `offset`, as [`RegionMemory::read_at`].
+    fn write_at(&mut self, offset: usize, bytes: &[u8]);
+}
+
+impl RegionMemory for Vec<u8> {
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    fn read_at(&self, offset: usize, buf: &mut [u8]) {
+        buf.copy_from_slice(&self[offset..offset + buf.len()]);
+    }
+
+    fn write_at(&mut self, offset: usize, bytes: &[u8]) {
+        self[offset..offset + bytes.len()].copy_from_slice(bytes);
+    }
+}
+
+impl RegionMemory for Box<[u8]> {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn read_at(&self, offset: usize, buf: &mut [u8]) {
+        buf.copy_from_slice(&self[offset..offset + buf.len()]);
+    }
+
+    fn write_at(&mut self, offset: usize, bytes: &[u8]) {
+        self[offset..offset + bytes.len()].copy_from_slice(bytes);
+    }
+}
 
 /// Bounds of a [`MemFabric`]; every queue and table is bounded by one of these.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -380,35 +445,46 @@ impl MemRegion {
     /// Copies `bytes` into the region at `offset`.
     ///
     /// # Errors
-    /// [`TransportError::RegionOutOfBounds`] when the span leaves the region.
+    /// [`TransportError::RegionOutOfBounds`] when the span leaves the region;
+    /// [`TransportError::ForeignRegion`] when the region's adopted memory was released (its agent
+    /// died).
     pub fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), TransportError> {
         let mut fab = self.fabric.lock();
         let span = self.span(offset, bytes.len())?;
-        self.bytes_mut(&mut fab)[span].copy_from_slice(bytes);
+        self.region(&mut fab)?.write_at(span.start, bytes);
         Ok(())
     }
 
     /// Copies bytes at `offset` into `buf` (filling it).
     ///
     /// # Errors
-    /// [`TransportError::RegionOutOfBounds`] when the span leaves the region.
+    /// As [`MemRegion::write`].
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), TransportError> {
         let mut fab = self.fabric.lock();
         let span = self.span(offset, buf.len())?;
-        buf.copy_from_slice(&self.bytes_mut(&mut fab)[span]);
+        self.region(&mut fab)?.read_at(span.start, buf);
         Ok(())
     }
 
-    /// A copy of the whole region.
+    /// A copy of the whole region (empty once adopted memory was released).
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut fab = self.fabric.lock();
-        self.bytes_mut(&mut fab).clone()
+        let mut out = vec![0; self.len as usize];
+        match self.read(0, &mut out) {
+            Ok(()) => out,
+            Err(_) => Vec::new(),
+        }
     }
 
-    /// Sets every byte of the region to `byte`.
+    /// Sets every byte of the region to `byte` (nothing once adopted memory was released).
     pub fn fill(&self, byte: u8) {
+        let _ = self.write(0, &vec![byte; self.len as usize]);
+    }
+
+    /// Whether the region's memory is still there: always for allocated regions, until its
+    /// agent dies for adopted ones ([`MemTransport::adopt_region`]).
+    pub fn is_live(&self) -> bool {
         let mut fab = self.fabric.lock();
-        self.bytes_mut(&mut fab).fill(byte);
+        self.region(&mut fab).is_ok()
     }
 
     fn span(&self, offset: u64, len: usize) -> Result<std::ops::Range<usize>, TransportError> {
@@ -425,12 +501,11 @@ impl MemRegion {
         Ok(offset as usize..end as usize)
     }
 
-    fn bytes_mut<'f>(&self, fab: &'f mut Fabric) -> &'f mut Vec<u8> {
-        &mut fab
-            .regions
+    fn region<'f>(&self, fab: &'f mut Fabric) -> Result<&'f mut Region, TransportError> {
+        fab.regions
             .get_mut(&self.base)
-            .expect("invariant: fabric regions are never freed")
-            .bytes
+            .filter(|r| r.is_live())
+            .ok_or(TransportError::ForeignRegion { base: self.base })
     }
 }
 
@@ -458,6 +533,20 @@ impl Drop for MemTransport {
                 agent.die();
             }
         }
+        // Adopted memory goes back to its owner with the agent (whatever its registration).
+        let released: Vec<Backing> = fab
+            .regions
+            .values_mut()
+            .filter(|r| r.owner == self.name && r.incarnation == self.incarnation)
+            .filter(|r| matches!(r.bytes, Backing::Engine(_)))
+            .map(|r| {
+                r.registered = false;
+                std::mem::replace(&mut r.bytes, Backing::Released)
+            })
+            .collect();
+        drop(fab);
+        // Dropped outside the lock: an owner's drop may do anything.
+        drop(released);
     }
 }
 
@@ -483,7 +572,49 @@ struct Region {
     owner: AgentName,
     incarnation: u64,
     registered: bool,
-    bytes: Vec<u8>,
+    /// Bytes in the region (what its memory had when it was made).
+    len: u64,
+    bytes: Backing,
+}
+
+/// What a region's bytes live in.
+enum Backing {
+    /// Allocated by the fabric ([`MemTransport::alloc_region`]); never freed.
+    Fabric(Vec<u8>),
+    /// The engine's own memory ([`MemTransport::adopt_region`]), until its agent dies.
+    Engine(Box<dyn RegionMemory>),
+    /// Adopted memory, released when its agent died.
+    Released,
+}
+
+impl Region {
+    /// Whether its memory is there (adopted memory goes when its agent dies, or is treated as
+    /// gone if it changed length).
+    fn is_live(&self) -> bool {
+        match &self.bytes {
+            Backing::Fabric(bytes) => bytes.len() as u64 == self.len,
+            Backing::Engine(memory) => memory.len() as u64 == self.len,
+            Backing::Released => false,
+        }
+    }
+
+    /// Copies the bytes at `offset` into `buf`; the caller checked the span and liveness.
+    fn read_at(&self, offset: usize, buf: &mut [u8]) {
+        match &self.bytes {
+            Backing::Fabric(bytes) => buf.copy_from_slice(&bytes[offset..offset + buf.len()]),
+            Backing::Engine(memory) => memory.read_at(offset, buf),
+            Backing::Released => {}
+        }
+    }
+
+    /// Copies `bytes` to `offset`; the caller checked the span and liveness.
+    fn write_at(&mut self, offset: usize, bytes: &[u8]) {
+        match &mut self.bytes {
+            Backing::Fabric(mine) => mine[offset..offset + bytes.len()].copy_from_slice(bytes),
+            Backing::Engine(memory) => memory.write_at(offset, bytes),
+            Backing::Released => {}
+        }
+    }
 }
 
 struct AgentState {

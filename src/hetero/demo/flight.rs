@@ -16,7 +16,7 @@ use rand::seq::SliceRandom;
 
 use super::{HeteroFault, Tally, PREFILL};
 use crate::hetero::handoff::Handoff;
-use crate::hetero::route::{PlannedRoute, Staging};
+use kvhandoff::route::{PlannedRoute, Staging};
 
 /// A request's plan and arenas, shared by the flight loop and the P routes that stage for it.
 pub(super) type Shared = Arc<Mutex<Handoff>>;

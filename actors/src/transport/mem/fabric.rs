@@ -65,11 +65,7 @@ impl Fabric {
                 r.registered
                     && &r.owner == name
                     && r.incarnation == incarnation
-                    && AddrRange {
-                        base,
-                        len: r.bytes.len() as u64,
-                    }
-                    .contains(addr, len)
+                    && AddrRange { base, len: r.len }.contains(addr, len)
             })
     }
 
@@ -282,23 +278,37 @@ impl Fabric {
             };
             let mut data = std::mem::take(&mut self.scratch);
             data.clear();
-            data.extend_from_slice(self.slice(src, len));
-            self.slice(dst, len).copy_from_slice(&data);
+            data.resize(len as usize, 0);
+            let moved = self
+                .span(src, len)
+                .map(|(base, at)| self.regions[&base].read_at(at, &mut data))
+                .and_then(|()| self.span(dst, len))
+                .and_then(|(base, at)| {
+                    let region = self.regions.get_mut(&base)?;
+                    region.write_at(at, &data);
+                    Some(())
+                })
+                .is_some();
             self.scratch = data;
+            if !moved {
+                // Memory released under the transfer (not reachable while both agents live).
+                break;
+            }
             left -= len;
         }
         budget - left
     }
 
-    /// The bytes at `[addr, addr + len)`, which posting proved lie inside one region.
-    fn slice(&mut self, addr: u64, len: u64) -> &mut [u8] {
-        let (&base, region) = self
-            .regions
-            .range_mut(..=addr)
-            .next_back()
-            .expect("invariant: a posted span lies inside a region");
-        let start = (addr - base) as usize;
-        &mut region.bytes[start..start + len as usize]
+    /// The region holding `[addr, addr + len)` (which posting proved lies inside one) and the
+    /// span's offset in it; `None` if that region's adopted memory is gone.
+    fn span(&self, addr: u64, len: u64) -> Option<(u64, usize)> {
+        let (&base, region) = self.regions.range(..=addr).next_back()?;
+        let inside = AddrRange {
+            base,
+            len: region.len,
+        }
+        .contains(addr, len);
+        (inside && region.is_live()).then_some((base, usize::try_from(addr - base).ok()?))
     }
 
     /// Puts a notification from agent `name` in `target`'s queue, unless the drop fault eats it.

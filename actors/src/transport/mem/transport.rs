@@ -10,9 +10,9 @@ use super::metadata::{decode_metadata, encode_metadata};
 #[cfg(doc)]
 use super::MemLimits;
 use super::{
-    AddrRange, ArrivalHook, Completion, Descriptor, Done, MemFabric, MemFaults, MemRegion,
-    MemStats, MemTransport, Notification, Op, Peer, Region, RemoteMd, Transport, TransportError,
-    Xfer, PAGE,
+    AddrRange, ArrivalHook, Backing, Completion, Descriptor, Done, MemFabric, MemFaults, MemRegion,
+    MemStats, MemTransport, Notification, Op, Peer, Region, RegionMemory, RemoteMd, Transport,
+    TransportError, Xfer, PAGE,
 };
 use kvhandoff_protocol::{PeerAddr, WriteId};
 
@@ -54,7 +54,49 @@ impl MemTransport {
                 owner: self.name.clone(),
                 incarnation: self.incarnation,
                 registered: false,
-                bytes,
+                len,
+                bytes: Backing::Fabric(bytes),
+            },
+        );
+        Ok(MemRegion {
+            fabric: self.fabric.clone(),
+            base,
+            len,
+        })
+    }
+
+    /// Makes `memory`, which the engine allocated, a region of this agent (not yet
+    /// registered), without copying it: transfers and the returned [`MemRegion`] read and write
+    /// it in place. The fabric drops `memory` when this agent dies (the transport is dropped);
+    /// the region's handles then fail ([`TransportError::ForeignRegion`]). It does not count
+    /// against [`MemLimits::max_fabric_bytes`].
+    ///
+    /// # Errors
+    /// [`TransportError::BadRegionLen`] for zero bytes or more than the address space holds.
+    pub fn adopt_region(
+        &mut self,
+        memory: Box<dyn RegionMemory>,
+    ) -> Result<MemRegion, TransportError> {
+        let len = memory.len() as u64;
+        let mut fab = self.fabric.lock();
+        if len == 0 {
+            return Err(TransportError::BadRegionLen { len });
+        }
+        let base = fab.next_addr;
+        let next = base
+            .checked_add(len)
+            .and_then(|end| end.checked_next_multiple_of(PAGE))
+            .and_then(|end| end.checked_add(PAGE))
+            .ok_or(TransportError::BadRegionLen { len })?;
+        fab.next_addr = next;
+        fab.regions.insert(
+            base,
+            Region {
+                owner: self.name.clone(),
+                incarnation: self.incarnation,
+                registered: false,
+                len,
+                bytes: Backing::Engine(memory),
             },
         );
         Ok(MemRegion {
@@ -176,10 +218,7 @@ impl Transport for MemTransport {
             .filter(|(_, r)| {
                 r.registered && r.owner == self.name && r.incarnation == self.incarnation
             })
-            .map(|(&base, r)| AddrRange {
-                base,
-                len: r.bytes.len() as u64,
-            })
+            .map(|(&base, r)| AddrRange { base, len: r.len })
             .collect();
         Ok(encode_metadata(
             fab.id,
@@ -214,7 +253,7 @@ impl Transport for MemTransport {
                 r.registered
                     && r.owner == md.agent
                     && r.incarnation == md.incarnation
-                    && r.bytes.len() as u64 == range.len
+                    && r.len == range.len
             });
             if !genuine {
                 return Err(TransportError::BadMetadata {

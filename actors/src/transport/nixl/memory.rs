@@ -45,6 +45,9 @@ struct Inner {
 enum Backing {
     /// Allocated by [`HostBuffer::new`] with this layout.
     Owned(Layout),
+    /// A vector handed over by [`HostBuffer::from_vec`], with its capacity (rebuilt and dropped
+    /// with the last handle).
+    Vec(usize),
     /// Owned by the engine; dropping the value releases it.
     External(#[allow(dead_code)] Box<dyn Send + Sync>),
 }
@@ -62,6 +65,11 @@ impl Drop for Inner {
             // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` in `HostBuffer::new` and is
             // freed exactly once, here, when the last handle goes.
             unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
+        if let Backing::Vec(capacity) = self.backing {
+            // SAFETY: `ptr`, `len` and `capacity` are those of the vector `HostBuffer::from_vec`
+            // took apart (and never dropped); it is rebuilt exactly once, here.
+            drop(unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, capacity) });
         }
         // `Backing::External` drops its owner, which releases the engine's memory.
     }
@@ -93,6 +101,23 @@ impl HostBuffer {
             available: 0,
         })?;
         Ok(Self::from_inner(ptr, size, Backing::Owned(layout)))
+    }
+
+    /// Takes `bytes`, which the engine allocated, as the buffer itself: no copy, no `unsafe`.
+    /// The engine reaches them afterwards through the buffer's handles ([`Self::read`],
+    /// [`Self::write`]); they are freed when the last handle goes.
+    ///
+    /// # Errors
+    /// [`TransportError::BadRegionLen`] for an empty vector.
+    pub fn from_vec(bytes: Vec<u8>) -> Result<Self, TransportError> {
+        if bytes.is_empty() {
+            return Err(TransportError::BadRegionLen { len: 0 });
+        }
+        let mut bytes = std::mem::ManuallyDrop::new(bytes);
+        let (len, capacity) = (bytes.len(), bytes.capacity());
+        let ptr =
+            NonNull::new(bytes.as_mut_ptr()).ok_or(TransportError::BadRegionLen { len: 0 })?;
+        Ok(Self::from_inner(ptr, len, Backing::Vec(capacity)))
     }
 
     /// Wraps host memory the engine owns (e.g. a pinned KV-cache tensor). `owner` is dropped

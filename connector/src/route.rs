@@ -1,16 +1,19 @@
-//! [`PlannedRoute`]: the [`TransferRoute`] of one rank of a heterogeneous pair in the
-//! in-process demo.
+//! [`PlannedRoute`]: the [`TransferRoute`] of one rank of a heterogeneous pair (engines of
+//! different TP, kernel block size or layout) in one process.
 //!
 //! It accepts exactly the other engine's rank geometries of its [`PairPlan`], and places each
-//! write by its pairing key: the owner (the demo's P engine) files the descriptors of a
-//! sub-request's link before it calls `request_finished`, together with the block ids they were
-//! planned for; the route hands them to the driver only for a write whose own and registered
-//! block ids are exactly those. Whatever else comes (an unknown key, D's registration naming
-//! other blocks, a read) is refused, and the protocol fails the write (`PostFailed`).
+//! write by its pairing key: the owner (P's engine) files the descriptors of a sub-request's
+//! link before it calls `request_finished`, together with the block ids they were planned for;
+//! the route hands them to the driver only for a write whose own and registered block ids are
+//! exactly those. Whatever else comes (an unknown key, D's registration naming other blocks, a
+//! read) is refused, and the protocol fails the write (`PostFailed`).
 //!
 //! Why filed ahead rather than planned at post time: the link's pieces need D's staging
-//! addresses, which an in-process demo knows but a registration does not carry yet (the
-//! cross-process route is the next step, see `docs/compatibility.md`).
+//! addresses, which an in-process pair knows but a registration does not carry yet (the
+//! cross-process route is the next step, see `docs/compatibility.md`). A rank gets its route
+//! from [`RankBuilder::pairing`](crate::RankBuilder::pairing) ([`EngineRank::route`](crate::EngineRank::route));
+//! the per-request plan comes from `kvhandoff_protocol::hetero` (what `kvhandoff demo --model`
+//! runs, `src/hetero/demo.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;

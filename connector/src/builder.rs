@@ -1,0 +1,562 @@
+//! [`RankBuilder`]: one engine rank, started from what the engine has — its identity, geometry,
+//! model, its own KV memory, a transport and a side channel — in one call.
+//!
+//! What it assembles (the pieces a harness would otherwise wire by hand): the transport's agent
+//! (named after the engine and rank), the rank's regions (the engine's memory, registered as it
+//! is: [`KvRegion`]), its endpoint and handshake, its actors on a [`Runtime`]
+//! ([`Runtime::add_rank`]), the side channel (TCP or in process), the peers' addresses, the
+//! [`ConnectorIdentity`] and [`ConnectorSettings`], and — for a pair of engines of different
+//! geometries — the rank's [`PlannedRoute`] and [`RankLinks`](crate::RankLinks).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvhandoff_actors::system::{
+    agent_name, blocking, build_rank_on_regions, build_routed_rank_on_regions, AddPeerAddress,
+    AdoptMemory, BuildError, Handshaker, KvRegion, Placement, RankOptions, RankSetup, RoutedRegion,
+    RuntimeError, ShellConfig, SideChannelConfig,
+};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_actors::transport::TransportError;
+use kvhandoff_protocol::hetero::{PairPlan, SideName};
+use kvhandoff_protocol::machine::{BlockPairing, Config};
+use kvhandoff_protocol::{EngineId, IdError, KvGeometry, ModelIdentity};
+
+use crate::route::PlannedRoute;
+use crate::{
+    ConnectorError, ConnectorIdentity, ConnectorSettings, KvCache, KvConnector, RankLinks, Runtime,
+};
+
+/// How long [`EngineRank::add_peer`] waits for the rank's link.
+const PEER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a rank's bytes travel over.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// The in-memory transport: an agent on this fabric (share one fabric between the ranks of
+    /// one process that talk to each other). Host memory only.
+    Mem(MemFabric),
+    /// NIXL (UCX), with this configuration (cargo feature `nixl`; run with the environment of
+    /// `scripts/nixl-env.sh`). Host memory for now.
+    #[cfg(feature = "nixl")]
+    Nixl(kvhandoff_actors::transport::nixl::NixlConfig),
+}
+
+impl TransportKind {
+    /// NIXL with its default configuration.
+    #[cfg(feature = "nixl")]
+    pub fn nixl() -> TransportKind {
+        TransportKind::Nixl(kvhandoff_actors::transport::nixl::NixlConfig::default())
+    }
+}
+
+/// How a rank meets its peers.
+#[derive(Clone, Debug, Default)]
+pub enum SideChannel {
+    /// In process, through the [`Runtime`]'s directory: every peer must be a rank of the same
+    /// runtime ([`RankBuilder::start_on`]).
+    #[default]
+    InProcess,
+    /// A TCP side channel with this configuration (listen address, timeouts, accepted
+    /// engines...). A rank takes handshakes only from engines it knows
+    /// ([`RankBuilder::peer`], [`EngineRank::add_peer`], or the parameters of a call) unless
+    /// the configuration's `accept` says otherwise.
+    Tcp(SideChannelConfig),
+}
+
+impl SideChannel {
+    /// A TCP side channel listening on `listen` (port 0: any free port; see
+    /// [`EngineRank::side_channel`]), with the default configuration.
+    pub fn tcp(listen: SocketAddr) -> SideChannel {
+        SideChannel::Tcp(SideChannelConfig::new(listen))
+    }
+}
+
+/// Why a rank could not start. Nothing is left running or registered after any of them: the
+/// engine's memory is dropped (or, for a raw region, its owner).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// No transport was chosen ([`RankBuilder::transport`]).
+    #[error("no transport: call RankBuilder::transport")]
+    NoTransport,
+    /// The rank could not be built: a region that does not fit the geometry, memory the
+    /// transport cannot register, an invalid geometry or configuration, a transport refusal.
+    #[error("build: {0}")]
+    Build(#[from] BuildError),
+    /// The transport's agent could not be created.
+    #[error("transport: {0}")]
+    Transport(#[from] TransportError),
+    /// The agent name derived from the engine id is invalid.
+    #[error("agent name: {0}")]
+    Id(#[from] IdError),
+    /// The runtime is gone, or the side channel could not listen.
+    #[error("runtime: {0}")]
+    Runtime(#[from] RuntimeError),
+    /// The heterogeneous pairing does not fit this rank.
+    #[error("pairing: {0}")]
+    Pairing(String),
+    /// The heterogeneous pairing's routes work in process only (the TCP side channel demands
+    /// equal layouts).
+    #[error("a heterogeneous pairing needs the in-process side channel")]
+    PairingNeedsInProcess,
+    /// The rank's link did not take a peer's address (its book is full, or it did not answer).
+    #[error("the rank did not take the address of {engine}")]
+    Peer {
+        /// The peer engine.
+        engine: EngineId,
+    },
+    /// The connector refused the pairing's links.
+    #[error("connector: {0}")]
+    Connector(#[from] ConnectorError),
+}
+
+/// A heterogeneous pairing: this rank is on `side` of `plan`.
+#[derive(Clone, Debug)]
+struct Pairing {
+    plan: PairPlan,
+    side: SideName,
+}
+
+/// Builds and starts one engine rank on the engine's own memory.
+///
+/// Required: the engine's id, geometry (its `tp_rank`/`tp_size`/`pp_*` are the rank's identity)
+/// and model; its regions ([`RankBuilder::region`]: one per
+/// [`RegionSpec`](kvhandoff_protocol::RegionSpec) of [`KvGeometry::regions`], in that order,
+/// each the same whole number of logical blocks); a transport. Optional: the side channel
+/// (default in process), the protocol [`Config`], peers' addresses, a heterogeneous pairing,
+/// shell tuning and placement.
+///
+/// ```
+/// use kvhandoff::{
+///     Config, EngineId, KvGeometry, KvLayout, KvRegion, MemFabric, ModelIdentity, RankBuilder,
+///     Runtime, TransportKind,
+/// };
+///
+/// let geometry = KvGeometry::dense(2, 2, 16, 2, 4, KvLayout::Hnd); // 2 layers: 4 regions
+/// let blocks = 8;
+/// let regions = geometry.regions().unwrap().iter().map(|spec| {
+///     // The engine's own memory, handed over (no copy).
+///     KvRegion::new(vec![0u8; (spec.block_len * blocks) as usize])
+/// }).collect::<Vec<_>>();
+/// let model = ModelIdentity {
+///     model: "my-model".into(),
+///     dtype: "bfloat16".into(),
+///     cache_dtype: "bfloat16".into(),
+/// };
+/// let mut runtime = Runtime::start().unwrap();
+/// let fabric = MemFabric::new();
+/// let rank = RankBuilder::new(EngineId::new("prefill-0").unwrap(), geometry, model)
+///     .regions(regions)
+///     .transport(TransportKind::Mem(fabric))
+///     .config(Config::default())
+///     .start_on(&mut runtime)
+///     .unwrap();
+/// assert_eq!(rank.kv().logical_blocks(), blocks as u32);
+/// rank.kv().write_block(0, 3, &vec![7u8; rank.kv().block_len(0).unwrap() as usize]).unwrap();
+/// drop(rank);
+/// runtime.shutdown();
+/// ```
+#[derive(Debug)]
+pub struct RankBuilder {
+    engine: EngineId,
+    geometry: KvGeometry,
+    model: ModelIdentity,
+    regions: Vec<KvRegion>,
+    transport: Option<TransportKind>,
+    side_channel: SideChannel,
+    advertise_host: Option<String>,
+    config: Config,
+    settings: Option<ConnectorSettings>,
+    peers: Vec<(EngineId, SocketAddr)>,
+    pairing: Option<Pairing>,
+    shell: ShellConfig,
+    placement: Placement,
+}
+
+impl RankBuilder {
+    /// A builder for the rank of `engine` with `geometry` (whose TP/PP sizes and ranks say which
+    /// rank) serving `model`.
+    pub fn new(engine: EngineId, geometry: KvGeometry, model: ModelIdentity) -> RankBuilder {
+        RankBuilder {
+            engine,
+            geometry,
+            model,
+            regions: Vec::new(),
+            transport: None,
+            side_channel: SideChannel::InProcess,
+            advertise_host: None,
+            config: Config::default(),
+            settings: None,
+            peers: Vec::new(),
+            pairing: None,
+            shell: ShellConfig::default(),
+            placement: Placement::Shared,
+        }
+    }
+
+    /// Adds the next region of the engine's KV cache (in [`KvGeometry::regions`] order).
+    pub fn region(mut self, region: KvRegion) -> RankBuilder {
+        self.regions.push(region);
+        self
+    }
+
+    /// Adds the next regions, in order.
+    pub fn regions(mut self, regions: impl IntoIterator<Item = KvRegion>) -> RankBuilder {
+        self.regions.extend(regions);
+        self
+    }
+
+    /// What the bytes travel over (required).
+    pub fn transport(mut self, transport: TransportKind) -> RankBuilder {
+        self.transport = Some(transport);
+        self
+    }
+
+    /// How the rank meets its peers (default: in process).
+    pub fn side_channel(mut self, side_channel: SideChannel) -> RankBuilder {
+        self.side_channel = side_channel;
+        self
+    }
+
+    /// The host the rank's answers advertise for its side channel (`remote_host` of the
+    /// parameters it returns). Default: the address the side channel bound (for an
+    /// unspecified address such as `0.0.0.0`, set this to one peers can reach).
+    pub fn advertise_host(mut self, host: impl Into<String>) -> RankBuilder {
+        self.advertise_host = Some(host.into());
+        self
+    }
+
+    /// The protocol's configuration (default [`Config::default`]).
+    pub fn config(mut self, config: Config) -> RankBuilder {
+        self.config = config;
+        self
+    }
+
+    /// The connector's settings (default: [`ConnectorSettings::new`] of the configuration and
+    /// geometry).
+    pub fn connector_settings(mut self, settings: ConnectorSettings) -> RankBuilder {
+        self.settings = Some(settings);
+        self
+    }
+
+    /// Where `engine`'s side channel listens (TCP only; the rank then takes its handshakes).
+    /// More can be added once started ([`EngineRank::add_peer`]).
+    pub fn peer(mut self, engine: EngineId, addr: SocketAddr) -> RankBuilder {
+        self.peers.push((engine, addr));
+        self
+    }
+
+    /// Pairs this rank with an engine of another geometry: it is a rank of `side` in `plan`
+    /// (from `kvhandoff_protocol::hetero::plan_pair`), and its `geometry` must be that rank's.
+    /// The rank then registers its regions as buffers laid out by the engine (KV tensors and
+    /// staging memory, each any length), accepts exactly the plan's peers, pairs blocks as
+    /// given ([`BlockPairing::AsGiven`]), runs each request as one sub-request per link
+    /// ([`RankLinks`]), and places P's writes by what the engine files with its route
+    /// ([`EngineRank::route`]). In process only.
+    pub fn pairing(mut self, plan: PairPlan, side: SideName) -> RankBuilder {
+        self.pairing = Some(Pairing { plan, side });
+        self
+    }
+
+    /// Shell tuning (poll interval, handshake timeout).
+    pub fn shell(mut self, shell: ShellConfig) -> RankBuilder {
+        self.shell = shell;
+        self
+    }
+
+    /// Where the rank's actors run on the runtime (default: its shared thread).
+    pub fn placement(mut self, placement: Placement) -> RankBuilder {
+        self.placement = placement;
+        self
+    }
+
+    /// Starts the rank on `runtime`, which may host other ranks (in process, they find each
+    /// other through it). The rank runs until the runtime shuts down — dropping the
+    /// [`EngineRank`] does not stop it, and its agent name stays taken until then — and the
+    /// engine's memory is released then (on NIXL, once the last [`KvCache`] clone is gone too).
+    ///
+    /// # Errors
+    /// [`StartError`]; nothing of the rank is left running or registered.
+    pub fn start_on(mut self, runtime: &mut Runtime) -> Result<EngineRank, StartError> {
+        let transport = self.transport.take().ok_or(StartError::NoTransport)?;
+        if let Some(pairing) = &self.pairing {
+            if matches!(self.side_channel, SideChannel::Tcp(_)) {
+                return Err(StartError::PairingNeedsInProcess);
+            }
+            check_pairing(&pairing.plan, pairing.side, &self.geometry)?;
+        }
+        match transport {
+            TransportKind::Mem(fabric) => {
+                let name = agent_name(&self.engine, self.geometry.rank_index())?;
+                let agent = fabric.agent(name)?;
+                self.start_with(agent, runtime)
+            }
+            #[cfg(feature = "nixl")]
+            TransportKind::Nixl(config) => {
+                use kvhandoff_actors::transport::nixl::NixlTransport;
+                let name = agent_name(&self.engine, self.geometry.rank_index())?;
+                // Checks that the NIXL library loads before the first NIXL call.
+                let agent = NixlTransport::new(name, config)?;
+                self.start_with(agent, runtime)
+            }
+        }
+    }
+
+    /// Starts the rank on a runtime of its own, which the returned [`EngineRank`] owns and
+    /// shuts down when dropped. (An in-process side channel then reaches no other rank: use
+    /// [`RankBuilder::start_on`] with a shared runtime for that.)
+    ///
+    /// # Errors
+    /// As [`RankBuilder::start_on`].
+    pub fn start(self) -> Result<EngineRank, StartError> {
+        let mut runtime = Runtime::start()?;
+        let mut rank = self.start_on(&mut runtime)?;
+        rank.runtime = Some(runtime);
+        Ok(rank)
+    }
+
+    fn start_with<T>(self, transport: T, runtime: &mut Runtime) -> Result<EngineRank, StartError>
+    where
+        T: AdoptMemory + Unpin + Send + 'static,
+    {
+        let RankBuilder {
+            engine,
+            geometry,
+            model,
+            regions,
+            transport: _,
+            side_channel,
+            advertise_host,
+            config,
+            settings,
+            peers,
+            pairing,
+            shell,
+            placement,
+        } = self;
+        let rank_index = geometry.rank_index();
+        let (setup, cache, route, links) = match pairing {
+            None => {
+                let (setup, pool, registered) = build_rank_on_regions(
+                    transport,
+                    &engine,
+                    geometry.clone(),
+                    &model,
+                    regions,
+                    config.clone(),
+                    shell,
+                )?;
+                let block_lens = pool
+                    .regions()
+                    .map(|(spec, _)| pool.block_span(spec, 0).1)
+                    .collect();
+                let cache = KvCache::new(
+                    geometry.clone(),
+                    registered,
+                    Some(block_lens),
+                    pool.logical_blocks(),
+                );
+                (setup, cache, None, None)
+            }
+            Some(Pairing { plan, side }) => {
+                let links = RankLinks::for_rank(&plan, side, rank_index)?;
+                let route = Arc::new(PlannedRoute::new(&plan, side));
+                // P hands its whole block list to the route, whose plan aligns the sides.
+                let config = Config {
+                    block_pairing: BlockPairing::AsGiven,
+                    ..config.clone()
+                };
+                let (setup, registered): (RankSetup<T>, Vec<RoutedRegion>) =
+                    build_routed_rank_on_regions(
+                        transport,
+                        &engine,
+                        geometry.clone(),
+                        &model,
+                        regions,
+                        config,
+                        shell,
+                        route.clone(),
+                    )?;
+                let cache = KvCache::new(geometry.clone(), registered, None, 0);
+                (setup, cache, Some(route), Some(links))
+            }
+        };
+        let handshaker = match side_channel {
+            SideChannel::InProcess => None,
+            SideChannel::Tcp(config) => Some(Handshaker::Tcp(config)),
+        };
+        let handle = runtime.add_rank(
+            setup,
+            RankOptions {
+                handshaker,
+                placement,
+            },
+        )?;
+        let (host, port) = match handle.side_channel {
+            Some(addr) => (
+                advertise_host.unwrap_or_else(|| addr.ip().to_string()),
+                addr.port(),
+            ),
+            None => (advertise_host.unwrap_or_else(|| "127.0.0.1".into()), 0),
+        };
+        let identity = ConnectorIdentity {
+            engine,
+            rank: rank_index,
+            tp_size: geometry.tp_size,
+            host,
+            port,
+        };
+        let settings = settings.unwrap_or_else(|| ConnectorSettings::new(&config, &geometry));
+        let mut connector = KvConnector::with_settings(identity, handle, settings);
+        if let Some(links) = links {
+            connector.set_links(links)?;
+        }
+        let rank = EngineRank {
+            connector,
+            kv: cache,
+            route,
+            runtime: None,
+        };
+        for (engine, addr) in peers {
+            rank.add_peer(&engine, addr)?;
+        }
+        Ok(rank)
+    }
+}
+
+/// Whether `geometry` is one of `side`'s ranks in `plan`.
+fn check_pairing(plan: &PairPlan, side: SideName, geometry: &KvGeometry) -> Result<(), StartError> {
+    let layout = match side {
+        SideName::Prefill => &plan.prefill,
+        SideName::Decode => &plan.decode,
+    };
+    if layout.ranks.iter().any(|r| &r.geometry == geometry) {
+        return Ok(());
+    }
+    Err(StartError::Pairing(format!(
+        "the rank's geometry (TP {} rank {}, PP {} rank {}) is none of the plan's {side} ranks",
+        geometry.tp_size, geometry.tp_rank, geometry.pp_size, geometry.pp_rank
+    )))
+}
+
+/// A started engine rank: its [`KvConnector`] (also reached through `Deref`), the engine's
+/// access to its KV memory ([`KvCache`]), and, when it was started with
+/// [`RankBuilder::start`], the runtime it owns (shut down when this is dropped, after the
+/// connector).
+pub struct EngineRank {
+    // Field order is drop order: the connector before the runtime it talks to.
+    connector: KvConnector,
+    kv: KvCache,
+    route: Option<Arc<PlannedRoute>>,
+    runtime: Option<Runtime>,
+}
+
+impl std::fmt::Debug for EngineRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineRank")
+            .field("identity", self.connector.identity())
+            .field("kv", &self.kv)
+            .field("routed", &self.route.is_some())
+            .field("owns_runtime", &self.runtime.is_some())
+            .finish()
+    }
+}
+
+impl EngineRank {
+    /// The rank's connector.
+    pub fn connector(&self) -> &KvConnector {
+        &self.connector
+    }
+
+    /// The rank's connector, to call its hooks.
+    pub fn connector_mut(&mut self) -> &mut KvConnector {
+        &mut self.connector
+    }
+
+    /// The engine's access to the rank's KV memory (clone it to keep it on another thread).
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// Where the rank's TCP side channel listens (the bound address: port 0 resolved); `None`
+    /// in process.
+    pub fn side_channel(&self) -> Option<SocketAddr> {
+        self.connector.rank().side_channel
+    }
+
+    /// The identity the rank's answers advertise.
+    pub fn identity(&self) -> &ConnectorIdentity {
+        self.connector.identity()
+    }
+
+    /// The route of a rank of a heterogeneous pair ([`RankBuilder::pairing`]): P's engine files
+    /// each link's descriptors and staging work with it before `request_finished`.
+    pub fn route(&self) -> Option<&Arc<PlannedRoute>> {
+        self.route.as_ref()
+    }
+
+    /// Tells the rank where `engine`'s side channel listens (TCP), and so to take its
+    /// handshakes. Blocks for the rank's answer (a few seconds at most).
+    ///
+    /// # Errors
+    /// [`StartError::Peer`] if the rank's book of addresses is full or it did not answer.
+    pub fn add_peer(&self, engine: &EngineId, addr: SocketAddr) -> Result<(), StartError> {
+        let added = blocking::ask(
+            &self.connector.rank().link,
+            AddPeerAddress {
+                engine: engine.clone(),
+                addr,
+            },
+            PEER_TIMEOUT,
+        );
+        match added {
+            Some(Ok(())) => Ok(()),
+            _ => Err(StartError::Peer {
+                engine: engine.clone(),
+            }),
+        }
+    }
+
+    /// Takes the rank apart: its connector, its cache, and the runtime it owns (if it was
+    /// started with [`RankBuilder::start`]; keep it alive while the connector is used).
+    pub fn into_parts(self) -> (KvConnector, KvCache, Option<Runtime>) {
+        (self.connector, self.kv, self.runtime)
+    }
+
+    /// Stops the rank: drops the connector and, if the rank owns its runtime, shuts it down
+    /// (which releases the engine's memory). For a graceful end, call
+    /// [`KvConnector::shutdown`] first and poll until [`KvConnector::has_pending_work`] is
+    /// false.
+    pub fn shutdown(self) {
+        let (connector, _kv, runtime) = self.into_parts();
+        drop(connector);
+        if let Some(runtime) = runtime {
+            runtime.shutdown();
+        }
+    }
+}
+
+impl std::ops::Deref for EngineRank {
+    type Target = KvConnector;
+
+    fn deref(&self) -> &KvConnector {
+        &self.connector
+    }
+}
+
+impl std::ops::DerefMut for EngineRank {
+    fn deref_mut(&mut self) -> &mut KvConnector {
+        &mut self.connector
+    }
+}
+
+/// A compile-time check that a rank and its cache can move to the engine's threads.
+#[allow(dead_code)]
+fn assert_send() {
+    fn send<T: Send>() {}
+    fn sync<T: Send + Sync>() {}
+    send::<EngineRank>();
+    sync::<KvCache>();
+}
