@@ -33,7 +33,7 @@ use kvhandoff_actors::system::{
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{
-    Config, DecodeOutcome, DecodeStart, Endpoint, EngineCall, EngineEvent, NetEvent, Output,
+    Config, DecodeOutcome, DecodeStart, Endpoint, EndpointCall, EndpointEvent, NetEvent, Output,
     PrefillOutcome, PrefillStart, Time,
 };
 use kvhandoff_protocol::PeerAddr;

@@ -87,7 +87,7 @@ fn writes_become_completions_failures_and_notifications() {
     let (mut p, mut d) = (side(&fabric, "prefill"), side(&fabric, "decode"));
     let to = d.info.peer.clone();
     // A write to a peer the transport has not loaded cannot be planned: PostFailed.
-    let feed = perform(&mut p, TransportOp::Post(Box::new(order(1, &to))));
+    let feed = perform(&mut p, TransportOp::PostWrite(Box::new(order(1, &to))));
     assert_eq!(feed, post_failed(1));
     p.driver.load_peer(d.info.clone()).unwrap();
     d.driver.load_peer(p.info.clone()).unwrap();
@@ -96,11 +96,11 @@ fn writes_become_completions_failures_and_notifications() {
         .transport_mut()
         .update_faults(|f| f.fail_next_posts = 1);
     assert_eq!(
-        perform(&mut p, TransportOp::Post(Box::new(order(2, &to)))),
+        perform(&mut p, TransportOp::PostWrite(Box::new(order(2, &to)))),
         post_failed(2)
     );
     // A good write: its completion on P, its notification on D.
-    assert!(perform(&mut p, TransportOp::Post(Box::new(order(3, &to)))).is_empty());
+    assert!(perform(&mut p, TransportOp::PostWrite(Box::new(order(3, &to)))).is_empty());
     assert_eq!(
         poll(&mut p),
         vec![NetEvent::WriteCompleted { write: WriteId(3) }]
@@ -114,7 +114,7 @@ fn writes_become_completions_failures_and_notifications() {
     p.driver
         .transport_mut()
         .update_faults(|f| f.fail_next_transfers = 1);
-    assert!(perform(&mut p, TransportOp::Post(Box::new(order(4, &to)))).is_empty());
+    assert!(perform(&mut p, TransportOp::PostWrite(Box::new(order(4, &to)))).is_empty());
     assert_eq!(
         poll(&mut p),
         vec![NetEvent::WriteFailed {
@@ -127,7 +127,7 @@ fn writes_become_completions_failures_and_notifications() {
         f.hang_next_transfers = 1;
         f.refuse_abandon = true;
     });
-    assert!(perform(&mut p, TransportOp::Post(Box::new(order(5, &to)))).is_empty());
+    assert!(perform(&mut p, TransportOp::PostWrite(Box::new(order(5, &to)))).is_empty());
     assert!(perform(&mut p, TransportOp::Abandon(WriteId(5))).is_empty());
     let stats = p.driver.stats();
     assert_eq!((stats.posted, stats.post_failures), (3, 2), "{stats:?}");
@@ -254,7 +254,7 @@ fn a_route_places_writes_and_its_refusal_is_a_post_failure() {
     p.driver.load_peer(d.info.clone()).unwrap();
     d.driver.load_peer(p.info.clone()).unwrap();
     let to = d.info.peer.clone();
-    assert!(perform(&mut p, TransportOp::Post(Box::new(order(1, &to)))).is_empty());
+    assert!(perform(&mut p, TransportOp::PostWrite(Box::new(order(1, &to)))).is_empty());
     assert_eq!(
         poll(&mut p),
         vec![NetEvent::WriteCompleted { write: WriteId(1) }]
@@ -265,7 +265,7 @@ fn a_route_places_writes_and_its_refusal_is_a_post_failure() {
     let mut other = order(2, &to);
     other.key = PairingKey::new("key-2").unwrap();
     assert_eq!(
-        perform(&mut p, TransportOp::Post(Box::new(other))),
+        perform(&mut p, TransportOp::PostWrite(Box::new(other))),
         post_failed(2)
     );
     assert_eq!(p.driver.stats().posted, 1);

@@ -26,7 +26,7 @@ use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
 use kvhandoff_actors::transport::{Transport, TransportError, MAX_NOTIFICATION_LEN};
 use kvhandoff_protocol::driver::{PeerInfo, TransportStats};
 use kvhandoff_protocol::machine::{
-    Config, Counters, DecodeStart, DropReason, EngineCall, PrefillStart,
+    Config, Counters, DecodeStart, DropReason, EndpointCall, PrefillStart,
 };
 use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::wire::{self, WireError, HEADER_LEN, MAGIC, MAX_PAYLOAD_LEN};
@@ -103,7 +103,7 @@ async fn register_on_d(d: &Rank, base: &str) {
     let d_id = request(&format!("{base}-dddddddd"));
     call(
         &d.handle,
-        EngineCall::DecodeAllocated(DecodeStart {
+        EndpointCall::DecodeAllocated(DecodeStart {
             key: PairingKey::from_request_id(&d_id),
             request: d_id,
             epoch: Epoch::FIRST,
@@ -123,7 +123,7 @@ async fn finish_on_p(p: &mut Rank, d: &mut Rank, base: &str) {
     fill(&p.pool, base, &P_BLOCKS);
     call(
         &p.handle,
-        EngineCall::PrefillFinished(PrefillStart {
+        EndpointCall::PrefillFinished(PrefillStart {
             key: PairingKey::from_request_id(&p_id),
             request: p_id,
             blocks: BlockIds::single_group(P_BLOCKS.to_vec()),

@@ -20,7 +20,7 @@ use kvhandoff_actors::system::{
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::driver::PeerInfo;
 use kvhandoff_protocol::machine::{
-    Config, Counters, DecodeFailure, DecodeStart, EngineCall, FreeProof, PrefillStart,
+    Config, Counters, DecodeFailure, DecodeStart, EndpointCall, FreeProof, PrefillStart,
 };
 use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
@@ -151,7 +151,7 @@ async fn push_d_first(
     let p_id = format!("{tag}-22222222");
     call(
         &d.handle,
-        EngineCall::DecodeAllocated(decode_start(&d_id, "prefill", d_blocks.clone())),
+        EndpointCall::DecodeAllocated(decode_start(&d_id, "prefill", d_blocks.clone())),
     )
     .await
     .unwrap();
@@ -159,7 +159,7 @@ async fn push_d_first(
     fill(&p.pool, tag, &p_blocks);
     call(
         &p.handle,
-        EngineCall::PrefillFinished(prefill_start(&p_id, p_blocks)),
+        EndpointCall::PrefillFinished(prefill_start(&p_id, p_blocks)),
     )
     .await
     .unwrap();
@@ -196,7 +196,7 @@ async fn tcp_ranks_deliver_both_races() {
     fill(&p.pool, "req-b", &p_blocks);
     call(
         &p.handle,
-        EngineCall::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
+        EndpointCall::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
     )
     .await
     .unwrap();
@@ -204,7 +204,7 @@ async fn tcp_ranks_deliver_both_races() {
     let d_blocks = vec![7, 8, 0];
     call(
         &d.handle,
-        EngineCall::DecodeAllocated(decode_start("req-b-44444444", "prefill", d_blocks.clone())),
+        EndpointCall::DecodeAllocated(decode_start("req-b-44444444", "prefill", d_blocks.clone())),
     )
     .await
     .unwrap();
@@ -594,7 +594,7 @@ async fn initiator_failures_are_typed() {
         let id = format!("{prefill}-req-{i}");
         call(
             &d.handle,
-            EngineCall::DecodeAllocated(decode_start(&id, prefill, vec![1, 2])),
+            EndpointCall::DecodeAllocated(decode_start(&id, prefill, vec![1, 2])),
         )
         .await
         .unwrap();

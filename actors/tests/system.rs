@@ -11,7 +11,7 @@ use kvhandoff_actors::system::{
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{
-    Config, DecodeFailure, DecodeStart, EngineCall, FreeProof, PrefillStart, Rejected,
+    Config, DecodeFailure, DecodeStart, EndpointCall, FreeProof, PrefillStart, Rejected,
 };
 use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::PeerAddr;
@@ -81,7 +81,7 @@ async fn both_races_deliver_every_byte() {
     let d_blocks = vec![3, 4, 5];
     call(
         &d.handle,
-        EngineCall::DecodeAllocated(decode_start("req-a-11111111", d_blocks.clone())),
+        EndpointCall::DecodeAllocated(decode_start("req-a-11111111", d_blocks.clone())),
     )
     .await
     .unwrap();
@@ -90,7 +90,7 @@ async fn both_races_deliver_every_byte() {
     fill(&p.pool, "req-a", &p_blocks);
     call(
         &p.handle,
-        EngineCall::PrefillFinished(prefill_start("req-a-22222222", p_blocks)),
+        EndpointCall::PrefillFinished(prefill_start("req-a-22222222", p_blocks)),
     )
     .await
     .unwrap();
@@ -115,7 +115,7 @@ async fn both_races_deliver_every_byte() {
     fill(&p.pool, "req-b", &p_blocks);
     call(
         &p.handle,
-        EngineCall::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
+        EndpointCall::PrefillFinished(prefill_start("req-b-33333333", p_blocks)),
     )
     .await
     .unwrap();
@@ -123,7 +123,7 @@ async fn both_races_deliver_every_byte() {
     let d_blocks = vec![7, 8, 0];
     call(
         &d.handle,
-        EngineCall::DecodeAllocated(decode_start("req-b-44444444", d_blocks.clone())),
+        EndpointCall::DecodeAllocated(decode_start("req-b-44444444", d_blocks.clone())),
     )
     .await
     .unwrap();
@@ -155,7 +155,7 @@ async fn engine_errors_come_back_typed() {
     assert_eq!(
         call(
             &d.handle,
-            EngineCall::Abort {
+            EndpointCall::Abort {
                 request: unknown.clone()
             }
         )
@@ -164,14 +164,14 @@ async fn engine_errors_come_back_typed() {
     );
     call(
         &d.handle,
-        EngineCall::DecodeAllocated(decode_start("dup-1", vec![1])),
+        EndpointCall::DecodeAllocated(decode_start("dup-1", vec![1])),
     )
     .await
     .unwrap();
     assert!(matches!(
         call(
             &d.handle,
-            EngineCall::DecodeAllocated(decode_start("dup-1", vec![2]))
+            EndpointCall::DecodeAllocated(decode_start("dup-1", vec![2]))
         )
         .await,
         Err(Rejected::DuplicateRequest(_))
@@ -187,7 +187,7 @@ async fn d_fails_with_a_typed_outcome_when_p_is_missing() {
     // No P rank exists: the handshake fails and D hands its blocks back at once.
     call(
         &d.handle,
-        EngineCall::DecodeAllocated(decode_start("lonely-1", vec![1, 2])),
+        EndpointCall::DecodeAllocated(decode_start("lonely-1", vec![1, 2])),
     )
     .await
     .unwrap();

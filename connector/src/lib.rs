@@ -35,6 +35,8 @@ pub mod route;
 pub use builder::{EngineRank, RankBuilder, SideChannel, StartError, TransportKind};
 pub use cache::{KvCache, KvCacheError};
 pub use connector::KvConnector;
+pub use kvhandoff_actors as actors;
+pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_actors::system::{
     AdoptError, BuildError, KvRegion, MemoryLocation, Placement, RegionProblem, RuntimeError,
     ShellConfig, SideChannelConfig,
@@ -42,19 +44,17 @@ pub use kvhandoff_actors::system::{
 pub use kvhandoff_actors::transport::mem::MemFabric;
 #[cfg(feature = "nixl")]
 pub use kvhandoff_actors::transport::nixl::NixlConfig;
+pub use kvhandoff_protocol as protocol;
 pub use kvhandoff_protocol::hetero::{PairPlan, SideName};
 pub use kvhandoff_protocol::machine::{
     Config, DecodeFailure, ExportOutcome, FreeProof, ImportOutcome, ReadProof, ReleaseCause,
 };
-pub use kvhandoff_protocol::{
-    BlockIds, EngineId, IdError, KvGeometry, KvLayout, ModelIdentity, RegionSpec, RequestId,
-};
-pub use kvhandoff_actors as actors;
-pub use kvhandoff_actors::system::Runtime;
-pub use kvhandoff_protocol as protocol;
 pub use kvhandoff_protocol::session::{
     ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply,
     ConnectorSettings, KvTransferParams, RankLinks, DEFAULT_NEXT_TURN_TTL,
     DEFAULT_RECOMPUTE_THRESHOLD, MAX_FANS,
 };
 pub use kvhandoff_protocol::TransferMode;
+pub use kvhandoff_protocol::{
+    BlockIds, EngineId, IdError, KvGeometry, KvLayout, ModelIdentity, RegionSpec, RequestId,
+};

@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::machine::{Endpoint, EngineEvent, NetEvent, Output, ReadOrder, WriteOrder};
+use crate::machine::{Endpoint, EndpointEvent, NetEvent, Output, ReadOrder, WriteOrder};
 use crate::planner::{PlanInput, Planner};
 use crate::transport::{Completion, Descriptor, Notification, Transport, TransportError};
 use crate::{
@@ -175,7 +175,7 @@ pub enum TransportOp {
         message: Message,
     },
     /// Plan and post a write.
-    Post(Box<WriteOrder>),
+    PostWrite(Box<WriteOrder>),
     /// Plan and post a read.
     PostRead(Box<ReadOrder>),
     /// Make sure a write never lands.
@@ -309,7 +309,7 @@ impl<T: Transport> TransportDriver<T> {
                     }
                 }
             }
-            TransportOp::Post(order) => feed.extend(self.post(&order)),
+            TransportOp::PostWrite(order) => feed.extend(self.post(&order)),
             TransportOp::PostRead(order) => feed.extend(self.post_read(&order)),
             TransportOp::Abandon(write) => match self.transport.abandon_write(write) {
                 Ok(()) => {}
@@ -488,14 +488,14 @@ pub enum Routed {
     /// To the link: start a handshake with the peer.
     Connect(PeerAddr),
     /// To the engine.
-    Event(EngineEvent),
+    Event(EndpointEvent),
 }
 
 /// Routes one endpoint output (the one mapping every shell uses).
 pub fn route(output: Output) -> Routed {
     match output {
         Output::Send { to, message } => Routed::Transport(TransportOp::Send { to, message }),
-        Output::PostWrite(order) => Routed::Transport(TransportOp::Post(order)),
+        Output::PostWrite(order) => Routed::Transport(TransportOp::PostWrite(order)),
         Output::PostRead(order) => Routed::Transport(TransportOp::PostRead(order)),
         Output::AbandonWrite { write } => Routed::Transport(TransportOp::Abandon(write)),
         Output::Invalidate { peer } => Routed::Transport(TransportOp::Invalidate(peer)),

@@ -45,7 +45,7 @@ pub use read_types::{
     MAX_EXPORT_LEASE,
 };
 pub use types::{
-    ConnectFailure, Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineCall,
-    EngineEvent, FreeProof, NetEvent, Output, PrefillOutcome, PrefillStart, Rejected, ReleaseCause,
-    Time, WriteOrder,
+    ConnectFailure, Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EndpointCall,
+    EndpointEvent, FreeProof, NetEvent, Output, PrefillOutcome, PrefillStart, Rejected,
+    ReleaseCause, Time, WriteOrder,
 };

@@ -67,7 +67,7 @@ use crate::driver::{route, Routed, TransportOp};
 use crate::machine::mutation::ActiveMutation;
 #[cfg(feature = "mutations")]
 use crate::machine::Mutation;
-use crate::machine::{Endpoint, EngineEvent, NetEvent, Time};
+use crate::machine::{Endpoint, EndpointEvent, NetEvent, Time};
 use crate::{EngineId, PeerAddr};
 
 /// Where another engine's side channel listens, as the router's parameters name it
@@ -99,7 +99,7 @@ pub enum SessionOutput {
     /// An endpoint event as it came, before the session folded it into the engine's
     /// ([`Session::observe_endpoint_events`]; off by default): for a checker or a trace that
     /// follows every sub-request, not for the engine.
-    Observed(EngineEvent),
+    Observed(EndpointEvent),
 }
 
 /// One engine rank's session: its connector's logic over its [`Endpoint`] (see the module
@@ -386,7 +386,7 @@ impl Session {
                 .fan_allocated(now, links, &request, blocks, num_tokens, &params)
                 .map(|()| ConnectorReply::Accepted),
             ConnectorCall::RequestFinished { .. } => match self.prepare(now, call)? {
-                (crate::machine::EngineCall::PrefillFinished(start), _, reply) => {
+                (crate::machine::EndpointCall::PrefillFinished(start), _, reply) => {
                     self.fan_finished(now, links, start).map(|()| reply)
                 }
                 _ => Err(ConnectorError::Unsupported(

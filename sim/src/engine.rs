@@ -33,7 +33,7 @@ use crate::Faults;
 pub(crate) enum Status {
     Pending,
     /// Started on incarnation `node_inc` of its node at `started`; `fenced` once a D attempt
-    /// was told it failed while its blocks stay out (`EngineEvent::DecodeFenced`), with the
+    /// was told it failed while its blocks stay out (`EndpointEvent::DecodeFenced`), with the
     /// failure its final event must repeat.
     Live {
         node_inc: u32,
@@ -225,7 +225,10 @@ impl World {
             params: self.router_params(&r.key, a.epoch, 0),
         };
         let retry = primary.then(|| start_event(request, true));
-        if self.engine_call(node, call, &blocks, owner, retry).is_none() {
+        if self
+            .engine_call(node, call, &blocks, owner, retry)
+            .is_none()
+        {
             if !primary {
                 self.requests[request].d[attempt].status = Status::Skipped;
             }

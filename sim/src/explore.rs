@@ -136,9 +136,7 @@ impl World {
                 }
             }
             Action::Timer(node) => {
-                let due = self.nodes[node]
-                    .endpoint()
-                    .and_then(|e| e.poll_timeout());
+                let due = self.nodes[node].endpoint().and_then(|e| e.poll_timeout());
                 if let Some(t) = due {
                     self.end_writes_before(t);
                     self.lose_messages_before(t);

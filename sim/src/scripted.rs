@@ -41,7 +41,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
-    Config, ConnectFailure, DecodeStart, Endpoint, EngineCall, EngineEvent, ExportStart,
+    Config, ConnectFailure, DecodeStart, Endpoint, EndpointCall, EndpointEvent, ExportStart,
     ImportStart, Mutation, NetEvent, Output, PrefillStart, ReadOrder, Rejected, Time, WriteOrder,
 };
 use kvhandoff_protocol::{Message, PeerAddr, RequestId, WriteFailure, WriteId};
@@ -100,10 +100,10 @@ pub struct Node {
     pub incarnation: u32,
     /// Engine events that end a request and hand its blocks back, with the time they were
     /// emitted.
-    pub events: Vec<(Time, EngineEvent)>,
-    /// Early failures of D requests whose blocks stay fenced (`EngineEvent::DecodeFenced`),
+    pub events: Vec<(Time, EndpointEvent)>,
+    /// Early failures of D requests whose blocks stay fenced (`EndpointEvent::DecodeFenced`),
     /// with their time: not ends, so kept apart from `events`.
-    pub early: Vec<(Time, EngineEvent)>,
+    pub early: Vec<(Time, EndpointEvent)>,
     /// `Output::Invalidate`s, with their time.
     pub invalidated: Vec<(Time, PeerAddr)>,
     /// Requests the engine started (accepted `DecodeAllocated` / `PrefillFinished`).
@@ -255,7 +255,7 @@ impl Harness {
     // ---- engine and transport inputs ---------------------------------------------------------
 
     /// The engine at `addr` makes `call`, then the world runs until quiet.
-    pub fn call(&mut self, addr: &PeerAddr, call: EngineCall) -> Result<(), Rejected> {
+    pub fn call(&mut self, addr: &PeerAddr, call: EndpointCall) -> Result<(), Rejected> {
         let result = self.push_call(addr, call);
         self.run_until_quiet();
         result
@@ -269,27 +269,27 @@ impl Harness {
 
     /// D's engine allocated blocks.
     pub fn decode(&mut self, start: DecodeStart) -> Result<(), Rejected> {
-        self.call(&d_addr(), EngineCall::DecodeAllocated(start))
+        self.call(&d_addr(), EndpointCall::DecodeAllocated(start))
     }
 
     /// P's engine finished a prefill.
     pub fn prefill(&mut self, start: PrefillStart) -> Result<(), Rejected> {
-        self.call(&p_addr(), EngineCall::PrefillFinished(start))
+        self.call(&p_addr(), EndpointCall::PrefillFinished(start))
     }
 
     /// The engine at `addr` exports blocks for a remote reader.
     pub fn export(&mut self, addr: &PeerAddr, start: ExportStart) -> Result<(), Rejected> {
-        self.call(addr, EngineCall::Export(start))
+        self.call(addr, EndpointCall::Export(start))
     }
 
     /// The engine at `addr` reads a remote export into its blocks.
     pub fn import(&mut self, addr: &PeerAddr, start: ImportStart) -> Result<(), Rejected> {
-        self.call(addr, EngineCall::Import(start))
+        self.call(addr, EndpointCall::Import(start))
     }
 
     /// The engine at `addr` aborts `request`.
     pub fn abort(&mut self, addr: &PeerAddr, request: RequestId) -> Result<(), Rejected> {
-        self.call(addr, EngineCall::Abort { request })
+        self.call(addr, EndpointCall::Abort { request })
     }
 
     /// Hands `message` to `to` as if `from` had sent it (bypassing the network).
@@ -479,7 +479,7 @@ impl Harness {
 
     // ---- internals ---------------------------------------------------------------------------
 
-    fn push_call(&mut self, addr: &PeerAddr, call: EngineCall) -> Result<(), Rejected> {
+    fn push_call(&mut self, addr: &PeerAddr, call: EndpointCall) -> Result<(), Rejected> {
         let now = self.now;
         let node = self.node_mut(addr);
         if !node.alive {
@@ -490,13 +490,13 @@ impl Harness {
             "the engine of stalled {addr} makes no call"
         );
         let started = match &call {
-            EngineCall::DecodeAllocated(s) => Some(s.request.clone()),
-            EngineCall::PrefillFinished(s) => Some(s.request.clone()),
-            EngineCall::Export(s) => Some(s.request.clone()),
-            EngineCall::Import(s) => Some(s.request.clone()),
-            EngineCall::Shutdown | EngineCall::Abort { .. } | EngineCall::DeclineExport { .. } => {
-                None
-            }
+            EndpointCall::DecodeAllocated(s) => Some(s.request.clone()),
+            EndpointCall::PrefillFinished(s) => Some(s.request.clone()),
+            EndpointCall::Export(s) => Some(s.request.clone()),
+            EndpointCall::Import(s) => Some(s.request.clone()),
+            EndpointCall::Shutdown
+            | EndpointCall::Abort { .. }
+            | EndpointCall::DeclineExport { .. } => None,
         };
         let result = node.ep.handle_call(now, call);
         if let (Ok(()), Some(request)) = (&result, started) {

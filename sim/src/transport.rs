@@ -345,10 +345,10 @@ impl crate::world::World {
     /// the shell asked the transport for, and feeds back what the shell made of it.
     pub(crate) fn shell_op(&mut self, node: NodeId, op: TransportOp) {
         let mut feed = Vec::new();
-        let post = matches!(op, TransportOp::Post(_) | TransportOp::PostRead(_));
+        let post = matches!(op, TransportOp::PostWrite(_) | TransportOp::PostRead(_));
         let read_order = match &op {
             TransportOp::PostRead(order) => Some((**order).clone()),
-            TransportOp::Post(_)
+            TransportOp::PostWrite(_)
             | TransportOp::Send { .. }
             | TransportOp::Abandon(_)
             | TransportOp::Invalidate(_) => None,

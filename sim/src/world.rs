@@ -210,8 +210,8 @@ impl Node {
 /// the session an engine's connector would drive, which reports every endpoint event to the
 /// checker too ([`SessionOutput::Observed`]).
 pub(crate) fn new_session(addr: &PeerAddr, cfg: &WorldConfig) -> Session {
-    let mut endpoint =
-        Endpoint::new(addr.engine.clone(), addr.rank, cfg.machine.clone()).expect("valid machine config");
+    let mut endpoint = Endpoint::new(addr.engine.clone(), addr.rank, cfg.machine.clone())
+        .expect("valid machine config");
     endpoint.set_mutation(cfg.mutation);
     let identity = ConnectorIdentity::in_process(addr.engine.clone(), addr.rank, 1);
     let settings = ConnectorSettings {

@@ -4,7 +4,7 @@
 //! judge the shared one: D's blocks go back only once no write of either P rank can land.
 
 use kvhandoff_protocol::machine::{
-    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineCall, FanIn, FanOutcome, FanSide,
+    Config, DecodeFailure, DecodeOutcome, DecodeStart, EndpointCall, FanIn, FanOutcome, FanSide,
     FreeProof, Mutation, PrefillStart, SubFailure, SubRequest, Time,
 };
 use kvhandoff_protocol::{Epoch, PairingKey, PeerAddr, RequestId, WriteFailure, WriteId};
@@ -88,7 +88,7 @@ fn fed_by_two_ranks(mutation: Option<Mutation>) -> (Harness, DecodeEngine) {
             key: pair_key(rank),
             blocks: blocks(&[10 + 10 * rank, 11 + 10 * rank]),
         };
-        h.call(&p_rank(rank), EngineCall::PrefillFinished(start))
+        h.call(&p_rank(rank), EndpointCall::PrefillFinished(start))
             .unwrap();
     }
     let subs = (0..2).map(|rank| SubRequest {

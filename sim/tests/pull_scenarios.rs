@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
-    Config, EngineCall, ExportEnd, ExportOutcome, ImportFailure, ImportOutcome, LoadFailurePolicy,
-    ReadProof, Time,
+    Config, EndpointCall, ExportEnd, ExportOutcome, ImportFailure, ImportOutcome,
+    LoadFailurePolicy, ReadProof, Time,
 };
 use kvhandoff_protocol::{Epoch, Message, ReadRefusal, ReleaseReason};
 use kvhandoff_sim::scripted::*;
@@ -99,7 +99,7 @@ fn a_declined_export_is_freed_at_once() {
     let mut h = Harness::new();
     h.export(&p_addr(), export_start(1, &[10, 11], LEASE))
         .unwrap();
-    let decline = EngineCall::DeclineExport {
+    let decline = EndpointCall::DeclineExport {
         key: key(1),
         epoch: Epoch::FIRST,
         holder: p_addr(),
@@ -659,7 +659,7 @@ fn bidirectional_turn_after_pull_turn() {
     let p_imports: Vec<ImportOutcome> = h
         .events_of(&p_addr())
         .iter()
-        .filter(|e| matches!(e, kvhandoff_protocol::machine::EngineEvent::Import { .. }))
+        .filter(|e| matches!(e, kvhandoff_protocol::machine::EndpointEvent::Import { .. }))
         .map(import_result)
         .collect();
     assert_eq!(p_imports, vec![ImportOutcome::Loaded], "P's turn-2 read");

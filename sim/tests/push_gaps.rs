@@ -3,7 +3,7 @@
 //! in blocks D has handed back (the harness's ghost checks that in every test).
 
 use kvhandoff_protocol::machine::{
-    Config, ConnectFailure, DecodeFailure, DecodeOutcome, DropReason, EngineCall, EngineEvent,
+    Config, ConnectFailure, DecodeFailure, DecodeOutcome, DropReason, EndpointCall, EndpointEvent,
     FreeProof, NetEvent, PrefillOutcome, Rejected, ReleaseCause, Time,
 };
 use kvhandoff_protocol::{Epoch, Message, PairingKey, ReleaseReason, RequestId, WriteFailure};
@@ -75,7 +75,7 @@ fn p_death_tells_the_engine_at_once_and_hands_the_blocks_back_at_the_fence() {
     );
     assert_eq!(
         h.early_d(),
-        vec![EngineEvent::DecodeFenced {
+        vec![EndpointEvent::DecodeFenced {
             request: d_request(1),
             key: key(1),
             epoch: Epoch(1),
@@ -1072,7 +1072,7 @@ fn retry_at_a_newer_epoch_after_a_cancel_is_served() {
     h.complete_writes();
     let d = h.events_d();
     assert!(
-        matches!(&d[1], EngineEvent::Decode { outcome: DecodeOutcome::Ready, epoch, .. } if *epoch == Epoch(2))
+        matches!(&d[1], EndpointEvent::Decode { outcome: DecodeOutcome::Ready, epoch, .. } if *epoch == Epoch(2))
     );
     h.assert_no_leak();
 }
@@ -1266,7 +1266,7 @@ fn lost_cancel_ack_is_recovered_by_the_resend() {
 #[test]
 fn shutdown_cancels_and_still_waits_for_the_proof() {
     let mut h = writing();
-    h.call(&d_addr(), EngineCall::Shutdown).unwrap();
+    h.call(&d_addr(), EndpointCall::Shutdown).unwrap();
     assert_eq!(
         h.count_sent(&d_addr(), |m| matches!(
             m,
@@ -1300,7 +1300,7 @@ fn shutdown_cancels_and_still_waits_for_the_proof() {
 
     // P's engine shuts down with a request held: released at once, and nothing new is taken.
     h.prefill(prefill_start(3, &[20])).unwrap();
-    h.call(&p_addr(), EngineCall::Shutdown).unwrap();
+    h.call(&p_addr(), EndpointCall::Shutdown).unwrap();
     assert!(h
         .p_results()
         .contains(&PrefillOutcome::Released(ReleaseCause::Aborted)));

@@ -706,7 +706,7 @@ fn partial_prefix_hit_trims_p_blocks() {
     h.complete_writes();
     // P hands back all of its blocks, not only the written ones.
     match &h.events_p()[0] {
-        kvhandoff_protocol::machine::EngineEvent::Prefill { blocks: b, .. } => {
+        kvhandoff_protocol::machine::EndpointEvent::Prefill { blocks: b, .. } => {
             assert_eq!(b, &blocks(&[10, 11, 12, 13, 14]));
         }
         other => panic!("{other:?}"),

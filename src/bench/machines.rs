@@ -109,11 +109,11 @@ impl Pair {
                 return Err(BenchError::Machine(format!("invalidated {peer}")));
             }
             Output::Event(event) => match event {
-                EngineEvent::Decode {
+                EndpointEvent::Decode {
                     outcome: DecodeOutcome::Ready,
                     ..
                 } => self.ready += 1,
-                EngineEvent::Prefill {
+                EndpointEvent::Prefill {
                     outcome: PrefillOutcome::Sent,
                     ..
                 } => self.sent += 1,
@@ -170,7 +170,7 @@ pub(super) fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
             .map_err(|e| BenchError::Options(e.to_string()))?;
         let key = PairingKey::from_request_id(&p_id);
         let block = (i % 1024) as u32;
-        let decode = EngineCall::DecodeAllocated(DecodeStart {
+        let decode = EndpointCall::DecodeAllocated(DecodeStart {
             request: d_id,
             key: key.clone(),
             epoch: Epoch::FIRST,
@@ -179,7 +179,7 @@ pub(super) fn machine_loop(n: usize, order: Order) -> Result<f64, BenchError> {
             num_tokens: 16,
             expected_writes: 1,
         });
-        let prefill = EngineCall::PrefillFinished(PrefillStart {
+        let prefill = EndpointCall::PrefillFinished(PrefillStart {
             request: p_id,
             key,
             blocks: BlockIds::single_group(vec![block]),

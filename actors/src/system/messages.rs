@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use actix::Message;
 use kvhandoff_protocol::driver::{PeerInfo, TransportOp, TransportStats};
 use kvhandoff_protocol::machine::{
-    ConnectFailure, Counters, EndpointStats, EngineCall, NetEvent, Rejected,
+    ConnectFailure, Counters, EndpointCall, EndpointStats, NetEvent, Rejected,
 };
 use kvhandoff_protocol::session::{
     ConnectorCall, ConnectorError, ConnectorIdentity, ConnectorReply, ConnectorSettings, RankLinks,
@@ -32,7 +32,7 @@ pub type Verdict = Box<dyn FnOnce(Result<(), Rejected>) + Send>;
 #[rtype(result = "()")]
 pub struct Call {
     /// The call.
-    pub call: EngineCall,
+    pub call: EndpointCall,
     /// Called with whether the call was accepted.
     pub reply: Option<Verdict>,
 }

@@ -54,7 +54,7 @@ pub struct Counters {
     /// D blocks freed by the fence after their P was declared dead or replaced.
     pub fence_frees: u64,
     /// D requests fenced by their P's death whose engine was told of the failure before the
-    /// blocks came back ([`EngineEvent::DecodeFenced`](super::EngineEvent::DecodeFenced)).
+    /// blocks came back ([`EndpointEvent::DecodeFenced`](super::EndpointEvent::DecodeFenced)).
     pub decodes_fenced: u64,
     /// Of those, D requests told because every resend of their cancel went unanswered while
     /// their P was not declared dead.

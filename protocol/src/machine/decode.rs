@@ -24,7 +24,7 @@
 //!
 //! A proof from a dead P may take the whole fence (`Config::quarantine`, minutes), so the
 //! request's failure is told apart from its hand-back: the moment a peer's death fences a
-//! request, the engine gets [`EngineEvent::DecodeFenced`] (once, no blocks) and may recompute
+//! request, the engine gets [`EndpointEvent::DecodeFenced`] (once, no blocks) and may recompute
 //! elsewhere; the final `Decode` event, always `Failed` with the same failure, hands the blocks
 //! back later. A request cancelling for another reason (deadline, abort, a partial
 //! `WriteFailed`) waits for a live P's answer, which comes within a round trip; if P stops
@@ -43,7 +43,7 @@ use crate::{
 use super::effects::{Outbox, Step};
 use super::shape::Machine;
 use super::types::{
-    DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent, FreeProof, Output, Time,
+    DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EndpointEvent, FreeProof, Output, Time,
 };
 use super::{ActiveMutation, Config, Mutation};
 use crate::PeerAddr;
@@ -106,7 +106,7 @@ pub(crate) struct Cancelling {
     pub(crate) resends_left: u32,
     pub(crate) quarantine_until: Time,
     /// The engine was told of the failure while the blocks stay fenced
-    /// ([`EngineEvent::DecodeFenced`]): never told twice.
+    /// ([`EndpointEvent::DecodeFenced`]): never told twice.
     pub(crate) announced: bool,
 }
 
@@ -124,7 +124,7 @@ pub(crate) struct DecodeEnded {
     pub(crate) common: DecodeCommon,
     pub(crate) outcome: DecodeOutcome,
     pub(crate) proof: FreeProof,
-    /// The failure the engine was told of early ([`EngineEvent::DecodeFenced`]), if it was:
+    /// The failure the engine was told of early ([`EndpointEvent::DecodeFenced`]), if it was:
     /// the outcome must repeat it.
     pub(crate) announced: Option<DecodeFailure>,
 }
@@ -171,7 +171,7 @@ impl DecodeCommon {
 
     /// Tells the engine that the request failed while its blocks stay fenced.
     fn announce_fenced(&self, failure: DecodeFailure, fx: &mut Outbox) {
-        fx.emit(Output::Event(EngineEvent::DecodeFenced {
+        fx.emit(Output::Event(EndpointEvent::DecodeFenced {
             request: self.request.clone(),
             key: self.key.clone(),
             epoch: self.epoch,

@@ -21,7 +21,7 @@ use super::peer::{Peer, PeerInput};
 use super::prefill_table::{PrefillTable, Sender};
 use super::read_tables::{ExportTable, ImportTable};
 use super::tables::Machines;
-use super::types::{Counters, DropReason, EngineCall, NetEvent, Output, Rejected, Time};
+use super::types::{Counters, DropReason, EndpointCall, NetEvent, Output, Rejected, Time};
 use super::{ActiveMutation, Config};
 use crate::{PeerAddr, WriteId};
 
@@ -54,7 +54,7 @@ pub struct EndpointStats {
 ///
 /// ```
 /// use kvhandoff_protocol::machine::{
-///     Config, DecodeStart, Endpoint, EngineCall, NetEvent, Output, Time,
+///     Config, DecodeStart, Endpoint, EndpointCall, NetEvent, Output, Time,
 /// };
 /// use kvhandoff_protocol::{
 ///     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, PeerAddr, RequestId,
@@ -63,7 +63,7 @@ pub struct EndpointStats {
 /// let mut d = Endpoint::new(EngineId::new("decode").unwrap(), 0, Config::default()).unwrap();
 /// let p = PeerAddr::new(EngineId::new("prefill").unwrap(), 0);
 /// let request = RequestId::new("cmpl-1-0-aaaaaaaa").unwrap();
-/// d.handle_call(Time::ZERO, EngineCall::DecodeAllocated(DecodeStart {
+/// d.handle_call(Time::ZERO, EndpointCall::DecodeAllocated(DecodeStart {
 ///     key: PairingKey::from_request_id(&request),
 ///     request,
 ///     epoch: Epoch::FIRST,
@@ -96,7 +96,7 @@ pub struct Endpoint {
     /// one is a false death healed.
     fenced_runs: std::collections::BTreeMap<PeerAddr, (crate::Incarnation, Time)>,
     outbox: Outbox,
-    /// Set by [`EngineCall::Shutdown`]: no new requests are taken.
+    /// Set by [`EndpointCall::Shutdown`]: no new requests are taken.
     shutting_down: bool,
     /// The deliberate bug in force (simulator only; see [`super::Mutation`]).
     mutation: ActiveMutation,
@@ -221,29 +221,29 @@ impl Endpoint {
     ///
     /// # Errors
     /// [`Rejected`] for a call that breaks a rule.
-    pub fn handle_call(&mut self, now: Time, call: EngineCall) -> Result<(), Rejected> {
+    pub fn handle_call(&mut self, now: Time, call: EndpointCall) -> Result<(), Rejected> {
         let result = match call {
-            EngineCall::DecodeAllocated(_)
-            | EngineCall::PrefillFinished(_)
-            | EngineCall::Export(_)
-            | EngineCall::Import(_)
+            EndpointCall::DecodeAllocated(_)
+            | EndpointCall::PrefillFinished(_)
+            | EndpointCall::Export(_)
+            | EndpointCall::Import(_)
                 if self.shutting_down =>
             {
                 Err(Rejected::ShuttingDown)
             }
-            EngineCall::DecodeAllocated(start) => self.decode_allocated(now, start),
-            EngineCall::Shutdown => {
+            EndpointCall::DecodeAllocated(start) => self.decode_allocated(now, start),
+            EndpointCall::Shutdown => {
                 self.shutdown(now);
                 Ok(())
             }
-            EngineCall::PrefillFinished(start) => {
+            EndpointCall::PrefillFinished(start) => {
                 let fx = &mut self.outbox;
                 self.prefills.finished(now, start, fx)
             }
-            EngineCall::Abort { request } => self.abort(now, &request),
-            EngineCall::Export(start) => self.export_call(now, start),
-            EngineCall::Import(start) => self.import_call(now, start),
-            EngineCall::DeclineExport { key, epoch, holder } => {
+            EndpointCall::Abort { request } => self.abort(now, &request),
+            EndpointCall::Export(start) => self.export_call(now, start),
+            EndpointCall::Import(start) => self.import_call(now, start),
+            EndpointCall::DeclineExport { key, epoch, holder } => {
                 self.decline_export(now, key, epoch, holder)
             }
         };

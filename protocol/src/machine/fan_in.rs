@@ -19,7 +19,7 @@
 //!   own peer rank can no longer write (or read) them, and no other proof covers that rank.
 //!
 //! A D sub-request fenced by its P rank's death tells its failure early
-//! ([`EngineEvent::DecodeFenced`]): the fan-in takes it as the sub-request's failure (the
+//! ([`EndpointEvent::DecodeFenced`]): the fan-in takes it as the sub-request's failure (the
 //! request's outcome, the siblings' aborts) but not as its hand-back, and says once, for the
 //! whole request, that it failed with its blocks still out ([`FanInStep::fenced`]).
 //!
@@ -30,7 +30,7 @@ use std::collections::BTreeMap;
 
 use crate::{BlockIds, PairingKey, ReleaseReason, RequestId};
 
-use super::types::{DecodeOutcome, EngineEvent, PrefillOutcome, ReleaseCause};
+use super::types::{DecodeOutcome, EndpointEvent, PrefillOutcome, ReleaseCause};
 use super::{ActiveMutation, DecodeFailure, Mutation};
 
 mod fenced;
@@ -90,7 +90,7 @@ pub enum FanOutcome {
 /// What the engine does after a sub-request ended.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FanInStep {
-    /// Live sub-requests to abort now (`EngineCall::Abort`): a sibling failed, so the request
+    /// Live sub-requests to abort now (`EndpointCall::Abort`): a sibling failed, so the request
     /// cannot be `Ready`, and each of these would otherwise hold its peer rank until its
     /// deadline. Every sub-request is named at most once over the fan-in's life.
     pub abort: Vec<RequestId>,
@@ -103,7 +103,7 @@ pub struct FanInStep {
     pub hand_back: Option<BlockIds>,
     /// D: the request has failed (its outcome, reported in this step or an earlier one, is
     /// `Failed`) and its shared blocks stay out, because a sub-request was fenced by its P
-    /// rank's death ([`EngineEvent::DecodeFenced`]). The engine may recompute the prompt
+    /// rank's death ([`EndpointEvent::DecodeFenced`]). The engine may recompute the prompt
     /// elsewhere now, and must neither read nor reuse the blocks until `hand_back`, which
     /// always follows in a later step. Reported at most once per request: for the first
     /// sub-request fenced, and only while the blocks are out.
@@ -144,7 +144,7 @@ pub enum FanInError {
     /// The event hands back other blocks than the shared ones.
     #[error("sub-request {0} handed back other blocks than the shared ones")]
     BlocksMismatch(RequestId),
-    /// A second [`EngineEvent::DecodeFenced`] for a sub-request.
+    /// A second [`EndpointEvent::DecodeFenced`] for a sub-request.
     #[error("sub-request {0} was already told fenced")]
     AlreadyFenced(RequestId),
     /// A sub-request told fenced ended otherwise than `Failed` with the failure it was told
@@ -170,7 +170,7 @@ enum SubState {
     /// Started, not ended, and already named for abort (by a sibling's failure or by
     /// [`FanIn::abort_all`]): never named again.
     Aborting,
-    /// Failed (its peer rank died, [`EngineEvent::DecodeFenced`]) but not ended: its blocks
+    /// Failed (its peer rank died, [`EndpointEvent::DecodeFenced`]) but not ended: its blocks
     /// stay out until its final event, which repeats the failure. Not named for abort: an
     /// abort cannot free them sooner.
     Fenced(SubFailure),
@@ -204,7 +204,7 @@ pub struct FanCounts {
 ///
 /// ```
 /// use kvhandoff_protocol::machine::{
-///     DecodeFailure, DecodeOutcome, EngineEvent, FanIn, FanOutcome, FanSide, FreeProof,
+///     DecodeFailure, DecodeOutcome, EndpointEvent, FanIn, FanOutcome, FanSide, FreeProof,
 ///     SubFailure, SubRequest,
 /// };
 /// use kvhandoff_protocol::{BlockIds, Epoch, PairingKey, RequestId};
@@ -216,7 +216,7 @@ pub struct FanCounts {
 ///     key: key.for_pair(p, 0).unwrap(),
 /// };
 /// let mut fan = FanIn::new(FanSide::Decode, blocks.clone(), [sub(0), sub(1)]).unwrap();
-/// let ended = |p: u32, outcome, proof| EngineEvent::Decode {
+/// let ended = |p: u32, outcome, proof| EndpointEvent::Decode {
 ///     request: sub(p).request,
 ///     key: sub(p).key,
 ///     epoch: Epoch::FIRST,
@@ -369,11 +369,11 @@ impl FanIn {
     /// fan-in's sub-requests, with its key and the shared blocks (or its first early failure,
     /// with its key), or a terminal event that breaks the early failure's promise; nothing
     /// changed then.
-    pub fn on_event(&mut self, event: &EngineEvent) -> Result<FanInStep, FanInError> {
+    pub fn on_event(&mut self, event: &EndpointEvent) -> Result<FanInStep, FanInError> {
         let (request, key, blocks, result) = match (self.side, event) {
             (
                 FanSide::Decode,
-                EngineEvent::DecodeFenced {
+                EndpointEvent::DecodeFenced {
                     request,
                     key,
                     failure,
@@ -382,7 +382,7 @@ impl FanIn {
             ) => return self.on_fenced(request, key, *failure),
             (
                 FanSide::Decode,
-                EngineEvent::Decode {
+                EndpointEvent::Decode {
                     request,
                     key,
                     outcome,
@@ -400,38 +400,38 @@ impl FanIn {
             }
             (
                 FanSide::Prefill,
-                EngineEvent::Prefill {
+                EndpointEvent::Prefill {
                     request,
                     key,
                     outcome,
                     blocks,
                 },
             ) => (request, key, blocks, prefill_result(*outcome)),
-            (expected, EngineEvent::Decode { .. }) => {
+            (expected, EndpointEvent::Decode { .. }) => {
                 return Err(FanInError::WrongSide {
                     expected,
                     got: "decode",
                 })
             }
-            (expected, EngineEvent::DecodeFenced { .. }) => {
+            (expected, EndpointEvent::DecodeFenced { .. }) => {
                 return Err(FanInError::WrongSide {
                     expected,
                     got: "decode-fenced",
                 })
             }
-            (expected, EngineEvent::Prefill { .. }) => {
+            (expected, EndpointEvent::Prefill { .. }) => {
                 return Err(FanInError::WrongSide {
                     expected,
                     got: "prefill",
                 })
             }
-            (expected, EngineEvent::Export { .. }) => {
+            (expected, EndpointEvent::Export { .. }) => {
                 return Err(FanInError::WrongSide {
                     expected,
                     got: "export",
                 })
             }
-            (expected, EngineEvent::Import { .. }) => {
+            (expected, EndpointEvent::Import { .. }) => {
                 return Err(FanInError::WrongSide {
                     expected,
                     got: "import",

@@ -120,7 +120,7 @@ pub enum ConnectFailure {
 /// [`Endpoint::handle_call`](super::Endpoint::handle_call). Calls can be refused
 /// ([`Rejected`]); a refused call changed nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum EngineCall {
+pub enum EndpointCall {
     /// D: blocks allocated for a remote prefill.
     DecodeAllocated(DecodeStart),
     /// P: prefill finished; blocks to send.
@@ -263,7 +263,7 @@ pub enum Output {
         peer: PeerAddr,
     },
     /// Tell the engine something.
-    Event(EngineEvent),
+    Event(EndpointEvent),
 }
 
 /// Why D's request failed.
@@ -345,10 +345,10 @@ pub enum PrefillOutcome {
 }
 
 /// What the engine learns: exactly one *final* event per request, carrying the request's
-/// blocks back ([`EngineEvent::hands_back`]); a D request may be told of its failure once
-/// before that ([`EngineEvent::DecodeFenced`]).
+/// blocks back ([`EndpointEvent::hands_back`]); a D request may be told of its failure once
+/// before that ([`EndpointEvent::DecodeFenced`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum EngineEvent {
+pub enum EndpointEvent {
     /// D's request ended. On `Ready` the blocks hold the prompt's KV; on `Failed` they are free.
     /// The final event of a D request: nothing about it follows.
     Decode {
@@ -372,7 +372,7 @@ pub enum EngineEvent {
     /// instead of waiting out the fence (`Config::quarantine`).
     ///
     /// Carries no blocks on purpose: the engine must neither read nor reuse the request's
-    /// blocks until the request's final [`EngineEvent::Decode`], which always follows, is
+    /// blocks until the request's final [`EndpointEvent::Decode`], which always follows, is
     /// always `Failed(failure)` with this event's `failure`, and is the one that hands them
     /// back (by a proof the old incarnation still sends, or by the fence).
     DecodeFenced {
@@ -426,27 +426,27 @@ pub enum EngineEvent {
     },
 }
 
-impl EngineEvent {
+impl EndpointEvent {
     /// The engine's id of the request the event is about.
     pub fn request(&self) -> &RequestId {
         match self {
-            EngineEvent::Decode { request, .. }
-            | EngineEvent::DecodeFenced { request, .. }
-            | EngineEvent::Prefill { request, .. }
-            | EngineEvent::Export { request, .. }
-            | EngineEvent::Import { request, .. } => request,
+            EndpointEvent::Decode { request, .. }
+            | EndpointEvent::DecodeFenced { request, .. }
+            | EndpointEvent::Prefill { request, .. }
+            | EndpointEvent::Export { request, .. }
+            | EndpointEvent::Import { request, .. } => request,
         }
     }
 
     /// Whether this is its request's final event, the one that hands the blocks back (every
-    /// event but [`EngineEvent::DecodeFenced`]).
+    /// event but [`EndpointEvent::DecodeFenced`]).
     pub fn hands_back(&self) -> bool {
         match self {
-            EngineEvent::DecodeFenced { .. } => false,
-            EngineEvent::Decode { .. }
-            | EngineEvent::Prefill { .. }
-            | EngineEvent::Export { .. }
-            | EngineEvent::Import { .. } => true,
+            EndpointEvent::DecodeFenced { .. } => false,
+            EndpointEvent::Decode { .. }
+            | EndpointEvent::Prefill { .. }
+            | EndpointEvent::Export { .. }
+            | EndpointEvent::Import { .. } => true,
         }
     }
 }

@@ -1,13 +1,13 @@
 //! The endpoint's events as the engine gets them: a sub-request's folded into its multi-rank
 //! request (`fan`), every other one turned into its [`ConnectorEvent`] one for one.
 
-use crate::machine::{DecodeOutcome, EngineEvent, PrefillOutcome};
+use crate::machine::{DecodeOutcome, EndpointEvent, PrefillOutcome};
 
 use super::{ConnectorEvent, Session, SessionOutput};
 
 impl Session {
     /// Takes one event of the endpoint: queues what the engine gets of it, if anything yet.
-    pub(super) fn engine_event(&mut self, event: EngineEvent) {
+    pub(super) fn engine_event(&mut self, event: EndpointEvent) {
         let Some(event) = self.fan_event(event) else {
             return;
         };
@@ -16,18 +16,18 @@ impl Session {
     }
 }
 
-impl From<EngineEvent> for ConnectorEvent {
+impl From<EndpointEvent> for ConnectorEvent {
     /// One request's event in the engine's terms (what a request that is not a multi-rank
     /// request's part gets as it is).
-    fn from(event: EngineEvent) -> Self {
+    fn from(event: EndpointEvent) -> Self {
         match event {
-            EngineEvent::Decode {
+            EndpointEvent::Decode {
                 request,
                 outcome: DecodeOutcome::Ready,
                 blocks,
                 ..
             } => ConnectorEvent::BlocksReady { request, blocks },
-            EngineEvent::Decode {
+            EndpointEvent::Decode {
                 request,
                 outcome: DecodeOutcome::Failed(reason),
                 proof,
@@ -39,13 +39,13 @@ impl From<EngineEvent> for ConnectorEvent {
                 proof,
                 blocks,
             },
-            EngineEvent::DecodeFenced {
+            EndpointEvent::DecodeFenced {
                 request, failure, ..
             } => ConnectorEvent::DecodeFenced {
                 request,
                 reason: failure,
             },
-            EngineEvent::Prefill {
+            EndpointEvent::Prefill {
                 request,
                 outcome,
                 blocks,
@@ -58,7 +58,7 @@ impl From<EngineEvent> for ConnectorEvent {
                 },
                 blocks,
             },
-            EngineEvent::Export {
+            EndpointEvent::Export {
                 request,
                 outcome,
                 proof,
@@ -70,7 +70,7 @@ impl From<EngineEvent> for ConnectorEvent {
                 proof,
                 blocks,
             },
-            EngineEvent::Import {
+            EndpointEvent::Import {
                 request,
                 outcome,
                 blocks,

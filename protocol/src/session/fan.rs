@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use crate::hetero::{PairPlan, SideName};
 use crate::machine::{
-    DecodeFailure, DecodeStart, EngineCall, EngineEvent, FanIn, FanInStep, FanOutcome, FanSide,
+    DecodeFailure, DecodeStart, EndpointCall, EndpointEvent, FanIn, FanInStep, FanOutcome, FanSide,
     FreeProof, Mutation, PrefillStart, Rejected, ReleaseCause, SubFailure, SubRequest, Time,
 };
 use crate::{BlockIds, PairingKey, PeerAddr, RequestId};
@@ -275,7 +275,7 @@ impl Session {
                 request: sub_request_id(request, p, d)?,
                 key: pair_key(&key, p, d)?,
             };
-            calls.push(EngineCall::DecodeAllocated(DecodeStart {
+            calls.push(EndpointCall::DecodeAllocated(DecodeStart {
                 request: sub.request.clone(),
                 key: sub.key.clone(),
                 epoch,
@@ -332,7 +332,7 @@ impl Session {
                 request: sub_request_id(&request, p, d)?,
                 key: pair_key(&key, p, d)?,
             };
-            calls.push(EngineCall::PrefillFinished(PrefillStart {
+            calls.push(EndpointCall::PrefillFinished(PrefillStart {
                 request: sub.request.clone(),
                 key: sub.key.clone(),
                 blocks: blocks.clone(),
@@ -353,7 +353,7 @@ impl Session {
         request: &RequestId,
         blocks: BlockIds,
         subs: Vec<SubRequest>,
-        calls: Vec<EngineCall>,
+        calls: Vec<EndpointCall>,
     ) -> Result<(), ConnectorError> {
         if self.fans.is_fan(request)
             || subs
@@ -411,12 +411,12 @@ impl Session {
 
     /// Feeds a sub-request's event to its fan; gives the event back when it is not a
     /// sub-request's (the caller turns it into the engine's event as usual).
-    pub(super) fn fan_event(&mut self, event: EngineEvent) -> Option<EngineEvent> {
+    pub(super) fn fan_event(&mut self, event: EndpointEvent) -> Option<EndpointEvent> {
         let sub = match &event {
-            EngineEvent::Decode { request, .. }
-            | EngineEvent::DecodeFenced { request, .. }
-            | EngineEvent::Prefill { request, .. } => request,
-            EngineEvent::Export { .. } | EngineEvent::Import { .. } => return Some(event),
+            EndpointEvent::Decode { request, .. }
+            | EndpointEvent::DecodeFenced { request, .. }
+            | EndpointEvent::Prefill { request, .. } => request,
+            EndpointEvent::Export { .. } | EndpointEvent::Import { .. } => return Some(event),
         };
         let Some(parent) = self.fans.parents.get(sub).cloned() else {
             return Some(event);
@@ -425,7 +425,7 @@ impl Session {
             tracing::error!(request = %parent, %sub, "sub-request of no fan");
             return None;
         };
-        if let EngineEvent::Decode { proof, .. } = &event {
+        if let EndpointEvent::Decode { proof, .. } = &event {
             fan.proof = fan.proof.max(*proof);
         }
         match fan.fan.on_event(&event) {
@@ -442,7 +442,7 @@ impl Session {
     fn apply_step(&mut self, now: Time, parent: &RequestId, step: FanInStep) {
         for sub in &step.abort {
             // A refused abort means the sub-request ended meanwhile: its event is on its way.
-            let abort = EngineCall::Abort {
+            let abort = EndpointCall::Abort {
                 request: sub.clone(),
             };
             match self.endpoint.handle_call(now, abort) {
@@ -525,7 +525,7 @@ impl Session {
         for sub in fan.fan.abort_all() {
             if let Err(rejected) = self.endpoint.handle_call(
                 now,
-                EngineCall::Abort {
+                EndpointCall::Abort {
                     request: sub.clone(),
                 },
             ) {

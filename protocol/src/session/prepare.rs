@@ -2,7 +2,7 @@
 //! every mode shares (the other engine's rank and side-channel address). The read path's inputs
 //! are in `reads`.
 
-use crate::machine::{DecodeStart, EngineCall, PrefillStart, Time};
+use crate::machine::{DecodeStart, EndpointCall, PrefillStart, Time};
 use crate::{BlockIds, EngineId, PeerAddr, RequestId, TransferMode};
 
 use super::params::{epoch, mode_name, pairing_key};
@@ -12,7 +12,7 @@ use super::{
 
 /// A call checked by the session: the endpoint's input, the side-channel address that
 /// travels with it, and the reply it earns if accepted.
-type Prepared = (EngineCall, Option<PeerAddress>, ConnectorReply);
+type Prepared = (EndpointCall, Option<PeerAddress>, ConnectorReply);
 
 impl Session {
     /// Checks one call and turns it into the endpoint's input, the side-channel address that
@@ -58,7 +58,7 @@ impl Session {
                     let lease = self.settings.lease_duration;
                     self.export_input(now, request, key, blocks, num_tokens, lease, &mut reply)?
                 } else {
-                    EngineCall::PrefillFinished(PrefillStart {
+                    EndpointCall::PrefillFinished(PrefillStart {
                         request,
                         key,
                         blocks,
@@ -97,11 +97,11 @@ impl Session {
                 Ok((input, address, ConnectorReply::Accepted))
             }
             ConnectorCall::Abort { request } => Ok((
-                EngineCall::Abort { request },
+                EndpointCall::Abort { request },
                 None,
                 ConnectorReply::Accepted,
             )),
-            ConnectorCall::Shutdown => Ok((EngineCall::Shutdown, None, ConnectorReply::Accepted)),
+            ConnectorCall::Shutdown => Ok((EndpointCall::Shutdown, None, ConnectorReply::Accepted)),
         }
     }
 
@@ -111,12 +111,12 @@ impl Session {
         blocks: BlockIds,
         num_tokens: u64,
         params: &KvTransferParams,
-    ) -> Result<(EngineCall, Option<PeerAddress>), ConnectorError> {
+    ) -> Result<(EndpointCall, Option<PeerAddress>), ConnectorError> {
         self.check_remote_prefill(params)?;
         let (prefill, address) = self.remote_peer(params, params.tp_size)?;
         let key = pairing_key(&request, params)?;
         let epoch = epoch(params)?;
-        let call = EngineCall::DecodeAllocated(DecodeStart {
+        let call = EndpointCall::DecodeAllocated(DecodeStart {
             request,
             key,
             epoch,

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::machine::{EngineCall, ExportStart, ImportStart, Rejected, Time, MAX_EXPORT_LEASE};
+use crate::machine::{EndpointCall, ExportStart, ImportStart, Rejected, Time, MAX_EXPORT_LEASE};
 use crate::{BlockIds, EngineId, PairingKey, RequestId, TransferMode};
 
 use super::params::{epoch, mode_name, pairing_key, remote_blocks};
@@ -26,7 +26,7 @@ impl Session {
         num_tokens: u64,
         lease: Duration,
         reply: &mut KvTransferParams,
-    ) -> Result<EngineCall, ConnectorError> {
+    ) -> Result<EndpointCall, ConnectorError> {
         // The endpoint refuses such a lease too; checked here first because the expiry below
         // is computed from it.
         if lease > MAX_EXPORT_LEASE {
@@ -45,7 +45,7 @@ impl Session {
             .saturating_mul(2)
             .saturating_add(self.settings.read_span);
         reply.remote_blocks_expiry_time = Some((now.since_origin() + hard_end).as_secs_f64());
-        Ok(EngineCall::Export(ExportStart {
+        Ok(EndpointCall::Export(ExportStart {
             request,
             key,
             blocks,
@@ -63,7 +63,7 @@ impl Session {
         num_tokens: u64,
         ttl: Duration,
         params: &KvTransferParams,
-    ) -> Result<(EngineCall, KvTransferParams), ConnectorError> {
+    ) -> Result<(EndpointCall, KvTransferParams), ConnectorError> {
         let key = pairing_key(&request, params)?;
         let mut reply = KvTransferParams {
             do_remote_prefill: false,
@@ -98,7 +98,7 @@ impl Session {
         blocks: BlockIds,
         num_tokens: u64,
         params: &KvTransferParams,
-    ) -> Result<(EngineCall, Option<PeerAddress>), ConnectorError> {
+    ) -> Result<(EndpointCall, Option<PeerAddress>), ConnectorError> {
         let tp = params.tp_size.or(Some(PULL_DEFAULT_TP));
         let (holder, address) = self.remote_peer(params, tp)?;
         let remote_blocks = remote_blocks(params, &blocks)?;
@@ -115,7 +115,7 @@ impl Session {
             Some(secs) => self.local_time_of(&holder.engine, secs),
             None => None,
         };
-        let call = EngineCall::Import(ImportStart {
+        let call = EndpointCall::Import(ImportStart {
             request,
             key,
             epoch,
@@ -143,12 +143,12 @@ impl Session {
         &self,
         request: &RequestId,
         params: &KvTransferParams,
-    ) -> Result<(EngineCall, Option<PeerAddress>), ConnectorError> {
+    ) -> Result<(EndpointCall, Option<PeerAddress>), ConnectorError> {
         let tp = params.tp_size.or(Some(PULL_DEFAULT_TP));
         let (holder, address) = self.remote_peer(params, tp)?;
         let key = pairing_key(request, params)?;
         let epoch = epoch(params)?;
-        Ok((EngineCall::DeclineExport { key, epoch, holder }, address))
+        Ok((EndpointCall::DeclineExport { key, epoch, holder }, address))
     }
 }
 

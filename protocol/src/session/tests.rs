@@ -5,7 +5,7 @@
 use super::*;
 use crate::hetero::SideName;
 use crate::machine::{
-    Config, DecodeFailure, DecodeOutcome, DecodeStart, EngineCall, FreeProof, Rejected,
+    Config, DecodeFailure, DecodeOutcome, DecodeStart, EndpointCall, FreeProof, Rejected,
 };
 use crate::{BlockIds, Epoch, PairingKey, RequestId};
 
@@ -71,8 +71,8 @@ fn drain(session: &mut Session) -> (Vec<ConnectorEvent>, usize) {
     (events, others)
 }
 
-fn fenced(sub: &RequestId, key: PairingKey, failure: DecodeFailure) -> EngineEvent {
-    EngineEvent::DecodeFenced {
+fn fenced(sub: &RequestId, key: PairingKey, failure: DecodeFailure) -> EndpointEvent {
+    EndpointEvent::DecodeFenced {
         request: sub.clone(),
         key,
         epoch: Epoch::FIRST,
@@ -80,8 +80,8 @@ fn fenced(sub: &RequestId, key: PairingKey, failure: DecodeFailure) -> EngineEve
     }
 }
 
-fn freed(sub: &RequestId, key: PairingKey, failure: DecodeFailure) -> EngineEvent {
-    EngineEvent::Decode {
+fn freed(sub: &RequestId, key: PairingKey, failure: DecodeFailure) -> EndpointEvent {
+    EndpointEvent::Decode {
         request: sub.clone(),
         key,
         epoch: Epoch::FIRST,
@@ -206,7 +206,7 @@ fn a_refused_sub_request_fails_the_request_and_aborts_its_sibling() {
     let request = id("d-3");
     let key = PairingKey::from_request_id(&request);
     // Pair 1's key is taken already (a stale request of an earlier run, say).
-    let squatter = EngineCall::DecodeAllocated(DecodeStart {
+    let squatter = EndpointCall::DecodeAllocated(DecodeStart {
         request: id("squatter"),
         key: key.for_pair(1, 0).unwrap(),
         epoch: Epoch::FIRST,

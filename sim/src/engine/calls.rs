@@ -14,7 +14,12 @@ use crate::world::{micros, Ev, NodeId, World};
 impl World {
     /// What a router sends with a request of `key`, attempt `epoch`, whose other engine is
     /// `remote`'s: the key as `transfer_id`, so both sides pair on it.
-    pub(super) fn router_params(&self, key: &PairingKey, epoch: u64, remote: NodeId) -> KvTransferParams {
+    pub(super) fn router_params(
+        &self,
+        key: &PairingKey,
+        epoch: u64,
+        remote: NodeId,
+    ) -> KvTransferParams {
         KvTransferParams {
             do_remote_prefill: true,
             remote_engine_id: Some(self.nodes[remote].addr.engine.to_string()),

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use kvhandoff_protocol::machine::{DecodeOutcome, EngineEvent, FreeProof, Time};
+use kvhandoff_protocol::machine::{DecodeOutcome, EndpointEvent, FreeProof, Time};
 use kvhandoff_protocol::session::ConnectorEvent;
 
 use super::{rid, Attempt, AttemptKind, Status};
@@ -40,7 +40,9 @@ impl World {
         match &event {
             ConnectorEvent::DecodeFenced { .. } => return, // judged on the endpoint's (F1)
             ConnectorEvent::Refused { error, .. } => {
-                self.violate(format!("S4: {id} refused late ({error}) with no late verdict"));
+                self.violate(format!(
+                    "S4: {id} refused late ({error}) with no late verdict"
+                ));
                 return;
             }
             ConnectorEvent::BlocksReady { .. }
@@ -64,7 +66,10 @@ impl World {
         }
         if !hand_back.kept {
             let frozen = frozen_note(self.frozen_touching(node, &hand_back.blocks));
-            for e in self.nodes[node].pool.free(&hand_back.blocks, hand_back.owner) {
+            for e in self.nodes[node]
+                .pool
+                .free(&hand_back.blocks, hand_back.owner)
+            {
                 self.violate(format!("node {node}: {e}{frozen}"));
             }
             self.wake_waiters(node, hand_back.blocks.len());
@@ -78,31 +83,31 @@ impl World {
     /// The one terminal event of a request on one side, as its endpoint reported it: checks
     /// S3, S4, S7, S8. A D request's early failure (`DecodeFenced`, not terminal) goes to
     /// `fenced.rs`.
-    pub(crate) fn endpoint_event(&mut self, node: NodeId, event: EngineEvent) {
+    pub(crate) fn endpoint_event(&mut self, node: NodeId, event: EndpointEvent) {
         let (id, key, blocks, decode) = match &event {
-            EngineEvent::DecodeFenced { .. } => {
+            EndpointEvent::DecodeFenced { .. } => {
                 self.decode_fenced(node, &event);
                 return;
             }
-            EngineEvent::Decode {
+            EndpointEvent::Decode {
                 request,
                 key,
                 blocks,
                 ..
             } => (request.clone(), key.clone(), blocks.clone(), true),
-            EngineEvent::Prefill {
+            EndpointEvent::Prefill {
                 request,
                 key,
                 blocks,
                 ..
             } => (request.clone(), key.clone(), blocks.clone(), false),
-            EngineEvent::Export {
+            EndpointEvent::Export {
                 request,
                 key,
                 blocks,
                 ..
             }
-            | EngineEvent::Import {
+            | EndpointEvent::Import {
                 request,
                 key,
                 blocks,
@@ -159,7 +164,7 @@ impl World {
         let (d_blocks, p_blocks) = (r.d_blocks, r.p_blocks);
         let mut kept_blocks = false;
         let label = match &event {
-            EngineEvent::Decode {
+            EndpointEvent::Decode {
                 epoch,
                 outcome,
                 proof,
@@ -180,9 +185,9 @@ impl World {
                 *self.outcomes.entry(format!("proof.{proof:?}")).or_insert(0) += 1;
                 format!("decode.{outcome:?}")
             }
-            EngineEvent::DecodeFenced { .. } => unreachable!("early events return above"),
-            EngineEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
-            EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
+            EndpointEvent::DecodeFenced { .. } => unreachable!("early events return above"),
+            EndpointEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
+            EndpointEvent::Export { .. } | EndpointEvent::Import { .. } => {
                 let (label, kept) = self.read_event_checks(node, request, &a, &event, &flat);
                 kept_blocks = kept;
                 label
@@ -197,10 +202,10 @@ impl World {
         self.last_progress = self.now;
         let failed = matches!(
             &event,
-            EngineEvent::Decode {
+            EndpointEvent::Decode {
                 outcome: DecodeOutcome::Failed(_),
                 ..
-            } | EngineEvent::Import {
+            } | EndpointEvent::Import {
                 outcome: kvhandoff_protocol::machine::ImportOutcome::Failed(_),
                 ..
             }
@@ -213,7 +218,9 @@ impl World {
             may_retry: decode && primary && failed && a.epoch < 3,
         };
         if let Some(earlier) = self.hand_backs.insert((node, id.clone()), pending) {
-            self.violate(format!("S4: {id} ended twice before the engine heard ({earlier:?})"));
+            self.violate(format!(
+                "S4: {id} ended twice before the engine heard ({earlier:?})"
+            ));
         }
     }
 

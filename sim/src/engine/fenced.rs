@@ -1,4 +1,4 @@
-//! The early failure of a D request fenced by its P's death (`EngineEvent::DecodeFenced`):
+//! The early failure of a D request fenced by its P's death (`EndpointEvent::DecodeFenced`):
 //! what the engine model checks when it hears it, and the promise its final event must keep.
 //!
 //! The engine model does not act on it beyond the checks: its only way to try a failed request
@@ -6,7 +6,7 @@
 //! admit while the fenced attempt still holds the key, so the retry waits for the final event.
 //! A real engine recomputes the prompt locally at the early event instead.
 
-use kvhandoff_protocol::machine::{DecodeFailure, DecodeOutcome, EngineEvent, FreeProof};
+use kvhandoff_protocol::machine::{DecodeFailure, DecodeOutcome, EndpointEvent, FreeProof};
 use kvhandoff_protocol::{Cancel, Incarnation, RequestId};
 
 use super::Status;
@@ -38,8 +38,8 @@ impl World {
     /// for its proof: a false death heals by the peer's answer within a round trip, not by the
     /// quarantine. Judged at the end, where D is still connected to the incarnation it fenced
     /// the attempt from (it could have asked) and sent it no cancel since the fence.
-    pub(super) fn check_rejoined_asked(&mut self, node: NodeId, event: &EngineEvent) {
-        let EngineEvent::Decode {
+    pub(super) fn check_rejoined_asked(&mut self, node: NodeId, event: &EndpointEvent) {
+        let EndpointEvent::Decode {
             request: id,
             key,
             epoch,
@@ -70,8 +70,8 @@ impl World {
     /// F1: the early event names a live attempt of this incarnation, in its epoch, told for the
     /// first time, whose blocks the engine still holds (they stay leased to it until the final
     /// event frees them: a reuse or a double free in between is the pool's violation).
-    pub(crate) fn decode_fenced(&mut self, node: NodeId, event: &EngineEvent) {
-        let EngineEvent::DecodeFenced {
+    pub(crate) fn decode_fenced(&mut self, node: NodeId, event: &EndpointEvent) {
+        let EndpointEvent::DecodeFenced {
             request: id,
             key,
             epoch,
@@ -158,14 +158,14 @@ impl World {
         &mut self,
         id: &RequestId,
         told: DecodeFailure,
-        event: &EngineEvent,
+        event: &EndpointEvent,
     ) {
         let outcome = match event {
-            EngineEvent::Decode { outcome, .. } => *outcome,
-            EngineEvent::DecodeFenced { .. }
-            | EngineEvent::Prefill { .. }
-            | EngineEvent::Export { .. }
-            | EngineEvent::Import { .. } => {
+            EndpointEvent::Decode { outcome, .. } => *outcome,
+            EndpointEvent::DecodeFenced { .. }
+            | EndpointEvent::Prefill { .. }
+            | EndpointEvent::Export { .. }
+            | EndpointEvent::Import { .. } => {
                 self.violate(format!("F1: {id} told fenced, then ended by {event:?}"));
                 return;
             }

@@ -290,7 +290,9 @@ impl World {
                 self.mark("admission_refused");
                 self.check_flood_admission(node);
             } else {
-                self.violate(format!("sub-request {sub} refused by node {node}: {rejected}"));
+                self.violate(format!(
+                    "sub-request {sub} refused by node {node}: {rejected}"
+                ));
             }
         }
         let now = self.now;
@@ -321,7 +323,13 @@ impl World {
         let mut peers: Vec<u32> = multi
             .pairs
             .iter()
-            .filter(|pair| if decode { pair.d == node } else { pair.p == node })
+            .filter(|pair| {
+                if decode {
+                    pair.d == node
+                } else {
+                    pair.p == node
+                }
+            })
             .map(|pair| {
                 if decode {
                     self.prefill_rank(pair.p)
@@ -374,7 +382,12 @@ impl World {
                 continue;
             }
             // Refused only if the request ended meanwhile, which is fine.
-            let _ = self.call(node, ConnectorCall::Abort { request: id.clone() });
+            let _ = self.call(
+                node,
+                ConnectorCall::Abort {
+                    request: id.clone(),
+                },
+            );
             self.drain(node);
         }
     }

@@ -3,7 +3,7 @@
 //! and the checks on every export's and import's terminal event.
 
 use kvhandoff_protocol::machine::{
-    export_hard_end, EngineEvent, ImportFailure, ImportOutcome, Rejected,
+    export_hard_end, EndpointEvent, ImportFailure, ImportOutcome, Rejected,
 };
 use kvhandoff_protocol::session::{ConnectorCall, ConnectorError, KvTransferParams};
 use kvhandoff_protocol::{BlockIds, ReadRefusal, RequestId};
@@ -71,7 +71,10 @@ impl World {
             params,
         };
         let retry = Some(Ev::DecodeStart { request });
-        if self.engine_call(node, call, &blocks, owner, retry).is_none() {
+        if self
+            .engine_call(node, call, &blocks, owner, retry)
+            .is_none()
+        {
             return;
         }
         let inc = self.nodes[node].incarnation;
@@ -336,12 +339,12 @@ impl World {
         node: NodeId,
         request: usize,
         a: &Attempt,
-        event: &EngineEvent,
+        event: &EndpointEvent,
         flat: &[u32],
     ) -> (String, bool) {
         let p_blocks = self.requests[request].p_blocks;
         match event {
-            EngineEvent::Export { outcome, proof, .. } => {
+            EndpointEvent::Export { outcome, proof, .. } => {
                 if let AttemptKind::Export { hard_end, .. } = a.kind {
                     // A holder stalled past its hard end ends the export when it runs again
                     // (late, so safe for the reader): the bound moves by the stall.
@@ -364,7 +367,7 @@ impl World {
                     .or_insert(0) += 1;
                 (format!("export.{outcome:?}"), false)
             }
-            EngineEvent::Import { epoch, outcome, .. } => {
+            EndpointEvent::Import { epoch, outcome, .. } => {
                 let (in_flight, frozen) = self.reads_into(node, request, epoch.0);
                 if in_flight > 0 {
                     self.violate(format!(
@@ -430,9 +433,9 @@ impl World {
                     && self.keep_for_second_turn(node, request, a);
                 (format!("import.{outcome:?}"), kept)
             }
-            EngineEvent::Decode { .. }
-            | EngineEvent::DecodeFenced { .. }
-            | EngineEvent::Prefill { .. } => {
+            EndpointEvent::Decode { .. }
+            | EndpointEvent::DecodeFenced { .. }
+            | EndpointEvent::Prefill { .. } => {
                 unreachable!("push events are checked in events.rs")
             }
         }

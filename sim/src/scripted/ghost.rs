@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kvhandoff_protocol::machine::{DecodeFailure, DecodeOutcome, EngineEvent};
+use kvhandoff_protocol::machine::{DecodeFailure, DecodeOutcome, EndpointEvent};
 use kvhandoff_protocol::{Message, PeerAddr, RequestId, WriteId};
 
 use super::Harness;
@@ -118,16 +118,16 @@ impl Harness {
     /// A request told fenced ends `Failed` with the failure it was told.
     fn check_told_end(&mut self, at: &PeerAddr, request: &RequestId, outcome: DecodeOutcome) {
         let told = self.node(at).early.iter().find_map(|(_, e)| match e {
-            EngineEvent::DecodeFenced {
+            EndpointEvent::DecodeFenced {
                 request: r,
                 failure,
                 ..
             } if r == request => Some(*failure),
-            EngineEvent::DecodeFenced { .. }
-            | EngineEvent::Decode { .. }
-            | EngineEvent::Prefill { .. }
-            | EngineEvent::Export { .. }
-            | EngineEvent::Import { .. } => None,
+            EndpointEvent::DecodeFenced { .. }
+            | EndpointEvent::Decode { .. }
+            | EndpointEvent::Prefill { .. }
+            | EndpointEvent::Export { .. }
+            | EndpointEvent::Import { .. } => None,
         });
         if let Some(failure) = told {
             if outcome != DecodeOutcome::Failed(failure) {
@@ -148,9 +148,9 @@ impl Harness {
     /// An engine event hands blocks back: P's may not be read by a write any more (NIXL reads
     /// the source until the write ends, as the seeded world's pins say); D's are judged as the
     /// seeded world's ledger judges them.
-    pub(super) fn check_event(&mut self, at: &PeerAddr, event: &EngineEvent) {
+    pub(super) fn check_event(&mut self, at: &PeerAddr, event: &EndpointEvent) {
         let (key, epoch, proof) = match event {
-            EngineEvent::Decode {
+            EndpointEvent::Decode {
                 key,
                 epoch,
                 proof,
@@ -161,13 +161,13 @@ impl Harness {
                 self.check_told_end(at, request, *outcome);
                 (key, epoch, proof)
             }
-            EngineEvent::DecodeFenced {
+            EndpointEvent::DecodeFenced {
                 request, failure, ..
             } => {
                 self.check_early(at, request, *failure);
                 return;
             }
-            EngineEvent::Prefill {
+            EndpointEvent::Prefill {
                 request, blocks, ..
             } => {
                 let incarnation = self.node(at).incarnation;
@@ -194,7 +194,7 @@ impl Harness {
                 }
                 return;
             }
-            EngineEvent::Export { key, request, .. } => {
+            EndpointEvent::Export { key, request, .. } => {
                 let reading: Vec<WriteId> = self
                     .reads
                     .values()
@@ -209,7 +209,7 @@ impl Harness {
                 }
                 return;
             }
-            EngineEvent::Import {
+            EndpointEvent::Import {
                 key,
                 epoch,
                 request,

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use kvhandoff_protocol::machine::{
-    Config, DecodeOutcome, DecodeStart, EngineCall, EngineEvent, ExportOutcome, ExportStart,
+    Config, DecodeOutcome, DecodeStart, EndpointCall, EndpointEvent, ExportOutcome, ExportStart,
     FreeProof, ImportOutcome, ImportStart, LoadFailurePolicy, PrefillOutcome, PrefillStart,
     ReadProof, Time,
 };
@@ -102,52 +102,52 @@ pub fn ms(n: u64) -> Duration {
 }
 
 /// `(outcome, proof)` of a D event; panics on a P event.
-pub fn decode_result(event: &EngineEvent) -> (DecodeOutcome, FreeProof) {
+pub fn decode_result(event: &EndpointEvent) -> (DecodeOutcome, FreeProof) {
     match event {
-        EngineEvent::Decode { outcome, proof, .. } => (*outcome, *proof),
-        EngineEvent::DecodeFenced { .. }
-        | EngineEvent::Prefill { .. }
-        | EngineEvent::Export { .. }
-        | EngineEvent::Import { .. } => {
+        EndpointEvent::Decode { outcome, proof, .. } => (*outcome, *proof),
+        EndpointEvent::DecodeFenced { .. }
+        | EndpointEvent::Prefill { .. }
+        | EndpointEvent::Export { .. }
+        | EndpointEvent::Import { .. } => {
             panic!("expected a decode event, got {event:?}")
         }
     }
 }
 
 /// The outcome of a P event; panics on a D event.
-pub fn prefill_result(event: &EngineEvent) -> PrefillOutcome {
+pub fn prefill_result(event: &EndpointEvent) -> PrefillOutcome {
     match event {
-        EngineEvent::Prefill { outcome, .. } => *outcome,
-        EngineEvent::Decode { .. }
-        | EngineEvent::DecodeFenced { .. }
-        | EngineEvent::Export { .. }
-        | EngineEvent::Import { .. } => {
+        EndpointEvent::Prefill { outcome, .. } => *outcome,
+        EndpointEvent::Decode { .. }
+        | EndpointEvent::DecodeFenced { .. }
+        | EndpointEvent::Export { .. }
+        | EndpointEvent::Import { .. } => {
             panic!("expected a prefill event, got {event:?}")
         }
     }
 }
 
 /// `(outcome, proof)` of an export event; panics on any other.
-pub fn export_result(event: &EngineEvent) -> (ExportOutcome, ReadProof) {
+pub fn export_result(event: &EndpointEvent) -> (ExportOutcome, ReadProof) {
     match event {
-        EngineEvent::Export { outcome, proof, .. } => (*outcome, *proof),
-        EngineEvent::Decode { .. }
-        | EngineEvent::DecodeFenced { .. }
-        | EngineEvent::Prefill { .. }
-        | EngineEvent::Import { .. } => {
+        EndpointEvent::Export { outcome, proof, .. } => (*outcome, *proof),
+        EndpointEvent::Decode { .. }
+        | EndpointEvent::DecodeFenced { .. }
+        | EndpointEvent::Prefill { .. }
+        | EndpointEvent::Import { .. } => {
             panic!("expected an export event, got {event:?}")
         }
     }
 }
 
 /// The outcome of an import event; panics on any other.
-pub fn import_result(event: &EngineEvent) -> ImportOutcome {
+pub fn import_result(event: &EndpointEvent) -> ImportOutcome {
     match event {
-        EngineEvent::Import { outcome, .. } => *outcome,
-        EngineEvent::Decode { .. }
-        | EngineEvent::DecodeFenced { .. }
-        | EngineEvent::Prefill { .. }
-        | EngineEvent::Export { .. } => {
+        EndpointEvent::Import { outcome, .. } => *outcome,
+        EndpointEvent::Decode { .. }
+        | EndpointEvent::DecodeFenced { .. }
+        | EndpointEvent::Prefill { .. }
+        | EndpointEvent::Export { .. } => {
             panic!("expected an import event, got {event:?}")
         }
     }
@@ -203,7 +203,7 @@ pub fn two_writers() -> Harness {
     h.prefill(prefill_start(1, &[10, 11])).unwrap();
     h.call(
         &p1_addr(),
-        EngineCall::PrefillFinished(prefill_start(1, &[20, 21])),
+        EndpointCall::PrefillFinished(prefill_start(1, &[20, 21])),
     )
     .unwrap();
     let mut start = decode_start(1, &[500, 501]);
@@ -223,7 +223,7 @@ pub fn two_writers() -> Harness {
 /// Reading a scenario's engine events.
 impl Harness {
     /// Engine events of `addr`, in order.
-    pub fn events_of(&self, addr: &PeerAddr) -> Vec<EngineEvent> {
+    pub fn events_of(&self, addr: &PeerAddr) -> Vec<EndpointEvent> {
         self.node(addr)
             .events
             .iter()
@@ -232,12 +232,12 @@ impl Harness {
     }
 
     /// D's engine events.
-    pub fn events_d(&self) -> Vec<EngineEvent> {
+    pub fn events_d(&self) -> Vec<EndpointEvent> {
         self.events_of(&d_addr())
     }
 
-    /// D's early failures (`EngineEvent::DecodeFenced`), in order.
-    pub fn early_d(&self) -> Vec<EngineEvent> {
+    /// D's early failures (`EndpointEvent::DecodeFenced`), in order.
+    pub fn early_d(&self) -> Vec<EndpointEvent> {
         self.node(&d_addr())
             .early
             .iter()
@@ -246,7 +246,7 @@ impl Harness {
     }
 
     /// P's engine events.
-    pub fn events_p(&self) -> Vec<EngineEvent> {
+    pub fn events_p(&self) -> Vec<EndpointEvent> {
         self.events_of(&p_addr())
     }
 

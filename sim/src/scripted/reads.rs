@@ -7,7 +7,7 @@
 //! read of them may still run (the data read would be whatever the engine put there next), and
 //! the reader must not hand its blocks back while a read may still land in them.
 
-use kvhandoff_protocol::machine::{EngineEvent, NetEvent, ReadOrder, Time};
+use kvhandoff_protocol::machine::{EndpointEvent, NetEvent, ReadOrder, Time};
 use kvhandoff_protocol::{PeerAddr, WriteFailure, WriteId};
 
 use super::{Harness, Landing};
@@ -145,7 +145,7 @@ impl Harness {
         let holder_freed = self.nodes.get(&o.from).is_some_and(|n| {
             n.events
                 .iter()
-                .any(|(_, e)| matches!(e, EngineEvent::Export { key, .. } if key == &o.key))
+                .any(|(_, e)| matches!(e, EndpointEvent::Export { key, .. } if key == &o.key))
         });
         if holder_freed {
             self.violations.push(format!(
@@ -155,7 +155,7 @@ impl Harness {
         }
         let reader_freed = self.nodes.get(&r.reader).is_some_and(|n| {
             n.events.iter().any(|(_, e)| {
-                matches!(e, EngineEvent::Import { key, epoch, .. } if key == &o.key && *epoch == o.epoch)
+                matches!(e, EndpointEvent::Import { key, epoch, .. } if key == &o.key && *epoch == o.epoch)
             })
         });
         if reader_freed {

@@ -4,7 +4,7 @@
 //! dead target fails, a dead poster's writes vanish, a post without the target's metadata is
 //! refused, and a write the test leaves pending has failed by its `max_write_life`.
 
-use kvhandoff_protocol::machine::{EngineEvent, NetEvent, Time, WriteOrder};
+use kvhandoff_protocol::machine::{EndpointEvent, NetEvent, Time, WriteOrder};
 use kvhandoff_protocol::{BlockIds, Epoch, PairingKey, PeerAddr, WriteFailure, WriteId};
 
 use super::{Envelope, Harness};
@@ -246,7 +246,7 @@ impl Harness {
         let o = &w.order;
         if let Some(target) = self.nodes.get(&o.to) {
             let used = target.events.iter().any(|(_, e)| {
-                matches!(e, EngineEvent::Decode { key, epoch, .. } if key == &o.key && *epoch == o.epoch)
+                matches!(e, EndpointEvent::Decode { key, epoch, .. } if key == &o.key && *epoch == o.epoch)
             });
             if used {
                 // Say why the write could still land, so the scenario's reader need not guess.

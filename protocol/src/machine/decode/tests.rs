@@ -15,7 +15,7 @@ use super::{
 use crate::machine::effects::{Outbox, Step};
 use crate::machine::shape::Machine;
 use crate::machine::types::{
-    Counters, DecodeFailure, DecodeOutcome, DropReason, EngineEvent, FreeProof, Output, Time,
+    Counters, DecodeFailure, DecodeOutcome, DropReason, EndpointEvent, FreeProof, Output, Time,
 };
 use crate::machine::Config;
 use crate::PeerAddr;
@@ -113,7 +113,7 @@ impl CancellingAt {
         }
     }
 
-    /// The engine was told of the failure (`EngineEvent::DecodeFenced`).
+    /// The engine was told of the failure (`EndpointEvent::DecodeFenced`).
     fn announced(self) -> Self {
         CancellingAt {
             announced: true,
@@ -186,7 +186,7 @@ fn failed_told(expected_writes: u32, reason: DecodeFailure, proof: FreeProof) ->
 
 /// The early event a peer's death gives the engine.
 fn fenced_told(failure: DecodeFailure) -> Output {
-    Output::Event(EngineEvent::DecodeFenced {
+    Output::Event(EndpointEvent::DecodeFenced {
         request: RequestId::new("req-d").unwrap(),
         key: key(),
         epoch: Epoch(2),

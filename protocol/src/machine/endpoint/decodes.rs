@@ -7,7 +7,7 @@ use super::Endpoint;
 use crate::machine::decode::{DecodeCommon, DecodeCtx, DecodeEnded, DecodeInput};
 use crate::machine::peer::{Peer, PeerInput};
 use crate::machine::types::{
-    DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EngineEvent, FreeProof, Output,
+    DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EndpointEvent, FreeProof, Output,
     Rejected, Time,
 };
 use crate::machine::Mutation;
@@ -67,7 +67,7 @@ impl Endpoint {
         );
         self.outbox
             .out
-            .push_back(Output::Event(EngineEvent::Decode {
+            .push_back(Output::Event(EndpointEvent::Decode {
                 request: start.request,
                 key: start.key,
                 epoch: start.epoch,
@@ -100,7 +100,7 @@ impl Endpoint {
             announced,
         } = ended;
         if let Some(failure) = announced {
-            // The promise of `EngineEvent::DecodeFenced`: the final event repeats its failure
+            // The promise of `EndpointEvent::DecodeFenced`: the final event repeats its failure
             // (an engine that recomputed must never see the request `Ready` after all).
             assert_eq!(
                 outcome,
@@ -126,7 +126,7 @@ impl Endpoint {
         }
         self.outbox
             .out
-            .push_back(Output::Event(EngineEvent::Decode {
+            .push_back(Output::Event(EndpointEvent::Decode {
                 request: common.request,
                 key: common.key,
                 epoch: common.epoch,

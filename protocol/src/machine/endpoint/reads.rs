@@ -12,7 +12,7 @@ use crate::machine::read_tables::ImportStepAt;
 use crate::machine::read_types::{
     ExportEnd, ExportOutcome, ExportStart, ImportOutcome, ImportStart, ReadProof,
 };
-use crate::machine::types::{DropReason, EngineEvent, Output, Rejected, Time};
+use crate::machine::types::{DropReason, EndpointEvent, Output, Rejected, Time};
 use crate::machine::Mutation;
 use crate::{PeerAddr, WriteId};
 
@@ -24,7 +24,7 @@ impl Endpoint {
         };
         self.outbox
             .out
-            .push_back(Output::Event(EngineEvent::Export {
+            .push_back(Output::Event(EndpointEvent::Export {
                 request: empty.request,
                 key: empty.key,
                 outcome: ExportOutcome::Released(ExportEnd::Empty),
@@ -47,7 +47,7 @@ impl Endpoint {
                 .remember(now, start.key.clone(), start.epoch, &self.config);
             self.outbox
                 .out
-                .push_back(Output::Event(EngineEvent::Import {
+                .push_back(Output::Event(EndpointEvent::Import {
                     request: start.request,
                     key: start.key,
                     epoch: start.epoch,
@@ -142,7 +142,7 @@ impl Endpoint {
             } = ended;
             self.outbox
                 .out
-                .push_back(Output::Event(EngineEvent::Export {
+                .push_back(Output::Event(EndpointEvent::Export {
                     request: common.request,
                     key: common.key,
                     outcome,
@@ -188,7 +188,7 @@ impl Endpoint {
     fn import_event(&mut self, common: ImportCommon, outcome: ImportOutcome) {
         self.outbox
             .out
-            .push_back(Output::Event(EngineEvent::Import {
+            .push_back(Output::Event(EndpointEvent::Import {
                 request: common.request,
                 key: common.key,
                 epoch: common.epoch,

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::Endpoint;
-use crate::machine::types::{EngineCall, NetEvent, Output, PrefillStart, Time};
+use crate::machine::types::{EndpointCall, NetEvent, Output, PrefillStart, Time};
 use crate::machine::Config;
 use crate::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, PeerAddr, Register};
 use crate::{RequestId, WriteFailure};
@@ -62,7 +62,7 @@ fn p_holding() -> Endpoint {
     );
     p.handle_call(
         Time::ZERO,
-        EngineCall::PrefillFinished(PrefillStart {
+        EndpointCall::PrefillFinished(PrefillStart {
             request: RequestId::new("p-req").unwrap(),
             key: key(),
             blocks: BlockIds::single_group(vec![1, 2]),
@@ -157,7 +157,7 @@ fn a_huge_export_lease_is_refused_typed() {
     use crate::machine::{ExportStart, MAX_EXPORT_LEASE};
     let mut p = p_endpoint();
     let export = |lease| {
-        EngineCall::Export(ExportStart {
+        EndpointCall::Export(ExportStart {
             request: RequestId::new("p-export").unwrap(),
             key: key(),
             blocks: BlockIds::single_group(vec![1, 2]),

@@ -1,4 +1,4 @@
-//! A D sub-request's early failure ([`EngineEvent::DecodeFenced`](super::EngineEvent)): the
+//! A D sub-request's early failure ([`EndpointEvent::DecodeFenced`](super::EndpointEvent)): the
 //! request fails at once, the engine is told once, and the shared blocks wait.
 
 use crate::{PairingKey, RequestId};

@@ -2,7 +2,7 @@
 //! step each one yields, and every refused input.
 
 use crate::machine::types::{
-    DecodeFailure, DecodeOutcome, EngineEvent, FreeProof, PrefillOutcome, ReleaseCause,
+    DecodeFailure, DecodeOutcome, EndpointEvent, FreeProof, PrefillOutcome, ReleaseCause,
 };
 use crate::{BlockIds, Epoch, PairingKey, ReleaseReason, RequestId, WriteFailure};
 
@@ -65,12 +65,12 @@ const NOTHING: Expect = Expect {
     hand_back: false,
 };
 
-fn decode_event(n: u32, outcome: DecodeOutcome) -> EngineEvent {
+fn decode_event(n: u32, outcome: DecodeOutcome) -> EndpointEvent {
     let proof = match outcome {
         DecodeOutcome::Ready => FreeProof::WritesCompleted,
         DecodeOutcome::Failed(_) => FreeProof::CancelAcknowledged,
     };
-    EngineEvent::Decode {
+    EndpointEvent::Decode {
         request: id(n),
         key: sub(n).key,
         epoch: Epoch::FIRST,
@@ -80,8 +80,8 @@ fn decode_event(n: u32, outcome: DecodeOutcome) -> EngineEvent {
     }
 }
 
-fn prefill_event(n: u32, outcome: PrefillOutcome) -> EngineEvent {
-    EngineEvent::Prefill {
+fn prefill_event(n: u32, outcome: PrefillOutcome) -> EndpointEvent {
+    EndpointEvent::Prefill {
         request: id(n),
         key: sub(n).key,
         outcome,
@@ -295,7 +295,7 @@ fn every_case_yields_its_steps() {
 #[test]
 fn refused_inputs_change_nothing() {
     let prefill_to_decode = prefill_event(0, SENT);
-    let export = EngineEvent::Export {
+    let export = EndpointEvent::Export {
         request: id(0),
         key: sub(0).key,
         outcome: crate::machine::ExportOutcome::Read,
@@ -303,14 +303,14 @@ fn refused_inputs_change_nothing() {
         blocks: shared(),
     };
     let mut other_key = decode_event(0, READY);
-    if let EngineEvent::Decode { key: k, .. } = &mut other_key {
+    if let EndpointEvent::Decode { key: k, .. } = &mut other_key {
         *k = key().for_pair(9, 0).unwrap();
     }
     let mut other_blocks = decode_event(0, READY);
-    if let EngineEvent::Decode { blocks, .. } = &mut other_blocks {
+    if let EndpointEvent::Decode { blocks, .. } = &mut other_blocks {
         *blocks = BlockIds::single_group(vec![7]);
     }
-    let cases: Vec<(&str, EngineEvent, FanInError)> = vec![
+    let cases: Vec<(&str, EndpointEvent, FanInError)> = vec![
         (
             "unknown sub-request",
             decode_event(5, READY),
@@ -416,8 +416,8 @@ fn the_mutation_hands_back_at_the_first_failure() {
     assert_eq!(step.hand_back, None, "handed back once");
 }
 
-fn fenced_event(n: u32, failure: DecodeFailure) -> EngineEvent {
-    EngineEvent::DecodeFenced {
+fn fenced_event(n: u32, failure: DecodeFailure) -> EndpointEvent {
+    EndpointEvent::DecodeFenced {
         request: id(n),
         key: sub(n).key,
         epoch: Epoch::FIRST,
@@ -425,8 +425,8 @@ fn fenced_event(n: u32, failure: DecodeFailure) -> EngineEvent {
     }
 }
 
-fn fence_freed(n: u32, failure: DecodeFailure) -> EngineEvent {
-    EngineEvent::Decode {
+fn fence_freed(n: u32, failure: DecodeFailure) -> EndpointEvent {
+    EndpointEvent::Decode {
         request: id(n),
         key: sub(n).key,
         epoch: Epoch::FIRST,

@@ -16,7 +16,7 @@ use crate::machine::prefill::{
     Binding, DrainCause, Draining, Held, PrefillCommon, PrefillRequest, Writing,
 };
 use crate::machine::types::{
-    Counters, DropReason, EngineEvent, Output, PrefillOutcome, PrefillStart, Rejected,
+    Counters, DropReason, EndpointEvent, Output, PrefillOutcome, PrefillStart, Rejected,
     ReleaseCause, Time, WriteOrder,
 };
 use crate::machine::Config;
@@ -362,7 +362,7 @@ fn event(outcome: PrefillOutcome) -> Output {
 }
 
 fn event_with(outcome: PrefillOutcome, blocks: BlockIds) -> Output {
-    Output::Event(EngineEvent::Prefill {
+    Output::Event(EndpointEvent::Prefill {
         request: req(),
         key: key(),
         outcome,
@@ -2161,7 +2161,7 @@ fn every_state_and_input() {
         // Safety: blocks are handed back only when no write of theirs is in flight.
         let freed = outputs
             .iter()
-            .any(|o| matches!(o, Output::Event(EngineEvent::Prefill { .. })));
+            .any(|o| matches!(o, Output::Event(EndpointEvent::Prefill { .. })));
         if freed {
             assert!(
                 !w.writes.values().any(|k| *k == key()),
@@ -2672,7 +2672,7 @@ fn blocks_finishing_after_their_registrant_died_are_released_at_once() {
     assert!(
         fx.out.iter().any(|o| matches!(
             o,
-            Output::Event(EngineEvent::Prefill {
+            Output::Event(EndpointEvent::Prefill {
                 outcome: PrefillOutcome::Released(ReleaseCause::PeerDead),
                 ..
             })

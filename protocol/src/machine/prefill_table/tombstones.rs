@@ -10,7 +10,7 @@ use super::{write_failed, PrefillTable, Sender};
 use crate::machine::effects::Outbox;
 use crate::machine::prefill::{PrefillEnded, PrefillRequest};
 use crate::machine::tables::Tombstones;
-use crate::machine::types::{EngineEvent, Output, PrefillOutcome, ReleaseCause, Time};
+use crate::machine::types::{EndpointEvent, Output, PrefillOutcome, ReleaseCause, Time};
 use crate::machine::{Config, Mutation};
 use crate::PeerAddr;
 
@@ -176,7 +176,7 @@ impl PrefillTable {
                     run: bound.or(old.and_then(|old| old.run)),
                 }
             });
-        fx.emit(Output::Event(EngineEvent::Prefill {
+        fx.emit(Output::Event(EndpointEvent::Prefill {
             request: common.request,
             key: common.key,
             outcome,

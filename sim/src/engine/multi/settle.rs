@@ -4,7 +4,7 @@
 //! against every pair (S10), and only then are the blocks freed, as an engine frees them.
 
 use kvhandoff_protocol::machine::{
-    DecodeOutcome, EngineEvent, PrefillOutcome, ReleaseCause, Time,
+    DecodeOutcome, EndpointEvent, PrefillOutcome, ReleaseCause, Time,
 };
 use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::{BlockIds, ReleaseReason};
@@ -22,12 +22,12 @@ impl World {
         node: NodeId,
         request: usize,
         ai: usize,
-        event: &EngineEvent,
+        event: &EndpointEvent,
         started: Time,
     ) {
         let id = event.request().clone();
         let (decode, label) = match event {
-            EngineEvent::Decode {
+            EndpointEvent::Decode {
                 epoch,
                 outcome,
                 proof,
@@ -66,8 +66,8 @@ impl World {
                 tally.proof = Some(tally.proof.map_or(*proof, |p| p.max(*proof)));
                 (true, format!("sub.decode.{outcome:?}"))
             }
-            EngineEvent::DecodeFenced { .. } => unreachable!("early events go to fenced.rs"),
-            EngineEvent::Prefill { outcome, .. } => {
+            EndpointEvent::DecodeFenced { .. } => unreachable!("early events go to fenced.rs"),
+            EndpointEvent::Prefill { outcome, .. } => {
                 let multi = self.requests[request].multi.as_mut().expect("multi-rank");
                 let tally = multi.tally.entry(node).or_default();
                 // D needed nothing more of this pair (a full prefix hit, nothing to send): as
@@ -89,7 +89,7 @@ impl World {
                 }
                 (false, format!("sub.prefill.{outcome:?}"))
             }
-            EngineEvent::Export { .. } | EngineEvent::Import { .. } => {
+            EndpointEvent::Export { .. } | EndpointEvent::Import { .. } => {
                 self.violate(format!("S4: a read event for the push sub-request {id}"));
                 return;
             }
@@ -117,7 +117,9 @@ impl World {
                 return;
             }
             ConnectorEvent::Refused { error, .. } => {
-                self.violate(format!("S4: {id} refused late ({error}) with no late verdict"));
+                self.violate(format!(
+                    "S4: {id} refused late ({error}) with no late verdict"
+                ));
                 return;
             }
             ConnectorEvent::BlocksReady { blocks, .. }
@@ -127,7 +129,10 @@ impl World {
             | ConnectorEvent::Imported { blocks, .. } => blocks.clone(),
         };
         let key = self.requests[request].key.clone();
-        self.record(format!("engine: {key} on rank {node}: {}", parent_label(event)));
+        self.record(format!(
+            "engine: {key} on rank {node}: {}",
+            parent_label(event)
+        ));
         if self.fan_parents.remove(&(node, id.clone())).is_none() {
             self.violate(format!("S4: {id} on rank {node} handed back twice"));
             return;

@@ -2,7 +2,7 @@
 //! only if that rank is one of the request's sources (issue 19, finding 7).
 
 use crate::machine::types::{
-    DecodeStart, DropReason, EngineCall, EngineEvent, NetEvent, Output, Time,
+    DecodeStart, DropReason, EndpointCall, EndpointEvent, NetEvent, Output, Time,
 };
 use crate::machine::{Config, Endpoint};
 use crate::{
@@ -41,7 +41,7 @@ fn registered(expected_writes: u32) -> Endpoint {
         num_tokens: 32,
         expected_writes,
     };
-    d.handle_call(Time::ZERO, EngineCall::DecodeAllocated(start))
+    d.handle_call(Time::ZERO, EndpointCall::DecodeAllocated(start))
         .unwrap();
     while d.poll_output().is_some() {}
     d
@@ -88,7 +88,7 @@ fn run(
         d.set_mutation(Some(crate::machine::Mutation::TrustNamedRank));
     }
     if cancelling {
-        let abort = EngineCall::Abort {
+        let abort = EndpointCall::Abort {
             request: RequestId::new("d-req").unwrap(),
         };
         d.handle_call(Time::ZERO, abort).unwrap();
@@ -101,7 +101,7 @@ fn run(
         };
         d.handle_event(Time::ZERO, received);
         while let Some(output) = d.poll_output() {
-            ended |= matches!(output, Output::Event(EngineEvent::Decode { .. }));
+            ended |= matches!(output, Output::Event(EndpointEvent::Decode { .. }));
         }
     }
     (ended, d.counters().dropped(DropReason::Unexpected))

@@ -1,5 +1,5 @@
 //! A D request fenced by its P's death: the engine hears of the failure at the death
-//! (`EngineEvent::DecodeFenced`), and gets the blocks back only with the final `Decode` event,
+//! (`EndpointEvent::DecodeFenced`), and gets the blocks back only with the final `Decode` event,
 //! at the fence or with a proof from the old incarnation — `Failed` with the same failure, never
 //! `Ready` (issue 19, deliverable 4).
 
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::{ack, done, key, p, registered};
 use crate::machine::types::{
-    DecodeFailure, DecodeOutcome, EngineCall, EngineEvent, FreeProof, NetEvent, Output, Time,
+    DecodeFailure, DecodeOutcome, EndpointCall, EndpointEvent, FreeProof, NetEvent, Output, Time,
 };
 use crate::machine::{Endpoint, FanIn};
 use crate::{Epoch, Incarnation, Message, RequestId};
@@ -19,7 +19,7 @@ fn request() -> RequestId {
 }
 
 /// The engine events `d` has queued (its other outputs dropped), and whether it sent a cancel.
-fn drain(d: &mut Endpoint) -> (Vec<EngineEvent>, bool) {
+fn drain(d: &mut Endpoint) -> (Vec<EndpointEvent>, bool) {
     let mut events = Vec::new();
     let mut cancelled = false;
     while let Some(output) = d.poll_output() {
@@ -40,8 +40,8 @@ fn drain(d: &mut Endpoint) -> (Vec<EngineEvent>, bool) {
     (events, cancelled)
 }
 
-fn fenced(failure: DecodeFailure) -> EngineEvent {
-    EngineEvent::DecodeFenced {
+fn fenced(failure: DecodeFailure) -> EndpointEvent {
+    EndpointEvent::DecodeFenced {
         request: request(),
         key: key(),
         epoch: Epoch::FIRST,
@@ -49,8 +49,8 @@ fn fenced(failure: DecodeFailure) -> EngineEvent {
     }
 }
 
-fn ended(failure: DecodeFailure, proof: FreeProof) -> EngineEvent {
-    EngineEvent::Decode {
+fn ended(failure: DecodeFailure, proof: FreeProof) -> EndpointEvent {
+    EndpointEvent::Decode {
         request: request(),
         key: key(),
         epoch: Epoch::FIRST,
@@ -61,7 +61,7 @@ fn ended(failure: DecodeFailure, proof: FreeProof) -> EngineEvent {
 }
 
 /// Runs `d`'s timers up to `until`, returning the engine events on the way.
-fn run_until(d: &mut Endpoint, until: Time) -> Vec<EngineEvent> {
+fn run_until(d: &mut Endpoint, until: Time) -> Vec<EndpointEvent> {
     let mut events = Vec::new();
     while let Some(at) = d.poll_timeout().filter(|&at| at <= until) {
         d.handle_timeout(at);
@@ -70,7 +70,7 @@ fn run_until(d: &mut Endpoint, until: Time) -> Vec<EngineEvent> {
     events
 }
 
-fn lose_p(d: &mut Endpoint) -> Vec<EngineEvent> {
+fn lose_p(d: &mut Endpoint) -> Vec<EndpointEvent> {
     d.handle_event(LOST_AT, NetEvent::PeerLost { peer: p(0) });
     drain(d).0
 }
@@ -132,7 +132,7 @@ fn a_write_that_lands_after_the_early_event_still_ends_failed() {
 #[test]
 fn a_cancelling_request_is_told_once_when_its_peer_dies() {
     let mut d = registered(1);
-    let abort = EngineCall::Abort { request: request() };
+    let abort = EndpointCall::Abort { request: request() };
     d.handle_call(Time::ZERO, abort).unwrap();
     let (events, cancelled) = drain(&mut d);
     assert!(events.is_empty() && cancelled, "precondition: cancelling");
@@ -156,7 +156,7 @@ fn a_cancelling_request_is_told_once_when_its_peer_dies() {
 #[test]
 fn a_request_settled_by_a_live_peer_is_not_told_early() {
     let mut d = registered(1);
-    let abort = EngineCall::Abort { request: request() };
+    let abort = EndpointCall::Abort { request: request() };
     d.handle_call(Time::ZERO, abort).unwrap();
     let received = NetEvent::Received {
         from: p(0),
@@ -183,20 +183,20 @@ fn a_fan_in_forwards_one_early_event_and_waits_for_the_fence() {
     // Each sub-request runs on an endpoint of its own so that both can reuse the fixture; the
     // fan-in only sees their events, renamed to its sub-requests.
     let mut subs = [registered(1), registered(1)];
-    let rename = |n: u32, event: EngineEvent| match event {
-        EngineEvent::DecodeFenced { epoch, failure, .. } => EngineEvent::DecodeFenced {
+    let rename = |n: u32, event: EndpointEvent| match event {
+        EndpointEvent::DecodeFenced { epoch, failure, .. } => EndpointEvent::DecodeFenced {
             request: RequestId::new(format!("sub-{n}")).unwrap(),
             key: sub(n).key,
             epoch,
             failure,
         },
-        EngineEvent::Decode {
+        EndpointEvent::Decode {
             epoch,
             outcome,
             proof,
             blocks,
             ..
-        } => EngineEvent::Decode {
+        } => EndpointEvent::Decode {
             request: RequestId::new(format!("sub-{n}")).unwrap(),
             key: sub(n).key,
             epoch,
@@ -204,9 +204,9 @@ fn a_fan_in_forwards_one_early_event_and_waits_for_the_fence() {
             proof,
             blocks,
         },
-        other @ (EngineEvent::Prefill { .. }
-        | EngineEvent::Export { .. }
-        | EngineEvent::Import { .. }) => other,
+        other @ (EndpointEvent::Prefill { .. }
+        | EndpointEvent::Export { .. }
+        | EndpointEvent::Import { .. }) => other,
     };
     let named = |n: u32| SubRequest {
         request: RequestId::new(format!("sub-{n}")).unwrap(),
@@ -231,7 +231,7 @@ fn a_fan_in_forwards_one_early_event_and_waits_for_the_fence() {
     );
     // Rank 0's sub-request, aborted, is acknowledged by its live P rank (on its endpoint's
     // clock, which has not reached rank 0's liveness deadline).
-    let abort = EngineCall::Abort { request: request() };
+    let abort = EndpointCall::Abort { request: request() };
     subs[0].handle_call(Time::ZERO, abort).unwrap();
     let received = NetEvent::Received {
         from: p(0),
