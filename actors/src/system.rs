@@ -276,9 +276,11 @@ where
         info.clone(),
         mode,
         listen,
-        rank_addr.clone().recipient(),
-        rank_addr.clone().recipient(),
-        rank_addr.clone().recipient(),
+        link::RankInbox {
+            up: rank_addr.clone().recipient(),
+            feed: rank_addr.clone().recipient(),
+            clocks: rank_addr.clone().recipient(),
+        },
         shell.handshake_timeout,
         route,
     )

@@ -30,6 +30,13 @@ pub(crate) enum LinkMode {
     },
 }
 
+/// Where a link reaches its rank: handshakes to load, failures to feed, clocks measured.
+pub(crate) struct RankInbox {
+    pub(crate) up: Recipient<LinkUp>,
+    pub(crate) feed: Recipient<Feed>,
+    pub(crate) clocks: Recipient<ClockMeasured>,
+}
+
 /// Runs handshakes for one rank.
 pub struct LinkActor {
     local: Arc<Local>,
@@ -50,12 +57,15 @@ impl LinkActor {
         own: PeerInfo,
         mode: LinkMode,
         listen: Option<SocketAddr>,
-        up: Recipient<LinkUp>,
-        rank: Recipient<Feed>,
-        clocks: Recipient<ClockMeasured>,
+        rank: RankInbox,
         timeout: Duration,
         route: Option<SharedRoute>,
     ) -> Self {
+        let RankInbox {
+            up,
+            feed: rank,
+            clocks,
+        } = rank;
         let config = match &mode {
             LinkMode::InProcess(_) => SideChannelConfig::default(),
             LinkMode::Tcp { config, .. } => config.clone(),
