@@ -218,11 +218,17 @@ impl World {
             self.wait_for_blocks(node, start_event(request, true));
             return;
         };
+        let mut params = self.router_params(&r.key, a.epoch, 0);
+        if self.router_retry_epochs.contains(&request) {
+            // A router that knows nothing of epochs sends none.
+            params.epoch = None;
+            self.mark("router_retry_at_epoch_one");
+        }
         let call = ConnectorCall::RequestAllocated {
             request: a.id,
             blocks: BlockIds::single_group(blocks.clone()),
             num_tokens: u64::from(BLOCK_TOKENS) * r.d_blocks as u64,
-            params: self.router_params(&r.key, a.epoch, 0),
+            params,
         };
         let retry = primary.then(|| start_event(request, true));
         if self
@@ -423,9 +429,43 @@ impl World {
         }
         let session = crate::world::new_session(&self.nodes[node].addr, &self.cfg);
         self.nodes[node].session = Some(session);
+        self.router_retries(node);
         let info = self.info_of(node);
         self.nodes[node].shell = Some(crate::transport::shell(node, info));
         self.wake_waiters(node, usize::MAX);
+    }
+
+    /// D `node` is back from a crash: the router sends each push request it lost there again
+    /// (by chance, `Rates::router_retry`), as a router that knows nothing of epochs does: a new
+    /// request id, the same `transfer_id`, epoch 1. The new incarnation admits epoch 1, and P
+    /// serves it once the old incarnation's records stop judging (`docs/protocol.md` §3.1.1).
+    fn router_retries(&mut self, node: NodeId) {
+        if self.rates.router_retry <= 0.0 || self.is_prefill(node) {
+            return;
+        }
+        for request in 0..self.requests.len() {
+            let r = &self.requests[request];
+            let lost = r.d_node == node
+                && !r.transfer.pull
+                && r.multi.is_none()
+                && r.d.last().is_some_and(|a| a.node == node && a.status == Status::Lost);
+            if !lost || !self.chance(self.rates.router_retry) {
+                continue;
+            }
+            let n = self.requests[request].d.len() as u64;
+            self.requests[request].d.push(Attempt {
+                id: rid("r", request, n),
+                node,
+                epoch: 1,
+                blocks: vec![],
+                status: Status::Pending,
+                kind: AttemptKind::Push,
+                sub: None,
+            });
+            self.router_retry_epochs.insert(request);
+            let at = micros(&mut self.rng, 1_000, 50_000);
+            self.schedule(at, Ev::DecodeStart { request });
+        }
     }
 
     pub(crate) fn p_attempt_live(&self, owner: Owner) -> bool {

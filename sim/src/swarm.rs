@@ -134,4 +134,9 @@ pub(crate) fn draw_rates(seed: u64, faults: Faults, rates: &mut Rates) {
         rates.dup = rates.dup.max(0.1);
         rates.retry = rates.retry.max(0.9);
     }
+    // Its own stream, so that the draws above stay what they were.
+    let mut router = ChaCha8Rng::seed_from_u64(seed ^ 0x726f_7574_6572_5f31);
+    if faults == Faults::Chaos && router.gen_ratio(1, 2) {
+        rates.router_retry = 0.8;
+    }
 }

@@ -169,6 +169,10 @@ pub(crate) struct Rates {
     /// Chance that a reader's `ReadAsk` is lost (drawn in modes that read; the reader asks
     /// again while its heartbeats keep the export).
     pub lose_ask: f64,
+    /// Chance that the router sends a push request lost in its D's crash again once that D is
+    /// back: a new request id, the same `transfer_id`, and no epoch (as a router that knows
+    /// nothing of epochs retries: epoch 1). Drawn by the swarm only.
+    pub router_retry: f64,
 }
 
 /// The incarnation id `node`'s process number `inc` sends in its handshakes.
@@ -319,6 +323,8 @@ pub struct World {
     pub(crate) fan_parents: BTreeMap<(NodeId, RequestId), usize>,
     /// Multi-rank requests the session told fenced early, by (rank, request id).
     pub(crate) parents_fenced: BTreeSet<(NodeId, RequestId)>,
+    /// Requests the router sent again after their D's crash, without an epoch.
+    pub(crate) router_retry_epochs: BTreeSet<usize>,
     /// The hostile peers' streams and what the checks saw of them (`world/hostile.rs`).
     pub(crate) hostile: hostile::Hostile,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
@@ -425,6 +431,7 @@ impl World {
             hand_backs: BTreeMap::new(),
             fan_parents: BTreeMap::new(),
             parents_fenced: BTreeSet::new(),
+            router_retry_epochs: BTreeSet::new(),
             stall_frozen: 0,
             hostile,
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),
