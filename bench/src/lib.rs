@@ -1,3 +1,6 @@
+//! kvhandoff's benchmarks, the library behind `kvhandoff bench`: `control` (this module),
+//! [`transfer`], [`turns`] and [`kernels`].
+//!
 //! `kvhandoff bench control`: what the control path costs, without the bytes.
 //!
 //! - **machines**: two pure [`Endpoint`]s (P and D) stepped directly in one thread: no actix, no
@@ -12,6 +15,8 @@
 //!   to `actix_batch` calls at once through [`KvConnector::submit`] the way an engine's scheduler
 //!   step would, and every event on both sides is counted. Each rank runs on its own arbiter
 //!   thread of the one actix system, as the ranks of two engine processes would.
+
+#![warn(missing_docs)]
 
 pub mod kernels;
 mod machines;
@@ -42,11 +47,11 @@ use kvhandoff_protocol::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::demo::{self, FreeList, Races, DECODE_ENGINE, PREFILL_ENGINE};
-use crate::stats::{median, spread};
 use kvhandoff::{
     ConnectorCall, ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, Runtime,
 };
+use kvhandoff_testkit::demo::{self, FreeList, Races, DECODE_ENGINE, PREFILL_ENGINE};
+use kvhandoff_testkit::stats::{median, spread};
 
 /// What `bench control` runs.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -32,22 +32,26 @@ use kvhandoff_protocol::machine::{
 };
 use kvhandoff_protocol::BlockIds;
 
+use crate::hooks::StopAfter;
 use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams};
 
 /// How long an engine loop sleeps between event polls when it has nothing to do.
 const IDLE_POLL: Duration = Duration::from_micros(100);
 
-/// A free list of logical blocks that counts double frees.
+/// A free list of logical blocks (the mock engine's block pool) that counts double frees.
 #[derive(Debug)]
-pub(crate) struct FreeList {
+pub struct FreeList {
     free: Vec<u32>,
     is_free: Vec<bool>,
-    pub(crate) double_frees: u64,
-    pub(crate) bad_ids: u64,
+    /// Blocks handed back while already free.
+    pub double_frees: u64,
+    /// Block ids handed back that the pool never had.
+    pub bad_ids: u64,
 }
 
 impl FreeList {
-    pub(crate) fn new(blocks: u32) -> Self {
+    /// A pool of `blocks` free blocks, `0..blocks`.
+    pub fn new(blocks: u32) -> Self {
         FreeList {
             free: (0..blocks).rev().collect(),
             is_free: vec![true; blocks as usize],
@@ -56,15 +60,18 @@ impl FreeList {
         }
     }
 
-    pub(crate) fn available(&self) -> usize {
+    /// Blocks free now.
+    pub fn available(&self) -> usize {
         self.free.len()
     }
 
-    pub(crate) fn in_use(&self) -> u64 {
+    /// Blocks taken and not yet handed back.
+    pub fn in_use(&self) -> u64 {
         (self.is_free.len() - self.free.len()) as u64
     }
 
-    pub(crate) fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
+    /// Takes `n` blocks; `None` (and nothing taken) if fewer are free.
+    pub fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
         if n > self.free.len() {
             return None;
         }
@@ -76,7 +83,7 @@ impl FreeList {
     }
 
     /// Returns the blocks of an event; a block that is already free is a double free.
-    pub(crate) fn release(&mut self, blocks: &BlockIds) {
+    pub fn release(&mut self, blocks: &BlockIds) {
         for &b in blocks.groups.iter().flatten() {
             match self.is_free.get_mut(b as usize) {
                 None => self.bad_ids += 1,
@@ -254,8 +261,8 @@ pub(crate) struct PrefillRun {
     /// deadline.
     pub(crate) answer_wait: Option<Duration>,
     /// TEST HOOK: right after its `request_finished` for this request, the process stops itself
-    /// ([`stop_self`]).
-    pub(crate) stop_after: Option<usize>,
+    /// ([`StopAfter::stop_here`]).
+    pub(crate) stop_after: StopAfter,
 }
 
 /// One D loop's settings.
@@ -276,8 +283,8 @@ pub(crate) struct DecodeRun {
     pub(crate) turns: TurnSettings,
     /// TEST HOOK: right after its last call for this request (`keep_for_next_turn` if it keeps
     /// the request for a next turn, `request_allocated` otherwise), the process stops itself
-    /// ([`stop_self`]).
-    pub(crate) stop_after: Option<usize>,
+    /// ([`StopAfter::stop_here`]).
+    pub(crate) stop_after: StopAfter,
 }
 
 /// How a later turn's prefix came to P.
@@ -423,18 +430,6 @@ pub(crate) fn failed_note(request: &impl std::fmt::Display, reason: DecodeFailur
 /// The note D's loop makes when a pulled request's answer never came.
 pub(crate) fn no_answer_note(request: &impl std::fmt::Display) -> String {
     format!("D: {request}: P's answer never came; not called")
-}
-
-/// TEST HOOK of the kill tests: the process stops itself with SIGSTOP, at once, so that a test
-/// finds it in the middle of a request (the caller waited until what that request's call sent
-/// has left) and kills it there.
-pub(crate) fn stop_self() {
-    eprintln!("kvhandoff node: stopping myself (SIGSTOP), as asked");
-    // raise(3), not a spawned kill(1): the process must stop before its other threads answer
-    // anything more (a grant sent while `kill` starts lets the read the test wants cut land).
-    if let Err(error) = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP) {
-        eprintln!("kvhandoff node: could not stop myself: {error}");
-    }
 }
 
 /// Polls `conn` until an event arrives or `until` passes.

@@ -35,7 +35,7 @@ use kvhandoff_actors::transport::mem::{MemFabric, MemLimits};
 use kvhandoff_protocol::{KvGeometry, KvLayout};
 use serde::{Deserialize, Serialize};
 
-use crate::stats::{gbps, human_bytes, median, spread};
+use kvhandoff_testkit::stats::{gbps, human_bytes, median, spread};
 
 mod measure;
 mod model;

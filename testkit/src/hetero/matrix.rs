@@ -225,7 +225,7 @@ pub fn memory_wires(_pass: usize) -> Result<Box<dyn Wire>, WireError> {
 /// Runs `cell` with `passes`, each over a wire from `wires`, and verifies every pass.
 ///
 /// ```
-/// use kvhandoff_cli::hetero::matrix::{memory_wires, run_cell, Cell, Outcome, PASSES};
+/// use kvhandoff_testkit::hetero::matrix::{memory_wires, run_cell, Cell, Outcome, PASSES};
 /// let cell = Cell {
 ///     model: kvhandoff_protocol::hetero::model("swa").unwrap(),
 ///     prefill: "tp=2,block=16,layout=NHD".parse().unwrap(),

@@ -29,7 +29,7 @@ pub struct BlockTable {
 /// The two block tables of `blocks` blocks, and the pool size (`2 × blocks`) they fit in.
 ///
 /// ```
-/// use kvhandoff_cli::bench::transfer::block_tables;
+/// use kvhandoff_bench::transfer::block_tables;
 /// let (pool, [contiguous, fragmented]) = block_tables(4);
 /// assert_eq!(pool, 8);
 /// assert_eq!(contiguous.local.groups[0], [0, 1, 2, 3]);

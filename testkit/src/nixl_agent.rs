@@ -28,14 +28,20 @@ pub(crate) fn nixl_error(what: &str) -> impl Fn(NixlError) -> RawAgentError + '_
 /// One raw agent with its memory. Fields drop in order: registrations, arguments, backend,
 /// agent, and the memory last (after the agent and its UCX workers are gone).
 pub struct RawAgent {
-    pub(crate) handles: Vec<RegistrationHandle>,
-    pub(crate) args: OptArgs,
+    /// The registrations of [`RawAgent::buffers`] (dropping them deregisters).
+    pub handles: Vec<RegistrationHandle>,
+    /// The agent's optional arguments (its backend).
+    pub args: OptArgs,
     notifs: NotificationMap,
     _backend: Backend,
-    pub(crate) agent: Agent,
-    pub(crate) buffers: Vec<HostBuffer>,
-    pub(crate) regions: Vec<RegionDesc>,
-    pub(crate) name: String,
+    /// The NIXL agent.
+    pub agent: Agent,
+    /// The host memory it registered.
+    pub buffers: Vec<HostBuffer>,
+    /// Where each buffer lies.
+    pub regions: Vec<RegionDesc>,
+    /// The agent's name.
+    pub name: String,
 }
 
 impl RawAgent {

@@ -12,7 +12,7 @@ use kvhandoff_protocol::planner::{Descriptor, PlanInput, Planner};
 use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, RegionDesc, RegionSpec, RequestId};
 use nixl_sys::{AgentConfig, MemType, NixlError, XferDescList, XferOp, XferStatus};
 
-use crate::stats::min;
+use kvhandoff_testkit::stats::min;
 
 use super::{
     block_tables, gbps, median, memcpy_gbps, percentile, plan_fragmented_70b, us, BlockTable,
@@ -20,8 +20,8 @@ use super::{
     TransferOptions, TransferReport, BLOCK_TOKENS, COARSE_FRACTION, COARSE_POLL, DRIVER_POLL,
     TARGET_RATIO,
 };
-use crate::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
 use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams, Runtime};
+use kvhandoff_testkit::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
 
 mod notify;
 mod push;

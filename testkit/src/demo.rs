@@ -70,15 +70,17 @@ use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{Config, Counters};
 use kvhandoff_protocol::{EngineId, ModelIdentity};
 
+use crate::hooks::StopAfter;
 #[cfg(doc)]
 use kvhandoff::KvConnector;
 use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvTransferParams, Runtime};
 
 pub(crate) use decode_loop::run_decode;
+pub use engines::FreeList;
 pub(crate) use engines::{
     failed_note, import_note, no_answer_note, released_note, router_link, unread_note, DecodeLink,
-    DecodeRecord, DecodeRun, FreeList, Pacing, PrefillLink, PrefillRecord, PrefillRun, ToDecode,
-    ToPrefill, TurnSettings, TurnStart,
+    DecodeRecord, DecodeRun, Pacing, PrefillLink, PrefillRecord, PrefillRun, ToDecode, ToPrefill,
+    TurnSettings, TurnStart,
 };
 pub use pattern::{
     block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
@@ -415,7 +417,7 @@ where
         link: Some(p_link),
         turns,
         answer_wait: None,
-        stop_after: None,
+        stop_after: StopAfter::NEVER,
     };
     let decode = DecodeRun {
         start,
@@ -431,7 +433,7 @@ where
         },
         answer_wait: None,
         turns,
-        stop_after: None,
+        stop_after: StopAfter::NEVER,
     };
     let (p, d) = thread::scope(|s| {
         let spawn = |name: &str| thread::Builder::new().name(name.into());
@@ -511,12 +513,13 @@ pub(crate) fn races_of(c: &Counters) -> Races {
 // ---------------------------------------------------------------------------------------------
 // Blocking on an actix request from a plain thread.
 
-/// P's endpoint counters, asked for on its rank actor.
-pub(crate) fn query_counters(rank: &actix::Addr<RankActor>) -> Option<Counters> {
+/// A rank's endpoint counters, asked for on its rank actor.
+pub fn query_counters(rank: &actix::Addr<RankActor>) -> Option<Counters> {
     ask(rank, QueryCounters, Duration::from_secs(5))
 }
 
-pub(crate) fn identity(engine: &str) -> Result<ConnectorIdentity, DemoError> {
+/// The identity of the harness's engine `engine`: rank 0 of TP 1 on localhost.
+pub fn identity(engine: &str) -> Result<ConnectorIdentity, DemoError> {
     Ok(ConnectorIdentity {
         engine: EngineId::new(engine).map_err(|e| DemoError::Options(e.to_string()))?,
         rank: 0,
@@ -526,7 +529,8 @@ pub(crate) fn identity(engine: &str) -> Result<ConnectorIdentity, DemoError> {
     })
 }
 
-pub(crate) fn model() -> ModelIdentity {
+/// The model every harness's engines serve (8 layers, 8 KV heads of 128, bfloat16).
+pub fn model() -> ModelIdentity {
     ModelIdentity {
         model: "kvhandoff-demo-8l-8kvh-128d".into(),
         dtype: "bfloat16".into(),

@@ -6,8 +6,8 @@
 //! To run one request of a pair over any [`wire::Wire`]:
 //!
 //! ```
-//! use kvhandoff_cli::hetero::handoff::{Handoff, RequestShape};
-//! use kvhandoff_cli::hetero::wire::MemoryWire;
+//! use kvhandoff_testkit::hetero::handoff::{Handoff, RequestShape};
+//! use kvhandoff_testkit::hetero::wire::MemoryWire;
 //! use kvhandoff_protocol::hetero::{model, plan_pair};
 //! let pair = plan_pair(
 //!     model("gqa8").unwrap(),

@@ -71,10 +71,10 @@
 //! - Every node reports, besides its role's report, a [`NodeFacts`] section (`"node"` in the
 //!   JSON): each request's typed outcome and when it ended (unix ms), the pool's free blocks at
 //!   the end, and the peer deaths its endpoint declared (with when the node saw each).
-//! - `--stop-self-after K` stops the node (SIGSTOP) right after its last call for request `K`
+//! - (feature `test-hooks`) `--stop-self-after K` stops the node (SIGSTOP) right after its last call for request `K`
 //!   ([`NodeOptions::stop_self_after`]), once what that call sent has left the process: the
 //!   read path's kill tests kill it there, in the middle of a read.
-//! - `--repeat-handshake-ms T` sends the peer this rank's handshake again T ms into the
+//! - (feature `test-hooks`) `--repeat-handshake-ms T` sends the peer this rank's handshake again T ms into the
 //!   schedule, as a second dial and as a raw copy ([`NodeOptions::repeat_handshake_after`]).
 //! - `--expect-peer-loss` makes the node a survivor: it exits 0 when [`NodeFacts::ok`] holds
 //!   (every request has exactly one typed outcome, no byte error in a `Ready` request, every
@@ -153,11 +153,13 @@ pub struct NodeOptions {
     /// `request_allocated` otherwise) the node waits 2 ms and stops itself with SIGSTOP, so
     /// that the test finds it in the middle of that request (and kills it there). Default:
     /// never.
+    #[cfg(feature = "test-hooks")]
     pub stop_self_after: Option<usize>,
     /// This long into the schedule, send the peer this rank's handshake again: once through
     /// the link (a second dial) and once as a raw copy from a plain socket (what a late
     /// duplicate or a third party delivers). Both repeat the live incarnation, so the peer must
     /// change nothing ([`NodeFacts::repeated_handshakes`] counts them there). Default: never.
+    #[cfg(feature = "test-hooks")]
     pub repeat_handshake_after: Option<Duration>,
 }
 
@@ -268,7 +270,9 @@ impl NodeOptions {
             timing: NodeTiming::default(),
             expect_peer_loss: false,
             router: None,
+            #[cfg(feature = "test-hooks")]
             stop_self_after: None,
+            #[cfg(feature = "test-hooks")]
             repeat_handshake_after: None,
         }
     }

@@ -48,9 +48,9 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use crate::stats::{gbps, human_bytes, median, percentile};
 use kvhandoff_protocol::planner::{fragmented_70b_case, PlanInput, Planner, FRAGMENTED_70B_BLOCKS};
 use kvhandoff_protocol::{BlockIds, KvGeometry, KvLayout};
+use kvhandoff_testkit::stats::{gbps, human_bytes, median, percentile};
 use serde::{Deserialize, Serialize};
 
 /// The throughput target: kvhandoff end to end over raw NIXL on the same descriptors.

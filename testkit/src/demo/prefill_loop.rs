@@ -23,8 +23,8 @@ use kvhandoff_actors::system::KvPool;
 use kvhandoff_protocol::{BlockIds, RequestId};
 
 use super::engines::{
-    idle, note, stop_self, FreeList, Pacing, PrefillRecord, PrefillRun, PrefillSide, SideResult,
-    ToDecode, ToPrefill, TurnStart, Work,
+    idle, note, FreeList, Pacing, PrefillRecord, PrefillRun, PrefillSide, SideResult, ToDecode,
+    ToPrefill, TurnStart, Work,
 };
 use super::pattern::pattern_block;
 use super::schedule::Planned;
@@ -345,12 +345,12 @@ impl PrefillLoop<'_> {
                 if let (Some(link), true) = (&self.run.link, tell) {
                     link.send(ToDecode::Params { index: i, params });
                 }
-                if self.run.stop_after == Some(i) {
+                if self.run.stop_after.is(i) {
                     // Once the answer is on its way to D (which asks for the read at once).
                     if let Some(link) = &self.run.link {
                         link.flush(Duration::from_secs(1));
                     }
-                    stop_self();
+                    self.run.stop_after.stop_here();
                 }
             }
             Err(e) => {

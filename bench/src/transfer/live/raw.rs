@@ -3,10 +3,10 @@
 
 use super::*;
 
-pub(super) use crate::nixl_agent::{connect, RawAgent as RawSide};
+pub(super) use kvhandoff_testkit::nixl_agent::{connect, RawAgent as RawSide};
 
-impl From<crate::nixl_agent::RawAgentError> for TransferBenchError {
-    fn from(e: crate::nixl_agent::RawAgentError) -> Self {
+impl From<kvhandoff_testkit::nixl_agent::RawAgentError> for TransferBenchError {
+    fn from(e: kvhandoff_testkit::nixl_agent::RawAgentError) -> Self {
         TransferBenchError::Nixl(e.to_string())
     }
 }

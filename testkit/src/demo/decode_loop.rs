@@ -24,8 +24,8 @@ use kvhandoff_actors::system::{KvPool, QueryTransportStats};
 use kvhandoff_protocol::{BlockIds, RequestId};
 
 use super::engines::{
-    idle, no_answer_note, note, stop_self, DecodeRecord, DecodeRun, DecodeSide, FreeList, Pacing,
-    SideResult, ToDecode, ToPrefill, Work,
+    idle, no_answer_note, note, DecodeRecord, DecodeRun, DecodeSide, FreeList, Pacing, SideResult,
+    ToDecode, ToPrefill, Work,
 };
 use super::pattern::pattern_block;
 use super::schedule::Planned;
@@ -237,9 +237,9 @@ impl DecodeLoop<'_> {
             &params,
         ) {
             Ok(()) => {
-                if self.run.stop_after == Some(i) && p.next.is_none() {
+                if self.run.stop_after.is(i) && p.next.is_none() {
                     self.await_transport();
-                    stop_self();
+                    self.run.stop_after.stop_here();
                 }
                 true
             }
@@ -314,12 +314,12 @@ impl DecodeLoop<'_> {
                         since,
                     });
                 }
-                if self.run.stop_after == Some(i) {
+                if self.run.stop_after.is(i) {
                     // Once the answer is on its way to P (which reads the blocks back).
                     if let Some(link) = &self.run.link {
                         link.flush(Duration::from_secs(1));
                     }
-                    stop_self();
+                    self.run.stop_after.stop_here();
                 }
             }
             Err(e) => {

@@ -15,8 +15,8 @@ use kvhandoff_protocol::machine::{Config, NetEvent, ReadOrder, FIRST_READ_ID};
 use kvhandoff_protocol::{AgentName, EngineId, Epoch, PairingKey, PeerAddr, WriteId};
 
 use super::*;
-use crate::bench::transfer::{block_tables, BlockTable};
-use crate::demo;
+use crate::transfer::{block_tables, BlockTable};
+use kvhandoff_testkit::demo;
 
 fn run_error(why: impl Into<String>) -> TurnsBenchError {
     TurnsBenchError::Run(why.into())

@@ -5,7 +5,7 @@
 //! API to learn for less code than this module.
 //!
 //! ```
-//! use kvhandoff_cli::stats::{human_bytes, median, percentile};
+//! use kvhandoff_testkit::stats::{human_bytes, median, percentile};
 //! assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
 //! assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 50.0), 2.0);
 //! assert_eq!(human_bytes(512 * 1024), "512 KiB");

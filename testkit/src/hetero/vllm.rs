@@ -165,7 +165,7 @@ pub fn pull_refusal(model: &Model, p: &SideSpec, d: &SideSpec) -> Option<String>
 /// vLLM 0.33's verdict on `p` → `d` for `model` (see the module documentation).
 ///
 /// ```
-/// use kvhandoff_cli::hetero::vllm::{vllm_verdict, VllmVerdict};
+/// use kvhandoff_testkit::hetero::vllm::{vllm_verdict, VllmVerdict};
 /// use kvhandoff_protocol::hetero::model;
 /// let gqa8 = model("gqa8").unwrap();
 /// let v = vllm_verdict(gqa8, &"tp=2,block=16,layout=HND".parse().unwrap(),

@@ -63,7 +63,7 @@ pub fn reference_row(layer: u32, part: Part, head: u32, token: u64, out: &mut [u
 /// The reference value of one byte (what [`reference_row`] writes at `byte`).
 ///
 /// ```
-/// use kvhandoff_cli::hetero::reference::{reference_byte, reference_row, Part};
+/// use kvhandoff_testkit::hetero::reference::{reference_byte, reference_row, Part};
 /// let mut row = [0u8; 16];
 /// reference_row(3, Part::Value, 5, 100, &mut row);
 /// assert_eq!(reference_byte(3, Part::Value, 5, 100, 9), row[9]);

@@ -5,17 +5,14 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-
 use kvhandoff_actors::system::{
-    agent_name, blocking::ask, build_rank, Connect, RankActor, RankMemory, RankOptions,
-    ShellConfig, SideChannelConfig,
+    agent_name, blocking::ask, build_rank, RankActor, RankMemory, RankOptions, ShellConfig,
+    SideChannelConfig,
 };
 use kvhandoff_actors::transport::TransportError;
-use kvhandoff_protocol::driver::PeerInfo;
+#[cfg(feature = "test-hooks")]
 use kvhandoff_protocol::PeerAddr;
-use kvhandoff_protocol::{wire, AgentName, EngineId, Message, TransferMode};
+use kvhandoff_protocol::{AgentName, EngineId};
 
 use super::facts::{decode_ends, lateness, prefill_ends, push, summary, FactsInput, Outcome};
 use super::router::{decode_side, prefill_side};
@@ -29,6 +26,7 @@ use crate::demo::{
     run_prefill, schedule, turn_counts, turn_settings, DecodeRun, DemoError, DemoMode, Facts,
     Pacing, Planned, PrefillOutcomes, PrefillRun, Races, Tallies, DECODE_ENGINE, PREFILL_ENGINE,
 };
+use crate::hooks::{Repeater, StopAfter};
 use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvConnector, KvTransferParams, Runtime};
 
 /// Wall-clock times of a run's instants.
@@ -201,9 +199,14 @@ where
         _ => Pacing::Clock { hold: options.hold },
     };
     let turns = turn_settings(opts);
-    let stop_after = options
-        .stop_self_after
-        .and_then(|k| k.checked_sub(options.start_at));
+    #[cfg(feature = "test-hooks")]
+    let stop_after = StopAfter::at(
+        options
+            .stop_self_after
+            .and_then(|k| k.checked_sub(options.start_at)),
+    );
+    #[cfg(not(feature = "test-hooks"))]
+    let stop_after = StopAfter::NEVER;
     let engine_id = |name| EngineId::new(name).map_err(|e| DemoError::Options(e.to_string()));
     let (own, other) = match options.role {
         NodeRole::Prefill => (engine_id(PREFILL_ENGINE)?, engine_id(DECODE_ENGINE)?),
@@ -224,6 +227,7 @@ where
         config.clone(),
         shell,
     )?;
+    #[cfg(feature = "test-hooks")]
     let own_info = setup.info.clone();
     let mut runtime = Runtime::start()?;
     let handle = runtime.add_rank(
@@ -291,17 +295,19 @@ where
         clock,
         start,
     };
-    let repeater = options.repeat_handshake_after.map(|after| {
-        let to = PeerAddr::new(other.clone(), 0);
-        let dial = link.clone().recipient();
-        repeat_handshake(
-            dial,
+    #[cfg(feature = "test-hooks")]
+    let repeater = match options.repeat_handshake_after {
+        Some(after) => Repeater::start(
+            link.clone().recipient(),
             own_info,
-            to,
+            PeerAddr::new(other.clone(), 0),
             options.peer,
             (start + after).min(deadline),
-        )
-    });
+        ),
+        None => Repeater::NONE,
+    };
+    #[cfg(not(feature = "test-hooks"))]
+    let repeater = Repeater::NONE;
 
     let run = match options.role {
         NodeRole::Decode => {
@@ -331,7 +337,7 @@ where
             let counters = query_counters(&rank);
             let deaths = watch.finish();
             errors.extend(side.errors);
-            join_repeater(repeater, &mut errors);
+            repeater.join(&mut errors);
             let bytes = plan
                 .iter()
                 .zip(&side.records)
@@ -402,7 +408,7 @@ where
             let counters = query_counters(&rank);
             let deaths = watch.finish();
             let stats = side_channel(&link);
-            join_repeater(repeater, &mut errors);
+            repeater.join(&mut errors);
             drop(rank);
             runtime.shutdown();
             errors.extend(side.errors);
@@ -495,52 +501,4 @@ where
         }
     };
     Ok(run)
-}
-
-/// At `at`, sends `peer` this rank's handshake again: a second dial through the link, and a raw
-/// copy of the frame from a plain socket (whose answer is read and dropped). Both repeat the
-/// live incarnation. Returns what went wrong, if anything, from its thread.
-fn repeat_handshake(
-    link: actix::Recipient<Connect>,
-    own: PeerInfo,
-    to: PeerAddr,
-    addr: SocketAddr,
-    at: Instant,
-) -> thread::JoinHandle<Result<(), String>> {
-    thread::spawn(move || {
-        thread::sleep(at.saturating_duration_since(Instant::now()));
-        link.do_send(Connect(to));
-        let frame = wire::encode(&Message::Handshake(Box::new(
-            own.handshake(vec![TransferMode::Push], 0),
-        )));
-        let io = |e: std::io::Error| format!("the raw handshake copy to {addr}: {e}");
-        let limit = Duration::from_secs(5);
-        let mut stream = TcpStream::connect_timeout(&addr, limit).map_err(io)?;
-        stream.set_read_timeout(Some(limit)).map_err(io)?;
-        stream.set_write_timeout(Some(limit)).map_err(io)?;
-        stream.write_all(&frame).map_err(io)?;
-        let mut answer = Vec::new();
-        stream.read_to_end(&mut answer).map_err(io)?;
-        match wire::decode(&answer) {
-            Ok(Message::Handshake(_)) => {
-                eprintln!("kvhandoff node: repeated the handshake (second dial, raw copy)");
-                Ok(())
-            }
-            other => Err(format!(
-                "the raw handshake copy to {addr} was not answered with a handshake: {other:?}"
-            )),
-        }
-    })
-}
-
-fn join_repeater(
-    repeater: Option<thread::JoinHandle<Result<(), String>>>,
-    errors: &mut Vec<String>,
-) {
-    let Some(thread) = repeater else { return };
-    match thread.join() {
-        Ok(Ok(())) => {}
-        Ok(Err(why)) => errors.push(why),
-        Err(_) => errors.push("the handshake repeater panicked".into()),
-    }
 }
