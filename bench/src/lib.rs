@@ -21,6 +21,7 @@
 pub mod kernels;
 mod machines;
 mod runtime;
+mod stamps;
 pub mod transfer;
 pub mod turns;
 

@@ -8,13 +8,13 @@
 //!   With [`DemoTransport::Mem`] both ranks are agents of one [`MemFabric`]; with
 //!   [`DemoTransport::Nixl`] (cargo feature `nixl`) each is its own NIXL agent (UCX backend,
 //!   DRAM), so every byte crosses NIXL;
-//! - a small real model's geometry ([`demo_geometry`]): 8 layers, 8 KV heads, head dim 128,
+//! - a small real model's geometry ([`demo_geometry`](crate::pattern::demo_geometry)): 8 layers, 8 KV heads, head dim 128,
 //!   bf16, 16-token blocks, HND, one full-attention group (512 KiB per logical block over the
 //!   16 K/V regions);
 //! - two engine loops on two std threads, each with a free-list block allocator. P "prefills"
-//!   each prompt by writing a deterministic pattern into its blocks ([`fill_kernel_block`]), then
+//!   each prompt by writing a deterministic pattern into its blocks ([`fill_kernel_block`](crate::pattern::fill_kernel_block)), then
 //!   calls `request_finished`; D allocates and calls `request_allocated`; on `BlocksReady` D
-//!   checks every byte of every block against [`expected_byte`].
+//!   checks every byte of every block against [`expected_byte`](crate::pattern::expected_byte).
 //!
 //! The races: when P's prefill of a request is done (its blocks are filled) at time `f`, P calls
 //! `request_finished` at `f + a` and D calls `request_allocated` at `f + b`, with `a` and `b`
@@ -47,13 +47,12 @@
 //! `Config::fast()` was not used: its 150 ms peer timeout can declare a live peer dead when the
 //! runtime thread is starved by the two busy engine threads on a small machine.
 //!
-//! Layout: `schedule` (the seeded schedule), `pattern` (the bytes), `engines` (allocator,
+//! Layout: `schedule` (the seeded schedule), `engines` (allocator,
 //! records, pacing), `prefill_loop` and `decode_loop` (one role each, runnable alone against a
 //! connector: `kvhandoff node` runs one of them per process, see [`crate::node`]), `report`.
 
 mod decode_loop;
 mod engines;
-mod pattern;
 mod prefill_loop;
 mod report;
 mod schedule;
@@ -81,9 +80,6 @@ pub(crate) use engines::{
     failed_note, import_note, no_answer_note, released_note, router_link, unread_note, DecodeLink,
     DecodeRecord, DecodeRun, Pacing, PrefillLink, PrefillRecord, PrefillRun, ToDecode, ToPrefill,
     TurnSettings, TurnStart,
-};
-pub use pattern::{
-    block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
 };
 pub(crate) use prefill_loop::run_prefill;
 pub(crate) use report::{build as build_report, turn_counts, Facts, Tallies};

@@ -1,6 +1,6 @@
 //! Heterogeneous transfers run end to end on host memory: the executor that applies a
 //! [`kvhandoff_protocol::hetero`] request plan (P-side transforms, the wire, D-side
-//! transforms), the reference KV it is checked against, the verifier and the verification
+//! transforms), the verifier of the reference KV ([`crate::pattern`]) and the verification
 //! matrix.
 //!
 //! To run one request of a pair over any [`wire::Wire`]:
@@ -28,7 +28,6 @@ pub mod matrix;
 #[cfg(feature = "nixl")]
 pub mod nixl_wire;
 pub mod plan_report;
-pub mod reference;
 pub mod route;
 pub mod verify;
 pub mod vllm;

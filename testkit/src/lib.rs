@@ -13,4 +13,5 @@ mod hooks;
 #[cfg(feature = "nixl")]
 pub mod nixl_agent;
 pub mod node;
+pub mod pattern;
 pub mod stats;

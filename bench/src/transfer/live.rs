@@ -26,12 +26,11 @@ use kvhandoff_testkit::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
 mod notify;
 mod push;
 mod raw;
-mod stamps;
 
+use crate::stamps::{check, clear, fill, pool_regions, stamp};
 use notify::*;
 use push::*;
 use raw::*;
-use stamps::*;
 
 fn nixl(what: &str) -> impl Fn(NixlError) -> TransferBenchError + '_ {
     move |e| TransferBenchError::Nixl(format!("{what}: {e}"))
@@ -80,8 +79,8 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
     let mut push = Push::new(&geometry, pool_blocks, nixl_config.clone(), shell.clone())?;
     // Real bytes in every source page (untouched pages would all read the shared zero page).
     let region_len = block_bytes * u64::from(pool_blocks);
-    fill(&byte_regions(&raw.p), region_len)?;
-    fill(&pool_regions(&push.p_pool), region_len)?;
+    fill(&byte_regions(&raw.p), region_len).map_err(run_error)?;
+    fill(&pool_regions(&push.p_pool), region_len).map_err(run_error)?;
 
     let mut numbers = Vec::new();
     for table in &tables {
@@ -174,7 +173,7 @@ fn run_table(
     let block_bytes = specs[0].block_len * u64::from(kbpl);
     let local = table.local.groups.first().cloned().unwrap_or_default();
     let remote = table.remote.groups.first().cloned().unwrap_or_default();
-    stamp(&byte_regions(&raw.p), block_bytes, &local)?;
+    stamp(&byte_regions(&raw.p), block_bytes, &local).map_err(run_error)?;
     push.stamp_source(block_bytes, &local)?;
 
     let mut raw_samples = Vec::new();

@@ -15,6 +15,7 @@ use kvhandoff_protocol::machine::{Config, NetEvent, ReadOrder, FIRST_READ_ID};
 use kvhandoff_protocol::{AgentName, EngineId, Epoch, PairingKey, PeerAddr, WriteId};
 
 use super::*;
+use crate::stamps::{check, clear, fill, pool_block_bytes, pool_regions, stamp};
 use crate::transfer::{block_tables, BlockTable};
 use kvhandoff_testkit::demo;
 
@@ -67,63 +68,9 @@ fn side<T: RankMemory>(
     let info = setup.info.clone();
     let mut driver = TransportDriver::new(setup.transport, setup.info);
     driver.prepare_own();
-    fill(&pool)?;
+    let len = pool_block_bytes(&pool) * u64::from(pool.logical_blocks());
+    fill(&pool_regions(&pool), len).map_err(run_error)?;
     Ok((Side { driver, pool }, info))
-}
-
-/// Writes a non-zero pattern over every region (untouched pages would read the shared zero
-/// page, and the first read would pay the page faults).
-fn fill(pool: &KvPool) -> Result<(), TurnsBenchError> {
-    const CHUNK: usize = 1 << 20;
-    let len = pool
-        .regions()
-        .next()
-        .map(|(spec, _)| pool.block_span(spec, 0).1 * u64::from(pool.logical_blocks()))
-        .unwrap_or(0);
-    let pattern: Vec<u8> = (0..CHUNK)
-        .map(|i| (i as u8).wrapping_mul(37) ^ 0x5a)
-        .collect();
-    for (_, bytes) in pool.regions() {
-        let mut at = 0u64;
-        while at < len {
-            let n = (len - at).min(CHUNK as u64) as usize;
-            bytes
-                .write(at, &pattern[..n])
-                .map_err(|e| run_error(format!("fill: {e}")))?;
-            at += n as u64;
-        }
-    }
-    Ok(())
-}
-
-/// What block `block` of region `region` starts and ends with on D: proof that a read put
-/// every block where its table says.
-fn mark(region: usize, block: u32) -> [u8; 8] {
-    ((region as u64) << 32 | u64::from(block) | 0x7475_726e_0000_0000).to_be_bytes()
-}
-
-/// The byte offsets of a block's first and last 8 bytes in a region of `pool`.
-fn block_ends(pool: &KvPool, spec: &kvhandoff_protocol::RegionSpec, block: u32) -> [u64; 2] {
-    let (offset, len) = pool.block_span(spec, block);
-    [offset, offset + len - 8]
-}
-
-/// Writes `value(region, block)` at both ends of `blocks` in every region of `pool`.
-fn write_ends(
-    pool: &KvPool,
-    blocks: &[u32],
-    value: impl Fn(usize, u32) -> [u8; 8],
-) -> Result<(), TurnsBenchError> {
-    for (r, (spec, bytes)) in pool.regions().enumerate() {
-        for &b in blocks {
-            for at in block_ends(pool, spec, b) {
-                bytes
-                    .write(at, &value(r, b))
-                    .map_err(|e| run_error(format!("mark: {e}")))?;
-            }
-        }
-    }
-    Ok(())
 }
 
 /// P (the reader) and D (the holder of the previous turn's blocks).
@@ -161,7 +108,7 @@ impl<T: RankMemory> Pair<T> {
             .map_err(|e| run_error(format!("D loads P: {e}")))?;
         // Every block D holds carries its mark, whichever table reads it.
         let all: Vec<u32> = (0..d.pool.logical_blocks()).collect();
-        write_ends(&d.pool, &all, mark)?;
+        stamp(&pool_regions(&d.pool), pool_block_bytes(&d.pool), &all).map_err(run_error)?;
         Ok(Pair {
             p,
             d,
@@ -182,7 +129,12 @@ impl<T: RankMemory> Pair<T> {
     ) -> Result<(f64, u64), TurnsBenchError> {
         let local = table.local.groups.first().cloned().unwrap_or_default();
         let remote = table.remote.groups.first().cloned().unwrap_or_default();
-        write_ends(&self.p.pool, &local, |_, _| [0; 8])?;
+        clear(
+            &pool_regions(&self.p.pool),
+            pool_block_bytes(&self.p.pool),
+            &local,
+        )
+        .map_err(run_error)?;
         let id = WriteId(self.next_read);
         self.next_read += 1;
         let order = ReadOrder {
@@ -230,21 +182,14 @@ impl<T: RankMemory> Pair<T> {
         // D's driver is only polled to drain what a transport may queue for it.
         self.d.driver.poll(&mut self.feed);
         self.feed.clear();
-        let mut got = [0u8; 8];
-        for (r, (spec, bytes)) in self.p.pool.regions().enumerate() {
-            for (&l, &d) in local.iter().zip(remote) {
-                for at in block_ends(&self.p.pool, spec, l) {
-                    bytes
-                        .read(at, &mut got)
-                        .map_err(|e| run_error(format!("check: {e}")))?;
-                    if got != mark(r, d) {
-                        return Err(run_error(format!(
-                            "region {r}: P's block {l} does not hold D's block {d} after the read"
-                        )));
-                    }
-                }
-            }
-        }
+        // D's block `remote[i]` is the source of P's block `local[i]`.
+        check(
+            "the read",
+            &pool_regions(&self.p.pool),
+            pool_block_bytes(&self.p.pool),
+            (remote, local),
+        )
+        .map_err(run_error)?;
         Ok(descriptors)
     }
 }

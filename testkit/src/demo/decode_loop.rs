@@ -27,8 +27,8 @@ use super::engines::{
     idle, no_answer_note, note, DecodeRecord, DecodeRun, DecodeSide, FreeList, Pacing, SideResult,
     ToDecode, ToPrefill, Work,
 };
-use super::pattern::pattern_block;
 use super::schedule::Planned;
+use crate::pattern::pattern_block;
 use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, TransferMode};
 
 /// Runs D's side of `plan` on `conn` until every request is verified (or failed) or

@@ -26,8 +26,8 @@ use super::engines::{
     idle, note, FreeList, Pacing, PrefillRecord, PrefillRun, PrefillSide, SideResult, ToDecode,
     ToPrefill, TurnStart, Work,
 };
-use super::pattern::pattern_block;
 use super::schedule::Planned;
+use crate::pattern::pattern_block;
 use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, TransferMode};
 
 /// Runs P's side of `plan` on `conn` until every request had its event or `run.deadline`.

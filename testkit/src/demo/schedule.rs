@@ -21,8 +21,8 @@ use kvhandoff_protocol::{KvGeometry, PairingKey, RequestId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::pattern::{demo_geometry, request_key};
 use super::{DemoError, DemoMode, DemoOptions};
+use crate::pattern::{demo_geometry, request_key};
 
 /// Mixed into the seed for [`DemoMode::Mixed`]'s draws, which come from a generator of their
 /// own so that the rest of the schedule is the same in every mode.

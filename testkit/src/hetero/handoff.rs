@@ -23,9 +23,9 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
 
-use super::reference::{junk, reference_row, Part};
 use super::verify;
 use super::wire::{Arena, Piece, Transfer, Wire, WireError};
+use crate::pattern::{junk, reference_row, Part};
 
 mod stage;
 

@@ -9,7 +9,7 @@ use kvhandoff_protocol::hetero::{
 use serde::Serialize;
 
 use super::handoff::Handoff;
-use super::reference::{reference_row, Part};
+use crate::pattern::{reference_row, Part};
 
 /// What a byte was expected to be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

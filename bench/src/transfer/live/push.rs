@@ -18,10 +18,6 @@ pub(super) struct Push {
     pub(super) runtime: Option<Runtime>,
 }
 
-pub(super) fn pool_regions(pool: &KvPool) -> Vec<&dyn RegionBytes> {
-    pool.regions().map(|(_, bytes)| bytes).collect()
-}
-
 impl Push {
     pub(super) fn new(
         geometry: &KvGeometry,
@@ -74,7 +70,7 @@ impl Push {
         block_bytes: u64,
         blocks: &[u32],
     ) -> Result<(), TransferBenchError> {
-        stamp(&pool_regions(&self.p_pool), block_bytes, blocks)
+        stamp(&pool_regions(&self.p_pool), block_bytes, blocks).map_err(run_error)
     }
 
     /// One request: P finishes, D allocates; waits for D's `BlocksReady` and P's
@@ -89,7 +85,7 @@ impl Push {
         timeout: Duration,
     ) -> Result<PushSample, TransferBenchError> {
         let d_regions = pool_regions(&self.d_pool);
-        clear(&d_regions, block_bytes, tables.1)?;
+        clear(&d_regions, block_bytes, tables.1).map_err(run_error)?;
         // vLLM-like ids: one base, a random-looking 8-hex suffix per engine.
         let base = format!("cmpl-bench-{}-{rep:06}-0", table.name);
         let id = |suffix: u32| {
@@ -135,7 +131,7 @@ impl Push {
             } if *request == p_id => Some(check_blocks(blocks, &table.local)),
             _ => Some(Err(format!("P: unexpected event {event:?}"))),
         })?;
-        check("kvhandoff", &d_regions, block_bytes, tables)?;
+        check("kvhandoff", &d_regions, block_bytes, tables).map_err(run_error)?;
         Ok(PushSample {
             latency_us: us(ready - d_start),
             d_call_us: us(d_returned - d_start),

@@ -57,9 +57,9 @@ impl RawPair {
         tables: (&[u32], &[u32]),
         timeout: Duration,
     ) -> Result<RawSample, TransferBenchError> {
-        clear(&byte_regions(&self.d), block_bytes, tables.1)?;
+        clear(&byte_regions(&self.d), block_bytes, tables.1).map_err(run_error)?;
         let sample = self.write(descriptors, note, timeout)?;
-        check("raw NIXL", &byte_regions(&self.d), block_bytes, tables)?;
+        check("raw NIXL", &byte_regions(&self.d), block_bytes, tables).map_err(run_error)?;
         Ok(sample)
     }
 
