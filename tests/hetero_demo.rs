@@ -6,7 +6,7 @@
 mod cli_json;
 
 use kvhandoff_testkit::demo::{DemoError, DemoReport};
-use kvhandoff_testkit::hetero::demo::{run, HeteroDemoOptions, HeteroFault};
+use kvhandoff_testkit::hetero::pair_demo::{run, HeteroDemoOptions, HeteroFault};
 
 fn options(model: &str, prefill: &str, decode: &str, requests: usize) -> HeteroDemoOptions {
     HeteroDemoOptions {

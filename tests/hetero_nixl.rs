@@ -191,7 +191,7 @@ fn matrix_slice_over_real_nixl_is_byte_exact() {
 #[test]
 fn demo_pairs_over_real_nixl_hand_off_through_the_lease_protocol() {
     use kvhandoff_testkit::demo::DemoTransport;
-    use kvhandoff_testkit::hetero::demo::{run, HeteroDemoOptions};
+    use kvhandoff_testkit::hetero::pair_demo::{run, HeteroDemoOptions};
     for (model, p, d) in [
         (
             "gqa8",

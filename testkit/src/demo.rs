@@ -84,8 +84,8 @@ pub(crate) use engines::{
 pub(crate) use prefill_loop::run_prefill;
 pub(crate) use report::{build as build_report, turn_counts, Facts, Tallies};
 pub use report::{
-    DemoReport, EventCounts, GeometrySummary, Latency, Leaks, Outcomes, PrefillOutcomes, Races,
-    ReportRole, TurnCounts,
+    DemoReport, EventCounts, GeometrySummary, HeteroSummary, Latency, Leaks, Outcomes,
+    PrefillOutcomes, Races, ReportRole, TurnCounts,
 };
 pub(crate) use schedule::{
     check as check_options, near_expiry_margin, schedule, Planned, Workload,

@@ -22,14 +22,13 @@
 //! assert!(stats.bytes > 0);
 //! ```
 
-pub mod demo;
 pub mod handoff;
 pub mod matrix;
 #[cfg(feature = "nixl")]
 pub mod nixl_wire;
+pub mod pair_demo;
 pub mod plan_report;
 pub mod route;
-pub mod verify;
 pub mod vllm;
 pub mod wire;
 

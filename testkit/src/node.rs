@@ -91,7 +91,7 @@
 
 mod drive;
 mod facts;
-mod report;
+mod node_report;
 mod router;
 mod wait;
 
@@ -107,7 +107,7 @@ use serde::{Deserialize, Serialize};
 use crate::demo::{DemoError, DemoOptions, DemoReport};
 
 pub use drive::run_full_on;
-pub use report::{
+pub use node_report::{
     LinkSummary, NodeFacts, NodeReport, NodeRun, PoolSummary, PrefillReport, RequestEnd,
 };
 

@@ -14,7 +14,7 @@
 //! This file has the loop and D's calls; `events` handles what reaches the loop (the router
 //! link's messages and the connector's events).
 
-mod events;
+mod decode_events;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};

@@ -14,7 +14,7 @@
 //! This file has the loop and P's calls; `events` handles what reaches the loop (D's answers
 //! over the router link and the connector's events).
 
-mod events;
+mod prefill_events;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};

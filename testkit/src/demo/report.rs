@@ -223,7 +223,7 @@ pub struct DemoReport {
     pub verdict: String,
     /// The heterogeneous pair, for `demo --model … --prefill … --decode …` (absent otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hetero: Option<Box<crate::hetero::demo::HeteroSummary>>,
+    pub hetero: Option<Box<HeteroSummary>>,
 }
 
 impl DemoReport {
@@ -326,4 +326,37 @@ impl DemoReport {
         }
         format!("verdict: FAILED — {}", why.join("; "))
     }
+}
+
+/// What the heterogeneous demo (`hetero::pair_demo`) adds to the demo's report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeteroSummary {
+    /// The catalog model.
+    pub model: String,
+    /// P's side spec.
+    pub prefill: String,
+    /// D's side spec.
+    pub decode: String,
+    /// P's ranks.
+    pub prefill_ranks: u32,
+    /// D's ranks.
+    pub decode_ranks: u32,
+    /// Links (P rank → D rank pairs that move bytes).
+    pub links: u32,
+    /// P ranks that write nothing (replicas).
+    pub idle_prefill_ranks: u32,
+    /// Sub-requests started over all ranks and requests (one per link and side).
+    pub sub_requests: u64,
+    /// Descriptors posted over all requests.
+    pub descriptors: u64,
+    /// P's staging jobs over all requests.
+    pub prefill_jobs: u64,
+    /// D's staging jobs over all requests.
+    pub decode_jobs: u64,
+    /// Bytes D zeroed (tails of partly covered blocks).
+    pub zeroed_bytes: u64,
+    /// Transport faults armed (`chaos`).
+    pub faults_injected: u64,
+    /// Each transform: what, where, why.
+    pub transforms: Vec<String>,
 }

@@ -23,11 +23,11 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
 
-use super::verify;
 use super::wire::{Arena, Piece, Transfer, Wire, WireError};
 use crate::pattern::{junk, reference_row, Part};
 
 mod stage;
+pub mod verify;
 
 /// What one request looks like.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

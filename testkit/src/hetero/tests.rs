@@ -5,10 +5,10 @@
 use kvhandoff_protocol::hetero::{model, plan_pair, HeteroError, PairPlan, Space};
 use kvhandoff_protocol::KvLayout;
 
+use super::handoff::verify::Expected;
 use super::handoff::{Handoff, HandoffError, RequestShape};
 use super::matrix::{edge_cells, memory_wires, run_cell, Cell, Outcome, PASSES, TPS};
 use super::plan_report::{plan_report, PlanReportError};
-use super::verify::Expected;
 use super::vllm::vllm_verdict;
 use super::wire::MemoryWire;
 
@@ -93,7 +93,7 @@ fn handoff(name: &str, p: &str, d: &str, tokens: u64, cached: u64) -> Handoff {
 }
 
 /// Runs `h`, which must run, and returns the verifier's verdict.
-fn verdict(mut h: Handoff) -> Result<(), super::verify::Mismatch> {
+fn verdict(mut h: Handoff) -> Result<(), super::handoff::verify::Mismatch> {
     h.run(&mut MemoryWire)
         .expect("the corrupted plan still runs");
     h.verify()

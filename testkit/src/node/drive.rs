@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{
     agent_name, blocking::ask, build_rank, RankActor, RankMemory, RankOptions, ShellConfig,
@@ -14,7 +14,9 @@ use kvhandoff_actors::transport::TransportError;
 use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{AgentName, EngineId};
 
-use super::facts::{decode_ends, lateness, prefill_ends, push, summary, FactsInput, Outcome};
+use super::facts::{
+    decode_ends, lateness, prefill_ends, push, summary, FactsInput, Outcome, UnixClock,
+};
 use super::router::{decode_side, prefill_side};
 use super::wait::{await_decode, await_exit, await_prefill, side_channel};
 use super::{
@@ -28,33 +30,6 @@ use crate::demo::{
 };
 use crate::hooks::{Repeater, StopAfter};
 use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvConnector, KvTransferParams, Runtime};
-
-/// Wall-clock times of a run's instants.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct UnixClock {
-    at: Instant,
-    unix_ms: f64,
-}
-
-impl UnixClock {
-    fn now() -> Self {
-        let unix_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64() * 1e3);
-        UnixClock {
-            at: Instant::now(),
-            unix_ms,
-        }
-    }
-
-    pub(super) fn unix_ms(&self, t: Instant) -> f64 {
-        if t >= self.at {
-            self.unix_ms + (t - self.at).as_secs_f64() * 1e3
-        } else {
-            self.unix_ms - (self.at - t).as_secs_f64() * 1e3
-        }
-    }
-}
 
 /// Watches the endpoint's `peers_declared_dead` on its own thread, every 10 ms, and notes when
 /// each death was first seen.

@@ -2,19 +2,45 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvhandoff_protocol::machine::{Config, Counters};
 
 use kvhandoff::TransferMode;
 use kvhandoff_protocol::machine::ImportOutcome;
 
-use super::drive::UnixClock;
 use super::{LinkSummary, NodeFacts, NodeOptions, PoolSummary, RequestEnd, SideChannelStats};
 use crate::demo::{
     self, failed_note, import_note, no_answer_note, released_note, unread_note, DecodeRecord,
     FreeList, Planned, PrefillRecord, TurnStart,
 };
+
+/// Wall-clock times of a run's instants.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct UnixClock {
+    at: Instant,
+    unix_ms: f64,
+}
+
+impl UnixClock {
+    pub(super) fn now() -> Self {
+        let unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        UnixClock {
+            at: Instant::now(),
+            unix_ms,
+        }
+    }
+
+    pub(super) fn unix_ms(&self, t: Instant) -> f64 {
+        if t >= self.at {
+            self.unix_ms + (t - self.at).as_secs_f64() * 1e3
+        } else {
+            self.unix_ms - (self.at - t).as_secs_f64() * 1e3
+        }
+    }
+}
 
 /// What [`NodeFacts`] are built from, known when the schedule starts.
 pub(super) struct FactsInput<'a> {

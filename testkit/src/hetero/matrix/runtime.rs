@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::{edge_cells, matrix_cells, Cell};
 use crate::demo::DemoError;
-use crate::hetero::demo::{run, HeteroDemoOptions};
+use crate::hetero::pair_demo::{run, HeteroDemoOptions};
 
 /// How one cell went through the runtime.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -5,10 +5,10 @@ use std::time::{Duration, Instant};
 use kvhandoff_protocol::hetero::PairPlan;
 
 use super::flight::Shared;
-use super::{HeteroDemoOptions, HeteroSummary, Tally};
+use super::{HeteroDemoOptions, Tally};
 use crate::demo::{
-    DemoReport, EventCounts, GeometrySummary, Latency, Outcomes, PrefillOutcomes, ReportRole,
-    TurnCounts,
+    DemoReport, EventCounts, GeometrySummary, HeteroSummary, Latency, Outcomes, PrefillOutcomes,
+    ReportRole, TurnCounts,
 };
 use crate::stats::gbps;
 

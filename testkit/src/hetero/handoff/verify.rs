@@ -8,7 +8,7 @@ use kvhandoff_protocol::hetero::{
 };
 use serde::Serialize;
 
-use super::handoff::Handoff;
+use super::Handoff;
 use crate::pattern::{reference_row, Part};
 
 /// What a byte was expected to be.

@@ -46,7 +46,6 @@ use kvhandoff_protocol::hetero::{
 use kvhandoff_protocol::machine::{BlockPairing, Config};
 use kvhandoff_protocol::{EngineId, ModelIdentity};
 use rand::{Rng, SeedableRng};
-use serde::Serialize;
 
 use super::handoff::{Handoff, RequestShape};
 use super::route::PlannedRoute;
@@ -129,39 +128,6 @@ impl HeteroDemoOptions {
             fault: None,
         }
     }
-}
-
-/// What the heterogeneous demo adds to the demo's report.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct HeteroSummary {
-    /// The catalog model.
-    pub model: String,
-    /// P's side spec.
-    pub prefill: String,
-    /// D's side spec.
-    pub decode: String,
-    /// P's ranks.
-    pub prefill_ranks: u32,
-    /// D's ranks.
-    pub decode_ranks: u32,
-    /// Links (P rank → D rank pairs that move bytes).
-    pub links: u32,
-    /// P ranks that write nothing (replicas).
-    pub idle_prefill_ranks: u32,
-    /// Sub-requests started over all ranks and requests (one per link and side).
-    pub sub_requests: u64,
-    /// Descriptors posted over all requests.
-    pub descriptors: u64,
-    /// P's staging jobs over all requests.
-    pub prefill_jobs: u64,
-    /// D's staging jobs over all requests.
-    pub decode_jobs: u64,
-    /// Bytes D zeroed (tails of partly covered blocks).
-    pub zeroed_bytes: u64,
-    /// Transport faults armed (`chaos`).
-    pub faults_injected: u64,
-    /// Each transform: what, where, why.
-    pub transforms: Vec<String>,
 }
 
 /// Runs the heterogeneous demo.
