@@ -21,7 +21,7 @@
 //! `request_finished` (a pulled request's `remote_block_ids`) for D, and, in conversations, D's
 //! answer to `keep_for_next_turn` for P's next turn. It travels over the router link
 //! (`--router HOST:PORT`, both processes given the same: D listens, P connects; see
-//! `src/node/router.rs`), never over the protocol's side channel. D calls `request_allocated`
+//! `testkit/src/node/router.rs`), never over the protocol's side channel. D calls `request_allocated`
 //! for a pulled request at its scheduled time or when P's answer came, whichever is later, and
 //! reads P's blocks over NIXL; a pulled request whose answer has not come `--decode-deadline-ms`
 //! after its time is given up uncalled (`NoAnswer`: P is gone). Conversations (`bidir`) follow P's
@@ -146,7 +146,7 @@ pub struct NodeOptions {
     /// alone (default false).
     pub expect_peer_loss: bool,
     /// The router link's address: D listens there, P connects (needed by every mode but push;
-    /// both nodes are given the same; see `src/node/router.rs`).
+    /// both nodes are given the same; see `testkit/src/node/router.rs`).
     pub router: Option<SocketAddr>,
     /// TEST HOOK of the kill tests: right after this node's last engine call for request `K`
     /// of the plan (P: `request_finished`; D: `keep_for_next_turn` for a turn it keeps,
