@@ -11,7 +11,7 @@ pub(crate) mod sim;
 
 use std::process::ExitCode;
 
-use kvhandoff_cli::demo::DemoMode;
+use kvhandoff_testkit::demo::DemoMode;
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub(crate) enum ModeArg {

@@ -7,7 +7,7 @@
 
 use kvhandoff::protocol::planner::{descriptor_count, PlanInput};
 use kvhandoff::protocol::RegionDesc;
-use kvhandoff_cli::bench::transfer::{
+use kvhandoff_bench::transfer::{
     bench_geometry, block_tables, plan_fragmented_70b, BlockTable, TransferOptions,
     FRAGMENTED_70B_MIN_DESCRIPTORS,
 };
@@ -63,7 +63,7 @@ fn the_default_tables_have_the_expected_descriptor_counts() {
 #[cfg(not(feature = "nixl"))]
 #[test]
 fn without_nixl_the_bench_refuses_clearly() {
-    let err = kvhandoff_cli::bench::transfer::transfer(&TransferOptions::tiny())
+    let err = kvhandoff_bench::transfer::transfer(&TransferOptions::tiny())
         .expect_err("no NIXL in this build");
     assert!(err.to_string().contains("`nixl` cargo feature"), "{err}");
 }
@@ -71,7 +71,7 @@ fn without_nixl_the_bench_refuses_clearly() {
 #[cfg(feature = "nixl")]
 mod nixl {
     use super::*;
-    use kvhandoff_cli::bench::transfer::transfer;
+    use kvhandoff_bench::transfer::transfer;
 
     #[test]
     fn a_tiny_run_moves_the_blocks_and_reports_positive_numbers() {

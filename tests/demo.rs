@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use kvhandoff::actors::transport::mem::MemFabric;
 use kvhandoff::protocol::{KvLayout, PairingKey, RegionKind, RequestId};
-use kvhandoff_cli::bench::{self, ControlOptions};
-use kvhandoff_cli::demo::{
-    self, block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
-    DemoOptions,
+use kvhandoff_bench::{self as bench, ControlOptions};
+use kvhandoff_testkit::demo::{self, DemoOptions};
+use kvhandoff_testkit::demo::{DemoMode, DemoReport, DemoTransport, ReportRole};
+use kvhandoff_testkit::node::{self, NodeOptions, NodeReport, NodeRole};
+use kvhandoff_testkit::pattern::{
+    block_byte_offset, demo_geometry, expected_byte, fill_kernel_block, request_key,
 };
-use kvhandoff_cli::demo::{DemoMode, DemoReport, DemoTransport, ReportRole};
-use kvhandoff_cli::node::{self, NodeOptions, NodeReport, NodeRole};
 
 /// A seed for which both races happen with 16 requests.
 const SEED: u64 = 7;

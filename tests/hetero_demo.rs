@@ -5,8 +5,8 @@
 
 mod cli_json;
 
-use kvhandoff_cli::demo::{DemoError, DemoReport};
-use kvhandoff_cli::hetero::demo::{run, HeteroDemoOptions, HeteroFault};
+use kvhandoff_testkit::demo::{DemoError, DemoReport};
+use kvhandoff_testkit::hetero::pair_demo::{run, HeteroDemoOptions, HeteroFault};
 
 fn options(model: &str, prefill: &str, decode: &str, requests: usize) -> HeteroDemoOptions {
     HeteroDemoOptions {

@@ -4,8 +4,8 @@
 //! `source scripts/nixl-env.sh && cargo test --features nixl --test hetero_nixl`.
 #![cfg(feature = "nixl")]
 
-use kvhandoff_cli::hetero::nixl_wire::NixlWire;
-use kvhandoff_cli::hetero::wire::{Arena, MemoryWire, Piece, Transfer, Wire};
+use kvhandoff_testkit::hetero::nixl_wire::NixlWire;
+use kvhandoff_testkit::hetero::wire::{Arena, MemoryWire, Piece, Transfer, Wire};
 
 fn arena(name: &str, len: usize, seed: u8) -> Arena {
     Arena {
@@ -87,8 +87,8 @@ fn nixl_wire_moves_the_same_bytes_as_the_memory_wire() {
 /// geometry; it must move exactly the bytes and descriptors the in-memory run moves.
 #[test]
 fn matrix_slice_over_real_nixl_is_byte_exact() {
-    use kvhandoff_cli::hetero::matrix::{memory_wires, run_cell, Cell, Outcome, PASSES};
     use kvhandoff_protocol::hetero::model;
+    use kvhandoff_testkit::hetero::matrix::{memory_wires, run_cell, Cell, Outcome, PASSES};
 
     let cells = [
         (
@@ -190,8 +190,8 @@ fn matrix_slice_over_real_nixl_is_byte_exact() {
 /// WRITEs into the ranks' registered memory, then every byte checked in D's geometry.
 #[test]
 fn demo_pairs_over_real_nixl_hand_off_through_the_lease_protocol() {
-    use kvhandoff_cli::demo::DemoTransport;
-    use kvhandoff_cli::hetero::demo::{run, HeteroDemoOptions};
+    use kvhandoff_testkit::demo::DemoTransport;
+    use kvhandoff_testkit::hetero::pair_demo::{run, HeteroDemoOptions};
     for (model, p, d) in [
         (
             "gqa8",

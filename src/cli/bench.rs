@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
-use kvhandoff_cli::bench::{self, ControlOptions};
+use kvhandoff_bench::{self as bench, ControlOptions};
 
 use super::conclude;
 

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use kvhandoff_cli::demo::{self, DemoOptions, DemoTransport};
+use kvhandoff_testkit::demo::{self, DemoOptions, DemoTransport};
 
 use super::{conclude, demo_mode, ModeArg};
 
@@ -95,7 +95,7 @@ pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
 /// `demo --model M --prefill SPEC --decode SPEC`: a pair the planner refuses, or a spec that
 /// does not parse, is exit 2 with the reason (`{"error": …}` with `--json`), as `plan`'s.
 fn run_hetero(args: &DemoArgs, model: &str, prefill: &str, decode: &str) -> ExitCode {
-    use kvhandoff_cli::hetero::demo::{self as hetero, HeteroDemoOptions};
+    use kvhandoff_testkit::hetero::pair_demo::{self as hetero, HeteroDemoOptions};
     let refuse = |error: String| {
         if args.json {
             super::print_json(&serde_json::json!({ "error": error }));
@@ -127,7 +127,7 @@ fn run_hetero(args: &DemoArgs, model: &str, prefill: &str, decode: &str) -> Exit
         ..HeteroDemoOptions::new(model, p, d)
     };
     match hetero::run(&options) {
-        Err(kvhandoff_cli::demo::DemoError::Options(why)) => refuse(why),
+        Err(kvhandoff_testkit::demo::DemoError::Options(why)) => refuse(why),
         result => conclude(
             result,
             args.json,

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use kvhandoff_cli::hetero::matrix::{render_markdown, render_summary, run_matrix};
+use kvhandoff_testkit::hetero::matrix::{render_markdown, render_summary, run_matrix};
 
 use super::print_json;
 
@@ -30,7 +30,9 @@ pub(crate) struct MatrixArgs {
 
 pub(crate) fn run_matrix_command(args: MatrixArgs) -> ExitCode {
     if args.runtime {
-        use kvhandoff_cli::hetero::matrix::runtime::{render_runtime_summary, run_runtime_matrix};
+        use kvhandoff_testkit::hetero::matrix::runtime::{
+            render_runtime_summary, run_runtime_matrix,
+        };
         let report = run_runtime_matrix(args.requests as usize, 2);
         let printed = if args.json {
             print_json(&report)

@@ -3,8 +3,8 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use kvhandoff_cli::demo::DemoOptions;
-use kvhandoff_cli::node::{self, NodeOptions, NodeRole};
+use kvhandoff_testkit::demo::DemoOptions;
+use kvhandoff_testkit::node::{self, NodeOptions, NodeRole};
 
 use super::{conclude, demo_mode, ModeArg};
 
@@ -95,11 +95,13 @@ pub(crate) struct NodeArgs {
     /// the plan (P: request_finished; D: keep_for_next_turn for a turn it keeps,
     /// request_allocated otherwise), stop this process with SIGSTOP (for the test to kill it
     /// there).
+    #[cfg(feature = "test-hooks")]
     #[arg(long, value_name = "K")]
     stop_self_after: Option<u32>,
-    /// This many ms into the schedule, send this rank's handshake to the peer again, twice: a
+    /// TEST HOOK: this many ms into the schedule, send this rank's handshake to the peer again, twice: a
     /// second dial through the link and a raw copy from a plain socket (a test of repeated
     /// handshakes: the peer must change nothing).
+    #[cfg(feature = "test-hooks")]
     #[arg(long, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     repeat_handshake_ms: Option<u64>,
     /// Print the report as JSON instead of a table.
@@ -140,12 +142,15 @@ pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
         ..options.schedule
     };
     options.router = args.router;
-    options.stop_self_after = args.stop_self_after.map(|k| k as usize);
     let ms = std::time::Duration::from_millis;
+    #[cfg(feature = "test-hooks")]
+    {
+        options.stop_self_after = args.stop_self_after.map(|k| k as usize);
+        options.repeat_handshake_after = args.repeat_handshake_ms.map(ms);
+    }
     options.start_at = args.start_at as usize;
     options.linger = ms(args.linger_ms);
     options.expect_peer_loss = args.expect_peer_loss;
-    options.repeat_handshake_after = args.repeat_handshake_ms.map(ms);
     options.timing = node::NodeTiming {
         heartbeat: args.heartbeat_ms.map(ms),
         lease: args.lease_ms.map(ms),

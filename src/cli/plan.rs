@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use kvhandoff_cli::hetero::plan_report::plan_report;
+use kvhandoff_testkit::hetero::plan_report::plan_report;
 
 use super::print_json;
 

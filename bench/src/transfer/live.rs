@@ -1,0 +1,262 @@
+//! The parts that need the NIXL runtime.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvhandoff_actors::system::{
+    agent_name, build_rank, KvPool, RankOptions, RegionBytes, ShellConfig,
+};
+use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
+use kvhandoff_protocol::machine::Config;
+use kvhandoff_protocol::planner::{Descriptor, PlanInput, Planner};
+use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, RegionDesc, RegionSpec, RequestId};
+use nixl_sys::{AgentConfig, MemType, NixlError, XferDescList, XferOp, XferStatus};
+
+use kvhandoff_testkit::stats::min;
+
+use super::{
+    block_tables, gbps, median, memcpy_gbps, percentile, plan_fragmented_70b, us, BlockTable,
+    NotifyPoint, PushNumbers, RawNumbers, RequestShape, TableNumbers, TransferBenchError,
+    TransferOptions, TransferReport, BLOCK_TOKENS, COARSE_FRACTION, COARSE_POLL, DRIVER_POLL,
+    TARGET_RATIO,
+};
+use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams, Runtime};
+use kvhandoff_testkit::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
+
+mod notify;
+mod push;
+mod raw;
+
+use crate::stamps::{check, clear, fill, pool_regions, stamp};
+use notify::*;
+use push::*;
+use raw::*;
+
+fn nixl(what: &str) -> impl Fn(NixlError) -> TransferBenchError + '_ {
+    move |e| TransferBenchError::Nixl(format!("{what}: {e}"))
+}
+
+fn run_error(why: impl Into<String>) -> TransferBenchError {
+    TransferBenchError::Run(why.into())
+}
+
+pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferBenchError> {
+    nixl_runtime_available().map_err(|e| TransferBenchError::Nixl(e.to_string()))?;
+    let geometry = super::bench_geometry(options);
+    geometry
+        .validate()
+        .map_err(|e| TransferBenchError::Options(e.to_string()))?;
+    let specs = geometry
+        .regions()
+        .map_err(|e| TransferBenchError::Options(e.to_string()))?;
+    let block_bytes = specs[0].block_len;
+    let blocks = options.blocks();
+    let (pool_blocks, tables) = block_tables(blocks);
+    let request_bytes = block_bytes * u64::from(blocks) * specs.len() as u64;
+    let shape = RequestShape {
+        num_layers: options.num_layers,
+        kv_heads: options.kv_heads,
+        head_dim: options.head_dim,
+        block_tokens: BLOCK_TOKENS,
+        blocks,
+        regions: specs.len(),
+        block_bytes,
+        request_bytes,
+        pool_blocks,
+    };
+    let nixl_config = NixlConfig::default();
+    let shell = ShellConfig::default();
+
+    let fragmented_70b = plan_fragmented_70b(options.plan_repeats)?;
+    let memcpy = memcpy_gbps(request_bytes, options.repeats.clamp(3, 10));
+
+    let agent_config = AgentConfig {
+        enable_prog_thread: nixl_config.progress_thread,
+        pthr_delay_us: nixl_config.pthr_delay_us,
+        ..AgentConfig::default()
+    };
+    let mut raw = RawPair::new(&agent_config, &specs, pool_blocks, "bench-raw")?;
+    let mut push = Push::new(&geometry, pool_blocks, nixl_config.clone(), shell.clone())?;
+    // Real bytes in every source page (untouched pages would all read the shared zero page).
+    let region_len = block_bytes * u64::from(pool_blocks);
+    fill(&byte_regions(&raw.p), region_len).map_err(run_error)?;
+    fill(&pool_regions(&push.p_pool), region_len).map_err(run_error)?;
+
+    let mut numbers = Vec::new();
+    for table in &tables {
+        numbers.push(run_table(
+            options,
+            &geometry,
+            &specs,
+            table,
+            request_bytes,
+            &mut raw,
+            &mut push,
+        )?);
+    }
+    push.shutdown();
+    drop(raw);
+
+    let notification_sweep = notification_sweep(options, &nixl_config)?;
+    let notification_rtt_us = notification_sweep
+        .iter()
+        .find(|p| {
+            p.progress_thread == nixl_config.progress_thread
+                && p.pthr_delay_us == nixl_config.pthr_delay_us
+        })
+        .map_or(0.0, |p| p.rtt_p50_us);
+
+    let headline = numbers
+        .iter()
+        .find(|t| t.table == "fragmented")
+        .or(numbers.first())
+        .cloned()
+        .ok_or_else(|| run_error("no table ran"))?;
+    let ratio_min = numbers
+        .iter()
+        .map(|t| t.ratio)
+        .fold(f64::INFINITY, f64::min);
+    Ok(TransferReport {
+        memcpy_gbps: memcpy,
+        raw_nixl_gbps: headline.raw.gbps,
+        kvhandoff_gbps: headline.kvhandoff.gbps,
+        ratio: headline.ratio,
+        descriptors: headline.descriptors,
+        headline_table: headline.table.clone(),
+        ratio_min,
+        target_ratio: TARGET_RATIO,
+        ratio_met: ratio_min >= TARGET_RATIO,
+        handoff_latency_p50_us: headline.kvhandoff.latency_p50_us,
+        handoff_latency_p99_us: headline.kvhandoff.latency_p99_us,
+        raw_post_us: headline.raw.post_us,
+        notification_rtt_us,
+        fragmented_70b,
+        request: shape,
+        repeats: options.repeats,
+        progress_thread: nixl_config.progress_thread,
+        pthr_delay_us: nixl_config.pthr_delay_us,
+        writer_poll_us: us(shell.poll_interval),
+        tables: numbers,
+        notification_sweep,
+    })
+}
+
+/// One table: planner count, then warm-ups, then alternating raw and kvhandoff repetitions.
+fn run_table(
+    options: &TransferOptions,
+    geometry: &KvGeometry,
+    specs: &[RegionSpec],
+    table: &BlockTable,
+    request_bytes: u64,
+    raw: &mut RawPair,
+    push: &mut Push,
+) -> Result<TableNumbers, TransferBenchError> {
+    let kbpl = geometry.kernel_blocks_per_logical;
+    let mut planner = Planner::new();
+    let plan = |planner: &mut Planner, local: &[RegionDesc], remote: &[RegionDesc]| {
+        let input = PlanInput::new(local, remote, specs, &table.local, &table.remote, kbpl);
+        planner
+            .plan(&input)
+            .map_err(|e| run_error(format!("{} table does not plan: {e}", table.name)))
+    };
+    let raw_plan = plan(&mut planner, &raw.p.regions, &raw.d.regions)?;
+    // What the P rank's writer plans: its own regions against the ones D advertised.
+    let push_count = plan(&mut planner, &push.p_regions, &push.d_regions)?.descriptor_count();
+    if raw_plan.descriptor_count() != push_count || raw_plan.bytes != request_bytes {
+        return Err(run_error(format!(
+            "{}: raw plans {} descriptors / {} bytes, kvhandoff {push_count} descriptors",
+            table.name,
+            raw_plan.descriptor_count(),
+            raw_plan.bytes
+        )));
+    }
+    let block_bytes = specs[0].block_len * u64::from(kbpl);
+    let local = table.local.groups.first().cloned().unwrap_or_default();
+    let remote = table.remote.groups.first().cloned().unwrap_or_default();
+    stamp(&byte_regions(&raw.p), block_bytes, &local).map_err(run_error)?;
+    push.stamp_source(block_bytes, &local)?;
+
+    let mut raw_samples = Vec::new();
+    let mut push_samples = Vec::new();
+    for rep in 0..=options.repeats {
+        let raw_sample = raw.once(
+            &raw_plan.descriptors,
+            format!("{}-{rep}", table.name).as_bytes(),
+            block_bytes,
+            (&local, &remote),
+            options.timeout,
+        )?;
+        // The driver sleeps coarsely through most of the expected transfer time (the raw
+        // total just measured), then polls finely: a tight poll loop would take a core from
+        // the transfer on a small machine.
+        let coarse = Duration::from_secs_f64(raw_sample.total_us * COARSE_FRACTION / 1e6);
+        let push_sample = push.once(
+            table,
+            rep,
+            block_bytes,
+            (&local, &remote),
+            coarse,
+            options.timeout,
+        )?;
+        // Repetition 0 is the warm-up (connections, first touch of the pages).
+        if rep > 0 {
+            raw_samples.push(raw_sample);
+            push_samples.push(push_sample);
+        }
+    }
+    let col = |f: fn(&RawSample) -> f64| raw_samples.iter().map(f).collect::<Vec<f64>>();
+    let total = col(|s| s.total_us);
+    let complete = col(|s| s.complete_us);
+    let raw_numbers = RawNumbers {
+        gbps: median(
+            &total
+                .iter()
+                .map(|&t| gbps(request_bytes, t))
+                .collect::<Vec<_>>(),
+        ),
+        complete_gbps: median(
+            &complete
+                .iter()
+                .map(|&t| gbps(request_bytes, t))
+                .collect::<Vec<_>>(),
+        ),
+        build_us: median(&col(|s| s.build_us)),
+        post_us: median(&col(|s| s.post_us)),
+        complete_us: median(&complete),
+        total_us: median(&total),
+        done_in_post: raw_samples.iter().filter(|s| s.done_in_post).count(),
+    };
+    let latency: Vec<f64> = push_samples.iter().map(|s| s.latency_us).collect();
+    let push_numbers = PushNumbers {
+        gbps: median(
+            &latency
+                .iter()
+                .map(|&t| gbps(request_bytes, t))
+                .collect::<Vec<_>>(),
+        ),
+        latency_p50_us: median(&latency),
+        latency_p99_us: percentile(&latency, 99.0),
+        latency_min_us: min(&latency),
+        d_call_us: median(&push_samples.iter().map(|s| s.d_call_us).collect::<Vec<_>>()),
+        p_call_us: median(&push_samples.iter().map(|s| s.p_call_us).collect::<Vec<_>>()),
+    };
+    let ratio = if raw_numbers.gbps > 0.0 {
+        push_numbers.gbps / raw_numbers.gbps
+    } else {
+        0.0
+    };
+    let paired: Vec<f64> = raw_samples
+        .iter()
+        .zip(&push_samples)
+        .map(|(r, p)| r.total_us / p.latency_us.max(f64::MIN_POSITIVE))
+        .collect();
+    Ok(TableNumbers {
+        table: table.name.to_string(),
+        paired_ratio: median(&paired),
+        descriptors: push_count,
+        overhead_us: push_numbers.latency_p50_us - raw_numbers.total_us,
+        raw: raw_numbers,
+        kvhandoff: push_numbers,
+        ratio,
+    })
+}

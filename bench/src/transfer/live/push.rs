@@ -1,0 +1,190 @@
+//! kvhandoff's own push: both engines' ranks in one runtime, driven through the connector.
+
+use super::*;
+
+pub(super) struct PushSample {
+    pub(super) latency_us: f64,
+    pub(super) d_call_us: f64,
+    pub(super) p_call_us: f64,
+}
+
+pub(super) struct Push {
+    pub(super) p_conn: KvConnector,
+    pub(super) d_conn: KvConnector,
+    pub(super) p_pool: KvPool,
+    pub(super) d_pool: KvPool,
+    pub(super) p_regions: Vec<RegionDesc>,
+    pub(super) d_regions: Vec<RegionDesc>,
+    pub(super) runtime: Option<Runtime>,
+}
+
+impl Push {
+    pub(super) fn new(
+        geometry: &KvGeometry,
+        pool_blocks: u32,
+        nixl_config: NixlConfig,
+        shell: ShellConfig,
+    ) -> Result<Self, TransferBenchError> {
+        let options = |e: kvhandoff_protocol::IdError| TransferBenchError::Options(e.to_string());
+        let build = |engine: &str| {
+            let engine = EngineId::new(engine).map_err(options)?;
+            let name = agent_name(&engine, geometry.rank_index()).map_err(options)?;
+            let transport = NixlTransport::new(name, nixl_config.clone())
+                .map_err(|e| TransferBenchError::Nixl(e.to_string()))?;
+            build_rank(
+                transport,
+                &engine,
+                geometry.clone(),
+                &demo::model(),
+                pool_blocks,
+                Config::default(),
+                shell.clone(),
+            )
+            .map_err(|e| TransferBenchError::Nixl(format!("build a rank: {e}")))
+        };
+        let (p_setup, p_pool) = build(PREFILL_ENGINE)?;
+        let (d_setup, d_pool) = build(DECODE_ENGINE)?;
+        let p_regions = p_setup.info.regions.clone();
+        let d_regions = d_setup.info.regions.clone();
+        let mut runtime = Runtime::start().map_err(|e| run_error(e.to_string()))?;
+        let p_handle = runtime
+            .add_rank(p_setup, RankOptions::default())
+            .map_err(|e| run_error(e.to_string()))?;
+        let d_handle = runtime
+            .add_rank(d_setup, RankOptions::default())
+            .map_err(|e| run_error(e.to_string()))?;
+        let ident = |engine| demo::identity(engine).map_err(|e| run_error(e.to_string()));
+        Ok(Push {
+            p_conn: KvConnector::new(ident(PREFILL_ENGINE)?, p_handle),
+            d_conn: KvConnector::new(ident(DECODE_ENGINE)?, d_handle),
+            p_pool,
+            d_pool,
+            p_regions,
+            d_regions,
+            runtime: Some(runtime),
+        })
+    }
+
+    pub(super) fn stamp_source(
+        &self,
+        block_bytes: u64,
+        blocks: &[u32],
+    ) -> Result<(), TransferBenchError> {
+        stamp(&pool_regions(&self.p_pool), block_bytes, blocks).map_err(run_error)
+    }
+
+    /// One request: P finishes, D allocates; waits for D's `BlocksReady` and P's
+    /// `BlocksFree`; checks the stamps.
+    pub(super) fn once(
+        &mut self,
+        table: &BlockTable,
+        rep: usize,
+        block_bytes: u64,
+        tables: (&[u32], &[u32]),
+        coarse: Duration,
+        timeout: Duration,
+    ) -> Result<PushSample, TransferBenchError> {
+        let d_regions = pool_regions(&self.d_pool);
+        clear(&d_regions, block_bytes, tables.1).map_err(run_error)?;
+        // vLLM-like ids: one base, a random-looking 8-hex suffix per engine.
+        let base = format!("cmpl-bench-{}-{rep:06}-0", table.name);
+        let id = |suffix: u32| {
+            RequestId::new(format!("{base}-{suffix:08x}"))
+                .map_err(|e| TransferBenchError::Options(e.to_string()))
+        };
+        let (p_id, d_id) = (id(0x9e37_79b9)?, id(0x7f4a_7c15)?);
+        let tokens = table.local.total() as u64 * u64::from(BLOCK_TOKENS);
+        let connector = |e: kvhandoff::ConnectorError| run_error(format!("connector: {e}"));
+
+        let p_start = Instant::now();
+        let params = self
+            .p_conn
+            .request_finished(
+                &p_id,
+                table.local.clone(),
+                tokens,
+                &KvTransferParams::default(),
+            )
+            .map_err(connector)?;
+        let d_start = Instant::now();
+        self.d_conn
+            .request_allocated(&d_id, table.remote.clone(), tokens, &params)
+            .map_err(connector)?;
+        let d_returned = Instant::now();
+        let deadline = d_start + timeout;
+        let ready = wait_for(
+            &mut self.d_conn,
+            d_start + coarse,
+            deadline,
+            |event| match event {
+                ConnectorEvent::BlocksReady { request, blocks } if *request == d_id => {
+                    Some(check_blocks(blocks, &table.remote))
+                }
+                _ => Some(Err(format!("D: unexpected event {event:?}"))),
+            },
+        )?;
+        wait_for(&mut self.p_conn, ready, deadline, |event| match event {
+            ConnectorEvent::BlocksFree {
+                request,
+                released: None,
+                blocks,
+            } if *request == p_id => Some(check_blocks(blocks, &table.local)),
+            _ => Some(Err(format!("P: unexpected event {event:?}"))),
+        })?;
+        check("kvhandoff", &d_regions, block_bytes, tables).map_err(run_error)?;
+        Ok(PushSample {
+            latency_us: us(ready - d_start),
+            d_call_us: us(d_returned - d_start),
+            p_call_us: us(d_start - p_start),
+        })
+    }
+
+    pub(super) fn shutdown(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown();
+        }
+    }
+}
+
+pub(super) fn check_blocks(got: &BlockIds, want: &BlockIds) -> Result<(), String> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("blocks {got:?} returned, {want:?} expected"))
+    }
+}
+
+/// Polls `conn` every [`COARSE_POLL`] until `coarse_until`, then every [`DRIVER_POLL`], until
+/// `accept` settles an event; returns when it was seen.
+pub(super) fn wait_for(
+    conn: &mut KvConnector,
+    coarse_until: Instant,
+    deadline: Instant,
+    accept: impl Fn(&ConnectorEvent) -> Option<Result<(), String>>,
+) -> Result<Instant, TransferBenchError> {
+    loop {
+        let events = conn.poll_events();
+        let now = Instant::now();
+        for event in &events {
+            match accept(event) {
+                Some(Ok(())) => return Ok(now),
+                Some(Err(why)) => return Err(run_error(why)),
+                None => {}
+            }
+        }
+        if now > deadline {
+            return Err(run_error("no event before the deadline"));
+        }
+        thread::sleep(if now < coarse_until {
+            COARSE_POLL
+        } else {
+            DRIVER_POLL
+        });
+    }
+}
+
+impl Drop for Push {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,516 @@
+//! `kvhandoff demo --model M --prefill SPEC --decode SPEC`: every rank of a heterogeneous pair
+//! (P at one TP / block size / layout, D at another) in one process, handing KV over the lease
+//! protocol, then checked byte for byte in D's own geometry.
+//!
+//! What runs, per rank: a real rank ([`build_routed_rank`]: endpoint, transport actor, link)
+//! in one [`Runtime`], its registered memory being the rank's KV tensors and its staging
+//! buffer, driven through its own [`KvConnector`] with [`RankLinks`] from the pair's plan. So
+//! every (P rank → D rank) link of a request is a 1:1 sub-request under its pair key: each D
+//! rank registers with every P rank that writes to it and is `BlocksReady` only when each of
+//! them wrote (`FanIn` in the connector); each P rank holds its blocks under the lease until
+//! each of its D ranks registered and the write completed. The bytes cross the transport
+//! (`mem` or, with `--transport nixl`, one NIXL agent per rank over loopback UCX); the rank's
+//! [`PlannedRoute`] gives the driver each link's pieces.
+//!
+//! Up to [`HeteroDemoOptions::window`] requests are in flight at once, each in a memory slot of
+//! its own on every rank (a KV and a staging buffer per slot), so that later requests' calls
+//! interleave with earlier requests' writes and events on the same endpoints. Each request:
+//! 1. its plan and reference KV ([`Handoff::prepare`]: shuffled block ids, P's blocks filled
+//!    with the reference in P's geometry, junk everywhere else), every arena copied into its
+//!    slot;
+//! 2. P files each link's pieces and staging work (the transforms the plan runs on P) with its
+//!    route, then every rank's call is made in a seeded random order (P's `request_finished`,
+//!    D's `request_allocated`), so that both races (D registers first, P finishes first)
+//!    happen; the route runs a link's staging when D's registration has come, right before
+//!    the write, since the plan aligns P's staging to D's blocks;
+//! 3. once every rank has its event, D's memory is read back, D's staging jobs and tail zeroing
+//!    run, and the verifier checks every byte of every arena of both sides; the slot is free.
+//!
+//! Staging addresses reach P's route in process: across processes they would have to travel
+//! with D's registration, which is not built yet.
+
+mod flight;
+mod summary;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvConnector, RankLinks, Runtime};
+use kvhandoff_actors::system::{
+    agent_name, build_routed_rank, RankMemory, RankOptions, RoutedRegion, ShellConfig,
+    MAX_ROUTED_REGIONS,
+};
+use kvhandoff_protocol::hetero::{
+    model, plan_pair, HeteroError, PairPlan, SideName, SideSpec, Space,
+};
+use kvhandoff_protocol::machine::{BlockPairing, Config};
+use kvhandoff_protocol::{EngineId, ModelIdentity};
+use rand::{Rng, SeedableRng};
+
+use super::handoff::{Handoff, RequestShape};
+use crate::demo::{DemoError, DemoReport, DemoTransport, Leaks, Races};
+use flight::Rank;
+use kvhandoff::route::PlannedRoute;
+
+/// P's engine id in the heterogeneous demo.
+pub const PREFILL: &str = "prefill";
+/// D's engine id in the heterogeneous demo.
+pub const DECODE: &str = "decode";
+/// Most requests of one run.
+pub const MAX_REQUESTS: usize = 4096;
+/// Most requests in flight at once: each takes a KV and a staging buffer of every rank.
+pub const MAX_WINDOW: usize = MAX_ROUTED_REGIONS / 2;
+/// Most errors a report keeps.
+const MAX_ERRORS: usize = 32;
+
+/// What the heterogeneous demo runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeteroDemoOptions {
+    /// The catalog model.
+    pub model: String,
+    /// P's side.
+    pub prefill: SideSpec,
+    /// D's side.
+    pub decode: SideSpec,
+    /// What the bytes travel over.
+    pub transport: DemoTransport,
+    /// Requests (default 16).
+    pub requests: usize,
+    /// Requests in flight at once, each in its own memory slot of every rank (default 4, at
+    /// most [`MAX_WINDOW`]).
+    pub window: usize,
+    /// Seed of the prompt lengths, prefix hits, block ids and call orders (default 1).
+    pub seed: u64,
+    /// Longest prompt, tokens (default 600).
+    pub max_prompt_tokens: u64,
+    /// The whole run's limit (default 60 s).
+    pub timeout: Duration,
+    /// Share of requests (0 to 1) that arm one transport fault on a random P rank as they start
+    /// (`mem` only): its next post is refused, or its next write fails, or lands half its bytes
+    /// and fails, or lands late. Default 0. The run is then FAILED by design; what must hold is
+    /// the accounting (one event per request and side, nothing leaked, every ready request
+    /// verified).
+    pub chaos: f64,
+    /// TEST ONLY: a deliberate fault in the middle request, which the run must report.
+    #[doc(hidden)]
+    pub fault: Option<HeteroFault>,
+}
+
+/// A deliberate fault of the heterogeneous demo (tests show that the report catches each).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeteroFault {
+    /// P files nothing for the request's first link: its write is refused (`PostFailed`).
+    UnfiledLink,
+    /// One piece of the request's first non-empty link lands one row off.
+    ShiftedPiece,
+    /// P files its links without their staging work: the write moves staging P never filled.
+    Unstaged,
+    /// D's first rank aborts the request after every D rank registered and before any P rank
+    /// finished.
+    DecodeAborts,
+}
+
+impl HeteroDemoOptions {
+    /// The defaults for a pair.
+    pub fn new(model: &str, prefill: SideSpec, decode: SideSpec) -> HeteroDemoOptions {
+        HeteroDemoOptions {
+            model: model.into(),
+            prefill,
+            decode,
+            transport: DemoTransport::Mem,
+            requests: 16,
+            window: 4,
+            seed: 1,
+            max_prompt_tokens: 600,
+            timeout: Duration::from_secs(60),
+            chaos: 0.0,
+            fault: None,
+        }
+    }
+}
+
+/// Runs the heterogeneous demo.
+///
+/// # Errors
+/// [`DemoError::Options`] for an unknown model, a pair the planner refuses (with its reason),
+/// or bad counts; [`DemoError::NoNixl`]/[`DemoError::NixlUnavailable`]
+/// for NIXL without its runtime; a rank that cannot be built. A run that starts and goes wrong
+/// returns a FAILED report.
+pub fn run(options: &HeteroDemoOptions) -> Result<DemoReport, DemoError> {
+    let wall = Instant::now();
+    let opt = |e: HeteroError| DemoError::Options(e.to_string());
+    let model = model(&options.model).map_err(opt)?;
+    let pair = plan_pair(model, options.prefill, options.decode).map_err(opt)?;
+    if options.requests == 0 || options.requests > MAX_REQUESTS {
+        return Err(DemoError::Options(format!(
+            "--requests must be in 1..={MAX_REQUESTS}"
+        )));
+    }
+    if !(0.0..=1.0).contains(&options.chaos) {
+        return Err(DemoError::Options(
+            "chaos is a share of requests, 0 to 1".into(),
+        ));
+    }
+    if options.chaos > 0.0 && options.transport != DemoTransport::Mem {
+        return Err(DemoError::Options(
+            "chaos arms the in-memory transport's faults: --transport mem".into(),
+        ));
+    }
+    if options.window == 0 || options.window > MAX_WINDOW {
+        return Err(DemoError::Options(format!(
+            "the window must be in 1..={MAX_WINDOW}"
+        )));
+    }
+    let d_logical = pair.decode.spec.logical_block();
+    if options.max_prompt_tokens <= d_logical
+        || options.max_prompt_tokens > kvhandoff_protocol::hetero::MAX_REQUEST_TOKENS
+    {
+        return Err(DemoError::Options(format!(
+            "the longest prompt must be above D's {d_logical}-token logical block and at most {}",
+            kvhandoff_protocol::hetero::MAX_REQUEST_TOKENS
+        )));
+    }
+    let handoffs = prepare(&pair, options)?;
+    let lens = region_lens(&pair, &handoffs);
+    let run = Prepared {
+        pair,
+        handoffs,
+        lens,
+    };
+    match options.transport {
+        DemoTransport::Mem => mem_run(options, run, wall),
+        DemoTransport::Nixl => nixl_run(options, run, wall),
+    }
+}
+
+/// Every request's plan and arenas, drawn from the seed.
+fn prepare(pair: &PairPlan, options: &HeteroDemoOptions) -> Result<Vec<Handoff>, DemoError> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(options.seed);
+    let d_logical = pair.decode.spec.logical_block();
+    (0..options.requests)
+        .map(|r| {
+            let tokens = rng.gen_range(1..=options.max_prompt_tokens);
+            let hits = (tokens - 1) / d_logical;
+            let cached = if hits > 0 && rng.gen_bool(0.25) {
+                rng.gen_range(1..=hits) * d_logical
+            } else {
+                0
+            };
+            let shape = RequestShape {
+                tokens,
+                cached_tokens: cached,
+                seed: options.seed.wrapping_mul(1_000_003).wrapping_add(r as u64),
+            };
+            Handoff::prepare(pair.clone(), shape)
+                .map_err(|e| DemoError::Options(format!("request {r}: {e}")))
+        })
+        .collect()
+}
+
+/// A run's requests, planned: the pair, every request's plan and arenas, and the memory each
+/// rank registers per slot ([`region_lens`]).
+struct Prepared {
+    pair: PairPlan,
+    handoffs: Vec<Handoff>,
+    lens: Vec<((SideName, usize), [u64; 2])>,
+}
+
+fn mem_run(
+    options: &HeteroDemoOptions,
+    run: Prepared,
+    wall: Instant,
+) -> Result<DemoReport, DemoError> {
+    use kvhandoff_actors::transport::mem::{MemFabric, MemLimits};
+    let total: u64 = run
+        .lens
+        .iter()
+        .flat_map(|(_, lens)| lens.iter())
+        .sum::<u64>()
+        .saturating_mul(options.window as u64);
+    let fabric = MemFabric::with_limits(MemLimits {
+        max_fabric_bytes: total
+            .saturating_mul(2)
+            .max(MemLimits::default().max_fabric_bytes),
+        ..MemLimits::default()
+    });
+    let agents = std::cell::RefCell::new(Vec::new());
+    let make = |name: kvhandoff_protocol::AgentName| {
+        agents.borrow_mut().push(name.clone());
+        fabric.agent(name).map_err(|e| DemoError::Build(e.into()))
+    };
+    let landed = || {
+        agents
+            .borrow()
+            .iter()
+            .filter_map(|a| fabric.stats(a))
+            .map(|s| s.bytes_landed)
+            .sum()
+    };
+    let mut chaos = |rng: &mut rand_chacha::ChaCha8Rng| {
+        if options.chaos <= 0.0 || !rng.gen_bool(options.chaos) {
+            return false;
+        }
+        let agents = agents.borrow();
+        let writers: Vec<_> = agents
+            .iter()
+            .filter(|a| a.as_str().starts_with(PREFILL))
+            .collect();
+        let Some(agent) = writers.get(rng.gen_range(0..writers.len().max(1))) else {
+            return false;
+        };
+        let Some(mut faults) = fabric.faults(agent) else {
+            return false;
+        };
+        match rng.gen_range(0..4) {
+            0 => faults.fail_next_posts += 1,
+            1 => faults.fail_next_transfers += 1,
+            2 => faults.partial_next_transfers += 1,
+            _ => faults.land_after_polls = rng.gen_range(2..40),
+        }
+        fabric.set_faults(agent, faults).is_ok()
+    };
+    let hooks = Hooks {
+        transport: "mem",
+        landed: Some(&landed),
+        chaos: &mut chaos,
+    };
+    drive(options, run, wall, make, hooks)
+}
+
+#[cfg(feature = "nixl")]
+fn nixl_run(
+    options: &HeteroDemoOptions,
+    run: Prepared,
+    wall: Instant,
+) -> Result<DemoReport, DemoError> {
+    use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
+    nixl_runtime_available().map_err(|e| DemoError::NixlUnavailable(e.to_string()))?;
+    let make = |name: kvhandoff_protocol::AgentName| {
+        NixlTransport::new(name, NixlConfig::default()).map_err(|e| DemoError::Build(e.into()))
+    };
+    let hooks = Hooks {
+        transport: "nixl",
+        landed: None,
+        chaos: &mut |_| false,
+    };
+    drive(options, run, wall, make, hooks)
+}
+
+#[cfg(not(feature = "nixl"))]
+fn nixl_run(_: &HeteroDemoOptions, _: Prepared, _: Instant) -> Result<DemoReport, DemoError> {
+    Err(DemoError::NoNixl)
+}
+
+/// Per rank (side, index): the lengths of its KV and staging memory, the largest any request
+/// needs.
+fn region_lens(pair: &PairPlan, handoffs: &[Handoff]) -> Vec<((SideName, usize), [u64; 2])> {
+    let mut out = Vec::new();
+    for (side, layout) in [
+        (SideName::Prefill, &pair.prefill),
+        (SideName::Decode, &pair.decode),
+    ] {
+        for index in 0..layout.ranks.len() {
+            let mut lens = [1u64, 1u64];
+            for h in handoffs {
+                for (slot, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
+                    let len = h.arenas[h.arena(side, index, space)].bytes.len() as u64;
+                    lens[slot] = lens[slot].max(len);
+                }
+            }
+            out.push(((side, index), lens));
+        }
+    }
+    out
+}
+
+fn model_identity(pair: &PairPlan) -> ModelIdentity {
+    ModelIdentity {
+        model: format!("kvhandoff-catalog-{}", pair.model.name),
+        dtype: "bfloat16".into(),
+        cache_dtype: format!("{}-byte", pair.model.dtype_bytes),
+    }
+}
+
+/// What differs between the transports a run drives.
+struct Hooks<'a> {
+    /// `"mem"` or `"nixl"`.
+    transport: &'static str,
+    /// Bytes the transport landed, when it counts them (else: the bytes of requests sent).
+    landed: Option<&'a dyn Fn() -> u64>,
+    /// Arms a fault as a request starts (`chaos`); whether it did.
+    chaos: &'a mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
+}
+
+/// Builds every rank, runs every request, and reports.
+fn drive<T, M>(
+    options: &HeteroDemoOptions,
+    run: Prepared,
+    wall: Instant,
+    mut make: M,
+    hooks: Hooks<'_>,
+) -> Result<DemoReport, DemoError>
+where
+    T: RankMemory + Unpin + Send + 'static,
+    M: FnMut(kvhandoff_protocol::AgentName) -> Result<T, DemoError>,
+{
+    let Prepared {
+        pair,
+        handoffs,
+        lens: all_lens,
+    } = run;
+    let config = Config::default();
+    let identity = model_identity(&pair);
+    let mut runtime = Runtime::start()?;
+    let mut ranks = Vec::new();
+    for ((side, index), lens) in all_lens {
+        let (engine, layout) = match side {
+            SideName::Prefill => (PREFILL, &pair.prefill),
+            SideName::Decode => (DECODE, &pair.decode),
+        };
+        let rank = &layout.ranks[index];
+        let engine_id = EngineId::new(engine).map_err(|e| DemoError::Options(e.to_string()))?;
+        let name = agent_name(&engine_id, rank.geometry.rank_index())
+            .map_err(|e| DemoError::Options(e.to_string()))?;
+        let route = Arc::new(PlannedRoute::new(&pair, side));
+        // P hands its whole block list to the route, whose plan aligns the sides by tokens.
+        let rank_config = Config {
+            block_pairing: BlockPairing::AsGiven,
+            ..config.clone()
+        };
+        let (setup, regions) = build_routed_rank(
+            make(name)?,
+            &engine_id,
+            rank.geometry.clone(),
+            &identity,
+            &lens.repeat(options.window),
+            rank_config,
+            ShellConfig::default(),
+            route.clone(),
+        )?;
+        let slots: Vec<[RoutedRegion; 2]> = regions
+            .chunks_exact(2)
+            .map(|pair| [pair[0].clone(), pair[1].clone()])
+            .collect();
+        let handle = runtime.add_rank(setup, RankOptions::default())?;
+        let mut conn = KvConnector::with_settings(
+            ConnectorIdentity {
+                engine: engine_id,
+                rank: rank.geometry.rank_index(),
+                tp_size: layout.spec.tp,
+                host: "127.0.0.1".into(),
+                port: 0,
+            },
+            handle,
+            ConnectorSettings::new(&config, &rank.geometry),
+        );
+        let links = RankLinks::for_rank(&pair, side, rank.geometry.rank_index())
+            .map_err(|e| DemoError::Options(e.to_string()))?;
+        conn.set_links(links)
+            .map_err(|e| DemoError::Options(e.to_string()))?;
+        ranks.push(Rank {
+            side,
+            index,
+            id: rank.geometry.rank_index(),
+            conn,
+            slots,
+            route,
+        });
+    }
+    let deadline = Instant::now() + options.timeout;
+    let mut tally = Tally::default();
+    let start = Instant::now();
+    let fault = options.fault.map(|f| (options.requests / 2, f));
+    let shared: Vec<flight::Shared> = handoffs
+        .into_iter()
+        .map(|h| Arc::new(std::sync::Mutex::new(h)))
+        .collect();
+    flight::run_all(
+        &shared,
+        &pair,
+        &mut ranks,
+        options.window,
+        options.seed ^ 0x5eed_ca11,
+        fault,
+        hooks.chaos,
+        deadline,
+        &mut tally,
+    );
+    let window = start.elapsed();
+    for rank in &mut ranks {
+        if let Some(c) = rank.conn.rank().counters(Duration::from_secs(5)) {
+            if rank.side == SideName::Prefill {
+                tally.races.decode_registers_first += c.decode_registered_first;
+                tally.races.prefill_finishes_first += c.prefill_finished_first;
+            }
+        } else {
+            tally.error(format!(
+                "{} rank {}: counters did not come back",
+                rank.side, rank.id
+            ));
+        }
+        if rank.route.pending() > 0 {
+            tally.error(format!(
+                "{} rank {}: {} filed writes were never posted",
+                rank.side,
+                rank.id,
+                rank.route.pending()
+            ));
+        }
+        let _ = rank.conn.shutdown();
+    }
+    let bytes = match hooks.landed {
+        Some(landed) => landed(),
+        None => tally.sent_bytes,
+    };
+    drop(ranks);
+    runtime.shutdown();
+    Ok(summary::report(
+        options,
+        &pair,
+        &shared,
+        tally,
+        bytes,
+        window,
+        wall,
+        hooks.transport,
+    ))
+}
+
+/// What the run saw.
+#[derive(Default)]
+pub(super) struct Tally {
+    ready: u64,
+    failed: u64,
+    decode_missing: u64,
+    sent: u64,
+    released: u64,
+    prefill_missing: u64,
+    verified: u64,
+    byte_errors: u64,
+    races: Races,
+    call_order: Races,
+    prefill_events: u64,
+    decode_events: u64,
+    duplicates: u64,
+    unknown: u64,
+    leaks: Leaks,
+    sent_bytes: u64,
+    sub_requests: u64,
+    faults_injected: u64,
+    descriptors: u64,
+    prefill_jobs: u64,
+    decode_jobs: u64,
+    zeroed: u64,
+    latencies_us: Vec<f64>,
+    timed_out: bool,
+    errors: Vec<String>,
+}
+
+impl Tally {
+    pub(super) fn error(&mut self, error: String) {
+        if self.errors.len() < MAX_ERRORS {
+            self.errors.push(error);
+        }
+    }
+}

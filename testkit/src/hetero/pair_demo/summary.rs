@@ -1,0 +1,135 @@
+//! The demo's report of a heterogeneous run: the plain demo's keys, and the pair's section.
+
+use std::time::{Duration, Instant};
+
+use kvhandoff_protocol::hetero::PairPlan;
+
+use super::flight::Shared;
+use super::{HeteroDemoOptions, Tally};
+use crate::demo::{
+    DemoReport, EventCounts, GeometrySummary, HeteroSummary, Latency, Outcomes, PrefillOutcomes,
+    ReportRole, TurnCounts,
+};
+use crate::stats::gbps;
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn report(
+    options: &HeteroDemoOptions,
+    pair: &PairPlan,
+    handoffs: &[Shared],
+    t: Tally,
+    bytes: u64,
+    window: Duration,
+    wall: Instant,
+    transport: &str,
+) -> DemoReport {
+    let m = pair.model;
+    let spec = pair.prefill.spec;
+    let summary = HeteroSummary {
+        model: m.name.into(),
+        prefill: spec.to_string(),
+        decode: pair.decode.spec.to_string(),
+        prefill_ranks: pair.prefill.ranks.len() as u32,
+        decode_ranks: pair.decode.ranks.len() as u32,
+        links: pair.links.len() as u32,
+        idle_prefill_ranks: pair.idle_prefill_ranks().len() as u32,
+        sub_requests: t.sub_requests,
+        faults_injected: t.faults_injected,
+        descriptors: t.descriptors,
+        prefill_jobs: t.prefill_jobs,
+        decode_jobs: t.decode_jobs,
+        zeroed_bytes: t.zeroed,
+        transforms: pair
+            .pipeline
+            .transforms
+            .iter()
+            .map(|x| format!("{} {}: {}", x.kind.label(), x.runs_on.label(), x.reason))
+            .collect(),
+    };
+    let mut report = DemoReport {
+        transport: transport.into(),
+        mode: "push".into(),
+        pulled: 0,
+        role: ReportRole::Both,
+        seed: options.seed,
+        requests: handoffs.len() as u64,
+        verified: t.verified,
+        byte_errors: t.byte_errors,
+        races: t.races,
+        call_order: t.call_order,
+        outcomes: Outcomes {
+            ready: t.ready,
+            failed: t.failed,
+            missing: t.decode_missing,
+        },
+        prefill_outcomes: PrefillOutcomes {
+            sent: t.sent,
+            released: t.released,
+            missing: t.prefill_missing,
+        },
+        bytes,
+        expected_bytes: handoffs
+            .iter()
+            .filter_map(|h| h.lock().ok())
+            .map(|h| h.plan.bytes())
+            .sum(),
+        tokens: handoffs
+            .iter()
+            .filter_map(|h| h.lock().ok())
+            .map(|h| h.shape.tokens)
+            .sum(),
+        blocks: handoffs
+            .iter()
+            .filter_map(|h| h.lock().ok())
+            .map(|h| h.prefill_blocks.total() as u64)
+            .sum(),
+        gbps: gbps(bytes, window.as_secs_f64() * 1e6),
+        handoff_window_ms: window.as_secs_f64() * 1e3,
+        handoff_latency_us: Latency::of(t.latencies_us),
+        wall_ms: wall.elapsed().as_secs_f64() * 1e3,
+        events: EventCounts {
+            prefill: t.prefill_events,
+            decode: t.decode_events,
+            duplicates: t.duplicates,
+            unknown: t.unknown,
+        },
+        turns: TurnCounts::default(),
+        double_frees: 0,
+        leaked_blocks: t.leaks,
+        pool_blocks: handoffs
+            .iter()
+            .filter_map(|h| h.lock().ok())
+            .map(|h| {
+                h.prefill_memory
+                    .pool_blocks
+                    .max(h.decode_memory.pool_blocks)
+            })
+            .max()
+            .unwrap_or(0),
+        geometry: GeometrySummary {
+            layers: m.num_layers,
+            kv_heads: m.kv_heads,
+            head_dim: m.head_dim,
+            dtype_bytes: m.dtype_bytes,
+            block_tokens: spec.block,
+            layout: format!(
+                "P {} -> D {}",
+                kvhandoff_protocol::hetero::layout_name(spec.layout),
+                kvhandoff_protocol::hetero::layout_name(pair.decode.spec.layout)
+            ),
+            block_bytes: m.row_bytes()
+                * u64::from(m.kv_heads)
+                * 2
+                * u64::from(m.num_layers)
+                * spec.logical_block(),
+        },
+        timed_out: t.timed_out,
+        errors: t.errors,
+        ok: false,
+        verdict: String::new(),
+        hetero: Some(Box::new(summary)),
+    };
+    report.ok = report.verdict_ok();
+    report.verdict = report.verdict_line();
+    report
+}
