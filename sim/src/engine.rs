@@ -219,7 +219,7 @@ impl World {
             return;
         };
         let mut params = self.router_params(&r.key, a.epoch, 0);
-        if self.router_retry_epochs.contains(&request) {
+        if self.router_retry_epochs.contains(&(request, a.id.clone())) {
             // A router that knows nothing of epochs sends none.
             params.epoch = None;
             self.mark("router_retry_at_epoch_one");
@@ -462,7 +462,8 @@ impl World {
                 kind: AttemptKind::Push,
                 sub: None,
             });
-            self.router_retry_epochs.insert(request);
+            let id = rid("r", request, n);
+            self.router_retry_epochs.insert((request, id));
             let at = micros(&mut self.rng, 1_000, 50_000);
             self.schedule(at, Ev::DecodeStart { request });
         }
@@ -480,7 +481,8 @@ impl World {
         match message {
             Message::Register(r) => {
                 if let Some(&i) = self.keys.get(&r.key) {
-                    self.registers_sent.insert((from, i, r.epoch.0));
+                    let inc = self.nodes[from].incarnation;
+                    self.registers_sent.insert((from, inc, i, r.epoch.0));
                     if self.requests[i].multi.is_some() {
                         self.sub_registers.insert((from, r.key.clone(), r.epoch.0));
                     }
@@ -512,12 +514,13 @@ impl World {
         let (key, epoch) = match &msg.message {
             Message::Register(r) => {
                 let i = *self.keys.get(&r.key)?;
-                self.registers_delivered.insert((msg.from, i, r.epoch.0));
+                self.registers_delivered
+                    .insert((msg.from, msg.from_inc, i, r.epoch.0));
                 return None;
             }
             Message::Cancel(c) => {
                 let i = *self.keys.get(&c.key)?;
-                let pair = (msg.from, i, c.epoch.0);
+                let pair = (msg.from, msg.from_inc, i, c.epoch.0);
                 if self.registers_sent.contains(&pair) && !self.registers_delivered.contains(&pair)
                 {
                     self.mark("cancel_overtook_registration");

@@ -284,8 +284,8 @@ pub struct World {
     /// Decode keys that got a terminal event during the current step.
     pub(crate) step_decode_events: Vec<usize>,
     /// Registrations sent and delivered, by (sending D node, request, epoch).
-    pub(crate) registers_sent: BTreeSet<(NodeId, usize, u64)>,
-    pub(crate) registers_delivered: BTreeSet<(NodeId, usize, u64)>,
+    pub(crate) registers_sent: BTreeSet<(NodeId, u32, usize, u64)>,
+    pub(crate) registers_delivered: BTreeSet<(NodeId, u32, usize, u64)>,
     /// `WriteDone`s delivered, by (D node, its incarnation, request, epoch, P node).
     pub(crate) notifs_delivered: BTreeMap<(NodeId, u32, usize, u64, NodeId), u32>,
     pub(crate) landed: BTreeMap<(NodeId, u32, usize, u64), u32>,
@@ -323,8 +323,8 @@ pub struct World {
     pub(crate) fan_parents: BTreeMap<(NodeId, RequestId), usize>,
     /// Multi-rank requests the session told fenced early, by (rank, request id).
     pub(crate) parents_fenced: BTreeSet<(NodeId, RequestId)>,
-    /// Requests the router sent again after their D's crash, without an epoch.
-    pub(crate) router_retry_epochs: BTreeSet<usize>,
+    /// Attempts the router sent again after their D's crash, without an epoch.
+    pub(crate) router_retry_epochs: BTreeSet<(usize, RequestId)>,
     /// The hostile peers' streams and what the checks saw of them (`world/hostile.rs`).
     pub(crate) hostile: hostile::Hostile,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).

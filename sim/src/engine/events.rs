@@ -260,7 +260,8 @@ impl World {
         started: Time,
     ) {
         let key = self.requests[request].key.clone();
-        let registered = self.registers_sent.contains(&(node, request, epoch));
+        let inc = self.nodes[node].incarnation;
+        let registered = self.registers_sent.contains(&(node, inc, request, epoch));
         let writer = Writer {
             node: 0,
             key: &key,
