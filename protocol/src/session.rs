@@ -102,6 +102,16 @@ pub enum SessionOutput {
     Observed(EndpointEvent),
 }
 
+/// What turning a call into the endpoint's input reads of the session (`prepare`,
+/// `read_inputs`): whom it speaks for, its settings, and what it knows of its peers.
+struct CallContext<'a> {
+    identity: &'a ConnectorIdentity,
+    settings: &'a ConnectorSettings,
+    /// Peers are reached over a side channel whose addresses come with the calls.
+    peer_addresses: bool,
+    clock_offsets: &'a BTreeMap<EngineId, i64>,
+}
+
 /// One engine rank's session: its connector's logic over its [`Endpoint`] (see the module
 /// documentation).
 #[derive(Debug)]
@@ -354,13 +364,32 @@ impl Session {
         }
     }
 
+    /// What the call translation reads of the session.
+    fn context(&self) -> CallContext<'_> {
+        CallContext {
+            identity: &self.identity,
+            settings: &self.settings,
+            peer_addresses: self.peer_addresses,
+            clock_offsets: &self.clock_offsets,
+        }
+    }
+
+    /// Takes one event of the endpoint: queues what the engine gets of it, if anything yet.
+    fn engine_event(&mut self, event: EndpointEvent) {
+        let Some(event) = self.fan_event(event) else {
+            return;
+        };
+        self.ready
+            .push_back(SessionOutput::Event(ConnectorEvent::from(event)));
+    }
+
     /// One call on a rank without links.
     fn single_call(
         &mut self,
         now: Time,
         call: ConnectorCall,
     ) -> Result<ConnectorReply, ConnectorError> {
-        let (input, address, reply) = self.prepare(now, call)?;
+        let (input, address, reply) = self.context().prepare(now, call)?;
         if let Some(address) = address {
             self.ready.push_back(SessionOutput::PeerAddress(address));
         }
@@ -385,7 +414,7 @@ impl Session {
             } => self
                 .fan_allocated(now, links, &request, blocks, num_tokens, &params)
                 .map(|()| ConnectorReply::Accepted),
-            ConnectorCall::RequestFinished { .. } => match self.prepare(now, call)? {
+            ConnectorCall::RequestFinished { .. } => match self.context().prepare(now, call)? {
                 (crate::machine::EndpointCall::PrefillFinished(start), _, reply) => {
                     self.fan_finished(now, links, start).map(|()| reply)
                 }

@@ -448,7 +448,9 @@ impl World {
             let lost = r.d_node == node
                 && !r.transfer.pull
                 && r.multi.is_none()
-                && r.d.last().is_some_and(|a| a.node == node && a.status == Status::Lost);
+                && r.d
+                    .last()
+                    .is_some_and(|a| a.node == node && a.status == Status::Lost);
             if !lost || !self.chance(self.rates.router_retry) {
                 continue;
             }

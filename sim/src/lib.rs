@@ -13,17 +13,19 @@
 #![forbid(unsafe_code)]
 
 mod engine;
+mod exhaustive_report;
 mod explore;
 mod ledger;
 mod mode;
 mod nixl;
+mod options;
 pub mod scripted;
 mod swarm;
 mod transport;
 mod world;
 
 use std::collections::BTreeMap;
-use std::ops::{Range, RangeInclusive};
+use std::ops::Range;
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -31,10 +33,14 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 pub use engine::MULTI_SOURCE_PREFILL_RANKS;
+pub use exhaustive_report::{
+    run_exhaustive, ExhaustiveReport, ExhaustiveScope, EXHAUSTIVE_MAX_STATES, EXHAUSTIVE_SCOPES,
+};
 pub use explore::{exhaustive, Action, Exhaustive, Kind};
 pub use kvhandoff_protocol::machine::Mutation;
 pub use ledger::{pattern, BLOCK_BYTES};
 pub use mode::{Mode, MULTI_SOURCE_MARKS, READ_MARKS};
+pub use options::SimOptions;
 pub use world::{
     NodeId, Violation, World, WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE,
     DEFAULT_STALL_MESSAGES_FIRST, FLOOD_MARKS, MISNAME_MARKS, STALL_MARKS,
@@ -102,116 +108,6 @@ pub const COVERAGE_MARKS: &[&str] = &[
     "decode_fenced_early",
     "fenced_peer_asked_again",
 ];
-
-/// What to run.
-#[derive(Debug, Clone)]
-pub struct SimOptions {
-    /// Seeds to run, one world each.
-    pub seeds: Range<u64>,
-    /// Requests per world: drawn per seed from this range (one value: a fixed load).
-    pub requests: RangeInclusive<usize>,
-    /// Blocks per rank: drawn per seed from this range. Small pools mean contention and blocks
-    /// reused soon after they are freed; large ones, many requests in flight at a fault.
-    pub pool_blocks: RangeInclusive<u32>,
-    /// Which faults to inject.
-    pub faults: Faults,
-    /// Four times the virtual time over which requests start.
-    pub long: bool,
-    /// The deliberate bug every endpoint runs with (the simulator must catch it).
-    pub mutation: Option<Mutation>,
-    /// See [`WorldConfig::poll_allocations`].
-    pub poll_allocations: bool,
-    /// How the requests move their KV.
-    pub mode: Mode,
-    /// The share of requests that are multi-rank (see [`WorldConfig::multi_source`]); `None`:
-    /// the mode's ([`Mode::multi_source_share`]).
-    pub multi_source: Option<f64>,
-    /// Process stalls per world under chaos (see [`WorldConfig::stalls`]); 0 in
-    /// [`SimOptions::new`], so that every regression seed replays as found.
-    pub stalls: f64,
-    /// The share of stalls that freeze the stalled process's transfers (see
-    /// [`WorldConfig::stall_freeze`]).
-    pub stall_freeze: f64,
-    /// The share of resumes that hand over what was held before the due timers run (see
-    /// [`WorldConfig::stall_messages_first`]).
-    pub stall_messages_first: f64,
-    /// Let stalls freeze writes past the stall allowance (see
-    /// [`WorldConfig::stall_past_allowance`]).
-    pub stall_past_allowance: bool,
-    /// Each seed draws its own configuration around these options (`swarm.rs`): timing
-    /// profiles, table sizes, resends, stall mixes. Off in [`SimOptions::new`], so that every
-    /// regression seed replays as found; on in `kvhandoff sim` unless `--no-swarm`.
-    pub swarm: bool,
-    /// A hostile peer floods P with made-up keys in every world (see
-    /// [`WorldConfig::flood_peer`]); the swarm also draws it per seed.
-    pub flood_peer: bool,
-    /// P ranks name another rank in their answers at this rate in every world with several P
-    /// ranks (see [`WorldConfig::misname_rank`]); the swarm also draws it per seed.
-    pub misname_rank: f64,
-}
-
-impl SimOptions {
-    /// `requests` requests per seed, the default pool, no mutation.
-    pub fn new(seeds: Range<u64>, requests: usize, faults: Faults) -> SimOptions {
-        SimOptions {
-            seeds,
-            requests: requests..=requests,
-            pool_blocks: DEFAULT_POOL_BLOCKS..=DEFAULT_POOL_BLOCKS,
-            faults,
-            long: false,
-            mutation: None,
-            poll_allocations: false,
-            mode: Mode::Push,
-            multi_source: None,
-            stalls: 0.0,
-            stall_freeze: DEFAULT_STALL_FREEZE,
-            stall_messages_first: 0.0,
-            stall_past_allowance: false,
-            swarm: false,
-            flood_peer: false,
-            misname_rank: 0.0,
-        }
-    }
-
-    /// The coverage marks a sweep with these options must hit: the mode's, the stall marks if
-    /// its worlds may stall, and the hostile peers' marks where its worlds have them (always
-    /// under chaos with the swarm, which draws them per seed).
-    pub fn required_marks(&self) -> Vec<&'static str> {
-        let mut marks = self.mode.required_marks();
-        if self.multi_source_share() > 0.0 && self.mode.multi_source_share() == 0.0 {
-            marks.extend_from_slice(MULTI_SOURCE_MARKS);
-        }
-        let chaos = self.faults == Faults::Chaos;
-        if chaos && self.stalls > 0.0 {
-            marks.extend_from_slice(STALL_MARKS);
-        }
-        let swarmed = chaos && self.swarm;
-        if self.mode.pushes() && (self.flood_peer || swarmed) {
-            marks.extend_from_slice(FLOOD_MARKS);
-        }
-        if self.multi_source_share() > 0.0 && (self.misname_rank > 0.0 || swarmed) {
-            marks.extend_from_slice(MISNAME_MARKS);
-        }
-        marks
-    }
-
-    /// The share of multi-rank requests these options run.
-    pub fn multi_source_share(&self) -> f64 {
-        self.multi_source
-            .unwrap_or_else(|| self.mode.multi_source_share())
-    }
-
-    /// The long sweep's load: 10–300 requests and 8–128 blocks per rank, drawn per seed, over
-    /// four times the virtual time.
-    pub fn long_sweep(seeds: Range<u64>, faults: Faults) -> SimOptions {
-        SimOptions {
-            requests: 10..=300,
-            pool_blocks: 8..=128,
-            long: true,
-            ..SimOptions::new(seeds, 50, faults)
-        }
-    }
-}
 
 /// Blocks per rank unless a sweep says otherwise.
 pub const DEFAULT_POOL_BLOCKS: u32 = 24;
@@ -597,103 +493,4 @@ pub struct Turns {
     pub recomputed: u64,
     /// The read was declined because it could outlive D's TTL.
     pub declined_near_expiry: u64,
-}
-
-/// One scope of the exhaustive check: requests, crashes and the depth bound.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ExhaustiveScope {
-    /// Requests in the small world.
-    pub requests: usize,
-    /// Most crashes.
-    pub crashes: u32,
-    /// Depth bound (choices per path).
-    pub depth: usize,
-    /// Distinct states visited.
-    pub states: usize,
-    /// States cut at the depth bound: their successors were not explored.
-    pub cut: usize,
-    /// The search stopped at [`EXHAUSTIVE_MAX_STATES`].
-    pub capped: bool,
-    /// Every reachable state was visited (`cut` is 0, not capped, no violation). A scope that
-    /// is not complete checked every state within `depth` choices, and no further.
-    pub complete: bool,
-    /// Wall-clock seconds the scope took.
-    pub seconds: f64,
-}
-
-/// The exhaustive check over the CI scopes.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ExhaustiveReport {
-    /// States over all scopes.
-    pub states: usize,
-    /// Every scope complete: every reachable state visited (see [`ExhaustiveScope::complete`]).
-    pub complete: bool,
-    /// A scope stopped at its cap on states (its depth bound was not searched through).
-    pub capped: bool,
-    /// Violations, each with the choice path that reaches it.
-    pub violations: Vec<String>,
-    /// The deliberate bug the run had, if any.
-    pub mutation: Option<String>,
-    /// Each scope.
-    pub scopes: Vec<ExhaustiveScope>,
-}
-
-/// The scopes CI checks exhaustively: (requests, crashes, depth bound). One request with a crash,
-/// and two requests, each searched through every state within its depth bound, well under
-/// [`EXHAUSTIVE_MAX_STATES`]. Neither is complete: heartbeats and deadlines keep every path
-/// going, so states are cut at the bound (each scope reports how many).
-pub const EXHAUSTIVE_SCOPES: &[(usize, u32, usize)] = &[(1, 1, 11), (2, 0, 9)];
-
-/// Cap on distinct states per scope (a search that reaches it reports `capped`: it did not
-/// search its whole depth bound).
-pub const EXHAUSTIVE_MAX_STATES: usize = 400_000;
-
-/// Runs the exhaustive check over [`EXHAUSTIVE_SCOPES`] with an optional deliberate bug, each
-/// scope on a thread of its own.
-pub fn run_exhaustive(mutation: Option<Mutation>) -> ExhaustiveReport {
-    let run = |&(requests, crashes, depth): &(usize, u32, usize)| {
-        let cfg = WorldConfig::small(requests, crashes, mutation);
-        let started = std::time::Instant::now();
-        let result = exhaustive(&cfg, depth, EXHAUSTIVE_MAX_STATES);
-        (result, started.elapsed().as_secs_f64())
-    };
-    let results: Vec<(explore::Exhaustive, f64)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = EXHAUSTIVE_SCOPES
-            .iter()
-            .map(|s| scope.spawn(move || run(s)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("exhaustive thread panicked"))
-            .collect()
-    });
-    let mut report = ExhaustiveReport {
-        states: 0,
-        complete: true,
-        capped: false,
-        violations: Vec::new(),
-        mutation: mutation.map(|m| m.name().to_string()),
-        scopes: Vec::new(),
-    };
-    for (&(requests, crashes, depth), (result, seconds)) in EXHAUSTIVE_SCOPES.iter().zip(results) {
-        report.states += result.states;
-        report.complete &= result.complete;
-        report.capped |= result.capped;
-        if let Some((v, path)) = &result.violation {
-            report
-                .violations
-                .push(format!("{} (path {path:?})", v.message));
-        }
-        report.scopes.push(ExhaustiveScope {
-            requests,
-            crashes,
-            depth,
-            states: result.states,
-            cut: result.cut,
-            capped: result.capped,
-            complete: result.complete,
-            seconds,
-        });
-    }
-    report
 }

@@ -4,17 +4,17 @@
 mod config;
 mod hostile;
 mod net;
+mod node;
+mod schedule;
 mod stall;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use kvhandoff_protocol::driver::TransportOp;
-use kvhandoff_protocol::machine::{Endpoint, NetEvent, Time};
-use kvhandoff_protocol::session::{
-    ConnectorIdentity, ConnectorSettings, KvTransferParams, Session, SessionOutput,
-};
-use kvhandoff_protocol::{EngineId, Message, PairingKey, RequestId, WriteFailure};
+use kvhandoff_protocol::machine::{NetEvent, Time};
+use kvhandoff_protocol::session::{KvTransferParams, Session, SessionOutput};
+use kvhandoff_protocol::{EngineId, PairingKey, RequestId};
 use kvhandoff_protocol::{PeerAddr, WriteId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -29,6 +29,8 @@ pub use config::{
     MISNAME_MARKS, STALL_MARKS,
 };
 pub(crate) use net::{describe, is_notification};
+pub(crate) use node::{incarnation_of, new_session, Node};
+pub(crate) use schedule::{Ev, NetMsg, Rates};
 pub(crate) use stall::Stall;
 
 /// Index of an engine rank in the world: 0 is P's rank 0, `1..=decode_engines` are the D
@@ -49,198 +51,6 @@ pub struct Violation {
     pub message: String,
     /// The last steps before it.
     pub trace: Vec<String>,
-}
-
-/// A message in the simulated notification network.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct NetMsg {
-    pub from: NodeId,
-    /// The sender's incarnation when it sent (its NIXL agent): a message held through a stall
-    /// may be handled after its sender died.
-    pub from_inc: u32,
-    pub to: NodeId,
-    pub to_inc: u32,
-    /// The connection it travels on (see [`World::conn`]).
-    pub conn: u64,
-    pub message: Message,
-}
-
-/// Something that happens at a future time.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Ev {
-    /// A message reaches its destination's transport (judged by the network now; handed to the
-    /// shell now, or held while the destination is stalled).
-    Deliver(NetMsg),
-    /// A message that arrived while its destination was stalled, handed to the resumed shell.
-    Handle(NetMsg),
-    Land {
-        write: u64,
-    },
-    Report {
-        write: u64,
-        failure: Option<WriteFailure>,
-    },
-    Connect {
-        from: NodeId,
-        from_inc: u32,
-        to: NodeId,
-        ok: bool,
-    },
-    DecodeStart {
-        request: usize,
-    },
-    PrefillStart {
-        request: usize,
-    },
-    Abort {
-        request: usize,
-        decode: bool,
-    },
-    Crash {
-        node: NodeId,
-    },
-    Restart {
-        node: NodeId,
-    },
-    /// A late copy of a handshake between `a` and `b` (as each is now) completes: a repeat if
-    /// both are connected to each other's live incarnation.
-    RepeatHandshake {
-        a: NodeId,
-        b: NodeId,
-    },
-    /// A multi-rank request's D rank `node` allocates its blocks once and starts one
-    /// sub-request per P rank that writes to it.
-    SubDecodeStart {
-        request: usize,
-        node: NodeId,
-    },
-    /// A multi-rank request's P rank `node` finished its prefill and starts one sub-request per
-    /// D rank it writes to, over the same source blocks.
-    SubPrefillStart {
-        request: usize,
-        node: NodeId,
-    },
-    /// Another D engine starts a decode for this request's key.
-    SecondDecode {
-        request: usize,
-    },
-    /// P's engine starts the request's second turn (reads D's kept blocks, or declines).
-    SecondTurn {
-        request: usize,
-    },
-    /// A sibling request on `node` with the very transfer parameters of the import `node` is
-    /// running (the same key, epoch and holder) declines the export: one the engine will
-    /// recompute, or its reaction to an error.
-    SiblingDecline {
-        request: usize,
-        node: NodeId,
-        second_turn: bool,
-    },
-    /// `node`'s process stops for `length`; its transfers freeze with it or keep moving.
-    Stall {
-        node: NodeId,
-        length: Duration,
-        freeze: bool,
-    },
-    /// `node`'s process runs again after the stall that began at `since`.
-    Resume {
-        node: NodeId,
-        since: Time,
-    },
-}
-
-/// Fault rates drawn per seed (swarm testing).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Rates {
-    pub slow_msg: f64,
-    pub drop: f64,
-    pub dup: f64,
-    pub post_fail: f64,
-    pub fail_later: f64,
-    pub hang: f64,
-    pub slow_write: f64,
-    pub abort: f64,
-    pub retry: f64,
-    pub connect_fail: f64,
-    pub slow_prefill: f64,
-    /// Chance that a key's P→D answers (`WriteDone`, `WriteFailed`, `CancelAck`) are all lost
-    /// during the faulty phase while P stays alive: D can then only free by quarantine.
-    pub mute_answers: f64,
-    /// Chance that a reader's `ReadAsk` is lost (drawn in modes that read; the reader asks
-    /// again while its heartbeats keep the export).
-    pub lose_ask: f64,
-    /// Chance that the router sends a push request lost in its D's crash again once that D is
-    /// back: a new request id, the same `transfer_id`, and no epoch (as a router that knows
-    /// nothing of epochs retries: epoch 1). Drawn by the swarm only.
-    pub router_retry: f64,
-}
-
-/// The incarnation id `node`'s process number `inc` sends in its handshakes.
-pub(crate) fn incarnation_of(node: NodeId, inc: u32) -> kvhandoff_protocol::Incarnation {
-    kvhandoff_protocol::Incarnation(((node as u128) << 64) | u128::from(inc))
-}
-
-/// One engine rank.
-#[derive(Debug)]
-pub(crate) struct Node {
-    pub addr: PeerAddr,
-    /// The rank's session, which owns its endpoint (`None` while crashed): the engine model
-    /// calls it as an engine calls its connector.
-    pub session: Option<Session>,
-    /// The shell's transport driver over the simulated transport (`None` while crashed).
-    pub shell: Option<crate::transport::Shell>,
-    pub incarnation: u32,
-    pub pool: Pool,
-    /// `writes_posted` of earlier incarnations' counters plus this one's posts seen.
-    pub posts_seen: u64,
-    /// Reads this incarnation's endpoint asked its shell to post.
-    pub reads_seen: u64,
-    /// The stall the process is in, if it is stopped.
-    pub stall: Option<Stall>,
-    /// Stalls that ended, (from, until): the node's own deadlines could not run then.
-    pub stalled_spans: Vec<(Time, Time)>,
-    /// Siblings this incarnation's session aborted, as last seen.
-    pub siblings_aborted: u64,
-}
-
-impl Node {
-    /// The running incarnation's endpoint.
-    pub fn endpoint(&self) -> Option<&Endpoint> {
-        self.session.as_ref().map(Session::endpoint)
-    }
-}
-
-/// A new incarnation of the rank at `addr`: its endpoint under `cfg`'s machine config, inside
-/// the session an engine's connector would drive, which reports every endpoint event to the
-/// checker too ([`SessionOutput::Observed`]).
-pub(crate) fn new_session(addr: &PeerAddr, cfg: &WorldConfig) -> Session {
-    let mut endpoint = Endpoint::new(addr.engine.clone(), addr.rank, cfg.machine.clone())
-        .expect("valid machine config");
-    endpoint.set_mutation(cfg.mutation);
-    let identity = ConnectorIdentity::in_process(addr.engine.clone(), addr.rank, 1);
-    let settings = ConnectorSettings {
-        lease_duration: cfg.machine.lease_duration,
-        read_span: kvhandoff_protocol::machine::read_span(&cfg.machine),
-        block_tokens: Some(crate::engine::BLOCK_TOKENS),
-        ..ConnectorSettings::default()
-    };
-    let mut session = Session::new(endpoint, identity, settings);
-    session.set_mutation(cfg.mutation);
-    session.observe_endpoint_events(true);
-    // One clock for the whole world: every engine's offset is known and zero, so a reader
-    // converts a holder's `remote_blocks_expiry_time` exactly (the actix shell learns each
-    // from its side channel's handshake).
-    for engine in engine_names(cfg) {
-        session.clock_measured(engine, 0);
-    }
-    session
-}
-
-/// The world's engines: P's and each D's.
-fn engine_names(cfg: &WorldConfig) -> impl Iterator<Item = EngineId> {
-    std::iter::once("prefill-0".to_string())
-        .chain((0..cfg.decode_engines).map(|d| format!("decode-{d}")))
-        .map(|name| EngineId::new(name).expect("valid engine id"))
 }
 
 /// The simulated world.

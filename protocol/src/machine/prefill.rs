@@ -19,11 +19,14 @@ use crate::{
     WriteFailed, WriteFailure,
 };
 
+mod pairing;
+
 use super::effects::{Outbox, Step};
 use super::shape::Machine;
 use super::types::{DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder};
-use super::{ActiveMutation, BlockPairing, Config, Mutation};
+use super::{ActiveMutation, Config, Mutation};
 use crate::{PeerAddr, WriteId};
+pub(crate) use pairing::pair_blocks;
 
 /// What every state of a P request knows.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,28 +166,6 @@ fn cancel_ack(key: &PairingKey, epoch: Epoch, rank: u32) -> Message {
         epoch,
         prefill_rank: rank,
     })
-}
-
-/// Pairs P's blocks with D's, tail-aligned per group: when D registered fewer blocks (it
-/// already caches a prefix), P sends its last ones. `None` if they cannot be paired.
-pub(crate) fn pair_blocks(
-    local: &BlockIds,
-    remote: &BlockIds,
-    pairing: BlockPairing,
-) -> Option<BlockIds> {
-    if local.groups.len() != remote.groups.len() || remote.is_empty() {
-        return None;
-    }
-    match pairing {
-        BlockPairing::TailAligned => {}
-        BlockPairing::AsGiven => return Some(local.clone()),
-    }
-    let mut trimmed = Vec::with_capacity(local.groups.len());
-    for (ours, theirs) in local.groups.iter().zip(&remote.groups) {
-        let skip = ours.len().checked_sub(theirs.len())?;
-        trimmed.push(ours[skip..].to_vec());
-    }
-    Some(BlockIds { groups: trimmed })
 }
 
 /// A registration for a key whose blocks are already bound to an epoch: a duplicate or a stale

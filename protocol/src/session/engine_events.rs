@@ -1,20 +1,9 @@
-//! The endpoint's events as the engine gets them: a sub-request's folded into its multi-rank
-//! request (`fan`), every other one turned into its [`ConnectorEvent`] one for one.
+//! The endpoint's events as the engine gets them, one for one (a multi-rank request's
+//! sub-requests' are folded in `fan` first).
 
 use crate::machine::{DecodeOutcome, EndpointEvent, PrefillOutcome};
 
-use super::{ConnectorEvent, Session, SessionOutput};
-
-impl Session {
-    /// Takes one event of the endpoint: queues what the engine gets of it, if anything yet.
-    pub(super) fn engine_event(&mut self, event: EndpointEvent) {
-        let Some(event) = self.fan_event(event) else {
-            return;
-        };
-        self.ready
-            .push_back(SessionOutput::Event(ConnectorEvent::from(event)));
-    }
-}
+use super::ConnectorEvent;
 
 impl From<EndpointEvent> for ConnectorEvent {
     /// One request's event in the engine's terms (what a request that is not a multi-rank

@@ -250,7 +250,7 @@ impl Session {
                 "pull between engines of different geometries",
             ));
         }
-        self.check_remote_prefill(params)?;
+        self.context().check_remote_prefill(params)?;
         let tp = params
             .tp_size
             .ok_or(ConnectorError::MissingParam("tp_size"))?;
@@ -264,7 +264,7 @@ impl Session {
             });
         }
         let engine = super::prepare::remote_engine(params)?;
-        let address = self.peer_address(&engine, params)?;
+        let address = self.context().peer_address(&engine, params)?;
         let key = pairing_key(request, params)?;
         let epoch = epoch(params)?;
         let d = links.rank;

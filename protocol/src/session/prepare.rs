@@ -7,18 +7,18 @@ use crate::{BlockIds, EngineId, PeerAddr, RequestId, TransferMode};
 
 use super::params::{epoch, mode_name, pairing_key};
 use super::{
-    ConnectorCall, ConnectorError, ConnectorReply, KvTransferParams, PeerAddress, Session,
+    CallContext, ConnectorCall, ConnectorError, ConnectorReply, KvTransferParams, PeerAddress,
 };
 
 /// A call checked by the session: the endpoint's input, the side-channel address that
 /// travels with it, and the reply it earns if accepted.
 type Prepared = (EndpointCall, Option<PeerAddress>, ConnectorReply);
 
-impl Session {
+impl CallContext<'_> {
     /// Checks one call and turns it into the endpoint's input, the side-channel address that
     /// travels with it (if any), and the reply it earns if accepted.
     pub(super) fn prepare(
-        &mut self,
+        &self,
         now: Time,
         call: ConnectorCall,
     ) -> Result<Prepared, ConnectorError> {
@@ -106,7 +106,7 @@ impl Session {
     }
 
     fn decode_input(
-        &mut self,
+        &self,
         request: RequestId,
         blocks: BlockIds,
         num_tokens: u64,

@@ -8,12 +8,12 @@ use crate::machine::{EndpointCall, ExportStart, ImportStart, Rejected, Time, MAX
 use crate::{BlockIds, EngineId, PairingKey, RequestId, TransferMode};
 
 use super::params::{epoch, mode_name, pairing_key, remote_blocks};
-use super::{ConnectorError, KvTransferParams, PeerAddress, Session};
+use super::{CallContext, ConnectorError, KvTransferParams, PeerAddress};
 
 /// vLLM's pull connector reads `tp_size` as 1 when the holder did not send it.
 const PULL_DEFAULT_TP: u32 = 1;
 
-impl Session {
+impl CallContext<'_> {
     /// The export of `blocks` under `key` for `lease`, and what the answer to the router adds:
     /// the blocks, their tokens and the export's hard end.
     #[allow(clippy::too_many_arguments)]
