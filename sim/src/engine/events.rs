@@ -367,8 +367,14 @@ impl World {
     fn retry(&mut self, request: usize, epoch: u64) {
         let r = &mut self.requests[request];
         let d_node = r.d_node;
+        let mut id = rid("d", request, epoch);
+        if r.d.iter().any(|a| a.id == id) {
+            // The epoch repeats one of a run before D's crash (the router's retry there started
+            // at epoch 1 again): the engine's new request has an id of its own.
+            id = RequestId::new(format!("{id}n{}", r.d.len())).expect("valid request id");
+        }
         r.d.push(Attempt {
-            id: rid("d", request, epoch),
+            id,
             node: d_node,
             epoch,
             blocks: vec![],
