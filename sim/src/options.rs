@@ -96,6 +96,14 @@ impl SimOptions {
         if self.multi_source_share() > 0.0 && (self.misname_rank > 0.0 || swarmed) {
             marks.extend_from_slice(MISNAME_MARKS);
         }
+        if self.swarm && self.mode.second_turn_share() > 0.0 {
+            // Routers that keep one `transfer_id` for a whole conversation (drawn per seed).
+            marks.push("turn2_read_under_first_key");
+        }
+        if swarmed && self.mode.pushes() {
+            // Routers that know nothing of epochs, after a D's crash (drawn per seed).
+            marks.push("router_retry_at_epoch_one");
+        }
         marks
     }
 

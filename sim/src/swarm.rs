@@ -87,6 +87,9 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
             cfg.misname_rank = cfg.misname_rank.max(0.2);
         }
     }
+    // Its own stream, so that the draws above stay what they were.
+    let mut turns = ChaCha8Rng::seed_from_u64(seed ^ 0x6f6e_655f_6b65_7931);
+    cfg.one_key_across_turns = turns.gen_ratio(1, 2);
     debug_assert!(opts.faults == cfg.faults);
     if let Err(e) = cfg.machine.validate() {
         // The profiles are built to be valid: a refusal is a bug of this module.

@@ -418,6 +418,14 @@ impl World {
                     _ => {}
                 }
                 if second_turn {
+                    let one_key = self.requests[request]
+                        .transfer
+                        .second
+                        .as_ref()
+                        .is_some_and(|second| second.key == self.requests[request].key);
+                    if failure.is_none() && one_key {
+                        self.mark("turn2_read_under_first_key");
+                    }
                     let turn = match failure {
                         None => "turn2.pulled_from_decode",
                         Some(

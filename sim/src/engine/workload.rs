@@ -157,6 +157,12 @@ impl World {
             } else {
                 0
             };
+            if self.cfg.one_key_across_turns {
+                let key = self.requests[i].key.clone();
+                if let Some(second) = self.requests[i].transfer.second.as_mut() {
+                    second.key = key;
+                }
+            }
             if let Some(second) = &self.requests[i].transfer.second {
                 self.keys.insert(second.key.clone(), i);
             }

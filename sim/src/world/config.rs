@@ -71,6 +71,9 @@ pub struct WorldConfig {
     /// threshold of this configuration (not only the fast one's order of them). Off in the
     /// constructors, so that every regression seed replays as found.
     pub swarm: bool,
+    /// A conversation's second turn goes under its first turn's key, as a router that keeps one
+    /// `transfer_id` for the whole conversation sends it (swarm; otherwise a key of its own).
+    pub one_key_across_turns: bool,
     /// Half the stalls stop P's rank 0 (the writer and holder most requests meet), the rest a
     /// node drawn at random (swarm).
     pub stall_prefill: bool,
@@ -153,6 +156,7 @@ impl WorldConfig {
             stall_messages_first: 0.0,
             stall_past_allowance: false,
             swarm: false,
+            one_key_across_turns: false,
             stall_prefill: false,
             flood_peer: false,
             misname_rank: 0.0,
@@ -239,6 +243,7 @@ impl WorldConfig {
             stall_messages_first: 0.0,
             stall_past_allowance: false,
             swarm: false,
+            one_key_across_turns: false,
             stall_prefill: false,
             flood_peer: false,
             misname_rank: 0.0,
