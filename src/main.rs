@@ -50,7 +50,7 @@ fn main() -> ExitCode {
             println!(
                 "kvhandoff {} (protocol version {})",
                 env!("CARGO_PKG_VERSION"),
-                kvhandoff::protocol::PROTOCOL_VERSION
+                kvhandoff_protocol::PROTOCOL_VERSION
             );
             ExitCode::SUCCESS
         }

@@ -5,12 +5,12 @@
 //! Without the NIXL runtime libraries the NIXL test fails with a message naming
 //! `LD_LIBRARY_PATH` and `NIXL_PLUGIN_DIR` (it does not skip).
 
-use kvhandoff::protocol::planner::{descriptor_count, PlanInput};
-use kvhandoff::protocol::RegionDesc;
 use kvhandoff_bench::transfer::{
     bench_geometry, block_tables, plan_fragmented_70b, BlockTable, TransferOptions,
     FRAGMENTED_70B_MIN_DESCRIPTORS,
 };
+use kvhandoff_protocol::planner::{descriptor_count, PlanInput};
+use kvhandoff_protocol::RegionDesc;
 
 /// What the planner makes of `table` for the geometry of `options` (addresses do not matter:
 /// only runs do).

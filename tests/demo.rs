@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use kvhandoff::actors::transport::mem::MemFabric;
-use kvhandoff::protocol::{KvLayout, PairingKey, RegionKind, RequestId};
+use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_bench::{self as bench, ControlOptions};
+use kvhandoff_protocol::{KvLayout, PairingKey, RegionKind, RequestId};
 use kvhandoff_testkit::demo::{self, DemoOptions};
 use kvhandoff_testkit::demo::{DemoMode, DemoReport, DemoTransport, ReportRole};
 use kvhandoff_testkit::node::{self, NodeOptions, NodeReport, NodeRole};
@@ -373,7 +373,7 @@ fn filled_blocks_follow_the_hnd_layout() {
         }
     }
     // NHD puts tokens outermost.
-    let nhd = kvhandoff::protocol::KvGeometry {
+    let nhd = kvhandoff_protocol::KvGeometry {
         layout: KvLayout::Nhd,
         ..g.clone()
     };

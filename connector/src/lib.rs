@@ -1,17 +1,19 @@
 //! kvhandoff hands KV cache from prefill (P) to decode (D) engines of disaggregated LLM serving.
 //!
-//! This crate is what an engine links: the connector, its transfer parameters and the runtime
-//! that hosts the ranks, with the sans-IO core ([`protocol`]) and the shells and transports
-//! ([`actors`]) re-exported. The `kvhandoff` command line (demo, bench, node, sim) lives in its
-//! own crate, `kvhandoff-cli`, and none of its code is compiled here.
+//! This crate is what an engine links: the rank builder, the connector, its transfer parameters
+//! and the runtime that hosts the ranks, over the sans-IO core (`kvhandoff-protocol`, whose
+//! engine-facing `Session` every call goes through) and the shells and transports
+//! (`kvhandoff-actors`). It re-exports what an engine names, not those crates whole. The
+//! `kvhandoff` command line (demo, bench, node, sim) lives in its own crate, `kvhandoff-cli`,
+//! and none of its code is compiled here.
 //!
 //! The engine-facing surface is small: a [`RankBuilder`] starts a rank on the engine's own KV
 //! memory ([`KvRegion`]) over a transport ([`TransportKind`]), and the engine drives it through
 //! its [`KvConnector`] with the hooks it already calls each step, reading and writing its blocks
 //! through the rank's [`KvCache`]. Everything an engine needs is re-exported here (ids,
 //! geometry, configuration, events), so it links this crate only; `examples/handoff.rs` is a P
-//! and a D engine loop to start from. The protocol itself lives in pure state machines
-//! ([`protocol::machine`]) that the simulator steps deterministically.
+//! and a D engine loop to start from. The protocol itself lives in pure state machines that the
+//! simulator steps deterministically, through the same session.
 //!
 //! ```
 //! use kvhandoff::KvTransferParams;
@@ -35,7 +37,6 @@ pub mod route;
 pub use builder::{EngineRank, RankBuilder, SideChannel, StartError, TransportKind};
 pub use cache::{KvCache, KvCacheError};
 pub use connector::KvConnector;
-pub use kvhandoff_actors as actors;
 pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_actors::system::{
     AdoptError, BuildError, KvRegion, MemoryLocation, Placement, RegionProblem, RuntimeError,
@@ -44,7 +45,6 @@ pub use kvhandoff_actors::system::{
 pub use kvhandoff_actors::transport::mem::MemFabric;
 #[cfg(feature = "nixl")]
 pub use kvhandoff_actors::transport::nixl::NixlConfig;
-pub use kvhandoff_protocol as protocol;
 pub use kvhandoff_protocol::hetero::{PairPlan, SideName};
 pub use kvhandoff_protocol::machine::{
     Config, DecodeFailure, ExportOutcome, FreeProof, ImportOutcome, ReadProof, ReleaseCause,

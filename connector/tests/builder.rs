@@ -392,8 +392,8 @@ fn block_access_is_checked() {
 
 #[test]
 fn a_heterogeneous_pairing_starts_routed_ranks_in_process_only() {
-    use kvhandoff::protocol::hetero::{model as catalog, plan_pair};
     use kvhandoff::SideName;
+    use kvhandoff_protocol::hetero::{model as catalog, plan_pair};
     let plan = plan_pair(
         catalog("gqa8").unwrap(),
         "tp=1,block=16,layout=NHD".parse().unwrap(),
@@ -432,7 +432,7 @@ fn a_heterogeneous_pairing_starts_routed_ranks_in_process_only() {
 #[cfg(feature = "nixl")]
 mod nixl {
     use super::*;
-    use kvhandoff::actors::transport::nixl::nixl_runtime_available;
+    use kvhandoff_actors::transport::nixl::nixl_runtime_available;
 
     /// NIXL on the engine's memory: owned buffers are registered where they are (the cache's
     /// addresses are the engine's), and P's writes land in D's raw memory, read back through

@@ -9,17 +9,17 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvhandoff::actors::system::{build_routed_rank, RankOptions, RoutedRegion, ShellConfig};
-use kvhandoff::actors::transport::mem::MemFabric;
-use kvhandoff::protocol::driver::{RouteError, RouteRequest, TransferRoute};
-use kvhandoff::protocol::hetero::{model, plan_pair, PairPlan, SideName};
-use kvhandoff::protocol::machine::{BlockPairing, Config, DecodeFailure, ReleaseCause};
-use kvhandoff::protocol::planner::Descriptor;
-use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, ModelIdentity, RequestId};
 use kvhandoff::{
     ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorSettings, KvConnector,
     KvTransferParams, RankLinks, Runtime,
 };
+use kvhandoff_actors::system::{build_routed_rank, RankOptions, RoutedRegion, ShellConfig};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_protocol::driver::{RouteError, RouteRequest, TransferRoute};
+use kvhandoff_protocol::hetero::{model, plan_pair, PairPlan, SideName};
+use kvhandoff_protocol::machine::{BlockPairing, Config, DecodeFailure, ReleaseCause};
+use kvhandoff_protocol::planner::Descriptor;
+use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, ModelIdentity, RequestId};
 
 const PART: u64 = 4096;
 
@@ -91,7 +91,7 @@ fn build_with(pair: &PairPlan, decode_accepts: bool) -> (Runtime, Vec<Rank>, Vec
         for rank in &layout.ranks {
             let tp = rank.rank.tp;
             let transport = fabric
-                .agent(kvhandoff::actors::system::agent_name(&id, tp).unwrap())
+                .agent(kvhandoff_actors::system::agent_name(&id, tp).unwrap())
                 .unwrap();
             let own_base = Arc::new(Mutex::new(0));
             let route = Arc::new(TestRoute {
@@ -403,7 +403,7 @@ fn multi_rank_requests_in_progress_are_bounded() {
     let (first, second) = (id("bound-1"), id("bound-2"));
     allocate(&mut d[0], &first, 2).unwrap();
     match allocate(&mut d[0], &second, 2) {
-        Err(ConnectorError::Rejected(kvhandoff::protocol::machine::Rejected::TableFull {
+        Err(ConnectorError::Rejected(kvhandoff_protocol::machine::Rejected::TableFull {
             limit: 1,
             ..
         })) => {}
@@ -450,7 +450,7 @@ fn a_route_that_refuses_the_peer_geometry_fails_the_request() {
             assert_eq!(r, request);
             // The machine reports every refused connection as a failed handshake.
             assert_eq!(reason, DecodeFailure::HandshakeFailed);
-            assert_eq!(proof, kvhandoff::protocol::machine::FreeProof::NeverExposed);
+            assert_eq!(proof, kvhandoff_protocol::machine::FreeProof::NeverExposed);
         }
         other => panic!("{other:?}"),
     }

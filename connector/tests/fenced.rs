@@ -8,11 +8,11 @@
 //! is the test's: it plays the session's events of a death, which a single process cannot
 //! stage without a second engine dying.
 
-use kvhandoff::actors::system::{build_mem_rank, KvPool, RankOptions, ShellConfig};
-use kvhandoff::actors::transport::mem::MemFabric;
-use kvhandoff::protocol::machine::{Config, DecodeFailure, FreeProof};
-use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
 use kvhandoff::{ConnectorEvent, ConnectorIdentity, KvConnector, KvTransferParams, Runtime};
+use kvhandoff_actors::system::{build_mem_rank, KvPool, RankOptions, ShellConfig};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_protocol::machine::{Config, DecodeFailure, FreeProof};
+use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
 use tokio::sync::mpsc::UnboundedSender;
 
 fn id(s: &str) -> RequestId {

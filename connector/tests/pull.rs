@@ -4,17 +4,17 @@
 
 use std::time::{Duration, Instant};
 
-use kvhandoff::actors::system::agent_name;
-use kvhandoff::actors::system::{build_mem_rank, KvPool, RankOptions, ShellConfig};
-use kvhandoff::actors::transport::mem::{MemFabric, MemFaults};
-use kvhandoff::protocol::machine::{
-    Config, ExportEnd, ExportOutcome, ImportOutcome, LoadFailurePolicy, ReadProof, Rejected,
-};
-use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
 use kvhandoff::{
     ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorSettings, KvConnector,
     KvTransferParams, Runtime, TransferMode,
 };
+use kvhandoff_actors::system::agent_name;
+use kvhandoff_actors::system::{build_mem_rank, KvPool, RankOptions, ShellConfig};
+use kvhandoff_actors::transport::mem::{MemFabric, MemFaults};
+use kvhandoff_protocol::machine::{
+    Config, ExportEnd, ExportOutcome, ImportOutcome, LoadFailurePolicy, ReadProof, Rejected,
+};
+use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
 
 const PREFILL: &str = "prefill-0";
 const DECODE: &str = "decode-0";

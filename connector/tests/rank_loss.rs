@@ -11,13 +11,13 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use actix::{Actor, Context, Handler, Recipient};
-use kvhandoff::actors::system::{build_mem_rank, Calls, KvPool, RankOptions, ShellConfig};
-use kvhandoff::actors::transport::mem::MemFabric;
-use kvhandoff::protocol::machine::Config;
-use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
 use kvhandoff::{
     ConnectorCall, ConnectorError, ConnectorIdentity, KvConnector, KvTransferParams, Runtime,
 };
+use kvhandoff_actors::system::{build_mem_rank, Calls, KvPool, RankOptions, ShellConfig};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_protocol::machine::Config;
+use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
 
 const PREFILL: &str = "prefill-0";
 

@@ -5,15 +5,15 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvhandoff::actors::system::{
-    build_mem_rank, AcceptPolicy, Handshaker, RankOptions, ShellConfig, SideChannelConfig,
-};
-use kvhandoff::actors::transport::mem::MemFabric;
-use kvhandoff::protocol::machine::Config;
-use kvhandoff::protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
 use kvhandoff::{
     ConnectorError, ConnectorEvent, ConnectorIdentity, KvConnector, KvTransferParams, Runtime,
 };
+use kvhandoff_actors::system::{
+    build_mem_rank, AcceptPolicy, Handshaker, RankOptions, ShellConfig, SideChannelConfig,
+};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_protocol::machine::Config;
+use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, KvLayout, ModelIdentity, RequestId};
 
 fn model() -> ModelIdentity {
     ModelIdentity {

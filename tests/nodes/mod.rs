@@ -331,7 +331,7 @@ pub fn finish_all(nodes: Vec<Node>, deadline: Instant) -> Vec<Finished> {
 }
 
 pub fn require_runtime() {
-    if let Err(e) = kvhandoff::actors::transport::nixl::nixl_runtime_available() {
+    if let Err(e) = kvhandoff_actors::transport::nixl::nixl_runtime_available() {
         panic!("the kill tests need the NIXL runtime (source scripts/nixl-env.sh): {e}");
     }
 }
