@@ -18,9 +18,9 @@ pub mod blocking;
 mod build;
 mod clock;
 mod link;
-mod memory;
 pub mod messages;
 mod rank;
+mod regions;
 mod runtime;
 pub mod side_channel;
 mod transport_actor;
@@ -38,13 +38,13 @@ pub use build::{
 };
 pub use clock::process_clock;
 pub use link::LinkActor;
-pub use memory::{AdoptError, AdoptMemory, KvRegion, MemoryLocation};
 pub use messages::{
     AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Feed, Hello, LinkUp,
     LoadPeer, QueryCounters, QuerySideChannel, QueryStats, QueryTransportStats, SetLinks,
     TransportOps, Verdict, Verdicts,
 };
 pub use rank::RankActor;
+pub use regions::{AdoptError, AdoptMemory, KvRegion, MemoryLocation};
 pub use runtime::{Runtime, RuntimeError};
 pub use side_channel::{
     AcceptPolicy, ClockEstimate, HandshakeError, PeerBook, PeerBookFull, RejectReason,

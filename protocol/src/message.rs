@@ -539,8 +539,8 @@ impl Message {
     }
 }
 
-mod reads;
+mod read_messages;
 #[cfg(test)]
 mod tests;
 
-pub use reads::{ReadAsk, ReadGrant, ReadRefusal, ReadRefused};
+pub use read_messages::{ReadAsk, ReadGrant, ReadRefusal, ReadRefused};

@@ -8,7 +8,7 @@ mod fenced;
 pub(crate) use events::PendingHandBack;
 pub(crate) use fenced::FencedWatch;
 mod multi;
-mod reads;
+mod read_path;
 mod report;
 mod workload;
 

@@ -24,7 +24,7 @@
 //!   heals if the bound allows, else fails.
 
 pub(crate) mod measured;
-mod reads;
+mod sim_reads;
 
 use kvhandoff_protocol::machine::WriteOrder;
 use kvhandoff_protocol::WriteId;

@@ -33,8 +33,8 @@
 
 mod ghost;
 mod names;
-mod net;
-mod reads;
+mod scripted_net;
+mod scripted_reads;
 mod writes;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -47,7 +47,7 @@ use kvhandoff_protocol::machine::{
 use kvhandoff_protocol::{Message, PeerAddr, RequestId, WriteFailure, WriteId};
 
 pub use names::*;
-pub use reads::PendingRead;
+pub use scripted_reads::PendingRead;
 pub use writes::{Landing, PendingWrite};
 
 // ---------------------------------------------------------------------------------------------

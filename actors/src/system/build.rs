@@ -7,7 +7,7 @@ use kvhandoff_protocol::{
     ModelIdentity, RegionDesc, RegionSpec,
 };
 
-use super::memory::{AdoptError, AdoptMemory, KvRegion};
+use super::regions::{AdoptError, AdoptMemory, KvRegion};
 use super::{RankSetup, ShellConfig};
 use crate::transport::mem::{MemFabric, MemRegion, MemTransport};
 use crate::transport::{AddrRange, Transport, TransportError};

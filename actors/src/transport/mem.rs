@@ -37,8 +37,8 @@
 
 mod fabric;
 mod limits;
+mod mem_transport;
 mod metadata;
-mod transport;
 
 pub use limits::{MemFaults, MemLimits, MemStats};
 

@@ -93,9 +93,9 @@
 //! optimisation.
 
 mod agent;
-mod memory;
+mod host_buffer;
+mod nixl_transport;
 mod prepared;
-mod transport;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -108,7 +108,7 @@ use nixl_sys::{
     Agent, Backend, NixlError, NotificationMap, OptArgs, RegistrationHandle, XferRequest,
 };
 
-pub use memory::{HostBuffer, HOST_BUFFER_ALIGN};
+pub use host_buffer::{HostBuffer, HOST_BUFFER_ALIGN};
 
 use super::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,

@@ -7,7 +7,7 @@
 
 mod decodes;
 mod peers;
-mod reads;
+mod read_path;
 #[cfg(test)]
 mod tests;
 
