@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use kvhandoff::TransportKind;
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_bench::{self as bench, ControlOptions};
 use kvhandoff_protocol::{KvLayout, PairingKey, RegionKind, RequestId};
@@ -505,17 +506,15 @@ fn two_nodes_meet_over_the_side_channel_and_hand_off_every_byte() {
         // D first: it waits for P's side channel.
         let d = s.spawn(|| {
             node::run_on(
-                "mem",
                 &node_options(NodeRole::Decode, d_addr, p_addr),
-                |name| fabric.agent(name),
+                TransportKind::Mem(fabric.clone()),
             )
         });
         std::thread::sleep(Duration::from_millis(200));
         let p = s.spawn(|| {
             node::run_on(
-                "mem",
                 &node_options(NodeRole::Prefill, p_addr, d_addr),
-                |name| fabric.agent(name),
+                TransportKind::Mem(fabric.clone()),
             )
         });
         (p.join().unwrap(), d.join().unwrap())
@@ -561,7 +560,7 @@ fn a_node_needs_the_router_link_to_pull() {
     let (p_addr, d_addr) = two_ports();
     let mut options = node_options(NodeRole::Decode, d_addr, p_addr);
     options.schedule.mode = DemoMode::Pull;
-    let err = node::run_on("mem", &options, |name| fabric.agent(name)).expect_err("no router");
+    let err = node::run_on(&options, TransportKind::Mem(fabric.clone())).expect_err("no router");
     assert!(matches!(err, demo::DemoError::Options(_)), "{err}");
     assert!(err.to_string().contains("--router"), "{err}");
 }
@@ -584,15 +583,17 @@ fn two_nodes(mode: DemoMode) -> (node::PrefillReport, DemoReport) {
     };
     let (p, d) = std::thread::scope(|s| {
         let d = s.spawn(|| {
-            node::run_on("mem", &options(NodeRole::Decode, d_addr, p_addr), |name| {
-                fabric.agent(name)
-            })
+            node::run_on(
+                &options(NodeRole::Decode, d_addr, p_addr),
+                TransportKind::Mem(fabric.clone()),
+            )
         });
         std::thread::sleep(Duration::from_millis(200));
         let p = s.spawn(|| {
-            node::run_on("mem", &options(NodeRole::Prefill, p_addr, d_addr), |name| {
-                fabric.agent(name)
-            })
+            node::run_on(
+                &options(NodeRole::Prefill, p_addr, d_addr),
+                TransportKind::Mem(fabric.clone()),
+            )
         });
         (p.join().unwrap(), d.join().unwrap())
     });
@@ -648,7 +649,7 @@ fn a_node_whose_peer_never_comes_reports_failed() {
     let started = std::time::Instant::now();
     let mut options = node_options(NodeRole::Decode, d_addr, p_addr);
     options.schedule.timeout = Duration::from_millis(500);
-    let report = node::run_on("mem", &options, |name| fabric.agent(name)).unwrap();
+    let report = node::run_on(&options, TransportKind::Mem(fabric.clone())).unwrap();
     assert!(started.elapsed() < Duration::from_secs(10));
     assert!(!report.verdict_ok());
     let NodeReport::Decode(d) = report else {

@@ -69,6 +69,15 @@ fn run_pair(decode_first: bool) {
         "killed at the deadline\n{both}"
     );
 
+    // Each node's rank runs on the buffers the node allocated, registered with NIXL in place:
+    // P's writes land in D's own memory, which D then checks byte for byte.
+    for node in [&d, &p] {
+        assert!(
+            node.stderr.contains("registered with nixl in place"),
+            "{} not on its own memory\n{both}",
+            node.name
+        );
+    }
     let dv = d.json(&both);
     assert_eq!(dv["transport"], "nixl", "{both}");
     assert_eq!(dv["role"], "decode", "{both}");
@@ -154,6 +163,13 @@ fn run_mode(mode: &str) -> (serde_json::Value, serde_json::Value) {
         d.status.is_some() && p.status.is_some(),
         "killed at the deadline\n{both}"
     );
+    for node in [&d, &p] {
+        assert!(
+            node.stderr.contains("registered with nixl in place"),
+            "{} not on its own memory\n{both}",
+            node.name
+        );
+    }
     let (dv, pv) = (d.json(&both), p.json(&both));
     assert_eq!(dv["mode"], mode, "{both}");
     assert_eq!(dv["requests"], 40, "{both}");

@@ -34,9 +34,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::system::{
-    build_mem_rank, BuildError, Placement, RankOptions, RuntimeError, ShellConfig,
-};
+use kvhandoff_actors::system::{BuildError, Placement, RuntimeError};
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{
     Config, DecodeOutcome, DecodeStart, Endpoint, EndpointCall, EndpointEvent, NetEvent, Output,
@@ -49,7 +47,8 @@ use kvhandoff_protocol::{
 use serde::{Deserialize, Serialize};
 
 use kvhandoff::{
-    ConnectorCall, ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, Runtime,
+    ConnectorCall, ConnectorError, ConnectorEvent, ConnectorSettings, KvConnector,
+    KvTransferParams, RankBuilder, Runtime, TransportKind,
 };
 use kvhandoff_testkit::demo::{self, FreeList, Races, DECODE_ENGINE, PREFILL_ENGINE};
 use kvhandoff_testkit::stats::{median, spread};

@@ -1,5 +1,6 @@
 //! The actix part of `bench control` (the actix system): P and D engines calling their connectors as fast as
-//! they accept calls, each rank on its own threads.
+//! they accept calls, each rank on its own threads, started with a [`RankBuilder`] on memory
+//! its engine allocated.
 
 use super::*;
 
@@ -177,32 +178,27 @@ pub(super) fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchE
     let n = options.actix_requests;
     let fabric = MemFabric::new();
     let (p_engine, d_engine, config) = engines_and_config(n)?;
-    let build = |engine: &EngineId| {
-        build_mem_rank(
-            &fabric,
-            engine,
-            tiny_geometry(),
-            &demo::model(),
-            options.actix_pool_blocks,
-            config.clone(),
-            ShellConfig::default(),
-        )
-    };
-    let (p_setup, _p_pool) = build(&p_engine)?;
-    let (d_setup, _d_pool) = build(&d_engine)?;
-    // P and D are separate engines: each rank gets a thread of its own, as in separate
-    // processes.
+    // P and D are separate engines: each rank gets a thread of its own (and its transport
+    // another), as in separate processes; each on memory its engine allocated.
     let mut runtime = Runtime::start()?;
-    let own_threads = RankOptions {
-        placement: Placement::OwnThreads,
-        ..RankOptions::default()
+    let mut start = |engine: &EngineId| -> Result<KvConnector, BenchError> {
+        let geometry = tiny_geometry();
+        let regions = demo::engine_memory(&geometry, options.actix_pool_blocks)
+            .map_err(|e| BenchError::Options(e.to_string()))?;
+        let rank = RankBuilder::new(engine.clone(), geometry, demo::model())
+            .regions(regions)
+            .transport(TransportKind::Mem(fabric.clone()))
+            .config(config.clone())
+            // The connector's defaults, as `KvConnector::new` gives (push only).
+            .connector_settings(ConnectorSettings::default())
+            .placement(Placement::OwnThreads)
+            .start_on(&mut runtime)
+            .map_err(start_error)?;
+        Ok(rank.into_parts().0)
     };
-    let p_handle = runtime.add_rank(p_setup, own_threads.clone())?;
-    let d_handle = runtime.add_rank(d_setup, own_threads)?;
-    let p_rank = p_handle.rank.clone();
-    let ident = |name| demo::identity(name).map_err(|e| BenchError::Options(e.to_string()));
-    let p_conn = KvConnector::new(ident(PREFILL_ENGINE)?, p_handle);
-    let d_conn = KvConnector::new(ident(DECODE_ENGINE)?, d_handle);
+    let p_conn = start(&p_engine)?;
+    let d_conn = start(&d_engine)?;
+    let p_rank = p_conn.rank().rank.clone();
     let mut ids = Vec::with_capacity(n);
     for i in 0..n {
         let base = vllm_like_base(i);
@@ -270,4 +266,15 @@ pub(super) fn actix_run(options: &ControlOptions) -> Result<ActixNumbers, BenchE
         },
         rounds_requests_per_sec: Vec::new(),
     })
+}
+
+/// A [`RankBuilder`]'s refusal as the bench's error (the messages the hand-built ranks gave).
+fn start_error(error: kvhandoff::StartError) -> BenchError {
+    use kvhandoff::StartError;
+    match error {
+        StartError::Build(e) => BenchError::Build(e),
+        StartError::Transport(e) => BenchError::Build(e.into()),
+        StartError::Runtime(e) => BenchError::Runtime(e),
+        other => BenchError::Actix(other.to_string()),
+    }
 }

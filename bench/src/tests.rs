@@ -26,27 +26,22 @@ fn bad_options_are_refused() {
     }
 }
 
-/// One in-memory rank of `engine` on its own runtime, and its connector.
+/// One in-memory rank of `engine` on its own runtime (its own thread), and its connector.
 fn one_rank(engine: &str) -> (Runtime, KvConnector) {
-    let fabric = MemFabric::new();
-    let (setup, _pool) = build_mem_rank(
-        &fabric,
-        &EngineId::new(engine).unwrap(),
-        tiny_geometry(),
-        &demo::model(),
-        8,
-        Config::default(),
-        ShellConfig::default(),
-    )
-    .unwrap();
+    let geometry = tiny_geometry();
     let mut runtime = Runtime::start().unwrap();
-    let own_thread = RankOptions {
-        placement: Placement::OwnThread,
-        ..RankOptions::default()
-    };
-    let handle = runtime.add_rank(setup, own_thread).unwrap();
-    let conn = KvConnector::new(demo::identity(engine).unwrap(), handle);
-    (runtime, conn)
+    let rank = RankBuilder::new(
+        EngineId::new(engine).unwrap(),
+        geometry.clone(),
+        demo::model(),
+    )
+    .regions(demo::engine_memory(&geometry, 8).unwrap())
+    .transport(TransportKind::Mem(MemFabric::new()))
+    .connector_settings(ConnectorSettings::default())
+    .placement(Placement::OwnThread)
+    .start_on(&mut runtime)
+    .unwrap();
+    (runtime, rank.into_parts().0)
 }
 
 #[test]

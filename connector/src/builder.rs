@@ -19,6 +19,7 @@ use kvhandoff_actors::system::{
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_actors::transport::TransportError;
+use kvhandoff_protocol::driver::PeerInfo;
 use kvhandoff_protocol::hetero::{PairPlan, SideName};
 use kvhandoff_protocol::machine::{BlockPairing, Config};
 use kvhandoff_protocol::{EngineId, IdError, KvGeometry, ModelIdentity};
@@ -387,6 +388,7 @@ impl RankBuilder {
             SideChannel::InProcess => None,
             SideChannel::Tcp(config) => Some(Handshaker::Tcp(config)),
         };
+        let info = setup.info.clone();
         let handle = runtime.add_rank(
             setup,
             RankOptions {
@@ -417,6 +419,7 @@ impl RankBuilder {
             connector,
             kv: cache,
             route,
+            info,
             runtime: None,
         };
         for (engine, addr) in peers {
@@ -450,6 +453,7 @@ pub struct EngineRank {
     connector: KvConnector,
     kv: KvCache,
     route: Option<Arc<PlannedRoute>>,
+    info: PeerInfo,
     runtime: Option<Runtime>,
 }
 
@@ -495,6 +499,14 @@ impl EngineRank {
     /// each link's descriptors and staging work with it before `request_finished`.
     pub fn route(&self) -> Option<&Arc<PlannedRoute>> {
         self.route.as_ref()
+    }
+
+    /// The handshake payload this rank hands its peers: its address, agent name and metadata,
+    /// its regions as registered (where the engine's memory sits in the transport's address
+    /// space), geometry, compatibility hash and incarnation. For diagnostics and tests (a test
+    /// that replays the rank's handshake sends this).
+    pub fn peer_info(&self) -> &PeerInfo {
+        &self.info
     }
 
     /// Tells the rank where `engine`'s side channel listens (TCP), and so to take its

@@ -3,8 +3,10 @@
 //! finishes first).
 //!
 //! What runs:
-//! - one [`Runtime`] hosting two ranks built with [`build_rank`] (`prefill-0` and `decode-0`,
-//!   TP 1), each driven through its own [`KvConnector`], found through the runtime's directory.
+//! - one [`Runtime`] hosting two ranks started with a [`RankBuilder`] (`prefill-0` and
+//!   `decode-0`, TP 1) on KV memory each engine allocated itself ([`engine_memory`], registered
+//!   as it is), each driven through its own [`KvConnector`] and its blocks filled and checked
+//!   through its [`KvCache`](kvhandoff::KvCache), found through the runtime's directory.
 //!   With [`DemoTransport::Mem`] both ranks are agents of one [`MemFabric`]; with
 //!   [`DemoTransport::Nixl`] (cargo feature `nixl`) each is its own NIXL agent (UCX backend,
 //!   DRAM), so every byte crosses NIXL;
@@ -61,25 +63,26 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{
-    blocking::ask, build_rank, BuildError, QueryCounters, RankActor, RankMemory, RankOptions,
-    RuntimeError, ShellConfig,
+    blocking::ask, BuildError, QueryCounters, RankActor, RuntimeError, ShellConfig,
 };
 #[cfg(doc)]
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{Config, Counters};
-use kvhandoff_protocol::{EngineId, ModelIdentity};
+use kvhandoff_protocol::{EngineId, KvGeometry, ModelIdentity};
 
 use crate::hooks::StopAfter;
 #[cfg(doc)]
 use kvhandoff::KvConnector;
-use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvTransferParams, Runtime};
+use kvhandoff::{
+    ConnectorIdentity, KvRegion, KvTransferParams, RankBuilder, Runtime, StartError, TransportKind,
+};
 
 pub(crate) use decode_loop::run_decode;
 pub use engines::FreeList;
 pub(crate) use engines::{
     failed_note, import_note, no_answer_note, released_note, router_link, unread_note, DecodeLink,
-    DecodeRecord, DecodeRun, Pacing, PrefillLink, PrefillRecord, PrefillRun, ToDecode, ToPrefill,
-    TurnSettings, TurnStart,
+    DecodeRecord, DecodeRun, Pacing, PrefillLink, PrefillRecord, PrefillRun, PrefillSide, ToDecode,
+    ToPrefill, TurnSettings, TurnStart,
 };
 pub(crate) use prefill_loop::run_prefill;
 pub(crate) use report::{build as build_report, turn_counts, Facts, Tallies};
@@ -280,7 +283,6 @@ mod mem {
     use super::*;
     use kvhandoff_actors::system::agent_name;
     use kvhandoff_actors::transport::mem::{MemFabric, MemLimits};
-    use kvhandoff_actors::transport::Transport;
 
     /// Both ranks on one in-memory fabric; the bytes moved are P's agent's landed bytes.
     pub(super) fn run(
@@ -294,15 +296,15 @@ mod mem {
             max_fabric_bytes: (2 * pool_bytes).max(MemLimits::default().max_fabric_bytes),
             ..MemLimits::default()
         });
+        // The builder names each rank's agent after its engine and rank.
         let [p_engine, d_engine] = engines()?;
-        let agent = |engine: &EngineId| -> Result<_, DemoError> {
-            let name = agent_name(engine, 0).map_err(|e| DemoError::Options(e.to_string()))?;
-            fabric.agent(name).map_err(|e| DemoError::Build(e.into()))
+        let name = |engine: &EngineId| {
+            agent_name(engine, 0).map_err(|e| DemoError::Options(e.to_string()))
         };
-        let (p, d) = (agent(&p_engine)?, agent(&d_engine)?);
-        let (p_agent, d_agent) = (p.agent_name().clone(), d.agent_name().clone());
+        let (p_agent, d_agent) = (name(&p_engine)?, name(&d_engine)?);
+        let kind = TransportKind::Mem(fabric.clone());
         // P's writes (push), D's reads (pull) and P's reads (turns read back).
-        run_pair(options, workload, plan, wall, "mem", p, d, |_| {
+        run_pair(options, workload, plan, wall, kind, |_| {
             let landed = |agent| fabric.stats(agent).map_or(0, |s| s.bytes_landed);
             landed(&p_agent) + landed(&d_agent)
         })
@@ -312,8 +314,7 @@ mod mem {
 #[cfg(feature = "nixl")]
 mod nixl {
     use super::*;
-    use kvhandoff_actors::system::agent_name;
-    use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
+    use kvhandoff_actors::transport::nixl::nixl_runtime_available;
 
     /// Two NIXL agents in this process. NIXL counts no bytes: the bytes moved are those of the
     /// requests whose write completed (P's `Sent`) or that D read (P's export ended `Read`),
@@ -325,15 +326,14 @@ mod nixl {
         wall: Instant,
     ) -> Result<DemoReport, DemoError> {
         nixl_runtime_available().map_err(|e| DemoError::NixlUnavailable(e.to_string()))?;
-        let [p_engine, d_engine] = engines()?;
-        let agent = |engine: &EngineId| -> Result<NixlTransport, DemoError> {
-            let name = agent_name(engine, 0).map_err(|e| DemoError::Options(e.to_string()))?;
-            NixlTransport::new(name, NixlConfig::default()).map_err(|e| DemoError::Build(e.into()))
-        };
-        let (p, d) = (agent(&p_engine)?, agent(&d_engine)?);
-        run_pair(options, workload, plan, wall, "nixl", p, d, |records| {
-            sent_bytes(plan, records, workload.block_bytes)
-        })
+        run_pair(
+            options,
+            workload,
+            plan,
+            wall,
+            TransportKind::nixl(),
+            |records| sent_bytes(plan, records, workload.block_bytes),
+        )
     }
 }
 
@@ -351,55 +351,40 @@ fn engines() -> Result<[EngineId; 2], DemoError> {
     Ok([id(PREFILL_ENGINE)?, id(DECODE_ENGINE)?])
 }
 
-/// Builds both ranks on their transports, starts them in one runtime, runs both engine loops
+/// Starts both ranks with a [`RankBuilder`] on memory each engine allocated itself
+/// ([`engine_memory`]), over `kind` (both agents on it), in one runtime, runs both engine loops
 /// on two threads with the in-process router between them, and builds the report.
-#[allow(clippy::too_many_arguments)]
-fn run_pair<T, B>(
+fn run_pair<B>(
     options: &DemoOptions,
     workload: &Workload,
     plan: &[Planned],
     wall: Instant,
-    transport: &'static str,
-    p_transport: T,
-    d_transport: T,
+    kind: TransportKind,
     bytes: B,
 ) -> Result<DemoReport, DemoError>
 where
-    T: RankMemory + Unpin + Send + 'static,
     B: FnOnce(&[engines::PrefillRecord]) -> u64,
 {
+    let transport = transport_name(&kind);
     let shell = ShellConfig {
         poll_interval: options.poll_interval,
         ..ShellConfig::default()
     };
     let [p_engine, d_engine] = engines()?;
-    let (p_setup, p_pool) = build_rank(
-        p_transport,
-        &p_engine,
-        workload.geometry.clone(),
-        &model(),
-        options.pool_blocks,
-        Config::default(),
-        shell.clone(),
-    )?;
-    let (d_setup, d_pool) = build_rank(
-        d_transport,
-        &d_engine,
-        workload.geometry.clone(),
-        &model(),
-        options.pool_blocks,
-        Config::default(),
-        shell,
-    )?;
     let mut runtime = Runtime::start()?;
-    let p_handle = runtime.add_rank(p_setup, RankOptions::default())?;
-    let d_handle = runtime.add_rank(d_setup, RankOptions::default())?;
-    let p_rank = p_handle.rank.clone();
-    let settings = ConnectorSettings::new(&Config::default(), &workload.geometry);
-    let p_conn =
-        kvhandoff::KvConnector::with_settings(identity(PREFILL_ENGINE)?, p_handle, settings);
-    let d_conn =
-        kvhandoff::KvConnector::with_settings(identity(DECODE_ENGINE)?, d_handle, settings);
+    let mut start_rank = |engine: &EngineId| -> Result<_, DemoError> {
+        let rank = RankBuilder::new(engine.clone(), workload.geometry.clone(), model())
+            .regions(engine_memory(&workload.geometry, options.pool_blocks)?)
+            .transport(kind.clone())
+            .config(Config::default())
+            .shell(shell.clone())
+            .start_on(&mut runtime)
+            .map_err(start_error)?;
+        Ok(rank.into_parts())
+    };
+    let (p_conn, p_kv, _) = start_rank(&p_engine)?;
+    let (d_conn, d_kv, _) = start_rank(&d_engine)?;
+    let p_rank = p_conn.rank().rank.clone();
 
     let (p_link, d_link) = router_link();
     let start = Instant::now();
@@ -434,10 +419,10 @@ where
     let (p, d) = thread::scope(|s| {
         let spawn = |name: &str| thread::Builder::new().name(name.into());
         let p_thread = spawn("demo-prefill")
-            .spawn_scoped(s, move || run_prefill(p_conn, p_pool, plan, prefill))
+            .spawn_scoped(s, move || run_prefill(p_conn, p_kv, plan, prefill))
             .map_err(|e| DemoError::Thread(e.to_string()))?;
         let d_thread = spawn("demo-decode")
-            .spawn_scoped(s, move || run_decode(d_conn, d_pool, plan, decode))
+            .spawn_scoped(s, move || run_decode(d_conn, d_kv, plan, decode))
             .map_err(|e| DemoError::Thread(e.to_string()))?;
         let p = p_thread
             .join()
@@ -453,16 +438,7 @@ where
     drop(p_rank);
     runtime.shutdown();
 
-    let mut errors = p.errors;
-    errors.extend(d.errors);
-    let races = match &counters {
-        Some(c) => races_of(c),
-        None => {
-            engines::note(&mut errors, "P's counters did not come back".into());
-            Races::default()
-        }
-    };
-    Ok(build_report(
+    Ok(pair_report(
         Facts {
             options,
             transport,
@@ -471,6 +447,32 @@ where
             prefill: Some(&p.records),
             decode: &d.records,
         },
+        (&p, &d),
+        counters,
+        bytes,
+        wall,
+    ))
+}
+
+/// The demo's report of both loops' results.
+fn pair_report(
+    facts: Facts<'_>,
+    (p, d): (&engines::PrefillSide, &engines::DecodeSide),
+    counters: Option<Counters>,
+    bytes: u64,
+    wall: Instant,
+) -> DemoReport {
+    let mut errors = p.errors.clone();
+    errors.extend(d.errors.iter().cloned());
+    let races = match &counters {
+        Some(c) => races_of(c),
+        None => {
+            engines::note(&mut errors, "P's counters did not come back".into());
+            Races::default()
+        }
+    };
+    build_report(
+        facts,
         Tallies {
             races,
             bytes,
@@ -486,7 +488,7 @@ where
             unknown: p.unknown + d.unknown,
             wall,
         },
-    ))
+    )
 }
 
 /// The conversations' settings of `options` (both sides use the same).
@@ -512,6 +514,52 @@ pub(crate) fn races_of(c: &Counters) -> Races {
 /// A rank's endpoint counters, asked for on its rank actor.
 pub fn query_counters(rank: &actix::Addr<RankActor>) -> Option<Counters> {
     ask(rank, QueryCounters, Duration::from_secs(5))
+}
+
+/// A harness engine's KV cache, allocated by the engine itself as a real one does: one zeroed
+/// buffer per region of `geometry` (in [`KvGeometry::regions`] order), `pool_blocks` logical
+/// blocks each, to hand to a [`RankBuilder`] as it is.
+///
+/// # Errors
+/// [`DemoError::Options`] for a geometry without regions or a pool too large to allocate.
+pub fn engine_memory(geometry: &KvGeometry, pool_blocks: u32) -> Result<Vec<KvRegion>, DemoError> {
+    let specs = geometry
+        .regions()
+        .map_err(|e| DemoError::Options(e.to_string()))?;
+    specs
+        .iter()
+        .map(|spec| {
+            let len = spec
+                .block_len
+                .checked_mul(u64::from(geometry.kernel_blocks_per_logical))
+                .and_then(|b| b.checked_mul(u64::from(pool_blocks)))
+                .and_then(|b| usize::try_from(b).ok())
+                .ok_or_else(|| DemoError::Options(format!("{pool_blocks} blocks overflow")))?;
+            Ok(KvRegion::new(vec![0u8; len]))
+        })
+        .collect()
+}
+
+/// The transport's name in reports (`"mem"`, `"nixl"`).
+pub(crate) fn transport_name(kind: &TransportKind) -> &'static str {
+    match kind {
+        TransportKind::Mem(_) => "mem",
+        #[cfg(feature = "nixl")]
+        TransportKind::Nixl(_) => "nixl",
+        #[allow(unreachable_patterns)]
+        _ => "other",
+    }
+}
+
+/// A [`RankBuilder`]'s refusal as the harness's error (the messages
+/// the hand-built ranks gave: a transport or build refusal is [`DemoError::Build`]).
+pub(crate) fn start_error(error: StartError) -> DemoError {
+    match error {
+        StartError::Build(e) => DemoError::Build(e),
+        StartError::Transport(e) => DemoError::Build(e.into()),
+        StartError::Runtime(e) => DemoError::Runtime(e),
+        other => DemoError::Options(other.to_string()),
+    }
 }
 
 /// The identity of the harness's engine `engine`: rank 0 of TP 1 on localhost.

@@ -6,9 +6,14 @@
 //! kvhandoff node --role prefill --listen 127.0.0.1:5600 --peer 127.0.0.1:5601 --requests 200
 //! ```
 //!
-//! Each process builds one rank of the demo's geometry (`prefill-0` or `decode-0`, TP 1), starts
-//! it with a TCP side channel on `--listen` ([`Handshaker::Tcp`]) and puts the other role's
-//! `--peer` address in its link's peer book ([`AddPeerAddress`]). Both derive the same seeded
+//! Each process starts one rank of the demo's geometry (`prefill-0` or `decode-0`, TP 1) the way
+//! an engine does: it allocates its KV cache itself ([`engine_memory`](crate::demo::engine_memory): one
+//! buffer per region),
+//! hands the buffers to a [`kvhandoff::RankBuilder`] as they are (with NIXL, registered in
+//! place: the rank's regions are the node's own addresses, which it prints on stderr, see
+//! [`NodeMemory`]), with a TCP side channel on `--listen`, and puts the other role's `--peer`
+//! address in its link's peer book ([`AddPeerAddress`]). P fills and D checks the blocks
+//! through the rank's [`KvCache`](kvhandoff::KvCache), that same memory. Both derive the same seeded
 //! schedule from the same options (`--requests`, `--seed`, `--max-prompt-tokens` must match):
 //! P fills each request's blocks with the pattern and calls `request_finished`, D allocates,
 //! calls `request_allocated` with the parameters a router would give it (`remote_engine_id
@@ -86,22 +91,22 @@
 //! `--linger-ms`.
 //!
 //! Without the cargo feature `nixl`, [`run`] returns [`DemoError::NoNixl`] and the CLI prints
-//! that message and exits 1. [`run_on`] runs a node on any transport whose agents can reach each
-//! other (the tests run two in-memory nodes in one process).
+//! that message and exits 1. [`run_on`] runs a node on any [`TransportKind`] whose agents can reach
+//! each other (the tests run two in-memory nodes on one fabric in one process).
 
 mod drive;
 mod facts;
 mod node_report;
+mod rank;
 mod router;
 mod wait;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvhandoff_actors::system::{AddPeerAddress, Connect, Handshaker, RankMemory, SideChannelStats};
-use kvhandoff_actors::transport::TransportError;
+use kvhandoff::TransportKind;
+use kvhandoff_actors::system::{AddPeerAddress, Connect, SideChannelStats};
 use kvhandoff_protocol::machine::Config;
-use kvhandoff_protocol::AgentName;
 use serde::{Deserialize, Serialize};
 
 use crate::demo::{DemoError, DemoOptions, DemoReport};
@@ -110,6 +115,7 @@ pub use drive::run_full_on;
 pub use node_report::{
     LinkSummary, NodeFacts, NodeReport, NodeRun, PoolSummary, PrefillReport, RequestEnd,
 };
+pub use rank::NodeMemory;
 
 /// Which engine a node runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -286,7 +292,8 @@ pub fn run(options: &NodeOptions) -> Result<NodeReport, DemoError> {
     run_full(options).map(|run| run.report)
 }
 
-/// Runs one node on NIXL (cargo feature `nixl`).
+/// Runs one node on NIXL (cargo feature `nixl`): its rank registers the node's own buffers
+/// with NIXL in place (see [`run_full_on`]).
 ///
 /// # Errors
 /// [`DemoError::NoNixl`] without the feature; [`DemoError::NixlUnavailable`] without the NIXL
@@ -294,13 +301,9 @@ pub fn run(options: &NodeOptions) -> Result<NodeReport, DemoError> {
 pub fn run_full(options: &NodeOptions) -> Result<NodeRun, DemoError> {
     #[cfg(feature = "nixl")]
     {
-        use kvhandoff_actors::transport::nixl::{
-            nixl_runtime_available, NixlConfig, NixlTransport,
-        };
+        use kvhandoff_actors::transport::nixl::nixl_runtime_available;
         nixl_runtime_available().map_err(|e| DemoError::NixlUnavailable(e.to_string()))?;
-        run_full_on("nixl", options, |name| {
-            NixlTransport::new(name, NixlConfig::default())
-        })
+        run_full_on(options, TransportKind::nixl())
     }
     #[cfg(not(feature = "nixl"))]
     {
@@ -313,16 +316,8 @@ pub fn run_full(options: &NodeOptions) -> Result<NodeRun, DemoError> {
 ///
 /// # Errors
 /// As [`run_full_on`].
-pub fn run_on<T, F>(
-    transport: &'static str,
-    options: &NodeOptions,
-    make: F,
-) -> Result<NodeReport, DemoError>
-where
-    T: RankMemory + Unpin + Send + 'static,
-    F: FnOnce(AgentName) -> Result<T, TransportError>,
-{
-    run_full_on(transport, options, make).map(|run| run.report)
+pub fn run_on(options: &NodeOptions, kind: TransportKind) -> Result<NodeReport, DemoError> {
+    run_full_on(options, kind).map(|run| run.report)
 }
 
 #[cfg(test)]

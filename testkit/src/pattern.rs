@@ -15,7 +15,7 @@
 //! tag only a block's two ends, so that checking a transfer of gigabytes costs nothing next to
 //! the transfer.
 
-use kvhandoff_actors::system::KvPool;
+use kvhandoff::KvCache;
 use kvhandoff_protocol::{KvGeometry, KvLayout, PairingKey, RegionKind};
 
 /// The demo model's geometry: 8 layers, 8 KV heads, head dim 128, bf16, 16-token kernel blocks,
@@ -203,10 +203,11 @@ pub fn fill_kernel_block(
     }
 }
 
-/// Fills (or, with `check`, compares) one logical block of a request across every region.
-/// Returns the number of differing bytes when checking.
+/// Fills (or, with `check`, compares) one logical block of a request across every region of a
+/// rank's [`KvCache`] (the engine's own memory, as the rank registered it). Returns the number
+/// of differing bytes when checking.
 pub fn pattern_block(
-    pool: &KvPool,
+    kv: &KvCache,
     key: u64,
     block: u32,
     block_index: u64,
@@ -214,13 +215,17 @@ pub fn pattern_block(
     scratch: &mut Vec<u8>,
     actual: &mut Vec<u8>,
 ) -> Result<u64, String> {
-    let g = pool.geometry();
+    let g = kv.geometry();
     let kbs = u64::from(g.kernel_block_size);
     let kbpl = u64::from(g.kernel_blocks_per_logical);
+    let specs = g
+        .regions()
+        .map_err(|e| format!("the cache's geometry: {e}"))?;
     let mut errors = 0u64;
-    for (spec, region) in pool.regions() {
-        let (offset, len) = pool.block_span(spec, block);
-        let len = len as usize;
+    for (index, spec) in specs.iter().enumerate() {
+        let len = kv
+            .block_len(index)
+            .map_err(|e| format!("block {block}: {e}"))? as usize;
         let kernel = spec.block_len as usize;
         scratch.resize(len, 0);
         for (s, out) in scratch.chunks_mut(kernel).enumerate() {
@@ -229,8 +234,7 @@ pub fn pattern_block(
         }
         if check {
             actual.resize(len, 0);
-            region
-                .read(offset, actual)
+            kv.read_block(index, block, actual)
                 .map_err(|e| format!("read of block {block}: {e}"))?;
             if actual != scratch {
                 errors += actual
@@ -240,8 +244,7 @@ pub fn pattern_block(
                     .count() as u64;
             }
         } else {
-            region
-                .write(offset, scratch)
+            kv.write_block(index, block, scratch)
                 .map_err(|e| format!("write of block {block}: {e}"))?;
         }
     }

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::blocking::block_on_timeout;
-use kvhandoff_actors::system::{KvPool, QueryTransportStats};
+use kvhandoff_actors::system::QueryTransportStats;
 use kvhandoff_protocol::{BlockIds, RequestId};
 
 use super::engines::{
@@ -29,21 +29,23 @@ use super::engines::{
 };
 use super::schedule::Planned;
 use crate::pattern::pattern_block;
-use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, TransferMode};
+use kvhandoff::{
+    ConnectorError, ConnectorEvent, KvCache, KvConnector, KvTransferParams, TransferMode,
+};
 
 /// Runs D's side of `plan` on `conn` until every request is verified (or failed) or
 /// `run.deadline`.
 pub(crate) fn run_decode(
     conn: KvConnector,
-    pool: KvPool,
+    kv: KvCache,
     plan: &[Planned],
     run: DecodeRun,
 ) -> DecodeSide {
-    let g = pool.geometry();
+    let g = kv.geometry();
     let block_tokens = g.kernel_block_size * g.kernel_blocks_per_logical;
     DecodeLoop {
         conn,
-        pool,
+        kv,
         plan,
         run,
         block_tokens,
@@ -53,7 +55,7 @@ pub(crate) fn run_decode(
 
 struct DecodeLoop<'a> {
     conn: KvConnector,
-    pool: KvPool,
+    kv: KvCache,
     plan: &'a [Planned],
     run: DecodeRun,
     block_tokens: u32,
@@ -93,7 +95,7 @@ impl DecodeLoop<'_> {
             prefill_done: vec![None; n],
             clock_due: vec![None; n],
             waiting: BTreeSet::new(),
-            free: FreeList::new(self.pool.logical_blocks()),
+            free: FreeList::new(self.kv.logical_blocks()),
             errors: Vec::new(),
             duplicates: 0,
             unknown: 0,
@@ -177,7 +179,7 @@ impl DecodeLoop<'_> {
                 let i = w.index;
                 let check = w.next < w.check_until;
                 match pattern_block(
-                    &self.pool,
+                    &self.kv,
                     self.plan[i].key,
                     w.blocks[w.next],
                     w.next as u64,

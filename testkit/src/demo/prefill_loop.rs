@@ -19,7 +19,6 @@ mod prefill_events;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::system::KvPool;
 use kvhandoff_protocol::{BlockIds, RequestId};
 
 use super::engines::{
@@ -28,20 +27,22 @@ use super::engines::{
 };
 use super::schedule::Planned;
 use crate::pattern::pattern_block;
-use kvhandoff::{ConnectorError, ConnectorEvent, KvConnector, KvTransferParams, TransferMode};
+use kvhandoff::{
+    ConnectorError, ConnectorEvent, KvCache, KvConnector, KvTransferParams, TransferMode,
+};
 
 /// Runs P's side of `plan` on `conn` until every request had its event or `run.deadline`.
 pub(crate) fn run_prefill(
     conn: KvConnector,
-    pool: KvPool,
+    kv: KvCache,
     plan: &[Planned],
     run: PrefillRun,
 ) -> PrefillSide {
-    let g = pool.geometry();
+    let g = kv.geometry();
     let block_tokens = g.kernel_block_size * g.kernel_blocks_per_logical;
     PrefillLoop {
         conn,
-        pool,
+        kv,
         plan,
         run,
         block_tokens,
@@ -51,7 +52,7 @@ pub(crate) fn run_prefill(
 
 struct PrefillLoop<'a> {
     conn: KvConnector,
-    pool: KvPool,
+    kv: KvCache,
     plan: &'a [Planned],
     run: PrefillRun,
     block_tokens: u32,
@@ -97,7 +98,7 @@ impl PrefillLoop<'_> {
         let mut st = State {
             records: vec![PrefillRecord::default(); n],
             held: vec![None; n],
-            free: FreeList::new(self.pool.logical_blocks()),
+            free: FreeList::new(self.kv.logical_blocks()),
             errors: Vec::new(),
             duplicates: 0,
             unknown: 0,
@@ -183,7 +184,7 @@ impl PrefillLoop<'_> {
                     p.key
                 };
                 match pattern_block(
-                    &self.pool,
+                    &self.kv,
                     key,
                     w.blocks[w.next],
                     w.next as u64,

@@ -1,88 +1,31 @@
 //! Running a node: the rank, the meeting with the peer, the role's engine loop, the reports.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::system::{
-    agent_name, blocking::ask, build_rank, RankActor, RankMemory, RankOptions, ShellConfig,
-    SideChannelConfig,
-};
-use kvhandoff_actors::transport::TransportError;
+use kvhandoff_actors::system::{blocking::ask, ShellConfig};
+use kvhandoff_protocol::machine::Config;
+use kvhandoff_protocol::EngineId;
 #[cfg(feature = "test-hooks")]
 use kvhandoff_protocol::PeerAddr;
-use kvhandoff_protocol::{AgentName, EngineId};
 
 use super::facts::{
     decode_ends, lateness, prefill_ends, push, summary, FactsInput, Outcome, UnixClock,
 };
+use super::rank::{self, NodeRank, RankSpec};
+use super::router::RouterGuard;
 use super::router::{decode_side, prefill_side};
-use super::wait::{await_decode, await_exit, await_prefill, side_channel};
+use super::wait::{await_decode, await_exit, await_prefill, side_channel, DeathWatch};
 use super::{
-    AddPeerAddress, Handshaker, LinkSummary, NodeOptions, NodeReport, NodeRole, NodeRun,
-    PrefillReport,
+    AddPeerAddress, LinkSummary, NodeOptions, NodeReport, NodeRole, NodeRun, PrefillReport,
 };
 use crate::demo::{
-    self, build_report, check_options, identity, model, query_counters, races_of, run_decode,
-    run_prefill, schedule, turn_counts, turn_settings, DecodeRun, DemoError, DemoMode, Facts,
-    Pacing, Planned, PrefillOutcomes, PrefillRun, Races, Tallies, DECODE_ENGINE, PREFILL_ENGINE,
+    self, build_report, check_options, query_counters, races_of, run_decode, run_prefill, schedule,
+    turn_counts, turn_settings, DecodeLink, DecodeRun, DemoError, DemoMode, Facts, Pacing, Planned,
+    PrefillLink, PrefillOutcomes, PrefillRun, Races, Tallies, TurnSettings, Workload,
+    DECODE_ENGINE, PREFILL_ENGINE,
 };
 use crate::hooks::{Repeater, StopAfter};
-use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvConnector, KvTransferParams, Runtime};
-
-/// Watches the endpoint's `peers_declared_dead` on its own thread, every 10 ms, and notes when
-/// each death was first seen.
-struct DeathWatch {
-    stop: Arc<AtomicBool>,
-    thread: Option<thread::JoinHandle<Vec<Instant>>>,
-}
-
-impl DeathWatch {
-    const POLL: Duration = Duration::from_millis(10);
-
-    fn start(rank: actix::Addr<RankActor>) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
-        let thread = thread::Builder::new()
-            .name("node-death-watch".into())
-            .spawn(move || {
-                let mut seen = Vec::new();
-                let mut deaths = 0;
-                while !flag.load(Ordering::Relaxed) {
-                    if let Some(c) = query_counters(&rank) {
-                        let now = Instant::now();
-                        while deaths < c.peers_declared_dead {
-                            deaths += 1;
-                            seen.push(now);
-                        }
-                    }
-                    thread::sleep(Self::POLL);
-                }
-                seen
-            })
-            .ok();
-        DeathWatch { stop, thread }
-    }
-
-    /// Stops the watch; the deaths seen, in order.
-    fn finish(mut self) -> Vec<Instant> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread
-            .take()
-            .and_then(|t| t.join().ok())
-            .unwrap_or_default()
-    }
-}
-
-impl Drop for DeathWatch {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
+use kvhandoff::{KvTransferParams, TransportKind};
 
 /// The part of `plan` a node runs: requests `start_at..`, with arrivals shifted so that the
 /// first arrives at the node's time zero (and the turns of conversations renumbered; a turn
@@ -108,39 +51,72 @@ pub(super) fn part_of(plan: &[Planned], start_at: usize) -> Vec<Planned> {
         .collect()
 }
 
-/// Runs one node on the transport `make` creates for the rank's agent name; `transport` names
-/// it in the report.
+/// What both roles' halves of a run share once the node met its peer.
+struct Run<'a> {
+    options: &'a NodeOptions,
+    transport: &'static str,
+    workload: Workload,
+    plan: Vec<Planned>,
+    config: Config,
+    clock: UnixClock,
+    wall: Instant,
+    /// The schedule's time zero.
+    start: Instant,
+    deadline: Instant,
+    pacing: Pacing,
+    turns: TurnSettings,
+    stop_after: StopAfter,
+    /// Where the side channel listens, and how long the node waited for its peer.
+    listen: std::net::SocketAddr,
+    waited_ms: f64,
+    errors: Vec<String>,
+}
+
+impl Run<'_> {
+    fn facts(&self) -> FactsInput<'_> {
+        FactsInput {
+            options: self.options,
+            config: &self.config,
+            clock: self.clock,
+            start: self.start,
+        }
+    }
+}
+
+/// The router link's two ends: this node's, and the guard that closes it.
+#[derive(Default)]
+struct Links {
+    prefill: Option<PrefillLink>,
+    decode: Option<DecodeLink>,
+    guard: Option<RouterGuard>,
+}
+
+/// What the halves hand back to the runtime once their loop ended.
+struct Live {
+    node: NodeRank,
+    watch: DeathWatch,
+    repeater: Repeater,
+    links: Links,
+}
+
+/// Runs one node whose rank is built by [`kvhandoff::RankBuilder`] on memory the node
+/// allocates itself, as an engine would ([`engine_memory`](crate::demo::engine_memory)), over `kind` (the report names it
+/// `"mem"` or `"nixl"`): on NIXL the node's own buffers are registered in place, P fills its
+/// blocks and D checks what P wrote into its blocks through the rank's
+/// [`KvCache`](kvhandoff::KvCache). The node prints where its KV memory is on stderr
+/// ([`NodeMemory::describe`](super::NodeMemory::describe)).
 ///
 /// # Errors
 /// [`DemoError`] when the node cannot start: bad options, a transport or rank that cannot be
 /// built, a side channel that cannot listen. A node that starts and goes wrong (the peer never
 /// came, a request failed) returns a report whose verdict is FAILED.
-pub fn run_full_on<T, F>(
-    transport: &'static str,
-    options: &NodeOptions,
-    make: F,
-) -> Result<NodeRun, DemoError>
-where
-    T: RankMemory + Unpin + Send + 'static,
-    F: FnOnce(AgentName) -> Result<T, TransportError>,
-{
+pub fn run_full_on(options: &NodeOptions, kind: TransportKind) -> Result<NodeRun, DemoError> {
     let wall = Instant::now();
     let clock = UnixClock::now();
     let opts = &options.schedule;
     let deadline = wall + opts.timeout;
     let workload = check_options(opts)?;
-    // A pulled request needs P's answer (its block ids) at D, and a conversation's next turn
-    // D's answer at P: they travel over the router link.
-    let router = match (opts.mode, options.router) {
-        (DemoMode::Push, _) => None,
-        (_, Some(addr)) => Some(addr),
-        (mode, None) => {
-            return Err(DemoError::Options(format!(
-                "--mode {} needs the router link's address (--router)",
-                mode.name()
-            )))
-        }
-    };
+    let router = router_addr(options)?;
     let whole = schedule(opts, workload.block_tokens)?;
     if options.start_at >= whole.len() {
         return Err(DemoError::Options(format!(
@@ -152,76 +128,30 @@ where
     let plan = part_of(&whole, options.start_at);
     let config = options.timing.config().map_err(DemoError::Options)?;
     // D listens on the router link before anything else, so that P finds it at once.
-    let (mut p_link, mut d_link, mut guard) = (None, None, None);
-    if let Some(addr) = router {
-        match options.role {
-            NodeRole::Decode => {
-                let (link, g) = decode_side(addr, options.start_at, plan.len()).map_err(|e| {
-                    DemoError::Options(format!("the router link cannot listen on {addr}: {e}"))
-                })?;
-                (d_link, guard) = (Some(link), Some(g));
-            }
-            NodeRole::Prefill => {
-                let (link, g) = prefill_side(addr, options.start_at, plan.len(), deadline);
-                (p_link, guard) = (Some(link), Some(g));
-            }
-        }
-    }
-    // Conversations follow P's reports (a later turn's time is not on any clock); the other
-    // modes both sides' clocks.
-    let pacing = match opts.mode {
-        DemoMode::Bidir => Pacing::Router,
-        _ => Pacing::Clock { hold: options.hold },
-    };
-    let turns = turn_settings(opts);
-    #[cfg(feature = "test-hooks")]
-    let stop_after = StopAfter::at(
-        options
-            .stop_self_after
-            .and_then(|k| k.checked_sub(options.start_at)),
-    );
-    #[cfg(not(feature = "test-hooks"))]
-    let stop_after = StopAfter::NEVER;
-    let engine_id = |name| EngineId::new(name).map_err(|e| DemoError::Options(e.to_string()));
-    let (own, other) = match options.role {
-        NodeRole::Prefill => (engine_id(PREFILL_ENGINE)?, engine_id(DECODE_ENGINE)?),
-        NodeRole::Decode => (engine_id(DECODE_ENGINE)?, engine_id(PREFILL_ENGINE)?),
-    };
-    let name = agent_name(&own, 0).map_err(|e| DemoError::Options(e.to_string()))?;
-    let rank_transport = make(name).map_err(|e| DemoError::Build(e.into()))?;
-    let shell = ShellConfig {
-        poll_interval: opts.poll_interval,
-        ..ShellConfig::default()
-    };
-    let (setup, pool) = build_rank(
-        rank_transport,
-        &own,
-        workload.geometry.clone(),
-        &model(),
-        opts.pool_blocks,
-        config.clone(),
-        shell,
-    )?;
-    #[cfg(feature = "test-hooks")]
-    let own_info = setup.info.clone();
-    let mut runtime = Runtime::start()?;
-    let handle = runtime.add_rank(
-        setup,
-        RankOptions {
-            handshaker: Some(Handshaker::Tcp(SideChannelConfig::new(options.listen))),
-            ..RankOptions::default()
+    let links = open_links(options, router, plan.len(), deadline)?;
+    let (own, other) = engines(options.role)?;
+    let node = rank::start(
+        RankSpec {
+            own: &own,
+            geometry: &workload.geometry,
+            pool_blocks: opts.pool_blocks,
+            config: &config,
+            shell: ShellConfig {
+                poll_interval: opts.poll_interval,
+                ..ShellConfig::default()
+            },
+            listen: options.listen,
         },
+        kind,
     )?;
-    let listen = handle.side_channel.unwrap_or(options.listen);
     eprintln!(
-        "kvhandoff node: {own} listening on {listen}, peer {other} at {}",
-        options.peer
+        "kvhandoff node: {own} listening on {}, peer {other} at {}",
+        node.listen, options.peer
     );
-    let link = handle.link.clone();
-    let rank = handle.rank.clone();
-    let watch = DeathWatch::start(rank.clone());
+    eprintln!("{}", node.memory.describe(&own));
+    let watch = DeathWatch::start(node.rank.clone());
     let added = ask(
-        &link,
+        &node.link,
         AddPeerAddress {
             engine: other.clone(),
             addr: options.peer,
@@ -234,29 +164,16 @@ where
             options.peer
         )));
     }
-    let conn = KvConnector::with_settings(
-        ConnectorIdentity {
-            host: listen.ip().to_string(),
-            port: listen.port(),
-            ..identity(own.as_str())?
-        },
-        handle,
-        ConnectorSettings::new(&config, &workload.geometry),
-    );
-
     let mut errors = Vec::new();
     let met = match options.role {
-        NodeRole::Decode => await_prefill(&link, options.peer, &other, deadline),
-        NodeRole::Prefill => await_decode(&link, deadline),
+        NodeRole::Decode => await_prefill(&node.link, options.peer, &other, deadline),
+        NodeRole::Prefill => await_decode(&node.link, deadline),
     };
     // The schedule's time zero: when P saw the handshake complete (D's estimate of it on D).
-    let start = match met {
-        Ok(at) => at,
-        Err(why) => {
-            errors.push(why);
-            Instant::now()
-        }
-    };
+    let start = met.unwrap_or_else(|why| {
+        errors.push(why);
+        Instant::now()
+    });
     let waited_ms = (Instant::now() - wall).as_secs_f64() * 1e3;
     eprintln!(
         "kvhandoff node: {own} met {other} after {waited_ms:.0} ms; running the schedule \
@@ -264,216 +181,361 @@ where
         options.start_at,
         whole.len()
     );
-    let facts = FactsInput {
+    let repeater = repeater(options, &node, &other, (start, deadline));
+    let run = Run {
         options,
-        config: &config,
+        transport: node.memory.transport,
+        workload,
+        plan,
+        config,
         clock,
+        wall,
         start,
+        deadline,
+        // Conversations follow P's reports (a later turn's time is not on any clock); the
+        // other modes both sides' clocks.
+        pacing: match opts.mode {
+            DemoMode::Bidir => Pacing::Router,
+            _ => Pacing::Clock { hold: options.hold },
+        },
+        turns: turn_settings(opts),
+        stop_after: stop_after(options),
+        listen: node.listen,
+        waited_ms,
+        errors,
     };
+    let live = Live {
+        node,
+        watch,
+        repeater,
+        links,
+    };
+    Ok(match options.role {
+        NodeRole::Decode => run_decode_role(run, live),
+        NodeRole::Prefill => run_prefill_role(run, live),
+    })
+}
+
+/// The router link's address, which every mode but push needs.
+fn router_addr(options: &NodeOptions) -> Result<Option<std::net::SocketAddr>, DemoError> {
+    // A pulled request needs P's answer (its block ids) at D, and a conversation's next turn
+    // D's answer at P: they travel over the router link.
+    match (options.schedule.mode, options.router) {
+        (DemoMode::Push, _) => Ok(None),
+        (_, Some(addr)) => Ok(Some(addr)),
+        (mode, None) => Err(DemoError::Options(format!(
+            "--mode {} needs the router link's address (--router)",
+            mode.name()
+        ))),
+    }
+}
+
+/// Opens this role's end of the router link (D listens, P connects), if there is one.
+fn open_links(
+    options: &NodeOptions,
+    router: Option<std::net::SocketAddr>,
+    requests: usize,
+    deadline: Instant,
+) -> Result<Links, DemoError> {
+    let Some(addr) = router else {
+        return Ok(Links::default());
+    };
+    Ok(match options.role {
+        NodeRole::Decode => {
+            let (link, g) = decode_side(addr, options.start_at, requests).map_err(|e| {
+                DemoError::Options(format!("the router link cannot listen on {addr}: {e}"))
+            })?;
+            Links {
+                decode: Some(link),
+                guard: Some(g),
+                ..Links::default()
+            }
+        }
+        NodeRole::Prefill => {
+            let (link, g) = prefill_side(addr, options.start_at, requests, deadline);
+            Links {
+                prefill: Some(link),
+                guard: Some(g),
+                ..Links::default()
+            }
+        }
+    })
+}
+
+/// This node's engine and its peer's.
+fn engines(role: NodeRole) -> Result<(EngineId, EngineId), DemoError> {
+    let id = |name| EngineId::new(name).map_err(|e| DemoError::Options(e.to_string()));
+    Ok(match role {
+        NodeRole::Prefill => (id(PREFILL_ENGINE)?, id(DECODE_ENGINE)?),
+        NodeRole::Decode => (id(DECODE_ENGINE)?, id(PREFILL_ENGINE)?),
+    })
+}
+
+/// TEST HOOK: the request after which the node stops itself (never without `test-hooks`).
+fn stop_after(options: &NodeOptions) -> StopAfter {
     #[cfg(feature = "test-hooks")]
-    let repeater = match options.repeat_handshake_after {
-        Some(after) => Repeater::start(
-            link.clone().recipient(),
-            own_info,
+    {
+        StopAfter::at(
+            options
+                .stop_self_after
+                .and_then(|k| k.checked_sub(options.start_at)),
+        )
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        let _ = options;
+        StopAfter::NEVER
+    }
+}
+
+/// TEST HOOK: the thread that repeats this rank's handshake to the peer (none without
+/// `test-hooks`, or when not asked for).
+fn repeater(
+    options: &NodeOptions,
+    node: &NodeRank,
+    other: &EngineId,
+    (start, deadline): (Instant, Instant),
+) -> Repeater {
+    #[cfg(feature = "test-hooks")]
+    if let Some(after) = options.repeat_handshake_after {
+        return Repeater::start(
+            node.link.clone().recipient(),
+            node.info.clone(),
             PeerAddr::new(other.clone(), 0),
             options.peer,
             (start + after).min(deadline),
-        ),
-        None => Repeater::NONE,
-    };
-    #[cfg(not(feature = "test-hooks"))]
-    let repeater = Repeater::NONE;
+        );
+    }
+    let _ = (options, node, other, start, deadline);
+    Repeater::NONE
+}
 
-    let run = match options.role {
-        NodeRole::Decode => {
-            let side = run_decode(
-                conn,
-                pool,
-                &plan,
-                DecodeRun {
-                    start,
-                    deadline,
-                    pacing,
-                    link: d_link.take(),
-                    answer_wait: Some(config.decode_deadline),
-                    turns,
-                    stop_after,
-                    params: KvTransferParams {
-                        do_remote_prefill: true,
-                        remote_engine_id: Some(PREFILL_ENGINE.into()),
-                        remote_host: Some(options.peer.ip().to_string()),
-                        remote_port: Some(options.peer.port()),
-                        tp_size: Some(1),
-                        ..KvTransferParams::default()
-                    },
-                },
-            );
-            drop(guard.take());
-            let counters = query_counters(&rank);
-            let deaths = watch.finish();
-            errors.extend(side.errors);
-            repeater.join(&mut errors);
-            let bytes = plan
-                .iter()
-                .zip(&side.records)
-                .filter(|(_, r)| r.ready)
-                .map(|(q, _)| q.blocks as u64 * workload.block_bytes)
-                .sum();
-            drop(rank);
-            runtime.shutdown();
-            let (ends, explained) = decode_ends(&plan, &side.records, options.start_at, clock);
-            let node = facts.build(Outcome {
-                ends,
-                explained,
-                errors: &errors,
-                free: &side.free,
-                pool_blocks: opts.pool_blocks,
-                counters: counters.as_ref(),
-                deaths,
-                timed_out: side.timed_out,
-            });
-            let report = NodeReport::Decode(build_report(
-                Facts {
-                    options: opts,
-                    transport,
-                    workload: &workload,
-                    plan: &plan,
-                    prefill: None,
-                    decode: &side.records,
-                },
-                Tallies {
-                    races: Races::default(),
-                    bytes,
-                    errors,
-                    timed_out: side.timed_out,
-                    double_frees: side.free.double_frees,
-                    bad_ids: side.free.bad_ids,
-                    leaks: demo::Leaks {
-                        prefill: 0,
-                        decode: side.free.in_use(),
-                    },
-                    duplicates: side.duplicates,
-                    unknown: side.unknown,
-                    wall,
-                },
-            ));
-            NodeRun { report, node }
-        }
-        NodeRole::Prefill => {
-            let side = run_prefill(
-                conn,
-                pool,
-                &plan,
-                PrefillRun {
-                    start,
-                    deadline,
-                    corrupt: opts.corrupt_one_request.then_some(plan.len() / 2),
-                    pacing,
-                    link: p_link.take(),
-                    turns,
-                    answer_wait: Some(config.decode_deadline),
-                    stop_after,
-                },
-            );
-            let peer_exited = await_exit(
-                options.peer,
-                (Instant::now() + options.linger).min(deadline),
-            );
-            drop(guard.take());
-            let counters = query_counters(&rank);
-            let deaths = watch.finish();
-            let stats = side_channel(&link);
-            repeater.join(&mut errors);
-            drop(rank);
-            runtime.shutdown();
-            errors.extend(side.errors);
-            let (ends, explained) = prefill_ends(&plan, &side.records, options.start_at, clock);
-            let node = facts.build(Outcome {
-                ends,
-                explained,
-                errors: &errors,
-                free: &side.free,
-                pool_blocks: opts.pool_blocks,
-                counters: counters.as_ref(),
-                deaths,
-                timed_out: side.timed_out,
-            });
-            let races = match &counters {
-                Some(c) => races_of(c),
-                None => {
-                    errors.push("P's counters did not come back".into());
-                    Races::default()
-                }
-            };
-            let (late, lag) = lateness(&plan, &side.records, start, options.hold);
-            let records = &side.records;
-            let blocks: u64 = plan.iter().map(|q| q.blocks as u64).sum();
-            let turns = turn_counts(opts, &plan, records, &[], workload.block_bytes);
-            let mut r = PrefillReport {
-                transport: transport.into(),
-                role: NodeRole::Prefill,
-                seed: opts.seed,
-                requests: plan.len() as u64,
-                races,
-                prefill_outcomes: PrefillOutcomes {
-                    sent: records.iter().filter(|r| r.sent).count() as u64,
-                    released: records
-                        .iter()
-                        .filter(|r| r.released.is_some() || r.export_end.is_some())
-                        .count() as u64,
-                    missing: records.iter().filter(|r| r.events == 0).count() as u64,
-                },
-                bytes: demo::sent_bytes(&plan, records, workload.block_bytes),
-                expected_bytes: blocks * workload.block_bytes + turns.read_back_bytes,
-                mode: opts.mode.name().into(),
-                pulled: plan
-                    .iter()
-                    .filter(|q| q.mode == kvhandoff::TransferMode::Pull)
-                    .count() as u64,
-                turns,
-                tokens: plan.iter().map(|q| u64::from(q.tokens)).sum(),
-                blocks,
-                late_finishes: late,
-                max_finish_lag_ms: lag,
-                events: records.iter().map(|r| u64::from(r.events)).sum(),
-                duplicates: side.duplicates,
-                unknown: side.unknown,
-                double_frees: side.free.double_frees,
-                leaked_blocks: side.free.in_use(),
-                pool_blocks: opts.pool_blocks,
-                link: LinkSummary::default(),
-                peer_exited,
-                wall_ms: wall.elapsed().as_secs_f64() * 1e3,
-                timed_out: side.timed_out,
-                errors,
-                ok: false,
-                verdict: String::new(),
-            };
-            if let Some(s) = stats {
-                r.link = summary(&s, listen, options.peer, waited_ms);
-            }
-            if side.free.bad_ids > 0 {
-                push(
-                    &mut r.errors,
-                    format!("{} block ids outside the pool", side.free.bad_ids),
-                );
-            }
-            if r.timed_out {
-                push(
-                    &mut r.errors,
-                    format!(
-                        "the run reached its {:?} limit with {} events missing",
-                        opts.timeout, r.prefill_outcomes.missing
-                    ),
-                );
-            }
-            r.ok = r.verdict_ok();
-            r.verdict = r.verdict_line();
-            NodeRun {
-                report: NodeReport::Prefill(r),
-                node,
-            }
+/// D's half: the decode loop on the node's rank, then its report.
+fn run_decode_role(mut run: Run<'_>, live: Live) -> NodeRun {
+    let Live {
+        node,
+        watch,
+        repeater,
+        mut links,
+    } = live;
+    let options = run.options;
+    let side = run_decode(
+        node.conn,
+        node.kv,
+        &run.plan,
+        DecodeRun {
+            start: run.start,
+            deadline: run.deadline,
+            pacing: run.pacing,
+            link: links.decode.take(),
+            answer_wait: Some(run.config.decode_deadline),
+            turns: run.turns,
+            stop_after: run.stop_after,
+            params: KvTransferParams {
+                do_remote_prefill: true,
+                remote_engine_id: Some(PREFILL_ENGINE.into()),
+                remote_host: Some(options.peer.ip().to_string()),
+                remote_port: Some(options.peer.port()),
+                tp_size: Some(1),
+                ..KvTransferParams::default()
+            },
+        },
+    );
+    drop(links.guard.take());
+    let counters = query_counters(&node.rank);
+    let deaths = watch.finish();
+    let mut errors = std::mem::take(&mut run.errors);
+    errors.extend(side.errors);
+    repeater.join(&mut errors);
+    let block_bytes = run.workload.block_bytes;
+    let bytes = run
+        .plan
+        .iter()
+        .zip(&side.records)
+        .filter(|(_, r)| r.ready)
+        .map(|(q, _)| q.blocks as u64 * block_bytes)
+        .sum();
+    drop(node.rank);
+    node.runtime.shutdown();
+    let (ends, explained) = decode_ends(&run.plan, &side.records, options.start_at, run.clock);
+    let facts = run.facts().build(Outcome {
+        ends,
+        explained,
+        errors: &errors,
+        free: &side.free,
+        pool_blocks: options.schedule.pool_blocks,
+        counters: counters.as_ref(),
+        deaths,
+        timed_out: side.timed_out,
+    });
+    let report = NodeReport::Decode(build_report(
+        Facts {
+            options: &options.schedule,
+            transport: run.transport,
+            workload: &run.workload,
+            plan: &run.plan,
+            prefill: None,
+            decode: &side.records,
+        },
+        Tallies {
+            races: Races::default(),
+            bytes,
+            errors,
+            timed_out: side.timed_out,
+            double_frees: side.free.double_frees,
+            bad_ids: side.free.bad_ids,
+            leaks: demo::Leaks {
+                prefill: 0,
+                decode: side.free.in_use(),
+            },
+            duplicates: side.duplicates,
+            unknown: side.unknown,
+            wall: run.wall,
+        },
+    ));
+    NodeRun {
+        report,
+        node: facts,
+    }
+}
+
+/// P's half: the prefill loop on the node's rank, the wait for D's exit, then its report.
+fn run_prefill_role(mut run: Run<'_>, live: Live) -> NodeRun {
+    let Live {
+        node,
+        watch,
+        repeater,
+        mut links,
+    } = live;
+    let options = run.options;
+    let side = run_prefill(
+        node.conn,
+        node.kv,
+        &run.plan,
+        PrefillRun {
+            start: run.start,
+            deadline: run.deadline,
+            corrupt: options
+                .schedule
+                .corrupt_one_request
+                .then_some(run.plan.len() / 2),
+            pacing: run.pacing,
+            link: links.prefill.take(),
+            turns: run.turns,
+            answer_wait: Some(run.config.decode_deadline),
+            stop_after: run.stop_after,
+        },
+    );
+    let peer_exited = await_exit(
+        options.peer,
+        (Instant::now() + options.linger).min(run.deadline),
+    );
+    drop(links.guard.take());
+    let counters = query_counters(&node.rank);
+    let deaths = watch.finish();
+    let stats = side_channel(&node.link);
+    let mut errors = std::mem::take(&mut run.errors);
+    repeater.join(&mut errors);
+    drop(node.rank);
+    node.runtime.shutdown();
+    errors.extend(side.errors.iter().cloned());
+    let (ends, explained) = prefill_ends(&run.plan, &side.records, options.start_at, run.clock);
+    let facts = run.facts().build(Outcome {
+        ends,
+        explained,
+        errors: &errors,
+        free: &side.free,
+        pool_blocks: options.schedule.pool_blocks,
+        counters: counters.as_ref(),
+        deaths,
+        timed_out: side.timed_out,
+    });
+    let races = match &counters {
+        Some(c) => races_of(c),
+        None => {
+            errors.push("P's counters did not come back".into());
+            Races::default()
         }
     };
-    Ok(run)
+    let mut r = prefill_report(&run, &side, races, errors, peer_exited);
+    if let Some(s) = stats {
+        r.link = summary(&s, run.listen, options.peer, run.waited_ms);
+    }
+    r.ok = r.verdict_ok();
+    r.verdict = r.verdict_line();
+    NodeRun {
+        report: NodeReport::Prefill(r),
+        node: facts,
+    }
+}
+
+/// P's report of its loop's `side` (without the link's summary and the verdict).
+fn prefill_report(
+    run: &Run<'_>,
+    side: &demo::PrefillSide,
+    races: Races,
+    errors: Vec<String>,
+    peer_exited: bool,
+) -> PrefillReport {
+    let (opts, plan, records) = (&run.options.schedule, &run.plan, &side.records);
+    let block_bytes = run.workload.block_bytes;
+    let (late, lag) = lateness(plan, records, run.start, run.options.hold);
+    let blocks: u64 = plan.iter().map(|q| q.blocks as u64).sum();
+    let turns = turn_counts(opts, plan, records, &[], block_bytes);
+    let mut r = PrefillReport {
+        transport: run.transport.into(),
+        role: NodeRole::Prefill,
+        seed: opts.seed,
+        requests: plan.len() as u64,
+        races,
+        prefill_outcomes: PrefillOutcomes {
+            sent: records.iter().filter(|r| r.sent).count() as u64,
+            released: records
+                .iter()
+                .filter(|r| r.released.is_some() || r.export_end.is_some())
+                .count() as u64,
+            missing: records.iter().filter(|r| r.events == 0).count() as u64,
+        },
+        bytes: demo::sent_bytes(plan, records, block_bytes),
+        expected_bytes: blocks * block_bytes + turns.read_back_bytes,
+        mode: opts.mode.name().into(),
+        pulled: plan
+            .iter()
+            .filter(|q| q.mode == kvhandoff::TransferMode::Pull)
+            .count() as u64,
+        turns,
+        tokens: plan.iter().map(|q| u64::from(q.tokens)).sum(),
+        blocks,
+        late_finishes: late,
+        max_finish_lag_ms: lag,
+        events: records.iter().map(|r| u64::from(r.events)).sum(),
+        duplicates: side.duplicates,
+        unknown: side.unknown,
+        double_frees: side.free.double_frees,
+        leaked_blocks: side.free.in_use(),
+        pool_blocks: opts.pool_blocks,
+        link: LinkSummary::default(),
+        peer_exited,
+        wall_ms: run.wall.elapsed().as_secs_f64() * 1e3,
+        timed_out: side.timed_out,
+        errors,
+        ok: false,
+        verdict: String::new(),
+    };
+    if side.free.bad_ids > 0 {
+        push(
+            &mut r.errors,
+            format!("{} block ids outside the pool", side.free.bad_ids),
+        );
+    }
+    if r.timed_out {
+        push(
+            &mut r.errors,
+            format!(
+                "the run reached its {:?} limit with {} events missing",
+                opts.timeout, r.prefill_outcomes.missing
+            ),
+        );
+    }
+    r
 }

@@ -96,3 +96,64 @@ fn a_later_part_of_a_conversation_plan_renumbers_its_turns() {
     assert_eq!((part[2].prev, part[2].next), (None, Some(3)));
     assert_eq!(part[5].prev, Some(4));
 }
+
+/// Starts a node's rank the way `kvhandoff node` does, on `kind`; fills a block of the node's
+/// own memory through the rank's cache with the pattern and checks it back.
+fn start_node_rank(kind: kvhandoff::TransportKind) -> super::NodeMemory {
+    use super::rank::{start, RankSpec};
+    use crate::pattern::{demo_geometry, pattern_block};
+
+    let geometry = demo_geometry();
+    let own = kvhandoff::EngineId::new("decode-0").unwrap();
+    let node = start(
+        RankSpec {
+            own: &own,
+            geometry: &geometry,
+            pool_blocks: 4,
+            config: &Config::default(),
+            shell: kvhandoff::ShellConfig::default(),
+            listen: "127.0.0.1:0".parse().unwrap(),
+        },
+        kind,
+    )
+    .unwrap();
+    let specs = geometry.regions().unwrap();
+    let block_len: u64 = specs.iter().map(|s| s.block_len).sum();
+    assert_eq!(node.memory.regions, specs.len());
+    assert_eq!(node.memory.bytes, 4 * block_len);
+    assert_eq!(node.kv.logical_blocks(), 4);
+    let (mut scratch, mut actual) = (Vec::new(), Vec::new());
+    pattern_block(&node.kv, 7, 3, 0, false, &mut scratch, &mut actual).unwrap();
+    assert_eq!(
+        pattern_block(&node.kv, 7, 3, 0, true, &mut scratch, &mut actual),
+        Ok(0)
+    );
+    assert!(pattern_block(&node.kv, 8, 3, 0, true, &mut scratch, &mut actual).unwrap() > 0);
+    let memory = node.memory.clone();
+    drop(node.conn);
+    node.runtime.shutdown();
+    memory
+}
+
+#[test]
+fn a_node_rank_runs_on_the_memory_the_node_allocated() {
+    let memory = start_node_rank(kvhandoff::TransportKind::Mem(kvhandoff::MemFabric::new()));
+    assert_eq!(memory.transport, "mem");
+    // Moved into the fabric, which names regions by addresses of its own.
+    assert!(!memory.in_place());
+    let line = memory.describe(&kvhandoff::EngineId::new("decode-0").unwrap());
+    assert!(line.contains("registered with mem as moved"), "{line}");
+}
+
+/// On NIXL the rank registers the node's buffers where the node allocated them: the
+/// descriptors P writes through name the node's own addresses.
+#[cfg(feature = "nixl")]
+#[test]
+fn a_node_rank_registers_the_node_memory_with_nixl_in_place() {
+    let memory = start_node_rank(kvhandoff::TransportKind::nixl());
+    assert_eq!(memory.transport, "nixl");
+    assert_eq!(memory.allocated, memory.registered);
+    assert!(memory.in_place());
+    let line = memory.describe(&kvhandoff::EngineId::new("decode-0").unwrap());
+    assert!(line.contains("registered with nixl in place"), "{line}");
+}

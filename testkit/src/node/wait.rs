@@ -1,14 +1,18 @@
-//! Finding the peer: TCP probes of its side channel and waits on this node's link.
+//! Finding the peer: TCP probes of its side channel and waits on this node's link; watching
+//! for its deaths.
 
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::system::{LinkActor, QuerySideChannel};
+use kvhandoff_actors::system::{LinkActor, QuerySideChannel, RankActor};
 use kvhandoff_protocol::EngineId;
 use kvhandoff_protocol::PeerAddr;
 
 use super::{Connect, SideChannelStats};
+use crate::demo::query_counters;
 use kvhandoff_actors::system::blocking::ask;
 
 /// How often the waits look again.
@@ -103,5 +107,58 @@ pub(super) fn await_exit(peer: SocketAddr, until: Instant) -> bool {
             return false;
         }
         thread::sleep(PROBE_POLL);
+    }
+}
+
+/// Watches the endpoint's `peers_declared_dead` on its own thread, every 10 ms, and notes when
+/// each death was first seen.
+pub(super) struct DeathWatch {
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<Vec<Instant>>>,
+}
+
+impl DeathWatch {
+    const POLL: Duration = Duration::from_millis(10);
+
+    pub(super) fn start(rank: actix::Addr<RankActor>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = thread::Builder::new()
+            .name("node-death-watch".into())
+            .spawn(move || {
+                let mut seen = Vec::new();
+                let mut deaths = 0;
+                while !flag.load(Ordering::Relaxed) {
+                    if let Some(c) = query_counters(&rank) {
+                        let now = Instant::now();
+                        while deaths < c.peers_declared_dead {
+                            deaths += 1;
+                            seen.push(now);
+                        }
+                    }
+                    thread::sleep(Self::POLL);
+                }
+                seen
+            })
+            .ok();
+        DeathWatch { stop, thread }
+    }
+
+    /// Stops the watch; the deaths seen, in order.
+    pub(super) fn finish(mut self) -> Vec<Instant> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for DeathWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
