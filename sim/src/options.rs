@@ -2,6 +2,9 @@
 
 use std::ops::{Range, RangeInclusive};
 
+#[cfg(doc)]
+use crate::WorldConfig;
+
 use crate::{
     Faults, Mode, Mutation, DEFAULT_POOL_BLOCKS, DEFAULT_STALL_FREEZE, FLOOD_MARKS, MISNAME_MARKS,
     MULTI_SOURCE_MARKS, STALL_MARKS,
