@@ -6,6 +6,12 @@ use std::time::Duration;
 use kvhandoff_protocol::MAX_REGIONS;
 
 use crate::transport::MAX_NOTIFICATION_LEN;
+#[cfg(doc)]
+use {
+    super::MemFabric,
+    crate::transport::{Transport, TransportError},
+    std::time::Instant,
+};
 
 /// Bounds of a [`MemFabric`]; every queue and table is bounded by one of these.
 #[derive(Debug, Clone, PartialEq, Eq)]
