@@ -7,7 +7,50 @@
 //! (its region and its id in the source table); the rest of the memory holds a plain filler
 //! written once, so that no page is the shared zero page when the first transfer touches it.
 
+#[cfg(feature = "nixl")]
+use kvhandoff::KvCache;
 use kvhandoff_actors::system::{KvPool, RegionBytes};
+
+/// One region's bytes, as a stamp reads and writes them.
+pub(crate) trait StampRegion {
+    /// Copies `bytes` into the region at `offset`.
+    fn put(&self, offset: u64, bytes: &[u8]) -> Result<(), String>;
+    /// Copies the region's bytes at `offset` into `buf`.
+    fn get(&self, offset: u64, buf: &mut [u8]) -> Result<(), String>;
+}
+
+impl StampRegion for &dyn RegionBytes {
+    fn put(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        self.write(offset, bytes).map_err(|e| e.to_string())
+    }
+
+    fn get(&self, offset: u64, buf: &mut [u8]) -> Result<(), String> {
+        self.read(offset, buf).map_err(|e| e.to_string())
+    }
+}
+
+/// Region `.1` of a rank's [`KvCache`] (the engine's own memory).
+#[cfg(feature = "nixl")]
+pub(crate) struct CacheRegion<'a>(&'a KvCache, usize);
+
+#[cfg(feature = "nixl")]
+impl StampRegion for CacheRegion<'_> {
+    fn put(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        self.0
+            .write(self.1, offset, bytes)
+            .map_err(|e| e.to_string())
+    }
+
+    fn get(&self, offset: u64, buf: &mut [u8]) -> Result<(), String> {
+        self.0.read(self.1, offset, buf).map_err(|e| e.to_string())
+    }
+}
+
+/// Every region of `kv`, in the engine's order.
+#[cfg(feature = "nixl")]
+pub(crate) fn cache_regions(kv: &KvCache) -> Vec<CacheRegion<'_>> {
+    (0..kv.num_regions()).map(|r| CacheRegion(kv, r)).collect()
+}
 
 /// The tag of block `block` of region `region` of the source.
 fn tag(region: usize, block: u32) -> [u8; 8] {
@@ -33,7 +76,7 @@ pub(crate) fn pool_block_bytes(pool: &KvPool) -> u64 {
 }
 
 /// Writes a non-zero filler over the first `len` bytes of every region.
-pub(crate) fn fill(regions: &[&dyn RegionBytes], len: u64) -> Result<(), String> {
+pub(crate) fn fill(regions: &[impl StampRegion], len: u64) -> Result<(), String> {
     const CHUNK: u64 = 1 << 20;
     for (r, region) in regions.iter().enumerate() {
         let pattern: Vec<u8> = (0..CHUNK)
@@ -43,7 +86,7 @@ pub(crate) fn fill(regions: &[&dyn RegionBytes], len: u64) -> Result<(), String>
         while at < len {
             let n = (len - at).min(CHUNK);
             region
-                .write(at, &pattern[..n as usize])
+                .put(at, &pattern[..n as usize])
                 .map_err(|e| format!("fill: {e}"))?;
             at += n;
         }
@@ -53,7 +96,7 @@ pub(crate) fn fill(regions: &[&dyn RegionBytes], len: u64) -> Result<(), String>
 
 /// Tags both ends of `blocks` (of `block_bytes` each) in every region of the source.
 pub(crate) fn stamp(
-    regions: &[&dyn RegionBytes],
+    regions: &[impl StampRegion],
     block_bytes: u64,
     blocks: &[u32],
 ) -> Result<(), String> {
@@ -61,7 +104,7 @@ pub(crate) fn stamp(
         for &b in blocks {
             for at in ends(b, block_bytes) {
                 region
-                    .write(at, &tag(r, b))
+                    .put(at, &tag(r, b))
                     .map_err(|e| format!("stamp: {e}"))?;
             }
         }
@@ -72,16 +115,14 @@ pub(crate) fn stamp(
 /// Zeroes both ends of `blocks` in every region of the destination, before a transfer into
 /// them.
 pub(crate) fn clear(
-    regions: &[&dyn RegionBytes],
+    regions: &[impl StampRegion],
     block_bytes: u64,
     blocks: &[u32],
 ) -> Result<(), String> {
     for region in regions {
         for &b in blocks {
             for at in ends(b, block_bytes) {
-                region
-                    .write(at, &[0; 8])
-                    .map_err(|e| format!("clear: {e}"))?;
+                region.put(at, &[0; 8]).map_err(|e| format!("clear: {e}"))?;
             }
         }
     }
@@ -92,7 +133,7 @@ pub(crate) fn clear(
 /// block `source[i]` of the source.
 pub(crate) fn check(
     what: &str,
-    regions: &[&dyn RegionBytes],
+    regions: &[impl StampRegion],
     block_bytes: u64,
     (source, destination): (&[u32], &[u32]),
 ) -> Result<(), String> {
@@ -101,7 +142,7 @@ pub(crate) fn check(
         for (&s, &d) in source.iter().zip(destination) {
             for at in ends(d, block_bytes) {
                 region
-                    .read(at, &mut buf)
+                    .get(at, &mut buf)
                     .map_err(|e| format!("check: {e}"))?;
                 if buf != tag(r, s) {
                     return Err(format!(

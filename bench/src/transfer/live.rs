@@ -3,10 +3,8 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::system::{
-    agent_name, build_rank, KvPool, RankOptions, RegionBytes, ShellConfig,
-};
-use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
+use kvhandoff_actors::system::{RegionBytes, ShellConfig};
+use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig};
 use kvhandoff_protocol::machine::Config;
 use kvhandoff_protocol::planner::{Descriptor, PlanInput, Planner};
 use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, RegionDesc, RegionSpec, RequestId};
@@ -20,14 +18,17 @@ use super::{
     TransferOptions, TransferReport, BLOCK_TOKENS, COARSE_FRACTION, COARSE_POLL, DRIVER_POLL,
     TARGET_RATIO,
 };
-use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams, Runtime};
+use kvhandoff::{
+    ConnectorEvent, ConnectorSettings, KvCache, KvConnector, KvTransferParams, RankBuilder,
+    Runtime, StartError, TransportKind,
+};
 use kvhandoff_testkit::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
 
 mod notify;
 mod push;
 mod raw;
 
-use crate::stamps::{check, clear, fill, pool_regions, stamp};
+use crate::stamps::{cache_regions, check, clear, fill, stamp};
 use notify::*;
 use push::*;
 use raw::*;
@@ -80,7 +81,7 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
     // Real bytes in every source page (untouched pages would all read the shared zero page).
     let region_len = block_bytes * u64::from(pool_blocks);
     fill(&byte_regions(&raw.p), region_len).map_err(run_error)?;
-    fill(&pool_regions(&push.p_pool), region_len).map_err(run_error)?;
+    fill(&cache_regions(&push.p_kv), region_len).map_err(run_error)?;
 
     let mut numbers = Vec::new();
     for table in &tables {

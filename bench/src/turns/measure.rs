@@ -49,6 +49,7 @@ struct Side<T: RankMemory> {
 
 /// Builds a rank of `geometry` with `pool_blocks` blocks on `transport`, its source pattern
 /// written into every page.
+/// Not via `RankBuilder`: the bench drives the rank's [`TransportDriver`] itself, no actors.
 fn side<T: RankMemory>(
     transport: T,
     engine: &EngineId,

@@ -2,9 +2,11 @@
 //! (P at one TP / block size / layout, D at another) in one process, handing KV over the lease
 //! protocol, then checked byte for byte in D's own geometry.
 //!
-//! What runs, per rank: a real rank ([`build_routed_rank`]: endpoint, transport actor, link)
-//! in one [`Runtime`], its registered memory being the rank's KV tensors and its staging
-//! buffer, driven through its own [`KvConnector`] with [`RankLinks`] from the pair's plan. So
+//! What runs, per rank: a real rank started by a [`RankBuilder`] paired into the plan
+//! ([`RankBuilder::pairing`]: endpoint, transport actor, link, route and [`RankLinks`]) in one
+//! [`Runtime`], on memory the engine allocated itself (its KV tensors and its staging buffer,
+//! registered as they are), driven through its own [`KvConnector`] and its memory filled and
+//! read back through its [`KvCache`]. So
 //! every (P rank → D rank) link of a request is a 1:1 sub-request under its pair key: each D
 //! rank registers with every P rank that writes to it and is `BlocksReady` only when each of
 //! them wrote (`FanIn` in the connector); each P rank holds its blocks under the lease until
@@ -35,22 +37,20 @@ mod summary;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvhandoff::{ConnectorIdentity, ConnectorSettings, KvConnector, RankLinks, Runtime};
-use kvhandoff_actors::system::{
-    agent_name, build_routed_rank, RankMemory, RankOptions, RoutedRegion, ShellConfig,
-    MAX_ROUTED_REGIONS,
-};
+#[cfg(doc)]
+use kvhandoff::{KvCache, KvConnector, RankLinks};
+use kvhandoff::{KvRegion, RankBuilder, Runtime, TransportKind};
+use kvhandoff_actors::system::{agent_name, MAX_ROUTED_REGIONS};
 use kvhandoff_protocol::hetero::{
     model, plan_pair, HeteroError, PairPlan, SideName, SideSpec, Space,
 };
-use kvhandoff_protocol::machine::{BlockPairing, Config};
-use kvhandoff_protocol::{EngineId, ModelIdentity};
+use kvhandoff_protocol::machine::Config;
+use kvhandoff_protocol::{AgentName, EngineId, ModelIdentity};
 use rand::{Rng, SeedableRng};
 
 use super::handoff::{Handoff, RequestShape};
-use crate::demo::{DemoError, DemoReport, DemoTransport, Leaks, Races};
+use crate::demo::{start_error, DemoError, DemoReport, DemoTransport, Leaks, Races};
 use flight::Rank;
-use kvhandoff::route::PlannedRoute;
 
 /// P's engine id in the heterogeneous demo.
 pub const PREFILL: &str = "prefill";
@@ -234,14 +234,10 @@ fn mem_run(
             .max(MemLimits::default().max_fabric_bytes),
         ..MemLimits::default()
     });
-    let agents = std::cell::RefCell::new(Vec::new());
-    let make = |name: kvhandoff_protocol::AgentName| {
-        agents.borrow_mut().push(name.clone());
-        fabric.agent(name).map_err(|e| DemoError::Build(e.into()))
-    };
+    // The builder names each rank's agent after its engine and rank.
+    let agents = agent_names(&run)?;
     let landed = || {
         agents
-            .borrow()
             .iter()
             .filter_map(|a| fabric.stats(a))
             .map(|s| s.bytes_landed)
@@ -251,7 +247,6 @@ fn mem_run(
         if options.chaos <= 0.0 || !rng.gen_bool(options.chaos) {
             return false;
         }
-        let agents = agents.borrow();
         let writers: Vec<_> = agents
             .iter()
             .filter(|a| a.as_str().starts_with(PREFILL))
@@ -275,7 +270,13 @@ fn mem_run(
         landed: Some(&landed),
         chaos: &mut chaos,
     };
-    drive(options, run, wall, make, hooks)
+    drive(
+        options,
+        run,
+        wall,
+        TransportKind::Mem(fabric.clone()),
+        hooks,
+    )
 }
 
 #[cfg(feature = "nixl")]
@@ -284,17 +285,14 @@ fn nixl_run(
     run: Prepared,
     wall: Instant,
 ) -> Result<DemoReport, DemoError> {
-    use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig, NixlTransport};
+    use kvhandoff_actors::transport::nixl::nixl_runtime_available;
     nixl_runtime_available().map_err(|e| DemoError::NixlUnavailable(e.to_string()))?;
-    let make = |name: kvhandoff_protocol::AgentName| {
-        NixlTransport::new(name, NixlConfig::default()).map_err(|e| DemoError::Build(e.into()))
-    };
     let hooks = Hooks {
         transport: "nixl",
         landed: None,
         chaos: &mut |_| false,
     };
-    drive(options, run, wall, make, hooks)
+    drive(options, run, wall, TransportKind::nixl(), hooks)
 }
 
 #[cfg(not(feature = "nixl"))]
@@ -324,6 +322,44 @@ fn region_lens(pair: &PairPlan, handoffs: &[Handoff]) -> Vec<((SideName, usize),
     out
 }
 
+/// Every rank's engine id and geometry, in [`region_lens`] order.
+fn ranks_of(
+    run: &Prepared,
+) -> impl Iterator<Item = Result<(EngineId, &kvhandoff_protocol::KvGeometry), DemoError>> {
+    run.lens.iter().map(|&((side, index), _)| {
+        let (engine, layout) = match side {
+            SideName::Prefill => (PREFILL, &run.pair.prefill),
+            SideName::Decode => (DECODE, &run.pair.decode),
+        };
+        let engine = EngineId::new(engine).map_err(|e| DemoError::Options(e.to_string()))?;
+        Ok((engine, &layout.ranks[index].geometry))
+    })
+}
+
+/// The transport agents' names the builder gives the ranks, in [`region_lens`] order.
+fn agent_names(run: &Prepared) -> Result<Vec<AgentName>, DemoError> {
+    ranks_of(run)
+        .map(|rank| {
+            let (engine, geometry) = rank?;
+            agent_name(&engine, geometry.rank_index())
+                .map_err(|e| DemoError::Options(e.to_string()))
+        })
+        .collect()
+}
+
+/// A rank's memory, allocated by its engine: per slot of the window, a zeroed KV buffer and a
+/// zeroed staging buffer of `lens` bytes (region `2 × slot` and `2 × slot + 1`).
+fn slot_memory(lens: [u64; 2], window: usize) -> Result<Vec<KvRegion>, DemoError> {
+    lens.repeat(window)
+        .into_iter()
+        .map(|len| {
+            let len = usize::try_from(len)
+                .map_err(|_| DemoError::Options(format!("a {len}-byte buffer is too large")))?;
+            Ok(KvRegion::zeroed(len))
+        })
+        .collect()
+}
+
 fn model_identity(pair: &PairPlan) -> ModelIdentity {
     ModelIdentity {
         model: format!("kvhandoff-catalog-{}", pair.model.name),
@@ -342,81 +378,45 @@ struct Hooks<'a> {
     chaos: &'a mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
 }
 
-/// Builds every rank, runs every request, and reports.
-fn drive<T, M>(
+/// Starts every rank with a [`RankBuilder`] paired into the plan, on memory each engine
+/// allocated itself ([`slot_memory`]) over `kind`, runs every request, and reports.
+fn drive(
     options: &HeteroDemoOptions,
     run: Prepared,
     wall: Instant,
-    mut make: M,
+    kind: TransportKind,
     hooks: Hooks<'_>,
-) -> Result<DemoReport, DemoError>
-where
-    T: RankMemory + Unpin + Send + 'static,
-    M: FnMut(kvhandoff_protocol::AgentName) -> Result<T, DemoError>,
-{
-    let Prepared {
-        pair,
-        handoffs,
-        lens: all_lens,
-    } = run;
+) -> Result<DemoReport, DemoError> {
     let config = Config::default();
-    let identity = model_identity(&pair);
+    let identity = model_identity(&run.pair);
     let mut runtime = Runtime::start()?;
     let mut ranks = Vec::new();
-    for ((side, index), lens) in all_lens {
-        let (engine, layout) = match side {
-            SideName::Prefill => (PREFILL, &pair.prefill),
-            SideName::Decode => (DECODE, &pair.decode),
-        };
-        let rank = &layout.ranks[index];
-        let engine_id = EngineId::new(engine).map_err(|e| DemoError::Options(e.to_string()))?;
-        let name = agent_name(&engine_id, rank.geometry.rank_index())
-            .map_err(|e| DemoError::Options(e.to_string()))?;
-        let route = Arc::new(PlannedRoute::new(&pair, side));
-        // P hands its whole block list to the route, whose plan aligns the sides by tokens.
-        let rank_config = Config {
-            block_pairing: BlockPairing::AsGiven,
-            ..config.clone()
-        };
-        let (setup, regions) = build_routed_rank(
-            make(name)?,
-            &engine_id,
-            rank.geometry.clone(),
-            &identity,
-            &lens.repeat(options.window),
-            rank_config,
-            ShellConfig::default(),
-            route.clone(),
-        )?;
-        let slots: Vec<[RoutedRegion; 2]> = regions
-            .chunks_exact(2)
-            .map(|pair| [pair[0].clone(), pair[1].clone()])
-            .collect();
-        let handle = runtime.add_rank(setup, RankOptions::default())?;
-        let mut conn = KvConnector::with_settings(
-            ConnectorIdentity {
-                engine: engine_id,
-                rank: rank.geometry.rank_index(),
-                tp_size: layout.spec.tp,
-                host: "127.0.0.1".into(),
-                port: 0,
-            },
-            handle,
-            ConnectorSettings::new(&config, &rank.geometry),
-        );
-        let links = RankLinks::for_rank(&pair, side, rank.geometry.rank_index())
-            .map_err(|e| DemoError::Options(e.to_string()))?;
-        conn.set_links(links)
-            .map_err(|e| DemoError::Options(e.to_string()))?;
+    for (rank, &((side, index), lens)) in ranks_of(&run).zip(&run.lens) {
+        let (engine, geometry) = rank?;
+        // The builder pairs blocks as given: P hands its whole block list to the route, whose
+        // plan aligns the sides by tokens.
+        let started = RankBuilder::new(engine, geometry.clone(), identity.clone())
+            .regions(slot_memory(lens, options.window)?)
+            .transport(kind.clone())
+            .config(config.clone())
+            .pairing(run.pair.clone(), side)
+            .start_on(&mut runtime)
+            .map_err(start_error)?;
+        let route = started
+            .route()
+            .cloned()
+            .ok_or_else(|| DemoError::Options(format!("{side} rank {index}: no route")))?;
+        let (conn, kv, _) = started.into_parts();
         ranks.push(Rank {
             side,
             index,
-            id: rank.geometry.rank_index(),
+            id: geometry.rank_index(),
             conn,
-            slots,
+            kv,
             route,
         });
     }
+    let Prepared { pair, handoffs, .. } = run;
     let deadline = Instant::now() + options.timeout;
     let mut tally = Tally::default();
     let start = Instant::now();

@@ -1,4 +1,6 @@
-//! kvhandoff's own push: both engines' ranks in one runtime, driven through the connector.
+//! kvhandoff's own push: both engines' ranks started by a [`RankBuilder`] in one runtime, on
+//! KV memory each engine allocated itself (registered with NIXL as it is), driven through the
+//! connector.
 
 use super::*;
 
@@ -11,8 +13,8 @@ pub(super) struct PushSample {
 pub(super) struct Push {
     pub(super) p_conn: KvConnector,
     pub(super) d_conn: KvConnector,
-    pub(super) p_pool: KvPool,
-    pub(super) d_pool: KvPool,
+    pub(super) p_kv: KvCache,
+    pub(super) d_kv: KvCache,
     pub(super) p_regions: Vec<RegionDesc>,
     pub(super) d_regions: Vec<RegionDesc>,
     pub(super) runtime: Option<Runtime>,
@@ -25,40 +27,37 @@ impl Push {
         nixl_config: NixlConfig,
         shell: ShellConfig,
     ) -> Result<Self, TransferBenchError> {
-        let options = |e: kvhandoff_protocol::IdError| TransferBenchError::Options(e.to_string());
-        let build = |engine: &str| {
-            let engine = EngineId::new(engine).map_err(options)?;
-            let name = agent_name(&engine, geometry.rank_index()).map_err(options)?;
-            let transport = NixlTransport::new(name, nixl_config.clone())
-                .map_err(|e| TransferBenchError::Nixl(e.to_string()))?;
-            build_rank(
-                transport,
-                &engine,
-                geometry.clone(),
-                &demo::model(),
-                pool_blocks,
-                Config::default(),
-                shell.clone(),
-            )
-            .map_err(|e| TransferBenchError::Nixl(format!("build a rank: {e}")))
-        };
-        let (p_setup, p_pool) = build(PREFILL_ENGINE)?;
-        let (d_setup, d_pool) = build(DECODE_ENGINE)?;
-        let p_regions = p_setup.info.regions.clone();
-        let d_regions = d_setup.info.regions.clone();
         let mut runtime = Runtime::start().map_err(|e| run_error(e.to_string()))?;
-        let p_handle = runtime
-            .add_rank(p_setup, RankOptions::default())
-            .map_err(|e| run_error(e.to_string()))?;
-        let d_handle = runtime
-            .add_rank(d_setup, RankOptions::default())
-            .map_err(|e| run_error(e.to_string()))?;
-        let ident = |engine| demo::identity(engine).map_err(|e| run_error(e.to_string()));
+        let mut start = |engine: &str| {
+            let engine =
+                EngineId::new(engine).map_err(|e| TransferBenchError::Options(e.to_string()))?;
+            let memory = demo::engine_memory(geometry, pool_blocks)
+                .map_err(|e| TransferBenchError::Options(e.to_string()))?;
+            let rank = RankBuilder::new(engine, geometry.clone(), demo::model())
+                .regions(memory)
+                .transport(TransportKind::Nixl(nixl_config.clone()))
+                .config(Config::default())
+                // The connector's defaults, as `KvConnector::new` gives (push only).
+                .connector_settings(ConnectorSettings::default())
+                .shell(shell.clone())
+                .start_on(&mut runtime)
+                .map_err(|e| match e {
+                    StartError::Transport(e) => TransferBenchError::Nixl(e.to_string()),
+                    StartError::Build(e) => TransferBenchError::Nixl(format!("build a rank: {e}")),
+                    e => run_error(e.to_string()),
+                })?;
+            // What the rank advertised: its regions as NIXL registered them.
+            let regions = rank.peer_info().regions.clone();
+            let (conn, kv, _) = rank.into_parts();
+            Ok::<_, TransferBenchError>((conn, kv, regions))
+        };
+        let (p_conn, p_kv, p_regions) = start(PREFILL_ENGINE)?;
+        let (d_conn, d_kv, d_regions) = start(DECODE_ENGINE)?;
         Ok(Push {
-            p_conn: KvConnector::new(ident(PREFILL_ENGINE)?, p_handle),
-            d_conn: KvConnector::new(ident(DECODE_ENGINE)?, d_handle),
-            p_pool,
-            d_pool,
+            p_conn,
+            d_conn,
+            p_kv,
+            d_kv,
             p_regions,
             d_regions,
             runtime: Some(runtime),
@@ -70,7 +69,7 @@ impl Push {
         block_bytes: u64,
         blocks: &[u32],
     ) -> Result<(), TransferBenchError> {
-        stamp(&pool_regions(&self.p_pool), block_bytes, blocks).map_err(run_error)
+        stamp(&cache_regions(&self.p_kv), block_bytes, blocks).map_err(run_error)
     }
 
     /// One request: P finishes, D allocates; waits for D's `BlocksReady` and P's
@@ -84,7 +83,7 @@ impl Push {
         coarse: Duration,
         timeout: Duration,
     ) -> Result<PushSample, TransferBenchError> {
-        let d_regions = pool_regions(&self.d_pool);
+        let d_regions = cache_regions(&self.d_kv);
         clear(&d_regions, block_bytes, tables.1).map_err(run_error)?;
         // vLLM-like ids: one base, a random-looking 8-hex suffix per engine.
         let base = format!("cmpl-bench-{}-{rep:06}-0", table.name);

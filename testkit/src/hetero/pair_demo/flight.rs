@@ -7,8 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvhandoff::{ConnectorEvent, KvConnector, KvTransferParams};
-use kvhandoff_actors::system::RoutedRegion;
+use kvhandoff::{ConnectorEvent, KvCache, KvConnector, KvTransferParams};
 use kvhandoff_protocol::hetero::{PairPlan, SideName, Space};
 use kvhandoff_protocol::planner::Descriptor;
 use kvhandoff_protocol::{PairingKey, RequestId};
@@ -34,9 +33,24 @@ pub(super) struct Rank {
     /// Its [`rank_index`](kvhandoff_protocol::KvGeometry::rank_index) in its engine.
     pub(super) id: u32,
     pub(super) conn: KvConnector,
-    /// Per slot: its KV tensors, then its staging.
-    pub(super) slots: Vec<[RoutedRegion; 2]>,
+    /// The engine's memory: per slot, its KV tensors, then its staging ([`region`]).
+    pub(super) kv: KvCache,
     pub(super) route: Arc<PlannedRoute>,
+}
+
+/// The region of `slot`'s KV tensors (`space` 0) or staging (`space` 1) in a rank's
+/// [`KvCache`].
+fn region(slot: usize, space: usize) -> usize {
+    2 * slot + space
+}
+
+impl Rank {
+    /// Where `slot`'s `space` (0: KV, 1: staging) starts in the transport's address space.
+    fn base(&self, slot: usize, space: usize) -> Result<u64, String> {
+        self.kv
+            .region_addr(region(slot, space))
+            .map_err(|e| format!("{} rank {}: {e}", self.side, self.id))
+    }
 }
 
 /// How one rank's part of a request ended.
@@ -166,9 +180,8 @@ fn start(
         for rank in ranks.iter() {
             for (i, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
                 let bytes = &h.arenas[h.arena(rank.side, rank.index, space)].bytes;
-                rank.slots[slot][i]
-                    .bytes
-                    .write(0, bytes)
+                rank.kv
+                    .write(region(slot, i), 0, bytes)
                     .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.id))?;
             }
         }
@@ -378,9 +391,8 @@ fn finish(
         for (i, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
             let arena = h.arena(rank.side, rank.index, space);
             let bytes = &mut h.arenas[arena].bytes;
-            rank.slots[flight.slot][i]
-                .bytes
-                .read(0, bytes)
+            rank.kv
+                .read(region(flight.slot, i), 0, bytes)
                 .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.id))?;
         }
     }
@@ -420,13 +432,20 @@ fn withdraw(r: usize, pair: &PairPlan, ranks: &[Rank]) {
 }
 
 /// The staging work of `link` in request `shared`: P's jobs of the link, and their output
-/// blocks into P's registered staging memory of `region`; `None` for a link with no P job.
-fn staging_of(h: &Handoff, shared: &Shared, link: usize, region: &RoutedRegion) -> Option<Staging> {
+/// blocks into P's registered staging memory, region `staging` of `kv`; `None` for a link
+/// with no P job.
+fn staging_of(
+    h: &Handoff,
+    shared: &Shared,
+    link: usize,
+    kv: &KvCache,
+    staging: usize,
+) -> Option<Staging> {
     if !h.plan.prefill_jobs.iter().any(|job| job.link == link) {
         return None;
     }
     let shared = Arc::clone(shared);
-    let region = region.clone();
+    let kv = kv.clone();
     Some(Box::new(move || {
         let mut h = lock(&shared)?;
         let written = h
@@ -439,7 +458,7 @@ fn staging_of(h: &Handoff, shared: &Shared, link: usize, region: &RoutedRegion) 
                 .ok()
                 .and_then(|a| arena.get(a..a.checked_add(usize::try_from(len).ok()?)?))
                 .ok_or_else(|| format!("staging block {addr}+{len} outside the arena"))?;
-            region.bytes.write(addr, bytes).map_err(|e| e.to_string())?;
+            kv.write(staging, addr, bytes).map_err(|e| e.to_string())?;
         }
         Ok(())
     }))
@@ -474,13 +493,13 @@ fn file_routes(
             find(SideName::Prefill, link.prefill)?,
             find(SideName::Decode, link.decode)?,
         );
-        let src = &p.slots[slot][space(t.src_space)];
-        let dst = &d.slots[slot][space(t.dst_space)];
+        let src = p.base(slot, space(t.src_space))?;
+        let dst = d.base(slot, space(t.dst_space))?;
         let out = by_link.entry(t.link).or_default();
         for piece in &t.pieces {
             out.push(Descriptor {
-                local_addr: src.base + piece.src,
-                remote_addr: dst.base + piece.dst,
+                local_addr: src + piece.src,
+                remote_addr: dst + piece.dst,
                 len: piece.len,
             });
         }
@@ -504,7 +523,7 @@ fn file_routes(
         let pair_key = key.for_pair(p.id, d.id).map_err(|e| e.to_string())?;
         let staging = match fault {
             Some(HeteroFault::Unstaged) => None,
-            _ => staging_of(h, shared, l, &p.slots[slot][1]),
+            _ => staging_of(h, shared, l, &p.kv, region(slot, 1)),
         };
         p.route
             .file(
