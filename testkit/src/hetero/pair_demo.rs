@@ -12,7 +12,7 @@
 //! them wrote (`FanIn` in the connector); each P rank holds its blocks under the lease until
 //! each of its D ranks registered and the write completed. The bytes cross the transport
 //! (`mem` or, with `--transport nixl`, one NIXL agent per rank over loopback UCX); the rank's
-//! [`PlannedRoute`] gives the driver each link's pieces.
+//! [`PlannedRoute`](kvhandoff::route::PlannedRoute) gives the driver each link's pieces.
 //!
 //! Up to [`HeteroDemoOptions::window`] requests are in flight at once, each in a memory slot of
 //! its own on every rank (a KV and a staging buffer per slot), so that later requests' calls
