@@ -94,11 +94,15 @@ pub enum Mutation {
     /// the request's failure is decided, not when every sub-request handed them back: a
     /// sibling's peer rank may still write into them (D) or read them (P).
     FanHandBackAtFailure,
+    /// The session tells the engine the proof of the multi-rank request's last pair to hand
+    /// back, not the most cautious of its pairs' (a `Quarantine` one reported as
+    /// `CancelAcknowledged`, say).
+    FanProofOfLastPair,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 27] = [
+    pub const ALL: [Mutation; 28] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -126,6 +130,7 @@ impl Mutation {
         Mutation::WaitOutRejoinedPeersFence,
         Mutation::TellFencedTwice,
         Mutation::FanHandBackAtFailure,
+        Mutation::FanProofOfLastPair,
     ];
 
     /// The mutation's name on the command line.
@@ -164,6 +169,7 @@ impl Mutation {
             Mutation::TrustNamedRank => "trust_named_rank",
             Mutation::TellFencedTwice => "tell_fenced_twice",
             Mutation::FanHandBackAtFailure => "fan_hand_back_at_failure",
+            Mutation::FanProofOfLastPair => "fan_proof_of_last_pair",
         }
     }
 }

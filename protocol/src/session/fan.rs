@@ -426,7 +426,11 @@ impl Session {
             return None;
         };
         if let EndpointEvent::Decode { proof, .. } = &event {
-            fan.proof = fan.proof.max(*proof);
+            fan.proof = if self.mutation.is(Mutation::FanProofOfLastPair) {
+                *proof
+            } else {
+                fan.proof.max(*proof)
+            };
         }
         match fan.fan.on_event(&event) {
             Ok(step) => self.apply_step(self.now, &parent, step),
