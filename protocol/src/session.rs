@@ -390,10 +390,12 @@ impl Session {
         call: ConnectorCall,
     ) -> Result<ConnectorReply, ConnectorError> {
         let (input, address, reply) = self.context().prepare(now, call)?;
+        self.endpoint.handle_call(now, input)?;
+        // Only for an accepted call (a refused one leaves nothing behind); still ahead of the
+        // endpoint's `Connect`, which `poll_output` delivers after what the session queued.
         if let Some(address) = address {
             self.ready.push_back(SessionOutput::PeerAddress(address));
         }
-        self.endpoint.handle_call(now, input)?;
         Ok(reply)
     }
 

@@ -286,10 +286,12 @@ impl Session {
             }));
             subs.push(sub);
         }
+        self.start_fan(now, FanSide::Decode, request, blocks, subs, calls)?;
+        // As for a single request: only once a pair started, ahead of its `Connect`.
         if let Some(address) = address {
             self.ready.push_back(SessionOutput::PeerAddress(address));
         }
-        self.start_fan(now, FanSide::Decode, request, blocks, subs, calls)
+        Ok(())
     }
 
     /// P's push request as one held sub-request per D rank this rank writes to.

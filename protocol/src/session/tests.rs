@@ -143,6 +143,14 @@ fn a_side_channel_address_comes_before_the_handshake_that_needs_it() {
         "{first:?}"
     );
     assert!(matches!(d.poll_output(), Some(SessionOutput::Connect(_))));
+    // A call the endpoint refuses (the same request again) leaves no address behind.
+    let mut again = allocated(&request, 1);
+    if let ConnectorCall::RequestAllocated { params, .. } = &mut again {
+        params.remote_host = Some("10.0.0.8".into());
+        params.remote_port = Some(5601);
+    }
+    assert!(d.handle_call(Time::ZERO, again).is_err());
+    assert_eq!(drain(&mut d), (vec![], 0), "a refused call queues nothing");
 }
 
 /// D rank 0 fed by P ranks 0 and 1; both die. The engine hears one `DecodeFenced` for its
