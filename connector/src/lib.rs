@@ -37,17 +37,19 @@ pub mod route;
 pub use builder::{EngineRank, RankBuilder, SideChannel, StartError, TransportKind};
 pub use cache::{KvCache, KvCacheError};
 pub use connector::KvConnector;
+pub use kvhandoff_actors::metrics;
 pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_actors::system::{
-    AdoptError, BuildError, KvRegion, MemoryLocation, Placement, RegionProblem, RuntimeError,
-    ShellConfig, SideChannelConfig,
+    AcceptPolicy, AdoptError, BuildError, KvRegion, MemoryLocation, Placement, RegionProblem,
+    RuntimeError, ShellConfig, SideChannelConfig,
 };
 pub use kvhandoff_actors::transport::mem::MemFabric;
 #[cfg(feature = "nixl")]
 pub use kvhandoff_actors::transport::nixl::NixlConfig;
 pub use kvhandoff_protocol::hetero::{PairPlan, SideName};
 pub use kvhandoff_protocol::machine::{
-    Config, DecodeFailure, ExportOutcome, FreeProof, ImportOutcome, ReadProof, ReleaseCause,
+    Config, DecodeFailure, ExportOutcome, FreeProof, ImportOutcome, LoadFailurePolicy, ReadProof,
+    ReleaseCause,
 };
 pub use kvhandoff_protocol::session::{
     ConnectorCall, ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorReply,

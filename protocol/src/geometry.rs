@@ -284,6 +284,57 @@ impl KvGeometry {
         }
     }
 
+    /// The geometry of an engine whose blocks kvhandoff moves as opaque bytes (TP 1, PP 1):
+    /// `num_regions` regions (one per layer, as vLLM's CPU backend lays out its cache), each
+    /// block of each region `block_bytes` long, `block_tokens` tokens per block. What is inside
+    /// a block is the engine's business (its attention kernel's packing): the two engines must
+    /// agree on it, which the model identity's dtype and the block shape stand for.
+    ///
+    /// Expressed as one latent region per layer (the region kind that holds a whole block of a
+    /// layer), one byte per element: `head_dim` is `block_bytes / block_tokens`.
+    ///
+    /// ```
+    /// use kvhandoff_protocol::KvGeometry;
+    /// let g = KvGeometry::opaque_blocks(2, 32 * 1024, 32).unwrap();
+    /// let regions = g.regions().unwrap();
+    /// assert_eq!(regions.len(), 2);
+    /// assert_eq!(regions[1].block_len, 32 * 1024);
+    /// ```
+    ///
+    /// # Errors
+    /// [`GeometryError::Zero`] for a zero argument; [`GeometryError::BadGroup`] when
+    /// `block_bytes` is not a whole number of bytes per token, or the result is not a valid
+    /// geometry.
+    pub fn opaque_blocks(
+        num_regions: u32,
+        block_bytes: u64,
+        block_tokens: u32,
+    ) -> Result<KvGeometry, GeometryError> {
+        for (field, value) in [
+            ("num_regions", u64::from(num_regions)),
+            ("block_bytes", block_bytes),
+            ("block_tokens", u64::from(block_tokens)),
+        ] {
+            if value == 0 {
+                return Err(GeometryError::Zero { field });
+            }
+        }
+        let per_token = block_bytes / u64::from(block_tokens);
+        if per_token * u64::from(block_tokens) != block_bytes {
+            return Err(GeometryError::BadGroup {
+                group: 0,
+                why: "block_bytes is not a whole number of bytes per token",
+            });
+        }
+        let head_dim = u32::try_from(per_token).map_err(|_| GeometryError::Overflow)?;
+        let geometry = KvGeometry {
+            mla: true,
+            ..KvGeometry::dense(num_regions, 1, head_dim, 1, block_tokens, KvLayout::Nhd)
+        };
+        geometry.validate()?;
+        Ok(geometry)
+    }
+
     /// Checks every rule a usable geometry follows.
     ///
     /// # Errors

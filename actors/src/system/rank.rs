@@ -26,6 +26,8 @@ pub struct RankActor {
     /// The link's book of side-channel addresses.
     book: Recipient<AddPeerAddress>,
     events: UnboundedSender<ConnectorEvent>,
+    /// Counts the events handed to the engine in the process's metrics.
+    counter: crate::metrics::EventCounter,
     timer: Option<(Time, SpawnHandle)>,
 }
 
@@ -37,6 +39,7 @@ impl RankActor {
         link: Recipient<Connect>,
         book: Recipient<AddPeerAddress>,
         events: UnboundedSender<ConnectorEvent>,
+        counter: crate::metrics::EventCounter,
     ) -> Self {
         RankActor {
             session,
@@ -45,6 +48,7 @@ impl RankActor {
             link,
             book,
             events,
+            counter,
             timer: None,
         }
     }
@@ -77,6 +81,7 @@ impl RankActor {
                 SessionOutput::Connect(peer) => self.link.do_send(Connect(peer)),
                 SessionOutput::PeerAddress(address) => self.learn_address(address),
                 SessionOutput::Event(event) => {
+                    self.counter.count(&event);
                     // The engine may have gone away; its events then have nowhere to go.
                     let _ = self.events.send(event);
                 }

@@ -1,0 +1,175 @@
+"""Type stubs of kvhandoff's native extension (``kvhandoff._native``, built from ``python/src``).
+
+Import from ``kvhandoff``, which re-exports everything here and adds :class:`kvhandoff.Connector`'s
+region handling (buffers, torch tensors) on top of :class:`NativeConnector`.
+"""
+
+from typing import Any, Literal, Sequence, TypedDict
+
+BlockIdsLike = Sequence[int] | Sequence[Sequence[int]] | Any  # a list, a list per group, a numpy array
+
+class KvHandoffError(Exception):
+    """Every kvhandoff error. ``cause`` is the Rust error's message (its whole chain)."""
+
+    cause: str
+
+class ConfigError(KvHandoffError):
+    """A constructor argument or setting is invalid (names the argument), or the rank could not start."""
+
+class InvalidParams(KvHandoffError):
+    """``kv_transfer_params`` lack a key this call needs, or hold an invalid value (names the key)."""
+
+class Rejected(KvHandoffError):
+    """The endpoint refused the call (duplicate or unknown request, full table, shut down); nothing changed."""
+
+class Unsupported(KvHandoffError):
+    """The call asks for something this rank cannot do (e.g. a TP ratio it cannot pair)."""
+
+class Unavailable(KvHandoffError):
+    """The runtime is not running (closed, or stopped) or did not answer in time."""
+
+class VerdictLate(KvHandoffError):
+    """The runtime took the call but did not answer in time: the request's event will tell
+    (``kind == "refused"`` if it was refused after all). Do not reuse its blocks until then."""
+
+class RegionError(KvHandoffError):
+    """``read_block``/``write_block`` out of range, or a buffer that cannot be a region."""
+
+class Event(TypedDict, total=False):
+    """One event of :meth:`NativeConnector.poll_events`.
+
+    ``kind`` is one of ``"blocks_ready"`` (D: the KV arrived), ``"decode_fenced"`` (D: the request
+    failed, blocks still held until its ``"failed"``), ``"failed"`` (D: the KV will not arrive;
+    blocks free), ``"blocks_free"`` (P: blocks may be freed; ``released`` is None when the KV was
+    sent), ``"export_ended"`` (the holder of an export: blocks may be freed), ``"imported"`` (the
+    reader of an export: ``outcome`` is ``"loaded"``, ``"recompute"`` with ``valid_tokens``, or
+    ``"failed"``), ``"refused"`` (a call whose verdict came late was refused after all).
+    ``final`` is True for the request's one event that hands its blocks back.
+    """
+
+    request_id: str
+    kind: str
+    final: bool
+    blocks: list[list[int]]
+    reason: str | None
+    proof: str | None
+    released: str | None
+    outcome: str | None
+    valid_tokens: int | None
+
+def metrics() -> dict[str, int]:
+    """This process's counters (every rank of it): ``requests_ready``, ``requests_failed``,
+    ``requests_sent``, ``requests_released``, ``bytes_sent``, ``bytes_received``, ``writes_posted``,
+    ``reads_posted``, ... — the figures the runtime counts."""
+
+def clock_secs() -> float:
+    """The monotonic clock that ``remote_blocks_expiry_time`` is written in (this process)."""
+
+class NativeConnector:
+    """One engine rank (prefill or decode) on memory the engine owns. Use :class:`kvhandoff.Connector`.
+
+    ``regions`` are ``(address, length, owner)`` triples: ``length`` bytes of host memory at
+    ``address``, kept alive by ``owner`` (held by the connector until the rank stopped). Block ``b``
+    is the ``b``-th ``block_bytes`` slice of every region.
+    Every call that waits on the runtime releases the GIL.
+    """
+
+    def __init__(
+        self,
+        role: Literal["prefill", "decode"],
+        engine_id: str,
+        regions: Sequence[tuple[int, int, Any]],
+        block_bytes: int,
+        *,
+        rank: int = 0,
+        listen: str = "127.0.0.1:0",
+        advertise_host: str | None = None,
+        transport: Literal["mem", "nixl"] = "nixl",
+        block_tokens: int = 16,
+        model: str = "opaque",
+        dtype: str = "opaque",
+        peers: Sequence[tuple[str, str]] | None = None,
+        accept_any: bool = False,
+        tp_size: int = 1,
+        **config: Any,
+    ) -> None:
+        """Starts the rank (its runtime, transport agent and side channel).
+
+        ``peers``: ``(engine_id, "host:port")`` of engines this rank dials or takes handshakes
+        from; ``accept_any=True`` takes handshakes from any engine (a prefill rank whose decode
+        engines are not known in advance; only where every host that reaches the port is
+        trusted). ``model``/``dtype`` must match the peer's (they enter the compatibility check).
+        ``rank``/``tp_size``: TP 1 only (opaque blocks carry no per-head geometry): other values
+        raise :class:`Unsupported`.
+
+        ``**config`` (all optional; a ``ConfigError`` names an unknown key or invalid value):
+        durations in milliseconds ``lease_ms``, ``lease_extension_ms``,
+        ``heartbeat_interval_ms``, ``peer_timeout_ms``, ``connect_timeout_ms``,
+        ``decode_deadline_ms``, ``registration_ttl_ms``, ``write_timeout_ms``,
+        ``abandon_timeout_ms``, ``max_write_life_ms``, ``max_message_delay_ms``,
+        ``quarantine_ms``, ``tombstone_ttl_ms`` (the protocol's ``Config``),
+        ``handshake_timeout_ms`` (the side channel), ``call_timeout_ms`` (how long a call waits
+        for the runtime's verdict), ``close_timeout_ms`` (how long :meth:`close` waits for
+        requests in progress); ``load_failure_policy`` (``"fail"`` or ``"recompute"``),
+        ``next_turn_ttl_s``, ``max_requests``.
+        """
+    @property
+    def address(self) -> str:
+        """``"host:port"`` of this rank's side channel (what P's ``remote_host``/``remote_port`` say)."""
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def block_tokens(self) -> int: ...
+    def add_peer(self, engine_id: str, address: str) -> None: ...
+    def request_allocated(
+        self,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        kv_transfer_params: dict[str, Any],
+        num_tokens: int | None = None,
+    ) -> None:
+        """D: blocks were allocated for a request whose prefill ran on the engine the params name."""
+    def request_finished(
+        self,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        kv_transfer_params: dict[str, Any] | None = None,
+        num_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """P: the prefill finished; returns the ``kv_transfer_params`` for the router's decode leg."""
+    def keep_for_next_turn(
+        self,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        kv_transfer_params: dict[str, Any] | None = None,
+        num_tokens: int | None = None,
+        ttl_s: float | None = None,
+    ) -> dict[str, Any]:
+        """D, bidirectional: keep the turn's blocks for the next turn's prefill to read."""
+    def next_turn_allocated(
+        self,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        kv_transfer_params: dict[str, Any],
+        num_tokens: int | None = None,
+    ) -> None:
+        """P, bidirectional: read the previous turns' KV from the D that kept it."""
+    def decline_export(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        """Reader: will not read this export (recomputes instead); the holder lets it go."""
+    def abort(self, request_id: str) -> None: ...
+    def poll_events(self) -> list[Event]: ...
+    def wait_events(self, timeout_s: float) -> list[Event]:
+        """Waits (GIL released) up to ``timeout_s`` for at least one event."""
+    def has_pending_work(self) -> bool: ...
+    def write_block(self, region: int, block: int, data: bytes) -> None: ...
+    def read_block(self, region: int, block: int) -> bytes: ...
+    def close(self) -> None:
+        """Shuts the rank down: requests in progress give up; idempotent."""
+    @property
+    def closed(self) -> bool: ...

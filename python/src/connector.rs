@@ -1,0 +1,531 @@
+//! `NativeConnector`: one engine rank on memory the engine owns, driven from Python.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::ptr::NonNull;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use kvhandoff::{
+    AcceptPolicy, ConnectorEvent, EngineId, EngineRank, KvConnector, KvGeometry, KvRegion,
+    MemFabric, MemoryLocation, ModelIdentity, RankBuilder, ShellConfig, SideChannel,
+    SideChannelConfig, TransportKind,
+};
+
+use crate::convert::{blocks_from, event_to, params_from, params_to, request_id as parse_request};
+use crate::errors::{self, config};
+use crate::options::Options;
+
+/// The in-memory fabric every `transport="mem"` connector of this process shares.
+fn fabric() -> MemFabric {
+    static FABRIC: OnceLock<MemFabric> = OnceLock::new();
+    FABRIC.get_or_init(MemFabric::new).clone()
+}
+
+/// Which side of the handoff a connector is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// One engine rank (prefill or decode) on memory the engine owns: see `kvhandoff.Connector`.
+#[pyclass(subclass, module = "kvhandoff._native", name = "NativeConnector")]
+pub struct NativeConnector {
+    rank: Mutex<Option<EngineRank>>,
+    role: Role,
+    engine_id: String,
+    address: String,
+    num_blocks: u32,
+    block_bytes: u64,
+    block_tokens: u32,
+    close_timeout: Duration,
+}
+
+/// A region as Python hands it: address, length, and what keeps the memory alive.
+type PyRegion = (usize, usize, Py<PyAny>);
+
+fn parse_listen(listen: &str) -> PyResult<SocketAddr> {
+    listen
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .ok_or_else(|| config(format!("listen must be \"HOST:PORT\" (got {listen:?})")))
+}
+
+fn parse_role(role: &str) -> PyResult<Role> {
+    match role {
+        "prefill" | "p" | "kv_producer" => Ok(Role::Prefill),
+        "decode" | "d" | "kv_consumer" => Ok(Role::Decode),
+        other => Err(config(format!(
+            "role must be \"prefill\" or \"decode\" (got {other:?})"
+        ))),
+    }
+}
+
+fn transport_kind(name: &str) -> PyResult<TransportKind> {
+    match name {
+        "mem" => Ok(TransportKind::Mem(fabric())),
+        #[cfg(feature = "nixl")]
+        "nixl" => Ok(TransportKind::nixl()),
+        #[cfg(not(feature = "nixl"))]
+        "nixl" => Err(config(
+            "transport \"nixl\": this build of kvhandoff has no NIXL (feature `nixl`)",
+        )),
+        other => Err(config(format!(
+            "transport must be \"mem\" or \"nixl\" (got {other:?})"
+        ))),
+    }
+}
+
+/// The engine's regions, each cut to a whole number of blocks (the same for every region).
+fn adopt_regions(regions: Vec<PyRegion>, block_bytes: u64) -> PyResult<(Vec<KvRegion>, u32)> {
+    if regions.is_empty() {
+        return Err(config("regions: at least one region is needed"));
+    }
+    let block = usize::try_from(block_bytes).map_err(|_| config("block_bytes is too large"))?;
+    let mut blocks = None;
+    let mut adopted = Vec::with_capacity(regions.len());
+    for (index, (addr, len, owner)) in regions.into_iter().enumerate() {
+        let here = len / block;
+        if here == 0 {
+            return Err(config(format!(
+                "regions[{index}]: {len} bytes hold no block of {block_bytes} bytes"
+            )));
+        }
+        match blocks {
+            None => blocks = Some(here),
+            Some(first) if first != here => return Err(config(format!(
+                "regions[{index}] holds {here} blocks of {block_bytes} bytes, regions[0] {first}: \
+                     block b is the b-th slice of every region, so every region holds as many"
+            ))),
+            Some(_) => {}
+        }
+        let ptr = NonNull::new(addr as *mut u8)
+            .ok_or_else(|| config(format!("regions[{index}]: a null address")))?;
+        // SAFETY: the Python layer's contract (`kvhandoff.RawRegion`, the buffer protocol, a
+        // tensor's storage): `len` bytes of host memory at `addr`, kept valid while `owner`
+        // lives; the region holds `owner` until the rank no longer touches the memory.
+        adopted.push(unsafe {
+            KvRegion::from_raw_parts(ptr, here * block, MemoryLocation::Host, owner)
+        });
+    }
+    let blocks = blocks.unwrap_or(0);
+    let blocks = u32::try_from(blocks).map_err(|_| config("more than 2**32 blocks per region"))?;
+    Ok((adopted, blocks))
+}
+
+impl NativeConnector {
+    /// The rank, locked; `Unavailable` once closed.
+    fn locked(&self) -> PyResult<MutexGuard<'_, Option<EngineRank>>> {
+        let guard = self
+            .rank
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if guard.is_none() {
+            return Err(errors::closed());
+        }
+        Ok(guard)
+    }
+
+    /// Runs `f` on the connector with the GIL released.
+    fn with_connector<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut KvConnector) -> Result<T, kvhandoff::ConnectorError> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            let mut guard = self.locked()?;
+            let rank = guard.as_mut().ok_or_else(errors::closed)?;
+            f(rank.connector_mut()).map_err(errors::connector)
+        })
+    }
+
+    fn tokens_of(&self, blocks: &kvhandoff::BlockIds, num_tokens: Option<u64>) -> u64 {
+        num_tokens.unwrap_or_else(|| {
+            let first = blocks.groups.first().map_or(0, Vec::len) as u64;
+            first * u64::from(self.block_tokens)
+        })
+    }
+
+    fn events_to<'py>(py: Python<'py>, events: &[ConnectorEvent]) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for event in events {
+            list.append(event_to(py, event)?)?;
+        }
+        Ok(list)
+    }
+}
+
+#[pymethods]
+impl NativeConnector {
+    #[new]
+    #[pyo3(signature = (
+        role, engine_id, regions, block_bytes, *, rank = 0, listen = "127.0.0.1:0",
+        advertise_host = None, transport = "nixl", block_tokens = 16, model = "opaque",
+        dtype = "opaque", peers = None, accept_any = false, tp_size = 1, **config
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        role: &str,
+        engine_id: &str,
+        regions: Vec<PyRegion>,
+        block_bytes: u64,
+        rank: u32,
+        listen: &str,
+        advertise_host: Option<String>,
+        transport: &str,
+        block_tokens: u32,
+        model: &str,
+        dtype: &str,
+        peers: Option<Vec<(String, String)>>,
+        accept_any: bool,
+        tp_size: u32,
+        config: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<NativeConnector> {
+        let role = parse_role(role)?;
+        let engine =
+            EngineId::new(engine_id).map_err(|e| self::config(format!("engine_id: {e}")))?;
+        if tp_size != 1 || rank != 0 {
+            return Err(errors::raise::<errors::Unsupported>(
+                format!("rank {rank} of TP {tp_size}: blocks moved as opaque bytes pair TP-1 engines only"),
+                "opaque blocks carry no per-head geometry to split across TP ranks".into(),
+            ));
+        }
+        let options = Options::from_kwargs(config)?;
+        let geometry = KvGeometry::opaque_blocks(
+            u32::try_from(regions.len()).map_err(|_| self::config("too many regions"))?,
+            block_bytes,
+            block_tokens,
+        )
+        .map_err(|e| self::config(format!("block_bytes / block_tokens / regions: {e}")))?;
+        let (regions, num_blocks) = adopt_regions(regions, block_bytes)?;
+        let transport = transport_kind(transport)?;
+        let mut side = SideChannelConfig::new(parse_listen(listen)?);
+        if accept_any {
+            side.accept = AcceptPolicy::AnyEngine;
+        }
+        let mut shell = ShellConfig::default();
+        if let Some(timeout) = options.handshake_timeout {
+            shell.handshake_timeout = timeout;
+        }
+        let mut peer_addrs = Vec::new();
+        for (peer, addr) in peers.unwrap_or_default() {
+            let id = EngineId::new(&peer).map_err(|e| self::config(format!("peers: {e}")))?;
+            peer_addrs.push((id, parse_listen(&addr)?));
+        }
+        let model = ModelIdentity {
+            model: model.into(),
+            dtype: dtype.into(),
+            cache_dtype: dtype.into(),
+        };
+        let settings = options.settings(&geometry);
+        let mut builder = RankBuilder::new(engine, geometry, model)
+            .regions(regions)
+            .transport(transport)
+            .side_channel(SideChannel::Tcp(side))
+            .config(options.config.clone())
+            .connector_settings(settings)
+            .shell(shell);
+        if let Some(host) = advertise_host {
+            builder = builder.advertise_host(host);
+        }
+        for (peer, addr) in peer_addrs {
+            builder = builder.peer(peer, addr);
+        }
+        let mut started = py.detach(|| builder.start()).map_err(errors::start)?;
+        if let Some(timeout) = options.call_timeout {
+            started.connector_mut().set_call_timeout(timeout);
+        }
+        let identity = started.identity();
+        let address = format!("{}:{}", identity.host, identity.port);
+        Ok(NativeConnector {
+            rank: Mutex::new(Some(started)),
+            role,
+            engine_id: engine_id.to_string(),
+            address,
+            num_blocks,
+            block_bytes,
+            block_tokens,
+            close_timeout: options.close_timeout,
+        })
+    }
+
+    /// `"host:port"` of this rank's side channel.
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    #[getter]
+    fn engine_id(&self) -> &str {
+        &self.engine_id
+    }
+
+    #[getter]
+    fn role(&self) -> &'static str {
+        self.role.name()
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    #[getter]
+    fn block_bytes(&self) -> u64 {
+        self.block_bytes
+    }
+
+    #[getter]
+    fn block_tokens(&self) -> u32 {
+        self.block_tokens
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.rank
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_none()
+    }
+
+    /// Tells the rank where `engine_id`'s side channel listens (and accepts its handshakes).
+    fn add_peer(&self, py: Python<'_>, engine_id: &str, address: &str) -> PyResult<()> {
+        let engine = EngineId::new(engine_id).map_err(|e| config(format!("engine_id: {e}")))?;
+        let addr = parse_listen(address)?;
+        py.detach(|| {
+            let guard = self.locked()?;
+            let rank = guard.as_ref().ok_or_else(errors::closed)?;
+            rank.add_peer(&engine, addr).map_err(errors::start)
+        })
+    }
+
+    /// D: blocks were allocated for `request_id`, whose prefill ran on the engine the params name.
+    #[pyo3(signature = (request_id, block_ids, kv_transfer_params, num_tokens = None))]
+    fn request_allocated(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        block_ids: &Bound<'_, PyAny>,
+        kv_transfer_params: &Bound<'_, PyAny>,
+        num_tokens: Option<u64>,
+    ) -> PyResult<()> {
+        let request = parse_request(request_id)?;
+        let blocks = blocks_from(block_ids)?;
+        let params = params_from(Some(kv_transfer_params))?;
+        let tokens = self.tokens_of(&blocks, num_tokens);
+        self.with_connector(py, |c| {
+            c.request_allocated(&request, blocks, tokens, &params)
+        })
+    }
+
+    /// P: the prefill of `request_id` finished with its KV in `block_ids`; returns the
+    /// parameters for the router's decode leg.
+    #[pyo3(signature = (request_id, block_ids, kv_transfer_params = None, num_tokens = None))]
+    fn request_finished<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &str,
+        block_ids: &Bound<'py, PyAny>,
+        kv_transfer_params: Option<&Bound<'py, PyAny>>,
+        num_tokens: Option<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let request = parse_request(request_id)?;
+        let blocks = blocks_from(block_ids)?;
+        let params = params_from(kv_transfer_params)?;
+        let tokens = self.tokens_of(&blocks, num_tokens);
+        let answer = self.with_connector(py, |c| {
+            c.request_finished(&request, blocks, tokens, &params)
+        })?;
+        params_to(py, &answer)
+    }
+
+    /// D, bidirectional: keeps the turn's blocks for the next turn's prefill to read.
+    #[pyo3(signature = (request_id, block_ids, kv_transfer_params = None, num_tokens = None, ttl_s = None))]
+    fn keep_for_next_turn<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &str,
+        block_ids: &Bound<'py, PyAny>,
+        kv_transfer_params: Option<&Bound<'py, PyAny>>,
+        num_tokens: Option<u64>,
+        ttl_s: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let request = parse_request(request_id)?;
+        let blocks = blocks_from(block_ids)?;
+        let params = params_from(kv_transfer_params)?;
+        let tokens = self.tokens_of(&blocks, num_tokens);
+        let ttl = match ttl_s {
+            None => None,
+            Some(s) if s.is_finite() && s > 0.0 && s < 1.0e7 => Some(Duration::from_secs_f64(s)),
+            Some(s) => {
+                return Err(config(format!(
+                    "ttl_s must be positive and finite (got {s})"
+                )))
+            }
+        };
+        let answer = self.with_connector(py, |c| {
+            let ttl = ttl.unwrap_or(c.settings().next_turn_ttl);
+            c.keep_for_next_turn(&request, blocks, tokens, ttl, &params)
+        })?;
+        params_to(py, &answer)
+    }
+
+    /// P, bidirectional: reads the previous turns' KV from the D that kept it.
+    #[pyo3(signature = (request_id, block_ids, kv_transfer_params, num_tokens = None))]
+    fn next_turn_allocated(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        block_ids: &Bound<'_, PyAny>,
+        kv_transfer_params: &Bound<'_, PyAny>,
+        num_tokens: Option<u64>,
+    ) -> PyResult<()> {
+        let request = parse_request(request_id)?;
+        let blocks = blocks_from(block_ids)?;
+        let params = params_from(Some(kv_transfer_params))?;
+        let tokens = self.tokens_of(&blocks, num_tokens);
+        self.with_connector(py, |c| {
+            c.next_turn_allocated(&request, blocks, tokens, &params)
+        })
+    }
+
+    /// Reader: will not read the export the params describe; the holder lets it go.
+    fn decline_export(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        kv_transfer_params: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let request = parse_request(request_id)?;
+        let params = params_from(Some(kv_transfer_params))?;
+        self.with_connector(py, |c| c.decline_export(&request, &params))
+    }
+
+    /// Either side: the engine aborted `request_id`; its blocks come back in its final event.
+    fn abort(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        let request = parse_request(request_id)?;
+        self.with_connector(py, |c| c.abort(&request))
+    }
+
+    /// Every event since the last call (never waits).
+    fn poll_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.with_connector(py, |c| Ok(c.poll_events()))?;
+        Self::events_to(py, &events)
+    }
+
+    /// Waits (GIL released) up to `timeout_s` for at least one event; returns all queued.
+    fn wait_events<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Bound<'py, PyList>> {
+        if !timeout_s.is_finite() || !(0.0..=1.0e7).contains(&timeout_s) {
+            return Err(config(format!(
+                "timeout_s must be finite and not negative (got {timeout_s})"
+            )));
+        }
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout_s);
+        // Waits in short slices, each under the lock, so that other threads' calls get in.
+        let events = py.detach(|| -> PyResult<Vec<ConnectorEvent>> {
+            loop {
+                let slice = deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(5));
+                let events = {
+                    let mut guard = self.locked()?;
+                    let rank = guard.as_mut().ok_or_else(errors::closed)?;
+                    rank.connector_mut().wait_events(slice)
+                };
+                if !events.is_empty() || Instant::now() >= deadline {
+                    return Ok(events);
+                }
+            }
+        })?;
+        Self::events_to(py, &events)
+    }
+
+    /// True while a request accepted here has not had its final event (and the rank runs).
+    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with_connector(py, |c| Ok(c.has_pending_work()))
+    }
+
+    /// Copies `data` (one whole block) into block `block` of region `region`.
+    fn write_block(&self, py: Python<'_>, region: usize, block: u32, data: &[u8]) -> PyResult<()> {
+        let data = data.to_vec();
+        py.detach(|| {
+            let guard = self.locked()?;
+            let rank = guard.as_ref().ok_or_else(errors::closed)?;
+            rank.kv()
+                .write_block(region, block, &data)
+                .map_err(errors::cache)
+        })
+    }
+
+    /// A copy of block `block` of region `region`.
+    fn read_block<'py>(
+        &self,
+        py: Python<'py>,
+        region: usize,
+        block: u32,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let bytes = py.detach(|| {
+            let guard = self.locked()?;
+            let rank = guard.as_ref().ok_or_else(errors::closed)?;
+            let len = rank.kv().block_len(region).map_err(errors::cache)?;
+            let mut buf = vec![0u8; usize::try_from(len).map_err(|_| config("block too large"))?];
+            rank.kv()
+                .read_block(region, block, &mut buf)
+                .map_err(errors::cache)?;
+            Ok::<_, PyErr>(buf)
+        })?;
+        Ok(pyo3::types::PyBytes::new(py, &bytes))
+    }
+
+    /// Shuts the rank down: requests in progress give up (waiting up to the `close_timeout_ms`
+    /// setting for their blocks to be safe), then the runtime stops and the regions' owners
+    /// are released. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let taken = self
+            .rank
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let Some(mut rank) = taken else {
+            return;
+        };
+        let timeout = self.close_timeout;
+        py.detach(move || {
+            let connector = rank.connector_mut();
+            if connector.shutdown().is_ok() {
+                let deadline = Instant::now() + timeout;
+                while connector.has_pending_work() && Instant::now() < deadline {
+                    connector.wait_events(Duration::from_millis(10));
+                }
+            }
+            rank.shutdown();
+        });
+    }
+}
+
+impl Drop for NativeConnector {
+    fn drop(&mut self) {
+        if let Some(rank) = self
+            .rank
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            rank.shutdown();
+        }
+    }
+}
