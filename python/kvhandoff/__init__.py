@@ -14,6 +14,8 @@ from its hooks, and the router carries the ``kv_transfer_params`` it returns bet
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Any, Iterable
 
 from ._native import (
@@ -102,6 +104,17 @@ def _as_region(region: Any, index: int) -> tuple[int, int, Any]:
     return (address, flat.nbytes, (region, flat))
 
 
+_LIVE: "weakref.WeakSet[Connector]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Before the interpreter finalises: a thread still waiting in a connector call then returns
+    # at once (closed) instead of being torn down inside native code by the finalisation.
+    for connector in list(_LIVE):
+        connector.close()
+
+
 class Connector(NativeConnector):
     """One engine rank, prefill (``role="prefill"``) or decode (``role="decode"``), on KV memory
     the engine owns.
@@ -121,7 +134,9 @@ class Connector(NativeConnector):
 
     def __new__(cls, role: str, engine_id: str, *args: Any, regions: Iterable[Any] = (), **kwargs: Any):
         native = [_as_region(r, i) for i, r in enumerate(regions)]
-        return super().__new__(cls, role, engine_id, native, *args, **kwargs)
+        connector = super().__new__(cls, role, engine_id, native, *args, **kwargs)
+        _LIVE.add(connector)
+        return connector
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # the native __new__ did the work
         pass

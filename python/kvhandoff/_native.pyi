@@ -58,9 +58,12 @@ class Event(TypedDict, total=False):
     valid_tokens: int | None
 
 def metrics() -> dict[str, int]:
-    """This process's counters (every rank of it): ``requests_ready``, ``requests_failed``,
-    ``requests_sent``, ``requests_released``, ``bytes_sent``, ``bytes_received``, ``writes_posted``,
-    ``reads_posted``, ... — the figures the runtime counts."""
+    """This process's counters (every rank of it), as the runtime counts them when it hands a
+    request's final event to the engine: ``requests_ready`` (D's ``blocks_ready``, a reader's
+    ``imported``/loaded), ``requests_failed``, ``requests_recomputed``, ``requests_sent`` (P's
+    ``blocks_free`` after the write, an export that was read), ``requests_released`` (let go
+    unsent), ``requests_fenced`` (``decode_fenced``), ``calls_refused_late``, ``bytes_sent`` and
+    ``bytes_received`` (the KV bytes of the sent and ready requests)."""
 
 def clock_secs() -> float:
     """The monotonic clock that ``remote_blocks_expiry_time`` is written in (this process)."""
@@ -166,8 +169,10 @@ class NativeConnector:
     def poll_events(self) -> list[Event]: ...
     def wait_events(self, timeout_s: float) -> list[Event]:
         """Waits (GIL released) up to ``timeout_s`` for at least one event."""
-    def has_pending_work(self) -> bool: ...
-    def write_block(self, region: int, block: int, data: bytes) -> None: ...
+    def has_pending_work(self) -> bool:
+        """True while a request accepted here has not had its final event; False once closed."""
+    def write_block(self, region: int, block: int, data: bytes) -> None:
+        """Copies one whole block into the engine's memory (tests, examples)."""
     def read_block(self, region: int, block: int) -> bytes: ...
     def close(self) -> None:
         """Shuts the rank down: requests in progress give up; idempotent."""

@@ -106,10 +106,12 @@ fn adopt_regions(regions: Vec<PyRegion>, block_bytes: u64) -> PyResult<(Vec<KvRe
         }
         match blocks {
             None => blocks = Some(here),
-            Some(first) if first != here => return Err(config(format!(
+            Some(first) if first != here => {
+                return Err(config(format!(
                 "regions[{index}] holds {here} blocks of {block_bytes} bytes, regions[0] {first}: \
                      block b is the b-th slice of every region, so every region holds as many"
-            ))),
+            )))
+            }
             Some(_) => {}
         }
         let ptr = NonNull::new(addr as *mut u8)
@@ -126,7 +128,38 @@ fn adopt_regions(regions: Vec<PyRegion>, block_bytes: u64) -> PyResult<(Vec<KvRe
     Ok((adopted, blocks))
 }
 
+/// `peers` as a dict `{engine_id: "host:port"}` or a sequence of such pairs.
+fn peer_list(peers: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<(String, String)>> {
+    let Some(peers) = peers.filter(|p| !p.is_none()) else {
+        return Ok(Vec::new());
+    };
+    if let Ok(dict) = peers.cast::<PyDict>() {
+        return dict
+            .iter()
+            .map(|(k, v)| Ok((k.extract()?, v.extract()?)))
+            .collect::<PyResult<_>>()
+            .map_err(|_: PyErr| config("peers: a dict of engine_id -> \"host:port\" strings"));
+    }
+    peers.extract().map_err(|_| {
+        config("peers: a dict of engine_id -> \"host:port\", or (engine_id, address) pairs")
+    })
+}
+
 impl NativeConnector {
+    /// Every block id below the pool's size: an id past it is refused before any transfer.
+    fn check_blocks(&self, blocks: &kvhandoff::BlockIds) -> PyResult<()> {
+        for ids in &blocks.groups {
+            if let Some(bad) = ids.iter().find(|&&id| id >= self.num_blocks) {
+                let cause = format!(
+                    "block id {bad} is outside this rank's pool of {} blocks",
+                    self.num_blocks
+                );
+                return Err(errors::raise::<errors::RegionError>(cause.clone(), cause));
+            }
+        }
+        Ok(())
+    }
+
     /// The rank, locked; `Unavailable` once closed.
     fn locked(&self) -> PyResult<MutexGuard<'_, Option<EngineRank>>> {
         let guard = self
@@ -145,6 +178,11 @@ impl NativeConnector {
         py: Python<'_>,
         f: impl FnOnce(&mut KvConnector) -> Result<T, kvhandoff::ConnectorError> + Send,
     ) -> PyResult<T> {
+        // Closed: answer without leaving the interpreter (a thread that waits outside it when
+        // the interpreter finalises is torn down there).
+        if self.closed() {
+            return Err(errors::closed());
+        }
         py.detach(|| {
             let mut guard = self.locked()?;
             let rank = guard.as_mut().ok_or_else(errors::closed)?;
@@ -190,7 +228,7 @@ impl NativeConnector {
         block_tokens: u32,
         model: &str,
         dtype: &str,
-        peers: Option<Vec<(String, String)>>,
+        peers: Option<&Bound<'_, PyAny>>,
         accept_any: bool,
         tp_size: u32,
         config: Option<&Bound<'_, PyDict>>,
@@ -222,7 +260,7 @@ impl NativeConnector {
             shell.handshake_timeout = timeout;
         }
         let mut peer_addrs = Vec::new();
-        for (peer, addr) in peers.unwrap_or_default() {
+        for (peer, addr) in peer_list(peers)? {
             let id = EngineId::new(&peer).map_err(|e| self::config(format!("peers: {e}")))?;
             peer_addrs.push((id, parse_listen(&addr)?));
         }
@@ -325,6 +363,7 @@ impl NativeConnector {
     ) -> PyResult<()> {
         let request = parse_request(request_id)?;
         let blocks = blocks_from(block_ids)?;
+        self.check_blocks(&blocks)?;
         let params = params_from(Some(kv_transfer_params))?;
         let tokens = self.tokens_of(&blocks, num_tokens);
         self.with_connector(py, |c| {
@@ -345,6 +384,7 @@ impl NativeConnector {
     ) -> PyResult<Bound<'py, PyAny>> {
         let request = parse_request(request_id)?;
         let blocks = blocks_from(block_ids)?;
+        self.check_blocks(&blocks)?;
         let params = params_from(kv_transfer_params)?;
         let tokens = self.tokens_of(&blocks, num_tokens);
         let answer = self.with_connector(py, |c| {
@@ -366,6 +406,7 @@ impl NativeConnector {
     ) -> PyResult<Bound<'py, PyAny>> {
         let request = parse_request(request_id)?;
         let blocks = blocks_from(block_ids)?;
+        self.check_blocks(&blocks)?;
         let params = params_from(kv_transfer_params)?;
         let tokens = self.tokens_of(&blocks, num_tokens);
         let ttl = match ttl_s {
@@ -396,6 +437,7 @@ impl NativeConnector {
     ) -> PyResult<()> {
         let request = parse_request(request_id)?;
         let blocks = blocks_from(block_ids)?;
+        self.check_blocks(&blocks)?;
         let params = params_from(Some(kv_transfer_params))?;
         let tokens = self.tokens_of(&blocks, num_tokens);
         self.with_connector(py, |c| {
@@ -434,6 +476,9 @@ impl NativeConnector {
                 "timeout_s must be finite and not negative (got {timeout_s})"
             )));
         }
+        if self.closed() {
+            return Err(errors::closed());
+        }
         let deadline = Instant::now() + Duration::from_secs_f64(timeout_s);
         // Waits in short slices, each under the lock, so that other threads' calls get in.
         let events = py.detach(|| -> PyResult<Vec<ConnectorEvent>> {
@@ -455,7 +500,11 @@ impl NativeConnector {
     }
 
     /// True while a request accepted here has not had its final event (and the rank runs).
+    /// False once closed: nothing more can come.
     fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
+        if self.closed() {
+            return Ok(false);
+        }
         self.with_connector(py, |c| Ok(c.has_pending_work()))
     }
 

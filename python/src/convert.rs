@@ -31,7 +31,22 @@ pub(crate) fn params_from(params: Option<&Bound<'_, PyAny>>) -> PyResult<KvTrans
         .call_method1("dumps", (params,))
         .map_err(|e| invalid(format!("kv_transfer_params is not JSON: {e}")))?
         .extract()?;
-    serde_json::from_str(&text).map_err(|e| invalid(format!("kv_transfer_params: {e}")))
+    serde_json::from_str(&text)
+        .map_err(|e| invalid(format!("kv_transfer_params: {}", name_the_key(&text, &e))))
+}
+
+/// The error, naming the key whose value it is about: each key is parsed alone until one fails.
+fn name_the_key(text: &str, error: &serde_json::Error) -> String {
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_str::<serde_json::Value>(text) else {
+        return error.to_string();
+    };
+    for (key, value) in map {
+        let alone = serde_json::Value::Object(std::iter::once((key.clone(), value)).collect());
+        if let Err(e) = serde_json::from_value::<KvTransferParams>(alone) {
+            return format!("{key}: {e}");
+        }
+    }
+    error.to_string()
 }
 
 /// The parameters as a dict, with vLLM's keys.

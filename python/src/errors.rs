@@ -7,49 +7,49 @@ use pyo3::prelude::*;
 use kvhandoff::{ConnectorError, KvCacheError, StartError};
 
 create_exception!(
-    _native,
+    kvhandoff,
     KvHandoffError,
     PyException,
     "Every kvhandoff error."
 );
 create_exception!(
-    _native,
+    kvhandoff,
     ConfigError,
     KvHandoffError,
     "An invalid argument or setting, or a rank that could not start."
 );
 create_exception!(
-    _native,
+    kvhandoff,
     InvalidParams,
     KvHandoffError,
     "kv_transfer_params lack a key or hold an invalid value."
 );
 create_exception!(
-    _native,
+    kvhandoff,
     Rejected,
     KvHandoffError,
     "The endpoint refused the call; nothing changed."
 );
 create_exception!(
-    _native,
+    kvhandoff,
     Unsupported,
     KvHandoffError,
     "The call asks for something this rank cannot do."
 );
 create_exception!(
-    _native,
+    kvhandoff,
     Unavailable,
     KvHandoffError,
     "The runtime is not running or did not answer."
 );
 create_exception!(
-    _native,
+    kvhandoff,
     VerdictLate,
     KvHandoffError,
     "The runtime took the call but has not answered; its event will tell."
 );
 create_exception!(
-    _native,
+    kvhandoff,
     RegionError,
     KvHandoffError,
     "A block or region out of range, or memory that cannot be a region."

@@ -69,11 +69,13 @@ impl Options {
         let Some(kwargs) = kwargs else {
             return Ok(options);
         };
+        let mut given = Vec::new();
         for (key, value) in kwargs.iter() {
             let key: String = key.extract()?;
             if value.is_none() {
                 continue;
             }
+            given.push(key.clone());
             if MILLISECOND_KEYS.contains(&key.as_str()) {
                 let d = millis(&key, &value)?;
                 let c = &mut options.config;
@@ -131,6 +133,16 @@ impl Options {
                     )))
                 }
             }
+        }
+        // A lease shorter than the default extension (or heartbeat) makes the defaults
+        // contradict it; follow the lease unless the caller set them too.
+        let set = |key: &str| given.iter().any(|k| k == key);
+        let c = &mut options.config;
+        if !set("lease_extension_ms") && c.lease_extension > c.lease_duration {
+            c.lease_extension = c.lease_duration;
+        }
+        if !set("heartbeat_interval_ms") && c.heartbeat_interval >= c.lease_extension {
+            c.heartbeat_interval = c.lease_extension / 4;
         }
         options
             .config

@@ -1,0 +1,843 @@
+"""The Python layer of kvhandoff (``kvhandoff.Connector`` over the native extension).
+
+In one process over transport="mem": push (every byte checked; block ids as lists, nested lists
+and numpy arrays; several regions), pull, a bidirectional turn, both orders of the race, aborts
+on each side, the typed exceptions, the context manager, torch and raw regions, the GIL, and the
+process's metrics. In two OS processes over transport="nixl" (``pd_worker.py``): push and pull
+with every byte checked on D, and a prefill engine SIGKILLed mid-run.
+
+    source scripts/nixl-env.sh && python -m pytest python/tests/test_connector.py -q
+
+Every wait has a deadline; child processes are killed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import pytest
+
+kvhandoff = pytest.importorskip("kvhandoff", reason="the native extension is not built")
+
+from conftest import (  # noqa: E402
+    BLOCK_TOKENS,
+    DEADLINE_S,
+    check,
+    fill,
+    make_pair,
+    needs_nixl,
+    nixl_ready,
+    norm,
+    pattern,
+    quiet,
+    regions,
+    unique,
+    wait_final,
+)
+from pd_worker import Engine  # noqa: E402
+
+LEG = {"do_remote_decode": True}  # what the router sends with a prefill leg
+PULL_LEG = {"do_remote_decode": True, "transfer_mode": "pull"}
+
+
+def only_final(events: list[dict], request_id: str) -> dict:
+    """The request's one event, which must be final."""
+    mine = [e for e in events if e["request_id"] == request_id]
+    assert len(mine) == 1, f"{request_id}: one event expected, got {mine}"
+    assert mine[0]["final"] is True, mine[0]
+    return mine[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Push, one process.
+
+
+def block_ids_as(form: int, ids: list[int]):
+    """The same block ids in the forms an engine passes: list, numpy (two dtypes), groups."""
+    return [
+        list(ids),
+        np.array(ids, dtype=np.int64),
+        [list(ids)],
+        np.array(ids, dtype=np.uint32),
+        np.array([ids], dtype=np.int32),  # one group, as a 2-D array
+    ][form % 5]
+
+
+def test_push_every_byte_many_requests(mem_pair):
+    pair, pr, dr = mem_pair
+    p, d = pair.p, pair.d
+    before = kvhandoff.metrics()
+    n, bb = 15, pair.block_bytes
+    p_free, d_free = list(range(64)), list(range(63, -1, -1))  # D's ids differ from P's
+    want: dict[str, tuple[int, list[int], list[int]]] = {}
+    total_blocks = 0
+    for i in range(n):
+        nb = 1 + i % 4
+        p_ids = [p_free.pop(0) for _ in range(nb)]
+        d_ids = [d_free.pop(0) for _ in range(nb)]
+        total_blocks += nb
+        fill(pr, i, p_ids)
+        rid = f"push-{i}"
+        tokens = nb * BLOCK_TOKENS - i % BLOCK_TOKENS
+        answer = p.request_finished(rid, block_ids_as(i, p_ids), dict(LEG), tokens)
+        assert answer["do_remote_prefill"] is True, answer
+        assert answer["remote_engine_id"] == p.engine_id, answer
+        assert f"{answer['remote_host']}:{answer['remote_port']}" == p.address, answer
+        assert answer["remote_num_tokens"] == tokens, answer
+        assert answer["tp_size"] == 1, answer
+        d.request_allocated(rid, block_ids_as(i + 2, d_ids), answer, answer["remote_num_tokens"])
+        want[rid] = (i, p_ids, d_ids)
+    assert d.has_pending_work() and p.has_pending_work()
+
+    d_events, p_events = wait_final(d, n), wait_final(p, n)
+    for rid, (i, p_ids, d_ids) in want.items():
+        ready = only_final(d_events, rid)
+        assert ready["kind"] == "blocks_ready", ready
+        assert ready["blocks"] == [d_ids], ready
+        assert check(dr, i, d_ids) is None, f"{rid}: {check(dr, i, d_ids)}"
+        free = only_final(p_events, rid)
+        assert free["kind"] == "blocks_free", free
+        assert free["released"] is None, free
+        assert free["blocks"] == [p_ids], free
+    assert not d.has_pending_work() and not p.has_pending_work()
+    # D's blocks not handed to any request are untouched.
+    for region in dr:
+        assert not region[: 64 - total_blocks].any()
+
+    after = kvhandoff.metrics()
+    moved = total_blocks * bb * len(pr)
+    assert after["requests_ready"] - before["requests_ready"] == n, (before, after)
+    assert after["bytes_sent"] - before["bytes_sent"] >= moved, (before, after)
+    assert after["bytes_received"] - before["bytes_received"] >= moved, (before, after)
+
+
+def test_metrics_names_and_types():
+    m = kvhandoff.metrics()
+    for name in (
+        "requests_ready", "requests_failed", "requests_sent", "requests_released",
+        "bytes_sent", "bytes_received",
+    ):
+        assert isinstance(m.get(name), int), (name, m)
+    assert isinstance(kvhandoff.clock_secs(), float)
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_push_regions(count):
+    """One region, and four moved together (block ``b`` of every region)."""
+    pair, pr, dr = make_pair(num_blocks=16, block_bytes=256, count=count)
+    try:
+        fill(pr, 7, [3, 4, 5])
+        answer = pair.p.request_finished("r", [3, 4, 5], dict(LEG))
+        pair.d.request_allocated("r", [9, 1, 12], answer)
+        ready = only_final(wait_final(pair.d, 1), "r")
+        assert ready["kind"] == "blocks_ready"
+        assert check(dr, 7, [9, 1, 12]) is None
+        assert only_final(wait_final(pair.p, 1), "r")["kind"] == "blocks_free"
+    finally:
+        pair.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Pull and bidirectional turns, one process.
+
+
+def test_pull_every_byte(mem_pair):
+    pair, pr, dr = mem_pair
+    p, d = pair.p, pair.d
+    want = {}
+    for i in range(6):
+        nb = 1 + i % 3
+        p_ids = list(range(10 * i, 10 * i + nb))
+        d_ids = list(range(63 - 10 * i, 63 - 10 * i - nb, -1))
+        fill(pr, 50 + i, p_ids)
+        rid = f"pull-{i}"
+        tokens = nb * BLOCK_TOKENS - 3
+        answer = p.request_finished(rid, np.array(p_ids), dict(PULL_LEG), tokens)
+        assert answer["transfer_mode"] == "pull", answer
+        assert answer["remote_block_ids"] == [p_ids], answer
+        assert answer["remote_num_tokens"] == tokens, answer
+        assert answer["remote_blocks_expiry_time"] > kvhandoff.clock_secs(), answer
+        d.request_allocated(rid, d_ids, answer, tokens)
+        want[rid] = (50 + i, p_ids, d_ids)
+    d_events, p_events = wait_final(d, len(want)), wait_final(p, len(want))
+    for rid, (index, p_ids, d_ids) in want.items():
+        imported = only_final(d_events, rid)
+        assert imported["kind"] == "imported", imported
+        assert imported["outcome"] == "loaded", imported
+        assert imported["blocks"] == [d_ids], imported
+        assert check(dr, index, d_ids) is None, f"{rid}: {check(dr, index, d_ids)}"
+        ended = only_final(p_events, rid)
+        assert ended["kind"] == "export_ended", ended
+        assert ended["blocks"] == [p_ids], ended
+
+
+def test_bidirectional_turn(mem_pair):
+    """Turn 1 pushed P→D; D keeps the conversation's blocks; turn 2's prefill on P reads them."""
+    pair, pr, dr = mem_pair
+    p, d = pair.p, pair.d
+    p_ids, d_ids = [0, 1], [20, 21, 22]
+    fill(pr, 1, p_ids)
+    answer = p.request_finished("conv-t1", p_ids, dict(LEG), 2 * BLOCK_TOKENS)
+    d.request_allocated("conv-t1", d_ids[:2], answer)
+    assert only_final(wait_final(d, 1), "conv-t1")["kind"] == "blocks_ready"
+    assert only_final(wait_final(p, 1), "conv-t1")["kind"] == "blocks_free"
+    assert check(dr, 1, d_ids[:2]) is None
+
+    # D decodes: the conversation's KV is now D's own, 3 blocks of it.
+    fill(dr, 2, d_ids)
+    tokens = 3 * BLOCK_TOKENS - 5
+    nxt = d.keep_for_next_turn("conv-t1", d_ids, answer, tokens, ttl_s=30.0)
+    assert nxt["transfer_mode"] == "pull", nxt
+    assert nxt["do_remote_decode"] is True, nxt
+    assert nxt["remote_engine_id"] == d.engine_id, nxt
+    assert nxt["remote_block_ids"] == [d_ids], nxt
+    assert nxt["remote_num_tokens"] == tokens, nxt
+    assert nxt.get("transfer_id"), nxt
+
+    # Turn 2: the router sends nxt with the prefill leg; P allocates blocks and reads.
+    p_turn2 = [40, 41, 42]
+    p.next_turn_allocated("conv-t2", np.array(p_turn2), nxt, tokens)
+    imported = only_final(wait_final(p, 1), "conv-t2")
+    assert imported["kind"] == "imported" and imported["outcome"] == "loaded", imported
+    assert imported["blocks"] == [p_turn2], imported
+    assert check(pr, 2, p_turn2) is None
+    ended = only_final(wait_final(d, 1), "conv-t1")
+    assert ended["kind"] == "export_ended", ended
+    assert ended["blocks"] == [d_ids], ended
+
+
+def test_decline_export(mem_pair):
+    """A reader that recomputes instead lets the holder's blocks go; no event on the reader."""
+    pair, _, _ = mem_pair
+    answer = pair.p.request_finished("dec", [5, 6], dict(PULL_LEG))
+    pair.d.decline_export("dec", answer)
+    ended = only_final(wait_final(pair.p, 1), "dec")
+    assert ended["kind"] == "export_ended" and ended["blocks"] == [[5, 6]], ended
+    assert quiet(pair.d, 0.2) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The races, one process.
+
+
+@pytest.mark.parametrize("paired_by", ["transfer_id", "request_id"])
+def test_race_decode_registers_first(mem_pair, paired_by):
+    pair, pr, dr = mem_pair
+    p, d = pair.p, pair.d
+    if paired_by == "transfer_id":  # the router's key; each engine its own request id
+        tid = unique("xfer")
+        d_rid, p_rid, extra = "race-d", "race-p", {"transfer_id": tid}
+    else:  # no key: the request ids pair
+        d_rid = p_rid = "race"
+        extra = {}
+    d.request_allocated(d_rid, [30, 31], pair.prefill_params(**extra), 2 * BLOCK_TOKENS)
+    assert quiet(d, 0.3) == []  # registered with P, waiting for the prefill
+    assert d.has_pending_work()
+    fill(pr, 9, [2, 3])
+    answer = p.request_finished(p_rid, [2, 3], {**LEG, **extra}, 2 * BLOCK_TOKENS)
+    if paired_by == "transfer_id":
+        assert answer["transfer_id"] == extra["transfer_id"], answer
+    ready = only_final(wait_final(d, 1), d_rid)
+    assert ready["kind"] == "blocks_ready" and ready["blocks"] == [[30, 31]], ready
+    assert check(dr, 9, [30, 31]) is None
+    free = only_final(wait_final(p, 1), p_rid)
+    assert free["kind"] == "blocks_free" and free["released"] is None, free
+
+
+@pytest.mark.parametrize("with_transfer_id", [False, True])
+def test_race_prefill_finishes_first(mem_pair, with_transfer_id):
+    pair, pr, dr = mem_pair
+    p, d = pair.p, pair.d
+    extra = {"transfer_id": unique("xfer")} if with_transfer_id else {}
+    fill(pr, 11, [7])
+    answer = p.request_finished("first", [7], {**LEG, **extra}, 10)
+    assert quiet(p, 0.3) == []  # held under its lease until D registers
+    assert p.has_pending_work()
+    d.request_allocated("first", [8], answer, 10)
+    assert only_final(wait_final(d, 1), "first")["kind"] == "blocks_ready"
+    assert check(dr, 11, [8]) is None
+    assert only_final(wait_final(p, 1), "first")["kind"] == "blocks_free"
+
+
+# ---------------------------------------------------------------------------------------------
+# Aborts, one process.
+
+
+def test_abort_on_decode(mem_pair):
+    """D registered, P never finishes; D's abort hands the blocks back with a final event."""
+    pair, _, _ = mem_pair
+    d = pair.d
+    d.request_allocated("ab-d", [4, 5, 6], pair.prefill_params(), 3 * BLOCK_TOKENS)
+    assert quiet(d, 0.2) == []
+    d.abort("ab-d")
+    failed = only_final(wait_final(d, 1), "ab-d")
+    assert failed["kind"] == "failed", failed
+    assert norm(failed["reason"]) == "aborted", failed
+    assert failed["blocks"] == [[4, 5, 6]], failed
+    assert not d.has_pending_work()
+    assert quiet(pair.p, 0.2) == []  # P never started the request: no event there
+
+
+def test_abort_on_prefill(mem_pair):
+    """P finished, no D comes; P's abort releases the blocks unsent."""
+    pair, _, _ = mem_pair
+    p = pair.p
+    p.request_finished("ab-p", [1, 2], dict(LEG))
+    p.abort("ab-p")
+    free = only_final(wait_final(p, 1), "ab-p")
+    assert free["kind"] == "blocks_free", free
+    assert free["released"] is not None and "abort" in norm(free["released"]), free
+    assert free["blocks"] == [[1, 2]], free
+    assert not p.has_pending_work()
+
+
+def test_abort_of_an_export(mem_pair):
+    pair, _, _ = mem_pair
+    pair.p.request_finished("ab-x", [3], dict(PULL_LEG))
+    pair.p.abort("ab-x")
+    ended = only_final(wait_final(pair.p, 1), "ab-x")
+    assert ended["kind"] == "export_ended" and ended["blocks"] == [[3]], ended
+
+
+def test_abort_unknown_request_is_rejected(mem_pair):
+    pair, _, _ = mem_pair
+    with pytest.raises(kvhandoff.Rejected):
+        pair.p.abort("never-seen")
+    with pytest.raises(kvhandoff.Rejected):
+        pair.d.abort("never-seen")
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed exceptions.
+
+
+@pytest.mark.parametrize(
+    "key, change",
+    [
+        ("remote_engine_id", lambda q: q.pop("remote_engine_id")),
+        ("do_remote_prefill", lambda q: q.update(do_remote_prefill=False)),
+        ("tp_size", lambda q: q.pop("tp_size")),
+        ("remote_host", lambda q: q.pop("remote_host")),
+        ("remote_port", lambda q: q.pop("remote_port")),
+        ("remote_port", lambda q: q.update(remote_port="not a port")),
+        ("transfer_mode", lambda q: q.update(transfer_mode="carrier-pigeon")),
+        ("epoch", lambda q: q.update(epoch=0)),
+        ("remote_block_ids", lambda q: q.update(transfer_mode="pull")),  # pull needs them
+    ],
+)
+def test_invalid_params_name_the_key(mem_pair, key, change):
+    pair, _, _ = mem_pair
+    params = pair.prefill_params()
+    change(params)
+    with pytest.raises(kvhandoff.InvalidParams) as e:
+        pair.d.request_allocated("bad", [1], params, 4)
+    assert key in str(e.value), (key, str(e.value))
+    assert isinstance(e.value, kvhandoff.KvHandoffError)
+    assert isinstance(e.value.cause, str) and key in e.value.cause, e.value.cause
+    # Nothing changed: the request id is free, and no event comes.
+    assert not pair.d.has_pending_work()
+    pair.d.request_allocated("bad", [1], pair.prefill_params(), 4)
+    pair.d.abort("bad")
+    assert only_final(wait_final(pair.d, 1), "bad")["kind"] == "failed"
+
+
+def test_invalid_params_on_prefill(mem_pair):
+    pair, _, _ = mem_pair
+    with pytest.raises(kvhandoff.InvalidParams) as e:
+        pair.p.request_finished("bad", [1], {"do_remote_decode": True, "transfer_mode": "smoke"})
+    assert "transfer_mode" in str(e.value)
+    with pytest.raises(kvhandoff.InvalidParams) as e:
+        pair.p.next_turn_allocated("bad", [1], {**pair.prefill_params(), "transfer_mode": "push"})
+    assert "transfer_mode" in str(e.value)
+    assert not pair.p.has_pending_work()
+
+
+def test_bad_block_ids(mem_pair):
+    """Block ids that are not ids: a typed error, nothing started."""
+    pair, _, _ = mem_pair
+    for bad in ([-1], ["a"], [1.5], [[1], "x"], None):
+        with pytest.raises((kvhandoff.KvHandoffError, TypeError, ValueError, OverflowError)):
+            pair.p.request_finished("bad-ids", bad, dict(LEG))
+    assert not pair.p.has_pending_work()
+
+
+def test_block_ids_out_of_the_pool_touch_no_memory(mem_pair):
+    """A block id past the pool (64 blocks) on either side: refused at the call, or the
+    request fails typed on both sides (the transfer's post fails); no byte outside moves."""
+    pair, pr, dr = mem_pair
+    p, d = pair.p, pair.d
+    fill(pr, 1, [0])
+    for rid, p_ids, d_ids in (("oob-p", [64], [0]), ("oob-d", [0], [64])):
+        try:
+            answer = p.request_finished(rid, p_ids, dict(LEG))
+        except kvhandoff.KvHandoffError:
+            continue
+        try:
+            d.request_allocated(rid, d_ids, answer)
+        except kvhandoff.KvHandoffError:
+            p.abort(rid)
+            assert only_final(wait_final(p, 1), rid)["kind"] == "blocks_free"
+            continue
+        failed = only_final(wait_final(d, 1), rid)
+        assert failed["kind"] == "failed" and failed["blocks"] == [d_ids], failed
+        free = only_final(wait_final(p, 1), rid)
+        assert free["kind"] == "blocks_free" and free["released"] is not None, free
+    assert not any(region.any() for region in dr)
+
+
+def test_duplicate_request_is_rejected(mem_pair):
+    pair, _, _ = mem_pair
+    p, d = pair.p, pair.d
+    p.request_finished("dup", [1, 2], dict(LEG))
+    with pytest.raises(kvhandoff.Rejected):
+        p.request_finished("dup", [3, 4], dict(LEG))
+    d.request_allocated("dup-d", [9], pair.prefill_params(), 4)
+    with pytest.raises(kvhandoff.Rejected):
+        d.request_allocated("dup-d", [10], pair.prefill_params(), 4)
+    # The first of each is untouched: its blocks come back once, with the first call's ids.
+    p.abort("dup")
+    d.abort("dup-d")
+    assert only_final(wait_final(p, 1), "dup")["blocks"] == [[1, 2]]
+    assert only_final(wait_final(d, 1), "dup-d")["blocks"] == [[9]]
+
+
+def test_calls_after_close_are_unavailable():
+    pair, _, _ = make_pair()
+    p, d = pair.p, pair.d
+    assert not p.closed
+    p.close()
+    p.close()  # idempotent
+    assert p.closed
+    with pytest.raises(kvhandoff.Unavailable):
+        p.request_finished("late", [1], dict(LEG))
+    with pytest.raises(kvhandoff.Unavailable):
+        p.abort("late")
+    # Nothing more can come once closed.
+    assert p.has_pending_work() is False
+    for call in (p.poll_events, lambda: p.wait_events(0.01), lambda: p.read_block(0, 0)):
+        with pytest.raises(kvhandoff.Unavailable):
+            call()
+    assert "closed" in repr(p)
+    d.close()
+    with pytest.raises(kvhandoff.Unavailable):
+        d.request_allocated("late", [1], pair.prefill_params(), 4)
+
+
+def test_close_with_requests_in_flight_gives_up():
+    """close() while requests are in progress returns, and later calls are Unavailable."""
+    pair, _, _ = make_pair()
+    pair.p.request_finished("inflight", [1], dict(LEG))
+    pair.d.request_allocated("inflight-d", [2], pair.prefill_params(), 4)
+    t = time.monotonic()
+    pair.close()
+    assert time.monotonic() - t < 15, "close took too long"
+    assert pair.p.closed and pair.d.closed
+
+
+def _connector(**over):
+    args = dict(
+        role="prefill", engine_id=unique("cfg"), regions=regions(8, 256, 1), block_bytes=256,
+        transport="mem",
+    )
+    args.update(over)
+    role, engine_id = args.pop("role"), args.pop("engine_id")
+    return kvhandoff.Connector(role, engine_id, **args)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"role": "middle"},
+        {"engine_id": ""},
+        {"block_bytes": 0},
+        {"block_bytes": 300},  # 8 × 256 B is not a whole number of 300 B blocks
+        {"regions": []},
+        {"regions": [np.zeros((8, 256), np.uint8), np.zeros((4, 256), np.uint8)]},
+        {"regions": [b"\0" * 2048]},  # read-only
+        {"regions": [np.zeros((8, 512), np.uint8)[:, ::2]]},  # not contiguous
+        {"regions": [42]},
+        {"transport": "carrier-pigeon"},
+        {"listen": "not an address"},
+        {"load_failure_policy": "pray"},
+    ],
+    ids=[
+        "role", "engine_id", "block_bytes=0", "block_bytes-not-dividing", "no-regions",
+        "regions-of-unequal-blocks", "read-only-region", "non-contiguous-region", "int-region",
+        "transport", "listen", "load_failure_policy",
+    ],
+)
+def test_bad_constructor_args_are_config_errors(over):
+    with pytest.raises(kvhandoff.ConfigError) as e:
+        _connector(**over).close()
+    assert isinstance(e.value, kvhandoff.KvHandoffError)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"lease_ms": 5000},  # alone, shorter than the default lease extension
+        {"lease_ms": 60000},
+        {"decode_deadline_ms": 20000},
+        {"load_failure_policy": "recompute"},
+        {"next_turn_ttl_s": 10.0},
+        {"call_timeout_ms": 5000},
+        {"handshake_timeout_ms": 3000},
+        {"advertise_host": "10.1.2.3"},
+        {"accept_any": True},
+        {"peers": {"some-decode-0": "127.0.0.1:9"}},
+        {"block_tokens": 32},
+        {"model": "tiny", "dtype": "bfloat16"},
+        {"listen": "0.0.0.0:0", "advertise_host": "127.0.0.1"},
+    ],
+    ids=lambda o: ",".join(o),
+)
+def test_documented_settings_are_accepted(setting):
+    """Each keyword of the constructor's documented signature (``_native.pyi``), alone."""
+    c = _connector(**setting)
+    try:
+        if "advertise_host" in setting:
+            assert c.address.startswith(setting["advertise_host"] + ":"), c.address
+    finally:
+        c.close()
+
+
+def test_unknown_setting_is_a_config_error_naming_it():
+    with pytest.raises(kvhandoff.ConfigError) as e:
+        _connector(bogus_ms=5)
+    assert "bogus_ms" in str(e.value)
+
+
+def test_interpreter_exit_with_a_polling_thread(tmp_path):
+    """An engine thread (daemon) still polling when the interpreter exits: a clean exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_while_polling.py"
+    script.write_text(
+        "import threading, time, numpy as np, kvhandoff\n"
+        "c = kvhandoff.Connector('decode', 'exit-d', regions=[np.zeros((4, 256), np.uint8)],\n"
+        "                        block_bytes=256, transport='mem')\n"
+        "def loop():\n"
+        "    while True:\n"
+        "        c.wait_events(0.005)\n"
+        "threading.Thread(target=loop, daemon=True).start()\n"
+        "time.sleep(0.2)\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+
+
+def test_raw_region_contract_checks():
+    with pytest.raises(kvhandoff.ConfigError):
+        kvhandoff.RawRegion(0, 4096)
+    with pytest.raises(kvhandoff.ConfigError):
+        kvhandoff.RawRegion(0x1000, 0)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(kvhandoff.ConfigError):
+        _connector(regions=[torch.zeros(16, 256, dtype=torch.uint8).t()])  # not contiguous
+
+
+# ---------------------------------------------------------------------------------------------
+# The handle: context manager, properties, regions of every kind, block access, the GIL.
+
+
+def test_context_manager_and_properties():
+    kv = np.zeros((32, 1024), dtype=np.uint8)
+    with kvhandoff.Connector("decode", "ctx-decode-0", regions=[kv, kv.copy()], block_bytes=1024,
+                             transport="mem") as c:
+        assert isinstance(c, kvhandoff.Connector)
+        assert not c.closed
+        assert c.role == "decode" and c.engine_id == "ctx-decode-0"
+        assert c.num_blocks == 32 and c.block_bytes == 1024
+        host, port = c.address.rsplit(":", 1)
+        assert host and 0 < int(port) < 65536
+        assert c.address in repr(c)
+        assert c.poll_events() == [] and not c.has_pending_work()
+    assert c.closed
+    with pytest.raises(ZeroDivisionError):  # an exception in the block still closes it
+        with kvhandoff.Connector("prefill", "ctx-prefill-0", regions=[kv], block_bytes=1024,
+                                 transport="mem") as c2:
+            1 / 0
+    assert c2.closed
+
+
+def test_torch_regions():
+    """P's KV in bf16 torch tensors (by data_ptr), D's in numpy, 3 regions."""
+    torch = pytest.importorskip("torch")
+    blocks, shape = 16, (16, 2, 8)  # tokens, heads, head dim: 512 B of bf16 per block
+    pt = [torch.zeros((blocks, *shape), dtype=torch.bfloat16) for _ in range(3)]
+    views = [t.view(torch.uint8).reshape(blocks, -1).numpy() for t in pt]  # same memory
+    dr = regions(blocks, 512, 3)
+    p = kvhandoff.Connector("prefill", unique("torch-p"), regions=pt, block_bytes=512,
+                            transport="mem")
+    try:
+        d = kvhandoff.Connector("decode", unique("torch-d"), regions=dr, block_bytes=512,
+                                transport="mem", peers={p.engine_id: p.address})
+        try:
+            p.add_peer(d.engine_id, d.address)
+            fill(views, 3, [5, 6])
+            answer = p.request_finished("t", torch.tensor([5, 6]).numpy(), dict(LEG))
+            d.request_allocated("t", [0, 15], answer)
+            assert only_final(wait_final(d, 1), "t")["kind"] == "blocks_ready"
+            assert check(dr, 3, [0, 15]) is None
+            assert only_final(wait_final(p, 1), "t")["kind"] == "blocks_free"
+            # D -> torch: the tensor bytes read back as the pattern.
+            got = torch.from_numpy(dr[1][15].copy()).view(torch.bfloat16)
+            assert torch.equal(got.view(torch.uint8), torch.from_numpy(pattern(3, 1, 1, 512)))
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def test_raw_regions():
+    """P's KV by raw pointer (ctypes memory), D's by RawRegion over numpy, kept alive by owner."""
+    n = 8 * 256
+    cbuf = (ctypes.c_uint8 * n)()
+    p_view = np.frombuffer(cbuf, dtype=np.uint8).reshape(8, 256)
+    d_arr = np.zeros((8, 256), dtype=np.uint8)
+    raw_p = kvhandoff.RawRegion(ctypes.addressof(cbuf), n, owner=cbuf)
+    raw_d = kvhandoff.RawRegion(d_arr.ctypes.data, d_arr.nbytes, owner=d_arr)
+    assert "nbytes=2048" in repr(raw_p)
+    with kvhandoff.Connector("prefill", unique("raw-p"), regions=[raw_p], block_bytes=256,
+                             transport="mem") as p, \
+         kvhandoff.Connector("decode", unique("raw-d"), regions=[raw_d], block_bytes=256,
+                             transport="mem", peers={p.engine_id: p.address}) as d:
+        p.add_peer(d.engine_id, d.address)
+        fill([p_view], 21, [7, 0])
+        answer = p.request_finished("raw", [7, 0], dict(LEG))
+        d.request_allocated("raw", [1, 2], answer)
+        assert only_final(wait_final(d, 1), "raw")["kind"] == "blocks_ready"
+        assert check([d_arr], 21, [1, 2]) is None
+        assert only_final(wait_final(p, 1), "raw")["kind"] == "blocks_free"
+        assert p.num_blocks == 8
+
+
+def test_write_and_read_block(mem_pair):
+    pair, pr, _ = mem_pair
+    p = pair.p
+    data = bytes(range(256)) * 2
+    p.write_block(1, 3, data)
+    assert p.read_block(1, 3) == data
+    assert bytes(pr[1][3]) == data  # the engine's own memory, no copy
+    pr[0][5] = 0xAB
+    assert p.read_block(0, 5) == b"\xab" * 512
+    with pytest.raises(kvhandoff.RegionError):
+        p.read_block(0, 64)
+    with pytest.raises(kvhandoff.RegionError):
+        p.read_block(2, 0)
+    with pytest.raises(kvhandoff.RegionError):
+        p.write_block(0, 64, data)
+    with pytest.raises(kvhandoff.RegionError):
+        p.write_block(0, 0, b"short")
+
+
+def test_wait_events_releases_the_gil(mem_pair):
+    pair, _, _ = mem_pair
+    ticks = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        start = time.monotonic()
+        assert pair.d.wait_events(0.3) == []
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        t.join(5)
+    assert 0.25 <= took < 5, took
+    assert ticks[0] > 10_000, f"the other thread barely ran while wait_events waited: {ticks[0]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes over NIXL.
+
+NIXL_BLOCKS, NIXL_BLOCK_BYTES = 64, 1024
+
+#: A fence short enough for a test: heartbeats every 300 ms, a peer dead after 600 ms of
+#: silence, and the quarantine (what frees D's blocks after a P died holding them) one
+#: heartbeat above its floor (registration_ttl + heartbeat + max_message_delay + peer_timeout +
+#: max_write_life = 3.9 s). Every engine of the kill test runs with it.
+SHORT_FENCE = dict(
+    heartbeat_interval_ms=300, peer_timeout_ms=600, registration_ttl_ms=1000,
+    max_message_delay_ms=500, write_timeout_ms=1000, abandon_timeout_ms=500,
+    max_write_life_ms=1500, quarantine_ms=4500,
+)
+
+
+def start_pair(p_id: str, d_id: str, **settings) -> tuple[Engine, Engine]:
+    """P and D in processes of their own, each knowing the other."""
+    kw = dict(transport="nixl", num_blocks=NIXL_BLOCKS, block_bytes=NIXL_BLOCK_BYTES, **settings)
+    p = Engine("prefill", p_id, **kw)
+    try:
+        d = Engine("decode", d_id, **kw)
+    except BaseException:
+        p.stop()
+        raise
+    try:
+        d.call("add_peer", p_id, p.address)  # (peers= is tested in one process)
+        p.call("add_peer", d_id, d.address)
+    except BaseException:
+        d.stop()
+        p.stop()
+        raise
+    return p, d
+
+
+@pytest.fixture(scope="module")
+def nixl_pair():
+    """A P and a D process over NIXL, shared by the module's push and pull tests."""
+    if not nixl_ready():
+        pytest.skip("NIXL runtime env not set: source scripts/nixl-env.sh")
+    p, d = start_pair(unique("prefill"), unique("decode"))
+    try:
+        yield p, d
+    finally:
+        d.stop()
+        p.stop()
+
+
+def handoff(p: Engine, d: Engine, n: int, leg: dict, prefix: str, first_index: int = 0,
+            d_blocks: list[int] | None = None) -> dict[str, tuple[int, list[int]]]:
+    """Runs ``n`` requests P → router → D and returns ``{rid: (index, d_ids)}``."""
+    d_pool = list(d_blocks if d_blocks is not None else range(NIXL_BLOCKS - 1, -1, -1))
+    p_pool = list(range(NIXL_BLOCKS))
+    out = {}
+    for k in range(n):
+        i = first_index + k
+        nb = 1 + i % 4
+        p_ids = [p_pool.pop(0) for _ in range(nb)]
+        d_ids = [d_pool.pop(0) for _ in range(nb)]
+        rid = f"{prefix}-{i}"
+        tokens = nb * BLOCK_TOKENS - i % 7
+        _, _, answer = p.call("finish", rid, i, p_ids, dict(leg), tokens)
+        d.call("allocate", rid, i, d_ids, answer, answer["remote_num_tokens"])
+        out[rid] = (i, d_ids)
+    return out
+
+
+def assert_delivered(events, want, kind: str) -> None:
+    got = {e["request_id"]: (e, v) for e, v in events if e["final"]}
+    for rid, (_, d_ids) in want.items():
+        e, verdict = got[rid]
+        assert e["kind"] == kind, e
+        if kind == "imported":
+            assert e["outcome"] == "loaded", e
+        assert e["blocks"] == [d_ids], e
+        assert verdict == "ok", f"{rid}: {verdict}"
+
+
+@needs_nixl
+def test_nixl_two_processes_push(nixl_pair):
+    p, d = nixl_pair
+    _, before = d.call("metrics")
+    want = handoff(p, d, 16, LEG, "npush")
+    assert_delivered(d.wait_final(len(want), DEADLINE_S), want, "blocks_ready")
+    p_events = p.wait_final(len(want), DEADLINE_S)
+    assert all(e["kind"] == "blocks_free" and e["released"] is None for e, _ in p_events)
+    _, after = d.call("metrics")
+    moved = sum(len(ids) for _, ids in want.values()) * NIXL_BLOCK_BYTES * 2
+    assert after["bytes_received"] - before["bytes_received"] >= moved, (before, after)
+    assert after["requests_ready"] - before["requests_ready"] == len(want)
+
+
+@needs_nixl
+def test_nixl_two_processes_pull(nixl_pair):
+    p, d = nixl_pair
+    want = handoff(p, d, 12, PULL_LEG, "npull", first_index=100)
+    assert_delivered(d.wait_final(len(want), DEADLINE_S), want, "imported")
+    p_events = p.wait_final(len(want), DEADLINE_S)
+    assert all(e["kind"] == "export_ended" for e, _ in p_events), p_events
+
+
+@needs_nixl
+def test_nixl_prefill_killed_mid_run():
+    """SIGKILL P1 while D has requests registered with it: each is fenced by the death
+    (``decode_fenced``, reason PeerDead) and ends with ``failed`` (same reason, blocks back)
+    after D's quarantine; one allocated afterwards naming the dead P fails at once; D goes on
+    with a fresh P2."""
+    p1_id, d_id = unique("prefill"), unique("decode")
+    p1, d = start_pair(p1_id, d_id, **SHORT_FENCE)
+    p2 = None
+    try:
+        # Warm: the pair is connected and moves bytes.
+        want = handoff(p1, d, 2, LEG, "warm")
+        assert_delivered(d.wait_final(2, DEADLINE_S), want, "blocks_ready")
+        p1.wait_final(2, DEADLINE_S)
+
+        # D registers 4 requests with P1 (D first); P1 never finishes them.
+        host, port = p1.address.rsplit(":", 1)
+        to_p1 = {"do_remote_prefill": True, "remote_engine_id": p1_id, "remote_host": host,
+                 "remote_port": int(port), "tp_size": 1}
+        pending = {f"pend-{k}": [40 + 2 * k, 41 + 2 * k] for k in range(4)}
+        for k, (rid, ids) in enumerate(pending.items()):
+            d.call("allocate", rid, 200 + k, ids, {**to_p1, "transfer_id": unique("t")}, 32)
+        time.sleep(0.5)  # the registrations reach P1: D's blocks are exposed to it
+        d.call("metrics")  # (collects D's events so far)
+        assert not [e for e, _ in d.events if e["request_id"] in pending], d.events
+
+        killed = time.monotonic()
+        p1.kill()
+
+        # Every pending request is told at once (fenced by P1's death) ...
+        def told(evs):
+            return set(pending) <= {e["request_id"] for e, _ in evs}
+
+        events = d.wait(told, 15.0)
+        fenced_after = time.monotonic() - killed
+        # ... and ends with `failed` once D's quarantine passed.
+        def ended(evs):
+            return set(pending) <= {e["request_id"] for e, _ in evs if e["final"]}
+
+        events += d.wait(ended, 20.0)
+        failed_after = time.monotonic() - killed
+        for rid, ids in pending.items():
+            mine = [e for e, _ in events if e["request_id"] == rid]
+            kinds = [e["kind"] for e in mine]
+            assert kinds in (["decode_fenced", "failed"], ["failed"]), mine
+            for e in mine:
+                assert norm(e["reason"]) == "peerdead", e
+            assert mine[-1]["final"] is True and mine[-1]["blocks"] == [ids], mine
+            assert mine[0]["final"] is (len(mine) == 1), mine
+            assert norm(mine[-1]["proof"]) in ("deadpeerfence", "quarantine"), mine
+        print(f"P1 killed: D's requests fenced after {fenced_after:.2f} s, "
+              f"failed (blocks back) after {failed_after:.2f} s")
+        assert fenced_after < 10, fenced_after
+        # The blocks P1 may still have been writing were not handed back before the fence.
+        assert failed_after >= SHORT_FENCE["quarantine_ms"] / 1000, failed_after
+
+        # A request allocated now naming the dead P1 fails at once (never exposed: blocks back).
+        d.call("allocate", "after-kill", 300, [50], {**to_p1, "transfer_id": unique("t")}, 16)
+        events = d.wait(lambda evs: any(e["request_id"] == "after-kill" and e["final"]
+                                        for e, _ in evs), 20.0)
+        late = [e for e, _ in events if e["request_id"] == "after-kill"]
+        assert late[-1]["kind"] == "failed", late
+        assert norm(late[-1]["reason"]) in ("handshakefailed", "peerdead"), late
+        assert late[-1]["blocks"] == [[50]], late
+
+        # D goes on with a fresh P (blocks clear of the fenced ones).
+        p2_id = unique("prefill")
+        p2 = Engine("prefill", p2_id, transport="nixl", num_blocks=NIXL_BLOCKS,
+                    block_bytes=NIXL_BLOCK_BYTES, **SHORT_FENCE)
+        p2.call("add_peer", d_id, d.address)
+        d.call("add_peer", p2_id, p2.address)
+        want = handoff(p2, d, 8, LEG, "fresh", first_index=400, d_blocks=list(range(0, 40)))
+        events = d.wait(lambda evs: set(want) <= {e["request_id"] for e, _ in evs if e["final"]},
+                        DEADLINE_S)
+        assert_delivered([(e, v) for e, v in events if e["request_id"] in want], want,
+                         "blocks_ready")
+        assert {e["request_id"] for e, _ in events} == set(want), events
+        p2.wait_final(len(want), DEADLINE_S)
+    finally:
+        for engine in (p2, d, p1):
+            if engine is not None:
+                engine.stop(5)
