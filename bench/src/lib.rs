@@ -19,6 +19,7 @@
 #![warn(missing_docs)]
 
 pub mod kernels;
+pub mod model;
 mod machines;
 mod runtime;
 mod stamps;
