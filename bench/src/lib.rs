@@ -19,8 +19,8 @@
 #![warn(missing_docs)]
 
 pub mod kernels;
-pub mod model;
 mod machines;
+pub mod model;
 mod runtime;
 mod stamps;
 pub mod transfer;

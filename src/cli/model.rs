@@ -136,14 +136,34 @@ mod tests {
     #[test]
     fn model_json_has_the_promised_keys() {
         let args = parse(&[
-            "--mode", "pull", "--tp", "4", "--input-len", "512", "--output-len", "64", "--qps",
-            "4", "--runs", "2", "--json",
+            "--mode",
+            "pull",
+            "--tp",
+            "4",
+            "--input-len",
+            "512",
+            "--output-len",
+            "64",
+            "--qps",
+            "4",
+            "--runs",
+            "2",
+            "--json",
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         let report = model::run_model(&model_options(&args)).unwrap_or_else(|e| panic!("{e}"));
         let json = serde_json::to_value(&report).expect("renders");
-        for key in ["mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "req_per_s"] {
-            assert!(json[key].as_f64().is_some_and(f64::is_finite), "{key}: {json}");
+        for key in [
+            "mean_ttft_ms",
+            "median_ttft_ms",
+            "p99_ttft_ms",
+            "mean_tpot_ms",
+            "req_per_s",
+        ] {
+            assert!(
+                json[key].as_f64().is_some_and(f64::is_finite),
+                "{key}: {json}"
+            );
         }
         assert_eq!(json["mode"], "pull");
     }
@@ -163,7 +183,10 @@ mod tests {
         }
         for tp in ["0", "3", "16"] {
             let args = parse(&["--tp", tp]).unwrap_or_else(|e| panic!("{e}"));
-            assert!(model::run_model(&model_options(&args)).is_err(), "--tp {tp}");
+            assert!(
+                model::run_model(&model_options(&args)).is_err(),
+                "--tp {tp}"
+            );
         }
     }
 }

@@ -166,8 +166,8 @@ impl Deployment {
     /// One P step computing `tokens` new tokens whose positions sum to `position_sum`, s:
     /// 2 × params FLOPs a token plus attention's 4 × layers × hidden per earlier position.
     pub fn prefill_step_s(&self, tokens: f64, position_sum: f64) -> f64 {
-        let flops = 2.0 * self.params * tokens
-            + 4.0 * f64::from(self.layers) * self.hidden * position_sum;
+        let flops =
+            2.0 * self.params * tokens + 4.0 * f64::from(self.layers) * self.hidden * position_sum;
         let instance_flops = f64::from(self.tp.max(1)) * self.gpu_flops * self.prefill_mfu;
         self.prefill_step_overhead_s + flops / instance_flops
     }
@@ -177,7 +177,8 @@ impl Deployment {
     pub fn decode_step_s(&self, kv_tokens: f64) -> f64 {
         let bytes = 2.0 * self.params + kv_tokens * self.kv_bytes_per_token;
         let per_gpu = bytes / f64::from(self.tp.max(1));
-        self.decode_step_overhead_s + per_gpu / (self.gpu_hbm_bytes_per_s * self.decode_hbm_efficiency)
+        self.decode_step_overhead_s
+            + per_gpu / (self.gpu_hbm_bytes_per_s * self.decode_hbm_efficiency)
     }
 }
 

@@ -146,7 +146,8 @@ fn simulate_prefill(d: &Deployment, w: &Workload, arrival: &[f64]) -> PrefillRes
                     let ready = step_start
                         + d.prefill_step_overhead_s
                         + compute * f64::from(group + 1) / f64::from(groups);
-                    let posted = poster_free.max(ready) + d.post_s(d.descriptors(take, group_layers));
+                    let posted =
+                        poster_free.max(ready) + d.post_s(d.descriptors(take, group_layers));
                     poster_free = posted;
                     landed = link.transfer(posted, d.wire_s(group_bytes));
                 }

@@ -40,7 +40,10 @@ fn push_is_no_slower_than_pull_at_equal_load() {
     for (input_len, output_len, qps) in [(512, 64, 4.0), (512, 128, 8.0), (2048, 128, 4.0)] {
         let push = mean_ttft(&options(Mode::Push, input_len, output_len, qps));
         let pull = mean_ttft(&options(Mode::Pull, input_len, output_len, qps));
-        assert!(push <= pull, "{input_len}/{output_len}/{qps}: {push} > {pull}");
+        assert!(
+            push <= pull,
+            "{input_len}/{output_len}/{qps}: {push} > {pull}"
+        );
     }
 }
 
@@ -50,7 +53,10 @@ fn layerwise_is_no_slower_than_push_above_the_threshold_and_push_below() {
         let push = run_model(&options(Mode::Push, input_len, 128, 2.0)).expect("runs");
         let layerwise = run_model(&options(Mode::Layerwise, input_len, 128, 2.0)).expect("runs");
         assert!(layerwise.mean_ttft_ms <= push.mean_ttft_ms, "{input_len}");
-        assert!(layerwise.mean_transfer_ms < push.mean_transfer_ms, "{input_len}");
+        assert!(
+            layerwise.mean_transfer_ms < push.mean_transfer_ms,
+            "{input_len}"
+        );
     }
     let push = run_model(&options(Mode::Push, 128, 128, 2.0)).expect("runs");
     let layerwise = run_model(&options(Mode::Layerwise, 128, 128, 2.0)).expect("runs");
@@ -68,7 +74,10 @@ fn the_network_bandwidth_moves_ttft_and_the_ratio() {
     let fast = (at(50e9, Mode::Pull), at(50e9, Mode::Push));
     let slow = (at(2e9, Mode::Pull), at(2e9, Mode::Push));
     assert!(slow.0 > fast.0 && slow.1 > fast.1, "{fast:?} {slow:?}");
-    assert!((slow.0 / slow.1 - fast.0 / fast.1).abs() > 0.01, "{fast:?} {slow:?}");
+    assert!(
+        (slow.0 / slow.1 - fast.0 / fast.1).abs() > 0.01,
+        "{fast:?} {slow:?}"
+    );
 }
 
 #[test]
@@ -80,7 +89,10 @@ fn fragmented_tables_cost_pull_more_than_push() {
     };
     let pull_cost = at(BlockTable::Fragmented, Mode::Pull) - at(BlockTable::Contiguous, Mode::Pull);
     let push_cost = at(BlockTable::Fragmented, Mode::Push) - at(BlockTable::Contiguous, Mode::Push);
-    assert!(pull_cost > push_cost && pull_cost > 0.0, "{pull_cost} {push_cost}");
+    assert!(
+        pull_cost > push_cost && pull_cost > 0.0,
+        "{pull_cost} {push_cost}"
+    );
 }
 
 #[test]
@@ -103,12 +115,21 @@ fn bad_options_are_errors() {
     assert_eq!(with_tp(0).err(), Some(ModelError::Tp(0)));
     assert_eq!(with_tp(3).err(), Some(ModelError::Tp(3)));
     for qps in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-        let result = run_model(&ModelOptions { qps, ..base.clone() });
+        let result = run_model(&ModelOptions {
+            qps,
+            ..base.clone()
+        });
         assert!(matches!(result, Err(ModelError::Qps(_))), "{qps}");
     }
-    let short = ModelOptions { output_len: 1, ..base.clone() };
+    let short = ModelOptions {
+        output_len: 1,
+        ..base.clone()
+    };
     assert_eq!(run_model(&short).err(), Some(ModelError::OutputLen(1)));
-    let empty = ModelOptions { requests: 0, ..base };
+    let empty = ModelOptions {
+        requests: 0,
+        ..base
+    };
     assert_eq!(run_model(&empty).err(), Some(ModelError::NoRequests));
 }
 
