@@ -5,6 +5,7 @@
 pub(crate) mod bench;
 pub(crate) mod demo;
 pub(crate) mod matrix;
+pub(crate) mod model;
 pub(crate) mod node;
 pub(crate) mod plan;
 pub(crate) mod sim;

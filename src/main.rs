@@ -1,6 +1,6 @@
 //! The `kvhandoff` command line: parses the arguments and dispatches. Each subcommand's
 //! arguments and the function that runs it live in `cli/` (`demo`, `node`, `bench`, `sim`,
-//! `plan`, `matrix`).
+//! `plan`, `matrix`, `model`).
 
 mod cli;
 
@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use cli::bench::{run_bench, BenchCommand};
 use cli::demo::{run_demo, DemoArgs};
 use cli::matrix::{run_matrix_command, MatrixArgs};
+use cli::model::{run_model_command, ModelArgs};
 use cli::node::{run_node, NodeArgs};
 use cli::plan::{run_plan, PlanArgs};
 use cli::sim::{run_sim, SimArgs};
@@ -41,6 +42,9 @@ enum Command {
     Plan(PlanArgs),
     /// Run and verify every cell of the heterogeneous matrix (5 models × TP × block × layout).
     Matrix(MatrixArgs),
+    /// The deployment model: TTFT and TPOT of push, pull or layer-wise push for the seed's 1P1D
+    /// Llama-3.3-70B on H200s with EFA (a discrete-event simulation; `--fit` refits it).
+    Model(ModelArgs),
 }
 
 fn main() -> ExitCode {
@@ -60,5 +64,6 @@ fn main() -> ExitCode {
         Command::Sim(args) => run_sim(args),
         Command::Plan(args) => run_plan(args),
         Command::Matrix(args) => run_matrix_command(args),
+        Command::Model(args) => run_model_command(args),
     }
 }

@@ -20,6 +20,7 @@
 
 pub mod kernels;
 mod machines;
+pub mod model;
 mod runtime;
 mod stamps;
 pub mod transfer;

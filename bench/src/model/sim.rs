@@ -1,0 +1,285 @@
+//! The discrete-event simulation of one run: Poisson arrivals, P's batched prefill steps, the KV
+//! transfers on each rank's link, and D's decode steps with requests joining at step boundaries.
+//! P does not depend on D (in push it writes into blocks D registered on arrival; in pull it only
+//! holds its blocks), so P's timeline is computed first and D's second.
+
+use super::params::Deployment;
+use super::Mode;
+
+/// One simulated request's times, s from the run's start.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct RequestTimes {
+    pub arrival: f64,
+    pub first_token: f64,
+    pub finish: f64,
+    /// From the end of the prefill to the KV landing on D (push, layer-wise) or from D issuing
+    /// the read to its landing (pull).
+    pub transfer: f64,
+}
+
+/// What one run is: the workload and the mode.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Workload {
+    pub mode: Mode,
+    pub input_len: u32,
+    pub output_len: u32,
+    pub qps: f64,
+    pub requests: usize,
+    pub seed: u64,
+}
+
+/// SplitMix64: a tiny deterministic generator, so that a seed gives the same arrivals on every
+/// platform without a dependency.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_unit(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        // 53 random bits in (0, 1]: never 0, so the logarithm below stays finite.
+        ((z >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    }
+}
+
+/// Poisson arrivals at `qps` (exponential gaps, as `vllm bench serve` draws them with its default
+/// burstiness 1).
+pub(crate) fn arrivals(qps: f64, requests: usize, seed: u64) -> Vec<f64> {
+    let mut rng = SplitMix(seed);
+    let mut now = 0.0;
+    (0..requests)
+        .map(|_| {
+            now += -rng.next_unit().ln() / qps;
+            now
+        })
+        .collect()
+}
+
+/// One rank's network link: transfers are served one after another (every rank of an instance
+/// moves its own share at the same time, so one rank stands for all).
+struct Link {
+    free_at: f64,
+}
+
+impl Link {
+    /// A transfer that may start at `ready` and takes `wire_s`: when it ends.
+    fn transfer(&mut self, ready: f64, wire_s: f64) -> f64 {
+        let start = self.free_at.max(ready);
+        self.free_at = start + wire_s;
+        self.free_at
+    }
+}
+
+/// P's timeline: when each request's prefill ends, and (push, layer-wise) when its KV has landed
+/// on D.
+struct PrefillResult {
+    prefill_end: Vec<f64>,
+    kv_landed: Vec<f64>,
+}
+
+fn simulate_prefill(d: &Deployment, w: &Workload, arrival: &[f64]) -> PrefillResult {
+    let n = arrival.len();
+    let mut prefill_end = vec![0.0; n];
+    let mut kv_landed = vec![f64::INFINITY; n];
+    // The first request fills the prefix cache; later ones find the sonnet dataset's shared
+    // prefix there (never the whole prompt: at least one token is computed).
+    let to_compute = |index: usize| -> u32 {
+        let cached = if index == 0 {
+            0
+        } else {
+            d.cached_prefix_tokens.min(w.input_len.saturating_sub(1))
+        };
+        w.input_len - cached
+    };
+    let mut remaining: Vec<u32> = (0..n).map(to_compute).collect();
+    let layerwise = w.mode == Mode::Layerwise && w.input_len >= d.layerwise_threshold_tokens;
+    let pushes = matches!(w.mode, Mode::Push | Mode::Layerwise);
+    let groups = d.layers.div_ceil(d.layer_group.max(1)).max(1);
+    let mut link = Link { free_at: 0.0 };
+    let mut next_arrival = 0;
+    let mut queue: Vec<usize> = Vec::new();
+    let mut now = 0.0_f64;
+    while next_arrival < n || !queue.is_empty() {
+        if queue.is_empty() {
+            now = now.max(arrival[next_arrival] + d.proxy_hop_s);
+        }
+        while next_arrival < n && arrival[next_arrival] + d.proxy_hop_s <= now {
+            queue.push(next_arrival);
+            next_arrival += 1;
+        }
+        // vLLM's scheduler: requests in arrival order take chunks of the token budget.
+        let mut budget = d.prefill_token_budget;
+        let mut chunks: Vec<(usize, u32, u32)> = Vec::new(); // request, first position, tokens
+        for &request in &queue {
+            if budget == 0 {
+                break;
+            }
+            let take = remaining[request].min(budget);
+            let first_position = w.input_len - remaining[request];
+            chunks.push((request, first_position, take));
+            remaining[request] -= take;
+            budget -= take;
+        }
+        let tokens: f64 = chunks.iter().map(|c| f64::from(c.2)).sum();
+        let position_sum: f64 = chunks
+            .iter()
+            .map(|&(_, first, take)| f64::from(take) * (f64::from(first) + f64::from(take) / 2.0))
+            .sum();
+        let step = d.prefill_step_s(tokens, position_sum);
+        let compute = step - d.prefill_step_overhead_s;
+        let step_start = now;
+        now += step;
+        let mut posts_after_step = 0.0;
+        for &(request, _, take) in &chunks {
+            let finished = remaining[request] == 0;
+            if layerwise {
+                // Each layer group's KV of this chunk is written as the forward pass produces it;
+                // the post runs beside the GPU's compute (it waits for the group's event, not the
+                // step's end).
+                let group_bytes = d.bytes_per_rank(take) / f64::from(groups);
+                let group_layers = d.layer_group.min(d.layers);
+                let mut landed = 0.0_f64;
+                let mut poster_free = step_start;
+                for group in 0..groups {
+                    let ready = step_start
+                        + d.prefill_step_overhead_s
+                        + compute * f64::from(group + 1) / f64::from(groups);
+                    let posted =
+                        poster_free.max(ready) + d.post_s(d.descriptors(take, group_layers));
+                    poster_free = posted;
+                    landed = link.transfer(posted, d.wire_s(group_bytes));
+                }
+                if finished {
+                    kv_landed[request] = landed + d.notification_s;
+                }
+            } else if pushes && finished {
+                // Whole-request push: P's worker posts the write after the forward pass, before
+                // its next step, so the post delays P's next step.
+                let post = d.post_s(d.descriptors(w.input_len, d.layers));
+                let posted = now + posts_after_step + post;
+                posts_after_step += post;
+                let landed = link.transfer(posted, d.wire_s(d.bytes_per_rank(w.input_len)));
+                kv_landed[request] = landed + d.notification_s;
+            }
+            if finished {
+                prefill_end[request] = now;
+            }
+        }
+        now += posts_after_step;
+        queue.retain(|&request| remaining[request] > 0);
+    }
+    PrefillResult {
+        prefill_end,
+        kv_landed,
+    }
+}
+
+/// Runs one workload on the deployment.
+pub(crate) fn simulate(d: &Deployment, w: &Workload) -> Vec<RequestTimes> {
+    let arrival = arrivals(w.qps, w.requests, w.seed);
+    let n = arrival.len();
+    let prefill = simulate_prefill(d, w, &arrival);
+    // When D's scheduler first sees each request: push registers D's blocks on arrival (the
+    // proxy sends to both at once); pull learns of it after P's response went back through the
+    // proxy and on to D.
+    let visible: Vec<f64> = (0..n)
+        .map(|r| match w.mode {
+            Mode::Pull => prefill.prefill_end[r] + 2.0 * d.proxy_hop_s,
+            Mode::Push | Mode::Layerwise => arrival[r] + d.proxy_hop_s,
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| visible[a].total_cmp(&visible[b]));
+
+    let mut kv_landed = prefill.kv_landed.clone();
+    let mut read_issued = vec![f64::NAN; n];
+    let mut transfer: Vec<f64> = (0..n)
+        .map(|r| kv_landed[r] - prefill.prefill_end[r])
+        .collect();
+    let mut link = Link { free_at: 0.0 };
+    let mut first_token = vec![f64::NAN; n];
+    let mut finish = vec![f64::NAN; n];
+    let mut generated = vec![0u32; n];
+    let mut waiting: Vec<usize> = Vec::new();
+    let mut running: Vec<usize> = Vec::new();
+    let mut next_visible = 0;
+    let mut finished_count = 0;
+    let mut now = 0.0_f64;
+    while finished_count < n {
+        while next_visible < n && visible[order[next_visible]] <= now {
+            waiting.push(order[next_visible]);
+            next_visible += 1;
+        }
+        // vLLM's scheduler at the step boundary: completions reported by the last step let
+        // their requests join; a pulled request's read is issued when there is room to run.
+        let mut posts = 0.0;
+        let mut index = 0;
+        while index < waiting.len() {
+            if running.len() >= d.decode_max_running as usize {
+                break;
+            }
+            let request = waiting[index];
+            if kv_landed[request] <= now {
+                waiting.remove(index);
+                running.push(request);
+                continue;
+            }
+            if w.mode == Mode::Pull && read_issued[request].is_nan() {
+                // The post sits in D's critical path, before the step's forward pass.
+                posts += d.post_s(d.descriptors(w.input_len, d.layers));
+                read_issued[request] = now;
+                let landed = link.transfer(now + posts, d.wire_s(d.bytes_per_rank(w.input_len)));
+                kv_landed[request] = landed + d.notification_s;
+                transfer[request] = kv_landed[request] - now;
+            }
+            index += 1;
+        }
+        if running.is_empty() {
+            if posts > 0.0 {
+                now += d.decode_step_overhead_s + posts;
+                continue;
+            }
+            // Idle: the next thing that can happen is a request becoming visible or a KV landing.
+            let next_seen = (next_visible < n).then(|| visible[order[next_visible]]);
+            let next_landing = waiting
+                .iter()
+                .map(|&r| kv_landed[r])
+                .filter(|t| t.is_finite())
+                .fold(f64::INFINITY, f64::min);
+            let next = next_seen.unwrap_or(f64::INFINITY).min(next_landing);
+            if !next.is_finite() {
+                break;
+            }
+            now = now.max(next);
+            continue;
+        }
+        let kv_tokens: f64 = running
+            .iter()
+            .map(|&r| f64::from(w.input_len + generated[r]))
+            .sum();
+        now += d.decode_step_s(kv_tokens) + posts;
+        running.retain(|&request| {
+            generated[request] += 1;
+            if generated[request] == 1 {
+                first_token[request] = now;
+            }
+            if generated[request] >= w.output_len {
+                finish[request] = now;
+                finished_count += 1;
+                false
+            } else {
+                true
+            }
+        });
+    }
+    (0..n)
+        .map(|r| RequestTimes {
+            arrival: arrival[r],
+            first_token: first_token[r] + d.proxy_hop_s,
+            finish: finish[r] + d.proxy_hop_s,
+            transfer: transfer[r],
+        })
+        .collect()
+}
