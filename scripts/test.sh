@@ -235,6 +235,6 @@ VLLM_PYTHON="$(bash "$REPO_ROOT/scripts/install-vllm.sh" | tail -n 1)"
 "$VLLM_PYTHON" -m pytest -q "$REPO_ROOT/python/tests"
 "$VLLM_PYTHON" "$REPO_ROOT/examples/python/handoff.py" --transport nixl --requests 16
 "$VLLM_PYTHON" "$REPO_ROOT/examples/python/handoff.py" --transport nixl --mode pull --requests 8
-KVHANDOFF_PYTHON="$VLLM_PYTHON" bash "$REPO_ROOT/python/tests/vllm_pd/run_all.sh"
+VPY="$VLLM_PYTHON" bash "$REPO_ROOT/python/tests/vllm_pd/run_all.sh"
 
 banner "all stages passed"
