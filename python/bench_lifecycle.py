@@ -88,7 +88,10 @@ class Bench:
     def poll(self, conn: Any) -> tuple[list[dict], int]:
         """Polls until at least one event; returns them and how many calls it took."""
         calls = 0
+        deadline = time.monotonic() + 30
         while True:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no event within 30 s")
             calls += 1
             events = conn.poll_events() if self.poll_mode == "busy" else conn.wait_events(1.0)
             if events:

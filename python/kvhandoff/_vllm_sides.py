@@ -43,6 +43,8 @@ _FINISHED_OK = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 # The events that hand a request's blocks back (when ``final`` is missing from an event).
 _FINAL_KINDS = frozenset({"blocks_ready", "failed", "blocks_free", "export_ended", "imported", "refused"})
 _FAULTS = (None, "", "corrupt", "drop", "params")
+#: The adapter's side-channel handshake timeout unless the extra config sets one.
+_HANDSHAKE_TIMEOUT_MS = 30_000
 # The extra-config keys the adapter reads itself, and those it passes to the native connector.
 _ADAPTER_KEYS = frozenset({"transport", "listen", "advertise_host", "engine_id", "model", "dtype", "fault"})
 _NATIVE_KEYS = frozenset({
@@ -128,6 +130,10 @@ class Settings:
             )
         native = {k: float(v) if k.endswith("_ms") else int(v)
                   for k, v in extra.items() if k in _NATIVE_KEYS and v is not None}
+        # The first request to a new peer waits for the side-channel handshake (NIXL metadata
+        # loaded on both sides); on a loaded host that took more than the runtime's 5 s default
+        # (python/tests/vllm_pd/serve_pd.py, three vLLM servers on 2 cores), failing the request.
+        native.setdefault("handshake_timeout_ms", float(_HANDSHAKE_TIMEOUT_MS))
 
         return cls(
             role=role,
@@ -356,8 +362,9 @@ class SchedulerSide:
             return False, None
         if params.get("do_remote_prefill"):
             # Ended before it got blocks: let P free its copy now rather than at its lease.
-            params["do_remote_prefill"] = False
+            # (The copy keeps do_remote_prefill: the rank reads it as "P's answer".)
             self._declines.append((rid, dict(params)))
+            params["do_remote_prefill"] = False
         return False, None
 
 

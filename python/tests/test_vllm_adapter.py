@@ -498,7 +498,8 @@ def test_settings():
     assert s.static_address() is None
     s = A.Settings.from_config("kv_consumer", "e1", {"transport": "mem", "listen": "0.0.0.0:7000",
                                                      "engine_id": "d0", "lease_ms": "500"})
-    assert (s.role, s.transport, s.engine_id, s.native) == ("decode", "mem", "d0", {"lease_ms": 500.0})
+    assert (s.role, s.transport, s.engine_id) == ("decode", "mem", "d0")
+    assert s.native == {"lease_ms": 500.0, "handshake_timeout_ms": 30_000.0}
     assert s.static_address() == ("0.0.0.0", 7000)
     for bad in (("kv_both", {}), ("kv_producer", {"fault": "nope"}), ("kv_producer", {"read_span": 1})):
         try:

@@ -32,6 +32,9 @@ part checkpoint 120 "$VPY" "$HERE/make_checkpoint.py" "$MODEL"
 part pd-main 420 "$VPY" "$HERE/run_pd.py" --part main --model "$MODEL" --ref "$REF"
 # vLLM's real process layout: API process, EngineCore (scheduler) process, worker process.
 part pd-mp-layout 420 env KVH_MP_ENGINE_CORE=1 "$VPY" "$HERE/run_pd.py" --part mp --model "$MODEL" --ref "$REF"
+# vLLM's OpenAI server, started as docs/python.md says, with an HTTP proxy: push, pull, a decode
+# leg from a missing P.
+part serve 480 "$VPY" "$HERE/serve_pd.py" --model "$MODEL" --log-dir "$WORK"
 
 echo "=== summary (logs in $WORK)"
 printf '%s\n' "${SUMMARY[@]}"
