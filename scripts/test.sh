@@ -230,7 +230,8 @@ cargo build --release --quiet
 # control (python/tests/vllm_pd/run_all.sh).
 banner "python: pip install ./python, pytest, the example, a real vLLM P/D on kvhandoff"
 VLLM_PYTHON="$(bash "$REPO_ROOT/scripts/install-vllm.sh" | tail -n 1)"
-"$VLLM_PYTHON" -m pip install --quiet --disable-pip-version-check --no-input \
+# maturin (the build backend, in the same environment) must be on PATH for pip's build hook.
+PATH="$(dirname "$VLLM_PYTHON"):$PATH" "$VLLM_PYTHON" -m pip install --quiet --disable-pip-version-check --no-input \
     --root-user-action=ignore --no-build-isolation --no-deps --force-reinstall "$REPO_ROOT/python"
 "$VLLM_PYTHON" -m pytest -q "$REPO_ROOT/python/tests"
 "$VLLM_PYTHON" "$REPO_ROOT/examples/python/handoff.py" --transport nixl --requests 16
