@@ -211,3 +211,50 @@ def test_nixl_prefill_killed_mid_run():
         for engine in (p2, d, p1):
             if engine is not None:
                 engine.stop(5)
+
+
+@needs_nixl
+def test_nixl_two_processes_decode_registers_first(nixl_pair):
+    """D's registration reaches P before P's prefill finished (the router pairs by
+    ``transfer_id``): P writes when it finishes; every byte checked on D."""
+    p, d = nixl_pair
+    host, port = p.address.rsplit(":", 1)
+    want = {}
+    for k in range(6):
+        i, rid = 200 + k, f"dfirst-{k}"
+        d_ids, p_ids = [40 + 2 * k, 41 + 2 * k], [2 * k, 2 * k + 1]
+        early = {"do_remote_prefill": True, "remote_engine_id": p.engine_id, "remote_host": host,
+                 "remote_port": int(port), "tp_size": 1, "transfer_id": f"key-{rid}"}
+        d.call("allocate", rid, i, d_ids, early, 2 * BLOCK_TOKENS)
+        want[rid] = (i, d_ids)
+    time.sleep(0.2)  # the registrations are with P before any prefill finishes
+    for k in range(6):
+        rid = f"dfirst-{k}"
+        p.call("finish", rid, 200 + k, [2 * k, 2 * k + 1],
+               {"do_remote_decode": True, "transfer_id": f"key-{rid}"}, 2 * BLOCK_TOKENS)
+    assert_delivered(d.wait_final(len(want), DEADLINE_S), want, "blocks_ready")
+    assert all(e["kind"] == "blocks_free" and e["released"] is None
+               for e, _ in p.wait_final(len(want), DEADLINE_S))
+
+
+@needs_nixl
+def test_nixl_two_processes_aborts(nixl_pair):
+    """An abort on D while its KV has not come (P not finished yet), and an abort on P of a
+    finished request D never registers: both hand their blocks back, and the pair goes on."""
+    p, d = nixl_pair
+    host, port = p.address.rsplit(":", 1)
+    early = {"do_remote_prefill": True, "remote_engine_id": p.engine_id, "remote_host": host,
+             "remote_port": int(port), "tp_size": 1, "transfer_id": "key-abort-d"}
+    d.call("allocate", "abort-d", 300, [50, 51], early, 2 * BLOCK_TOKENS)
+    d.call("abort", "abort-d")
+    (event, _), = d.wait_final(1, DEADLINE_S)
+    assert event["request_id"] == "abort-d" and event["kind"] == "failed", event
+    assert event["reason"] == "Aborted" and event["blocks"] == [[50, 51]], event
+    p.call("finish", "abort-p", 301, [20, 21], dict(LEG), 2 * BLOCK_TOKENS)
+    p.call("abort", "abort-p")
+    (event, _), = p.wait_final(1, DEADLINE_S)
+    assert event["request_id"] == "abort-p" and event["kind"] == "blocks_free", event
+    assert event["released"] is not None and event["blocks"] == [[20, 21]], event
+    want = handoff(p, d, 4, LEG, "after-aborts", first_index=310)
+    assert_delivered(d.wait_final(len(want), DEADLINE_S), want, "blocks_ready")
+    p.wait_final(len(want), DEADLINE_S)
