@@ -39,8 +39,8 @@ pub use build::{
 pub use clock::process_clock;
 pub use link::LinkActor;
 pub use messages::{
-    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Feed, Hello, LinkUp,
-    LoadPeer, QueryCounters, QuerySideChannel, QueryStats, QueryTransportStats, SetLinks,
+    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Expecting, Feed, Hello,
+    LinkUp, LoadPeer, QueryCounters, QuerySideChannel, QueryStats, QueryTransportStats, SetLinks,
     TransportOps, Verdict, Verdicts,
 };
 pub use rank::RankActor;
@@ -308,6 +308,7 @@ where
     let rank = rank_ctx.run(RankActor::new(
         session,
         transport_ops,
+        transport.clone().recipient(),
         loader,
         link.clone().recipient(),
         link.clone().recipient(),

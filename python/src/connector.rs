@@ -106,10 +106,12 @@ fn adopt_regions(regions: Vec<PyRegion>, block_bytes: u64) -> PyResult<(Vec<KvRe
         }
         match blocks {
             None => blocks = Some(here),
-            Some(first) if first != here => return Err(config(format!(
+            Some(first) if first != here => {
+                return Err(config(format!(
                 "regions[{index}] holds {here} blocks of {block_bytes} bytes, regions[0] {first}: \
                      block b is the b-th slice of every region, so every region holds as many"
-            ))),
+            )))
+            }
             Some(_) => {}
         }
         let ptr = NonNull::new(addr as *mut u8)

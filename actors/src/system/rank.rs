@@ -7,8 +7,8 @@ use actix::{Actor, AsyncContext, Context, Handler, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::messages::{
-    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Feed, LinkUp, LoadPeer,
-    QueryCounters, QueryStats, SetLinks, TransportOps,
+    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Expecting, Feed, LinkUp,
+    LoadPeer, QueryCounters, QueryStats, SetLinks, TransportOps,
 };
 use kvhandoff_protocol::driver::{connected_input, handshake_step, HandshakeStep};
 use kvhandoff_protocol::machine::{ConnectFailure, Time};
@@ -21,6 +21,8 @@ use kvhandoff_protocol::session::{
 pub struct RankActor {
     session: Session,
     transport: Recipient<TransportOps>,
+    /// Where the rank says whether it has live work ([`Expecting`]), and what it said last.
+    expecting: (Recipient<Expecting>, bool),
     loader: Recipient<LoadPeer>,
     link: Recipient<Connect>,
     /// The link's book of side-channel addresses.
@@ -35,6 +37,7 @@ impl RankActor {
     pub(crate) fn new(
         session: Session,
         transport: Recipient<TransportOps>,
+        expecting: Recipient<Expecting>,
         loader: Recipient<LoadPeer>,
         link: Recipient<Connect>,
         book: Recipient<AddPeerAddress>,
@@ -44,6 +47,7 @@ impl RankActor {
         RankActor {
             session,
             transport,
+            expecting: (expecting, false),
             loader,
             link,
             book,
@@ -90,6 +94,14 @@ impl RankActor {
         }
         if !ops.is_empty() {
             self.transport.do_send(TransportOps(ops));
+        }
+        // Live work means an arrival (a Register, a write's notice, a completion) may be on its
+        // way: a transport that polls for arrivals polls eagerly until the work ends. Sent after
+        // the ops, so the transport sees them first.
+        let expecting = self.session.endpoint().has_pending_work();
+        if expecting != self.expecting.1 {
+            self.expecting.1 = expecting;
+            self.expecting.0.do_send(Expecting(expecting));
         }
         self.arm_timer(ctx);
     }
