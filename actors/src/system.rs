@@ -307,8 +307,10 @@ where
     session.set_peer_addresses(listen.is_some());
     let rank = rank_ctx.run(RankActor::new(
         session,
-        transport_ops,
-        transport.clone().recipient(),
+        rank::TransportInbox {
+            ops: transport_ops,
+            expecting: transport.clone().recipient(),
+        },
         loader,
         link.clone().recipient(),
         link.clone().recipient(),

@@ -16,6 +16,14 @@ use kvhandoff_protocol::session::{
     ConnectorError, ConnectorEvent, PeerAddress, Session, SessionOutput,
 };
 
+/// Where the rank actor reaches its transport actor.
+pub(crate) struct TransportInbox {
+    /// The operations the session asks for.
+    pub(crate) ops: Recipient<TransportOps>,
+    /// Whether the rank has live work ([`Expecting`]).
+    pub(crate) expecting: Recipient<Expecting>,
+}
+
 /// Hosts a [`Session`]: engine calls become `handle_call`, network and transport reports
 /// `handle_event`, and outputs actions.
 pub struct RankActor {
@@ -36,8 +44,7 @@ pub struct RankActor {
 impl RankActor {
     pub(crate) fn new(
         session: Session,
-        transport: Recipient<TransportOps>,
-        expecting: Recipient<Expecting>,
+        transport: TransportInbox,
         loader: Recipient<LoadPeer>,
         link: Recipient<Connect>,
         book: Recipient<AddPeerAddress>,
@@ -46,8 +53,8 @@ impl RankActor {
     ) -> Self {
         RankActor {
             session,
-            transport,
-            expecting: (expecting, false),
+            transport: transport.ops,
+            expecting: (transport.expecting, false),
             loader,
             link,
             book,

@@ -23,6 +23,15 @@
 //! | [`Transport::send_notification`] | `send_notification` (`genNotif`) |
 //! | [`Transport::poll_notifications`] | `get_notifications` + `NotificationMap::get_notification_bytes` |
 //!
+//! # Arrivals
+//!
+//! NIXL has no arrival callback, so [`Transport::set_arrival_hook`] starts an arrival poller
+//! ([`NixlConfig::poller`], `poller.rs`): a thread that fetches notifications on a µs cadence
+//! while an arrival is likely (a transfer pending, the rank [expecting](Transport::set_expecting)
+//! something, recent activity), hands them to [`Transport::poll_notifications`] in order, and
+//! calls the hook when one came or a transfer is pending; idle, it parks. It ends with the
+//! transport.
+//!
 //! # Notifications are bytes
 //!
 //! NIXL notifications are `nixl_blob_t` (a `std::string` used as a byte buffer): the C API takes
