@@ -25,10 +25,8 @@
 //!   notification, a completion). Right after activity it spins ([`PollerConfig::spin`],
 //!   yielding between polls), then sleeps [`PollerConfig::interval`] between polls for
 //!   [`PollerConfig::hot`], then backs off in proportion to how long it has been quiet, up to
-//!   [`PollerConfig::max_interval_expecting`] while the rank expects something (a P holding
-//!   finished blocks for a D whose registration may come any time) and
-//!   [`PollerConfig::max_interval`] otherwise (a 256 MiB write that takes 100 ms is then seen
-//!   within 1% of its time, without 100,000 wake-ups per second);
+//!   [`PollerConfig::max_interval`] (a 256 MiB write that takes 70 ms is then seen within ~1 ms,
+//!   and polls during it — each of which slows the transfer — stay few);
 //! - **idle**: otherwise it parks until the transport marks activity (a post, a send, the rank
 //!   expecting work), with a deadline so that it also notices a stop that raced the park. An
 //!   idle rank costs no wake-ups beyond the actor's own fallback timer.
@@ -95,11 +93,9 @@ pub struct PollerConfig {
     pub interval: Duration,
     /// For this long after the last activity.
     pub hot: Duration,
-    /// Then sleep a sixteenth of the time since the last activity, at most this long while
-    /// the rank expects an arrival (a live request: the next message may come any time, and
-    /// this bounds what its hop waits)...
-    pub max_interval_expecting: Duration,
-    /// ...and at most this long otherwise (a transfer pending, or lingering after activity).
+    /// Then sleep a sixteenth of the time since the last activity, at most this long. Not
+    /// shorter: each poll during a long transfer slows it (measured, `docs/benchmarks.md`: a
+    /// 100 µs cap cost the 256 MiB fragmented handoff 12–20% of its throughput, 1 ms ~2%).
     pub max_interval: Duration,
     /// With no transfer pending and nothing expected, keep polling this long after the last
     /// activity (a reply usually follows within it), then park.
@@ -115,7 +111,6 @@ impl Default for PollerConfig {
             spin: Duration::from_micros(50),
             interval: Duration::from_micros(10),
             hot: Duration::from_millis(2),
-            max_interval_expecting: Duration::from_micros(100),
             max_interval: Duration::from_millis(1),
             linger: Duration::from_millis(20),
             park_deadline: Duration::from_secs(1),
@@ -276,8 +271,9 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 fn run(shared: &Shared, config: &PollerConfig, agent: &Agent) {
     // Linux lets a normal thread's sleep end up to 50 µs late by default, which would be most
-    // of a hot poll interval; one nanosecond makes `thread::sleep` µs-precise (measured: a
-    // 10 µs sleep takes ~65 µs with the default slack, ~12 µs without).
+    // of a hot poll interval; one nanosecond makes `thread::sleep` as precise as the machine
+    // allows (measured on the 2-core VM: a 10 µs sleep took 84 µs, median of 5,000, with the
+    // default slack, 29–31 µs with 1 ns).
     // SAFETY: PR_SET_TIMERSLACK takes one unsigned long and changes only this thread's slack.
     let slack_set = unsafe { prctl(PR_SET_TIMERSLACK, 1 as std::ffi::c_ulong) } == 0;
     if !slack_set {
@@ -316,12 +312,8 @@ fn run(shared: &Shared, config: &PollerConfig, agent: &Agent) {
         } else if quiet < config.hot {
             thread::sleep(config.interval);
         } else {
-            let cap = if shared.expecting.load(Ordering::Acquire) {
-                config.max_interval_expecting
-            } else {
-                config.max_interval
-            };
-            thread::sleep((quiet / 16).clamp(config.interval, cap.max(config.interval)));
+            let cap = config.max_interval.max(config.interval);
+            thread::sleep((quiet / 16).clamp(config.interval, cap));
         }
     }
 }
