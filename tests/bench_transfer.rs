@@ -133,6 +133,17 @@ mod nixl {
             assert!(json.get(key).is_some(), "missing {key}");
         }
         assert_eq!(json["fragmented_70b"]["descriptors"], 18_880);
+        // The one-block handoff: one block in each of the 4 regions, both paths timed.
+        for key in ["raw_us", "kvhandoff_us", "ratio"] {
+            let value = json["latency"][key].as_f64().unwrap_or(f64::NAN);
+            assert!(value.is_finite() && value > 0.0, "latency.{key} = {value}");
+        }
+        assert_eq!(report.latency.blocks, 1);
+        assert_eq!(report.latency.descriptors, 4);
+        assert_eq!(report.latency.bytes, 4 * 2048);
+        assert_eq!(report.latency.repeats, options.latency_repeats);
+        assert!(report.arrival_poller);
+        assert!(report.idle_cpu.is_none(), "idle_secs 0 skips it");
         assert!(json["fragmented_70b"]["plan_us"].as_f64().is_some());
         assert!(!report.render_table().is_empty());
     }

@@ -39,8 +39,8 @@ pub use build::{
 pub use clock::process_clock;
 pub use link::LinkActor;
 pub use messages::{
-    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Feed, Hello, LinkUp,
-    LoadPeer, QueryCounters, QuerySideChannel, QueryStats, QueryTransportStats, SetLinks,
+    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Expecting, Feed, Hello,
+    LinkUp, LoadPeer, QueryCounters, QuerySideChannel, QueryStats, QueryTransportStats, SetLinks,
     TransportOps, Verdict, Verdicts,
 };
 pub use rank::RankActor;
@@ -307,7 +307,10 @@ where
     session.set_peer_addresses(listen.is_some());
     let rank = rank_ctx.run(RankActor::new(
         session,
-        transport_ops,
+        rank::TransportInbox {
+            ops: transport_ops,
+            expecting: transport.clone().recipient(),
+        },
         loader,
         link.clone().recipient(),
         link.clone().recipient(),

@@ -23,11 +23,14 @@ use nixl_common::{
     addr, is_child, median, name, raw_agent, require_runtime, run_child, serial, wait_for, QUIET,
 };
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::transport::nixl::{HostBuffer, NixlConfig, NixlTransport};
+use kvhandoff_actors::transport::nixl::{
+    HostBuffer, NixlConfig, NixlTransport, POLLER_THREAD_NAME,
+};
 use kvhandoff_actors::transport::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
 };
@@ -1369,4 +1372,136 @@ fn raw_nixl_write_times(count: usize, len: u64) -> Vec<Duration> {
         })
         .skip(1)
         .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The arrival poller (event-driven completion: `transport/nixl/poller.rs`)
+// ---------------------------------------------------------------------------------------------
+
+/// Threads of this process named like the arrival poller. The tests of this binary take turns
+/// (`serial`), so the count is theirs alone.
+fn poller_threads() -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        panic!("/proc/self/task unreadable");
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter(|task| {
+            std::fs::read_to_string(task.path().join("comm"))
+                .is_ok_and(|comm| comm.trim_end() == POLLER_THREAD_NAME)
+        })
+        .count()
+}
+
+#[test]
+fn the_poller_fetches_notifications_in_order_and_ends_with_its_transport() {
+    let _serial = serial();
+    require_runtime();
+    let (mut a, mut b) = pair("kvh-poll1", 4096);
+    assert_eq!(poller_threads(), 0, "no hook, no thread");
+    let woken = Arc::new(AtomicUsize::new(0));
+    let hook_count = Arc::clone(&woken);
+    b.t.set_arrival_hook(Arc::new(move || {
+        hook_count.fetch_add(1, Ordering::Relaxed);
+    }));
+    // The thread names itself once it runs.
+    wait_for("the hook to start the thread", || {
+        (poller_threads() == 1).then_some(())
+    });
+    b.t.set_expecting(true);
+
+    const N: u8 = 64;
+    for i in 0..N {
+        a.t.send_notification(&b.addr, vec![i, 0, i])
+            .expect("notify");
+    }
+    // The owner polls only once woken: the poller fetched at least one notification.
+    wait_for("the poller's wake-up", || {
+        (woken.load(Ordering::Relaxed) > 0).then_some(())
+    });
+    // What the poller fetched and what the owner fetches itself come back in sending order.
+    let mut got = Vec::new();
+    wait_for("every notification", || {
+        b.t.poll_notifications(&mut got);
+        (got.len() >= usize::from(N)).then_some(())
+    });
+    let sent: Vec<Vec<u8>> = (0..N).map(|i| vec![i, 0, i]).collect();
+    let received: Vec<Vec<u8>> = got.iter().map(|n| n.bytes.clone()).collect();
+    assert_eq!(received, sent);
+    assert!(got.iter().all(|n| n.peer == Some(a.addr.clone())));
+
+    // Writes still complete and notify while the poller runs.
+    a.t.post_write(WriteId(7), &b.addr, &whole(&a, &b, 4096), Some(vec![7]))
+        .expect("post");
+    assert_eq!(wait_completion(&mut a.t, WriteId(7)).result, Ok(()));
+    assert_eq!(wait_notification(&mut b.t).bytes, vec![7]);
+
+    drop(b);
+    assert_eq!(poller_threads(), 0, "the transport's drop joins its poller");
+    drop(a);
+}
+
+#[test]
+fn without_a_poller_configured_no_thread_starts() {
+    let _serial = serial();
+    require_runtime();
+    let config = NixlConfig {
+        poller: None,
+        ..NixlConfig::default()
+    };
+    let mut a = side_with("kvh-poll2", "kvh-poll2-e", 4096, config);
+    a.t.set_arrival_hook(Arc::new(|| {}));
+    a.t.set_expecting(true);
+    assert_eq!(poller_threads(), 0);
+}
+
+#[test]
+fn a_ranks_poller_ends_when_the_rank_stops() {
+    use kvhandoff_actors::system::{build_rank, Placement, RankOptions, Runtime, ShellConfig};
+    use kvhandoff_protocol::machine::Config;
+    use kvhandoff_protocol::{EngineId, KvGeometry, KvLayout, ModelIdentity};
+
+    let _serial = serial();
+    require_runtime();
+    let geometry = KvGeometry::dense(2, 1, 64, 2, 16, KvLayout::Nhd);
+    let model = ModelIdentity {
+        model: "kvh-poller-test".into(),
+        dtype: "bfloat16".into(),
+        cache_dtype: "bfloat16".into(),
+    };
+    for placement in [Placement::Shared, Placement::OwnThreads] {
+        let mut runtime = Runtime::start().expect("runtime");
+        let mut handles = Vec::new();
+        for engine in ["kvh-poll3-p", "kvh-poll3-d"] {
+            let engine = EngineId::new(engine).expect("engine id");
+            let transport = NixlTransport::new(
+                name(&format!("{engine}-{placement:?}")),
+                NixlConfig::default(),
+            )
+            .expect("transport");
+            let (setup, _pool) = build_rank(
+                transport,
+                &engine,
+                geometry.clone(),
+                &model,
+                4,
+                Config::default(),
+                ShellConfig::default(),
+            )
+            .expect("build");
+            let options = RankOptions {
+                placement,
+                ..RankOptions::default()
+            };
+            handles.push(runtime.add_rank(setup, options).expect("add rank"));
+        }
+        wait_for("one poller per rank", || {
+            (poller_threads() == 2).then_some(())
+        });
+        // Dropping the handles alone does not stop a rank (its actors hold each other); the
+        // runtime's shutdown does, and with it the transports and their pollers.
+        drop(handles);
+        runtime.shutdown();
+        wait_for("no poller left", || (poller_threads() == 0).then_some(()));
+    }
 }

@@ -22,10 +22,15 @@
 //! - **kvhandoff**: two ranks built with [`build_rank`] on [`NixlTransport`]s in one
 //!   [`Runtime`], a [`KvConnector`] per side, one request at a time in vLLM's order: P's
 //!   `request_finished`, then D's `request_allocated`. The handoff latency runs from the start of
-//!   D's call (the second of the two) to D's `BlocksReady`, seen by polling D's connector (every
-//!   1 ms through the first 80% of the raw time just measured, then every 50 µs: a tight loop
-//!   would take a core from the transfer on a 2-core machine); the throughput is the request's
-//!   bytes over that latency. Each request waits for P's `BlocksFree` before the next starts.
+//!   D's call (the second of the two) to D's `BlocksReady`, seen by
+//!   [`KvConnector::wait_events`] (woken by the event itself, so the bench adds no poll
+//!   granularity and takes no core from the transfer); the throughput is the request's bytes
+//!   over that latency. Each request waits for P's `BlocksFree` before the next starts.
+//! - **latency**: the same two paths on a one-block request (P's first block of the contiguous
+//!   table to D's), [`TransferOptions::latency_repeats`] times alternating: the fixed cost
+//!   per handoff, where the throughput tables hide it ([`TransferReport::latency`]).
+//! - **idle CPU** (with [`TransferOptions::idle_secs`]): the process's user + system time while
+//!   the two ranks sit idle, after the raw agents are gone.
 //! - **planning**: [`fragmented_70b_case`] planned with one reused [`Planner`].
 //! - **notifications**: the round trip A → B → A between two agents of one process for several
 //!   progress-thread settings.
@@ -59,13 +64,9 @@ pub const TARGET_RATIO: f64 = 0.9;
 pub const TARGET_PLAN_US: f64 = 100.0;
 /// The least descriptors any valid plan of [`fragmented_70b_case`] has: 118 blocks × 160 regions.
 pub const FRAGMENTED_70B_MIN_DESCRIPTORS: usize = FRAGMENTED_70B_BLOCKS as usize * 160;
-/// How often the bench polls D's connector while it waits for `BlocksReady`, once
-/// [`COARSE_FRACTION`] of the raw time has passed.
-pub const DRIVER_POLL: Duration = Duration::from_micros(50);
-/// How often it polls before that.
-pub const COARSE_POLL: Duration = Duration::from_millis(1);
-/// The share of the same repetition's raw NIXL time the driver polls coarsely through.
-pub const COARSE_FRACTION: f64 = 0.8;
+/// The latency target: a one-block kvhandoff handoff over one raw NIXL WRITE with its
+/// notification, p50 over p50, in the same run.
+pub const TARGET_LATENCY_RATIO: f64 = 1.5;
 
 /// What `bench transfer` runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,6 +90,17 @@ pub struct TransferOptions {
     pub notify_sweep: bool,
     /// Limit of every single wait (default 30 s).
     pub timeout: Duration,
+    /// Timed repetitions of the one-block handoff behind [`TransferReport::latency`] (default
+    /// 50).
+    pub latency_repeats: usize,
+    /// The kvhandoff ranks run NIXL's arrival poller ([`NixlConfig::poller`], default true);
+    /// false measures the timer-only shell, for before/after comparisons.
+    ///
+    /// [`NixlConfig::poller`]: kvhandoff_actors::transport::nixl::NixlConfig::poller
+    pub arrival_poller: bool,
+    /// Seconds to measure the CPU time of the process while its two kvhandoff ranks sit idle
+    /// (connected, after the handoffs, raw agents gone); 0 skips it (default).
+    pub idle_secs: u64,
 }
 
 impl Default for TransferOptions {
@@ -103,6 +115,9 @@ impl Default for TransferOptions {
             notify_rounds: 200,
             notify_sweep: true,
             timeout: Duration::from_secs(30),
+            latency_repeats: 50,
+            arrival_poller: true,
+            idle_secs: 0,
         }
     }
 }
@@ -120,6 +135,9 @@ impl TransferOptions {
             notify_rounds: 5,
             notify_sweep: false,
             timeout: Duration::from_secs(30),
+            latency_repeats: 2,
+            arrival_poller: true,
+            idle_secs: 0,
         }
     }
 
@@ -136,7 +154,11 @@ impl TransferOptions {
         if self.num_layers == 0 || self.kv_heads == 0 || self.head_dim == 0 {
             return bad("layers, heads and head_dim must be positive");
         }
-        if self.repeats == 0 || self.plan_repeats == 0 || self.notify_rounds == 0 {
+        if self.repeats == 0
+            || self.plan_repeats == 0
+            || self.notify_rounds == 0
+            || self.latency_repeats == 0
+        {
             return bad("repetition counts must be positive");
         }
         if self.timeout.is_zero() {
@@ -194,7 +216,8 @@ mod tables;
 
 pub use reference::{memcpy_gbps, plan_fragmented_70b};
 pub use report::{
-    Fragmented70b, NotifyPoint, PushNumbers, RawNumbers, RequestShape, TableNumbers, TransferReport,
+    Fragmented70b, IdleCpu, LatencyNumbers, NotifyPoint, PushNumbers, RawNumbers, RequestShape,
+    TableNumbers, TransferReport,
 };
 use tables::us;
 pub use tables::{bench_geometry, block_tables, BlockTable};

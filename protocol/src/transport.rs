@@ -448,11 +448,21 @@ pub trait Transport {
 
     /// Asks the transport to call `hook` (from any thread, without blocking) when a
     /// notification arrives for this agent while none is waiting to be polled, so that the
-    /// caller may poll at once instead of on its next tick. Purely an optimisation: a
-    /// transport that cannot tell (NIXL has no arrival callback) keeps the default, which
-    /// never calls it, and notifications wait for the next poll.
+    /// caller may poll at once instead of on its next tick. A transport that cannot tell may
+    /// instead call it whenever an arrival is likely (NIXL has no arrival callback: its poller
+    /// thread calls the hook on a µs cadence while a transfer is pending or the rank
+    /// [expects](Transport::set_expecting) something), so a call may find nothing. Purely an
+    /// optimisation: the default never calls it, and notifications wait for the next poll.
     fn set_arrival_hook(&mut self, hook: ArrivalHook) {
         let _ = hook;
+    }
+
+    /// Tells the transport whether its rank has live work that an arrival may advance (a
+    /// request in progress, an export or an import): a transport that must poll to see
+    /// arrivals (NIXL) polls eagerly while this is true and may stop polling when it is false
+    /// and nothing is pending. Purely an optimisation; the default ignores it.
+    fn set_expecting(&mut self, expecting: bool) {
+        let _ = expecting;
     }
 }
 

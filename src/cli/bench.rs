@@ -117,6 +117,16 @@ pub(crate) struct TransferArgs {
     /// Measure only the default agent setting's notification round trip.
     #[arg(long)]
     no_notify_sweep: bool,
+    /// Timed repetitions of the one-block handoff (`latency`).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    latency_repeats: u32,
+    /// Run the kvhandoff ranks without NIXL's arrival poller (timer-only polling, as before
+    /// event-driven completion), for comparisons.
+    #[arg(long)]
+    no_arrival_poller: bool,
+    /// Also measure the process's CPU for this many seconds while its two ranks sit idle.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    idle_secs: u64,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -228,6 +238,9 @@ fn run_bench_transfer(args: TransferArgs) -> ExitCode {
         plan_repeats: args.plan_repeats as usize,
         notify_rounds: args.notify_rounds as usize,
         notify_sweep: !args.no_notify_sweep,
+        latency_repeats: args.latency_repeats as usize,
+        arrival_poller: !args.no_arrival_poller,
+        idle_secs: args.idle_secs,
         ..bench::transfer::TransferOptions::default()
     };
     conclude(

@@ -108,6 +108,13 @@ pub struct QueryCounters;
 #[rtype(result = "()")]
 pub struct TransportOps(pub Vec<TransportOp>);
 
+/// The rank actor tells its transport actor whether the rank has live work that an arrival may
+/// advance (sent when that changes); a transport that must poll for arrivals polls eagerly
+/// only then ([`Transport::set_expecting`](crate::transport::Transport::set_expecting)).
+#[derive(Message, Debug, Clone, Copy, PartialEq, Eq)]
+#[rtype(result = "()")]
+pub struct Expecting(pub bool);
+
 /// Loads a peer into the transport (from the link actor, during a handshake).
 #[derive(Message, Debug)]
 #[rtype(result = "Result<(), TransportError>")]

@@ -7,8 +7,8 @@ use actix::{Actor, AsyncContext, Context, Handler, Recipient, SpawnHandle};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::messages::{
-    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Feed, LinkUp, LoadPeer,
-    QueryCounters, QueryStats, SetLinks, TransportOps,
+    AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Expecting, Feed, LinkUp,
+    LoadPeer, QueryCounters, QueryStats, SetLinks, TransportOps,
 };
 use kvhandoff_protocol::driver::{connected_input, handshake_step, HandshakeStep};
 use kvhandoff_protocol::machine::{ConnectFailure, Time};
@@ -16,11 +16,21 @@ use kvhandoff_protocol::session::{
     ConnectorError, ConnectorEvent, PeerAddress, Session, SessionOutput,
 };
 
+/// Where the rank actor reaches its transport actor.
+pub(crate) struct TransportInbox {
+    /// The operations the session asks for.
+    pub(crate) ops: Recipient<TransportOps>,
+    /// Whether the rank has live work ([`Expecting`]).
+    pub(crate) expecting: Recipient<Expecting>,
+}
+
 /// Hosts a [`Session`]: engine calls become `handle_call`, network and transport reports
 /// `handle_event`, and outputs actions.
 pub struct RankActor {
     session: Session,
     transport: Recipient<TransportOps>,
+    /// Where the rank says whether it has live work ([`Expecting`]), and what it said last.
+    expecting: (Recipient<Expecting>, bool),
     loader: Recipient<LoadPeer>,
     link: Recipient<Connect>,
     /// The link's book of side-channel addresses.
@@ -34,7 +44,7 @@ pub struct RankActor {
 impl RankActor {
     pub(crate) fn new(
         session: Session,
-        transport: Recipient<TransportOps>,
+        transport: TransportInbox,
         loader: Recipient<LoadPeer>,
         link: Recipient<Connect>,
         book: Recipient<AddPeerAddress>,
@@ -43,7 +53,8 @@ impl RankActor {
     ) -> Self {
         RankActor {
             session,
-            transport,
+            transport: transport.ops,
+            expecting: (transport.expecting, false),
             loader,
             link,
             book,
@@ -90,6 +101,14 @@ impl RankActor {
         }
         if !ops.is_empty() {
             self.transport.do_send(TransportOps(ops));
+        }
+        // Live work means an arrival (a Register, a write's notice, a completion) may be on its
+        // way: a transport that polls for arrivals polls eagerly until the work ends. Sent after
+        // the ops, so the transport sees them first.
+        let expecting = self.session.endpoint().has_pending_work();
+        if expecting != self.expecting.1 {
+            self.expecting.1 = expecting;
+            self.expecting.0.do_send(Expecting(expecting));
         }
         self.arm_timer(ctx);
     }

@@ -7,12 +7,14 @@ use std::time::Duration;
 use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient};
 use kvhandoff_protocol::driver::TransportDriver;
 
-use super::messages::{Feed, LoadPeer, QueryTransportStats, TransportOps};
+use super::messages::{Expecting, Feed, LoadPeer, QueryTransportStats, TransportOps};
 use crate::transport::{Transport, TransportError};
 use kvhandoff_protocol::driver::PeerInfo;
 
 /// Owns the transport (through a [`TransportDriver`], where every translation lives): performs
-/// the rank's operations, polls on a tick and when the transport says something arrived.
+/// the rank's operations, polls on a tick and when the transport says something arrived (or,
+/// for a transport that cannot tell, such as NIXL, may have: its poller thread calls the same
+/// hook on a µs cadence while an arrival is likely, and the tick is only the fallback).
 pub struct TransportActor<T: Transport> {
     driver: TransportDriver<T>,
     rank: Recipient<Feed>,
@@ -99,6 +101,14 @@ impl<T: Transport + Unpin + 'static> Handler<PollNow> for TransportActor<T> {
     fn handle(&mut self, _: PollNow, _: &mut Context<Self>) {
         self.arrival_poll_queued.store(false, Ordering::Release);
         self.poll();
+    }
+}
+
+impl<T: Transport + Unpin + 'static> Handler<Expecting> for TransportActor<T> {
+    type Result = ();
+
+    fn handle(&mut self, Expecting(expecting): Expecting, _: &mut Context<Self>) {
+        self.driver.transport_mut().set_expecting(expecting);
     }
 }
 

@@ -23,6 +23,15 @@
 //! | [`Transport::send_notification`] | `send_notification` (`genNotif`) |
 //! | [`Transport::poll_notifications`] | `get_notifications` + `NotificationMap::get_notification_bytes` |
 //!
+//! # Arrivals
+//!
+//! NIXL has no arrival callback, so [`Transport::set_arrival_hook`] starts an arrival poller
+//! ([`NixlConfig::poller`], `poller.rs`): a thread that fetches notifications on a µs cadence
+//! while an arrival is likely (a transfer pending, the rank [expecting](Transport::set_expecting)
+//! something, recent activity), hands them to [`Transport::poll_notifications`] in order, and
+//! calls the hook when one came or a transfer is pending; idle, it parks. It ends with the
+//! transport.
+//!
 //! # Notifications are bytes
 //!
 //! NIXL notifications are `nixl_blob_t` (a `std::string` used as a byte buffer): the C API takes
@@ -95,6 +104,7 @@
 mod agent;
 mod host_buffer;
 mod nixl_transport;
+mod poller;
 mod prepared;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -109,6 +119,7 @@ use nixl_sys::{
 };
 
 pub use host_buffer::{HostBuffer, HOST_BUFFER_ALIGN};
+pub use poller::{PollerConfig, POLLER_THREAD_NAME};
 
 use super::{
     AddrRange, Completion, Descriptor, Notification, Transport, TransportError,
@@ -148,6 +159,11 @@ pub struct NixlConfig {
     pub max_peers: usize,
     /// Most registered buffers.
     pub max_regions: usize,
+    /// The arrival poller ([`PollerConfig`]): a thread that makes the transport's owner poll
+    /// as soon as a notification or a completion may be there, while one is likely, instead
+    /// of on the owner's timer. `None`: the owner's timer only (every hop of a handoff then
+    /// waits for its next tick, ~1 ms under tokio).
+    pub poller: Option<PollerConfig>,
 }
 
 impl Default for NixlConfig {
@@ -160,6 +176,7 @@ impl Default for NixlConfig {
             max_notification_len: MAX_NOTIFICATION_LEN,
             max_peers: 1024,
             max_regions: MAX_REGIONS,
+            poller: Some(PollerConfig::default()),
         }
     }
 }
@@ -322,6 +339,9 @@ pub struct NixlTransport {
     /// Posts that took the prepared path, and the dynamic one.
     prepared_posts: u64,
     dynamic_posts: u64,
+    /// The arrival poller, when configured; its thread starts with the owner's arrival hook
+    /// and is joined when the transport is dropped.
+    poller: Option<poller::Poller>,
     _backend: Backend,
     /// Declared before `regions`: once the explicit `Drop` released the requests and
     /// deregistered the buffers, this is the last handle to the agent, so the agent (and its
@@ -346,6 +366,9 @@ impl fmt::Debug for NixlTransport {
 
 impl Drop for NixlTransport {
     fn drop(&mut self) {
+        // Stop and join the poller first: its thread holds a handle to the agent, which must
+        // be destroyed below, before the buffers.
+        self.poller = None;
         // Release every request (in-progress ones may still move bytes until the agent is
         // destroyed), then deregister; the buffers themselves are freed after the agent.
         self.in_flight.clear();

@@ -14,8 +14,8 @@ use kvhandoff_testkit::stats::min;
 
 use super::{
     block_tables, gbps, median, memcpy_gbps, percentile, plan_fragmented_70b, us, BlockTable,
-    NotifyPoint, PushNumbers, RawNumbers, RequestShape, TableNumbers, TransferBenchError,
-    TransferOptions, TransferReport, BLOCK_TOKENS, COARSE_FRACTION, COARSE_POLL, DRIVER_POLL,
+    IdleCpu, LatencyNumbers, NotifyPoint, PushNumbers, RawNumbers, RequestShape, TableNumbers,
+    TransferBenchError, TransferOptions, TransferReport, BLOCK_TOKENS, TARGET_LATENCY_RATIO,
     TARGET_RATIO,
 };
 use kvhandoff::{
@@ -65,7 +65,10 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
         request_bytes,
         pool_blocks,
     };
-    let nixl_config = NixlConfig::default();
+    let mut nixl_config = NixlConfig::default();
+    if !options.arrival_poller {
+        nixl_config.poller = None;
+    }
     let shell = ShellConfig::default();
 
     let fragmented_70b = plan_fragmented_70b(options.plan_repeats)?;
@@ -86,7 +89,8 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
     let mut numbers = Vec::new();
     for table in &tables {
         numbers.push(run_table(
-            options,
+            options.repeats,
+            options.timeout,
             &geometry,
             &specs,
             table,
@@ -95,8 +99,26 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
             &mut push,
         )?);
     }
-    push.shutdown();
+    // The fixed cost: one block, P's first of the contiguous table to D's.
+    let one = one_block(&tables[0]);
+    let one_bytes =
+        specs[0].block_len * u64::from(geometry.kernel_blocks_per_logical) * specs.len() as u64;
+    let one_numbers = run_table(
+        options.latency_repeats,
+        options.timeout,
+        &geometry,
+        &specs,
+        &one,
+        one_bytes,
+        &mut raw,
+        &mut push,
+    )?;
+    let latency = latency_numbers(&one_numbers, one_bytes, options.latency_repeats);
     drop(raw);
+    let idle_cpu = (options.idle_secs > 0)
+        .then(|| idle_cpu(Duration::from_secs(options.idle_secs)))
+        .transpose()?;
+    push.shutdown();
 
     let notification_sweep = notification_sweep(options, &nixl_config)?;
     let notification_rtt_us = notification_sweep
@@ -127,6 +149,9 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
         ratio_min,
         target_ratio: TARGET_RATIO,
         ratio_met: ratio_min >= TARGET_RATIO,
+        latency,
+        arrival_poller: options.arrival_poller,
+        idle_cpu,
         handoff_latency_p50_us: headline.kvhandoff.latency_p50_us,
         handoff_latency_p99_us: headline.kvhandoff.latency_p99_us,
         raw_post_us: headline.raw.post_us,
@@ -142,9 +167,74 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
     })
 }
 
+/// The first block of `table` on each side.
+fn one_block(table: &BlockTable) -> BlockTable {
+    let first = |ids: &BlockIds| {
+        BlockIds::single_group(ids.groups.iter().flatten().take(1).copied().collect())
+    };
+    BlockTable {
+        name: "one-block",
+        local: first(&table.local),
+        remote: first(&table.remote),
+    }
+}
+
+fn latency_numbers(t: &TableNumbers, bytes: u64, repeats: usize) -> LatencyNumbers {
+    let ratio = t.kvhandoff.latency_p50_us / t.raw.total_us.max(f64::MIN_POSITIVE);
+    LatencyNumbers {
+        blocks: 1,
+        descriptors: t.descriptors,
+        bytes,
+        raw_us: t.raw.total_us,
+        kvhandoff_us: t.kvhandoff.latency_p50_us,
+        ratio,
+        raw_p99_us: t.raw.total_p99_us,
+        kvhandoff_p99_us: t.kvhandoff.latency_p99_us,
+        kvhandoff_min_us: t.kvhandoff.latency_min_us,
+        target_ratio: TARGET_LATENCY_RATIO,
+        met: ratio <= TARGET_LATENCY_RATIO,
+        repeats,
+    }
+}
+
+/// User + system time of this process (all its threads), from `/proc/self/stat`.
+fn process_cpu() -> Result<Duration, TransferBenchError> {
+    let stat = std::fs::read_to_string("/proc/self/stat")
+        .map_err(|e| run_error(format!("/proc/self/stat: {e}")))?;
+    // The fields after the command name (which may hold spaces, inside parentheses): utime and
+    // stime are the 12th and 13th of them, in USER_HZ ticks (100 per second on Linux).
+    let after = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .ok_or_else(|| run_error("/proc/self/stat without a command name"))?;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let tick = |i: usize| -> Result<u64, TransferBenchError> {
+        fields
+            .get(i)
+            .and_then(|f| f.parse().ok())
+            .ok_or_else(|| run_error(format!("/proc/self/stat: field {i} unreadable")))
+    };
+    let ticks = tick(11)? + tick(12)?;
+    Ok(Duration::from_millis(ticks * 10))
+}
+
+/// The process's CPU while it sleeps `span` (the ranks idle).
+fn idle_cpu(span: Duration) -> Result<IdleCpu, TransferBenchError> {
+    let (cpu0, wall0) = (process_cpu()?, Instant::now());
+    thread::sleep(span);
+    let (cpu, wall) = (process_cpu()? - cpu0, wall0.elapsed());
+    Ok(IdleCpu {
+        seconds: wall.as_secs_f64(),
+        cpu_seconds: cpu.as_secs_f64(),
+        cpu_percent: 100.0 * cpu.as_secs_f64() / wall.as_secs_f64().max(f64::MIN_POSITIVE),
+    })
+}
+
 /// One table: planner count, then warm-ups, then alternating raw and kvhandoff repetitions.
+#[allow(clippy::too_many_arguments)]
 fn run_table(
-    options: &TransferOptions,
+    repeats: usize,
+    timeout: Duration,
     geometry: &KvGeometry,
     specs: &[RegionSpec],
     table: &BlockTable,
@@ -179,26 +269,15 @@ fn run_table(
 
     let mut raw_samples = Vec::new();
     let mut push_samples = Vec::new();
-    for rep in 0..=options.repeats {
+    for rep in 0..=repeats {
         let raw_sample = raw.once(
             &raw_plan.descriptors,
             format!("{}-{rep}", table.name).as_bytes(),
             block_bytes,
             (&local, &remote),
-            options.timeout,
+            timeout,
         )?;
-        // The driver sleeps coarsely through most of the expected transfer time (the raw
-        // total just measured), then polls finely: a tight poll loop would take a core from
-        // the transfer on a small machine.
-        let coarse = Duration::from_secs_f64(raw_sample.total_us * COARSE_FRACTION / 1e6);
-        let push_sample = push.once(
-            table,
-            rep,
-            block_bytes,
-            (&local, &remote),
-            coarse,
-            options.timeout,
-        )?;
+        let push_sample = push.once(table, rep, block_bytes, (&local, &remote), timeout)?;
         // Repetition 0 is the warm-up (connections, first touch of the pages).
         if rep > 0 {
             raw_samples.push(raw_sample);
@@ -225,6 +304,7 @@ fn run_table(
         post_us: median(&col(|s| s.post_us)),
         complete_us: median(&complete),
         total_us: median(&total),
+        total_p99_us: percentile(&total, 99.0),
         done_in_post: raw_samples.iter().filter(|s| s.done_in_post).count(),
     };
     let latency: Vec<f64> = push_samples.iter().map(|s| s.latency_us).collect();

@@ -40,6 +40,8 @@ pub struct RawNumbers {
     pub complete_us: f64,
     /// First list entry to the notification at the target, µs (median).
     pub total_us: f64,
+    /// The same, 99th percentile (nearest rank).
+    pub total_p99_us: f64,
     /// Repetitions whose post already finished the transfer.
     pub done_in_post: usize,
 }
@@ -79,6 +81,47 @@ pub struct TableNumbers {
     pub paired_ratio: f64,
     /// Median kvhandoff latency minus median raw total, µs: what kvhandoff adds.
     pub overhead_us: f64,
+}
+
+/// The fixed cost of one handoff: a one-block request, kvhandoff end to end against one raw
+/// NIXL WRITE of the same descriptors with its notification, alternating in the same run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LatencyNumbers {
+    /// Blocks moved (1).
+    pub blocks: u32,
+    /// Descriptors of the request (one per region: nothing merges across regions).
+    pub descriptors: usize,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Raw NIXL: first list entry to the notification at the target, µs (median).
+    pub raw_us: f64,
+    /// kvhandoff: start of D's call to D's `BlocksReady`, µs (median).
+    pub kvhandoff_us: f64,
+    /// `kvhandoff_us / raw_us`: how many raw WRITEs one handoff costs.
+    pub ratio: f64,
+    /// Raw, 99th percentile, µs.
+    pub raw_p99_us: f64,
+    /// kvhandoff, 99th percentile, µs.
+    pub kvhandoff_p99_us: f64,
+    /// kvhandoff, fastest, µs.
+    pub kvhandoff_min_us: f64,
+    /// [`TARGET_LATENCY_RATIO`].
+    pub target_ratio: f64,
+    /// `ratio <= target_ratio`.
+    pub met: bool,
+    /// Repetitions timed (each path).
+    pub repeats: usize,
+}
+
+/// CPU time of the bench's process while its two ranks sit idle.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IdleCpu {
+    /// Wall time measured, s.
+    pub seconds: f64,
+    /// User + system time of the whole process over it, s (`/proc/self/stat`, 10 ms ticks).
+    pub cpu_seconds: f64,
+    /// `cpu_seconds / seconds`, in % of one core.
+    pub cpu_percent: f64,
 }
 
 /// The fragmented Llama-70B planning case.
@@ -139,6 +182,12 @@ pub struct TransferReport {
     pub target_ratio: f64,
     /// Both tables at or above the target ratio.
     pub ratio_met: bool,
+    /// The one-block handoff: kvhandoff's latency against one raw WRITE with its notification.
+    pub latency: LatencyNumbers,
+    /// Whether the kvhandoff ranks ran NIXL's arrival poller.
+    pub arrival_poller: bool,
+    /// The idle ranks' CPU, when measured ([`TransferOptions::idle_secs`]).
+    pub idle_cpu: Option<IdleCpu>,
     /// Handoff latency of the headline table, µs: median.
     pub handoff_latency_p50_us: f64,
     /// The same, 99th percentile.
@@ -225,6 +274,31 @@ impl TransferReport {
             self.target_ratio,
             verdict(self.ratio_met)
         );
+        let l = &self.latency;
+        let _ = writeln!(
+            out,
+            "  one-block handoff         {:>8.3} ms p50 (p99 {:.3}, min {:.3}) vs raw WRITE + \
+             notification {:.3} ms (p99 {:.3}): kvhandoff/raw {:.2} ({} descriptors, {}; \
+             target <= {:.1}: {}; arrival poller {})",
+            l.kvhandoff_us / 1e3,
+            l.kvhandoff_p99_us / 1e3,
+            l.kvhandoff_min_us / 1e3,
+            l.raw_us / 1e3,
+            l.raw_p99_us / 1e3,
+            l.ratio,
+            l.descriptors,
+            human_bytes(l.bytes),
+            l.target_ratio,
+            verdict(l.met),
+            if self.arrival_poller { "on" } else { "off" },
+        );
+        if let Some(idle) = &self.idle_cpu {
+            let _ = writeln!(
+                out,
+                "  idle ranks (P + D)        {:>8.2} % of a core ({:.2} s CPU in {:.1} s)",
+                idle.cpu_percent, idle.cpu_seconds, idle.seconds
+            );
+        }
         let f = &self.fragmented_70b;
         let _ = writeln!(
             out,

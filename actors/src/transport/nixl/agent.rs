@@ -10,7 +10,7 @@ use nixl_sys::{
 };
 
 use super::{
-    backend_error, nixl_runtime_available, Completion, Descriptor, InFlight, NixlConfig,
+    backend_error, nixl_runtime_available, poller, Completion, Descriptor, InFlight, NixlConfig,
     NixlTransport, PeerState, TransportError, Unshared, BACKEND,
 };
 use kvhandoff_protocol::{PeerAddr, WriteId};
@@ -66,6 +66,10 @@ impl NixlTransport {
         let xfer_args = with_backend()?;
         let notifications =
             NotificationMap::new().map_err(|e| backend_error("notification map", e))?;
+        let arrival_poller = config
+            .poller
+            .clone()
+            .map(|poller| poller::Poller::new(poller, agent.clone()));
         Ok(Self {
             name,
             config,
@@ -84,6 +88,7 @@ impl NixlTransport {
             peer_blocks: HashMap::new(),
             prepared_posts: 0,
             dynamic_posts: 0,
+            poller: arrival_poller,
             _backend: backend,
             agent,
             regions: BTreeMap::new(),
@@ -308,6 +313,7 @@ impl NixlTransport {
                 });
             }
         };
+        self.poller_activity();
         if via_prepared {
             self.prepared_posts += 1;
         } else {
@@ -334,7 +340,22 @@ impl NixlTransport {
                 result: Ok(()),
             });
         }
+        self.poller_pending();
         Ok(())
+    }
+
+    /// Tells the poller something happened that a reply or a completion may follow.
+    pub(super) fn poller_activity(&self) {
+        if let Some(poller) = &self.poller {
+            poller.activity();
+        }
+    }
+
+    /// Tells the poller how many transfers are pending.
+    pub(super) fn poller_pending(&self) {
+        if let Some(poller) = &self.poller {
+            poller.set_pending(self.pending());
+        }
     }
 
     /// The outcome of a pending request, `None` while it is in progress.

@@ -2,11 +2,11 @@
 //! the module documentation of `nixl`).
 
 use kvhandoff_protocol::{AgentName, RegionDesc};
-use nixl_sys::{NotificationMap, XferOp};
+use nixl_sys::XferOp;
 
 use super::{
-    backend_error, AddrRange, Completion, Descriptor, HostBuffer, NixlTransport, Notification,
-    PeerState, Registered, Transport, TransportError,
+    backend_error, poller, AddrRange, Completion, Descriptor, HostBuffer, NixlTransport,
+    Notification, PeerState, Registered, Transport, TransportError,
 };
 use kvhandoff_protocol::{PeerAddr, WriteId};
 
@@ -151,6 +151,7 @@ impl Transport for NixlTransport {
                 None => in_progress += 1,
             }
         }
+        self.poller_pending();
         if in_progress > 0 {
             tracing::debug!(%peer, %agent, in_progress, "invalidation waits for transfers NIXL cannot stop");
             self.draining.insert(agent.clone());
@@ -199,6 +200,7 @@ impl Transport for NixlTransport {
             None => Err(TransportError::AbandonRefused { write }),
             Some(result) => {
                 self.finish(seq, result);
+                self.poller_pending();
                 Ok(())
             }
         }
@@ -216,7 +218,13 @@ impl Transport for NixlTransport {
         if !self.draining.is_empty() {
             self.finish_draining();
         }
-        out.extend(self.done.drain(..));
+        if !self.done.is_empty() {
+            // A finished write is followed by the peer's reply (P: D's release; D reading:
+            // the holder's answer).
+            self.poller_activity();
+            out.extend(self.done.drain(..));
+            self.poller_pending();
+        }
     }
 
     /// # Errors
@@ -235,52 +243,53 @@ impl Transport for NixlTransport {
             .map_err(|err| {
                 tracing::debug!(%peer, %agent, %err, "NIXL send_notification failed");
                 TransportError::PeerUnreachable { agent }
-            })
+            })?;
+        // A message sent usually has an answer coming (a Register its write, a write's
+        // notice its release).
+        self.poller_activity();
+        Ok(())
     }
 
     /// Appends the received notifications, in arrival order per sender (NIXL groups them by
-    /// sender, and the order across senders is not kept).
+    /// sender, and the order across senders is not kept): first those the arrival poller
+    /// fetched already, then NIXL's newer ones.
     fn poll_notifications(&mut self, out: &mut Vec<Notification>) {
-        let map = &mut self.notifications.0;
-        if let Err(err) = self.agent.get_notifications(map, None) {
-            tracing::warn!(%err, "NIXL get_notifications failed");
+        let mut raw = Vec::new();
+        match &self.poller {
+            Some(poller) => poller.collect(&self.agent, &mut self.notifications.0, &mut raw),
+            None => poller::fetch(&self.agent, &mut self.notifications.0, &mut raw),
         }
-        if map.is_empty().unwrap_or(true) {
+        if raw.is_empty() {
             return;
         }
-        let senders: Vec<String> = map
-            .agents()
-            .filter_map(|a| a.ok().map(str::to_owned))
-            .collect();
-        for sender in senders {
-            let count = map.get_notifications_size(&sender).unwrap_or(0);
-            let from = AgentName::new(sender.as_str());
-            for index in 0..count {
-                let bytes = match map.get_notification_bytes(&sender, index) {
-                    Ok(bytes) => bytes,
-                    Err(err) => {
-                        tracing::warn!(%sender, index, %err, "unreadable NIXL notification");
-                        continue;
-                    }
-                };
-                let Ok(from) = from.clone() else {
-                    tracing::warn!(%sender, "notification from an invalid agent name dropped");
-                    continue;
-                };
-                let peer = self.agents.get(&from).cloned();
-                out.push(Notification { from, peer, bytes });
-            }
-        }
-        // NIXL appends to the map and the C API has no clear that keeps binary payloads
-        // (`take_notifs` fails on non-UTF-8 before clearing): start a fresh map.
-        match NotificationMap::new() {
-            Ok(fresh) => *map = fresh,
-            Err(err) => tracing::error!(%err, "cannot replace the NIXL notification map"),
+        // One message often brings the next (a handshake's replies, a write after a Register).
+        self.poller_activity();
+        for (sender, bytes) in raw {
+            let Ok(from) = AgentName::new(sender.as_str()) else {
+                tracing::warn!(%sender, "notification from an invalid agent name dropped");
+                continue;
+            };
+            let peer = self.agents.get(&from).cloned();
+            out.push(Notification { from, peer, bytes });
         }
     }
 
     fn max_notification_len(&self) -> usize {
         self.config.max_notification_len
+    }
+
+    /// Starts the arrival poller's thread (when [`NixlConfig::poller`] is set), which calls
+    /// `hook` while an arrival is likely; see [`PollerConfig`](super::PollerConfig).
+    fn set_arrival_hook(&mut self, hook: crate::transport::ArrivalHook) {
+        if let Some(poller) = &mut self.poller {
+            poller.set_hook(hook);
+        }
+    }
+
+    fn set_expecting(&mut self, expecting: bool) {
+        if let Some(poller) = &self.poller {
+            poller.set_expecting(expecting);
+        }
     }
 
     /// Prepares one block-granular list for the table (NIXL: `prepare_xfer_dlist`, under the

@@ -80,7 +80,6 @@ impl Push {
         rep: usize,
         block_bytes: u64,
         tables: (&[u32], &[u32]),
-        coarse: Duration,
         timeout: Duration,
     ) -> Result<PushSample, TransferBenchError> {
         let d_regions = cache_regions(&self.d_kv);
@@ -111,18 +110,13 @@ impl Push {
             .map_err(connector)?;
         let d_returned = Instant::now();
         let deadline = d_start + timeout;
-        let ready = wait_for(
-            &mut self.d_conn,
-            d_start + coarse,
-            deadline,
-            |event| match event {
-                ConnectorEvent::BlocksReady { request, blocks } if *request == d_id => {
-                    Some(check_blocks(blocks, &table.remote))
-                }
-                _ => Some(Err(format!("D: unexpected event {event:?}"))),
-            },
-        )?;
-        wait_for(&mut self.p_conn, ready, deadline, |event| match event {
+        let ready = wait_for(&mut self.d_conn, deadline, |event| match event {
+            ConnectorEvent::BlocksReady { request, blocks } if *request == d_id => {
+                Some(check_blocks(blocks, &table.remote))
+            }
+            _ => Some(Err(format!("D: unexpected event {event:?}"))),
+        })?;
+        wait_for(&mut self.p_conn, deadline, |event| match event {
             ConnectorEvent::BlocksFree {
                 request,
                 released: None,
@@ -153,16 +147,19 @@ pub(super) fn check_blocks(got: &BlockIds, want: &BlockIds) -> Result<(), String
     }
 }
 
-/// Polls `conn` every [`COARSE_POLL`] until `coarse_until`, then every [`DRIVER_POLL`], until
-/// `accept` settles an event; returns when it was seen.
+/// Waits on `conn` ([`KvConnector::wait_events`]: woken by the event, no poll timer and no CPU
+/// meanwhile) until `accept` settles an event; returns when it was seen.
 pub(super) fn wait_for(
     conn: &mut KvConnector,
-    coarse_until: Instant,
     deadline: Instant,
     accept: impl Fn(&ConnectorEvent) -> Option<Result<(), String>>,
 ) -> Result<Instant, TransferBenchError> {
     loop {
-        let events = conn.poll_events();
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(run_error("no event before the deadline"));
+        }
+        let events = conn.wait_events(left);
         let now = Instant::now();
         for event in &events {
             match accept(event) {
@@ -171,14 +168,9 @@ pub(super) fn wait_for(
                 None => {}
             }
         }
-        if now > deadline {
-            return Err(run_error("no event before the deadline"));
+        if conn.rank_stopped() {
+            return Err(run_error("the rank stopped"));
         }
-        thread::sleep(if now < coarse_until {
-            COARSE_POLL
-        } else {
-            DRIVER_POLL
-        });
     }
 }
 
