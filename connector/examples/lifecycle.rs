@@ -52,7 +52,10 @@ fn main() -> Result<(), Error> {
     let mut d = start("bench-decode")?;
     let p_id = p.identity().engine.clone();
     d.add_peer(&p_id, p.side_channel().ok_or("P has no side channel")?)?;
-    p.add_peer(&d.identity().engine.clone(), d.side_channel().ok_or("D has no side channel")?)?;
+    p.add_peer(
+        &d.identity().engine.clone(),
+        d.side_channel().ok_or("D has no side channel")?,
+    )?;
     let leg = KvTransferParams {
         do_remote_decode: true,
         ..KvTransferParams::default()
