@@ -23,7 +23,7 @@
 //!   [`Runtime`], a [`KvConnector`] per side, one request at a time in vLLM's order: P's
 //!   `request_finished`, then D's `request_allocated`. The handoff latency runs from the start of
 //!   D's call (the second of the two) to D's `BlocksReady`, seen by
-//!   [`KvConnector::wait_events`] (woken by the event itself, so the bench adds no poll
+//!   [`KvConnector::wait_events`](kvhandoff::KvConnector::wait_events) (woken by the event itself, so the bench adds no poll
 //!   granularity and takes no core from the transfer); the throughput is the request's bytes
 //!   over that latency. Each request waits for P's `BlocksFree` before the next starts.
 //! - **latency**: the same two paths on a one-block request (P's first block of the contiguous

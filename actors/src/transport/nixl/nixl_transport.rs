@@ -278,7 +278,7 @@ impl Transport for NixlTransport {
         self.config.max_notification_len
     }
 
-    /// Starts the arrival poller's thread (when [`NixlConfig::poller`] is set), which calls
+    /// Starts the arrival poller's thread (when [`NixlConfig::poller`](super::NixlConfig::poller) is set), which calls
     /// `hook` while an arrival is likely; see [`PollerConfig`](super::PollerConfig).
     fn set_arrival_hook(&mut self, hook: crate::transport::ArrivalHook) {
         if let Some(poller) = &mut self.poller {

@@ -85,7 +85,8 @@ pub(super) fn fetch(agent: &Agent, map: &mut NotificationMap, out: &mut RawNotes
 /// The name of every poller thread (`/proc/<pid>/task/*/comm`; tests count them).
 pub const POLLER_THREAD_NAME: &str = "kvh-nixl-poll";
 
-/// How eagerly the arrival poller polls; see the [module documentation](self).
+/// How eagerly the arrival poller polls (the poller itself is described in the module
+/// `transport::nixl::poller`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PollerConfig {
     /// After activity, poll back to back (yielding in between) for this long: a notification
