@@ -113,6 +113,12 @@ mod nixl {
         for t in &report.tables {
             assert!(t.raw.gbps > 0.0 && t.kvhandoff.gbps > 0.0, "{t:?}");
             assert!(t.kvhandoff.latency_p99_us >= t.kvhandoff.latency_p50_us);
+            // The dynamic-lists-only ranks moved the same bytes (checked per repetition).
+            assert!(t.kvhandoff_dynamic.gbps > 0.0, "{t:?}");
+            assert!(
+                t.prepared_gain.is_finite() && t.prepared_gain > 0.0,
+                "{t:?}"
+            );
         }
         assert_eq!(report.repeats, 2);
         assert_eq!(report.request.request_bytes, 4 * 4 * 2048);
@@ -128,13 +134,20 @@ mod nixl {
             "notification_rtt_us",
             "handoff_latency_p50_us",
             "handoff_latency_p99_us",
+            "prepared_gain",
             "tables",
         ] {
             assert!(json.get(key).is_some(), "missing {key}");
         }
         assert_eq!(json["fragmented_70b"]["descriptors"], 18_880);
         // The one-block handoff: one block in each of the 4 regions, both paths timed.
-        for key in ["raw_us", "kvhandoff_us", "ratio"] {
+        for key in [
+            "raw_us",
+            "kvhandoff_us",
+            "ratio",
+            "dynamic_us",
+            "prepared_gain",
+        ] {
             let value = json["latency"][key].as_f64().unwrap_or(f64::NAN);
             assert!(value.is_finite() && value > 0.0, "latency.{key} = {value}");
         }

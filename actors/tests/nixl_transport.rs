@@ -930,6 +930,58 @@ fn prepare_both(a: &mut Side, b: &Side, slot: u64, slots: u32) {
     assert!(a.t.has_prepared_blocks(Some(&b.addr)));
 }
 
+/// With `prepared_lists: false` preparing is a no-op and the same scattered single-block write
+/// takes the dynamic path (what `bench transfer` measures `prepared_gain` against); its bytes
+/// land all the same.
+#[test]
+fn prepared_lists_off_posts_dynamically() {
+    let _serial = serial();
+    require_runtime();
+    const SLOT: u64 = 4096;
+    const SLOTS: usize = 64;
+    let config = NixlConfig {
+        prepared_lists: false,
+        ..NixlConfig::default()
+    };
+    let mut a = side_with("kvh-p0-a", "kvh-p0-pe", SLOT * SLOTS as u64, config);
+    let mut b = side("kvh-p0-b", "kvh-p0-de", SLOT * SLOTS as u64);
+    a.t.load_remote(&b.addr, &b.name, &b.t.local_metadata().unwrap())
+        .unwrap();
+    b.t.load_remote(&a.addr, &a.name, &a.t.local_metadata().unwrap())
+        .unwrap();
+    a.t.prepare_blocks(None, &[table(a.range.base, SLOTS as u32, SLOT)])
+        .expect("a no-op");
+    a.t.prepare_blocks(Some(&b.addr), &[table(b.range.base, SLOTS as u32, SLOT)])
+        .expect("a no-op");
+    assert!(!a.t.has_prepared_blocks(None));
+    assert!(!a.t.has_prepared_blocks(Some(&b.addr)));
+    let pattern = lcg_bytes(11, SLOT as usize * SLOTS);
+    a.buf.write(0, &pattern).unwrap();
+    b.buf.fill(0xEE);
+    let to = permutation(5, SLOTS);
+    let descriptors: Vec<Descriptor> = (0..SLOTS)
+        .map(|i| Descriptor {
+            local_addr: a.range.base + i as u64 * SLOT,
+            remote_addr: b.range.base + to[i] as u64 * SLOT,
+            len: SLOT,
+        })
+        .collect();
+    a.t.post_write(WriteId(1), &b.addr, &descriptors, Some(b"dyn".to_vec()))
+        .expect("post");
+    assert_eq!((a.t.prepared_posts(), a.t.dynamic_posts()), (0, 1));
+    assert_eq!(wait_completion(&mut a.t, WriteId(1)).result, Ok(()));
+    assert_eq!(wait_notification(&mut b.t).bytes, b"dyn");
+    let landed = b.buf.to_vec();
+    for (i, &j) in to.iter().enumerate() {
+        let s = SLOT as usize;
+        assert_eq!(
+            landed[j * s..(j + 1) * s],
+            pattern[i * s..(i + 1) * s],
+            "block {i}"
+        );
+    }
+}
+
 /// A write whose every descriptor is one block of both prepared tables goes by index
 /// (`make_xfer_req`): its bytes land where they should, nothing else changes, and its
 /// notification arrives.

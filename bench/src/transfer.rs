@@ -29,6 +29,12 @@
 //! - **latency**: the same two paths on a one-block request (P's first block of the contiguous
 //!   table to D's), [`TransferOptions::latency_repeats`] times alternating: the fixed cost
 //!   per handoff, where the throughput tables hide it ([`TransferReport::latency`]).
+//! - **prepared lists** ([`TableNumbers::prepared_gain`], [`TransferReport::prepared_gain`],
+//!   [`LatencyNumbers::prepared_gain`]): per table, after the raw vs kvhandoff pass, a second
+//!   pass alternates the kvhandoff ranks with a second pair whose
+//!   [`NixlConfig::prepared_lists`] is off (every post through dynamic lists); the gain is the
+//!   dynamic-only p50 over the prepared p50. Then the request alone with raw nixl-sys, created
+//!   and released unposted both ways ([`PreparedRequest`]).
 //! - **idle CPU** (with [`TransferOptions::idle_secs`]): the process's user + system time while
 //!   the two ranks sit idle, after the raw agents are gone.
 //! - **planning**: [`fragmented_70b_case`] planned with one reused [`Planner`].
@@ -45,6 +51,7 @@
 //! GB/s are decimal (10⁹ bytes per second). Medians over the repetitions unless named.
 //!
 //! [`NixlConfig::default`]: kvhandoff_actors::transport::nixl::NixlConfig
+//! [`NixlConfig::prepared_lists`]: kvhandoff_actors::transport::nixl::NixlConfig::prepared_lists
 //! [`build_rank`]: kvhandoff_actors::system::build_rank
 //! [`NixlTransport`]: kvhandoff_actors::transport::nixl::NixlTransport
 //! [`Runtime`]: kvhandoff::Runtime
@@ -216,8 +223,8 @@ mod tables;
 
 pub use reference::{memcpy_gbps, plan_fragmented_70b};
 pub use report::{
-    Fragmented70b, IdleCpu, LatencyNumbers, NotifyPoint, PushNumbers, RawNumbers, RequestShape,
-    TableNumbers, TransferReport,
+    Fragmented70b, IdleCpu, LatencyNumbers, NotifyPoint, PreparedRequest, PushNumbers, RawNumbers,
+    RequestShape, TableNumbers, TransferReport,
 };
 use tables::us;
 pub use tables::{bench_geometry, block_tables, BlockTable};

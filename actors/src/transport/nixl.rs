@@ -98,7 +98,8 @@
 //! path; the prepared path serves fully scattered plans (every block its own descriptor), where
 //! coalescing saved nothing. Any failure to prepare, or of `make_xfer_req`, falls back to the
 //! dynamic path, which also produces the typed errors. [`NixlTransport::prepared_posts`] and
-//! [`NixlTransport::dynamic_posts`] count the two. Reposting requests is a further, unexplored
+//! [`NixlTransport::dynamic_posts`] count the two; [`NixlConfig::prepared_lists`] `= false`
+//! forces the dynamic path (for measuring the gain: `prepared_gain` of `bench transfer`). Reposting requests is a further, unexplored
 //! optimisation.
 
 mod agent;
@@ -164,6 +165,11 @@ pub struct NixlConfig {
     /// of on the owner's timer. `None`: the owner's timer only (every hop of a handoff then
     /// waits for its next tick, ~1 ms under tokio).
     pub poller: Option<PollerConfig>,
+    /// Use prepared block lists ([`Transport::prepare_blocks`], `make_xfer_req`) for posts
+    /// whose every descriptor is one prepared block (default true). False makes
+    /// `prepare_blocks` a no-op and sends every post through dynamic lists
+    /// (`create_xfer_req`): the switch `bench transfer` uses to measure `prepared_gain`.
+    pub prepared_lists: bool,
 }
 
 impl Default for NixlConfig {
@@ -177,6 +183,7 @@ impl Default for NixlConfig {
             max_peers: 1024,
             max_regions: MAX_REGIONS,
             poller: Some(PollerConfig::default()),
+            prepared_lists: true,
         }
     }
 }

@@ -8,15 +8,17 @@ use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig};
 use kvhandoff_protocol::machine::Config;
 use kvhandoff_protocol::planner::{Descriptor, PlanInput, Planner};
 use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, RegionDesc, RegionSpec, RequestId};
-use nixl_sys::{AgentConfig, MemType, NixlError, XferDescList, XferOp, XferStatus};
+use nixl_sys::{
+    AgentConfig, MemType, NixlError, XferDescList, XferDlistHandle, XferOp, XferStatus,
+};
 
 use kvhandoff_testkit::stats::min;
 
 use super::{
     block_tables, gbps, median, memcpy_gbps, percentile, plan_fragmented_70b, us, BlockTable,
-    IdleCpu, LatencyNumbers, NotifyPoint, PushNumbers, RawNumbers, RequestShape, TableNumbers,
-    TransferBenchError, TransferOptions, TransferReport, BLOCK_TOKENS, TARGET_LATENCY_RATIO,
-    TARGET_RATIO,
+    IdleCpu, LatencyNumbers, NotifyPoint, PreparedRequest, PushNumbers, RawNumbers, RequestShape,
+    TableNumbers, TransferBenchError, TransferOptions, TransferReport, BLOCK_TOKENS,
+    TARGET_LATENCY_RATIO, TARGET_RATIO,
 };
 use kvhandoff::{
     ConnectorEvent, ConnectorSettings, KvCache, KvConnector, KvTransferParams, RankBuilder,
@@ -80,11 +82,30 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
         ..AgentConfig::default()
     };
     let mut raw = RawPair::new(&agent_config, &specs, pool_blocks, "bench-raw")?;
-    let mut push = Push::new(&geometry, pool_blocks, nixl_config.clone(), shell.clone())?;
+    let mut push = Push::new(
+        &geometry,
+        pool_blocks,
+        nixl_config.clone(),
+        shell.clone(),
+        "",
+    )?;
+    // The same ranks with prepared block lists off: every post builds dynamic lists.
+    let dynamic_config = NixlConfig {
+        prepared_lists: false,
+        ..nixl_config.clone()
+    };
+    let mut push_dynamic = Push::new(
+        &geometry,
+        pool_blocks,
+        dynamic_config,
+        shell.clone(),
+        "-dynamic",
+    )?;
     // Real bytes in every source page (untouched pages would all read the shared zero page).
     let region_len = block_bytes * u64::from(pool_blocks);
     fill(&byte_regions(&raw.p), region_len).map_err(run_error)?;
     fill(&cache_regions(&push.p_kv), region_len).map_err(run_error)?;
+    fill(&cache_regions(&push_dynamic.p_kv), region_len).map_err(run_error)?;
 
     let mut numbers = Vec::new();
     for table in &tables {
@@ -97,6 +118,7 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
             request_bytes,
             &mut raw,
             &mut push,
+            &mut push_dynamic,
         )?);
     }
     // The fixed cost: one block, P's first of the contiguous table to D's.
@@ -112,6 +134,7 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
         one_bytes,
         &mut raw,
         &mut push,
+        &mut push_dynamic,
     )?;
     let latency = latency_numbers(&one_numbers, one_bytes, options.latency_repeats);
     drop(raw);
@@ -119,6 +142,7 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
         .then(|| idle_cpu(Duration::from_secs(options.idle_secs)))
         .transpose()?;
     push.shutdown();
+    push_dynamic.shutdown();
 
     let notification_sweep = notification_sweep(options, &nixl_config)?;
     let notification_rtt_us = notification_sweep
@@ -149,6 +173,8 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
         ratio_min,
         target_ratio: TARGET_RATIO,
         ratio_met: ratio_min >= TARGET_RATIO,
+        prepared_gain: headline.prepared_gain,
+        prepared_request_gain: headline.prepared_request.gain,
         latency,
         arrival_poller: options.arrival_poller,
         idle_cpu,
@@ -193,6 +219,10 @@ fn latency_numbers(t: &TableNumbers, bytes: u64, repeats: usize) -> LatencyNumbe
         kvhandoff_min_us: t.kvhandoff.latency_min_us,
         target_ratio: TARGET_LATENCY_RATIO,
         met: ratio <= TARGET_LATENCY_RATIO,
+        dynamic_us: t.kvhandoff_dynamic.latency_p50_us,
+        prepared_us: t.kvhandoff_prepared.latency_p50_us,
+        prepared_gain: t.prepared_gain,
+        prepared_request: t.prepared_request.clone(),
         repeats,
     }
 }
@@ -230,7 +260,9 @@ fn idle_cpu(span: Duration) -> Result<IdleCpu, TransferBenchError> {
     })
 }
 
-/// One table: planner count, then warm-ups, then alternating raw and kvhandoff repetitions.
+/// One table: planner count, then warm-ups, then alternating raw and kvhandoff repetitions; then
+/// alternating kvhandoff and kvhandoff with dynamic lists only (`push_dynamic`); then the
+/// request alone, created both ways.
 #[allow(clippy::too_many_arguments)]
 fn run_table(
     repeats: usize,
@@ -241,6 +273,7 @@ fn run_table(
     request_bytes: u64,
     raw: &mut RawPair,
     push: &mut Push,
+    push_dynamic: &mut Push,
 ) -> Result<TableNumbers, TransferBenchError> {
     let kbpl = geometry.kernel_blocks_per_logical;
     let mut planner = Planner::new();
@@ -266,6 +299,7 @@ fn run_table(
     let remote = table.remote.groups.first().cloned().unwrap_or_default();
     stamp(&byte_regions(&raw.p), block_bytes, &local).map_err(run_error)?;
     push.stamp_source(block_bytes, &local)?;
+    push_dynamic.stamp_source(block_bytes, &local)?;
 
     let mut raw_samples = Vec::new();
     let mut push_samples = Vec::new();
@@ -284,6 +318,57 @@ fn run_table(
             push_samples.push(push_sample);
         }
     }
+    // Then kvhandoff against itself with dynamic lists only, in a second pass (so the raw vs
+    // kvhandoff pass above runs as it did without it), the two pairs swapping places every
+    // repetition: the one that runs second shares the cores with the first one's pollers
+    // winding down.
+    let mut prepared_samples = Vec::new();
+    let mut dynamic_samples = Vec::new();
+    for rep in 0..=repeats {
+        let mut both = [(&mut *push, None), (&mut *push_dynamic, None)];
+        if rep % 2 == 1 {
+            both.reverse();
+        }
+        for (pair, sample) in &mut both {
+            *sample = Some(pair.once(table, rep, block_bytes, (&local, &remote), timeout)?);
+        }
+        if rep % 2 == 1 {
+            both.reverse();
+        }
+        let [(_, prepared_sample), (_, dynamic_sample)] = both;
+        let (Some(prepared_sample), Some(dynamic_sample)) = (prepared_sample, dynamic_sample)
+        else {
+            return Err(run_error("a kvhandoff repetition did not run"));
+        };
+        if rep > 0 {
+            prepared_samples.push(prepared_sample);
+            dynamic_samples.push(dynamic_sample);
+        }
+    }
+    // The request alone, both ways, on the same descriptors (nothing posted).
+    let mut create_samples = Vec::new();
+    for rep in 0..=repeats {
+        let sample = raw.create_only(
+            &raw_plan.descriptors,
+            format!("{}-create-{rep}", table.name).as_bytes(),
+        )?;
+        if rep > 0 {
+            create_samples.push(sample);
+        }
+    }
+    let create_us = median(
+        &create_samples
+            .iter()
+            .map(|s| s.create_us)
+            .collect::<Vec<_>>(),
+    );
+    let make_us = median(&create_samples.iter().map(|s| s.make_us).collect::<Vec<_>>());
+    let prepared_request = PreparedRequest {
+        create_us,
+        make_us,
+        entries: create_samples.first().map_or(0, |s| s.entries),
+        gain: create_us / make_us.max(f64::MIN_POSITIVE),
+    };
     let col = |f: fn(&RawSample) -> f64| raw_samples.iter().map(f).collect::<Vec<f64>>();
     let total = col(|s| s.total_us);
     let complete = col(|s| s.complete_us);
@@ -307,20 +392,9 @@ fn run_table(
         total_p99_us: percentile(&total, 99.0),
         done_in_post: raw_samples.iter().filter(|s| s.done_in_post).count(),
     };
-    let latency: Vec<f64> = push_samples.iter().map(|s| s.latency_us).collect();
-    let push_numbers = PushNumbers {
-        gbps: median(
-            &latency
-                .iter()
-                .map(|&t| gbps(request_bytes, t))
-                .collect::<Vec<_>>(),
-        ),
-        latency_p50_us: median(&latency),
-        latency_p99_us: percentile(&latency, 99.0),
-        latency_min_us: min(&latency),
-        d_call_us: median(&push_samples.iter().map(|s| s.d_call_us).collect::<Vec<_>>()),
-        p_call_us: median(&push_samples.iter().map(|s| s.p_call_us).collect::<Vec<_>>()),
-    };
+    let push_numbers = summarize_push(&push_samples, request_bytes);
+    let prepared_numbers = summarize_push(&prepared_samples, request_bytes);
+    let dynamic_numbers = summarize_push(&dynamic_samples, request_bytes);
     let ratio = if raw_numbers.gbps > 0.0 {
         push_numbers.gbps / raw_numbers.gbps
     } else {
@@ -331,6 +405,8 @@ fn run_table(
         .zip(&push_samples)
         .map(|(r, p)| r.total_us / p.latency_us.max(f64::MIN_POSITIVE))
         .collect();
+    let prepared_gain =
+        dynamic_numbers.latency_p50_us / prepared_numbers.latency_p50_us.max(f64::MIN_POSITIVE);
     Ok(TableNumbers {
         table: table.name.to_string(),
         paired_ratio: median(&paired),
@@ -339,5 +415,27 @@ fn run_table(
         raw: raw_numbers,
         kvhandoff: push_numbers,
         ratio,
+        kvhandoff_prepared: prepared_numbers,
+        kvhandoff_dynamic: dynamic_numbers,
+        prepared_gain,
+        prepared_request,
     })
+}
+
+/// The medians of kvhandoff's samples on one table.
+fn summarize_push(samples: &[PushSample], request_bytes: u64) -> PushNumbers {
+    let latency: Vec<f64> = samples.iter().map(|s| s.latency_us).collect();
+    PushNumbers {
+        gbps: median(
+            &latency
+                .iter()
+                .map(|&t| gbps(request_bytes, t))
+                .collect::<Vec<_>>(),
+        ),
+        latency_p50_us: median(&latency),
+        latency_p99_us: percentile(&latency, 99.0),
+        latency_min_us: min(&latency),
+        d_call_us: median(&samples.iter().map(|s| s.d_call_us).collect::<Vec<_>>()),
+        p_call_us: median(&samples.iter().map(|s| s.p_call_us).collect::<Vec<_>>()),
+    }
 }

@@ -81,6 +81,36 @@ pub struct TableNumbers {
     pub paired_ratio: f64,
     /// Median kvhandoff latency minus median raw total, µs: what kvhandoff adds.
     pub overhead_us: f64,
+    /// kvhandoff end to end (default configuration) in the second pass, alternating with
+    /// [`TableNumbers::kvhandoff_dynamic`].
+    pub kvhandoff_prepared: PushNumbers,
+    /// kvhandoff end to end with prepared block lists off
+    /// ([`NixlConfig::prepared_lists`] `= false`: every post builds dynamic lists), in a second
+    /// pass after the raw vs kvhandoff one, alternating with [`TableNumbers::kvhandoff_prepared`]
+    /// (which of the two runs first swaps every repetition).
+    ///
+    /// [`NixlConfig::prepared_lists`]: kvhandoff_actors::transport::nixl::NixlConfig::prepared_lists
+    pub kvhandoff_dynamic: PushNumbers,
+    /// `kvhandoff_dynamic.latency_p50_us / kvhandoff_prepared.latency_p50_us`: the gain from prepared
+    /// lists (about 1 where every post takes the dynamic path anyway: coalesced descriptors).
+    pub prepared_gain: f64,
+    /// The request alone (raw nixl-sys, created and released unposted), dynamic vs prepared.
+    pub prepared_request: PreparedRequest,
+}
+
+/// Creating the request of one post with raw nixl-sys, not posting it: two dynamic lists +
+/// `create_xfer_req` against block indices + `make_xfer_req` on block-granular lists prepared
+/// once, alternating, medians. A descriptor of `k` blocks is `k` prepared entries.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreparedRequest {
+    /// Two `XferDescList`s + `create_xfer_req`, µs (median).
+    pub create_us: f64,
+    /// Block indices + `make_xfer_req`, µs (median).
+    pub make_us: f64,
+    /// Entries of the prepared request (= descriptors when every descriptor is one block).
+    pub entries: usize,
+    /// `create_us / make_us`.
+    pub gain: f64,
 }
 
 /// The fixed cost of one handoff: a one-block request, kvhandoff end to end against one raw
@@ -109,6 +139,16 @@ pub struct LatencyNumbers {
     pub target_ratio: f64,
     /// `ratio <= target_ratio`.
     pub met: bool,
+    /// kvhandoff with prepared block lists off (dynamic lists only), µs (median of the second
+    /// pass, [`TableNumbers::kvhandoff_dynamic`]).
+    pub dynamic_us: f64,
+    /// kvhandoff with prepared lists, µs (median of the second pass,
+    /// [`TableNumbers::kvhandoff_prepared`]).
+    pub prepared_us: f64,
+    /// `dynamic_us / prepared_us`: the gain from prepared lists on a one-block handoff.
+    pub prepared_gain: f64,
+    /// The one-block request created both ways (raw nixl-sys, not posted).
+    pub prepared_request: PreparedRequest,
     /// Repetitions timed (each path).
     pub repeats: usize,
 }
@@ -182,6 +222,12 @@ pub struct TransferReport {
     pub target_ratio: f64,
     /// Both tables at or above the target ratio.
     pub ratio_met: bool,
+    /// The headline table's [`TableNumbers::prepared_gain`]: kvhandoff's latency with dynamic
+    /// lists only over its latency with prepared block lists, same run.
+    pub prepared_gain: f64,
+    /// The headline table's [`PreparedRequest::gain`]: creating the request (raw nixl-sys, not
+    /// posted) with dynamic lists over with prepared lists.
+    pub prepared_request_gain: f64,
     /// The one-block handoff: kvhandoff's latency against one raw WRITE with its notification.
     pub latency: LatencyNumbers,
     /// Whether the kvhandoff ranks ran NIXL's arrival poller.
@@ -231,7 +277,7 @@ impl TransferReport {
         );
         let _ = writeln!(
             out,
-            "  {:<12} {:>6} {:>9} {:>9} {:>10} {:>7} {:>7} {:>11} {:>11} {:>11}",
+            "  {:<12} {:>6} {:>9} {:>9} {:>10} {:>7} {:>7} {:>11} {:>11} {:>11} {:>11} {:>9}",
             "table",
             "descs",
             "raw GB/s",
@@ -241,12 +287,14 @@ impl TransferReport {
             "post ms",
             "raw ms",
             "kvh p50 ms",
-            "kvh p99 ms"
+            "kvh p99 ms",
+            "dyn p50 ms",
+            "prep gain"
         );
         for t in &self.tables {
             let _ = writeln!(
                 out,
-                "  {:<12} {:>6} {:>9.2} {:>9.2} {:>10.3} {:>7.3} {:>7.2} {:>11.2} {:>11.2} {:>11.2}",
+                "  {:<12} {:>6} {:>9.2} {:>9.2} {:>10.3} {:>7.3} {:>7.2} {:>11.2} {:>11.2} {:>11.2} {:>11.2} {:>9.3}",
                 t.table,
                 t.descriptors,
                 t.raw.gbps,
@@ -257,6 +305,8 @@ impl TransferReport {
                 t.raw.total_us / 1e3,
                 t.kvhandoff.latency_p50_us / 1e3,
                 t.kvhandoff.latency_p99_us / 1e3,
+                t.kvhandoff_dynamic.latency_p50_us / 1e3,
+                t.prepared_gain,
             );
         }
         let verdict = |met: bool| if met { "met" } else { "NOT met" };
@@ -291,6 +341,32 @@ impl TransferReport {
             l.target_ratio,
             verdict(l.met),
             if self.arrival_poller { "on" } else { "off" },
+        );
+        let _ = writeln!(
+            out,
+            "  prepared lists            {:>8.3} x ({} table: dynamic-only p50 / prepared p50; \
+             one-block handoff {:.3} x: {:.3} ms dynamic-only / {:.3} ms prepared)",
+            self.prepared_gain,
+            self.headline_table,
+            l.prepared_gain,
+            l.dynamic_us / 1e3,
+            l.prepared_us / 1e3,
+        );
+        for t in &self.tables {
+            let p = &t.prepared_request;
+            let _ = writeln!(
+                out,
+                "  request only, {:<11} create_xfer_req {:>9.1} us, make_xfer_req {:>9.1} us \
+                 ({} entries): {:.2} x",
+                t.table, p.create_us, p.make_us, p.entries, p.gain
+            );
+        }
+        let p = &l.prepared_request;
+        let _ = writeln!(
+            out,
+            "  request only, {:<11} create_xfer_req {:>9.1} us, make_xfer_req {:>9.1} us \
+             ({} entries): {:.2} x",
+            "one-block", p.create_us, p.make_us, p.entries, p.gain
         );
         if let Some(idle) = &self.idle_cpu {
             let _ = writeln!(

@@ -70,6 +70,10 @@ impl NixlTransport {
             }
             None => self.local_blocks = None,
         }
+        if !self.config.prepared_lists {
+            // Every post takes the dynamic path ([`super::NixlConfig::prepared_lists`]).
+            return Ok(());
+        }
         let bad = |why: String| TransportError::Backend {
             reason: format!("cannot prepare region table: {why}"),
         };

@@ -41,7 +41,11 @@ pub(super) fn notify_point(
         let p = RawSide::new(&format!("bench-rtt{k}-a"), &config, &[(len, 1)])?;
         let d = RawSide::new(&format!("bench-rtt{k}-b"), &config, &[(len, 1)])?;
         connect(&p, &d)?;
-        RawPair { p, d }
+        RawPair {
+            prepared: None,
+            p,
+            d,
+        }
     };
     let mut rtt = Vec::with_capacity(options.notify_rounds);
     let warmup = 10;

@@ -26,11 +26,12 @@ impl Push {
         pool_blocks: u32,
         nixl_config: NixlConfig,
         shell: ShellConfig,
+        suffix: &str,
     ) -> Result<Self, TransferBenchError> {
         let mut runtime = Runtime::start().map_err(|e| run_error(e.to_string()))?;
         let mut start = |engine: &str| {
-            let engine =
-                EngineId::new(engine).map_err(|e| TransferBenchError::Options(e.to_string()))?;
+            let engine = EngineId::new(format!("{engine}{suffix}"))
+                .map_err(|e| TransferBenchError::Options(e.to_string()))?;
             let memory = demo::engine_memory(geometry, pool_blocks)
                 .map_err(|e| TransferBenchError::Options(e.to_string()))?;
             let rank = RankBuilder::new(engine, geometry.clone(), demo::model())

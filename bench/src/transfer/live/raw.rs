@@ -24,9 +24,72 @@ pub(super) struct RawSample {
     pub(super) done_in_post: bool,
 }
 
+/// Block-granular lists of both raw agents' regions, prepared once (`prepare_xfer_dlist`) on
+/// P's agent, as [`NixlTransport`](kvhandoff_actors::transport::nixl::NixlTransport) prepares
+/// them: entry `i * num_blocks + b` is block `b` of region `i`.
+pub(super) struct PreparedRaw {
+    local: XferDlistHandle,
+    remote: XferDlistHandle,
+    /// Each side's region indices by base address, for the lookup.
+    local_order: Vec<usize>,
+    remote_order: Vec<usize>,
+}
+
+/// The indices of `regions`, sorted by base.
+fn by_base(regions: &[RegionDesc]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..regions.len()).collect();
+    order.sort_by_key(|&i| regions[i].base);
+    order
+}
+
+/// What it costs to create the request of one post, without posting it (µs, one sample).
+pub(super) struct CreateSample {
+    /// Two `XferDescList`s + `create_xfer_req` (the dynamic path).
+    pub(super) create_us: f64,
+    /// Block indices + `make_xfer_req` on the prepared lists.
+    pub(super) make_us: f64,
+    /// Block indices of the prepared request (a descriptor of `k` blocks is `k` entries).
+    pub(super) entries: usize,
+}
+
 pub(super) struct RawPair {
+    /// Declared first: released before the agents.
+    pub(super) prepared: Option<PreparedRaw>,
     pub(super) p: RawSide,
     pub(super) d: RawSide,
+}
+
+/// The block indices of `descriptors` in a table prepared from `regions`, a descriptor of `k`
+/// whole blocks giving `k` entries; `None` if one is not made of whole blocks.
+fn block_indices(
+    regions: &[RegionDesc],
+    order: &[usize],
+    descriptors: &[Descriptor],
+    addr: impl Fn(&Descriptor) -> u64,
+    out: &mut Vec<i32>,
+) -> Option<()> {
+    out.clear();
+    // A binary search per descriptor, as the transport's lookup.
+    for d in descriptors {
+        let a = addr(d);
+        let at = order
+            .partition_point(|&i| regions[i].base <= a)
+            .checked_sub(1)?;
+        let i = order[at];
+        let r = &regions[i];
+        if a >= r.base + r.len {
+            return None;
+        }
+        let offset = a - r.base;
+        if offset % r.block_len != 0 || d.len % r.block_len != 0 {
+            return None;
+        }
+        let first = i as u64 * u64::from(r.num_blocks) + offset / r.block_len;
+        for b in first..first + d.len / r.block_len {
+            out.push(i32::try_from(b).ok()?);
+        }
+    }
+    Some(())
 }
 
 impl RawPair {
@@ -43,7 +106,107 @@ impl RawPair {
         let p = RawSide::new(&format!("{prefix}-prefill"), config, &lens)?;
         let d = RawSide::new(&format!("{prefix}-decode"), config, &lens)?;
         connect(&p, &d)?;
-        Ok(RawPair { p, d })
+        let list = |side: &RawSide| -> Result<XferDescList, TransferBenchError> {
+            let mut list = XferDescList::new(MemType::Dram).map_err(nixl("descriptor list"))?;
+            for r in &side.regions {
+                for b in 0..u64::from(r.num_blocks) {
+                    list.add_desc((r.base + b * r.block_len) as usize, r.block_len as usize, 0);
+                }
+            }
+            Ok(list)
+        };
+        let (local, remote) = (list(&p)?, list(&d)?);
+        let prepared = PreparedRaw {
+            // "": NIXL_INIT_AGENT, the initiator's own side.
+            local: p
+                .agent
+                .prepare_xfer_dlist("", &local, Some(&p.args))
+                .map_err(nixl("prepare_xfer_dlist (local)"))?,
+            remote: p
+                .agent
+                .prepare_xfer_dlist(&d.name, &remote, Some(&p.args))
+                .map_err(nixl("prepare_xfer_dlist (remote)"))?,
+            local_order: by_base(&p.regions),
+            remote_order: by_base(&d.regions),
+        };
+        Ok(RawPair {
+            prepared: Some(prepared),
+            p,
+            d,
+        })
+    }
+
+    /// Creates (and releases, unposted) the request of `descriptors` both ways: dynamic lists +
+    /// `create_xfer_req`, and block indices + `make_xfer_req` on the prepared lists.
+    pub(super) fn create_only(
+        &mut self,
+        descriptors: &[Descriptor],
+        note: &[u8],
+    ) -> Result<CreateSample, TransferBenchError> {
+        let args = &mut self.p.args;
+        args.set_has_notification(true).map_err(nixl("opt args"))?;
+        args.set_notification_message(note)
+            .map_err(nixl("opt args"))?;
+        let start = Instant::now();
+        let mut local = XferDescList::new(MemType::Dram).map_err(nixl("descriptor list"))?;
+        let mut remote = XferDescList::new(MemType::Dram).map_err(nixl("descriptor list"))?;
+        for d in descriptors {
+            local.add_desc(d.local_addr as usize, d.len as usize, 0);
+            remote.add_desc(d.remote_addr as usize, d.len as usize, 0);
+        }
+        let req = self
+            .p
+            .agent
+            .create_xfer_req(
+                XferOp::Write,
+                &local,
+                &remote,
+                &self.d.name,
+                Some(&self.p.args),
+            )
+            .map_err(nixl("create_xfer_req"))?;
+        let created = Instant::now();
+        drop(req);
+        let prepared = self
+            .prepared
+            .as_ref()
+            .ok_or_else(|| run_error("no prepared lists"))?;
+        let start_make = Instant::now();
+        let (mut local_idx, mut remote_idx) = (Vec::new(), Vec::new());
+        block_indices(
+            &self.p.regions,
+            &prepared.local_order,
+            descriptors,
+            |d| d.local_addr,
+            &mut local_idx,
+        )
+        .zip(block_indices(
+            &self.d.regions,
+            &prepared.remote_order,
+            descriptors,
+            |d| d.remote_addr,
+            &mut remote_idx,
+        ))
+        .ok_or_else(|| run_error("descriptors not made of whole blocks"))?;
+        let req = self
+            .p
+            .agent
+            .make_xfer_req(
+                XferOp::Write,
+                &prepared.local,
+                &local_idx,
+                &prepared.remote,
+                &remote_idx,
+                Some(&self.p.args),
+            )
+            .map_err(nixl("make_xfer_req"))?;
+        let made = Instant::now();
+        drop(req);
+        Ok(CreateSample {
+            create_us: us(created - start),
+            make_us: us(made - start_make),
+            entries: local_idx.len(),
+        })
     }
 
     /// One WRITE of `descriptors` from P to D with notification `note`; waits for P's
