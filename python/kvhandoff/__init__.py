@@ -113,6 +113,15 @@ def _close_all() -> None:
     # at once (closed) instead of being torn down inside native code by the finalisation.
     for connector in list(_LIVE):
         connector.close()
+    # Let threads still in a connector call come back into the interpreter (they find it
+    # closed) before it finalises; bounded, so a stuck call cannot hold the exit.
+    import time
+
+    from ._native import threads_outside
+
+    deadline = time.monotonic() + 2.0
+    while threads_outside() > 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 class Connector(NativeConnector):

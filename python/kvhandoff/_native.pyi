@@ -65,6 +65,9 @@ def metrics() -> dict[str, int]:
     unsent), ``requests_fenced`` (``decode_fenced``), ``calls_refused_late``, ``bytes_sent`` and
     ``bytes_received`` (the KV bytes of the sent and ready requests)."""
 
+def threads_outside() -> int:
+    """Threads now in a connector call with the GIL released (the exit hook waits for none)."""
+
 def clock_secs() -> float:
     """The monotonic clock that ``remote_blocks_expiry_time`` is written in (this process)."""
 

@@ -18,6 +18,25 @@ use crate::convert::{blocks_from, event_to, params_from, params_to, request_id a
 use crate::errors::{self, config};
 use crate::options::Options;
 
+/// Threads now outside the interpreter in a connector call (the GIL released). The package's
+/// exit hook waits for it to drop to zero after closing every connector: a thread still out
+/// there when the interpreter finalises would be torn down inside native code.
+static OUTSIDE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many threads are in a connector call with the GIL released, now.
+#[pyfunction]
+pub fn threads_outside() -> usize {
+    OUTSIDE.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Runs `f` with the GIL released, counted in [`OUTSIDE`] until the GIL is back.
+fn outside<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
+    OUTSIDE.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    let result = py.detach(f);
+    OUTSIDE.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    result
+}
+
 /// The in-memory fabric every `transport="mem"` connector of this process shares.
 fn fabric() -> MemFabric {
     static FABRIC: OnceLock<MemFabric> = OnceLock::new();
@@ -183,7 +202,7 @@ impl NativeConnector {
         if self.closed() {
             return Err(errors::closed());
         }
-        py.detach(|| {
+        outside(py, || {
             let mut guard = self.locked()?;
             let rank = guard.as_mut().ok_or_else(errors::closed)?;
             f(rank.connector_mut()).map_err(errors::connector)
@@ -283,7 +302,7 @@ impl NativeConnector {
         for (peer, addr) in peer_addrs {
             builder = builder.peer(peer, addr);
         }
-        let mut started = py.detach(|| builder.start()).map_err(errors::start)?;
+        let mut started = outside(py, || builder.start()).map_err(errors::start)?;
         if let Some(timeout) = options.call_timeout {
             started.connector_mut().set_call_timeout(timeout);
         }
@@ -344,7 +363,10 @@ impl NativeConnector {
     fn add_peer(&self, py: Python<'_>, engine_id: &str, address: &str) -> PyResult<()> {
         let engine = EngineId::new(engine_id).map_err(|e| config(format!("engine_id: {e}")))?;
         let addr = parse_listen(address)?;
-        py.detach(|| {
+        if self.closed() {
+            return Err(errors::closed());
+        }
+        outside(py, || {
             let guard = self.locked()?;
             let rank = guard.as_ref().ok_or_else(errors::closed)?;
             rank.add_peer(&engine, addr).map_err(errors::start)
@@ -481,7 +503,7 @@ impl NativeConnector {
         }
         let deadline = Instant::now() + Duration::from_secs_f64(timeout_s);
         // Waits in short slices, each under the lock, so that other threads' calls get in.
-        let events = py.detach(|| -> PyResult<Vec<ConnectorEvent>> {
+        let events = outside(py, || -> PyResult<Vec<ConnectorEvent>> {
             loop {
                 let slice = deadline
                     .saturating_duration_since(Instant::now())
@@ -511,7 +533,10 @@ impl NativeConnector {
     /// Copies `data` (one whole block) into block `block` of region `region`.
     fn write_block(&self, py: Python<'_>, region: usize, block: u32, data: &[u8]) -> PyResult<()> {
         let data = data.to_vec();
-        py.detach(|| {
+        if self.closed() {
+            return Err(errors::closed());
+        }
+        outside(py, || {
             let guard = self.locked()?;
             let rank = guard.as_ref().ok_or_else(errors::closed)?;
             rank.kv()
@@ -527,7 +552,10 @@ impl NativeConnector {
         region: usize,
         block: u32,
     ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-        let bytes = py.detach(|| {
+        if self.closed() {
+            return Err(errors::closed());
+        }
+        let bytes = outside(py, || {
             let guard = self.locked()?;
             let rank = guard.as_ref().ok_or_else(errors::closed)?;
             let len = rank.kv().block_len(region).map_err(errors::cache)?;
@@ -553,7 +581,7 @@ impl NativeConnector {
             return;
         };
         let timeout = self.close_timeout;
-        py.detach(move || {
+        outside(py, move || {
             let connector = rank.connector_mut();
             if connector.shutdown().is_ok() {
                 let deadline = Instant::now() + timeout;

@@ -48,5 +48,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeConnector>()?;
     m.add_function(wrap_pyfunction!(metrics, m)?)?;
     m.add_function(wrap_pyfunction!(clock_secs, m)?)?;
+    m.add_function(wrap_pyfunction!(connector::threads_outside, m)?)?;
     Ok(())
 }
