@@ -209,6 +209,28 @@ impl NativeConnector {
         })
     }
 
+    /// A block-carrying call's arguments, checked: the request id, its blocks (inside the
+    /// pool), the router's parameters, and the token count (default: whole blocks).
+    fn call_args(
+        &self,
+        request_id: &str,
+        block_ids: &Bound<'_, PyAny>,
+        params: Option<&Bound<'_, PyAny>>,
+        num_tokens: Option<u64>,
+    ) -> PyResult<(
+        kvhandoff::RequestId,
+        kvhandoff::BlockIds,
+        kvhandoff::KvTransferParams,
+        u64,
+    )> {
+        let request = parse_request(request_id)?;
+        let blocks = blocks_from(block_ids)?;
+        self.check_blocks(&blocks)?;
+        let params = params_from(params)?;
+        let tokens = self.tokens_of(&blocks, num_tokens);
+        Ok((request, blocks, params, tokens))
+    }
+
     fn tokens_of(&self, blocks: &kvhandoff::BlockIds, num_tokens: Option<u64>) -> u64 {
         num_tokens.unwrap_or_else(|| {
             let first = blocks.groups.first().map_or(0, Vec::len) as u64;
@@ -383,11 +405,8 @@ impl NativeConnector {
         kv_transfer_params: &Bound<'_, PyAny>,
         num_tokens: Option<u64>,
     ) -> PyResult<()> {
-        let request = parse_request(request_id)?;
-        let blocks = blocks_from(block_ids)?;
-        self.check_blocks(&blocks)?;
-        let params = params_from(Some(kv_transfer_params))?;
-        let tokens = self.tokens_of(&blocks, num_tokens);
+        let (request, blocks, params, tokens) =
+            self.call_args(request_id, block_ids, Some(kv_transfer_params), num_tokens)?;
         self.with_connector(py, |c| {
             c.request_allocated(&request, blocks, tokens, &params)
         })
@@ -404,11 +423,8 @@ impl NativeConnector {
         kv_transfer_params: Option<&Bound<'py, PyAny>>,
         num_tokens: Option<u64>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let request = parse_request(request_id)?;
-        let blocks = blocks_from(block_ids)?;
-        self.check_blocks(&blocks)?;
-        let params = params_from(kv_transfer_params)?;
-        let tokens = self.tokens_of(&blocks, num_tokens);
+        let (request, blocks, params, tokens) =
+            self.call_args(request_id, block_ids, kv_transfer_params, num_tokens)?;
         let answer = self.with_connector(py, |c| {
             c.request_finished(&request, blocks, tokens, &params)
         })?;
@@ -426,11 +442,8 @@ impl NativeConnector {
         num_tokens: Option<u64>,
         ttl_s: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let request = parse_request(request_id)?;
-        let blocks = blocks_from(block_ids)?;
-        self.check_blocks(&blocks)?;
-        let params = params_from(kv_transfer_params)?;
-        let tokens = self.tokens_of(&blocks, num_tokens);
+        let (request, blocks, params, tokens) =
+            self.call_args(request_id, block_ids, kv_transfer_params, num_tokens)?;
         let ttl = match ttl_s {
             None => None,
             Some(s) if s.is_finite() && s > 0.0 && s < 1.0e7 => Some(Duration::from_secs_f64(s)),
@@ -457,11 +470,8 @@ impl NativeConnector {
         kv_transfer_params: &Bound<'_, PyAny>,
         num_tokens: Option<u64>,
     ) -> PyResult<()> {
-        let request = parse_request(request_id)?;
-        let blocks = blocks_from(block_ids)?;
-        self.check_blocks(&blocks)?;
-        let params = params_from(Some(kv_transfer_params))?;
-        let tokens = self.tokens_of(&blocks, num_tokens);
+        let (request, blocks, params, tokens) =
+            self.call_args(request_id, block_ids, Some(kv_transfer_params), num_tokens)?;
         self.with_connector(py, |c| {
             c.next_turn_allocated(&request, blocks, tokens, &params)
         })
