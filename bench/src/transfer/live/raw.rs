@@ -93,6 +93,24 @@ fn block_indices(
 }
 
 impl RawPair {
+    /// P's WRITE request from `local` to D's `remote`, with P's optional arguments.
+    fn create_write(
+        &self,
+        local: &XferDescList,
+        remote: &XferDescList,
+    ) -> Result<nixl_sys::XferRequest, TransferBenchError> {
+        self.p
+            .agent
+            .create_xfer_req(
+                XferOp::Write,
+                local,
+                remote,
+                &self.d.name,
+                Some(&self.p.args),
+            )
+            .map_err(nixl("create_xfer_req"))
+    }
+
     pub(super) fn new(
         config: &AgentConfig,
         specs: &[RegionSpec],
@@ -154,17 +172,7 @@ impl RawPair {
             local.add_desc(d.local_addr as usize, d.len as usize, 0);
             remote.add_desc(d.remote_addr as usize, d.len as usize, 0);
         }
-        let req = self
-            .p
-            .agent
-            .create_xfer_req(
-                XferOp::Write,
-                &local,
-                &remote,
-                &self.d.name,
-                Some(&self.p.args),
-            )
-            .map_err(nixl("create_xfer_req"))?;
+        let req = self.create_write(&local, &remote)?;
         let created = Instant::now();
         drop(req);
         let prepared = self
@@ -248,17 +256,7 @@ impl RawPair {
             .set_notification_message(note)
             .map_err(nixl("opt args"))?;
         let built = Instant::now();
-        let req = self
-            .p
-            .agent
-            .create_xfer_req(
-                XferOp::Write,
-                &local,
-                &remote,
-                &self.d.name,
-                Some(&self.p.args),
-            )
-            .map_err(nixl("create_xfer_req"))?;
+        let req = self.create_write(&local, &remote)?;
         let in_progress = self
             .p
             .agent
