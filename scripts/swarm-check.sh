@@ -25,7 +25,8 @@ CAUGHT=(
     accept_from_overdue_peer read_on_stale_grant unbounded_peer_tombstones
     accept_prior_incarnation trust_named_rank return_blocks_at_read_bound
     serve_rejoined_session_at_once wait_out_rejoined_peers_fence tell_fenced_twice
-    fan_hand_back_at_failure fan_proof_of_last_pair
+    fan_hand_back_at_failure fan_proof_of_last_pair ready_on_first_part ack_partial_write_at_once
+    extend_lapsed_registration
 )
 
 report="$(mktemp)"

@@ -12,7 +12,9 @@ use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
 use kvhandoff_protocol::driver::{
     connected_input, handshake_step, HandshakeStep, PeerInfo, TransportDriver, TransportOp,
 };
-use kvhandoff_protocol::machine::{Config, ConnectFailure, NetEvent, Time, WriteOrder};
+use kvhandoff_protocol::machine::{
+    Config, ConnectFailure, NetEvent, StreamedLayers, Time, WriteOrder,
+};
 use kvhandoff_protocol::{
     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, WriteDone, WriteFailure,
 };
@@ -56,7 +58,30 @@ fn order(write: u64, to: &PeerAddr) -> WriteOrder {
             epoch: Epoch::FIRST,
             prefill_rank: 0,
         }),
+        stream: None,
     }
+}
+
+/// A layer-wise write of the fixture's two layers, posting its first `posted` at once.
+fn streamed(write: u64, to: &PeerAddr, layers: u32, posted: u32) -> TransportOp {
+    TransportOp::PostWrite(Box::new(WriteOrder {
+        stream: Some(StreamedLayers { layers, posted }),
+        ..order(write, to)
+    }))
+}
+
+/// The layers D was told landed, from the notifications it polled.
+fn parts_on(d: &mut Side) -> Vec<(u32, u32, u32)> {
+    poll(d)
+        .into_iter()
+        .filter_map(|event| match event {
+            NetEvent::Received {
+                message: Message::WritePartDone(p),
+                ..
+            } => Some((p.first, p.count, p.of)),
+            _ => None,
+        })
+        .collect()
 }
 
 fn perform(side: &mut Side, op: TransportOp) -> Vec<NetEvent> {
@@ -285,4 +310,59 @@ fn a_route_places_writes_and_its_refusal_is_a_post_failure() {
         !poll(&mut d).is_empty(),
         "D gets the routed write's notification"
     );
+}
+
+/// A layer-wise write goes out in parts, each with its own notification, and ends once: after
+/// its last part landed.
+#[test]
+fn a_layer_wise_write_ends_after_its_last_part() {
+    let fabric = MemFabric::new();
+    let (mut p, mut d) = (side(&fabric, "prefill"), side(&fabric, "decode"));
+    let to = d.info.peer.clone();
+    p.driver.load_peer(d.info.clone()).unwrap();
+    d.driver.load_peer(p.info.clone()).unwrap();
+    assert!(perform(&mut p, streamed(1, &to, 2, 1)).is_empty());
+    assert!(poll(&mut p).is_empty(), "ended before its last part");
+    assert_eq!(parts_on(&mut d), vec![(0, 1, 2)]);
+    let extend = TransportOp::ExtendWrite {
+        write: WriteId(1),
+        from: 1,
+        to: 2,
+    };
+    assert!(perform(&mut p, extend).is_empty());
+    assert_eq!(
+        poll(&mut p),
+        vec![NetEvent::WriteCompleted { write: WriteId(1) }]
+    );
+    assert_eq!(parts_on(&mut d), vec![(1, 1, 2)]);
+    // A write whose layers are not this rank's cannot be split: PostFailed.
+    assert_eq!(perform(&mut p, streamed(2, &to, 3, 1)), post_failed(2));
+}
+
+/// An abandoned layer-wise write posts nothing more and ends once its posted parts ended.
+#[test]
+fn an_abandoned_layer_wise_write_ends_with_its_posted_parts() {
+    let fabric = MemFabric::new();
+    let (mut p, d) = (side(&fabric, "prefill"), side(&fabric, "decode"));
+    let to = d.info.peer.clone();
+    p.driver.load_peer(d.info.clone()).unwrap();
+    p.driver
+        .transport_mut()
+        .update_faults(|f| f.hang_next_transfers = 1);
+    assert!(perform(&mut p, streamed(1, &to, 2, 1)).is_empty());
+    assert!(perform(&mut p, TransportOp::Abandon(WriteId(1))).is_empty());
+    let extend = TransportOp::ExtendWrite {
+        write: WriteId(1),
+        from: 1,
+        to: 2,
+    };
+    assert!(perform(&mut p, extend).is_empty());
+    assert_eq!(
+        poll(&mut p),
+        vec![NetEvent::WriteFailed {
+            write: WriteId(1),
+            failure: WriteFailure::TransferFailed,
+        }]
+    );
+    assert_eq!(p.driver.stats().posted, 1, "one write, one part posted");
 }

@@ -105,6 +105,9 @@ impl Pair {
             Output::AbandonWrite { write } => {
                 return Err(BenchError::Machine(format!("abandoned {write}")));
             }
+            Output::ExtendWrite { write, .. } => {
+                return Err(BenchError::Machine(format!("layer-wise part of {write}")));
+            }
             Output::Invalidate { peer } => {
                 return Err(BenchError::Machine(format!("invalidated {peer}")));
             }

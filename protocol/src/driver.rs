@@ -21,7 +21,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::machine::{Endpoint, EndpointEvent, NetEvent, Output, ReadOrder, WriteOrder};
+mod streams;
+
+use crate::machine::{
+    Endpoint, EndpointEvent, NetEvent, Output, ReadOrder, StreamedLayers, WriteOrder,
+};
 use crate::planner::{PlanInput, Planner};
 use crate::transport::{Completion, Descriptor, Notification, Transport, TransportError};
 use crate::{
@@ -176,6 +180,15 @@ pub enum TransportOp {
     },
     /// Plan and post a write.
     PostWrite(Box<WriteOrder>),
+    /// Post the next layers, `from .. to`, of a layer-wise write.
+    ExtendWrite {
+        /// The write.
+        write: WriteId,
+        /// First layer of the part.
+        from: u32,
+        /// End of the part.
+        to: u32,
+    },
     /// Plan and post a read.
     PostRead(Box<ReadOrder>),
     /// Make sure a write never lands.
@@ -214,6 +227,7 @@ pub struct TransportDriver<T: Transport> {
     completions: Vec<Completion>,
     notifications: Vec<Notification>,
     stats: TransportStats,
+    streams: streams::Streams,
 }
 
 impl<T: Transport + std::fmt::Debug> std::fmt::Debug for TransportDriver<T> {
@@ -242,6 +256,7 @@ impl<T: Transport> TransportDriver<T> {
             completions: Vec::new(),
             notifications: Vec::new(),
             stats: TransportStats::default(),
+            streams: streams::Streams::default(),
         }
     }
 
@@ -309,25 +324,108 @@ impl<T: Transport> TransportDriver<T> {
                     }
                 }
             }
-            TransportOp::PostWrite(order) => feed.extend(self.post(&order)),
+            TransportOp::PostWrite(order) => feed.extend(match order.stream {
+                Some(stream) => self.post_stream(&order, stream),
+                None => self.post(&order),
+            }),
+            TransportOp::ExtendWrite { write, from, to } => {
+                tracing::trace!(%write, from, to, "write part");
+                feed.extend(self.streams.extend(&mut self.transport, write, to));
+            }
             TransportOp::PostRead(order) => feed.extend(self.post_read(&order)),
-            TransportOp::Abandon(write) => match self.transport.abandon_write(write) {
-                Ok(()) => {}
-                // Nothing is in flight under the id: its end was reported already (then this
-                // second report is dropped as unknown) or it was never posted. Either way it
-                // will never land: say so, or the machine waiting for it waits forever.
-                Err(TransportError::UnknownWrite { .. }) => feed.push(NetEvent::WriteFailed {
-                    write,
-                    failure: WriteFailure::TransferFailed,
-                }),
-                // On refusal the write stays in flight and its completion still comes.
-                Err(error) => tracing::warn!(%write, %error, "abandon refused"),
-            },
+            TransportOp::Abandon(write) => {
+                if let Some(end) = self.streams.abandon(&mut self.transport, write) {
+                    feed.extend(end);
+                } else {
+                    self.abandon(write, feed);
+                }
+            }
             TransportOp::Invalidate(peer) => {
                 self.transport.invalidate_remote(&peer);
                 self.peers.remove(&peer);
             }
         }
+    }
+
+    fn abandon(&mut self, write: WriteId, feed: &mut Vec<NetEvent>) {
+        match self.transport.abandon_write(write) {
+            Ok(()) => {}
+            // Nothing is in flight under the id: its end was reported already (then this
+            // second report is dropped as unknown) or it was never posted. Either way it
+            // will never land: say so, or the machine waiting for it waits forever.
+            Err(TransportError::UnknownWrite { .. }) => feed.push(NetEvent::WriteFailed {
+                write,
+                failure: WriteFailure::TransferFailed,
+            }),
+            // On refusal the write stays in flight and its completion still comes.
+            Err(error) => tracing::warn!(%write, %error, "abandon refused"),
+        }
+    }
+
+    /// Plans a layer-wise write once, sorts its descriptors by layer, and posts its first
+    /// layers (see `streams`).
+    fn post_stream(&mut self, order: &WriteOrder, stream: StreamedLayers) -> Option<NetEvent> {
+        let failed = Some(NetEvent::WriteFailed {
+            write: order.write,
+            failure: WriteFailure::PostFailed,
+        });
+        let transfer = Transfer {
+            id: order.write,
+            direction: RouteDirection::Write,
+            peer: &order.to,
+            key: &order.key,
+            epoch: order.epoch,
+            local: &order.local,
+            remote: &order.remote,
+        };
+        let summary = match self.plan(&transfer) {
+            Ok(summary) => summary,
+            Err(failed) => return failed,
+        };
+        let Some(by_layer) = self.by_layer(stream.layers) else {
+            tracing::warn!(key = %order.key, layers = stream.layers, "layer-wise write does not match this rank's layers");
+            self.stats.post_failures += 1;
+            return failed;
+        };
+        self.stats.posted += 1;
+        self.stats.descriptors += summary.0 as u64;
+        self.stats.bytes += summary.1;
+        let start = streams::StreamStart {
+            write: order.write,
+            to: &order.to,
+            notification: &order.notification,
+            posted: stream.posted,
+        };
+        self.streams.start(&mut self.transport, start, by_layer)
+    }
+
+    /// The planned descriptors by the layer of the local region each reads, if every one lies
+    /// in one region and the rank has `layers` layers.
+    fn by_layer(&self, layers: u32) -> Option<Vec<Vec<Descriptor>>> {
+        let own_layers = self.specs.iter().map(|s| s.layer + 1).max()?;
+        if own_layers != layers {
+            return None;
+        }
+        let mut regions: Vec<(u64, u64, u32)> = self
+            .own
+            .regions
+            .iter()
+            .zip(&self.specs)
+            .map(|(r, s)| (r.base, r.base.saturating_add(r.len), s.layer))
+            .collect();
+        regions.sort_unstable();
+        let mut out = vec![Vec::new(); layers as usize];
+        for d in &self.descriptors {
+            let at = regions
+                .partition_point(|r| r.0 <= d.local_addr)
+                .checked_sub(1)?;
+            let (_, end, layer) = regions[at];
+            if d.local_addr.saturating_add(d.len) > end {
+                return None;
+            }
+            out[layer as usize].push(*d);
+        }
+        Some(out)
     }
 
     fn post(&mut self, order: &WriteOrder) -> Option<NetEvent> {
@@ -372,10 +470,36 @@ impl<T: Transport> TransportDriver<T> {
             write: transfer.id,
             failure: WriteFailure::PostFailed,
         });
+        let summary = match self.plan(transfer) {
+            Ok(summary) => summary,
+            Err(failed) => return failed,
+        };
+        match post(&mut self.transport, &self.descriptors) {
+            Ok(()) => {
+                self.stats.posted += 1;
+                self.stats.descriptors += summary.0 as u64;
+                self.stats.bytes += summary.1;
+                None
+            }
+            Err(error) => {
+                tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer post failed");
+                self.stats.post_failures += 1;
+                failed
+            }
+        }
+    }
+
+    /// Plans `transfer`'s descriptors into `self.descriptors`: `Ok` with their count and
+    /// bytes, or `Err` with the `WriteFailed(PostFailed)` to report (counted).
+    fn plan(&mut self, transfer: &Transfer<'_>) -> Result<(usize, u64), Option<NetEvent>> {
+        let failed = Some(NetEvent::WriteFailed {
+            write: transfer.id,
+            failure: WriteFailure::PostFailed,
+        });
         let Some(peer) = self.peers.get(transfer.peer) else {
             tracing::warn!(peer = %transfer.peer, id = %transfer.id, "transfer with an unloaded peer");
             self.stats.post_failures += 1;
-            return failed;
+            return Err(failed);
         };
         let summary = match &self.route {
             Some(route) => {
@@ -397,7 +521,7 @@ impl<T: Transport> TransportDriver<T> {
                         self.descriptors.clear();
                         tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer route refused");
                         self.stats.post_failures += 1;
-                        return failed;
+                        return Err(failed);
                     }
                 }
             }
@@ -415,30 +539,23 @@ impl<T: Transport> TransportDriver<T> {
                     Err(error) => {
                         tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer plan failed");
                         self.stats.post_failures += 1;
-                        return failed;
+                        return Err(failed);
                     }
                 }
             }
         };
-        match post(&mut self.transport, &self.descriptors) {
-            Ok(()) => {
-                self.stats.posted += 1;
-                self.stats.descriptors += summary.0 as u64;
-                self.stats.bytes += summary.1;
-                None
-            }
-            Err(error) => {
-                tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer post failed");
-                self.stats.post_failures += 1;
-                failed
-            }
-        }
+        Ok(summary)
     }
 
     /// Collects what the transport reports (write ends, notifications) into `feed`.
     pub fn poll(&mut self, feed: &mut Vec<NetEvent>) {
         self.transport.poll_completions(&mut self.completions);
         for completion in self.completions.drain(..) {
+            if self.streams.owns_part(completion.write) {
+                let ok = completion.result.is_ok();
+                feed.extend(self.streams.part_ended(completion.write, ok));
+                continue;
+            }
             feed.push(match completion.result {
                 Ok(()) => NetEvent::WriteCompleted {
                     write: completion.write,
@@ -496,6 +613,9 @@ pub fn route(output: Output) -> Routed {
     match output {
         Output::Send { to, message } => Routed::Transport(TransportOp::Send { to, message }),
         Output::PostWrite(order) => Routed::Transport(TransportOp::PostWrite(order)),
+        Output::ExtendWrite { write, from, to } => {
+            Routed::Transport(TransportOp::ExtendWrite { write, from, to })
+        }
         Output::PostRead(order) => Routed::Transport(TransportOp::PostRead(order)),
         Output::AbandonWrite { write } => Routed::Transport(TransportOp::Abandon(write)),
         Output::Invalidate { peer } => Routed::Transport(TransportOp::Invalidate(peer)),

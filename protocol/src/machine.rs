@@ -46,6 +46,6 @@ pub use read_types::{
 };
 pub use types::{
     ConnectFailure, Counters, DecodeFailure, DecodeOutcome, DecodeStart, DropReason, EndpointCall,
-    EndpointEvent, FreeProof, NetEvent, Output, PrefillOutcome, PrefillStart, Rejected,
-    ReleaseCause, Time, WriteOrder,
+    EndpointEvent, FreeProof, LayerPlan, NetEvent, Output, PrefillOutcome, PrefillStart, Rejected,
+    ReleaseCause, StreamedLayers, Time, WriteOrder,
 };

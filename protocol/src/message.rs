@@ -188,6 +188,26 @@ pub struct WriteDone {
     pub prefill_rank: u32,
 }
 
+/// One part of a layer-wise write landed: layers `first .. first + count` of P's `of` layers,
+/// for every block of the registration (the notification of that part's transfer, so it arrives
+/// after the part's data). D counts a rank's writes landed when its parts cover all `of` layers,
+/// each layer once; a whole-request write sends [`WriteDone`] instead.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WritePartDone {
+    /// The pairing key.
+    pub key: PairingKey,
+    /// The attempt the write belongs to.
+    pub epoch: Epoch,
+    /// P's TP rank that wrote.
+    pub prefill_rank: u32,
+    /// The part's first layer (P's layer index on its rank).
+    pub first: u32,
+    /// Layers in the part (at least 1).
+    pub count: u32,
+    /// Layers of the whole write (P's layers on its rank).
+    pub of: u32,
+}
+
 /// Why P could not complete its writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum WriteFailure {
@@ -331,6 +351,8 @@ pub enum Message {
     ReadGrant(Box<ReadGrant>),
     /// The holder will not let the reader read.
     ReadRefused(ReadRefused),
+    /// A part of a layer-wise write landed.
+    WritePartDone(WritePartDone),
 }
 
 /// The one-byte kind that precedes a message's payload on the wire.
@@ -359,11 +381,13 @@ pub enum MessageKind {
     ReadGrant = 10,
     /// [`Message::ReadRefused`].
     ReadRefused = 11,
+    /// [`Message::WritePartDone`].
+    WritePartDone = 12,
 }
 
 impl MessageKind {
     /// Every kind, in wire-code order.
-    pub const ALL: [MessageKind; 11] = [
+    pub const ALL: [MessageKind; 12] = [
         MessageKind::Handshake,
         MessageKind::Register,
         MessageKind::WriteDone,
@@ -375,6 +399,7 @@ impl MessageKind {
         MessageKind::ReadAsk,
         MessageKind::ReadGrant,
         MessageKind::ReadRefused,
+        MessageKind::WritePartDone,
     ];
 
     /// The kind with wire code `code`, if any.
@@ -419,6 +444,17 @@ pub enum FieldError {
         /// Regions the geometry defines.
         expected: usize,
     },
+    /// A layer-wise part names no layers, layers past its write's, or more than
+    /// [`MAX_WRITE_LAYERS`].
+    #[error("write part of layers {first}+{count} of {of} is out of range")]
+    BadPart {
+        /// The part's first layer.
+        first: u32,
+        /// Its layer count.
+        count: u32,
+        /// The write's layers.
+        of: u32,
+    },
     /// The handshake's own protocol version differs from its frame's.
     #[error("handshake speaks protocol version {found}, its frame version {expected}")]
     ProtocolVersion {
@@ -432,6 +468,21 @@ pub enum FieldError {
 fn check_epoch(epoch: Epoch) -> Result<(), FieldError> {
     if epoch.0 == 0 {
         return Err(FieldError::ZeroEpoch);
+    }
+    Ok(())
+}
+
+/// Most layers one rank's layer-wise write may name (a model's layers on one pipeline stage).
+pub const MAX_WRITE_LAYERS: u32 = 4096;
+
+fn check_part(part: &WritePartDone) -> Result<(), FieldError> {
+    let end = part.first.checked_add(part.count);
+    if part.count == 0 || part.of > MAX_WRITE_LAYERS || end.is_none_or(|end| end > part.of) {
+        return Err(FieldError::BadPart {
+            first: part.first,
+            count: part.count,
+            of: part.of,
+        });
     }
     Ok(())
 }
@@ -458,6 +509,7 @@ impl Message {
             Message::ReadAsk(_) => MessageKind::ReadAsk,
             Message::ReadGrant(_) => MessageKind::ReadGrant,
             Message::ReadRefused(_) => MessageKind::ReadRefused,
+            Message::WritePartDone(_) => MessageKind::WritePartDone,
         }
     }
 
@@ -474,6 +526,7 @@ impl Message {
             Message::ReadAsk(m) => Some((&m.key, m.epoch)),
             Message::ReadGrant(m) => Some((&m.key, m.epoch)),
             Message::ReadRefused(m) => Some((&m.key, m.epoch)),
+            Message::WritePartDone(m) => Some((&m.key, m.epoch)),
         }
     }
 
@@ -529,6 +582,7 @@ impl Message {
             }
             Message::ReadAsk(m) => m.reader_request.validate().map_err(FieldError::from),
             Message::ReadGrant(m) => m.blocks.validate(),
+            Message::WritePartDone(m) => check_part(m),
             Message::WriteDone(_)
             | Message::WriteFailed(_)
             | Message::Cancel(_)

@@ -429,6 +429,11 @@ impl Session {
             | ConnectorCall::DeclineExport { .. } => Err(ConnectorError::Unsupported(
                 "bidirectional turns between engines of different geometries",
             )),
+            ConnectorCall::PrefillStarted { .. } | ConnectorCall::LayersReady { .. } => {
+                Err(ConnectorError::Unsupported(
+                    "layer-wise push between engines of different geometries",
+                ))
+            }
             other @ (ConnectorCall::Abort { .. } | ConnectorCall::Shutdown) => {
                 self.single_call(now, other)
             }

@@ -98,7 +98,7 @@ fn unsupported_version() {
 
 #[test]
 fn unknown_kind() {
-    for code in [0u8, 12, 0x80, 0xff] {
+    for code in [0u8, 13, 0x80, 0xff] {
         let mut frame = valid_frame();
         frame[6] = code;
         assert_eq!(wire::decode(&frame), Err(WireError::UnknownKind { code }));

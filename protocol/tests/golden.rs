@@ -29,13 +29,13 @@ use kvhandoff_protocol::{
     CancelReason, EngineId, Epoch, Handshake, Heartbeat, KvGeometry, KvLayout, LeaseRef, Message,
     MessageKind, ModelIdentity, PairingKey, ReadAsk, ReadGrant, ReadRefusal, ReadRefused,
     RegionDesc, Register, Release, ReleaseReason, RequestId, TransferMode, WriteDone, WriteFailed,
-    WriteFailure, PROTOCOL_VERSION,
+    WriteFailure, WritePartDone, PROTOCOL_VERSION,
 };
 
 /// The protocol version the golden files were made with. If this test fails because
 /// `PROTOCOL_VERSION` changed, bless the files and update this constant in the same change; if
 /// the files changed, `PROTOCOL_VERSION` must change too.
-const GOLDEN_PROTOCOL_VERSION: u16 = 4;
+const GOLDEN_PROTOCOL_VERSION: u16 = 5;
 
 #[test]
 fn goldens_pin_the_protocol_version() {
@@ -144,6 +144,17 @@ fn write_done() -> Message {
     })
 }
 
+fn write_part_done() -> Message {
+    Message::WritePartDone(WritePartDone {
+        key: key(),
+        epoch: Epoch(2),
+        prefill_rank: 1,
+        first: 20,
+        count: 10,
+        of: 80,
+    })
+}
+
 fn write_failed() -> Message {
     Message::WriteFailed(WriteFailed {
         key: key(),
@@ -240,6 +251,7 @@ fn file_name(kind: MessageKind) -> &'static str {
         MessageKind::ReadAsk => "read_ask",
         MessageKind::ReadGrant => "read_grant",
         MessageKind::ReadRefused => "read_refused",
+        MessageKind::WritePartDone => "write_part_done",
     }
 }
 
@@ -308,6 +320,11 @@ fn golden_write_done() {
 }
 
 #[test]
+fn golden_write_part_done() {
+    check(write_part_done());
+}
+
+#[test]
 fn golden_write_failed() {
     check(write_failed());
 }
@@ -362,6 +379,7 @@ fn every_kind_has_one_vector() {
         read_ask(),
         read_grant(),
         read_refused(),
+        write_part_done(),
     ];
     let kinds: Vec<MessageKind> = messages.iter().map(Message::kind).collect();
     assert_eq!(kinds, MessageKind::ALL);
@@ -389,7 +407,7 @@ fn the_release_vector_reads_as_documented() {
     let bytes = wire::encode(&release());
     let expected: Vec<u8> = [
         &b"KVHO"[..],     // magic
-        &[0x04, 0x00],    // version 4, little endian
+        &[0x05, 0x00],    // version 5, little endian
         &[0x08],          // kind: Release
         &[0x00],          // flags
         &[0x0a, 0, 0, 0], // payload length 10, little endian

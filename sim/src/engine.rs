@@ -5,6 +5,7 @@
 mod calls;
 mod events;
 mod fenced;
+mod layerwise;
 pub(crate) use events::PendingHandBack;
 pub(crate) use fenced::FencedWatch;
 mod multi;
@@ -108,6 +109,8 @@ pub(crate) struct Transfer {
     /// How long after a read of this request starts a sibling with the same transfer
     /// parameters declines the export it reads (real engines run siblings: `n > 1`, retries).
     pub sibling_decline: Option<Duration>,
+    /// P hands the first turn over layer-wise (single-source push only).
+    pub layerwise: bool,
 }
 
 /// One request of the workload.
@@ -285,11 +288,22 @@ impl World {
         if r.transfer.pull {
             params.transfer_mode = Some("pull".into());
         }
-        let call = ConnectorCall::RequestFinished {
-            request: a.id.clone(),
-            blocks: BlockIds::single_group(blocks.clone()),
-            num_tokens: u64::from(BLOCK_TOKENS) * n as u64,
-            params,
+        let (request_id, blocks_ids) = (a.id.clone(), BlockIds::single_group(blocks.clone()));
+        let num_tokens = u64::from(BLOCK_TOKENS) * n as u64;
+        let call = if r.transfer.layerwise {
+            ConnectorCall::PrefillStarted {
+                request: request_id,
+                blocks: blocks_ids,
+                num_tokens,
+                params,
+            }
+        } else {
+            ConnectorCall::RequestFinished {
+                request: request_id,
+                blocks: blocks_ids,
+                num_tokens,
+                params,
+            }
         };
         let retry = Some(Ev::PrefillStart { request });
         let Some(reply) = self.engine_call(0, call, &blocks, owner, retry) else {
@@ -317,6 +331,9 @@ impl World {
             started: self.now,
             fenced: None,
         };
+        if r.transfer.layerwise {
+            self.next_layer(request, attempt, inc, 0);
+        }
         self.last_progress = self.now;
         self.drain(0);
     }
@@ -530,6 +547,7 @@ impl World {
                 return None;
             }
             Message::WriteDone(m) => (&m.key, m.epoch.0),
+            Message::WritePartDone(m) => (&m.key, m.epoch.0),
             Message::WriteFailed(m) => (&m.key, m.epoch.0),
             Message::CancelAck(m) => (&m.key, m.epoch.0),
             _ => return None,

@@ -42,8 +42,8 @@ pub use ledger::{pattern, BLOCK_BYTES};
 pub use mode::{Mode, MULTI_SOURCE_MARKS, READ_MARKS};
 pub use options::SimOptions;
 pub use world::{
-    NodeId, Violation, World, WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE,
-    DEFAULT_STALL_MESSAGES_FIRST, FLOOD_MARKS, MISNAME_MARKS, STALL_MARKS,
+    NodeId, Violation, World, WorldConfig, DEFAULT_LAYERWISE, DEFAULT_STALLS, DEFAULT_STALL_FREEZE,
+    DEFAULT_STALL_MESSAGES_FIRST, FLOOD_MARKS, LAYERWISE_MARKS, MISNAME_MARKS, STALL_MARKS,
 };
 
 /// Which faults a run injects.
@@ -159,6 +159,7 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
     cfg.stall_freeze = opts.stall_freeze;
     cfg.stall_messages_first = opts.stall_messages_first;
     cfg.stall_past_allowance = opts.stall_past_allowance;
+    cfg.layerwise = opts.layerwise;
     let share = opts.multi_source_share();
     if share > 0.0 {
         // More P ranks only where some requests use them: other worlds keep their nodes, and

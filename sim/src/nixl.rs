@@ -92,7 +92,14 @@ impl SimWrite {
 }
 
 impl World {
-    pub(crate) fn post_write(&mut self, node: NodeId, order: WriteOrder) {
+    /// Carries out a write `node`'s shell posted; `layers` is the slice of each block a
+    /// layer-wise part carries (`None`: the whole write).
+    pub(crate) fn post_write(
+        &mut self,
+        node: NodeId,
+        order: WriteOrder,
+        layers: Option<std::ops::Range<usize>>,
+    ) {
         let inc = self.nodes[node].incarnation;
         if self.active_writes.contains_key(&(node, inc, order.write)) {
             self.violate(format!("S6: write {} reposted while active", order.write));
@@ -147,6 +154,8 @@ impl World {
             .multi
             .as_ref()
             .map_or(0..BLOCK_BYTES, |m| m.slice(node, target));
+        // Layer-wise requests are single-source: a part's layers are its slice of the block.
+        let slice = layers.unwrap_or(slice);
         let seq = self.next_seq;
         let mut write = SimWrite {
             poster: node,
@@ -290,6 +299,9 @@ impl World {
         );
         self.writes.insert(seq, w);
         *self.landed.entry(key).or_insert(0) += 1;
+        if let Message::WritePartDone(part) = &notification {
+            *self.parts_landed.entry((key.2, key.3)).or_insert(0) += part.count;
+        }
         let (node, inc, request, epoch) = key;
         *self
             .landed_pairs

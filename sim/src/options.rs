@@ -6,8 +6,8 @@ use std::ops::{Range, RangeInclusive};
 use crate::WorldConfig;
 
 use crate::{
-    Faults, Mode, Mutation, DEFAULT_POOL_BLOCKS, DEFAULT_STALL_FREEZE, FLOOD_MARKS, MISNAME_MARKS,
-    MULTI_SOURCE_MARKS, STALL_MARKS,
+    Faults, Mode, Mutation, DEFAULT_POOL_BLOCKS, DEFAULT_STALL_FREEZE, FLOOD_MARKS,
+    LAYERWISE_MARKS, MISNAME_MARKS, MULTI_SOURCE_MARKS, STALL_MARKS,
 };
 
 /// What to run.
@@ -33,6 +33,9 @@ pub struct SimOptions {
     /// The share of requests that are multi-rank (see [`WorldConfig::multi_source`]); `None`:
     /// the mode's ([`Mode::multi_source_share`]).
     pub multi_source: Option<f64>,
+    /// The share of push requests handed over layer-wise (see [`WorldConfig::layerwise`]); 0
+    /// in [`SimOptions::new`].
+    pub layerwise: f64,
     /// Process stalls per world under chaos (see [`WorldConfig::stalls`]); 0 in
     /// [`SimOptions::new`], so that every regression seed replays as found.
     pub stalls: f64,
@@ -70,6 +73,7 @@ impl SimOptions {
             poll_allocations: false,
             mode: Mode::Push,
             multi_source: None,
+            layerwise: 0.0,
             stalls: 0.0,
             stall_freeze: DEFAULT_STALL_FREEZE,
             stall_messages_first: 0.0,
@@ -98,6 +102,9 @@ impl SimOptions {
         }
         if self.multi_source_share() > 0.0 && (self.misname_rank > 0.0 || swarmed) {
             marks.extend_from_slice(MISNAME_MARKS);
+        }
+        if chaos && self.layerwise > 0.0 && self.mode.pushes() {
+            marks.extend_from_slice(LAYERWISE_MARKS);
         }
         if self.swarm && self.mode.second_turn_share() > 0.0 {
             // Routers that keep one `transfer_id` for a whole conversation (drawn per seed).

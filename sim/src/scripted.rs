@@ -492,9 +492,11 @@ impl Harness {
         let started = match &call {
             EndpointCall::DecodeAllocated(s) => Some(s.request.clone()),
             EndpointCall::PrefillFinished(s) => Some(s.request.clone()),
+            EndpointCall::PrefillStarted { start, .. } => Some(start.request.clone()),
             EndpointCall::Export(s) => Some(s.request.clone()),
             EndpointCall::Import(s) => Some(s.request.clone()),
             EndpointCall::Shutdown
+            | EndpointCall::LayersReady { .. }
             | EndpointCall::Abort { .. }
             | EndpointCall::DeclineExport { .. } => None,
         };
@@ -566,7 +568,17 @@ impl Harness {
                     self.feed(from, NetEvent::PeerConnectFailed { peer, reason });
                 }
             },
-            Output::PostWrite(order) => self.post(from, *order),
+            Output::PostWrite(order) => {
+                assert!(
+                    order.stream.is_none(),
+                    "the scripted world posts whole writes only; layer-wise writes run in the \
+                     seeded world, through the shell's driver"
+                );
+                self.post(from, *order);
+            }
+            Output::ExtendWrite { .. } => {
+                panic!("the scripted world posts whole writes only (see Output::PostWrite)")
+            }
             Output::PostRead(order) => self.post_read(from, *order),
             Output::AbandonWrite { write } => self.abandon(from, write),
             Output::Invalidate { peer } => {

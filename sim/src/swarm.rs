@@ -90,6 +90,15 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
     // Its own stream, so that the draws above stay what they were.
     let mut turns = ChaCha8Rng::seed_from_u64(seed ^ 0x6f6e_655f_6b65_7931);
     cfg.one_key_across_turns = turns.gen_ratio(1, 2);
+    // Its own stream too: one seed in three hands every push request over layer-wise, so that
+    // partial layer sets meet stalls, cancels and deaths often.
+    let mut layers = ChaCha8Rng::seed_from_u64(seed ^ 0x6c61_7965_725f_7331);
+    if cfg.layerwise > 0.0 && layers.gen_ratio(1, 3) {
+        cfg.layerwise = 1.0;
+    }
+    if cfg.layerwise > 0.0 && layers.gen_ratio(1, 2) {
+        cfg.layer_compute_us = (5_000, 60_000);
+    }
     debug_assert!(opts.faults == cfg.faults);
     if let Err(e) = cfg.machine.validate() {
         // The profiles are built to be valid: a refusal is a bug of this module.

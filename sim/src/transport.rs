@@ -29,15 +29,30 @@ use kvhandoff_protocol::{PeerAddr, WriteId};
 
 use crate::world::NodeId;
 
-/// The geometry every simulated rank has: one layer, so two regions (keys, values) of 8-byte
-/// blocks. The simulator's ledger tracks blocks by id; addresses only need to map back.
+/// The geometry every simulated rank has: [`LAYERS`] layers, so two regions (keys, values) of
+/// 8-byte blocks per layer. The simulator's ledger tracks blocks by id; addresses only need to
+/// map back (and a layer-wise part's layers to the slice of each block's bytes it carries).
 fn geometry() -> KvGeometry {
-    KvGeometry::dense(1, 1, 8, 1, 1, KvLayout::Nhd)
+    KvGeometry::dense(LAYERS, 1, 8, 1, 1, KvLayout::Nhd)
+}
+
+/// Layers of every simulated rank.
+pub(crate) const LAYERS: u32 = 4;
+
+/// The bytes of a simulated block that layers `first .. first + count` of `of` stand for.
+pub(crate) fn layer_slice(first: u32, count: u32, of: u32) -> std::ops::Range<usize> {
+    let per = crate::ledger::BLOCK_BYTES / of.max(1) as usize;
+    first as usize * per..(first + count) as usize * per
 }
 
 /// The address of block 0 of `region` of `node`.
 fn region_base(node: NodeId, region: usize) -> u64 {
     ((node as u64 + 1) << 40) | ((region as u64) << 32)
+}
+
+/// The region of `node` an address lies in (see [`region_base`]).
+fn region_of(node: NodeId, addr: u64) -> usize {
+    (addr.wrapping_sub((node as u64 + 1) << 40) >> 32) as usize
 }
 
 /// What a simulated rank tells its peers in a handshake.
@@ -177,11 +192,22 @@ impl SimTransport {
     /// The (local block, remote block) pairs `descriptors` cover between this node and `peer`.
     fn block_pairs(&self, peer: NodeId, descriptors: &[Descriptor]) -> Vec<(u32, u32)> {
         let mut pairs = Vec::new();
+        // Every region carries the same blocks: the first region's descriptors say which (a
+        // layer-wise part holds only its layers' regions).
+        let Some(first) = descriptors
+            .iter()
+            .map(|d| region_of(self.node, d.local_addr))
+            .min()
+        else {
+            return pairs;
+        };
         for d in descriptors {
-            // Every region carries the same blocks: region 0's descriptors say which.
+            if region_of(self.node, d.local_addr) != first {
+                continue;
+            }
             let (Some(local), Some(remote)) = (
-                self.block_at(self.node, d.local_addr),
-                self.block_at(peer, d.remote_addr),
+                self.block_at(self.node, first, d.local_addr),
+                self.block_at(peer, first, d.remote_addr),
             ) else {
                 continue;
             };
@@ -191,9 +217,9 @@ impl SimTransport {
         pairs
     }
 
-    /// The block of region 0 of `node` at `addr`, if the address is in that region.
-    fn block_at(&self, node: NodeId, addr: u64) -> Option<u32> {
-        let base = region_base(node, 0);
+    /// The block of `region` of `node` at `addr`, if the address is in that region.
+    fn block_at(&self, node: NodeId, region: usize, addr: u64) -> Option<u32> {
+        let base = region_base(node, region);
         let offset = addr.checked_sub(base)?;
         if offset >= 1 << 32 {
             return None;
@@ -345,10 +371,14 @@ impl crate::world::World {
     /// the shell asked the transport for, and feeds back what the shell made of it.
     pub(crate) fn shell_op(&mut self, node: NodeId, op: TransportOp) {
         let mut feed = Vec::new();
-        let post = matches!(op, TransportOp::PostWrite(_) | TransportOp::PostRead(_));
+        let post = matches!(
+            op,
+            TransportOp::PostWrite(_) | TransportOp::PostRead(_) | TransportOp::ExtendWrite { .. }
+        );
         let read_order = match &op {
             TransportOp::PostRead(order) => Some((**order).clone()),
             TransportOp::PostWrite(_)
+            | TransportOp::ExtendWrite { .. }
             | TransportOp::Send { .. }
             | TransportOp::Abandon(_)
             | TransportOp::Invalidate(_) => None,
@@ -356,7 +386,7 @@ impl crate::world::World {
         // NIXL may refuse a post outright (`post_xfer_req` failing): the transport says so
         // and the shell makes it `WriteFailed(PostFailed)`.
         let refuse = post && self.chance(self.rates.post_fail);
-        if post && read_order.is_none() {
+        if matches!(op, TransportOp::PostWrite(_)) {
             // Every post the endpoint asked for reaches the shell (S8's accounting).
             self.nodes[node].posts_seen += 1;
         }
@@ -410,21 +440,33 @@ impl crate::world::World {
         notification: Option<Vec<u8>>,
     ) {
         let decoded = notification.as_deref().map(wire::decode);
-        let Some(Ok(Message::WriteDone(done))) = decoded else {
-            self.violate(format!("node {node}: write {write} without its WriteDone"));
-            return;
+        let (key, epoch, layers) = match &decoded {
+            Some(Ok(Message::WriteDone(done))) => (done.key.clone(), done.epoch, None),
+            Some(Ok(Message::WritePartDone(part))) => (
+                part.key.clone(),
+                part.epoch,
+                Some(layer_slice(part.first, part.count, part.of)),
+            ),
+            _ => {
+                self.violate(format!("node {node}: write {write} without its WriteDone"));
+                return;
+            }
+        };
+        let Some(Ok(notification)) = decoded else {
+            unreachable!("decoded above");
         };
         let (local, remote): (Vec<u32>, Vec<u32>) = pairs.into_iter().unzip();
         let order = WriteOrder {
             write,
             to,
-            key: done.key.clone(),
-            epoch: done.epoch,
+            key,
+            epoch,
             local: BlockIds::single_group(local),
             remote: BlockIds::single_group(remote),
-            notification: Message::WriteDone(done),
+            notification,
+            stream: None,
         };
-        self.post_write(node, order);
+        self.post_write(node, order, layers);
     }
 
     /// Hands `node`'s shell what its transport reports (a write's end, a notification) and

@@ -25,8 +25,8 @@ use crate::ledger::Pool;
 use crate::nixl::SimWrite;
 
 pub use config::{
-    WorldConfig, DEFAULT_STALLS, DEFAULT_STALL_FREEZE, DEFAULT_STALL_MESSAGES_FIRST, FLOOD_MARKS,
-    MISNAME_MARKS, STALL_MARKS,
+    WorldConfig, DEFAULT_LAYERWISE, DEFAULT_STALLS, DEFAULT_STALL_FREEZE,
+    DEFAULT_STALL_MESSAGES_FIRST, FLOOD_MARKS, LAYERWISE_MARKS, MISNAME_MARKS, STALL_MARKS,
 };
 pub(crate) use net::{describe, is_notification};
 pub(crate) use node::{incarnation_of, new_session, Node};
@@ -99,6 +99,8 @@ pub struct World {
     /// `WriteDone`s delivered, by (D node, its incarnation, request, epoch, P node).
     pub(crate) notifs_delivered: BTreeMap<(NodeId, u32, usize, u64, NodeId), u32>,
     pub(crate) landed: BTreeMap<(NodeId, u32, usize, u64), u32>,
+    /// Layers of layer-wise parts landed per (request, epoch) (the partial-set coverage mark).
+    pub(crate) parts_landed: BTreeMap<(usize, u64), u32>,
     /// Writes landed whole, by (D node, its incarnation, request, epoch, P node): S8 for one
     /// sub-request of a multi-rank request.
     pub(crate) landed_pairs: BTreeMap<(NodeId, u32, usize, u64, NodeId), u32>,
@@ -227,6 +229,7 @@ impl World {
             registers_delivered: BTreeSet::new(),
             notifs_delivered: BTreeMap::new(),
             landed: BTreeMap::new(),
+            parts_landed: BTreeMap::new(),
             landed_pairs: BTreeMap::new(),
             sub_registers: BTreeSet::new(),
             counters: Default::default(),
@@ -498,6 +501,12 @@ impl World {
             }
             Ev::DecodeStart { request } => self.decode_start(request),
             Ev::PrefillStart { request } => self.prefill_start(request),
+            Ev::LayersReady {
+                request,
+                attempt,
+                inc,
+                ready,
+            } => self.layers_ready(request, attempt, inc, ready),
             Ev::SubDecodeStart { request, node } => self.sub_decode_start(request, node),
             Ev::SubPrefillStart { request, node } => self.sub_prefill_start(request, node),
             Ev::Abort { request, decode } => self.abort(request, decode),

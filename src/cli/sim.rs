@@ -34,6 +34,10 @@ pub(crate) struct SimArgs {
     /// several D ranks), 0 to 1 [default: the mode's: 0.1 in mixed, 0 elsewhere].
     #[arg(long, value_parser = parse_share)]
     multi_source: Option<f64>,
+    /// The share of single-source push requests that P hands over layer-wise (its engine
+    /// reports each layer as it is produced; each part is written once D registered), 0 to 1.
+    #[arg(long, value_parser = parse_share, default_value_t = kvhandoff_sim::DEFAULT_LAYERWISE)]
+    layerwise: f64,
     /// Process stalls under chaos (SIGSTOP, a paused VM, a GC pause): the mean number per seed,
     /// each seed drawing 0 to twice as many, from a quarter under the peer timeout to past the
     /// quarantine; 0 runs none. Messages to a stalled process queue; on resume its due timers
@@ -195,6 +199,7 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
     options.poll_allocations = args.poll_allocations;
     options.mode = args.mode;
     options.multi_source = args.multi_source;
+    options.layerwise = args.layerwise;
     options.stalls = args.stalls;
     options.stall_freeze = args.stall_freeze;
     options.stall_messages_first = args.stall_messages_first;
@@ -221,11 +226,12 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
             false => format!("{}..{}", options.requests.start(), options.requests.end()),
         };
         eprintln!(
-            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {} --stalls {} --stall-freeze {} --stall-messages-first {}{}{}{}{}{}",
+            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {} --layerwise {} --stalls {} --stall-freeze {} --stall-messages-first {}{}{}{}{}{}",
             options.pool_blocks.start(),
             options.pool_blocks.end(),
             args.faults,
             mode_name(args.mode),
+            args.layerwise,
             args.stalls,
             args.stall_freeze,
             args.stall_messages_first,

@@ -48,6 +48,11 @@ use super::types::{
 use super::{ActiveMutation, Config, Mutation};
 use crate::PeerAddr;
 
+mod parts;
+
+pub(crate) use parts::PartTally;
+use parts::PartVerdict;
+
 /// What every state of a D request knows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct DecodeCommon {
@@ -60,6 +65,8 @@ pub(crate) struct DecodeCommon {
     pub(crate) expected_writes: u32,
     /// When D stops waiting for P's data.
     pub(crate) deadline: Time,
+    /// The parts of layer-wise writes that landed, per P rank.
+    pub(crate) parts: PartTally,
 }
 
 /// Waiting for the handshake with P; the blocks are not exposed yet.
@@ -83,11 +90,15 @@ pub(crate) struct Registered {
 impl Registered {
     /// Whether the registration is due again: nothing answered it, and resends are left.
     fn register_due(&self, now: Time) -> bool {
-        self.registers_left > 0 && self.landed.is_empty() && now >= self.next_register
+        self.registers_left > 0 && self.nothing_landed() && now >= self.next_register
+    }
+
+    fn nothing_landed(&self) -> bool {
+        self.landed.is_empty() && !self.common.parts.any()
     }
 
     fn next_timer(&self) -> Time {
-        if self.registers_left > 0 && self.landed.is_empty() {
+        if self.registers_left > 0 && self.nothing_landed() {
             self.next_register.min(self.common.deadline)
         } else {
             self.common.deadline
@@ -136,9 +147,23 @@ pub(crate) enum DecodeInput {
     PeerConnected,
     PeerConnectFailed,
     PeerDead,
-    WriteDone { rank: u32 },
-    WriteFailed { rank: u32, reason: WriteFailure },
-    CancelAck { rank: u32 },
+    WriteDone {
+        rank: u32,
+    },
+    /// Layers `first .. first + count` of `of` of the rank's layer-wise write landed.
+    PartDone {
+        rank: u32,
+        first: u32,
+        count: u32,
+        of: u32,
+    },
+    WriteFailed {
+        rank: u32,
+        reason: WriteFailure,
+    },
+    CancelAck {
+        rank: u32,
+    },
     Abort,
     Shutdown,
     Timeout,
@@ -157,6 +182,7 @@ impl DecodeCommon {
             num_tokens: start.num_tokens,
             expected_writes: start.expected_writes,
             deadline,
+            parts: PartTally::default(),
         }
     }
 
@@ -312,6 +338,7 @@ impl Connecting {
             DecodeInput::Timeout => Step::Live(DecodeRequest::Connecting(self)),
             // Nothing was registered, so P cannot have written or acknowledged anything.
             DecodeInput::WriteDone { .. }
+            | DecodeInput::PartDone { .. }
             | DecodeInput::WriteFailed { .. }
             | DecodeInput::CancelAck { .. } => {
                 fx.drop_input(DropReason::Unexpected);
@@ -356,6 +383,22 @@ impl Registered {
 
     fn handle(mut self, ctx: &DecodeCtx<'_>, input: DecodeInput, fx: &mut Outbox) -> DecodeStep {
         match input {
+            DecodeInput::PartDone {
+                rank,
+                first,
+                count,
+                of,
+            } => {
+                let early = ctx.mutation(Mutation::ReadyOnFirstPart);
+                match self.common.parts.add(rank, (first, count, of), early) {
+                    PartVerdict::Complete => self.handle(ctx, DecodeInput::WriteDone { rank }, fx),
+                    PartVerdict::Partial => Step::Live(DecodeRequest::Registered(self)),
+                    PartVerdict::Refused(reason) => {
+                        fx.drop_input(reason);
+                        Step::Live(DecodeRequest::Registered(self))
+                    }
+                }
+            }
             DecodeInput::WriteDone { rank } => {
                 if !self.landed.insert(rank) {
                     fx.drop_input(DropReason::Duplicate);
@@ -475,6 +518,23 @@ impl Cancelling {
                 Step::Live(DecodeRequest::Cancelling(self))
             }
             DecodeInput::WriteDone { rank } => self.settle(rank, FreeProof::WritesCompleted, fx),
+            // Only every part of a rank's write proves that none of it is still in flight.
+            DecodeInput::PartDone {
+                rank,
+                first,
+                count,
+                of,
+            } => {
+                let early = ctx.mutation(Mutation::ReadyOnFirstPart);
+                match self.common.parts.add(rank, (first, count, of), early) {
+                    PartVerdict::Complete => self.settle(rank, FreeProof::WritesCompleted, fx),
+                    PartVerdict::Partial => Step::Live(DecodeRequest::Cancelling(self)),
+                    PartVerdict::Refused(reason) => {
+                        fx.drop_input(reason);
+                        Step::Live(DecodeRequest::Cancelling(self))
+                    }
+                }
+            }
             DecodeInput::WriteFailed { rank, .. } => self.settle(rank, FreeProof::PeerQuiesced, fx),
             DecodeInput::Timeout if ctx.now >= self.quarantine_until => {
                 let proof = match self.reason {

@@ -225,6 +225,7 @@ impl Endpoint {
         let result = match call {
             EndpointCall::DecodeAllocated(_)
             | EndpointCall::PrefillFinished(_)
+            | EndpointCall::PrefillStarted { .. }
             | EndpointCall::Export(_)
             | EndpointCall::Import(_)
                 if self.shutting_down =>
@@ -239,6 +240,14 @@ impl Endpoint {
             EndpointCall::PrefillFinished(start) => {
                 let fx = &mut self.outbox;
                 self.prefills.finished(now, start, fx)
+            }
+            EndpointCall::PrefillStarted { start, plan } => {
+                let fx = &mut self.outbox;
+                self.prefills.started(now, start, plan, fx)
+            }
+            EndpointCall::LayersReady { request, ready } => {
+                let fx = &mut self.outbox;
+                self.prefills.layers_ready(now, &request, ready, fx)
             }
             EndpointCall::Abort { request } => self.abort(now, &request),
             EndpointCall::Export(start) => self.export_call(now, start),
@@ -427,6 +436,16 @@ impl Endpoint {
             Message::WriteDone(m) => {
                 let rank = m.prefill_rank;
                 let input = DecodeInput::WriteDone { rank };
+                self.route_to_decode(now, &from, rank, &m.key, m.epoch, input);
+            }
+            Message::WritePartDone(m) => {
+                let rank = m.prefill_rank;
+                let input = DecodeInput::PartDone {
+                    rank,
+                    first: m.first,
+                    count: m.count,
+                    of: m.of,
+                };
                 self.route_to_decode(now, &from, rank, &m.key, m.epoch, input);
             }
             Message::WriteFailed(m) => {

@@ -98,11 +98,20 @@ pub enum Mutation {
     /// back, not the most cautious of its pairs' (a `Quarantine` one reported as
     /// `CancelAcknowledged`, say).
     FanProofOfLastPair,
+    /// D counts a P rank's layer-wise write as landed at its first part, while the other
+    /// layers' parts may still be on their way.
+    ReadyOnFirstPart,
+    /// P answers a cancel of a layer-wise write whose last part is not posted yet at once,
+    /// as if nothing were in flight, while its posted parts may still land.
+    AckPartialWriteAtOnce,
+    /// P posts the next part of a layer-wise write after D's registration lapsed (this
+    /// process stalled past D's heartbeats): D may have fenced and reused its blocks.
+    ExtendLapsedRegistration,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 28] = [
+    pub const ALL: [Mutation; 31] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -131,6 +140,9 @@ impl Mutation {
         Mutation::TellFencedTwice,
         Mutation::FanHandBackAtFailure,
         Mutation::FanProofOfLastPair,
+        Mutation::ReadyOnFirstPart,
+        Mutation::AckPartialWriteAtOnce,
+        Mutation::ExtendLapsedRegistration,
     ];
 
     /// The mutation's name on the command line.
@@ -170,6 +182,9 @@ impl Mutation {
             Mutation::TellFencedTwice => "tell_fenced_twice",
             Mutation::FanHandBackAtFailure => "fan_hand_back_at_failure",
             Mutation::FanProofOfLastPair => "fan_proof_of_last_pair",
+            Mutation::ReadyOnFirstPart => "ready_on_first_part",
+            Mutation::AckPartialWriteAtOnce => "ack_partial_write_at_once",
+            Mutation::ExtendLapsedRegistration => "extend_lapsed_registration",
         }
     }
 }

@@ -23,7 +23,9 @@ mod pairing;
 
 use super::effects::{Outbox, Step};
 use super::shape::Machine;
-use super::types::{DropReason, Output, PrefillOutcome, ReleaseCause, Time, WriteOrder};
+use super::types::{
+    DropReason, LayerPlan, Output, PrefillOutcome, ReleaseCause, StreamedLayers, Time, WriteOrder,
+};
 use super::{ActiveMutation, Config, Mutation};
 use crate::{PeerAddr, WriteId};
 pub(crate) use pairing::pair_blocks;
@@ -34,6 +36,55 @@ pub(crate) struct PrefillCommon {
     pub(crate) request: RequestId,
     pub(crate) key: PairingKey,
     pub(crate) blocks: BlockIds,
+    /// A layer-wise request whose last part is not posted yet; `None` for a whole-request
+    /// push, and once the last part of a layer-wise one is posted.
+    pub(crate) producing: Option<Producing>,
+}
+
+/// Where a layer-wise request's prefill and its write parts are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Producing {
+    pub(crate) plan: LayerPlan,
+    /// Layers `0 .. ready` hold their KV.
+    pub(crate) ready: u32,
+    /// Layers `0 .. posted` are posted (`posted <= ready`).
+    pub(crate) posted: u32,
+    /// Once bound: until when D's registration is known to stand (renewed by D's heartbeats,
+    /// by `registration_ttl`, as a pending registration is). No part is posted after it: D may
+    /// have given up and fenced its blocks by its quarantine, which is sized on that TTL.
+    pub(crate) registration_until: Option<Time>,
+}
+
+impl Producing {
+    /// A layer-wise request whose prefill starts.
+    pub(crate) fn start(plan: LayerPlan) -> Self {
+        assert!(plan.layers >= 1 && (1..=plan.layers).contains(&plan.part_layers));
+        Producing {
+            plan,
+            ready: 0,
+            posted: 0,
+            registration_until: None,
+        }
+    }
+
+    /// The end of the part due now, if one is: all new layers once a part's worth is ready,
+    /// or the rest once the last layer is.
+    fn due(&self) -> Option<u32> {
+        let last = self.ready == self.plan.layers;
+        let new = self.ready - self.posted;
+        (new > 0 && (last || new >= self.plan.part_layers)).then_some(self.ready)
+    }
+
+    /// The prefill produced layers `0 .. ready` (a smaller count than known changes nothing).
+    fn advance(&mut self, ready: u32) {
+        self.ready = self.ready.max(ready.min(self.plan.layers));
+        assert!(self.posted <= self.ready && self.ready <= self.plan.layers);
+    }
+
+    /// Whether the engine still produces layers into the blocks.
+    pub(crate) fn still_computing(&self) -> bool {
+        self.ready < self.plan.layers
+    }
 }
 
 /// Finished, waiting for D's registration, under a lease.
@@ -110,6 +161,10 @@ pub(crate) enum PrefillInput {
         register: Box<Register>,
     },
     Heartbeat,
+    /// Layer-wise: the prefill produced layers `0 .. ready`.
+    LayersReady {
+        ready: u32,
+    },
     Cancel {
         from: PeerAddr,
         epoch: Epoch,
@@ -247,7 +302,11 @@ impl Machine for PrefillRequest {
     fn next_timer(&self, _config: &Config) -> Time {
         match self {
             PrefillRequest::Held(s) => s.lease_until,
-            PrefillRequest::Writing(s) => s.write_deadline,
+            PrefillRequest::Writing(s) => s
+                .common
+                .producing
+                .and_then(|p| p.registration_until)
+                .map_or(s.write_deadline, |until| until.min(s.write_deadline)),
             PrefillRequest::Draining(s) => s.deadline,
         }
     }
@@ -280,7 +339,7 @@ impl Held {
 
     /// Starts the write for a registration, or rejects a registration that does not fit.
     fn start_write(
-        self,
+        mut self,
         ctx: &PrefillCtx<'_>,
         from: PeerAddr,
         register: Register,
@@ -295,6 +354,18 @@ impl Held {
             return self.refuse(ctx, &from, &register, refused, fx);
         };
         let write = ctx.next_write;
+        let registration_until = ctx.now + ctx.config.registration_ttl;
+        let stream = self.common.producing.as_mut().map(|p| {
+            p.registration_until = Some(registration_until);
+            p.posted = p.due().unwrap_or(0);
+            StreamedLayers {
+                layers: p.plan.layers,
+                posted: p.posted,
+            }
+        });
+        if stream.is_some_and(|s| s.posted == s.layers) {
+            self.common.producing = None;
+        }
         fx.emit(Output::PostWrite(Box::new(WriteOrder {
             write,
             to: from.clone(),
@@ -307,6 +378,7 @@ impl Held {
                 epoch: register.epoch,
                 prefill_rank: ctx.own_rank,
             }),
+            stream,
         })));
         fx.counters.writes_posted += 1;
         Step::Live(PrefillRequest::Writing(Writing {
@@ -331,7 +403,7 @@ impl Held {
                 let refused = (WriteFailure::LeaseExpired, ReleaseCause::LeaseExpired);
                 self.refuse(ctx, &from, &register, refused, fx)
             }
-            PrefillInput::Heartbeat if lapsed => {
+            PrefillInput::Heartbeat | PrefillInput::LayersReady { .. } if lapsed => {
                 fx.counters.expired_leases_refused += 1;
                 self.common
                     .end(PrefillOutcome::Released(ReleaseCause::LeaseExpired), None)
@@ -342,6 +414,19 @@ impl Held {
             PrefillInput::Heartbeat => {
                 self.lease_until = self.lease_until.max(ctx.now + ctx.config.lease_extension);
                 fx.counters.leases_renewed += 1;
+                Step::Live(PrefillRequest::Held(self))
+            }
+            // The prefill goes on: the blocks wait for D under a lease that runs from the
+            // latest layer (the engine's progress is its heartbeat).
+            PrefillInput::LayersReady { ready } => {
+                match self.common.producing.as_mut() {
+                    Some(producing) => {
+                        producing.advance(ready);
+                        self.lease_until =
+                            self.lease_until.max(ctx.now + ctx.config.lease_duration);
+                    }
+                    None => fx.drop_input(DropReason::Unexpected),
+                }
                 Step::Live(PrefillRequest::Held(self))
             }
             PrefillInput::Cancel { from, epoch } => {
@@ -376,7 +461,10 @@ impl Held {
 
 impl Writing {
     fn drain(self, ctx: &PrefillCtx<'_>, cause: DrainCause, fx: &mut Outbox) -> PrefillStep {
-        let abandon_now = matches!(cause, DrainCause::PeerDead | DrainCause::TimedOut);
+        // A layer-wise write whose last part will now never be posted cannot end on its own:
+        // abandon it, and its end comes once the parts posted ended.
+        let abandon_now = matches!(cause, DrainCause::PeerDead | DrainCause::TimedOut)
+            || self.common.producing.is_some();
         if abandon_now {
             fx.emit(Output::AbandonWrite {
                 write: self.binding.write,
@@ -400,10 +488,92 @@ impl Writing {
         }))
     }
 
-    fn handle(self, ctx: &PrefillCtx<'_>, input: PrefillInput, fx: &mut Outbox) -> PrefillStep {
+    /// Whether the registration of a layer-wise write still waiting for parts lapsed (this
+    /// process was stalled past D's heartbeats): no part may be posted into it any more.
+    fn registration_lapsed(&self, ctx: &PrefillCtx<'_>) -> bool {
+        self.registration_passed(ctx.now) && !ctx.mutation.is(Mutation::ExtendLapsedRegistration)
+    }
+
+    fn registration_passed(&self, now: Time) -> bool {
+        self.common
+            .producing
+            .and_then(|p| p.registration_until)
+            .is_some_and(|until| now >= until)
+    }
+
+    /// Posts the part the prefill's progress made due, if any.
+    fn extend(&mut self, ctx: &PrefillCtx<'_>, ready: u32, fx: &mut Outbox) {
+        let Some(producing) = self.common.producing.as_mut() else {
+            fx.drop_input(DropReason::Unexpected);
+            return;
+        };
+        producing.advance(ready);
+        // While the prefill runs, the write's deadline bounds the engine's silence; from the
+        // last part on, the transfer's.
+        self.write_deadline = ctx.now + ctx.config.write_timeout;
+        if let Some(to) = producing.due() {
+            fx.emit(Output::ExtendWrite {
+                write: self.binding.write,
+                from: producing.posted,
+                to,
+            });
+            producing.posted = to;
+        }
+        if producing.posted == producing.plan.layers {
+            self.common.producing = None;
+        }
+    }
+
+    fn handle(mut self, ctx: &PrefillCtx<'_>, input: PrefillInput, fx: &mut Outbox) -> PrefillStep {
         let epoch = self.binding.epoch;
         match input {
+            // The shell reports a layer-wise write's end only after its last part (or an
+            // abandon): an end before it cannot prove the whole request landed.
+            PrefillInput::WriteCompleted if self.common.producing.is_some() => {
+                fx.drop_input(DropReason::Unexpected);
+                let failure = WriteFailure::TransferFailed;
+                self.handle(ctx, PrefillInput::WriteFailed { failure }, fx)
+            }
             PrefillInput::WriteCompleted => self.common.end(PrefillOutcome::Sent, Some(epoch)),
+            PrefillInput::LayersReady { .. } | PrefillInput::Timeout
+                if self.registration_lapsed(ctx) =>
+            {
+                fx.counters.expired_leases_refused += 1;
+                self.drain(ctx, DrainCause::TimedOut, fx)
+            }
+            PrefillInput::Timeout if self.registration_passed(ctx.now) => {
+                // Only the deliberate bug gets here: it forgets the lapse (and its timer).
+                if let Some(producing) = self.common.producing.as_mut() {
+                    producing.registration_until = None;
+                }
+                Step::Live(PrefillRequest::Writing(self))
+            }
+            PrefillInput::LayersReady { ready } => {
+                self.extend(ctx, ready, fx);
+                Step::Live(PrefillRequest::Writing(self))
+            }
+            PrefillInput::Heartbeat if self.common.producing.is_some() => {
+                let until = ctx.now + ctx.config.registration_ttl;
+                if let Some(producing) = self.common.producing.as_mut() {
+                    producing.registration_until = Some(until);
+                    fx.counters.leases_renewed += 1;
+                }
+                Step::Live(PrefillRequest::Writing(self))
+            }
+            PrefillInput::Cancel {
+                from,
+                epoch: cancelled,
+            } if cancelled == epoch
+                && self.common.producing.is_some()
+                && ctx.mutation.is(Mutation::AckPartialWriteAtOnce) =>
+            {
+                // The deliberate bug: parts already posted may still land.
+                fx.send(&from, cancel_ack(&self.common.key, epoch, ctx.own_rank));
+                self.common.end(
+                    PrefillOutcome::Released(ReleaseCause::CancelledByPeer),
+                    Some(epoch),
+                )
+            }
             PrefillInput::WriteFailed { failure } => {
                 fx.send(
                     &self.binding.to,
@@ -575,6 +745,14 @@ impl Draining {
                 Step::Live(PrefillRequest::Draining(self))
             }
             PrefillInput::Abort | PrefillInput::Heartbeat => {
+                Step::Live(PrefillRequest::Draining(self))
+            }
+            // Nothing more is posted; the engine's progress only tells whether it still
+            // computes into the blocks.
+            PrefillInput::LayersReady { ready } => {
+                if let Some(producing) = self.common.producing.as_mut() {
+                    producing.ready = producing.ready.max(ready.min(producing.plan.layers));
+                }
                 Step::Live(PrefillRequest::Draining(self))
             }
             PrefillInput::PeerDead { .. } | PrefillInput::Timeout => {

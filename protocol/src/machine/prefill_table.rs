@@ -22,10 +22,14 @@ use crate::{
 };
 
 use super::effects::{Outbox, Step};
-use super::prefill::{PrefillCommon, PrefillCtx, PrefillEnded, PrefillInput, PrefillRequest};
+use super::prefill::{
+    PrefillCommon, PrefillCtx, PrefillEnded, PrefillInput, PrefillRequest, Producing,
+};
 use super::shape::Machine;
 use super::tables::{Machines, TimerIndex, Tombstones};
-use super::types::{DropReason, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time};
+use super::types::{
+    DropReason, LayerPlan, PrefillOutcome, PrefillStart, Rejected, ReleaseCause, Time,
+};
 use super::{ActiveMutation, Config, Mutation};
 use crate::{PeerAddr, WriteId};
 
@@ -63,6 +67,10 @@ pub(crate) struct PrefillTable {
     runs: Runs,
     next_write: u64,
     mutation: ActiveMutation,
+    /// Layer-wise requests that ended while their prefill still ran, with their layer count:
+    /// the engine's later progress calls for them are taken and do nothing (until the last
+    /// layer). Bounded by `max_requests`.
+    ended_computing: BTreeMap<RequestId, u32>,
 }
 
 impl PrefillTable {
@@ -80,6 +88,7 @@ impl PrefillTable {
             budget: PeerBudget::new(config),
             runs: Runs::new(config),
             next_write: 1,
+            ended_computing: BTreeMap::new(),
             mutation: ActiveMutation::default(),
         }
     }
@@ -191,6 +200,71 @@ impl PrefillTable {
         start: PrefillStart,
         fx: &mut Outbox,
     ) -> Result<(), Rejected> {
+        self.admit(now, start, None, fx)
+    }
+
+    /// P's engine starts a layer-wise prefill.
+    pub(crate) fn started(
+        &mut self,
+        now: Time,
+        start: PrefillStart,
+        plan: LayerPlan,
+        fx: &mut Outbox,
+    ) -> Result<(), Rejected> {
+        if plan.layers == 0 || plan.layers > crate::MAX_WRITE_LAYERS {
+            return Err(Rejected::Invalid(
+                "layer-wise layers out of 1..=MAX_WRITE_LAYERS",
+            ));
+        }
+        if !(1..=plan.layers).contains(&plan.part_layers) {
+            return Err(Rejected::Invalid("layers per part out of 1..=layers"));
+        }
+        if self.ended_computing.contains_key(&start.request) {
+            return Err(Rejected::DuplicateRequest(start.request));
+        }
+        self.admit(now, start, Some(Producing::start(plan)), fx)
+    }
+
+    /// P's engine produced layers `0 .. ready` of a layer-wise request.
+    pub(crate) fn layers_ready(
+        &mut self,
+        now: Time,
+        request: &RequestId,
+        ready: u32,
+        fx: &mut Outbox,
+    ) -> Result<(), Rejected> {
+        if let Some(key) = self.by_request.get(request).cloned() {
+            let layer_wise = self
+                .requests
+                .get(&key)
+                .is_some_and(|r| r.common().producing.is_some());
+            if layer_wise {
+                self.step(now, &key, PrefillInput::LayersReady { ready }, fx);
+            } else {
+                // A whole-request push, or a layer-wise one whose parts are all posted.
+                fx.drop_input(DropReason::Duplicate);
+            }
+            return Ok(());
+        }
+        match self.ended_computing.get(request) {
+            Some(&layers) => {
+                if ready >= layers {
+                    self.ended_computing.remove(request);
+                }
+                Ok(())
+            }
+            None => Err(Rejected::UnknownRequest(request.clone())),
+        }
+    }
+
+    /// Admits a finished prefill (`producing` `None`) or a layer-wise one that starts.
+    fn admit(
+        &mut self,
+        now: Time,
+        start: PrefillStart,
+        producing: Option<Producing>,
+        fx: &mut Outbox,
+    ) -> Result<(), Rejected> {
         self.expire_pending_before_use(now, fx);
         // A list past the wire limits could never be sent to D: refuse it here, typed.
         start.blocks.validate().map_err(Rejected::BlockList)?;
@@ -218,6 +292,7 @@ impl PrefillTable {
             request: start.request,
             key: start.key,
             blocks: start.blocks,
+            producing,
         };
         // A registration for a newer attempt than the one D gave up on (`on_register` lets it
         // past the tombstone) still wants the blocks: it supersedes the tombstone.

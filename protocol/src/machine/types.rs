@@ -103,6 +103,17 @@ pub struct PrefillStart {
     pub blocks: BlockIds,
 }
 
+/// A layer-wise push: how P's prefill reports its layers, and how many go into one write part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerPlan {
+    /// P's layers on this rank (every layer of every cache group's regions).
+    pub layers: u32,
+    /// Layers posted as one part: a part goes out as soon as this many new layers are ready
+    /// (and the rest when the last layer is). `layers` makes it one part: whole-request push
+    /// over the layer-wise path (below the prompt-length threshold).
+    pub part_layers: u32,
+}
+
 /// Why a peer connection could not be made.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum ConnectFailure {
@@ -125,6 +136,25 @@ pub enum EndpointCall {
     DecodeAllocated(DecodeStart),
     /// P: prefill finished; blocks to send.
     PrefillFinished(PrefillStart),
+    /// P, layer-wise push: the prefill starts into these blocks; its layers are reported with
+    /// [`EndpointCall::LayersReady`] as the forward pass produces them, and each part is
+    /// written as soon as D's registration is here. Owes one final event, as
+    /// [`EndpointCall::PrefillFinished`] does (and takes its place).
+    PrefillStarted {
+        /// The request, its key and blocks.
+        start: PrefillStart,
+        /// Its layers and parts.
+        plan: LayerPlan,
+    },
+    /// P, layer-wise push: layers `0 .. ready` of the request's blocks hold their KV (never
+    /// fewer than an earlier call said; `ready == layers` ends the prefill). A request that
+    /// already ended (D gave up) takes it and does nothing.
+    LayersReady {
+        /// The request.
+        request: RequestId,
+        /// Layers ready, from layer 0.
+        ready: u32,
+    },
     /// The engine is shutting down: every D request gives up (registered ones cancel with
     /// `CancelReason::Shutdown` and still wait for their proof), every P request is aborted
     /// (writes in flight drain first), and new requests are refused.
@@ -227,6 +257,18 @@ pub struct WriteOrder {
     pub remote: BlockIds,
     /// Sent to `to` after the data has landed.
     pub notification: Message,
+    /// A layer-wise write: its layers and the layers to post now (`0 .. stream.posted`); later
+    /// layers follow in [`Output::ExtendWrite`]. `None`: the whole request at once.
+    pub stream: Option<StreamedLayers>,
+}
+
+/// The layers of a layer-wise write posted so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamedLayers {
+    /// Layers of the whole write (P's layers on its rank).
+    pub layers: u32,
+    /// Layers `0 .. posted` are posted (or, in an order, to post now; 0: none yet).
+    pub posted: u32,
 }
 
 /// Everything an [`Endpoint`](super::Endpoint) asks its shell to do.
@@ -241,6 +283,17 @@ pub enum Output {
     },
     /// Post a write.
     PostWrite(Box<WriteOrder>),
+    /// Post the next layers of a layer-wise write, `from .. to` (`to == layers` posts its
+    /// last part). Its end is reported under the write's id once every posted part ended and
+    /// either the last was posted or the write was abandoned.
+    ExtendWrite {
+        /// The write.
+        write: WriteId,
+        /// First layer of the part.
+        from: u32,
+        /// End of the part.
+        to: u32,
+    },
     /// Post a read; report its end with [`NetEvent::WriteCompleted`] or
     /// [`NetEvent::WriteFailed`] under the read's id (reads and writes share one id space).
     PostRead(Box<super::read_types::ReadOrder>),

@@ -104,16 +104,47 @@ fn one_of_each() -> Vec<Message> {
             holder_rank: 0,
             reason: ReadRefusal::Unavailable,
         }),
+        Message::WritePartDone(WritePartDone {
+            key: key(),
+            epoch: Epoch(9),
+            prefill_rank: 0,
+            first: 0,
+            count: 1,
+            of: 1,
+        }),
     ]
+}
+
+#[test]
+fn a_write_part_names_layers_within_its_write() {
+    let part = |first, count, of| {
+        Message::WritePartDone(WritePartDone {
+            key: key(),
+            epoch: Epoch(1),
+            prefill_rank: 0,
+            first,
+            count,
+            of,
+        })
+        .validate()
+    };
+    assert_eq!(part(2, 2, 4), Ok(()));
+    for (first, count, of) in [(0, 0, 4), (3, 2, 4), (u32::MAX, 2, 4), (0, 1, 5_000)] {
+        assert_eq!(
+            part(first, count, of),
+            Err(FieldError::BadPart { first, count, of }),
+            "{first}+{count}/{of}"
+        );
+    }
 }
 
 #[test]
 fn kind_codes_are_fixed() {
     let codes: Vec<u8> = MessageKind::ALL.iter().map(|k| *k as u8).collect();
-    assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]);
+    assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
     for code in 0..=u8::MAX {
         let kind = MessageKind::from_code(code);
-        assert_eq!(kind.is_some(), (1..=11).contains(&code), "{code}");
+        assert_eq!(kind.is_some(), (1..=12).contains(&code), "{code}");
         if let Some(kind) = kind {
             assert_eq!(kind as u8, code);
         }
@@ -154,7 +185,8 @@ fn lease_names_key_and_epoch_where_there_is_one() {
             Some(6),
             Some(7),
             Some(7),
-            Some(8)
+            Some(8),
+            Some(9)
         ]
     );
 }

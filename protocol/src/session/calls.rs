@@ -172,6 +172,28 @@ pub enum ConnectorCall {
         /// The router's parameters for the prefill leg.
         params: KvTransferParams,
     },
+    /// P side, layer-wise push, as `kvhandoff::KvConnector::prefill_started`: the prefill
+    /// starts into these blocks; its layers follow in [`ConnectorCall::LayersReady`]. In place
+    /// of `RequestFinished` (and answered as it is).
+    PrefillStarted {
+        /// The request.
+        request: RequestId,
+        /// Its blocks, which the prefill fills.
+        blocks: BlockIds,
+        /// Tokens the blocks will hold (the prompt).
+        num_tokens: u64,
+        /// The router's parameters for the prefill leg (push).
+        params: KvTransferParams,
+    },
+    /// P side, layer-wise push, as `kvhandoff::KvConnector::layers_ready`: layers `0 .. ready`
+    /// of the request's blocks hold their KV; `ready` equal to the rank's layers ends the
+    /// prefill.
+    LayersReady {
+        /// The request.
+        request: RequestId,
+        /// Layers ready, from layer 0.
+        ready: u32,
+    },
     /// D side, after a turn, as
     /// `kvhandoff::KvConnector::keep_for_next_turn`.
     KeepForNextTurn {
@@ -251,6 +273,8 @@ impl ConnectorCall {
         match self {
             ConnectorCall::RequestAllocated { request, .. }
             | ConnectorCall::RequestFinished { request, .. }
+            | ConnectorCall::PrefillStarted { request, .. }
+            | ConnectorCall::LayersReady { request, .. }
             | ConnectorCall::KeepForNextTurn { request, .. }
             | ConnectorCall::NextTurnAllocated { request, .. }
             | ConnectorCall::DeclineExport { request, .. }
@@ -267,9 +291,11 @@ impl ConnectorCall {
         match self {
             ConnectorCall::RequestAllocated { .. }
             | ConnectorCall::RequestFinished { .. }
+            | ConnectorCall::PrefillStarted { .. }
             | ConnectorCall::KeepForNextTurn { .. }
             | ConnectorCall::NextTurnAllocated { .. } => true,
-            ConnectorCall::DeclineExport { .. }
+            ConnectorCall::LayersReady { .. }
+            | ConnectorCall::DeclineExport { .. }
             | ConnectorCall::Abort { .. }
             | ConnectorCall::Shutdown => false,
         }
@@ -279,10 +305,11 @@ impl ConnectorCall {
 /// What an accepted [`ConnectorCall`] returns.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ConnectorReply {
-    /// Accepted (`RequestAllocated`, `NextTurnAllocated`, `DeclineExport`, `Abort`,
-    /// `Shutdown`).
+    /// Accepted (`RequestAllocated`, `NextTurnAllocated`, `LayersReady`, `DeclineExport`,
+    /// `Abort`, `Shutdown`).
     Accepted,
-    /// Accepted (`RequestFinished`): the parameters for the router to send with the decode leg.
+    /// Accepted (`RequestFinished`, `PrefillStarted`): the parameters for the router to send
+    /// with the decode leg.
     DecodeParams(KvTransferParams),
     /// Accepted (`KeepForNextTurn`): the parameters for the router to send with the next
     /// turn's prefill leg.

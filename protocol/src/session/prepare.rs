@@ -45,15 +45,7 @@ impl CallContext<'_> {
             } => {
                 let key = pairing_key(&request, &params)?;
                 let pull = params.transfer_mode()? == TransferMode::Pull;
-                let mut reply = KvTransferParams {
-                    do_remote_prefill: true,
-                    do_remote_decode: false,
-                    transfer_id: params.transfer_id,
-                    epoch: params.epoch,
-                    transfer_mode: Some(mode_name(TransferMode::Push).into()),
-                    remote_num_tokens: Some(num_tokens),
-                    ..self.answer_from_here(&request)
-                };
+                let mut reply = self.prefill_answer(&request, num_tokens, params);
                 let input = if pull {
                     let lease = self.settings.lease_duration;
                     self.export_input(now, request, key, blocks, num_tokens, lease, &mut reply)?
@@ -66,6 +58,39 @@ impl CallContext<'_> {
                 };
                 Ok((input, None, ConnectorReply::DecodeParams(reply)))
             }
+            ConnectorCall::PrefillStarted {
+                request,
+                blocks,
+                num_tokens,
+                params,
+            } => {
+                let key = pairing_key(&request, &params)?;
+                if params.transfer_mode()? == TransferMode::Pull {
+                    return Err(ConnectorError::InvalidParam {
+                        name: "transfer_mode",
+                        why: "layer-wise transfer is a push: \"push\" or absent".into(),
+                    });
+                }
+                let plan =
+                    self.settings
+                        .layer_plan(num_tokens)
+                        .ok_or(ConnectorError::NotConfigured(
+                            "layer-wise push needs the rank's geometry",
+                        ))?;
+                let reply = self.prefill_answer(&request, num_tokens, params);
+                let start = PrefillStart {
+                    request,
+                    key,
+                    blocks,
+                };
+                let input = EndpointCall::PrefillStarted { start, plan };
+                Ok((input, None, ConnectorReply::DecodeParams(reply)))
+            }
+            ConnectorCall::LayersReady { request, ready } => Ok((
+                EndpointCall::LayersReady { request, ready },
+                None,
+                ConnectorReply::Accepted,
+            )),
             ConnectorCall::KeepForNextTurn {
                 request,
                 blocks,
@@ -102,6 +127,25 @@ impl CallContext<'_> {
                 ConnectorReply::Accepted,
             )),
             ConnectorCall::Shutdown => Ok((EndpointCall::Shutdown, None, ConnectorReply::Accepted)),
+        }
+    }
+
+    /// What P answers the router for a prefill it hands over by push: the decode leg's
+    /// parameters.
+    fn prefill_answer(
+        &self,
+        request: &RequestId,
+        num_tokens: u64,
+        params: KvTransferParams,
+    ) -> KvTransferParams {
+        KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            transfer_id: params.transfer_id,
+            epoch: params.epoch,
+            transfer_mode: Some(mode_name(TransferMode::Push).into()),
+            remote_num_tokens: Some(num_tokens),
+            ..self.answer_from_here(request)
         }
     }
 

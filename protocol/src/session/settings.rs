@@ -53,7 +53,25 @@ pub struct ConnectorSettings {
     /// [`DEFAULT_RECOMPUTE_THRESHOLD`], 64; 0 reads whatever it saves). See
     /// [`ConnectorSettings::worth_reading`].
     pub recompute_threshold: u64,
+    /// This rank's layers (from its geometry), for layer-wise push; `None` when the connector
+    /// was not told the geometry: layer-wise calls are refused with
+    /// [`ConnectorError::NotConfigured`](super::ConnectorError::NotConfigured).
+    pub layers: Option<u32>,
+    /// Layer-wise push: how many parts a request's layers are written in (default
+    /// [`DEFAULT_LAYERWISE_PARTS`]; each part is one transfer and one notification).
+    pub layerwise_parts: u32,
+    /// Layer-wise push: prompts of fewer tokens go as one part, when the last layer is ready
+    /// (default [`DEFAULT_LAYERWISE_MIN_TOKENS`]): below it a part's fixed cost outweighs what
+    /// it hides.
+    pub layerwise_min_tokens: u64,
 }
+
+/// How many parts a layer-wise request is written in by default.
+pub const DEFAULT_LAYERWISE_PARTS: u32 = 8;
+
+/// The prompt length below which a layer-wise request goes as one part, by default (the
+/// threshold below which published layer-wise transfer slowed TTFT down).
+pub const DEFAULT_LAYERWISE_MIN_TOKENS: u64 = 256;
 
 /// vLLM's default `decoder_kv_blocks_ttl`.
 pub const DEFAULT_NEXT_TURN_TTL: Duration = Duration::from_secs(480);
@@ -66,6 +84,7 @@ impl Default for ConnectorSettings {
     fn default() -> Self {
         ConnectorSettings {
             block_tokens: None,
+            layers: None,
             ..Self::of_config(&Config::default())
         }
     }
@@ -79,6 +98,10 @@ impl ConnectorSettings {
                 .kernel_block_size
                 .checked_mul(geometry.kernel_blocks_per_logical)
                 .filter(|&tokens| tokens > 0),
+            layers: geometry
+                .regions()
+                .ok()
+                .and_then(|specs| specs.iter().map(|s| s.layer + 1).max()),
             ..Self::of_config(config)
         }
     }
@@ -109,6 +132,30 @@ impl ConnectorSettings {
         saved > 0 && saved >= self.recompute_threshold
     }
 
+    /// The layer plan of a layer-wise request of `num_tokens` prompt tokens: one part below
+    /// [`Self::layerwise_min_tokens`], else [`Self::layerwise_parts`] parts (fewer when the
+    /// rank has fewer layers). `None` when the rank's layers are unknown.
+    ///
+    /// ```
+    /// use kvhandoff_protocol::session::ConnectorSettings;
+    /// let settings = ConnectorSettings { layers: Some(80), ..ConnectorSettings::default() };
+    /// assert_eq!(settings.layer_plan(4_096).map(|p| p.part_layers), Some(10));
+    /// assert_eq!(settings.layer_plan(100).map(|p| p.part_layers), Some(80));
+    /// ```
+    pub fn layer_plan(&self, num_tokens: u64) -> Option<crate::machine::LayerPlan> {
+        let layers = self.layers.filter(|&l| l > 0)?;
+        let parts = self.layerwise_parts.clamp(1, layers);
+        let part_layers = if num_tokens < self.layerwise_min_tokens {
+            layers
+        } else {
+            layers.div_ceil(parts)
+        };
+        Some(crate::machine::LayerPlan {
+            layers,
+            part_layers,
+        })
+    }
+
     fn of_config(config: &Config) -> Self {
         ConnectorSettings {
             lease_duration: config.lease_duration,
@@ -117,6 +164,9 @@ impl ConnectorSettings {
             next_turn_ttl: DEFAULT_NEXT_TURN_TTL,
             recompute_threshold: DEFAULT_RECOMPUTE_THRESHOLD,
             block_tokens: None,
+            layers: None,
+            layerwise_parts: DEFAULT_LAYERWISE_PARTS,
+            layerwise_min_tokens: DEFAULT_LAYERWISE_MIN_TOKENS,
         }
     }
 }

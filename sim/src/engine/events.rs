@@ -180,6 +180,8 @@ impl World {
                     self.check_ready(node, request, a.epoch, &flat, p_blocks - d_blocks);
                     kept_blocks = self.keep_for_second_turn(node, request, &a);
                 }
+                let ready = *outcome == DecodeOutcome::Ready;
+                self.layerwise_marks(request, a.epoch, ready);
                 self.step_decode_events.push(request);
                 self.check_proof(node, request, a.epoch, *proof, started);
                 *self.outcomes.entry(format!("proof.{proof:?}")).or_insert(0) += 1;

@@ -41,6 +41,7 @@ impl World {
             gate: false,
             second: None,
             sibling_decline: None,
+            layerwise: false,
         };
         if mode == Mode::Push {
             return none;
@@ -77,6 +78,7 @@ impl World {
             gate,
             second,
             sibling_decline: None,
+            layerwise: false,
         }
     }
 
@@ -94,6 +96,8 @@ impl World {
         // Siblings that decline the export a read is reading: a stream of their own, so that
         // every other draw of the seed stays as it was.
         let mut srng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x7369_626c_696e_6773);
+        // Layer-wise hand-overs: a stream of their own too.
+        let mut lrng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6c61_7965_7277_6973);
         let sibling_rate = if self.cfg.mode.reads() && self.cfg.faults == Faults::Chaos {
             [0.0, 0.1, 0.3][srng.gen_range(0..3)]
         } else {
@@ -125,6 +129,10 @@ impl World {
                 transfer.pull = false;
                 transfer.second = None;
             }
+            transfer.layerwise = self.cfg.layerwise > 0.0
+                && lrng.gen_bool(self.cfg.layerwise)
+                && !transfer.pull
+                && multi.is_none();
             self.requests.push(Request {
                 key,
                 d_node,

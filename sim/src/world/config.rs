@@ -22,6 +22,15 @@ pub struct WorldConfig {
     /// rank feeding every D rank, or both, each pair an ordinary 1:1 sub-request. Drawn per
     /// request from a stream of its own; 0 keeps the world's original shape.
     pub multi_source: f64,
+    /// The share of single-source push requests that P hands over layer-wise (its engine
+    /// reports layers as they are produced, each part written as soon as D registered). Drawn
+    /// per request from a stream of its own; 0 (the constructors') keeps every regression seed
+    /// replaying as found.
+    pub layerwise: f64,
+    /// How long P's engine computes one layer of a layer-wise prefill, in µs (drawn per layer
+    /// from this range; the swarm draws slow layers, so that stalls and cancels meet partial
+    /// layer sets often).
+    pub layer_compute_us: (u64, u64),
     /// Which faults may happen.
     pub faults: Faults,
     /// The machines' configuration.
@@ -107,6 +116,14 @@ pub const FLOOD_MARKS: &[&str] = &["peer_flood_refused"];
 /// answer naming a rank other than its sender's, `DropReason::Unexpected`).
 pub const MISNAME_MARKS: &[&str] = &["misnamed_rank_refused"];
 
+/// The coverage marks of [`WorldConfig::layerwise`]: a layer-wise request made ready by its
+/// parts, and one whose first parts landed before D gave up (the fence over a partial layer
+/// set).
+pub const LAYERWISE_MARKS: &[&str] = &["layerwise_ready", "layerwise_partial_then_cancel"];
+
+/// The share of push requests handed over layer-wise in `kvhandoff sim`.
+pub const DEFAULT_LAYERWISE: f64 = 0.3;
+
 /// Stalls per world in the chaos mix of `kvhandoff sim` (mean; each world draws 0 to twice as
 /// many).
 pub const DEFAULT_STALLS: f64 = 1.0;
@@ -140,6 +157,8 @@ impl WorldConfig {
             decode_engines: 2,
             prefill_ranks: 1,
             multi_source: 0.0,
+            layerwise: 0.0,
+            layer_compute_us: (100, 3_000),
             faults,
             machine,
             explore: false,
@@ -227,6 +246,8 @@ impl WorldConfig {
             decode_engines: 1,
             prefill_ranks: 1,
             multi_source: 0.0,
+            layerwise: 0.0,
+            layer_compute_us: (100, 3_000),
             faults: Faults::Chaos,
             machine,
             explore: true,

@@ -149,6 +149,7 @@ impl World {
     fn answer_muted(&mut self, message: &Message) -> bool {
         let key = match message {
             Message::WriteDone(m) => &m.key,
+            Message::WritePartDone(m) => &m.key,
             Message::WriteFailed(m) => &m.key,
             Message::CancelAck(m) => &m.key,
             Message::Handshake(_)
@@ -371,7 +372,10 @@ impl World {
 pub(crate) fn is_notification(message: &Message) -> bool {
     matches!(
         message,
-        Message::WriteDone(_) | Message::WriteFailed(_) | Message::CancelAck(_)
+        Message::WriteDone(_)
+            | Message::WritePartDone(_)
+            | Message::WriteFailed(_)
+            | Message::CancelAck(_)
     )
 }
 
@@ -380,6 +384,10 @@ pub(crate) fn describe(msg: &NetMsg) -> String {
     let m = match &msg.message {
         Message::Register(r) => format!("Register({} {} {:?})", r.key, r.epoch, r.blocks.groups),
         Message::WriteDone(m) => format!("WriteDone({} {})", m.key, m.epoch),
+        Message::WritePartDone(m) => format!(
+            "WritePartDone({} {} {}+{}/{})",
+            m.key, m.epoch, m.first, m.count, m.of
+        ),
         Message::WriteFailed(m) => format!("WriteFailed({} {} {:?})", m.key, m.epoch, m.reason),
         Message::Cancel(m) => format!("Cancel({} {} {:?})", m.key, m.epoch, m.reason),
         Message::CancelAck(m) => format!("CancelAck({} {})", m.key, m.epoch),

@@ -55,6 +55,11 @@ pub(crate) fn new_session(addr: &PeerAddr, cfg: &WorldConfig) -> Session {
         lease_duration: cfg.machine.lease_duration,
         read_span: kvhandoff_protocol::machine::read_span(&cfg.machine),
         block_tokens: Some(crate::engine::BLOCK_TOKENS),
+        layers: Some(crate::transport::LAYERS),
+        // One layer a part (the most partial states), and prompts of one block as one part
+        // (the threshold's path).
+        layerwise_parts: crate::transport::LAYERS,
+        layerwise_min_tokens: 2 * u64::from(crate::engine::BLOCK_TOKENS),
         ..ConnectorSettings::default()
     };
     let mut session = Session::new(endpoint, identity, settings);

@@ -48,6 +48,14 @@ pub(crate) enum Ev {
     PrefillStart {
         request: usize,
     },
+    /// P's engine reports layers `0 .. ready` of a layer-wise prefill attempt (its process
+    /// incarnation `inc`: a crash ends the prefill).
+    LayersReady {
+        request: usize,
+        attempt: usize,
+        inc: u32,
+        ready: u32,
+    },
     Abort {
         request: usize,
         decode: bool,

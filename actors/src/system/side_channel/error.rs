@@ -213,6 +213,7 @@ fn wire_reason(error: &WireError) -> RejectReason {
             FieldError::Id(_)
             | FieldError::TooMany { .. }
             | FieldError::DuplicateBlock { .. }
+            | FieldError::BadPart { .. }
             | FieldError::ZeroEpoch => RejectReason::InvalidField,
         },
     }

@@ -60,6 +60,7 @@ fn common(expected_writes: u32) -> DecodeCommon {
         num_tokens: 40,
         expected_writes,
         deadline: ms(DEADLINE_MS),
+        parts: Default::default(),
     }
 }
 
@@ -908,6 +909,7 @@ fn input_name(input: &DecodeInput) -> &'static str {
         DecodeInput::PeerConnectFailed => "PeerConnectFailed",
         DecodeInput::PeerDead => "PeerDead",
         DecodeInput::WriteDone { .. } => "WriteDone",
+        DecodeInput::PartDone { .. } => "PartDone",
         DecodeInput::WriteFailed { .. } => "WriteFailed",
         DecodeInput::CancelAck { .. } => "CancelAck",
         DecodeInput::Abort => "Abort",

@@ -10,6 +10,8 @@ use crate::machine::Config;
 use crate::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, PeerAddr, Register};
 use crate::{RequestId, WriteFailure};
 
+mod layerwise;
+
 fn p_endpoint() -> Endpoint {
     Endpoint::new(EngineId::new("prefill").unwrap(), 0, Config::fast()).unwrap()
 }

@@ -70,6 +70,7 @@ fn common_with(blocks: BlockIds) -> PrefillCommon {
         request: RequestId::new("req-p").unwrap(),
         key: key(),
         blocks,
+        producing: None,
     }
 }
 
@@ -243,6 +244,7 @@ fn post(to: &PeerAddr, local: BlockIds, remote: BlockIds) -> Output {
             epoch: EPOCH,
             prefill_rank: OWN_RANK,
         }),
+        stream: None,
     }))
 }
 
@@ -1203,6 +1205,7 @@ fn input_name(input: &PrefillInput) -> &'static str {
     match input {
         PrefillInput::Registered { .. } => "Registered",
         PrefillInput::Heartbeat => "Heartbeat",
+        PrefillInput::LayersReady { .. } => "LayersReady",
         PrefillInput::Cancel { .. } => "Cancel",
         PrefillInput::Release { .. } => "Release",
         PrefillInput::Abort => "Abort",

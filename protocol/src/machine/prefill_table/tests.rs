@@ -312,6 +312,7 @@ fn common() -> PrefillCommon {
         request: req(),
         key: key(),
         blocks: p_blocks(),
+        producing: None,
     }
 }
 
@@ -418,6 +419,7 @@ fn post(epoch: Epoch) -> Output {
             epoch,
             prefill_rank: RANK,
         }),
+        stream: None,
     }))
 }
 
@@ -2404,6 +2406,7 @@ fn post_to(write: WriteId, to: &PeerAddr, epoch: Epoch) -> Output {
             epoch,
             prefill_rank: RANK,
         }),
+        stream: None,
     }))
 }
 

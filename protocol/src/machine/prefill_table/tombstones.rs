@@ -160,6 +160,14 @@ impl PrefillTable {
         } = ended;
         tracing::debug!(key = %common.key, ?epoch, ?outcome, "prefill request ended");
         self.by_request.remove(&common.request);
+        if let Some(producing) = common.producing.filter(|p| p.still_computing()) {
+            // The engine goes on reporting layers of a request that ended here (D gave up).
+            if self.ended_computing.len() >= self.config.max_requests {
+                self.ended_computing.pop_first();
+            }
+            let layers = producing.plan.layers;
+            self.ended_computing.insert(common.request.clone(), layers);
+        }
         // The run the blocks were bound to; else the run an older record of the key speaks for
         // (the floor, or the early give-up, this request ended by).
         let bound = self.bound.remove(&common.key);

@@ -31,6 +31,7 @@ fn drain(d: &mut Endpoint) -> (Vec<EndpointEvent>, bool) {
             } => cancelled = true,
             Output::Send { .. }
             | Output::PostWrite(_)
+            | Output::ExtendWrite { .. }
             | Output::PostRead(_)
             | Output::AbandonWrite { .. }
             | Output::Connect { .. }
