@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use kvhandoff_bench::model::{self, BlockTable, Deployment, Mode, ModelOptions};
+use kvhandoff_bench::model::{self, Arrivals, BlockTable, Deployment, Mode, ModelOptions};
 
 use super::conclude;
 
@@ -17,6 +17,14 @@ enum ModelModeArg {
     Pull,
     /// P writes each group of layers as it is computed (whole-request push below 256 tokens).
     Layerwise,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum ArrivalsArg {
+    /// `vllm bench serve`'s generator (numpy's legacy MT19937, rescaled to `requests / qps` s).
+    BenchServe,
+    /// Exponential gaps from SplitMix64.
+    Poisson,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -48,11 +56,15 @@ pub(crate) struct ModelArgs {
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     requests: u32,
     /// Independent runs pooled (seeds `seed`, `seed + 1`, …).
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     runs: u32,
-    /// The first run's seed.
-    #[arg(long, default_value_t = 1)]
+    /// The first run's seed (`vllm bench serve --seed`; its default, 0, gives the seed's own
+    /// send times).
+    #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// How the send times are drawn.
+    #[arg(long, value_enum, default_value_t = ArrivalsArg::BenchServe)]
+    arrivals: ArrivalsArg,
     /// How the blocks lie in both pools.
     #[arg(long, value_enum, default_value_t = BlockTableArg::Fragmented)]
     table: BlockTableArg,
@@ -94,6 +106,10 @@ fn model_options(args: &ModelArgs) -> ModelOptions {
         qps: args.qps,
         requests: args.requests as usize,
         runs: args.runs as usize,
+        arrivals: match args.arrivals {
+            ArrivalsArg::BenchServe => Arrivals::BenchServe,
+            ArrivalsArg::Poisson => Arrivals::Poisson,
+        },
         seed: args.seed,
         deployment,
     }

@@ -4,7 +4,7 @@
 //! holds its blocks), so P's timeline is computed first and D's second.
 
 use super::params::Deployment;
-use super::Mode;
+use super::{Arrivals, Mode};
 
 /// One simulated request's times, s from the run's start.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -21,6 +21,7 @@ pub(crate) struct RequestTimes {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Workload {
     pub mode: Mode,
+    pub arrivals: Arrivals,
     pub input_len: u32,
     pub output_len: u32,
     pub qps: f64,
@@ -57,6 +58,81 @@ pub(crate) fn arrivals(qps: f64, requests: usize, seed: u64) -> Vec<f64> {
         .collect()
 }
 
+/// numpy's legacy generator (`np.random.seed(n)`: MT19937 seeded by Knuth's `init_genrand`), as
+/// far as `vllm bench serve` uses it: 53-bit doubles in [0, 1).
+pub(crate) struct NumpyLegacy {
+    state: [u32; 624],
+    index: usize,
+}
+
+impl NumpyLegacy {
+    /// `np.random.seed(seed)` (a seed below 2³²).
+    pub(crate) fn seed(seed: u32) -> Self {
+        let mut state = [0u32; 624];
+        state[0] = seed;
+        for i in 1..624 {
+            let previous = state[i - 1];
+            state[i] = 1_812_433_253u32
+                .wrapping_mul(previous ^ (previous >> 30))
+                .wrapping_add(i as u32);
+        }
+        NumpyLegacy { state, index: 624 }
+    }
+
+    fn next_u32(&mut self) -> u32 {
+        const UPPER: u32 = 0x8000_0000;
+        const LOWER: u32 = 0x7fff_ffff;
+        if self.index >= 624 {
+            for i in 0..624 {
+                let y = (self.state[i] & UPPER) | (self.state[(i + 1) % 624] & LOWER);
+                let mut next = self.state[(i + 397) % 624] ^ (y >> 1);
+                if y & 1 == 1 {
+                    next ^= 0x9908_b0df;
+                }
+                self.state[i] = next;
+            }
+            self.index = 0;
+        }
+        let mut y = self.state[self.index];
+        self.index += 1;
+        y ^= y >> 11;
+        y ^= (y << 7) & 0x9d2c_5680;
+        y ^= (y << 15) & 0xefc6_0000;
+        y ^ (y >> 18)
+    }
+
+    /// `np.random.random_sample()`: 53 random bits in [0, 1).
+    pub(crate) fn next_double(&mut self) -> f64 {
+        let a = f64::from(self.next_u32() >> 5);
+        let b = f64::from(self.next_u32() >> 6);
+        (a * 67_108_864.0 + b) / 9_007_199_254_740_992.0
+    }
+}
+
+/// The arrival times `vllm bench serve` draws (`get_request` in `vllm/benchmarks/serve.py`):
+/// after `np.random.seed(seed)`, one `np.random.gamma(shape=1, scale=1/qps)` gap per request
+/// (numpy's legacy gamma at shape 1 is `-ln(1 - U)`), summed, then rescaled so that the last
+/// request is sent exactly at `requests / qps` s. The same seed gives the same sequence, only
+/// scaled, at every rate and prompt length.
+pub(crate) fn bench_serve_arrivals(qps: f64, requests: usize, seed: u64) -> Vec<f64> {
+    let mut rng = NumpyLegacy::seed(seed as u32);
+    let mut now = 0.0;
+    let mut times: Vec<f64> = (0..requests)
+        .map(|_| {
+            now += -(1.0 - rng.next_double()).ln() / qps;
+            now
+        })
+        .collect();
+    let last = times.last().copied().unwrap_or(0.0);
+    if last > 0.0 {
+        let factor = requests as f64 / qps / last;
+        for time in &mut times {
+            *time *= factor;
+        }
+    }
+    times
+}
+
 /// One rank's network link: transfers are served one after another (every rank of an instance
 /// moves its own share at the same time, so one rank stands for all).
 struct Link {
@@ -86,7 +162,10 @@ fn simulate_prefill(d: &Deployment, w: &Workload, arrival: &[f64]) -> PrefillRes
     // The first request fills the prefix cache; later ones find the sonnet dataset's shared
     // prefix there (never the whole prompt: at least one token is computed).
     let to_compute = |index: usize| -> u32 {
-        let cached = if index == 0 {
+        let cached = if d.repeated_prompts {
+            // Every full block of the prompt; vLLM computes at least the last token.
+            (w.input_len - 1) / d.block_tokens.max(1) * d.block_tokens.max(1)
+        } else if index == 0 {
             0
         } else {
             d.cached_prefix_tokens.min(w.input_len.saturating_sub(1))
@@ -178,7 +257,10 @@ fn simulate_prefill(d: &Deployment, w: &Workload, arrival: &[f64]) -> PrefillRes
 
 /// Runs one workload on the deployment.
 pub(crate) fn simulate(d: &Deployment, w: &Workload) -> Vec<RequestTimes> {
-    let arrival = arrivals(w.qps, w.requests, w.seed);
+    let arrival = match w.arrivals {
+        Arrivals::BenchServe => bench_serve_arrivals(w.qps, w.requests, w.seed),
+        Arrivals::Poisson => arrivals(w.qps, w.requests, w.seed),
+    };
     let n = arrival.len();
     let prefill = simulate_prefill(d, w, &arrival);
     // When D's scheduler first sees each request: push registers D's blocks on arrival (the
@@ -195,6 +277,7 @@ pub(crate) fn simulate(d: &Deployment, w: &Workload) -> Vec<RequestTimes> {
 
     let mut kv_landed = prefill.kv_landed.clone();
     let mut read_issued = vec![f64::NAN; n];
+    let mut registered = vec![f64::NAN; n];
     let mut transfer: Vec<f64> = (0..n)
         .map(|r| kv_landed[r] - prefill.prefill_end[r])
         .collect();
@@ -221,6 +304,24 @@ pub(crate) fn simulate(d: &Deployment, w: &Workload) -> Vec<RequestTimes> {
                 break;
             }
             let request = waiting[index];
+            if w.mode != Mode::Pull && registered[request].is_nan() {
+                // vLLM's D allocates a waiting request's blocks (and sends PUSH_REG to P) only
+                // when its scheduler admits it; P writes once both its prefill and the
+                // registration are there.
+                registered[request] = now;
+                let registration_at_p = now + d.notification_s;
+                if registration_at_p > prefill.prefill_end[request] {
+                    let post = d.post_s(d.descriptors(w.input_len, d.layers));
+                    let landed = link.transfer(
+                        registration_at_p + post,
+                        d.wire_s(d.bytes_per_rank(w.input_len)),
+                    ) + d.notification_s;
+                    if landed > kv_landed[request] {
+                        kv_landed[request] = landed;
+                        transfer[request] = landed - prefill.prefill_end[request];
+                    }
+                }
+            }
             if kv_landed[request] <= now {
                 waiting.remove(index);
                 running.push(request);

@@ -47,11 +47,18 @@ fn push_is_no_slower_than_pull_at_equal_load() {
     }
 }
 
+/// Layer-wise push hides the write behind the prefill's compute, so it is tested with prompts P
+/// computes (with repeated prompts P computes one block and there is nothing to hide behind).
 #[test]
 fn layerwise_is_no_slower_than_push_above_the_threshold_and_push_below() {
+    let computed = |mode, input_len| {
+        let mut o = options(mode, input_len, 128, 2.0);
+        o.deployment.repeated_prompts = false;
+        o
+    };
     for input_len in [512, 1024, 2048, 4096] {
-        let push = run_model(&options(Mode::Push, input_len, 128, 2.0)).expect("runs");
-        let layerwise = run_model(&options(Mode::Layerwise, input_len, 128, 2.0)).expect("runs");
+        let push = run_model(&computed(Mode::Push, input_len)).expect("runs");
+        let layerwise = run_model(&computed(Mode::Layerwise, input_len)).expect("runs");
         assert!(layerwise.mean_ttft_ms <= push.mean_ttft_ms, "{input_len}");
         assert!(
             layerwise.mean_transfer_ms < push.mean_transfer_ms,
@@ -138,4 +145,60 @@ fn arrivals_are_poisson_at_the_rate() {
     let times = sim::arrivals(4.0, 20_000, 7);
     let rate = times.len() as f64 / times[times.len() - 1];
     assert!((rate - 4.0).abs() < 0.15, "{rate}");
+}
+
+/// `np.random.seed(0); np.random.random_sample(3)` prints 0.5488135039273248, 0.7151893663724195,
+/// 0.6027633760716439: the generator is numpy's, so seed 0 gives the seed's send times.
+#[test]
+fn the_bench_serve_generator_is_numpys_legacy_mt19937() {
+    let mut rng = sim::NumpyLegacy::seed(0);
+    for expected in [
+        0.548_813_503_927_324_8,
+        0.715_189_366_372_419_5,
+        0.602_763_376_071_643_9,
+    ] {
+        assert_eq!(rng.next_double(), expected);
+    }
+}
+
+#[test]
+fn bench_serve_send_times_end_at_requests_over_qps_and_only_scale_with_the_rate() {
+    let at4 = sim::bench_serve_arrivals(4.0, 100, 0);
+    let at8 = sim::bench_serve_arrivals(8.0, 100, 0);
+    assert!((at4[99] - 25.0).abs() < 1e-9, "{}", at4[99]);
+    for (a, b) in at4.iter().zip(&at8) {
+        assert!((a - 2.0 * b).abs() < 1e-9, "{a} {b}");
+    }
+    assert!(at4.windows(2).all(|w| w[0] < w[1]));
+    assert_ne!(at4, sim::bench_serve_arrivals(4.0, 100, 1));
+}
+
+/// Push: D sends PUSH_REG only when its scheduler admits the request, so a full D delays P's
+/// write. Without that, the write would start at the end of the prefill whatever D's queue.
+#[test]
+fn a_full_decoder_delays_the_push_write_until_it_admits_the_request() {
+    let at = |max_running| {
+        let mut o = options(Mode::Push, 512, 64, 8.0);
+        o.deployment.decode_max_running = max_running;
+        run_model(&o).expect("runs").mean_transfer_ms
+    };
+    let (free, full) = (at(1_000), at(1));
+    assert!(full > 10.0 * free, "free {free} ms, full {full} ms");
+}
+
+/// With repeated prompts P computes only the last block, so a longer prompt barely costs P;
+/// without, it costs P the FLOPs of every new token.
+#[test]
+fn repeated_prompts_take_the_prompt_length_out_of_the_prefill() {
+    let growth = |repeated| {
+        let at = |input_len| {
+            let mut o = options(Mode::Push, input_len, 128, 0.5);
+            o.deployment.repeated_prompts = repeated;
+            mean_ttft(&o)
+        };
+        at(2048) - at(512)
+    };
+    let (with, without) = (growth(true), growth(false));
+    assert!(with < 10.0, "{with}");
+    assert!(without > 3.0 * with + 20.0, "{without} vs {with}");
 }
