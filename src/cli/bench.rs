@@ -357,6 +357,25 @@ mod tests {
     }
 
     #[test]
+    fn bench_report_defaults_to_the_full_run_into_docs() {
+        let parse = |argv: &[&str]| {
+            let cli = Cli::try_parse_from(["kvhandoff", "bench", "report"].iter().chain(argv))
+                .unwrap_or_else(|e| panic!("{e}"));
+            match cli.command {
+                Command::Bench(BenchCommand::Report(args)) => args,
+                other => panic!("{other:?}"),
+            }
+        };
+        let args = parse(&[]);
+        assert_eq!(args.out_dir, PathBuf::from("docs"));
+        assert!(!args.quick && !args.json);
+        let args = parse(&["--quick", "--json", "--out-dir", "/tmp/x"]);
+        assert_eq!(args.out_dir, PathBuf::from("/tmp/x"));
+        assert!(args.quick && args.json);
+        assert!(Cli::try_parse_from(["kvhandoff", "bench", "report", "--rounds", "3"]).is_err());
+    }
+
+    #[test]
     fn bench_turns_defaults_are_the_70b_sweep() {
         let options = turns_options(turns_args(&[]));
         assert_eq!(options.prefixes, bench::turns::DEFAULT_PREFIXES);

@@ -313,7 +313,7 @@ fn run_steps(
 
 #[cfg(feature = "cuda")]
 fn run_kernels(plan: &ReportPlan) -> Result<Outcome<KernelBenchReport>, ReportError> {
-    Ok(Outcome::Ran(crate::kernels::run(plan.kernels.clone())?))
+    Ok(Outcome::Ran(crate::kernels::run(plan.kernels)?))
 }
 
 #[cfg(not(feature = "cuda"))]
