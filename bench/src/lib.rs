@@ -1,5 +1,6 @@
 //! kvhandoff's benchmarks, the library behind `kvhandoff bench`: `control` (this module),
-//! [`transfer`], [`turns`] and [`kernels`].
+//! [`transfer`], [`turns`] and [`kernels`]; [`report`] runs them all and writes
+//! `docs/benchmarks.md`'s generated section and its plots.
 //!
 //! `kvhandoff bench control`: what the control path costs, without the bytes.
 //!
@@ -21,6 +22,7 @@
 pub mod kernels;
 mod machines;
 pub mod model;
+pub mod report;
 mod runtime;
 mod stamps;
 pub mod transfer;

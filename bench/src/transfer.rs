@@ -219,13 +219,15 @@ pub fn transfer(options: &TransferOptions) -> Result<TransferReport, TransferBen
 
 mod reference;
 mod report;
+mod sweep;
 mod tables;
 
 pub use reference::{memcpy_gbps, plan_fragmented_70b};
 pub use report::{
-    Fragmented70b, IdleCpu, LatencyNumbers, NotifyPoint, PreparedRequest, PushNumbers, RawNumbers,
-    RequestShape, TableNumbers, TransferReport,
+    Fragmented70b, IdleCpu, LatencyNumbers, LatencySamples, NotifyPoint, PreparedRequest,
+    PushNumbers, RawNumbers, RequestShape, TableNumbers, TransferReport,
 };
+pub use sweep::{descriptor_sweep, run_table, sweep_pool, SweepOptions, SweepPoint, SweepReport};
 use tables::us;
 pub use tables::{bench_geometry, block_tables, BlockTable};
 

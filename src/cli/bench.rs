@@ -1,5 +1,7 @@
-//! `kvhandoff bench`: the benchmarks' arguments (`control`, `transfer`, `turns`) and their runs.
+//! `kvhandoff bench`: the benchmarks' arguments (`control`, `transfer`, `turns`, `kernels`,
+//! `report`) and their runs.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
@@ -19,6 +21,22 @@ pub(crate) enum BenchCommand {
     /// The KV block transforms (NHD/HND permute, block-size regroup, TP head slice/gather) on
     /// the CPU against memcpy, and their CUDA versions (compiled to PTX; run where a GPU is).
     Kernels(KernelsArgs),
+    /// Run every bench and write the generated section of `<out-dir>/benchmarks.md` (between its
+    /// `report:begin`/`report:end` marker lines) and the plots `<out-dir>/plots/*.svg`.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ReportArgs {
+    /// The folder of `benchmarks.md` (created if missing) and `plots/`.
+    #[arg(long, default_value = "docs")]
+    out_dir: PathBuf,
+    /// Small sizes and few repetitions, a minute or two: a smoke run, not figures to compare.
+    #[arg(long)]
+    quick: bool,
+    /// Print the summary of what ran as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -176,6 +194,7 @@ pub(crate) fn run_bench(command: BenchCommand) -> ExitCode {
         }
         BenchCommand::Transfer(args) => run_bench_transfer(args),
         BenchCommand::Turns(args) => run_bench_turns(args),
+        BenchCommand::Report(args) => run_bench_report(args),
         BenchCommand::Kernels(args) => {
             let defaults = bench::kernels::KernelBenchOptions::default();
             let options = bench::kernels::KernelBenchOptions {
@@ -197,6 +216,27 @@ pub(crate) fn run_bench(command: BenchCommand) -> ExitCode {
             )
         }
     }
+}
+
+fn run_bench_report(args: ReportArgs) -> ExitCode {
+    use bench::report::{run_report, ReportOptions, StderrProgress};
+    let mut command = String::from("kvhandoff bench report");
+    if args.quick {
+        command.push_str(" --quick");
+    }
+    command.push_str(&format!(" --out-dir {}", args.out_dir.display()));
+    let options = ReportOptions {
+        out_dir: args.out_dir,
+        quick: args.quick,
+        command,
+    };
+    conclude(
+        run_report(&options, &mut StderrProgress::new()),
+        args.json,
+        "the report",
+        |r| r.render_table(),
+        |_| true,
+    )
 }
 
 fn run_bench_turns(args: TurnsArgs) -> ExitCode {
@@ -314,6 +354,25 @@ mod tests {
                 assert!(row.get(key).is_some(), "missing rows[].{key}: {text}");
             }
         }
+    }
+
+    #[test]
+    fn bench_report_defaults_to_the_full_run_into_docs() {
+        let parse = |argv: &[&str]| {
+            let cli = Cli::try_parse_from(["kvhandoff", "bench", "report"].iter().chain(argv))
+                .unwrap_or_else(|e| panic!("{e}"));
+            match cli.command {
+                Command::Bench(BenchCommand::Report(args)) => args,
+                other => panic!("{other:?}"),
+            }
+        };
+        let args = parse(&[]);
+        assert_eq!(args.out_dir, PathBuf::from("docs"));
+        assert!(!args.quick && !args.json);
+        let args = parse(&["--quick", "--json", "--out-dir", "/tmp/x"]);
+        assert_eq!(args.out_dir, PathBuf::from("/tmp/x"));
+        assert!(args.quick && args.json);
+        assert!(Cli::try_parse_from(["kvhandoff", "bench", "report", "--rounds", "3"]).is_err());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use kvhandoff_actors::system::{RegionBytes, ShellConfig};
 use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig};
 use kvhandoff_protocol::machine::Config;
-use kvhandoff_protocol::planner::{Descriptor, PlanInput, Planner};
+use kvhandoff_protocol::planner::{Descriptor, PlanInput, Planner, TransferPlan};
 use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, RegionDesc, RegionSpec, RequestId};
 use nixl_sys::{
     AgentConfig, MemType, NixlError, XferDescList, XferDlistHandle, XferOp, XferStatus,
@@ -16,8 +16,8 @@ use kvhandoff_testkit::stats::min;
 
 use super::{
     block_tables, gbps, median, memcpy_gbps, percentile, plan_fragmented_70b, us, BlockTable,
-    IdleCpu, LatencyNumbers, NotifyPoint, PreparedRequest, PushNumbers, RawNumbers, RequestShape,
-    TableNumbers, TransferBenchError, TransferOptions, TransferReport, BLOCK_TOKENS,
+    IdleCpu, LatencyNumbers, LatencySamples, NotifyPoint, PreparedRequest, PushNumbers, RawNumbers,
+    RequestShape, TableNumbers, TransferBenchError, TransferOptions, TransferReport, BLOCK_TOKENS,
     TARGET_LATENCY_RATIO, TARGET_RATIO,
 };
 use kvhandoff::{
@@ -29,11 +29,13 @@ use kvhandoff_testkit::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
 mod notify;
 mod push;
 mod raw;
+mod sweep;
 
 use crate::stamps::{cache_regions, check, clear, fill, stamp};
 use notify::*;
 use push::*;
 use raw::*;
+pub(super) use sweep::sweep;
 
 fn nixl(what: &str) -> impl Fn(NixlError) -> TransferBenchError + '_ {
     move |e| TransferBenchError::Nixl(format!("{what}: {e}"))
@@ -109,7 +111,7 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
 
     let mut numbers = Vec::new();
     for table in &tables {
-        numbers.push(run_table(
+        let (table_numbers, _) = run_table(
             options.repeats,
             options.timeout,
             &geometry,
@@ -119,13 +121,14 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
             &mut raw,
             &mut push,
             &mut push_dynamic,
-        )?);
+        )?;
+        numbers.push(table_numbers);
     }
     // The fixed cost: one block, P's first of the contiguous table to D's.
     let one = one_block(&tables[0]);
     let one_bytes =
         specs[0].block_len * u64::from(geometry.kernel_blocks_per_logical) * specs.len() as u64;
-    let one_numbers = run_table(
+    let (one_numbers, one_samples) = run_table(
         options.latency_repeats,
         options.timeout,
         &geometry,
@@ -136,7 +139,12 @@ pub(super) fn run(options: &TransferOptions) -> Result<TransferReport, TransferB
         &mut push,
         &mut push_dynamic,
     )?;
-    let latency = latency_numbers(&one_numbers, one_bytes, options.latency_repeats);
+    let latency = latency_numbers(
+        &one_numbers,
+        one_bytes,
+        options.latency_repeats,
+        one_samples,
+    );
     drop(raw);
     let idle_cpu = (options.idle_secs > 0)
         .then(|| idle_cpu(Duration::from_secs(options.idle_secs)))
@@ -205,7 +213,12 @@ fn one_block(table: &BlockTable) -> BlockTable {
     }
 }
 
-fn latency_numbers(t: &TableNumbers, bytes: u64, repeats: usize) -> LatencyNumbers {
+fn latency_numbers(
+    t: &TableNumbers,
+    bytes: u64,
+    repeats: usize,
+    samples: LatencySamples,
+) -> LatencyNumbers {
     let ratio = t.kvhandoff.latency_p50_us / t.raw.total_us.max(f64::MIN_POSITIVE);
     LatencyNumbers {
         blocks: 1,
@@ -224,6 +237,7 @@ fn latency_numbers(t: &TableNumbers, bytes: u64, repeats: usize) -> LatencyNumbe
         prepared_gain: t.prepared_gain,
         prepared_request: t.prepared_request.clone(),
         repeats,
+        samples,
     }
 }
 
@@ -262,7 +276,7 @@ fn idle_cpu(span: Duration) -> Result<IdleCpu, TransferBenchError> {
 
 /// One table: planner count, then warm-ups, then alternating raw and kvhandoff repetitions; then
 /// alternating kvhandoff and kvhandoff with dynamic lists only (`push_dynamic`); then the
-/// request alone, created both ways.
+/// request alone, created both ways. Also returns the first pass's samples (raw, kvhandoff).
 #[allow(clippy::too_many_arguments)]
 fn run_table(
     repeats: usize,
@@ -274,50 +288,29 @@ fn run_table(
     raw: &mut RawPair,
     push: &mut Push,
     push_dynamic: &mut Push,
-) -> Result<TableNumbers, TransferBenchError> {
+) -> Result<(TableNumbers, LatencySamples), TransferBenchError> {
     let kbpl = geometry.kernel_blocks_per_logical;
-    let mut planner = Planner::new();
-    let plan = |planner: &mut Planner, local: &[RegionDesc], remote: &[RegionDesc]| {
-        let input = PlanInput::new(local, remote, specs, &table.local, &table.remote, kbpl);
-        planner
-            .plan(&input)
-            .map_err(|e| run_error(format!("{} table does not plan: {e}", table.name)))
-    };
-    let raw_plan = plan(&mut planner, &raw.p.regions, &raw.d.regions)?;
-    // What the P rank's writer plans: its own regions against the ones D advertised.
-    let push_count = plan(&mut planner, &push.p_regions, &push.d_regions)?.descriptor_count();
-    if raw_plan.descriptor_count() != push_count || raw_plan.bytes != request_bytes {
+    let (raw_plan, push_count) = plan_both(specs, kbpl, table, table.name, raw, push)?;
+    if raw_plan.bytes != request_bytes {
         return Err(run_error(format!(
-            "{}: raw plans {} descriptors / {} bytes, kvhandoff {push_count} descriptors",
-            table.name,
-            raw_plan.descriptor_count(),
-            raw_plan.bytes
+            "{}: the plan moves {} bytes, the request has {request_bytes}",
+            table.name, raw_plan.bytes
         )));
     }
     let block_bytes = specs[0].block_len * u64::from(kbpl);
     let local = table.local.groups.first().cloned().unwrap_or_default();
     let remote = table.remote.groups.first().cloned().unwrap_or_default();
-    stamp(&byte_regions(&raw.p), block_bytes, &local).map_err(run_error)?;
-    push.stamp_source(block_bytes, &local)?;
     push_dynamic.stamp_source(block_bytes, &local)?;
-
-    let mut raw_samples = Vec::new();
-    let mut push_samples = Vec::new();
-    for rep in 0..=repeats {
-        let raw_sample = raw.once(
-            &raw_plan.descriptors,
-            format!("{}-{rep}", table.name).as_bytes(),
-            block_bytes,
-            (&local, &remote),
-            timeout,
-        )?;
-        let push_sample = push.once(table, rep, block_bytes, (&local, &remote), timeout)?;
-        // Repetition 0 is the warm-up (connections, first touch of the pages).
-        if rep > 0 {
-            raw_samples.push(raw_sample);
-            push_samples.push(push_sample);
-        }
-    }
+    let (raw_samples, push_samples) = raw_vs_push(
+        table.name,
+        repeats,
+        timeout,
+        &raw_plan.descriptors,
+        table,
+        block_bytes,
+        raw,
+        push,
+    )?;
     // Then kvhandoff against itself with dynamic lists only, in a second pass (so the raw vs
     // kvhandoff pass above runs as it did without it), the two pairs swapping places every
     // repetition: the one that runs second shares the cores with the first one's pollers
@@ -330,7 +323,14 @@ fn run_table(
             both.reverse();
         }
         for (pair, sample) in &mut both {
-            *sample = Some(pair.once(table, rep, block_bytes, (&local, &remote), timeout)?);
+            *sample = Some(pair.once(
+                table,
+                table.name,
+                rep,
+                block_bytes,
+                (&local, &remote),
+                timeout,
+            )?);
         }
         if rep % 2 == 1 {
             both.reverse();
@@ -407,7 +407,11 @@ fn run_table(
         .collect();
     let prepared_gain =
         dynamic_numbers.latency_p50_us / prepared_numbers.latency_p50_us.max(f64::MIN_POSITIVE);
-    Ok(TableNumbers {
+    let samples = LatencySamples {
+        raw_us: total.clone(),
+        kvhandoff_us: push_samples.iter().map(|s| s.latency_us).collect(),
+    };
+    let numbers = TableNumbers {
         table: table.name.to_string(),
         paired_ratio: median(&paired),
         descriptors: push_count,
@@ -419,7 +423,75 @@ fn run_table(
         kvhandoff_dynamic: dynamic_numbers,
         prepared_gain,
         prepared_request,
-    })
+    };
+    Ok((numbers, samples))
+}
+
+/// Plans `table` for the raw pair and for the kvhandoff ranks (P's own regions against the ones
+/// D advertised, as the P rank's writer does) and checks that both make as many descriptors:
+/// the raw plan and kvhandoff's count.
+fn plan_both(
+    specs: &[RegionSpec],
+    kbpl: u32,
+    table: &BlockTable,
+    label: &str,
+    raw: &RawPair,
+    push: &Push,
+) -> Result<(TransferPlan, usize), TransferBenchError> {
+    let mut planner = Planner::new();
+    let plan = |planner: &mut Planner, local: &[RegionDesc], remote: &[RegionDesc]| {
+        let input = PlanInput::new(local, remote, specs, &table.local, &table.remote, kbpl);
+        planner
+            .plan(&input)
+            .map_err(|e| run_error(format!("{label} table does not plan: {e}")))
+    };
+    let raw_plan = plan(&mut planner, &raw.p.regions, &raw.d.regions)?;
+    let push_count = plan(&mut planner, &push.p_regions, &push.d_regions)?.descriptor_count();
+    if raw_plan.descriptor_count() != push_count {
+        return Err(run_error(format!(
+            "{label}: raw plans {} descriptors, kvhandoff {push_count}",
+            raw_plan.descriptor_count(),
+        )));
+    }
+    Ok((raw_plan, push_count))
+}
+
+/// Stamps `table`'s source blocks on both paths, then `repeats` alternating raw and kvhandoff
+/// repetitions after one untimed warm-up of each; `label` names the notifications and request
+/// ids (unique per table within a run).
+#[allow(clippy::too_many_arguments)]
+fn raw_vs_push(
+    label: &str,
+    repeats: usize,
+    timeout: Duration,
+    descriptors: &[Descriptor],
+    table: &BlockTable,
+    block_bytes: u64,
+    raw: &mut RawPair,
+    push: &mut Push,
+) -> Result<(Vec<RawSample>, Vec<PushSample>), TransferBenchError> {
+    let local = table.local.groups.first().cloned().unwrap_or_default();
+    let remote = table.remote.groups.first().cloned().unwrap_or_default();
+    stamp(&byte_regions(&raw.p), block_bytes, &local).map_err(run_error)?;
+    push.stamp_source(block_bytes, &local)?;
+    let mut raw_samples = Vec::new();
+    let mut push_samples = Vec::new();
+    for rep in 0..=repeats {
+        let raw_sample = raw.once(
+            descriptors,
+            format!("{label}-{rep}").as_bytes(),
+            block_bytes,
+            (&local, &remote),
+            timeout,
+        )?;
+        let push_sample = push.once(table, label, rep, block_bytes, (&local, &remote), timeout)?;
+        // Repetition 0 is the warm-up (connections, first touch of the pages).
+        if rep > 0 {
+            raw_samples.push(raw_sample);
+            push_samples.push(push_sample);
+        }
+    }
+    Ok((raw_samples, push_samples))
 }
 
 /// The medians of kvhandoff's samples on one table.

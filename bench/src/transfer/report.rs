@@ -151,6 +151,20 @@ pub struct LatencyNumbers {
     pub prepared_request: PreparedRequest,
     /// Repetitions timed (each path).
     pub repeats: usize,
+    /// Every timed repetition of both paths, for distributions (`bench report`'s CDF); not in
+    /// the JSON (the summaries above are).
+    #[serde(skip)]
+    pub samples: LatencySamples,
+}
+
+/// The one-block handoff's timed repetitions, in the order they ran (raw and kvhandoff
+/// alternating, so `raw_us[i]` ran right before `kvhandoff_us[i]`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LatencySamples {
+    /// Raw NIXL: first list entry to the notification at the target, µs.
+    pub raw_us: Vec<f64>,
+    /// kvhandoff: start of D's call to D's `BlocksReady`, µs.
+    pub kvhandoff_us: Vec<f64>,
 }
 
 /// CPU time of the bench's process while its two ranks sit idle.

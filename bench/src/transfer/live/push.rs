@@ -74,10 +74,11 @@ impl Push {
     }
 
     /// One request: P finishes, D allocates; waits for D's `BlocksReady` and P's
-    /// `BlocksFree`; checks the stamps.
+    /// `BlocksFree`; checks the stamps. `label` and `rep` make the request ids (unique per run).
     pub(super) fn once(
         &mut self,
         table: &BlockTable,
+        label: &str,
         rep: usize,
         block_bytes: u64,
         tables: (&[u32], &[u32]),
@@ -86,7 +87,7 @@ impl Push {
         let d_regions = cache_regions(&self.d_kv);
         clear(&d_regions, block_bytes, tables.1).map_err(run_error)?;
         // vLLM-like ids: one base, a random-looking 8-hex suffix per engine.
-        let base = format!("cmpl-bench-{}-{rep:06}-0", table.name);
+        let base = format!("cmpl-bench-{label}-{rep:06}-0");
         let id = |suffix: u32| {
             RequestId::new(format!("{base}-{suffix:08x}"))
                 .map_err(|e| TransferBenchError::Options(e.to_string()))
