@@ -20,8 +20,10 @@
 #![warn(missing_docs)]
 
 pub mod kernels;
+pub mod layerwise;
 mod machines;
 pub mod model;
+mod pair;
 pub mod report;
 mod runtime;
 mod stamps;

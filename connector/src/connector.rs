@@ -266,6 +266,65 @@ impl KvConnector {
         }
     }
 
+    /// P side, layer-wise push: `request`'s prefill starts into `blocks` (`num_tokens` prompt
+    /// tokens); report its layers with [`KvConnector::layers_ready`] as the forward pass
+    /// produces them. In place of [`KvConnector::request_finished`] (which must not follow),
+    /// and answered as it is. Once D registered, each part of
+    /// [`ConnectorSettings::layerwise_parts`] goes out as soon as its layers are ready; below
+    /// [`ConnectorSettings::layerwise_min_tokens`] the whole request goes as one part, with the
+    /// last layer. [`ConnectorEvent::BlocksFree`] hands the blocks back, possibly before the
+    /// last layer when D gave up: later reports of the request are then taken and do nothing.
+    ///
+    /// ```no_run
+    /// # fn f(connector: &mut kvhandoff::KvConnector, request: kvhandoff::RequestId,
+    /// #      blocks: kvhandoff::BlockIds, params: kvhandoff::KvTransferParams, layers: u32)
+    /// # -> Result<(), kvhandoff::ConnectorError> {
+    /// let answer = connector.prefill_started(&request, blocks, 4_096, &params)?;
+    /// for layer in 0..layers {
+    ///     // ... the forward pass writes layer `layer`'s KV into the blocks ...
+    ///     connector.layers_ready(&request, layer + 1)?;
+    /// }
+    /// # let _ = answer; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`KvConnector::request_finished`]; [`ConnectorError::NotConfigured`] when the rank's
+    /// geometry (its layers) is unknown; [`ConnectorError::InvalidParam`] for `"pull"`.
+    pub fn prefill_started(
+        &mut self,
+        request: &RequestId,
+        blocks: BlockIds,
+        num_tokens: u64,
+        params: &KvTransferParams,
+    ) -> Result<KvTransferParams, ConnectorError> {
+        match self.call_one(ConnectorCall::PrefillStarted {
+            request: request.clone(),
+            blocks,
+            num_tokens,
+            params: params.clone(),
+        })? {
+            ConnectorReply::DecodeParams(params) => Ok(params),
+            ConnectorReply::Accepted | ConnectorReply::NextTurnParams(_) => {
+                Err(ConnectorError::Unavailable)
+            }
+        }
+    }
+
+    /// P side, layer-wise push: layers `0 .. ready` of `request`'s blocks hold their KV (this
+    /// rank's layer indices; `ready` equal to the rank's layers ends the prefill). A request
+    /// that already ended (D gave up) takes it and does nothing. Several requests' reports of
+    /// one step go in one round trip with [`KvConnector::submit`].
+    ///
+    /// # Errors
+    /// [`ConnectorError::Rejected`] for a request this rank never started layer-wise.
+    pub fn layers_ready(&mut self, request: &RequestId, ready: u32) -> Result<(), ConnectorError> {
+        self.call_one(ConnectorCall::LayersReady {
+            request: request.clone(),
+            ready,
+        })
+        .map(|_| ())
+    }
+
     /// D side, bidirectional: `request`'s turn is over and its blocks (`num_tokens` tokens of
     /// the conversation) are kept for the next turn's prefill to read, for `ttl` (renewed by
     /// the reader's heartbeats up to twice that). `params` are the ones the turn came with

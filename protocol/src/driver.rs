@@ -378,9 +378,8 @@ impl<T: Transport> TransportDriver<T> {
             local: &order.local,
             remote: &order.remote,
         };
-        let summary = match self.plan(&transfer) {
-            Ok(summary) => summary,
-            Err(failed) => return failed,
+        let Some(summary) = self.plan(&transfer) else {
+            return failed;
         };
         let Some(by_layer) = self.by_layer(stream.layers) else {
             tracing::warn!(key = %order.key, layers = stream.layers, "layer-wise write does not match this rank's layers");
@@ -470,9 +469,8 @@ impl<T: Transport> TransportDriver<T> {
             write: transfer.id,
             failure: WriteFailure::PostFailed,
         });
-        let summary = match self.plan(transfer) {
-            Ok(summary) => summary,
-            Err(failed) => return failed,
+        let Some(summary) = self.plan(transfer) else {
+            return failed;
         };
         match post(&mut self.transport, &self.descriptors) {
             Ok(()) => {
@@ -489,17 +487,13 @@ impl<T: Transport> TransportDriver<T> {
         }
     }
 
-    /// Plans `transfer`'s descriptors into `self.descriptors`: `Ok` with their count and
-    /// bytes, or `Err` with the `WriteFailed(PostFailed)` to report (counted).
-    fn plan(&mut self, transfer: &Transfer<'_>) -> Result<(usize, u64), Option<NetEvent>> {
-        let failed = Some(NetEvent::WriteFailed {
-            write: transfer.id,
-            failure: WriteFailure::PostFailed,
-        });
+    /// Plans `transfer`'s descriptors into `self.descriptors`: their count and bytes, or `None`
+    /// (counted) when it cannot be planned: the caller reports `WriteFailed(PostFailed)`.
+    fn plan(&mut self, transfer: &Transfer<'_>) -> Option<(usize, u64)> {
         let Some(peer) = self.peers.get(transfer.peer) else {
             tracing::warn!(peer = %transfer.peer, id = %transfer.id, "transfer with an unloaded peer");
             self.stats.post_failures += 1;
-            return Err(failed);
+            return None;
         };
         let summary = match &self.route {
             Some(route) => {
@@ -521,7 +515,7 @@ impl<T: Transport> TransportDriver<T> {
                         self.descriptors.clear();
                         tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer route refused");
                         self.stats.post_failures += 1;
-                        return Err(failed);
+                        return None;
                     }
                 }
             }
@@ -539,12 +533,12 @@ impl<T: Transport> TransportDriver<T> {
                     Err(error) => {
                         tracing::warn!(key = %transfer.key, epoch = %transfer.epoch, %error, "transfer plan failed");
                         self.stats.post_failures += 1;
-                        return Err(failed);
+                        return None;
                     }
                 }
             }
         };
-        Ok(summary)
+        Some(summary)
     }
 
     /// Collects what the transport reports (write ends, notifications) into `feed`.

@@ -1,5 +1,5 @@
 //! `kvhandoff bench`: the benchmarks' arguments (`control`, `transfer`, `turns`, `kernels`,
-//! `report`) and their runs.
+//! `layerwise`, `report`) and their runs.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -21,9 +21,41 @@ pub(crate) enum BenchCommand {
     /// The KV block transforms (NHD/HND permute, block-size regroup, TP head slice/gather) on
     /// the CPU against memcpy, and their CUDA versions (compiled to PTX; run where a GPU is).
     Kernels(KernelsArgs),
+    /// Exposed transfer time of whole-request vs layer-wise push by prompt length, over real
+    /// NIXL, with P's forward pass emulated from a stated prefill throughput; every byte checked.
+    Layerwise(LayerwiseArgs),
     /// Run every bench and write the generated section of `<out-dir>/benchmarks.md` (between its
     /// `report:begin`/`report:end` marker lines) and the plots `<out-dir>/plots/*.svg`.
     Report(ReportArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct LayerwiseArgs {
+    /// Prompt lengths, in tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "128,256,512,1024,2048,4096",
+          value_parser = clap::value_parser!(u32).range(1..=131_072))]
+    tokens: Vec<u32>,
+    /// The emulated prefill's throughput, tokens per second (sets each layer's compute time).
+    #[arg(long, default_value_t = 10_000.0)]
+    prefill_tokens_per_s: f64,
+    /// Layers of the model (8 KV heads of 128, bf16, 16-token blocks).
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=256))]
+    layers: u32,
+    /// Parts a layer-wise request is written in.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=256))]
+    parts: u32,
+    /// Prompts shorter than this many tokens go as one part.
+    #[arg(long, default_value_t = 256)]
+    min_tokens: u64,
+    /// Timed rounds per prompt length and mode (the figure is the median).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=101))]
+    rounds: u32,
+    /// The transport: nixl, or mem (the in-memory one, no NIXL).
+    #[arg(long, default_value = "nixl", value_parser = ["nixl", "mem"])]
+    transport: String,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -195,6 +227,29 @@ pub(crate) fn run_bench(command: BenchCommand) -> ExitCode {
         BenchCommand::Transfer(args) => run_bench_transfer(args),
         BenchCommand::Turns(args) => run_bench_turns(args),
         BenchCommand::Report(args) => run_bench_report(args),
+        BenchCommand::Layerwise(args) => {
+            let transport = match args.transport.as_str() {
+                "mem" => bench::layerwise::LayerwiseTransport::Mem,
+                _ => bench::layerwise::LayerwiseTransport::Nixl,
+            };
+            let options = bench::layerwise::LayerwiseOptions {
+                tokens: args.tokens,
+                prefill_tokens_per_s: args.prefill_tokens_per_s,
+                layers: args.layers,
+                parts: args.parts,
+                min_tokens: args.min_tokens,
+                rounds: args.rounds as usize,
+                transport,
+                ..bench::layerwise::LayerwiseOptions::default()
+            };
+            conclude(
+                bench::layerwise::layerwise(&options),
+                args.json,
+                "the layer-wise benchmark",
+                |r| r.render_table(),
+                |_| true,
+            )
+        }
         BenchCommand::Kernels(args) => {
             let defaults = bench::kernels::KernelBenchOptions::default();
             let options = bench::kernels::KernelBenchOptions {

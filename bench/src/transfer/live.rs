@@ -5,9 +5,8 @@ use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{RegionBytes, ShellConfig};
 use kvhandoff_actors::transport::nixl::{nixl_runtime_available, NixlConfig};
-use kvhandoff_protocol::machine::Config;
 use kvhandoff_protocol::planner::{Descriptor, PlanInput, Planner, TransferPlan};
-use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, RegionDesc, RegionSpec, RequestId};
+use kvhandoff_protocol::{BlockIds, KvGeometry, RegionDesc, RegionSpec, RequestId};
 use nixl_sys::{
     AgentConfig, MemType, NixlError, XferDescList, XferDlistHandle, XferOp, XferStatus,
 };
@@ -21,10 +20,9 @@ use super::{
     TARGET_LATENCY_RATIO, TARGET_RATIO,
 };
 use kvhandoff::{
-    ConnectorEvent, ConnectorSettings, KvCache, KvConnector, KvTransferParams, RankBuilder,
-    Runtime, StartError, TransportKind,
+    ConnectorEvent, ConnectorSettings, KvCache, KvConnector, KvTransferParams, Runtime, StartError,
+    TransportKind,
 };
-use kvhandoff_testkit::demo::{self, DECODE_ENGINE, PREFILL_ENGINE};
 
 mod notify;
 mod push;

@@ -3,6 +3,7 @@
 //! connector.
 
 use super::*;
+use crate::pair::{check_blocks, start_pair, PairError, PairSpec};
 
 pub(super) struct PushSample {
     pub(super) latency_us: f64,
@@ -28,40 +29,31 @@ impl Push {
         shell: ShellConfig,
         suffix: &str,
     ) -> Result<Self, TransferBenchError> {
-        let mut runtime = Runtime::start().map_err(|e| run_error(e.to_string()))?;
-        let mut start = |engine: &str| {
-            let engine = EngineId::new(format!("{engine}{suffix}"))
-                .map_err(|e| TransferBenchError::Options(e.to_string()))?;
-            let memory = demo::engine_memory(geometry, pool_blocks)
-                .map_err(|e| TransferBenchError::Options(e.to_string()))?;
-            let rank = RankBuilder::new(engine, geometry.clone(), demo::model())
-                .regions(memory)
-                .transport(TransportKind::Nixl(nixl_config.clone()))
-                .config(Config::default())
-                // The connector's defaults, as `KvConnector::new` gives (push only).
-                .connector_settings(ConnectorSettings::default())
-                .shell(shell.clone())
-                .start_on(&mut runtime)
-                .map_err(|e| match e {
-                    StartError::Transport(e) => TransferBenchError::Nixl(e.to_string()),
-                    StartError::Build(e) => TransferBenchError::Nixl(format!("build a rank: {e}")),
-                    e => run_error(e.to_string()),
-                })?;
-            // What the rank advertised: its regions as NIXL registered them.
-            let regions = rank.peer_info().regions.clone();
-            let (conn, kv, _) = rank.into_parts();
-            Ok::<_, TransferBenchError>((conn, kv, regions))
-        };
-        let (p_conn, p_kv, p_regions) = start(PREFILL_ENGINE)?;
-        let (d_conn, d_kv, d_regions) = start(DECODE_ENGINE)?;
+        let pair = start_pair(PairSpec {
+            geometry,
+            pool_blocks,
+            transport: TransportKind::Nixl(nixl_config),
+            // The connector's defaults, as `KvConnector::new` gives (push only).
+            settings: ConnectorSettings::default(),
+            shell,
+            suffix,
+        })
+        .map_err(|e| match e {
+            PairError::Setup(why) => TransferBenchError::Options(why),
+            PairError::Start(StartError::Transport(e)) => TransferBenchError::Nixl(e.to_string()),
+            PairError::Start(StartError::Build(e)) => {
+                TransferBenchError::Nixl(format!("build a rank: {e}"))
+            }
+            PairError::Start(e) => run_error(e.to_string()),
+        })?;
         Ok(Push {
-            p_conn,
-            d_conn,
-            p_kv,
-            d_kv,
-            p_regions,
-            d_regions,
-            runtime: Some(runtime),
+            p_conn: pair.p_conn,
+            d_conn: pair.d_conn,
+            p_kv: pair.p_kv,
+            d_kv: pair.d_kv,
+            p_regions: pair.p_regions,
+            d_regions: pair.d_regions,
+            runtime: Some(pair.runtime),
         })
     }
 
@@ -141,39 +133,13 @@ impl Push {
     }
 }
 
-pub(super) fn check_blocks(got: &BlockIds, want: &BlockIds) -> Result<(), String> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(format!("blocks {got:?} returned, {want:?} expected"))
-    }
-}
-
-/// Waits on `conn` ([`KvConnector::wait_events`]: woken by the event, no poll timer and no CPU
-/// meanwhile) until `accept` settles an event; returns when it was seen.
+/// [`crate::pair::wait_for`], failing as this bench fails.
 pub(super) fn wait_for(
     conn: &mut KvConnector,
     deadline: Instant,
     accept: impl Fn(&ConnectorEvent) -> Option<Result<(), String>>,
 ) -> Result<Instant, TransferBenchError> {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(run_error("no event before the deadline"));
-        }
-        let events = conn.wait_events(left);
-        let now = Instant::now();
-        for event in &events {
-            match accept(event) {
-                Some(Ok(())) => return Ok(now),
-                Some(Err(why)) => return Err(run_error(why)),
-                None => {}
-            }
-        }
-        if conn.rank_stopped() {
-            return Err(run_error("the rank stopped"));
-        }
-    }
+    crate::pair::wait_for(conn, deadline, accept).map_err(run_error)
 }
 
 impl Drop for Push {
