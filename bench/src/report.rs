@@ -39,6 +39,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::kernels::{KernelBenchError, KernelBenchOptions, KernelBenchReport, Workload};
+use crate::layerwise::{LayerwiseBenchError, LayerwiseOptions};
 use crate::model::{FitPair, Mode, ModelError, ModelOptions};
 use crate::transfer::{
     SweepOptions, SweepReport, TransferBenchError, TransferOptions, TransferReport,
@@ -57,7 +58,7 @@ pub use plots::{
     PlotError, BANDWIDTH_PLOT, FRAGMENTATION_PLOT, LATENCY_CDF_PLOT, LAYERWISE_PLOT, MODEL_PLOT,
 };
 pub use progress::{Progress, Silent, StderrProgress};
-pub use run::{nixl_unavailable, run_report, LAYERWISE_MISSING};
+pub use run::{nixl_unavailable, run_report};
 
 /// The markdown file the report writes in its output folder.
 pub const MARKDOWN_FILE: &str = "benchmarks.md";
@@ -107,6 +108,8 @@ pub struct ReportPlan {
     pub model: ModelOptions,
     /// `bench kernels` (run with the `cuda` feature only).
     pub kernels: KernelBenchOptions,
+    /// `bench layerwise` (over NIXL: skipped where NIXL is not).
+    pub layerwise: LayerwiseOptions,
 }
 
 impl ReportPlan {
@@ -125,6 +128,7 @@ impl ReportPlan {
             turns: TurnsOptions::default(),
             model: ModelOptions::seed(Mode::Push, 4, 512, 128, 4.0),
             kernels: KernelBenchOptions::default(),
+            layerwise: LayerwiseOptions::default(),
         }
     }
 
@@ -161,6 +165,11 @@ impl ReportPlan {
                 },
                 rounds: 2,
                 ..KernelBenchOptions::default()
+            },
+            layerwise: LayerwiseOptions {
+                tokens: vec![256, 1_024],
+                rounds: 1,
+                ..LayerwiseOptions::default()
             },
             ..full
         }
@@ -291,6 +300,9 @@ pub enum ReportError {
     /// `bench kernels` failed.
     #[error("bench kernels: {0}")]
     Kernels(#[from] KernelBenchError),
+    /// `bench layerwise` failed.
+    #[error("bench layerwise: {0}")]
+    Layerwise(#[from] LayerwiseBenchError),
     /// The fragmentation sweep failed.
     #[error(transparent)]
     Fragmentation(#[from] FragmentationError),

@@ -76,11 +76,6 @@ pub fn nixl_unavailable() -> Option<String> {
     }
 }
 
-/// The text the report writes where the layer-wise bench's results will go.
-pub const LAYERWISE_MISSING: &str =
-    "the layer-wise bench (`kvhandoff_bench::layerwise`) is not in \
-     this build; its table and `plots/layerwise_exposed.svg` appear once it is";
-
 /// Runs every bench, then writes the plots and the markdown section.
 ///
 /// # Errors
@@ -263,10 +258,20 @@ fn run_steps(
         |pairs| format!("{} TP 4 workloads, push and pull", pairs.len()),
     )?;
     let model = model.ran().cloned().unwrap_or_default();
-    // layerwise: wired when bench::layerwise lands
     let layerwise: Outcome<Vec<LayerwisePoint>> = steps.run(
         "layer-wise",
-        || Ok(Outcome::Skipped(LAYERWISE_MISSING.into())),
+        || match &nixl_missing {
+            Some(why) => Ok(Outcome::Skipped(why.clone())),
+            None => {
+                let report = crate::layerwise::layerwise(&plan.layerwise)?;
+                let points = report.rows.iter().map(|r| LayerwisePoint {
+                    tokens: r.tokens,
+                    exposed_ms_whole: r.exposed_ms_whole,
+                    exposed_ms_layerwise: r.exposed_ms_layerwise,
+                });
+                Ok(Outcome::Ran(points.collect()))
+            }
+        },
         |rows: &Vec<LayerwisePoint>| format!("{} prompt lengths", rows.len()),
     )?;
     let kernels = steps.run(

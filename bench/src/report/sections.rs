@@ -375,6 +375,15 @@ pub(super) fn layerwise(out: &mut String, data: &ReportData) {
             return;
         }
     };
+    let o = &data.plan.layerwise;
+    let _ = writeln!(
+        out,
+        "`kvhandoff bench layerwise --rounds {}` over NIXL: a {}-layer rank (8 KV heads of 128, \
+         bf16), P's forward pass emulated at {:.0} tokens/s, {} parts above {} tokens; exposed = \
+         from the end of the last layer's compute to D's `BlocksReady`, median round; every \
+         byte checked on D.\n",
+        o.rounds, o.layers, o.prefill_tokens_per_s, o.parts, o.min_tokens
+    );
     let _ = writeln!(
         out,
         "| prompt tokens | exposed ms, whole request | exposed ms, layer-wise | reduction |\n\

@@ -353,7 +353,7 @@ fn data(plots: &[&str], layerwise: Outcome<Vec<LayerwisePoint>>) -> ReportData {
 fn the_section_names_the_run_every_bench_and_its_plots() {
     let text = render_section(&data(
         &[FRAGMENTATION_PLOT, MODEL_PLOT],
-        Outcome::Skipped(LAYERWISE_MISSING.into()),
+        Outcome::Skipped("this build has no `nixl` cargo feature".into()),
     ));
     for needle in [
         "**Command:** `kvhandoff bench report --quick --out-dir docs`",
@@ -374,7 +374,7 @@ fn the_section_names_the_run_every_bench_and_its_plots() {
         "kvhandoff bench turns --prefixes 16,256,1000",
         "| 512/64/4 | Pull | 110.94 |",
         "![model vs seed mean TTFT](plots/model_ttft_vs_seed.svg)",
-        "Not run: the layer-wise bench",
+        "Not run: this build has no `nixl` cargo feature",
         "kvhandoff bench kernels",
         "Skipped: no `cuda` feature.",
     ] {
