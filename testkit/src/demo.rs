@@ -185,7 +185,10 @@ pub struct DemoOptions {
     /// least this many tokens; below, P declines and recomputes (default 64, vLLM's
     /// threshold).
     pub recompute_threshold: u32,
-    /// The whole run's limit; a run that reaches it reports FAILED (default 60 s).
+    /// The whole run's limit, at least (default 60 s); a run that reaches it reports FAILED.
+    /// A larger run gets more: its last arrival, plus D's deadline for a request
+    /// (`Config::decode_deadline`: by then every request has ended or is reported failed),
+    /// plus every byte of the plan moved at [`FLOOR_BYTES_PER_SEC`].
     pub timeout: Duration,
     /// TEST ONLY: P writes a wrong pattern into one request's blocks, which D must catch.
     #[doc(hidden)]
@@ -213,6 +216,8 @@ impl Default for DemoOptions {
         }
     }
 }
+
+pub use schedule::FLOOR_BYTES_PER_SEC;
 
 /// The message of [`DemoError::NoNixl`].
 pub const NO_NIXL: &str = "this build has no NIXL support; rebuild with --features nixl";
@@ -388,7 +393,7 @@ where
 
     let (p_link, d_link) = router_link();
     let start = Instant::now();
-    let deadline = start + options.timeout;
+    let deadline = start + schedule::run_limit(options, plan, workload.block_bytes);
     let turns = turn_settings(options);
     let prefill = PrefillRun {
         start,

@@ -17,6 +17,7 @@
 use std::time::Duration;
 
 use kvhandoff::TransferMode;
+use kvhandoff_protocol::machine::Config;
 use kvhandoff_protocol::{KvGeometry, PairingKey, RequestId};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -204,6 +205,36 @@ fn uuid(rng: &mut ChaCha8Rng) -> String {
     )
 }
 
+/// The transfer rate below which a demo run is taken as stuck rather than slow: far under any
+/// transport here (the in-memory one copies at GB/s), so that a busy or slow machine makes
+/// runs slower, not FAILED.
+pub const FLOOR_BYTES_PER_SEC: f64 = 50e6;
+
+/// The limit of a run of `plan` (whose blocks are `block_bytes` each over all regions): at
+/// least `options.timeout`; else the last arrival and call, plus the protocol's bound on one
+/// request's end (`Config::decode_deadline`), plus the plan's bytes (twice over in the
+/// bidirectional mode, whose turns read prefixes back) at [`FLOOR_BYTES_PER_SEC`].
+pub(crate) fn run_limit(options: &DemoOptions, plan: &[Planned], block_bytes: u64) -> Duration {
+    let last = plan
+        .iter()
+        .map(|q| q.arrival + q.prefill_delay.max(q.decode_delay))
+        .max()
+        .unwrap_or_default();
+    let moves = if options.mode == DemoMode::Bidir {
+        2
+    } else {
+        1
+    };
+    let bytes: u64 = plan
+        .iter()
+        .map(|q| q.blocks as u64 * block_bytes * moves)
+        .sum();
+    let work = Duration::from_secs_f64(bytes as f64 / FLOOR_BYTES_PER_SEC);
+    options
+        .timeout
+        .max(last + Config::default().decode_deadline + work)
+}
+
 /// The schedule of `options` (a function of its seed and sizes only).
 ///
 /// # Errors
@@ -333,6 +364,29 @@ fn conversations(options: &DemoOptions, block_tokens: u32) -> Result<Vec<Planned
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run of a few requests keeps the default limit; one of thousands gets the time its
+    /// bytes need on a slow machine (the 2,000-request demo moved 68 GB past a fixed 60 s).
+    #[test]
+    fn the_run_limit_grows_with_the_work() {
+        let small = DemoOptions::default();
+        let plan = schedule(&small, 16).unwrap();
+        let block_bytes = 16 * 8 * 128 * 2 * 2 * 8;
+        let limit = run_limit(&small, &plan, block_bytes);
+        assert!(limit >= small.timeout);
+        let large = DemoOptions {
+            requests: 2_000,
+            ..DemoOptions::default()
+        };
+        let plan = schedule(&large, 16).unwrap();
+        let bytes: u64 = plan.iter().map(|q| q.blocks as u64 * block_bytes).sum();
+        let limit = run_limit(&large, &plan, block_bytes);
+        assert!(
+            limit.as_secs_f64() >= bytes as f64 / FLOOR_BYTES_PER_SEC,
+            "{limit:?} for {bytes} bytes"
+        );
+        assert!(limit > large.timeout);
+    }
 
     #[test]
     fn schedule_pairs_ids_and_varies_suffixes() {
