@@ -117,7 +117,10 @@ class NativeConnector:
         ``handshake_timeout_ms`` (the side channel), ``call_timeout_ms`` (how long a call waits
         for the runtime's verdict), ``close_timeout_ms`` (how long :meth:`close` waits for
         requests in progress); ``load_failure_policy`` (``"fail"`` or ``"recompute"``),
-        ``next_turn_ttl_s``, ``max_requests``.
+        ``next_turn_ttl_s``, ``max_requests``; layer-wise push (:meth:`prefill_started`):
+        ``layerwise_parts`` (how many parts a request's layers are written in, default 8, at
+        most one per layer) and ``layerwise_min_tokens`` (prompts of fewer tokens go as one part
+        with the last layer, default 256).
         """
     @property
     def address(self) -> str:
@@ -132,6 +135,9 @@ class NativeConnector:
     def block_bytes(self) -> int: ...
     @property
     def block_tokens(self) -> int: ...
+    @property
+    def layers(self) -> int:
+        """This rank's layers: one per region. ``ready`` equal to it ends a layer-wise prefill."""
     def add_peer(self, engine_id: str, address: str) -> None: ...
     def request_allocated(
         self,
@@ -149,6 +155,24 @@ class NativeConnector:
         num_tokens: int | None = None,
     ) -> dict[str, Any]:
         """P: the prefill finished; returns the ``kv_transfer_params`` for the router's decode leg."""
+    def prefill_started(
+        self,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        kv_transfer_params: dict[str, Any] | None = None,
+        num_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """P, layer-wise push: the prefill starts into these blocks; report its layers with
+        :meth:`layers_ready` as the forward pass writes them. In place of
+        :meth:`request_finished` (which must not follow), answered as it is; the blocks come
+        back with ``blocks_free``. Push only: ``transfer_mode: "pull"`` raises
+        :class:`InvalidParams`; a duplicate request :class:`Rejected`."""
+    def layers_ready(self, request_id: str, ready: int) -> None:
+        """P, layer-wise push: layers ``0 .. ready`` (region indices) of the request's blocks hold
+        their KV; ``ready == layers`` ends the prefill. Each part goes to D as soon as its layers
+        are ready (once D registered). Taken, doing nothing, for a request that already ended
+        (D gave up); :class:`Rejected` for a request never started layer-wise;
+        :class:`InvalidParams` for ``ready`` above :attr:`layers`."""
     def keep_for_next_turn(
         self,
         request_id: str,

@@ -46,14 +46,27 @@ _FAULTS = (None, "", "corrupt", "drop", "params")
 #: The adapter's side-channel handshake timeout unless the extra config sets one.
 _HANDSHAKE_TIMEOUT_MS = 30_000
 # The extra-config keys the adapter reads itself, and those it passes to the native connector.
-_ADAPTER_KEYS = frozenset({"transport", "listen", "advertise_host", "engine_id", "model", "dtype", "fault"})
+_ADAPTER_KEYS = frozenset({
+    "transport", "listen", "advertise_host", "engine_id", "model", "dtype", "fault", "layerwise",
+})
 _NATIVE_KEYS = frozenset({
     "lease_ms", "lease_extension_ms", "heartbeat_interval_ms", "peer_timeout_ms",
     "connect_timeout_ms", "decode_deadline_ms", "registration_ttl_ms", "write_timeout_ms",
     "abandon_timeout_ms", "max_write_life_ms", "max_message_delay_ms", "quarantine_ms",
     "tombstone_ttl_ms", "handshake_timeout_ms", "call_timeout_ms", "close_timeout_ms",
-    "max_requests",
+    "max_requests", "layerwise_parts", "layerwise_min_tokens",
 })
+
+
+#: This process's P-side native calls by kind (diagnostics: how requests were handed over,
+#: whole or layer-wise). Read with :func:`handover_counts`.
+_COUNTS = {"request_finished": 0, "prefill_started": 0, "layers_ready": 0}
+
+
+def handover_counts() -> dict[str, int]:
+    """How many ``request_finished`` (whole handovers), ``prefill_started`` (layer-wise ones)
+    and ``layers_ready`` calls this process's P workers made."""
+    return dict(_COUNTS)
 
 
 def _status_name(status: Any) -> str:
@@ -91,6 +104,9 @@ class Settings:
     model: str = "opaque"
     dtype: str = "opaque"
     fault: str | None = None
+    #: P: hand push requests over layer-wise (the native ``prefill_started``/``layers_ready``)
+    #: instead of whole after the prefill. Ignored on D (which needs nothing for it).
+    layerwise: bool = False
 
     @classmethod
     def from_config(
@@ -118,6 +134,9 @@ class Settings:
         fault = extra.get("fault") or None
         if fault not in _FAULTS:
             raise ValueError(f"KvHandoffConnector: fault {fault!r} is none of corrupt, drop, params")
+        layerwise = extra.get("layerwise", False)
+        if not isinstance(layerwise, bool):
+            raise ValueError(f"KvHandoffConnector: layerwise must be true or false (got {layerwise!r})")
         eid = extra.get("engine_id") or engine_id
         if not eid:
             raise ValueError("KvHandoffConnector: no engine_id (neither vLLM's nor extra config's)")
@@ -148,6 +167,7 @@ class Settings:
             model=str(extra.get("model", model or "opaque")),
             dtype=str(extra.get("dtype", dtype or "opaque")),
             fault=fault,
+            layerwise=layerwise,
         )
 
     def static_address(self) -> tuple[str, int] | None:
@@ -200,9 +220,17 @@ class StepMetadata(_MetadataBase):
     recvs: list[RecvReq] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     declines: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    #: P, layer-wise: requests whose prefill completes in this step (the native
+    #: ``prefill_started`` before the forward pass, ``layers_ready`` as it goes).
+    starts: list[SendReq] = field(default_factory=list)
+    #: P, layer-wise: started requests the scheduler has since finished with their blocks
+    #: held: only now may the worker report them in ``finished_sending`` (vLLM frees the
+    #: blocks of whatever it names there, and a request still running must keep them).
+    confirmed: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.sends or self.recvs or self.aborts or self.declines)
+        return not (self.sends or self.recvs or self.aborts or self.declines or self.starts
+                    or self.confirmed)
 
 
 @dataclass
@@ -232,6 +260,13 @@ class SchedulerSide:
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.aborted_recving: set[str] = set()
+        # P, layer-wise: push requests that may start layer-wise (request objects, and their
+        # blocks as the scheduler's outputs gave them), and those started (what the worker was
+        # told, and the answer request_finished returns).
+        self._lw_candidates: dict[str, tuple[Any, list[list[int]]]] = {}
+        self.started: dict[str, SendReq] = {}
+        self._starts: list[SendReq] = []
+        self._confirmed: list[str] = []
 
     # -- the worker's address ---------------------------------------------------------------
 
@@ -269,6 +304,9 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if self.settings.role == "prefill":
+            self._lw_candidate(request, blocks)
+            return
         if self.settings.role != "decode" or not params or not params.get("do_remote_prefill"):
             return
         if num_external_tokens <= 0:
@@ -284,22 +322,116 @@ class SchedulerSide:
 
     # -- each step ---------------------------------------------------------------------------
 
-    def build_connector_meta(self) -> StepMetadata:
-        meta = StepMetadata(self._sends, self._recvs, self._aborts, self._declines)
+    def build_connector_meta(self, scheduler_output: Any = None) -> StepMetadata:
+        if self._lw_candidates and scheduler_output is not None:
+            self._lw_plan(scheduler_output)
+        meta = StepMetadata(self._sends, self._recvs, self._aborts, self._declines,
+                            self._starts, self._confirmed)
         self._sends, self._recvs, self._aborts, self._declines = [], [], [], []
+        self._starts, self._confirmed = [], []
         return meta
+
+    # -- P, layer-wise ----------------------------------------------------------------------
+
+    def _lw_candidate(self, request: Any, blocks: Any) -> None:
+        """Records a push request of a layer-wise P, to start when its prefill's last chunk
+        is scheduled."""
+        params = request.kv_transfer_params
+        if not self.settings.layerwise or not params or not params.get("do_remote_decode"):
+            return
+        if str(params.get("transfer_mode") or "push").lower() != "push":
+            return  # pull: P exports the blocks whole once the prefill finished
+        fault = self.settings.fault
+        if fault == "params":
+            fault = params.get("kvhandoff_fault") or None
+        if fault == "corrupt":
+            return  # the test fault overwrites whole blocks before a whole-request handover
+        # Only a prefill leg (max_tokens 1, as the router sends it) ends in the step its prefill
+        # completes. A longer request could be preempted while its parts are written, and
+        # vLLM frees a preempted request's blocks without telling the connector.
+        sampling = getattr(request, "sampling_params", None)
+        if sampling is not None and getattr(sampling, "max_tokens", 1) != 1:
+            return
+        if hasattr(blocks, "get_block_ids"):
+            groups = _groups(blocks.get_block_ids())
+        elif hasattr(blocks, "get_unhashed_block_ids_all_groups"):
+            groups = _groups(blocks.get_unhashed_block_ids_all_groups())
+        else:
+            groups = _groups(blocks)
+        self._lw_candidates[request.request_id] = (request, groups)
+
+    def _lw_plan(self, out: Any) -> None:
+        """Starts the candidates whose prefill completes in the step ``out`` schedules."""
+        for new in getattr(out, "scheduled_new_reqs", None) or ():
+            if new.req_id in self._lw_candidates:
+                request, _ = self._lw_candidates[new.req_id]
+                self._lw_candidates[new.req_id] = (request, _groups(new.block_ids))
+        cached = getattr(out, "scheduled_cached_reqs", None)
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(getattr(cached, "req_ids", None) or ()):
+            if rid not in self._lw_candidates or cached.new_block_ids[i] is None:
+                continue
+            request, groups = self._lw_candidates[rid]
+            more = _groups(cached.new_block_ids[i])
+            if rid in resumed:  # a resumed request's block ids are all of them
+                groups = more
+            else:
+                groups = [g + m for g, m in zip(groups, more)] + more[len(groups):]
+            self._lw_candidates[rid] = (request, groups)
+        for rid in getattr(out, "finished_req_ids", None) or ():
+            self._lw_candidates.pop(rid, None)
+        scheduled = getattr(out, "num_scheduled_tokens", None) or {}
+        for rid, (request, groups) in list(self._lw_candidates.items()):
+            n = int(scheduled.get(rid, 0))
+            prompt = int(getattr(request, "num_prompt_tokens", None) or len(request.prompt_token_ids or ()))
+            computed = int(request.num_computed_tokens)  # before this step
+            if n <= 0 or computed >= prompt or computed + n < prompt:
+                continue  # not scheduled, or not its prefill's last chunk
+            del self._lw_candidates[rid]
+            # The prompt's blocks: what request_finished would be handed (blocks of computed
+            # tokens), not a block allocated ahead for the token sampled after it.
+            keep = -(-prompt // max(1, self.settings.block_tokens))
+            groups = [g[:keep] for g in groups]
+            if not any(groups):
+                continue
+            try:
+                send = self._send(request, groups, prompt)
+            except RuntimeError as e:
+                logger.error("KvHandoffConnector P: %s: %s; handed over whole instead", rid, e)
+                continue
+            self.started[rid] = send
+            self._starts.append(send)
+            self.sending.add(rid)
+
+    def _lw_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` of a request started layer-wise: the rank has had it since its
+        prefill step; the blocks stay until the worker reports it in ``finished_sending``."""
+        rid = request.request_id
+        send = self.started.pop(rid)
+        self._confirmed.append(rid)
+        if _status_name(request.status) not in _FINISHED_OK:
+            # Ended otherwise (aborted): let the rank go; its parts may still be reading.
+            self._aborts.append(rid)
+            return True, None
+        given = _groups(block_ids)
+        if [g[: len(s)] for g, s in zip(given, send.block_ids)] != send.block_ids:
+            logger.error("KvHandoffConnector P: %s finished with blocks %s, started with %s",
+                         rid, given, send.block_ids)
+        return True, dict(send.answer)
 
     def update_connector_output(
         self, finished_sending: Iterable[str] | None, finished_recving: Iterable[str] | None
     ) -> None:
         for rid in finished_sending or ():
             self.sending.discard(rid)
+            self.started.pop(rid, None)
         for rid in finished_recving or ():
             self.recving.discard(rid)
             self.aborted_recving.discard(rid)
 
     def has_pending_work(self) -> bool:
-        return bool(self.sending or self.aborted_recving or self._sends or self._aborts)
+        return bool(self.sending or self.aborted_recving or self._sends or self._aborts
+                    or self._starts or self._confirmed)
 
     # -- the end of a request ----------------------------------------------------------------
 
@@ -310,6 +442,9 @@ class SchedulerSide:
             return False, None
         if self.settings.role == "decode":
             return self._decode_finished(request, params)
+        if rid in self.started:
+            return self._lw_finished(request, block_ids)
+        self._lw_candidates.pop(rid, None)
         if not params.get("do_remote_decode"):
             return False, None
         status = _status_name(request.status)
@@ -322,12 +457,22 @@ class SchedulerSide:
             logger.warning("KvHandoffConnector P: %s finished with no blocks; nothing to hand over", rid)
             return False, None
         try:
-            engine_id, host, port = self._here()
+            send = self._send(request, groups, int(request.num_computed_tokens))
         except RuntimeError as e:
             logger.error("KvHandoffConnector P: %s: %s; its blocks are freed, no params", rid, e)
             return False, None
+        self._sends.append(send)
+        self.sending.add(rid)
+        return True, dict(send.answer)
+
+    def _send(self, request: Any, groups: list[list[int]], num_tokens: int) -> SendReq:
+        """What the worker hands the rank for a P request, with the answer the router gets
+        (the rank's answer, which the worker checks against it: the scheduler cannot wait for
+        the worker's)."""
+        rid = request.request_id
+        params = request.kv_transfer_params
+        engine_id, host, port = self._here()
         mode = str(params.get("transfer_mode") or "push").lower()
-        num_tokens = int(request.num_computed_tokens)
         transfer_id = params.get("transfer_id") or rid
         worker_params = dict(params)
         worker_params["transfer_id"] = transfer_id
@@ -347,9 +492,7 @@ class SchedulerSide:
             answer["epoch"] = params["epoch"]
         if mode == "pull":
             answer["remote_block_ids"] = [list(g) for g in groups]
-        self._sends.append(SendReq(rid, groups, worker_params, num_tokens, dict(answer)))
-        self.sending.add(rid)
-        return True, answer
+        return SendReq(rid, groups, worker_params, num_tokens, answer)
 
     def _decode_finished(self, request: Any, params: dict[str, Any]) -> tuple[bool, None]:
         rid = request.request_id
@@ -417,6 +560,15 @@ class WorkerSide:
         self._results = TransferResults()
         self._done_meta: StepMetadata | None = None
         self.mismatches = 0
+        # P, layer-wise: each KV layer's index (register_kv_caches' order, the regions'), the
+        # requests started this step (-> layers reported), the layers saved this step, the
+        # started requests the scheduler has not yet finished (their blocks must not be
+        # reported free before it did), and those among them whose final event already came.
+        self.layer_index: dict[str, int] = {}
+        self.producing: dict[str, int] = {}
+        self._saved: set[int] = set()
+        self.unconfirmed: set[str] = set()
+        self.ended_unconfirmed: set[str] = set()
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -436,6 +588,7 @@ class WorkerSide:
             if int(t.numel() * t.element_size()) != int(t.shape[0]) * block_bytes:
                 raise ValueError(f"KvHandoffConnector: layer {name} is not [num_blocks, ...]")
         self.layers = layers
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.block_bytes = block_bytes
         # One region per layer, no copy: block b of layer l is the b-th block_bytes slice.
         self.native = self.factory(self.settings, layers, block_bytes, self.rank)
@@ -464,6 +617,10 @@ class WorkerSide:
         self._done_meta = meta
         if meta.is_empty():
             return
+        if meta.starts:
+            self._saved = set()
+        for req in meta.starts:  # first: the forward pass reports their layers
+            self._start(req)
         for req in meta.recvs:
             self._allocated(req)
         for rid, params in meta.declines:
@@ -472,6 +629,87 @@ class WorkerSide:
             self._finished(req)
         for rid in meta.aborts:
             self._abort(rid)
+        for rid in meta.confirmed:
+            self.unconfirmed.discard(rid)
+            if rid in self.ended_unconfirmed:
+                self.ended_unconfirmed.discard(rid)
+                self._results.finished_sending.add(rid)
+
+    # -- P, layer-wise ----------------------------------------------------------------------
+
+    def _start(self, req: SendReq) -> None:
+        rid = req.request_id
+        fault = self.settings.fault
+        if fault == "params":  # test only: the router's params choose the fault per request
+            fault = req.params.get("kvhandoff_fault") or None
+        self.sending[rid] = req
+        self.unconfirmed.add(rid)
+        try:
+            _COUNTS["prefill_started"] += 1
+            answer = self.native.prefill_started(rid, req.block_ids, req.params, req.num_tokens)
+        except Exception as e:  # noqa: BLE001
+            if type(e).__name__ == "VerdictLate":
+                logger.warning("KvHandoffConnector P: %s: late verdict; its event will tell", rid)
+                return
+            logger.error(
+                "KvHandoffConnector P: prefill_started(%s, %s, %s, %d) failed: %s: %s",
+                rid, req.block_ids, req.params, req.num_tokens, type(e).__name__, e,
+            )
+            self.sending.pop(rid, None)
+            self._ended(rid)  # nothing holds the blocks: free them once the scheduler let go
+            return
+        self._check_answer(rid, req.answer, answer)
+        self.producing[rid] = 0
+        if fault == "drop":
+            logger.warning("KvHandoffConnector P: fault=drop: aborting %s", rid)
+            self._abort(rid)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """The forward pass wrote layer ``layer_name`` of this step: reports the layers done so
+        far (the longest run from layer 0) for the requests started this step."""
+        if not self.producing:
+            return
+        index = self.layer_index.get(layer_name)
+        if index is None:
+            return
+        self._saved.add(index)
+        ready = 0
+        while ready in self._saved:
+            ready += 1
+        self._report(ready)
+
+    def forward_done(self) -> None:
+        """The step's forward pass is over (``wait_for_save``): every layer of the requests
+        started this step is written, whatever ``save_kv_layer`` saw."""
+        if self.producing:
+            self._report(len(self.layers))
+        self.producing.clear()
+        self._saved = set()
+
+    def _report(self, ready: int) -> None:
+        for rid, told in list(self.producing.items()):
+            if ready <= told:
+                continue
+            self.producing[rid] = ready
+            try:
+                _COUNTS["layers_ready"] += 1
+                self.native.layers_ready(rid, ready)
+            except Exception as e:  # noqa: BLE001
+                # E.g. Rejected: a late verdict refused the start; its event tells the rest.
+                logger.warning("KvHandoffConnector P: layers_ready(%s, %d): %s: %s",
+                               rid, ready, type(e).__name__, e)
+                self.producing.pop(rid, None)
+                continue
+            if ready >= len(self.layers):
+                self.producing.pop(rid, None)
+
+    def _ended(self, rid: str) -> None:
+        """A P request's blocks are back from the rank: reported in finished_sending, but for a
+        layer-wise request only once the scheduler finished it (vLLM frees what is reported)."""
+        if rid in self.unconfirmed:
+            self.ended_unconfirmed.add(rid)
+        else:
+            self._results.finished_sending.add(rid)
 
     def _allocated(self, req: RecvReq) -> None:
         self.recving[req.request_id] = req
@@ -511,6 +749,7 @@ class WorkerSide:
             self._corrupt(req.block_ids)
         self.sending[rid] = req
         try:
+            _COUNTS["request_finished"] += 1
             answer = self.native.request_finished(rid, req.block_ids, req.params, req.num_tokens)
         except Exception as e:  # noqa: BLE001
             if type(e).__name__ == "VerdictLate":
@@ -615,7 +854,8 @@ class WorkerSide:
                 logger.warning("KvHandoffConnector P: %s released without sending: %s", rid, ev.get("released"))
             if final:
                 self.sending.pop(rid, None)
-                self._results.finished_sending.add(rid)
+                self.producing.pop(rid, None)
+                self._ended(rid)
         elif rid in self.declined:
             if final:
                 self.declined.discard(rid)

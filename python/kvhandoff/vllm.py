@@ -23,6 +23,15 @@ How the hooks map onto kvhandoff (the asynchronous paths vLLM's NIXL connector u
   metadata hands the request to P's worker, which calls the native ``request_finished``; the
   blocks are freed when the rank's ``blocks_free`` / ``export_ended`` event came back
   (``finished_sending``). ``has_pending_push_work`` keeps P stepping meanwhile.
+- P with ``"layerwise": true``, a push prefill leg (``max_tokens`` 1): ``build_connector_meta``
+  of the step that schedules the prompt's last chunk hands the request (its blocks, params,
+  token count and the answer) to the worker, which calls the native ``prefill_started`` before
+  the first layer and ``layers_ready(request, i + 1)`` from ``save_kv_layer`` of layer ``i``
+  (``register_kv_caches``' order; ``wait_for_save`` reports the rest). ``request_finished``
+  returns that answer (``(True, None)`` and an abort on the rank if the request ended
+  otherwise) without calling the rank again; the next step's metadata tells the worker, which
+  only then reports the rank's ``blocks_free`` in ``finished_sending``: vLLM frees whatever is
+  named there, and must not free a request it has not finished.
 - D, scheduler: ``get_num_new_matched_tokens`` answers ``(prompt - computed, True)`` for a
   ``do_remote_prefill`` request; ``update_state_after_alloc`` records the blocks and clears
   ``do_remote_prefill``; the worker calls the native ``request_allocated``; the request
@@ -41,9 +50,10 @@ How the hooks map onto kvhandoff (the asynchronous paths vLLM's NIXL connector u
 
 ``kv_connector_extra_config`` keys, all optional: ``transport`` (``"nixl"``, default, or
 ``"mem"``), ``listen`` (default ``"127.0.0.1:0"``), ``advertise_host``, ``engine_id`` (default:
-vLLM's ``engine_id``), ``model``, ``dtype``, any of the native connector's settings
-(``lease_ms``, ``quarantine_ms``, ``peer_timeout_ms``, ``heartbeat_interval_ms``,
-``handshake_timeout_ms``, ``call_timeout_ms``, ... : see ``kvhandoff.Connector``; an unknown key
+vLLM's ``engine_id``), ``model``, ``dtype``, ``layerwise`` (P: ``true`` or ``false``, the
+default), any of the native connector's settings (``layerwise_parts``,
+``layerwise_min_tokens``, ``lease_ms``, ``quarantine_ms``, ``peer_timeout_ms``,
+``heartbeat_interval_ms``, ``handshake_timeout_ms``, ``call_timeout_ms``, ... : see ``kvhandoff.Connector``; an unknown key
 is an error naming it), and, for tests only, ``fault``: ``"corrupt"`` (P's worker
 overwrites the request's blocks with random values just before handing them over) or
 ``"drop"`` (P's worker hands the request over and aborts it at once, so D's load fails), or
@@ -71,6 +81,7 @@ from ._vllm_sides import (
     _Base,
     _default_factory,
     _Role,
+    handover_counts,
 )
 
 logger = logging.getLogger("kvhandoff.vllm")
@@ -85,6 +96,7 @@ __all__ = [
     "TransferResults",
     "KvHandoffHooks",
     "KvHandoffConnector",
+    "handover_counts",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +165,7 @@ class KvHandoffHooks:
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta()
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
@@ -196,11 +208,19 @@ class KvHandoffHooks:
         return None  # whole requests arrive before they are scheduled: nothing per layer
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # the blocks are handed over whole when the request finished
+        # Whole requests are handed over after they finished; layer-wise ones (P with
+        # ``layerwise``) report each layer as the forward pass writes it.
+        meta = self._connector_metadata
+        if self.worker is None or (not self.worker.producing and not (meta is not None and meta.starts)):
+            return
+        if meta is not None and meta.starts:
+            self.worker.process(meta)  # the starts go before the first layer's report
+        self.worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         if self.worker is not None:
             self.worker.process(self._connector_metadata)
+            self.worker.forward_done()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None

@@ -69,6 +69,9 @@ pub struct NativeConnector {
     num_blocks: u32,
     block_bytes: u64,
     block_tokens: u32,
+    /// This rank's layers (one region per layer in the opaque geometry): the `ready` that ends
+    /// a layer-wise prefill.
+    layers: u32,
     close_timeout: Duration,
 }
 
@@ -311,6 +314,7 @@ impl NativeConnector {
             cache_dtype: dtype.into(),
         };
         let settings = options.settings(&geometry);
+        let layers = settings.layers.unwrap_or(0);
         let mut builder = RankBuilder::new(engine, geometry, model)
             .regions(regions)
             .transport(transport)
@@ -338,6 +342,7 @@ impl NativeConnector {
             num_blocks,
             block_bytes,
             block_tokens,
+            layers,
             close_timeout: options.close_timeout,
         })
     }
@@ -371,6 +376,13 @@ impl NativeConnector {
     #[getter]
     fn block_tokens(&self) -> u32 {
         self.block_tokens
+    }
+
+    /// This rank's layers: one per region (the opaque geometry), the `ready` of a layer-wise
+    /// prefill's last [`NativeConnector::layers_ready`].
+    #[getter]
+    fn layers(&self) -> u32 {
+        self.layers
     }
 
     #[getter]
@@ -429,6 +441,39 @@ impl NativeConnector {
             c.request_finished(&request, blocks, tokens, &params)
         })?;
         params_to(py, &answer)
+    }
+
+    /// P, layer-wise push: the prefill of `request_id` starts into `block_ids` (`num_tokens`
+    /// prompt tokens); its layers follow in [`NativeConnector::layers_ready`]. In place of
+    /// `request_finished` (which must not follow), and answered as it is. Push only: `"pull"`
+    /// in the params is `InvalidParams`.
+    #[pyo3(signature = (request_id, block_ids, kv_transfer_params = None, num_tokens = None))]
+    fn prefill_started<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &str,
+        block_ids: &Bound<'py, PyAny>,
+        kv_transfer_params: Option<&Bound<'py, PyAny>>,
+        num_tokens: Option<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (request, blocks, params, tokens) =
+            self.call_args(request_id, block_ids, kv_transfer_params, num_tokens)?;
+        let answer =
+            self.with_connector(py, |c| c.prefill_started(&request, blocks, tokens, &params))?;
+        params_to(py, &answer)
+    }
+
+    /// P, layer-wise push: layers `0 .. ready` of `request_id`'s blocks hold their KV (`ready`
+    /// equal to [`NativeConnector::layers`] ends the prefill). A request that already ended (D
+    /// gave up) takes it and does nothing; one never started layer-wise is `Rejected`.
+    fn layers_ready(&self, py: Python<'_>, request_id: &str, ready: u32) -> PyResult<()> {
+        let request = parse_request(request_id)?;
+        // Past the last layer is a caller's bug, not a count to clamp: say so before the call.
+        if ready > self.layers {
+            let cause = format!("ready: {ready} layers, but this rank has {}", self.layers);
+            return Err(errors::raise::<errors::InvalidParams>(cause.clone(), cause));
+        }
+        self.with_connector(py, |c| c.layers_ready(&request, ready))
     }
 
     /// D, bidirectional: keeps the turn's blocks for the next turn's prefill to read.

@@ -20,6 +20,10 @@ pub(crate) struct Options {
     pub close_timeout: Duration,
     pub load_failure_policy: LoadFailurePolicy,
     pub next_turn_ttl: Option<Duration>,
+    /// Layer-wise push: parts per request (`None`: the connector's default).
+    pub layerwise_parts: Option<u32>,
+    /// Layer-wise push: prompts shorter than this go as one part (`None`: the default).
+    pub layerwise_min_tokens: Option<u64>,
 }
 
 /// Durations in milliseconds, by key, and the config field each sets.
@@ -56,7 +60,8 @@ fn millis(key: &str, value: &Bound<'_, PyAny>) -> PyResult<Duration> {
 
 impl Options {
     /// Reads `kwargs` (the keys above, `load_failure_policy`, `next_turn_ttl_s`,
-    /// `max_requests`); the protocol's defaults for the rest.
+    /// `max_requests`, `layerwise_parts`, `layerwise_min_tokens`); the protocol's defaults for
+    /// the rest.
     pub(crate) fn from_kwargs(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Options> {
         let mut options = Options {
             config: Config::default(),
@@ -65,6 +70,8 @@ impl Options {
             close_timeout: Duration::from_secs(5),
             load_failure_policy: LoadFailurePolicy::Fail,
             next_turn_ttl: None,
+            layerwise_parts: None,
+            layerwise_min_tokens: None,
         };
         let Some(kwargs) = kwargs else {
             return Ok(options);
@@ -126,9 +133,24 @@ impl Options {
                     }
                     options.config.max_requests = n;
                 }
+                "layerwise_parts" => {
+                    let n: u32 = value
+                        .extract()
+                        .map_err(|_| config("layerwise_parts must be a positive int"))?;
+                    if n == 0 {
+                        return Err(config("layerwise_parts must be a positive int"));
+                    }
+                    options.layerwise_parts = Some(n);
+                }
+                "layerwise_min_tokens" => {
+                    let n: u64 = value.extract().map_err(|_| {
+                        config("layerwise_min_tokens must be an int, 0 or more")
+                    })?;
+                    options.layerwise_min_tokens = Some(n);
+                }
                 other => {
                     return Err(config(format!(
-                        "unknown setting {other:?} (known: {}, load_failure_policy, next_turn_ttl_s, max_requests)",
+                        "unknown setting {other:?} (known: {}, load_failure_policy, next_turn_ttl_s, max_requests, layerwise_parts, layerwise_min_tokens)",
                         MILLISECOND_KEYS.join(", ")
                     )))
                 }
@@ -157,6 +179,12 @@ impl Options {
         settings.load_failure_policy = self.load_failure_policy;
         if let Some(ttl) = self.next_turn_ttl {
             settings.next_turn_ttl = ttl;
+        }
+        if let Some(parts) = self.layerwise_parts {
+            settings.layerwise_parts = parts;
+        }
+        if let Some(tokens) = self.layerwise_min_tokens {
+            settings.layerwise_min_tokens = tokens;
         }
         settings
     }

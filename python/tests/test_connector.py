@@ -258,6 +258,157 @@ def test_race_prefill_finishes_first(mem_pair, with_transfer_id):
 
 
 # ---------------------------------------------------------------------------------------------
+# Layer-wise push, one process: 8 regions (one per layer), written in 4 parts of 2 layers.
+
+LAYERS = 8
+
+
+def layerwise_pair(**kwargs):
+    kwargs.setdefault("layerwise_parts", 4)
+    kwargs.setdefault("layerwise_min_tokens", 64)
+    return make_pair(num_blocks=16, block_bytes=256, count=LAYERS, **kwargs)
+
+
+def fill_layer(regions_, layer: int, index: int, ids: list[int]) -> None:
+    """The forward pass writing one layer's KV: that layer's region of every block."""
+    for nth, block in enumerate(ids):
+        regions_[layer][block] = pattern(index, layer, nth, regions_[layer].shape[1])
+
+
+def layer_holds(regions_, layer: int, index: int, ids: list[int]) -> bool:
+    return all(
+        np.array_equal(regions_[layer][b], pattern(index, layer, nth, regions_[layer].shape[1]))
+        for nth, b in enumerate(ids)
+    )
+
+
+def wait_until(what, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.002)
+    return what()
+
+
+def test_layerwise_push_every_byte():
+    """D registers first; P starts the prefill, writes and reports its layers one by one; each
+    part (2 layers) lands on D as soon as it is ready, and D is ready only after the last."""
+    pair, pr, dr = layerwise_pair()
+    p, d = pair.p, pair.d
+    try:
+        assert p.layers == LAYERS and d.layers == LAYERS
+        tokens = 100  # at least layerwise_min_tokens (64): four parts
+        p_ids, d_ids = [2, 3, 4, 5, 6, 7, 8], [11, 5, 0, 1, 12, 13, 14]  # 7 blocks of 16 tokens
+        d.request_allocated("lw", d_ids, pair.prefill_params(transfer_id="lw-t"), tokens)
+        answer = p.prefill_started("lw", p_ids, {**LEG, "transfer_id": "lw-t"}, tokens)
+        assert answer["do_remote_prefill"] is True and answer["remote_num_tokens"] == tokens, answer
+        assert answer["transfer_id"] == "lw-t" and answer["remote_request_id"] == "lw", answer
+        for layer in range(LAYERS):
+            fill_layer(pr, layer, 9, p_ids)
+            p.layers_ready("lw", layer + 1)
+            if layer == 1:  # the first part (layers 0-1) is out before the prefill goes on
+                assert wait_until(lambda: layer_holds(dr, 0, 9, d_ids) and layer_holds(dr, 1, 9, d_ids))
+                assert not layer_holds(dr, 2, 9, d_ids)
+            if layer == LAYERS - 2:
+                assert [e for e in quiet(d, 0.1) if e["final"]] == []  # one part still to come
+        ready = only_final(wait_final(d, 1), "lw")
+        assert ready["kind"] == "blocks_ready" and ready["blocks"] == [d_ids], ready
+        assert check(dr, 9, d_ids) is None, check(dr, 9, d_ids)
+        free = only_final(wait_final(p, 1), "lw")
+        assert free["kind"] == "blocks_free" and free["released"] is None, free
+        assert free["blocks"] == [p_ids], free
+        assert not p.has_pending_work() and not d.has_pending_work()
+    finally:
+        pair.close()
+
+
+def test_layerwise_push_p_first_then_d():
+    """P reports every layer before D registers: the whole request goes when D comes."""
+    pair, pr, dr = layerwise_pair()
+    p, d = pair.p, pair.d
+    try:
+        answer = p.prefill_started("lw-late", np.array([1, 2]), dict(LEG), 2 * BLOCK_TOKENS + 70)
+        for layer in range(LAYERS):
+            fill_layer(pr, layer, 4, [1, 2])
+            p.layers_ready("lw-late", layer + 1)
+        d.request_allocated("lw-late", [7, 8], answer, answer["remote_num_tokens"])
+        assert only_final(wait_final(d, 1), "lw-late")["kind"] == "blocks_ready"
+        assert check(dr, 4, [7, 8]) is None
+        assert only_final(wait_final(p, 1), "lw-late")["kind"] == "blocks_free"
+    finally:
+        pair.close()
+
+
+def test_layerwise_below_the_threshold_goes_as_one_part():
+    pair, pr, dr = layerwise_pair()
+    p, d = pair.p, pair.d
+    try:
+        tokens = 40  # below layerwise_min_tokens (64)
+        d.request_allocated("lw-short", [9, 10, 11], pair.prefill_params(), tokens)
+        answer = p.prefill_started("lw-short", [0, 1, 2], dict(LEG), tokens)
+        assert answer["remote_num_tokens"] == tokens, answer
+        for layer in range(LAYERS - 1):
+            fill_layer(pr, layer, 6, [0, 1, 2])
+            p.layers_ready("lw-short", layer + 1)
+        assert quiet(d, 0.15) == []
+        assert not dr[0].any(), "nothing is written before the last layer"
+        fill_layer(pr, LAYERS - 1, 6, [0, 1, 2])
+        p.layers_ready("lw-short", LAYERS)
+        assert only_final(wait_final(d, 1), "lw-short")["kind"] == "blocks_ready"
+        assert check(dr, 6, [9, 10, 11]) is None
+        assert only_final(wait_final(p, 1), "lw-short")["kind"] == "blocks_free"
+    finally:
+        pair.close()
+
+
+def test_layerwise_decode_aborts_mid_prefill():
+    """D gives up after the first part: P's request ends (blocks_free, not sent), and P's later
+    reports of it are taken and do nothing."""
+    pair, pr, dr = layerwise_pair()
+    p, d = pair.p, pair.d
+    try:
+        d.request_allocated("lw-ab", [3, 4, 5, 6, 7], pair.prefill_params(), 80)
+        p.prefill_started("lw-ab", [8, 9, 10, 11, 12], dict(LEG), 80)
+        for layer in range(2):
+            fill_layer(pr, layer, 2, [8, 9, 10, 11, 12])
+            p.layers_ready("lw-ab", layer + 1)
+        d.abort("lw-ab")
+        failed = only_final(wait_final(d, 1), "lw-ab")
+        assert failed["kind"] == "failed" and norm(failed["reason"]) == "aborted", failed
+        free = only_final(wait_final(p, 1), "lw-ab")
+        assert free["kind"] == "blocks_free" and free["released"] is not None, free
+        assert free["blocks"] == [[8, 9, 10, 11, 12]], free
+        for layer in range(2, LAYERS):  # the forward pass goes on: its reports are accepted
+            p.layers_ready("lw-ab", layer + 1)
+        assert quiet(p, 0.1) == []
+        assert not p.has_pending_work() and not d.has_pending_work()
+    finally:
+        pair.close()
+
+
+def test_layerwise_errors():
+    pair, _, _ = layerwise_pair()
+    p = pair.p
+    try:
+        with pytest.raises(kvhandoff.Rejected):
+            p.layers_ready("never-started", 1)
+        with pytest.raises(kvhandoff.InvalidParams) as e:
+            p.prefill_started("lw-pull", [1], dict(PULL_LEG), 16)
+        assert "transfer_mode" in str(e.value)
+        p.prefill_started("lw-x", [1], dict(LEG), 16)
+        with pytest.raises(kvhandoff.InvalidParams) as e:
+            p.layers_ready("lw-x", LAYERS + 1)
+        assert "ready" in str(e.value)
+        with pytest.raises(kvhandoff.Rejected):  # started once only
+            p.prefill_started("lw-x", [2], dict(LEG), 16)
+        p.abort("lw-x")
+        assert only_final(wait_final(p, 1), "lw-x")["kind"] == "blocks_free"
+    finally:
+        pair.close()
+
+
+# ---------------------------------------------------------------------------------------------
 # Aborts, one process.
 
 
@@ -457,11 +608,13 @@ def _connector(**over):
         {"transport": "carrier-pigeon"},
         {"listen": "not an address"},
         {"load_failure_policy": "pray"},
+        {"layerwise_parts": 0},
+        {"layerwise_min_tokens": -1},
     ],
     ids=[
         "role", "engine_id", "block_bytes=0", "block_bytes-not-dividing", "no-regions",
         "regions-of-unequal-blocks", "read-only-region", "non-contiguous-region", "int-region",
-        "transport", "listen", "load_failure_policy",
+        "transport", "listen", "load_failure_policy", "layerwise_parts", "layerwise_min_tokens",
     ],
 )
 def test_bad_constructor_args_are_config_errors(over):
@@ -486,6 +639,7 @@ def test_bad_constructor_args_are_config_errors(over):
         {"block_tokens": 32},
         {"model": "tiny", "dtype": "bfloat16"},
         {"listen": "0.0.0.0:0", "advertise_host": "127.0.0.1"},
+        {"layerwise_parts": 2, "layerwise_min_tokens": 0},
     ],
     ids=lambda o: ",".join(o),
 )
@@ -497,6 +651,14 @@ def test_documented_settings_are_accepted(setting):
             assert c.address.startswith(setting["advertise_host"] + ":"), c.address
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("setting", [{"layerwise_parts": 0}, {"layerwise_min_tokens": -1},
+                                     {"layerwise_parts": "four"}])
+def test_layerwise_settings_are_checked_by_name(setting):
+    with pytest.raises(kvhandoff.ConfigError) as e:
+        _connector(**setting)
+    assert next(iter(setting)) in str(e.value)
 
 
 def test_unknown_setting_is_a_config_error_naming_it():

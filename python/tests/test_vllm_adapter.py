@@ -113,6 +113,9 @@ class FakeNative:
 
     def request_finished(self, rid, blocks, params, num_tokens):
         self._call("request_finished", rid, blocks, dict(params), num_tokens)
+        return self._answer(rid, blocks, params, num_tokens)
+
+    def _answer(self, rid, blocks, params, num_tokens):
         host, _, port = self.address.rpartition(":")
         answer = {
             "do_remote_prefill": True,
@@ -130,6 +133,13 @@ class FakeNative:
             answer["remote_block_ids"] = [list(g) for g in blocks]
             answer["remote_blocks_expiry_time"] = 123.0
         return answer
+
+    def prefill_started(self, rid, blocks, params, num_tokens):
+        self._call("prefill_started", rid, blocks, dict(params), num_tokens)
+        return self._answer(rid, blocks, params, num_tokens)
+
+    def layers_ready(self, rid, ready):
+        self._call("layers_ready", rid, ready)
 
     def request_allocated(self, rid, blocks, params, num_tokens):
         self._call("request_allocated", rid, blocks, dict(params), num_tokens)
@@ -164,9 +174,10 @@ class Hooks(A.KvHandoffHooks):
         self.sched.set_xfer_handshake_metadata({0: self.work.get_handshake_metadata()})
         self.native = self.work.worker.native
 
-    def step(self):
-        """One engine step with the hooks in vLLM's order; returns the worker's results."""
-        meta = self.sched.build_connector_meta(SimpleNamespace())
+    def step(self, out=None):
+        """One engine step with the hooks in vLLM's order (``out``: the scheduler's output);
+        returns the worker's results."""
+        meta = self.sched.build_connector_meta(out if out is not None else SimpleNamespace())
         w = self.work
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)  # async loads start after the forward: same call either way
@@ -303,6 +314,159 @@ def test_p_fault_corrupt_overwrites_before_handing_over():
         assert t[3].abs().sum() > 0 and t[5].abs().sum() > 0
         assert t[0].abs().sum() == 0 and t[6].abs().sum() == 0
     assert p.native.calls[-1][0] == "request_finished"
+
+
+# ---------------------------------------------------------------------------------------------
+# P, layer-wise (extra config "layerwise": true)
+
+
+def _new(rid, blocks, n):
+    """The scheduler's output of a step that schedules new request ``rid`` for ``n`` tokens."""
+    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(list(blocks),))],
+                           scheduled_cached_reqs=None, num_scheduled_tokens={rid: n}, finished_req_ids=set())
+
+
+def _lw_request(p, rid="lw-1", prompt=40, blocks=(3, 4, 5), max_tokens=1, params=None):
+    r = req(rid, prompt, params or {"do_remote_decode": True})
+    r.sampling_params = SimpleNamespace(max_tokens=max_tokens)
+    assert p.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    p.sched.update_state_after_alloc(r, FakeBlocks(list(blocks)), 0)
+    return r
+
+
+def _finish(r, status=Status.FINISHED_LENGTH_CAPPED):
+    r.num_computed_tokens = len(r.prompt_token_ids)
+    r.status = status
+
+
+def test_p_layerwise_starts_in_the_prefill_step_and_reports_each_layer():
+    p = Hooks("prefill", extra={"layerwise": True})
+    r = _lw_request(p)
+    # The prefill step: a block allocated ahead (6) is not the prompt's (40 tokens: 3 blocks).
+    p.step(_new(r.request_id, [3, 4, 5, 6], 40))
+    params = {"do_remote_decode": True, "transfer_id": r.request_id}
+    assert p.native.calls == [
+        ("prefill_started", r.request_id, [[3, 4, 5]], params, 40),
+        ("layers_ready", r.request_id, 1),
+        ("layers_ready", r.request_id, 2),
+    ]
+    assert p.work.worker.mismatches == 0
+    _finish(r)
+    delay, answer = p.sched.request_finished(r, [3, 4, 5])
+    assert delay is True
+    whole = Hooks("prefill")
+    _, (_, want) = _p_finish(whole, rid=r.request_id)
+    assert answer == want  # the same answer as a whole-request handover
+    assert p.sched.has_pending_push_work()
+    # D got it: the blocks come back only through finished_sending; nothing else is called.
+    p.native.events.append({"request_id": r.request_id, "kind": "blocks_free", "final": True, "released": None})
+    assert p.step().finished_sending == {r.request_id}
+    assert [c[0] for c in p.native.calls].count("request_finished") == 0
+    assert not p.sched.has_pending_push_work()
+
+
+def test_p_layerwise_blocks_free_before_the_scheduler_finished_is_held():
+    """The rank hands the blocks back in the prefill step itself (D gave up at once): vLLM must
+    not hear of it before request_finished delayed their free."""
+    p = Hooks("prefill", extra={"layerwise": True})
+    r = _lw_request(p)
+    p.native.events.append({"request_id": r.request_id, "kind": "blocks_free", "final": True,
+                            "released": "CancelledByPeer"})
+    assert p.step(_new(r.request_id, [3, 4, 5], 40)).finished_sending == set()
+    _finish(r)
+    assert p.sched.request_finished(r, [3, 4, 5])[0] is True
+    assert p.step().finished_sending == {r.request_id}
+    assert not p.sched.has_pending_push_work()
+
+
+def test_p_layerwise_chunked_prefill_starts_with_the_last_chunk():
+    p = Hooks("prefill", extra={"layerwise": True})
+    r = _lw_request(p, blocks=(3,))
+    p.step(_new(r.request_id, [3], 16))
+    assert p.native.calls == []
+    r.num_computed_tokens = 16
+    cached = SimpleNamespace(req_ids=[r.request_id], new_block_ids=[([4, 5],)], resumed_req_ids=set())
+    p.step(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={r.request_id: 24}, finished_req_ids=set()))
+    assert p.native.calls[0][:3] == ("prefill_started", r.request_id, [[3, 4, 5]])
+    assert [c[0] for c in p.native.calls[1:]] == ["layers_ready", "layers_ready"]
+
+
+def test_p_layerwise_aborted_after_its_start_waits_for_the_rank():
+    p = Hooks("prefill", extra={"layerwise": True})
+    r = _lw_request(p)
+    p.step(_new(r.request_id, [3, 4, 5], 40))
+    _finish(r, Status.FINISHED_ABORTED)
+    assert p.sched.request_finished(r, [3, 4, 5]) == (True, None)  # held: parts may be reading
+    assert p.step().finished_sending == set()
+    assert p.native.calls[-1] == ("abort", r.request_id)
+    p.native.events.append({"request_id": r.request_id, "kind": "blocks_free", "final": True, "released": "Aborted"})
+    assert p.step().finished_sending == {r.request_id}
+
+
+def test_p_layerwise_start_error_frees_after_the_scheduler_finished():
+    p = Hooks("prefill", extra={"layerwise": True})
+    r = _lw_request(p)
+    p.native.fail_next = Rejected("duplicate request")
+    assert p.step(_new(r.request_id, [3, 4, 5], 40)).finished_sending == set()
+    assert [c[0] for c in p.native.calls] == ["prefill_started"]  # no layer reports
+    _finish(r)
+    assert p.sched.request_finished(r, [3, 4, 5])[0] is True
+    assert p.step().finished_sending == {r.request_id}
+
+
+def test_p_layerwise_reports_only_layers_done_in_order():
+    """save_kv_layer out of the registration order: only the run from layer 0 is reported;
+    wait_for_save reports the rest."""
+    p = Hooks("prefill", extra={"layerwise": True})
+    r = _lw_request(p)
+    w = p.work
+    w.bind_connector_metadata(p.sched.build_connector_meta(_new(r.request_id, [3, 4, 5], 40)))
+    w.save_kv_layer("layers.1.attn", None, None)
+    assert [c[0] for c in p.native.calls] == ["prefill_started"]
+    w.save_kv_layer("other.layer", None, None)
+    w.wait_for_save()
+    assert p.native.calls[1:] == [("layers_ready", r.request_id, 2)]
+
+
+def test_p_layerwise_only_for_push_prefill_legs():
+    cases = [
+        ({"layerwise": True}, {"do_remote_decode": True, "transfer_mode": "pull"}, 1),
+        ({"layerwise": True}, {"do_remote_decode": True}, 16),  # not a one-token prefill leg
+        ({"layerwise": False}, {"do_remote_decode": True}, 1),
+        ({}, {"do_remote_decode": True}, 1),
+    ]
+    if importlib.util.find_spec("torch") is not None:  # the corrupt fault overwrites with torch
+        cases.append(({"layerwise": True, "fault": "corrupt"}, {"do_remote_decode": True}, 1))
+    for extra, params, max_tokens in cases:
+        p = Hooks("prefill", extra=extra)
+        if "fault" in extra:
+            import torch
+
+            p.work.worker.register_kv_caches({f"layers.{i}.attn": torch.zeros(8, 2, 4, 8) for i in range(2)})
+            p.native = p.work.worker.native
+        r = _lw_request(p, params=params, max_tokens=max_tokens)
+        p.step(_new(r.request_id, [3, 4, 5], 40))
+        assert p.native.calls == [], (extra, params, max_tokens)
+        _finish(r)
+        assert p.sched.request_finished(r, [3, 4, 5])[0] is True
+        p.step()
+        assert [c[0] for c in p.native.calls] == ["request_finished"], (extra, params)
+
+
+def test_p_layerwise_settings():
+    s = A.Settings.from_config("kv_producer", "e1", {"layerwise": True, "layerwise_parts": 4,
+                                                     "layerwise_min_tokens": 0})
+    assert s.layerwise is True
+    assert s.native["layerwise_parts"] == 4 and s.native["layerwise_min_tokens"] == 0
+    assert A.Settings.from_config("kv_producer", "e1", None).layerwise is False
+    for bad in ("yes", 1, None):
+        try:
+            A.Settings.from_config("kv_producer", "e1", {"layerwise": bad})
+        except ValueError as e:
+            assert "layerwise" in str(e)
+        else:
+            raise AssertionError(f"layerwise={bad!r} accepted")
 
 
 # ---------------------------------------------------------------------------------------------

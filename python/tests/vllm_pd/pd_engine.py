@@ -18,8 +18,10 @@ import traceback
 def worker_metrics(*_args, **_kwargs):
     """kvhandoff's counters in the process that runs it (a vLLM worker, via collective_rpc)."""
     import kvhandoff
+    from kvhandoff.vllm import handover_counts
 
     m = dict(kvhandoff.metrics())
+    m.update({f"p_{k}": v for k, v in handover_counts().items()})
     m["worker_pid"] = os.getpid()
     m["worker_parent_pid"] = os.getppid()  # the executor's process: where the scheduler runs
     return m

@@ -2,7 +2,8 @@
 ``kvhandoff.vllm.KvHandoffConnector``, and D's greedy tokens equal a single instance's.
 
     python run_pd.py --part main   # single instance, then P+D in-process layout: push, pull,
-                                   # negative controls, aborts, P killed, a new P
+                                   # negative controls, aborts, P killed, a new P handing
+                                   # over layer-wise (extra config "layerwise": true)
     python run_pd.py --part mp     # P and D with scheduler and worker in different processes
                                    # (KVH_MP_ENGINE_CORE=1: vLLM's full layout, API process,
                                    # EngineCore process with the scheduler, worker process)
@@ -288,13 +289,26 @@ def part_main(model, env, ref_path):
         out = d.run([{"id": "local", "prompt": ps[2], "max_tokens": MAX_TOKENS, "params": None}])
         check("P killed: D serves a request without remote prefill", out["local"][0] == ref[2])
 
-        # A new P serves D afterwards; and a D under kv_load_failure_policy="recompute".
-        p = Engine("P2", "prefill", model, extra={"fault": "params"}, env=env)
+        # A new P, handing over layer-wise (the prompts of 32 tokens and more in two parts,
+        # one per layer; shorter ones as one part), serves D afterwards: the same 7 prompts.
+        # Then a D under kv_load_failure_policy="recompute".
+        p = Engine("P2", "prefill", model, env=env,
+                   extra={"fault": "params", "layerwise": True, "layerwise_min_tokens": BLOCK})
         d2 = Engine("D2", "decode", model, policy="recompute", env=env)
         p.wait_ready()
-        handoff(p, d, "newP", ps[:4], ref[:4])
+        before = p.metrics()
+        handoff(p, d, "layerwise", ps, ref)
+        after = p.metrics()
+        started = after["p_prefill_started"] - before["p_prefill_started"]
+        reports = after["p_layers_ready"] - before["p_layers_ready"]
+        whole = after["p_request_finished"] - before["p_request_finished"]
+        check(f"layerwise: P started every prompt layer-wise (prefill_started +{started}, layers_ready "
+              f"+{reports}, whole handovers +{whole})",
+              started == len(ps) and reports == 2 * len(ps) and whole == 0)
+        check("layerwise: P handed every block back", not p.wait_idle()["scheduler_busy"])
         d2.wait_ready()
         before = d2.metrics()
+        # (P2 is layer-wise: "drop" aborts each request right after its prefill_started.)
         p_out = p_leg(p, "drop-recompute", ps[:3], {"kvhandoff_fault": "drop"})
         d_out = d_leg(d2, "drop-recompute", ps[:3], p_out)
         after = d2.metrics()
