@@ -1,6 +1,6 @@
 //! The `kvhandoff` command line: parses the arguments and dispatches. Each subcommand's
 //! arguments and the function that runs it live in `cli/` (`demo`, `node`, `bench`, `sim`,
-//! `plan`, `matrix`, `model`).
+//! `plan`, `matrix`, `model`); `completions` prints a shell's completion script.
 
 mod cli;
 
@@ -45,10 +45,59 @@ enum Command {
     /// The deployment model: TTFT and TPOT of push, pull or layer-wise push for the seed's 1P1D
     /// Llama-3.3-70B on H200s with EFA (a discrete-event simulation; `--fit` refits it).
     Model(ModelArgs),
+    /// Print a shell completion script for `kvhandoff` (e.g. `kvhandoff completions bash >
+    /// ~/.local/share/bash-completion/completions/kvhandoff`).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+/// What `kvhandoff version` says of NIXL: not built in, or the runtime found and whether it
+/// loads.
+fn nixl_line() -> String {
+    #[cfg(feature = "nixl")]
+    {
+        use kvhandoff_actors::transport::nixl::{nixl_runtime_available, nixl_runtime_folder};
+        let found = nixl_runtime_folder()
+            .and_then(|dir| dir.parent().map(|wheel| wheel.display().to_string()))
+            .unwrap_or_else(|| "not found".into());
+        match nixl_runtime_available() {
+            Ok(()) => format!("NIXL runtime: {found} (loads)"),
+            Err(e) => format!("NIXL runtime: {found}; {e}"),
+        }
+    }
+    #[cfg(not(feature = "nixl"))]
+    {
+        "NIXL: not in this build (build with `--features nixl`)".to_string()
+    }
+}
+
+/// `kvhandoff --version`: the crate and protocol versions and the NIXL runtime found.
+fn long_version() -> &'static str {
+    let text = format!(
+        "{} (protocol version {})\n{}",
+        env!("CARGO_PKG_VERSION"),
+        kvhandoff_protocol::PROTOCOL_VERSION,
+        nixl_line()
+    );
+    // Once per process, for clap's `'static` version text.
+    Box::leak(text.into_boxed_str())
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    use clap::{CommandFactory, FromArgMatches};
+    let wants_version = std::env::args().any(|a| a == "--version");
+    let mut command = Cli::command();
+    if wants_version {
+        // Only then: finding and loading the NIXL runtime costs a little.
+        command = command.long_version(long_version());
+    }
+    let cli = match Cli::from_arg_matches(&command.get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     match cli.command {
         Command::Version => {
             println!(
@@ -56,6 +105,7 @@ fn main() -> ExitCode {
                 env!("CARGO_PKG_VERSION"),
                 kvhandoff_protocol::PROTOCOL_VERSION
             );
+            println!("{}", nixl_line());
             ExitCode::SUCCESS
         }
         Command::Demo(args) => run_demo(args),
@@ -65,5 +115,38 @@ fn main() -> ExitCode {
         Command::Plan(args) => run_plan(args),
         Command::Matrix(args) => run_matrix_command(args),
         Command::Model(args) => run_model_command(args),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "kvhandoff",
+                &mut std::io::stdout(),
+            );
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every shell's script names the binary and its subcommands.
+    #[test]
+    fn completions_cover_every_subcommand() {
+        use clap::CommandFactory;
+        for shell in [
+            clap_complete::Shell::Bash,
+            clap_complete::Shell::Zsh,
+            clap_complete::Shell::Fish,
+        ] {
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "kvhandoff", &mut out);
+            let script = String::from_utf8(out).expect("UTF-8");
+            for name in ["demo", "node", "bench", "sim", "layerwise", "completions"] {
+                assert!(script.contains(name), "{shell}: {name} missing");
+            }
+        }
     }
 }

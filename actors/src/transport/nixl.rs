@@ -215,10 +215,72 @@ pub fn nixl_runtime_available() -> Result<(), TransportError> {
         .map_err(|reason| TransportError::Backend { reason })
 }
 
+/// The `nixl-cu12` wheel `scripts/test.sh` installs, and where it goes by default.
+const PINNED_NIXL_WHEEL: &str = "nixl-cu12-1.5.1";
+
+/// Where a NIXL runtime may be when the loader's own path does not find it: `$NIXL_HOME`'s,
+/// then the default install location of the pinned wheel (`scripts/test.sh`'s), so that a
+/// binary run without `source scripts/nixl-env.sh` still finds it.
+fn runtime_candidates() -> Vec<std::path::PathBuf> {
+    let libs = |home: std::path::PathBuf| home.join(".nixl_cu12.mesonpy.libs");
+    let mut homes = Vec::new();
+    if let Some(home) = std::env::var_os("NIXL_HOME") {
+        homes.push(std::path::PathBuf::from(home));
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")));
+    if let Some(cache) = cache {
+        homes.push(cache.join("kvhandoff").join(PINNED_NIXL_WHEEL));
+    }
+    homes.into_iter().map(libs).collect()
+}
+
+/// The folder holding the NIXL runtime this process would load: the first folder of
+/// `LD_LIBRARY_PATH`, then of the install locations, that has `libnixl_capi.so`. The pinned
+/// wheel's folder is named for its version (`…/nixl-cu12-1.5.1/.nixl_cu12.mesonpy.libs`), which
+/// `kvhandoff version` prints.
+pub fn nixl_runtime_folder() -> Option<std::path::PathBuf> {
+    let ld_path = std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default();
+    std::env::split_paths(&ld_path)
+        .chain(runtime_candidates())
+        .find(|dir| dir.join(NIXL_CAPI_LIB).is_file())
+}
+
+/// `dlopen`s `path` (with the stubs' flags); whether it loaded.
+fn open_library(path: &CStr) -> bool {
+    // SAFETY: `path` is a valid C string. The handle is kept open on purpose: the stubs open
+    // the same library (by its name, which then matches this loaded object) and keep it for
+    // the life of the process.
+    !unsafe { dlopen(path.as_ptr(), RTLD_NOW_LOCAL) }.is_null()
+}
+
+/// Loads the runtime from the first candidate folder that has it, and points NIXL at that
+/// folder's plugins if nothing else did; the folder, if one loaded.
+fn load_from_candidates() -> Option<std::path::PathBuf> {
+    for dir in runtime_candidates() {
+        let library = dir.join(NIXL_CAPI_LIB);
+        let Ok(path) = CString::new(library.as_os_str().as_encoded_bytes()) else {
+            continue;
+        };
+        if library.is_file() && open_library(&path) {
+            if std::env::var_os("NIXL_PLUGIN_DIR").is_none() {
+                // Read by NIXL when an agent creates its backend, after this check: this runs
+                // once, before any agent exists.
+                std::env::set_var("NIXL_PLUGIN_DIR", dir.join("plugins"));
+            }
+            return Some(dir);
+        }
+    }
+    None
+}
+
 fn check_runtime() -> Result<(), String> {
     let name = CString::new(NIXL_CAPI_LIB).expect("invariant: no NUL in the library name");
-    // SAFETY: `name` is a valid C string. The handle is kept open on purpose: the stubs open the
-    // same library and keep it for the life of the process.
+    if !open_library(&name) && load_from_candidates().is_some() {
+        tracing::info!("NIXL runtime found at its install location (no LD_LIBRARY_PATH needed)");
+    }
+    // SAFETY: `name` is a valid C string; see `open_library`.
     let handle = unsafe { dlopen(name.as_ptr(), RTLD_NOW_LOCAL) };
     if handle.is_null() {
         // SAFETY: dlerror returns NULL or a valid C string owned by libc, read at once.
@@ -251,8 +313,10 @@ fn missing_runtime(reason: &str) -> String {
         "NIXL runtime not loadable: {reason}. nixl-sys is built with `stub-api` and dlopens \
          {NIXL_CAPI_LIB} at run time; set LD_LIBRARY_PATH to include the nixl-cu12==1.5.1 \
          wheel's .nixl_cu12.mesonpy.libs folder and NIXL_PLUGIN_DIR to its plugins folder \
-         (`source scripts/nixl-env.sh`). LD_LIBRARY_PATH={ld_path:?} (folders holding \
-         {NIXL_CAPI_LIB}: {holders:?}), NIXL_PLUGIN_DIR={:?}",
+         (`source scripts/nixl-env.sh`), or install the wheel where it is searched (`scripts/\
+         test.sh` does: {:?}). LD_LIBRARY_PATH={ld_path:?} (folders holding {NIXL_CAPI_LIB}: \
+         {holders:?}), NIXL_PLUGIN_DIR={:?}",
+        runtime_candidates(),
         std::env::var("NIXL_PLUGIN_DIR").ok()
     )
 }
