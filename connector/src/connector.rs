@@ -253,17 +253,13 @@ impl KvConnector {
         num_tokens: u64,
         params: &KvTransferParams,
     ) -> Result<KvTransferParams, ConnectorError> {
-        match self.call_one(ConnectorCall::RequestFinished {
+        self.call_one(ConnectorCall::RequestFinished {
             request: request.clone(),
             blocks,
             num_tokens,
             params: params.clone(),
-        })? {
-            ConnectorReply::DecodeParams(params) => Ok(params),
-            ConnectorReply::Accepted | ConnectorReply::NextTurnParams(_) => {
-                Err(ConnectorError::Unavailable)
-            }
-        }
+        })
+        .and_then(decode_params)
     }
 
     /// P side, layer-wise push: `request`'s prefill starts into `blocks` (`num_tokens` prompt
@@ -297,17 +293,13 @@ impl KvConnector {
         num_tokens: u64,
         params: &KvTransferParams,
     ) -> Result<KvTransferParams, ConnectorError> {
-        match self.call_one(ConnectorCall::PrefillStarted {
+        self.call_one(ConnectorCall::PrefillStarted {
             request: request.clone(),
             blocks,
             num_tokens,
             params: params.clone(),
-        })? {
-            ConnectorReply::DecodeParams(params) => Ok(params),
-            ConnectorReply::Accepted | ConnectorReply::NextTurnParams(_) => {
-                Err(ConnectorError::Unavailable)
-            }
-        }
+        })
+        .and_then(decode_params)
     }
 
     /// P side, layer-wise push: layers `0 .. ready` of `request`'s blocks hold their KV (this
@@ -522,5 +514,15 @@ impl KvConnector {
     /// (a new incarnation, which peers fence from the old one) to serve again.
     pub fn rank_stopped(&self) -> bool {
         self.stopped
+    }
+}
+
+/// The decode leg's parameters a P-side start call answers with.
+fn decode_params(reply: ConnectorReply) -> Result<KvTransferParams, ConnectorError> {
+    match reply {
+        ConnectorReply::DecodeParams(params) => Ok(params),
+        ConnectorReply::Accepted | ConnectorReply::NextTurnParams(_) => {
+            Err(ConnectorError::Unavailable)
+        }
     }
 }

@@ -369,16 +369,7 @@ impl<T: Transport> TransportDriver<T> {
             write: order.write,
             failure: WriteFailure::PostFailed,
         });
-        let transfer = Transfer {
-            id: order.write,
-            direction: RouteDirection::Write,
-            peer: &order.to,
-            key: &order.key,
-            epoch: order.epoch,
-            local: &order.local,
-            remote: &order.remote,
-        };
-        let Some(summary) = self.plan(&transfer) else {
+        let Some(summary) = self.plan(&Transfer::write(order)) else {
             return failed;
         };
         let Some(by_layer) = self.by_layer(stream.layers) else {
@@ -428,15 +419,7 @@ impl<T: Transport> TransportDriver<T> {
     }
 
     fn post(&mut self, order: &WriteOrder) -> Option<NetEvent> {
-        let transfer = Transfer {
-            id: order.write,
-            direction: RouteDirection::Write,
-            peer: &order.to,
-            key: &order.key,
-            epoch: order.epoch,
-            local: &order.local,
-            remote: &order.remote,
-        };
+        let transfer = Transfer::write(order);
         let notification = wire::encode(&order.notification);
         self.plan_and_post(&transfer, |transport, descriptors| {
             transport.post_write(order.write, &order.to, descriptors, Some(notification))
@@ -589,6 +572,21 @@ struct Transfer<'a> {
     epoch: crate::Epoch,
     local: &'a crate::BlockIds,
     remote: &'a crate::BlockIds,
+}
+
+impl<'a> Transfer<'a> {
+    /// The transfer of write order `order`.
+    fn write(order: &'a WriteOrder) -> Self {
+        Transfer {
+            id: order.write,
+            direction: RouteDirection::Write,
+            peer: &order.to,
+            key: &order.key,
+            epoch: order.epoch,
+            local: &order.local,
+            remote: &order.remote,
+        }
+    }
 }
 
 /// Where a shell sends one endpoint output.

@@ -218,6 +218,26 @@ impl DecodeCommon {
         }))
     }
 
+    /// Counts a part of `rank`'s layer-wise write (`first`, `count`, `of`): the rank, once its
+    /// parts cover every layer (as its `WriteDone`); a refused part is counted as dropped.
+    fn count_part(
+        &mut self,
+        ctx: &DecodeCtx<'_>,
+        rank: u32,
+        part: (u32, u32, u32),
+        fx: &mut Outbox,
+    ) -> Option<u32> {
+        let early = ctx.mutation(Mutation::ReadyOnFirstPart);
+        match self.parts.add(rank, part, early) {
+            PartVerdict::Complete => Some(rank),
+            PartVerdict::Partial => None,
+            PartVerdict::Refused(reason) => {
+                fx.drop_input(reason);
+                None
+            }
+        }
+    }
+
     fn cancel_message(&self, reason: CancelReason) -> Message {
         Message::Cancel(Cancel {
             key: self.key.clone(),
@@ -388,17 +408,10 @@ impl Registered {
                 first,
                 count,
                 of,
-            } => {
-                let early = ctx.mutation(Mutation::ReadyOnFirstPart);
-                match self.common.parts.add(rank, (first, count, of), early) {
-                    PartVerdict::Complete => self.handle(ctx, DecodeInput::WriteDone { rank }, fx),
-                    PartVerdict::Partial => Step::Live(DecodeRequest::Registered(self)),
-                    PartVerdict::Refused(reason) => {
-                        fx.drop_input(reason);
-                        Step::Live(DecodeRequest::Registered(self))
-                    }
-                }
-            }
+            } => match self.common.count_part(ctx, rank, (first, count, of), fx) {
+                Some(rank) => self.handle(ctx, DecodeInput::WriteDone { rank }, fx),
+                None => Step::Live(DecodeRequest::Registered(self)),
+            },
             DecodeInput::WriteDone { rank } => {
                 if !self.landed.insert(rank) {
                     fx.drop_input(DropReason::Duplicate);
@@ -524,17 +537,10 @@ impl Cancelling {
                 first,
                 count,
                 of,
-            } => {
-                let early = ctx.mutation(Mutation::ReadyOnFirstPart);
-                match self.common.parts.add(rank, (first, count, of), early) {
-                    PartVerdict::Complete => self.settle(rank, FreeProof::WritesCompleted, fx),
-                    PartVerdict::Partial => Step::Live(DecodeRequest::Cancelling(self)),
-                    PartVerdict::Refused(reason) => {
-                        fx.drop_input(reason);
-                        Step::Live(DecodeRequest::Cancelling(self))
-                    }
-                }
-            }
+            } => match self.common.count_part(ctx, rank, (first, count, of), fx) {
+                Some(rank) => self.settle(rank, FreeProof::WritesCompleted, fx),
+                None => Step::Live(DecodeRequest::Cancelling(self)),
+            },
             DecodeInput::WriteFailed { rank, .. } => self.settle(rank, FreeProof::PeerQuiesced, fx),
             DecodeInput::Timeout if ctx.now >= self.quarantine_until => {
                 let proof = match self.reason {
