@@ -271,6 +271,7 @@ fn a_run_that_reaches_its_limit_reports_failed() {
     let started = std::time::Instant::now();
     let report = demo::run(&DemoOptions {
         timeout: Duration::from_millis(30),
+        limit_grows_with_work: false,
         max_prompt_tokens: 2048,
         pool_blocks: 256,
         ..small(SEED)

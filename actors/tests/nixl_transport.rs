@@ -727,16 +727,49 @@ fn write_to_dropped_peer_fails_typed() {
     assert_eq!(a.t.pending(), 0);
 }
 
-/// Without the runtime library the constructor returns a typed error instead of aborting.
+/// Without the runtime library (not on the loader's path, not at `$NIXL_HOME`, not at the
+/// install location) the constructor returns a typed error instead of aborting.
 #[test]
 fn missing_runtime_is_a_typed_error() {
     let _serial = serial();
     let out = run_child(
         "child_missing_runtime",
-        &[("LD_LIBRARY_PATH", "/nonexistent")],
+        &[
+            ("LD_LIBRARY_PATH", "/nonexistent"),
+            ("NIXL_HOME", "/nonexistent"),
+            ("XDG_CACHE_HOME", "/nonexistent"),
+        ],
         &[],
     );
     assert!(out.contains("libnixl_capi.so"), "{out}");
+}
+
+/// With the runtime only at `$NIXL_HOME` (no loader path, no plugin folder set: no
+/// `source scripts/nixl-env.sh`) the transport finds it, and an agent with its UCX backend
+/// starts.
+#[test]
+fn the_runtime_is_found_at_its_install_location() {
+    let _serial = serial();
+    let home = std::env::var("NIXL_HOME").expect("the tests run with scripts/nixl-env.sh");
+    let out = run_child(
+        "child_runtime_at_install_location",
+        &[("LD_LIBRARY_PATH", "/nonexistent"), ("NIXL_HOME", &home)],
+        &["NIXL_PLUGIN_DIR"],
+    );
+    assert!(out.contains("found the runtime"), "{out}");
+}
+
+#[test]
+#[ignore = "started by the_runtime_is_found_at_its_install_location"]
+fn child_runtime_at_install_location() {
+    if !is_child("child_runtime_at_install_location") {
+        return;
+    }
+    let transport = NixlTransport::new(name("kvh-located"), NixlConfig::default())
+        .unwrap_or_else(|e| panic!("the runtime at NIXL_HOME was not found: {e}"));
+    assert!(std::env::var_os("NIXL_PLUGIN_DIR").is_some());
+    drop(transport);
+    println!("found the runtime");
 }
 
 #[test]

@@ -186,10 +186,14 @@ pub struct DemoOptions {
     /// threshold).
     pub recompute_threshold: u32,
     /// The whole run's limit, at least (default 60 s); a run that reaches it reports FAILED.
-    /// A larger run gets more: its last arrival, plus D's deadline for a request
-    /// (`Config::decode_deadline`: by then every request has ended or is reported failed),
-    /// plus every byte of the plan moved at [`FLOOR_BYTES_PER_SEC`].
+    /// A larger run gets more when [`DemoOptions::limit_grows_with_work`]: its last arrival,
+    /// plus D's deadline for a request (`Config::decode_deadline`: by then every request has
+    /// ended or is reported failed), plus every byte of the plan moved at
+    /// [`FLOOR_BYTES_PER_SEC`].
     pub timeout: Duration,
+    /// Whether the run's limit grows with the work (default true); false makes `timeout` the
+    /// limit exactly (a test of the limit itself).
+    pub limit_grows_with_work: bool,
     /// TEST ONLY: P writes a wrong pattern into one request's blocks, which D must catch.
     #[doc(hidden)]
     pub corrupt_one_request: bool,
@@ -212,6 +216,7 @@ impl Default for DemoOptions {
             keep_ttl: Duration::from_secs(2),
             recompute_threshold: 64,
             timeout: Duration::from_secs(60),
+            limit_grows_with_work: true,
             corrupt_one_request: false,
         }
     }

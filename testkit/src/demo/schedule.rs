@@ -215,6 +215,9 @@ pub const FLOOR_BYTES_PER_SEC: f64 = 50e6;
 /// request's end (`Config::decode_deadline`), plus the plan's bytes (twice over in the
 /// bidirectional mode, whose turns read prefixes back) at [`FLOOR_BYTES_PER_SEC`].
 pub(crate) fn run_limit(options: &DemoOptions, plan: &[Planned], block_bytes: u64) -> Duration {
+    if !options.limit_grows_with_work {
+        return options.timeout;
+    }
     let last = plan
         .iter()
         .map(|q| q.arrival + q.prefill_delay.max(q.decode_delay))
