@@ -6,10 +6,26 @@
 //! are counted per request, when it succeeds, as the request's blocks times the rank's bytes
 //! per logical block: what a handoff moved, on the side that sent it and on the side that got
 //! it alike (a push D posts nothing, yet receives).
+//!
+//! Besides these, each rank publishes its endpoint's counters ([`endpoint_snapshot`]), and
+//! both are rendered in the Prometheus text format by [`prometheus_text`] (served on
+//! `/metrics` by [`MetricsServer`]; `kvhandoff node --metrics-addr`). The metric names, and
+//! which counter each reads, are listed in docs/operations.md.
+
+mod endpoint;
+mod exposition;
+pub mod http;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-use kvhandoff_protocol::machine::{ExportOutcome, ImportOutcome};
+pub use endpoint::{endpoint_snapshot, EndpointMetrics};
+pub use exposition::{prometheus_text, registry, CONTENT_TYPE};
+pub use http::{MetricsServer, MetricsServerError};
+
+use kvhandoff_protocol::machine::{
+    Counters as EndpointCounters, ExportEnd, ExportOutcome, ImportOutcome, ReleaseCause,
+};
 use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::BlockIds;
 
@@ -32,6 +48,10 @@ pub struct ProcessMetrics {
     /// Requests whose blocks were let go unsent: P's `BlocksFree` with a cause, an export
     /// released unread.
     pub requests_released: u64,
+    /// Of `requests_released`, those let go because the holder's lease ended with nobody
+    /// asking for them: P's `BlocksFree` with `LeaseExpired`, an export that ended
+    /// `LeaseExpired`.
+    pub requests_expired: u64,
     /// D requests failed early because their P died (`DecodeFenced`).
     pub requests_fenced: u64,
     /// Calls refused after their verdict came late (`Refused`).
@@ -49,6 +69,7 @@ struct Counters {
     requests_recomputed: AtomicU64,
     requests_sent: AtomicU64,
     requests_released: AtomicU64,
+    requests_expired: AtomicU64,
     requests_fenced: AtomicU64,
     calls_refused_late: AtomicU64,
     bytes_sent: AtomicU64,
@@ -61,6 +82,7 @@ static COUNTERS: Counters = Counters {
     requests_recomputed: AtomicU64::new(0),
     requests_sent: AtomicU64::new(0),
     requests_released: AtomicU64::new(0),
+    requests_expired: AtomicU64::new(0),
     requests_fenced: AtomicU64::new(0),
     calls_refused_late: AtomicU64::new(0),
     bytes_sent: AtomicU64::new(0),
@@ -77,6 +99,7 @@ pub fn snapshot() -> ProcessMetrics {
         requests_recomputed: read(&c.requests_recomputed),
         requests_sent: read(&c.requests_sent),
         requests_released: read(&c.requests_released),
+        requests_expired: read(&c.requests_expired),
         requests_fenced: read(&c.requests_fenced),
         calls_refused_late: read(&c.calls_refused_late),
         bytes_sent: read(&c.bytes_sent),
@@ -84,15 +107,26 @@ pub fn snapshot() -> ProcessMetrics {
     }
 }
 
-/// What a rank needs to count its events: bytes per logical block of each cache group.
-#[derive(Debug, Clone, Default)]
+/// What a rank needs to count its events (bytes per logical block of each cache group) and to
+/// publish its endpoint counters (its slot, retired when the last clone is dropped).
+#[derive(Debug, Clone)]
 pub(crate) struct EventCounter {
     group_block_bytes: Vec<u64>,
+    endpoint: Arc<endpoint::EndpointSlot>,
 }
 
 impl EventCounter {
     pub(crate) fn new(group_block_bytes: Vec<u64>) -> EventCounter {
-        EventCounter { group_block_bytes }
+        EventCounter {
+            group_block_bytes,
+            endpoint: Arc::new(endpoint::EndpointSlot::register()),
+        }
+    }
+
+    /// Publishes the rank's endpoint counters for [`endpoint_snapshot`] (a comparison when
+    /// nothing changed).
+    pub(crate) fn publish(&self, counters: &EndpointCounters) {
+        self.endpoint.publish(counters);
     }
 
     fn bytes_of(&self, blocks: &BlockIds) -> u64 {
@@ -125,7 +159,12 @@ impl EventCounter {
                     add(&c.requests_sent, 1);
                     add(&c.bytes_sent, self.bytes_of(blocks));
                 }
-                Some(_) => add(&c.requests_released, 1),
+                Some(cause) => {
+                    add(&c.requests_released, 1);
+                    if matches!(cause, ReleaseCause::LeaseExpired) {
+                        add(&c.requests_expired, 1);
+                    }
+                }
             },
             ConnectorEvent::ExportEnded {
                 outcome, blocks, ..
@@ -134,7 +173,12 @@ impl EventCounter {
                     add(&c.requests_sent, 1);
                     add(&c.bytes_sent, self.bytes_of(blocks));
                 }
-                ExportOutcome::Released(_) => add(&c.requests_released, 1),
+                ExportOutcome::Released(end) => {
+                    add(&c.requests_released, 1);
+                    if matches!(end, ExportEnd::LeaseExpired) {
+                        add(&c.requests_expired, 1);
+                    }
+                }
             },
             ConnectorEvent::Imported {
                 outcome, blocks, ..

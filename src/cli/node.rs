@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
+use kvhandoff::metrics::MetricsServer;
 use kvhandoff_testkit::demo::DemoOptions;
 use kvhandoff_testkit::node::{self, NodeOptions, NodeRole};
 
@@ -104,6 +105,14 @@ pub(crate) struct NodeArgs {
     #[cfg(feature = "test-hooks")]
     #[arg(long, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     repeat_handshake_ms: Option<u64>,
+    /// Serve the runtime's Prometheus metrics on `http://HOST:PORT/metrics` while the node
+    /// runs (port 0 picks one; the address is printed on stderr). A taken address exits 2.
+    #[arg(long, value_parser = parse_addr, value_name = "HOST:PORT")]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// With `--metrics-addr`: keep serving this many ms after the report is printed, so that
+    /// a last scrape sees the run's final figures.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    metrics_linger_ms: u64,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -125,6 +134,38 @@ fn parse_addr(text: &str) -> Result<std::net::SocketAddr, String> {
 }
 
 pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
+    // Up before the rank, so that a scrape during the run (the handshake included) finds it.
+    let metrics = match args.metrics_addr.map(MetricsServer::start).transpose() {
+        Ok(server) => server,
+        Err(error) => {
+            eprintln!("error: --metrics-addr: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(server) = &metrics {
+        eprintln!(
+            "kvhandoff node: metrics on http://{}/metrics",
+            server.local_addr()
+        );
+    }
+    let linger = std::time::Duration::from_millis(args.metrics_linger_ms);
+    let code = run_schedule(args);
+    if let Some(server) = metrics {
+        if !linger.is_zero() {
+            // The report is out (and flushed): what a scrape reads now is the run's last word.
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+            eprintln!(
+                "kvhandoff node: report printed; serving metrics for {} ms more",
+                linger.as_millis()
+            );
+            std::thread::sleep(linger);
+        }
+        drop(server);
+    }
+    code
+}
+
+fn run_schedule(args: NodeArgs) -> ExitCode {
     let role = match args.role {
         RoleArg::Prefill => NodeRole::Prefill,
         RoleArg::Decode => NodeRole::Decode,

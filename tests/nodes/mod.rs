@@ -194,6 +194,11 @@ impl Node {
         }
     }
 
+    /// The node's stderr so far, readable from another thread while the node runs.
+    pub fn stderr_handle(&self) -> Arc<Mutex<String>> {
+        self.stderr.clone()
+    }
+
     pub fn stderr(&self) -> String {
         self.stderr
             .lock()

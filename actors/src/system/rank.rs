@@ -110,6 +110,8 @@ impl RankActor {
             self.expecting.1 = expecting;
             self.expecting.0.do_send(Expecting(expecting));
         }
+        // Every step that may change the counters ends here: scrapes read what this leaves.
+        self.counter.publish(self.session.endpoint().counters());
         self.arm_timer(ctx);
     }
 
@@ -212,7 +214,10 @@ impl Handler<QueryCounters> for RankActor {
     type Result = actix::MessageResult<QueryCounters>;
 
     fn handle(&mut self, _: QueryCounters, _: &mut Context<Self>) -> Self::Result {
-        actix::MessageResult(self.session.endpoint().counters().clone())
+        let counters = self.session.endpoint().counters().clone();
+        // What the asker sees, a scrape sees too.
+        self.counter.publish(&counters);
+        actix::MessageResult(counters)
     }
 }
 

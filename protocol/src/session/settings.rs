@@ -58,10 +58,10 @@ pub struct ConnectorSettings {
     /// [`ConnectorError::NotConfigured`](super::ConnectorError::NotConfigured).
     pub layers: Option<u32>,
     /// Layer-wise push: how many parts a request's layers are written in (default
-    /// [`DEFAULT_LAYERWISE_PARTS`]; each part is one transfer and one notification).
+    /// 8, `DEFAULT_LAYERWISE_PARTS`; each part is one transfer and one notification).
     pub layerwise_parts: u32,
     /// Layer-wise push: prompts of fewer tokens go as one part, when the last layer is ready
-    /// (default [`DEFAULT_LAYERWISE_MIN_TOKENS`]): below it a part's fixed cost outweighs what
+    /// (default 256, `DEFAULT_LAYERWISE_MIN_TOKENS`): below it a part's fixed cost outweighs what
     /// it hides.
     pub layerwise_min_tokens: u64,
 }
