@@ -61,10 +61,7 @@ fn a_quick_report_writes_the_section_and_the_plots() {
     ] {
         assert!(ran(name), "{name} did not run: {stdout}");
     }
-    assert!(
-        !ran("layer-wise"),
-        "the layer-wise bench is not in this build"
-    );
+    assert_eq!(ran("layer-wise"), cfg!(feature = "nixl"), "{stdout}");
     assert_eq!(ran("transfer"), cfg!(feature = "nixl"), "{stdout}");
     assert_eq!(ran("descriptor sweep"), cfg!(feature = "nixl"), "{stdout}");
     assert_eq!(ran("kernels"), cfg!(feature = "cuda"), "{stdout}");
@@ -81,7 +78,7 @@ fn a_quick_report_writes_the_section_and_the_plots() {
         "### Control path",
         "### Descriptors vs fragmentation",
         "### The deployment model vs the seed's TP 4 table",
-        "Not run: the layer-wise bench",
+        "### Layer-wise vs whole-request push",
         "](plots/descriptors_vs_fragmentation.svg)",
         "](plots/model_ttft_vs_seed.svg)",
     ] {
@@ -89,12 +86,14 @@ fn a_quick_report_writes_the_section_and_the_plots() {
     }
     assert!(svg(out, "descriptors_vs_fragmentation.svg").contains("both scattered"));
     assert!(svg(out, "model_ttft_vs_seed.svg").contains("seed, push"));
-    assert!(!out.join("plots/layerwise_exposed.svg").exists());
     if cfg!(feature = "nixl") {
+        assert!(svg(out, "layerwise_exposed.svg").contains("layer-wise"));
+        assert!(text.contains("](plots/layerwise_exposed.svg)"));
         assert!(svg(out, "bandwidth_vs_descriptor_size.svg").contains("kvhandoff"));
         assert!(svg(out, "handoff_latency_cdf.svg").contains("raw NIXL"));
         assert!(text.contains("](plots/handoff_latency_cdf.svg)"));
     } else {
         assert!(text.contains("no `nixl` cargo feature"), "{text}");
+        assert!(!out.join("plots/layerwise_exposed.svg").exists());
     }
 }
