@@ -30,6 +30,7 @@ from ._native import (
     VerdictLate,
     clock_secs,
     metrics,
+    prometheus_text,
 )
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "VerdictLate",
     "RegionError",
     "metrics",
+    "prometheus_text",
     "clock_secs",
 ]
 

@@ -62,8 +62,14 @@ def metrics() -> dict[str, int]:
     request's final event to the engine: ``requests_ready`` (D's ``blocks_ready``, a reader's
     ``imported``/loaded), ``requests_failed``, ``requests_recomputed``, ``requests_sent`` (P's
     ``blocks_free`` after the write, an export that was read), ``requests_released`` (let go
-    unsent), ``requests_fenced`` (``decode_fenced``), ``calls_refused_late``, ``bytes_sent`` and
+    unsent), ``requests_fenced`` (``decode_fenced``), ``requests_expired`` (let go because the
+    holder's lease ran out unasked), ``calls_refused_late``, ``bytes_sent`` and
     ``bytes_received`` (the KV bytes of the sent and ready requests)."""
+
+def prometheus_text() -> str:
+    """The same figures and the ranks' endpoint counters as Prometheus text exposition (what
+    ``kvhandoff node --metrics-addr`` serves; names in docs/operations.md), for an engine that
+    serves its own ``/metrics``."""
 
 def threads_outside() -> int:
     """Threads now in a connector call with the GIL released (the exit hook waits for none)."""

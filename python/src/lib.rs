@@ -27,6 +27,7 @@ fn metrics(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         ("requests_sent", m.requests_sent),
         ("requests_released", m.requests_released),
         ("requests_fenced", m.requests_fenced),
+        ("requests_expired", m.requests_expired),
         ("calls_refused_late", m.calls_refused_late),
         ("bytes_sent", m.bytes_sent),
         ("bytes_received", m.bytes_received),
@@ -34,6 +35,13 @@ fn metrics(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         dict.set_item(name, value)?;
     }
     Ok(dict)
+}
+
+/// The same figures and the ranks' endpoint counters as Prometheus text (what `kvhandoff node
+/// --metrics-addr` serves), for an engine that serves its own `/metrics`.
+#[pyfunction]
+fn prometheus_text() -> String {
+    kvhandoff::metrics::prometheus_text()
 }
 
 /// The monotonic clock that `remote_blocks_expiry_time` is written in, in seconds.
@@ -48,6 +56,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeConnector>()?;
     m.add_function(wrap_pyfunction!(metrics, m)?)?;
     m.add_function(wrap_pyfunction!(clock_secs, m)?)?;
+    m.add_function(wrap_pyfunction!(prometheus_text, m)?)?;
     m.add_function(wrap_pyfunction!(connector::threads_outside, m)?)?;
     Ok(())
 }

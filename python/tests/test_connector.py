@@ -113,10 +113,17 @@ def test_metrics_names_and_types():
     m = kvhandoff.metrics()
     for name in (
         "requests_ready", "requests_failed", "requests_sent", "requests_released",
-        "bytes_sent", "bytes_received",
+        "requests_expired", "bytes_sent", "bytes_received",
     ):
         assert isinstance(m.get(name), int), (name, m)
     assert isinstance(kvhandoff.clock_secs(), float)
+    text = kvhandoff.prometheus_text()
+    # The same figure, as Prometheus text: the receiving side's ready requests.
+    line = next(
+        l for l in text.splitlines()
+        if l.startswith('kvhandoff_requests_total{') and 'outcome="ready"' in l
+    )
+    assert int(float(line.rsplit(" ", 1)[1])) == kvhandoff.metrics()["requests_ready"], line
 
 
 @pytest.mark.parametrize("count", [1, 4])
