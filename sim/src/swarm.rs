@@ -99,6 +99,9 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
     if cfg.layerwise > 0.0 && layers.gen_ratio(1, 2) {
         cfg.layer_compute_us = (5_000, 60_000);
     }
+    if cfg.layerwise > 0.0 && cfg.faults == Faults::Chaos && layers.gen_ratio(1, 2) {
+        cfg.abort_mid_layers = 0.1;
+    }
     debug_assert!(opts.faults == cfg.faults);
     if let Err(e) = cfg.machine.validate() {
         // The profiles are built to be valid: a refusal is a bug of this module.

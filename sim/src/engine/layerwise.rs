@@ -48,6 +48,17 @@ impl World {
         }
         if ready < LAYERS {
             self.next_layer(request, attempt, inc, ready);
+            if live && self.cfg.abort_mid_layers > 0.0 && self.chance(self.cfg.abort_mid_layers) {
+                // D's engine gives up while the write is partly sent.
+                let at = micros(&mut self.rng, 0, 2_000);
+                self.schedule(
+                    at,
+                    Ev::Abort {
+                        request,
+                        decode: true,
+                    },
+                );
+            }
         }
         self.last_progress = self.now;
         self.drain(0);

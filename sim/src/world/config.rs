@@ -31,6 +31,10 @@ pub struct WorldConfig {
     /// from this range; the swarm draws slow layers, so that stalls and cancels meet partial
     /// layer sets often).
     pub layer_compute_us: (u64, u64),
+    /// The chance that D's engine aborts a layer-wise request as P reports one of its layers
+    /// before the last (the swarm draws it, so that D gives up on partly sent writes often);
+    /// 0 in the constructors.
+    pub abort_mid_layers: f64,
     /// Which faults may happen.
     pub faults: Faults,
     /// The machines' configuration.
@@ -159,6 +163,7 @@ impl WorldConfig {
             multi_source: 0.0,
             layerwise: 0.0,
             layer_compute_us: (100, 3_000),
+            abort_mid_layers: 0.0,
             faults,
             machine,
             explore: false,
@@ -248,6 +253,7 @@ impl WorldConfig {
             multi_source: 0.0,
             layerwise: 0.0,
             layer_compute_us: (100, 3_000),
+            abort_mid_layers: 0.0,
             faults: Faults::Chaos,
             machine,
             explore: true,
