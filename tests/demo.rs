@@ -466,11 +466,10 @@ fn nixl_without_the_feature_is_a_clear_error() {
     assert!(matches!(err, demo::DemoError::NoNixl));
 }
 
-/// Two free loopback ports (bound, then released).
+/// Two free loopback ports (bound, then released), from below the ephemeral range.
 fn two_ports() -> (std::net::SocketAddr, std::net::SocketAddr) {
-    let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    (a.local_addr().unwrap(), b.local_addr().unwrap())
+    let [a, b] = kvhandoff_testkit::ports::loopback_ports();
+    (a, b)
 }
 
 fn node_options(
@@ -569,11 +568,7 @@ fn a_node_needs_the_router_link_to_pull() {
 /// Two nodes in `mode` on one in-memory fabric (threads, TCP side channel and router link).
 fn two_nodes(mode: DemoMode) -> (node::PrefillReport, DemoReport) {
     let fabric = MemFabric::new();
-    let (p_addr, d_addr) = two_ports();
-    let router = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let [p_addr, d_addr, router] = kvhandoff_testkit::ports::loopback_ports();
     let options = |role, listen, peer| {
         let mut o = node_options(role, listen, peer);
         o.schedule.mode = mode;

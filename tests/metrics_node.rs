@@ -40,13 +40,10 @@ const ARGS: [&str; 14] = [
     LINGER_MS,
 ];
 
-/// Four free loopback ports, all bound at once so that they differ.
+/// Four free loopback ports, all bound at once so that they differ, from below the ephemeral
+/// range.
 fn four_ports() -> [SocketAddr; 4] {
-    let held: Vec<TcpListener> = (0..4)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
-        .collect();
-    let addrs: Vec<SocketAddr> = held.iter().map(|l| l.local_addr().unwrap()).collect();
-    [addrs[0], addrs[1], addrs[2], addrs[3]]
+    kvhandoff_testkit::ports::loopback_ports()
 }
 
 /// `GET /metrics`: the status line and the body, or `None` when nothing listens (yet).

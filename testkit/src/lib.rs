@@ -14,4 +14,5 @@ mod hooks;
 pub mod nixl_agent;
 pub mod node;
 pub mod pattern;
+pub mod ports;
 pub mod stats;

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -49,23 +49,17 @@ pub fn unix_ms() -> f64 {
         * 1e3
 }
 
-/// Two free loopback ports (bound, then released for the children to bind).
+/// Two free loopback ports (bound, then released for the children to bind), from below the
+/// ephemeral range so that NIXL's own sockets cannot take them first.
 pub fn two_ports() -> (SocketAddr, SocketAddr) {
-    let a = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let b = TcpListener::bind("127.0.0.1:0").expect("bind");
-    (a.local_addr().unwrap(), b.local_addr().unwrap())
+    let [a, b] = kvhandoff_testkit::ports::loopback_ports();
+    (a, b)
 }
 
 /// Three free loopback ports: P's and D's side channels and the router link.
 pub fn three_ports() -> (SocketAddr, SocketAddr, SocketAddr) {
-    let a = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let b = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let c = TcpListener::bind("127.0.0.1:0").expect("bind");
-    (
-        a.local_addr().unwrap(),
-        b.local_addr().unwrap(),
-        c.local_addr().unwrap(),
-    )
+    let [a, b, c] = kvhandoff_testkit::ports::loopback_ports();
+    (a, b, c)
 }
 
 /// One `kvhandoff node` child; killed when dropped unless it was waited for.
