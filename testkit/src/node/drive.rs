@@ -462,7 +462,12 @@ fn run_prefill_role(mut run: Run<'_>, live: Live) -> NodeRun {
     };
     let mut r = prefill_report(&run, &side, races, errors, peer_exited);
     if let Some(s) = stats {
-        r.link = summary(&s, run.listen, options.peer, (run.listening_ms, run.waited_ms));
+        r.link = summary(
+            &s,
+            run.listen,
+            options.peer,
+            (run.listening_ms, run.waited_ms),
+        );
     }
     r.ok = r.verdict_ok();
     r.verdict = r.verdict_line();
