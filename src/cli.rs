@@ -9,6 +9,7 @@ pub(crate) mod matrix;
 pub(crate) mod model;
 pub(crate) mod node;
 pub(crate) mod plan;
+pub(crate) mod progress;
 pub(crate) mod sim;
 
 use std::process::ExitCode;
