@@ -24,7 +24,7 @@ const REQUESTS: u64 = 200;
 const WAIT: Duration = Duration::from_secs(90);
 
 /// The production defaults but for the workload: small prompts, a small pool.
-const ARGS: [&str; 12] = [
+const ARGS: [&str; 14] = [
     "--requests",
     "200",
     "--seed",
@@ -35,6 +35,10 @@ const ARGS: [&str; 12] = [
     "32",
     "--mean-arrival-gap-ms",
     "12",
+    // Both races must happen although a side may lag its schedule by tens of ms on a loaded
+    // machine (with the default 10 ms, a run beside a CPU hog once saw only one race).
+    "--max-call-skew-ms",
+    "80",
     "--timeout-secs",
     "60",
 ];
@@ -107,7 +111,11 @@ fn run_pair(decode_first: bool) {
     );
     // The races as P's endpoint saw them: both happened, once per request.
     assert_eq!(d_first + p_first, REQUESTS, "{both}");
-    assert!(d_first > 0 && p_first > 0, "{races}\n{both}");
+    assert!(
+        d_first > 0 && p_first > 0,
+        "{races}; P's latest finish {} ms behind its schedule\n{both}",
+        pv["max_finish_lag_ms"]
+    );
     assert_eq!(pv["link"]["incoming_ok"], 1, "{both}");
     assert_eq!(pv["peer_exited"], true, "P stayed until D exited\n{both}");
     assert_eq!(pv["ok"], true, "{both}");

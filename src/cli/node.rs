@@ -45,6 +45,12 @@ pub(crate) struct NodeArgs {
     /// the arrivals for both races to happen (P's report counts late finishes).
     #[arg(long, default_value_t = 20.0, value_parser = parse_gap_ms)]
     mean_arrival_gap_ms: f64,
+    /// The most P's `request_finished` and D's `request_allocated` of a request are drawn
+    /// apart, ms (each uniform in 0..=this after the prefill is due). Which side calls first
+    /// decides the race; a side lagging its schedule by more than this runs only one race, so
+    /// give a loaded machine more.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    max_call_skew_ms: u64,
     /// The whole process's limit, waiting for the peer included; past it the node reports
     /// FAILED.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
@@ -183,6 +189,7 @@ fn run_schedule(args: NodeArgs) -> ExitCode {
         max_prompt_tokens: args.max_prompt_tokens,
         pool_blocks: args.pool_blocks,
         mean_arrival_gap: std::time::Duration::from_secs_f64(args.mean_arrival_gap_ms / 1e3),
+        max_call_skew: std::time::Duration::from_millis(args.max_call_skew_ms),
         timeout: std::time::Duration::from_secs(args.timeout_secs),
         mode: demo_mode(args.mode),
         ..options.schedule
