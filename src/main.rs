@@ -30,8 +30,12 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Print the crate and protocol versions.
-    Version,
+    /// Print the crate and protocol versions and the NIXL runtime found.
+    Version {
+        /// Print them as JSON (`version`, `protocol_version`, `nixl`).
+        #[arg(long)]
+        json: bool,
+    },
     /// P and D in one process hand requests' KV cache over; every byte is verified.
     Demo(DemoArgs),
     /// One engine role (P or D) of the demo as its own process, over NIXL and a TCP side
@@ -115,7 +119,19 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     match cli.command {
-        Command::Version => {
+        Command::Version { json: true } => {
+            let printed = cli::print_json(&serde_json::json!({
+                "version": env!("CARGO_PKG_VERSION"),
+                "protocol_version": kvhandoff_protocol::PROTOCOL_VERSION,
+                "nixl": nixl_line(),
+            }));
+            if printed {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Command::Version { json: false } => {
             println!(
                 "kvhandoff {} (protocol version {})",
                 env!("CARGO_PKG_VERSION"),
@@ -147,6 +163,18 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn version_parses_with_and_without_json() {
+        use clap::Parser;
+        for (argv, json) in [
+            (["kvhandoff", "version", "--json"].as_slice(), true),
+            (["kvhandoff", "version"].as_slice(), false),
+        ] {
+            let cli = Cli::try_parse_from(argv).expect("parses");
+            assert!(matches!(cli.command, Command::Version { json: j } if j == json));
+        }
+    }
 
     /// Every shell's script names the binary and its subcommands.
     #[test]
