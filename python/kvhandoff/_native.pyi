@@ -145,6 +145,7 @@ class NativeConnector:
     def layers(self) -> int:
         """This rank's layers: one per region. ``ready`` equal to it ends a layer-wise prefill."""
     def add_peer(self, engine_id: str, address: str) -> None: ...
+    def warm_up(self, engine_id: str, timeout: float = 10.0) -> None: ...
     def request_allocated(
         self,
         request_id: str,

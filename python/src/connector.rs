@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyList};
 
 use kvhandoff::{
     AcceptPolicy, ConnectorEvent, EngineId, EngineRank, KvConnector, KvGeometry, KvRegion,
-    MemFabric, MemoryLocation, ModelIdentity, RankBuilder, ShellConfig, SideChannel,
+    MemFabric, MemoryLocation, ModelIdentity, PeerAddr, RankBuilder, ShellConfig, SideChannel,
     SideChannelConfig, TransportKind,
 };
 
@@ -404,6 +404,27 @@ impl NativeConnector {
             let guard = self.locked()?;
             let rank = guard.as_ref().ok_or_else(errors::closed)?;
             rank.add_peer(&engine, addr).map_err(errors::start)
+        })
+    }
+
+    /// Makes the handshake with `engine_id` (rank 0: opaque blocks pair TP-1 engines) now,
+    /// so that its first request does not pay it; its address must be known (`peers` or
+    /// `add_peer`). Raises `Unavailable` if the peer refused or did not answer within
+    /// `timeout` seconds (the connector is unaffected).
+    #[pyo3(signature = (engine_id, timeout = 10.0))]
+    fn warm_up(&self, py: Python<'_>, engine_id: &str, timeout: f64) -> PyResult<()> {
+        let engine = EngineId::new(engine_id).map_err(|e| config(format!("engine_id: {e}")))?;
+        if !(timeout.is_finite() && timeout > 0.0 && timeout <= 3600.0) {
+            return Err(config(format!("timeout: {timeout} s is not in (0, 3600]")));
+        }
+        if self.closed() {
+            return Err(errors::closed());
+        }
+        outside(py, || {
+            let guard = self.locked()?;
+            let rank = guard.as_ref().ok_or_else(errors::closed)?;
+            rank.warm_up(&PeerAddr::new(engine, 0), Duration::from_secs_f64(timeout))
+                .map_err(errors::warm_up)
         })
     }
 

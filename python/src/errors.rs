@@ -121,6 +121,11 @@ pub(crate) fn start(error: StartError) -> PyErr {
     raise::<ConfigError>(format!("the rank could not start: {cause}"), cause)
 }
 
+pub(crate) fn warm_up(error: StartError) -> PyErr {
+    let cause = chain(&error);
+    raise::<Unavailable>(cause.clone(), cause)
+}
+
 pub(crate) fn cache(error: KvCacheError) -> PyErr {
     let cause = chain(&error);
     raise::<RegionError>(cause.clone(), cause)

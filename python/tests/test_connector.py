@@ -820,3 +820,24 @@ def test_wait_events_releases_the_gil(mem_pair):
         t.join(5)
     assert 0.25 <= took < 5, took
     assert ticks[0] > 10_000, f"the other thread barely ran while wait_events waited: {ticks[0]}"
+
+
+def test_warm_up_makes_the_handshake_before_the_first_request(mem_pair):
+    """warm_up: D meets P before any request; a request then hands every byte over; a peer
+    nobody knows, or one that is gone, raises Unavailable; a bad timeout is a ConfigError."""
+    pair, pr, dr = mem_pair
+    pair.d.warm_up(pair.p.engine_id, timeout=10.0)
+    pair.d.warm_up(pair.p.engine_id)  # a repeat changes nothing
+    fill(pr, 13, [3])
+    answer = pair.p.request_finished("warm", [3], dict(LEG), 4)
+    pair.d.request_allocated("warm", [5], answer, 4)
+    assert only_final(wait_final(pair.d, 1), "warm")["kind"] == "blocks_ready"
+    assert check(dr, 13, [5]) is None
+    with pytest.raises(kvhandoff.Unavailable):
+        pair.d.warm_up(unique("stranger"), timeout=2.0)
+    for bad in (0.0, -1.0, float("nan"), 1e9):
+        with pytest.raises(kvhandoff.ConfigError):
+            pair.d.warm_up(pair.p.engine_id, timeout=bad)
+    pair.p.close()
+    with pytest.raises(kvhandoff.Unavailable):
+        pair.d.warm_up(pair.p.engine_id, timeout=5.0)
