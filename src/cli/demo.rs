@@ -83,13 +83,44 @@ pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
         recompute_threshold: args.recompute_threshold,
         ..DemoOptions::default()
     };
+    let result = with_progress(&options, || demo::run(&options));
     conclude(
-        demo::run(&options),
+        result,
         args.json,
         "the demo",
         |r| r.render_table(),
         |r| r.verdict_ok(),
     )
+}
+
+/// Runs `run` with a progress bar (or plain lines, see `progress`) over the requests whose KV
+/// arrived or failed, read from the process's metrics (the demo is this process's only
+/// runtime), so that the demo itself needs no hook.
+fn with_progress<R>(options: &DemoOptions, run: impl FnOnce() -> R) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let received = || {
+        let m = kvhandoff::metrics::snapshot();
+        m.requests_ready + m.requests_failed + m.requests_recomputed
+    };
+    let turns = match options.mode {
+        kvhandoff_testkit::demo::DemoMode::Bidir => u64::from(options.turns.max(1)),
+        _ => 1,
+    };
+    let progress = super::progress::SweepProgress::new("requests", options.requests as u64 * turns);
+    let before = received();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                progress.set_done(received().saturating_sub(before));
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        });
+        let result = run();
+        stop.store(true, Ordering::Relaxed);
+        progress.finish();
+        result
+    })
 }
 
 /// `demo --model M --prefill SPEC --decode SPEC`: a pair the planner refuses, or a spec that

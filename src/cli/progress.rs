@@ -49,8 +49,19 @@ impl SweepProgress {
     /// One more item is done.
     pub(crate) fn tick(&self) {
         let done = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        self.show(done);
+    }
+
+    /// `done` items are done in all (for a count read from elsewhere).
+    pub(crate) fn set_done(&self, done: u64) {
+        let done = done.min(self.total);
+        self.done.store(done, Ordering::Relaxed);
+        self.show(done);
+    }
+
+    fn show(&self, done: u64) {
         if let Some(bar) = &self.bar {
-            bar.inc(1);
+            bar.set_position(done);
             return;
         }
         let Ok(mut last) = self.last_line.try_lock() else {
