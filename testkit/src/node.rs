@@ -154,6 +154,10 @@ pub struct NodeOptions {
     /// The router link's address: D listens there, P connects (needed by every mode but push;
     /// both nodes are given the same; see `testkit/src/node/router.rs`).
     pub router: Option<SocketAddr>,
+    /// The side channel's pre-shared key (`--psk-file`): the handshake is authenticated with it
+    /// and refused without it (default: none). A handshake that fails authentication is not
+    /// retried: D gives up at once, P reports it when its wait ends.
+    pub psk: Option<kvhandoff::Psk>,
     /// TEST HOOK of the kill tests: right after this node's last engine call for request `K`
     /// of the plan (P: `request_finished`; D: `keep_for_next_turn` for a turn it keeps,
     /// `request_allocated` otherwise) the node waits 2 ms and stops itself with SIGSTOP, so
@@ -276,6 +280,7 @@ impl NodeOptions {
             timing: NodeTiming::default(),
             expect_peer_loss: false,
             router: None,
+            psk: None,
             #[cfg(feature = "test-hooks")]
             stop_self_after: None,
             #[cfg(feature = "test-hooks")]
