@@ -44,6 +44,9 @@
 //!   ([`SideChannelStats::outgoing_ok`]), so that no request pays for it (and no request's own
 //!   handshake can race it). A failed handshake is retried.
 //! - P waits until D's handshake arrived ([`SideChannelStats::incoming_ok`] `>= 1`).
+//! - With `--psk-file` ([`NodeOptions::psk`]) the handshake is authenticated. One that fails
+//!   authentication (the keys differ, or one node has none) is not retried: D gives up at once
+//!   and P, when its deadline ends, says how many handshakes failed authentication; both exit 1.
 //!
 //! The schedule's time zero is the moment P saw the handshake complete; D takes the middle of
 //! its handshake for it (each side loads the other's metadata before counting the handshake,
