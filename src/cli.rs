@@ -3,11 +3,13 @@
 //! how a run's report and verdict become the output and the exit code.
 
 pub(crate) mod bench;
+pub(crate) mod config;
 pub(crate) mod demo;
 pub(crate) mod matrix;
 pub(crate) mod model;
 pub(crate) mod node;
 pub(crate) mod plan;
+pub(crate) mod progress;
 pub(crate) mod sim;
 
 use std::process::ExitCode;

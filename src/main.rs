@@ -19,6 +19,11 @@ use cli::sim::{run_sim, SimArgs};
 #[derive(Debug, Parser)]
 #[command(name = "kvhandoff", version, about, long_about = None)]
 struct Cli {
+    /// A TOML file of option defaults, one table per subcommand (`[node]`, `[bench.transfer]`;
+    /// keys are the long options). Also `KVHANDOFF_CONFIG`. Below it: the built-in defaults;
+    /// above it: `KVHANDOFF_<SUBCOMMAND>_<OPTION>` variables, then the command line.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -90,11 +95,22 @@ fn main() -> ExitCode {
     use clap::{CommandFactory, FromArgMatches};
     let wants_version = std::env::args().any(|a| a == "--version");
     let mut command = Cli::command();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let env: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect();
+    command = match cli::config::configure(command, &argv, &env) {
+        Ok(command) => command,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::from(2);
+        }
+    };
     if wants_version {
         // Only then: finding and loading the NIXL runtime costs a little.
         command = command.long_version(long_version());
     }
-    let cli = match Cli::from_arg_matches(&command.get_matches()) {
+    let cli = match Cli::from_arg_matches(&command.get_matches_from(argv)) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };

@@ -5,7 +5,9 @@
 //!
 //! Run: `source scripts/nixl-env.sh && cargo test --features nixl --test bench_layerwise`.
 
-use kvhandoff_bench::layerwise::{layerwise, LayerwiseOptions, LayerwiseTransport};
+#[cfg(feature = "nixl")]
+use kvhandoff_bench::layerwise::LayerwiseTransport;
+use kvhandoff_bench::layerwise::{layerwise, LayerwiseOptions};
 
 #[cfg(not(feature = "nixl"))]
 #[test]

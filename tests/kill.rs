@@ -327,14 +327,26 @@ fn kill_prefill_mid_run_then_restart_it() {
     let pv = p2.json(&all);
     check_node(&pv, REQUESTS - k, &all);
     assert_eq!(pv["prefill_outcomes"]["sent"], REQUESTS - k, "{all}");
+    // Self-healing, with nothing done to D: once P2 listens, D's next request finds the dead P
+    // forgotten and handshakes with P2 by itself, within one heartbeat period (plus the slack).
+    let link = &pv["link"];
+    let (listening, met) = (
+        link["listening_ms"].as_f64().unwrap_or(f64::NAN),
+        link["waited_ms"].as_f64().unwrap_or(f64::NAN),
+    );
+    assert!(
+        met - listening <= H_MS + SLACK_MS,
+        "P2 listened after {listening:.0} ms and met D after {met:.0} ms\n{all}"
+    );
     assert_eq!(pv["ok"], true, "P2's strict verdict\n{all}");
     assert!(d.status.is_some_and(|s| s.success()), "D's exit\n{all}");
     assert!(p2.status.is_some_and(|s| s.success()), "P2's exit\n{all}");
     println!(
         "kill P: D saw the death {detected:.0} ms after the kill (bound {BOUND_MS} ms); \
          {live} requests live at the kill (or sent to the dead P) ended within \
-         {live_worst:.0} ms; K = {k}; \
-         D outcomes {counts:?}; all done in {took:?}"
+         {live_worst:.0} ms; K = {k}; D met P2 {:.0} ms after it listened; \
+         D outcomes {counts:?}; all done in {took:?}",
+        met - listening
     );
 }
 

@@ -22,7 +22,7 @@ use kvhandoff_actors::transport::TransportError;
 use kvhandoff_protocol::driver::PeerInfo;
 use kvhandoff_protocol::hetero::{PairPlan, SideName};
 use kvhandoff_protocol::machine::{BlockPairing, Config};
-use kvhandoff_protocol::{EngineId, IdError, KvGeometry, ModelIdentity};
+use kvhandoff_protocol::{EngineId, IdError, KvGeometry, ModelIdentity, PeerAddr};
 
 use crate::route::PlannedRoute;
 use crate::{
@@ -132,6 +132,14 @@ pub enum StartError {
     /// The connector refused the pairing's links.
     #[error("connector: {0}")]
     Connector(#[from] ConnectorError),
+    /// A handshake made ahead of the first request ([`EngineRank::warm_up`]) failed.
+    #[error("warming up the connection to {peer} failed: {why}")]
+    WarmUp {
+        /// The peer rank.
+        peer: PeerAddr,
+        /// What happened.
+        why: String,
+    },
 }
 
 /// A heterogeneous pairing: this rank is on `side` of `plan`.
@@ -192,6 +200,7 @@ pub struct RankBuilder {
     config: Config,
     settings: Option<ConnectorSettings>,
     peers: Vec<(EngineId, SocketAddr)>,
+    warm_peers: bool,
     pairing: Option<Pairing>,
     shell: ShellConfig,
     placement: Placement,
@@ -212,6 +221,7 @@ impl RankBuilder {
             config: Config::default(),
             settings: None,
             peers: Vec::new(),
+            warm_peers: false,
             pairing: None,
             shell: ShellConfig::default(),
             placement: Placement::Shared,
@@ -267,6 +277,15 @@ impl RankBuilder {
     /// More can be added once started ([`EngineRank::add_peer`]).
     pub fn peer(mut self, engine: EngineId, addr: SocketAddr) -> RankBuilder {
         self.peers.push((engine, addr));
+        self
+    }
+
+    /// Makes the handshake with the rank of the same index of every [`peer`](Self::peer)
+    /// engine as the rank starts ([`EngineRank::warm_up`], each within the configuration's
+    /// `connect_timeout`), so that no first request pays it. A peer not up yet is logged and
+    /// left to its first request: either side may start first.
+    pub fn warm_peers(mut self) -> RankBuilder {
+        self.warm_peers = true;
         self
     }
 
@@ -354,11 +373,13 @@ impl RankBuilder {
             config,
             settings,
             peers,
+            warm_peers,
             pairing,
             shell,
             placement,
         } = self;
         let rank_index = geometry.rank_index();
+        let connect_timeout = config.connect_timeout;
         let (setup, cache, route, links) = match pairing {
             None => {
                 let (setup, pool, registered) = build_rank_on_regions(
@@ -443,8 +464,16 @@ impl RankBuilder {
             info,
             runtime: None,
         };
-        for (engine, addr) in peers {
-            rank.add_peer(&engine, addr)?;
+        for (engine, addr) in &peers {
+            rank.add_peer(engine, *addr)?;
+        }
+        if warm_peers {
+            for (engine, _) in &peers {
+                let peer = PeerAddr::new(engine.clone(), rank_index);
+                if let Err(error) = rank.warm_up(&peer, connect_timeout) {
+                    tracing::warn!(%error, "peer not warmed up; its first request will connect");
+                }
+            }
         }
         Ok(rank)
     }

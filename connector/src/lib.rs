@@ -33,12 +33,14 @@ mod builder;
 mod cache;
 mod connector;
 pub mod route;
+mod warm;
 
 pub use builder::{EngineRank, RankBuilder, SideChannel, StartError, TransportKind};
 pub use cache::{KvCache, KvCacheError};
 pub use connector::KvConnector;
 pub use kvhandoff_actors::metrics;
 pub use kvhandoff_actors::system::Runtime;
+pub use kvhandoff_actors::system::SideChannelStats;
 pub use kvhandoff_actors::system::{
     AcceptPolicy, AdoptError, AuthFailure, BuildError, KvRegion, MemoryLocation, Placement, Psk,
     PskError, RegionProblem, RuntimeError, ShellConfig, SideChannelConfig, PSK_MAX_LEN,
@@ -57,6 +59,7 @@ pub use kvhandoff_protocol::session::{
     ConnectorSettings, KvTransferParams, RankLinks, DEFAULT_NEXT_TURN_TTL,
     DEFAULT_RECOMPUTE_THRESHOLD, MAX_FANS,
 };
+pub use kvhandoff_protocol::PeerAddr;
 pub use kvhandoff_protocol::TransferMode;
 pub use kvhandoff_protocol::{
     BlockIds, EngineId, IdError, KvGeometry, KvLayout, ModelIdentity, RegionSpec, RequestId,

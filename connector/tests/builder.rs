@@ -471,3 +471,54 @@ mod nixl {
         assert_eq!(d_raw.drops(), 4, "NIXL let go of the engine's memory");
     }
 }
+
+/// `warm_peers`: D's handshake with P happens as D starts, so the first request makes none;
+/// without it, the first request makes it. A peer that is not up is a typed warm-up error.
+#[test]
+fn warm_peers_makes_the_handshake_before_the_first_request() {
+    let fabric = MemFabric::new();
+    let tcp = || SideChannel::tcp("127.0.0.1:0".parse().unwrap());
+    for warm in [true, false] {
+        // P takes D's handshake before it learns D's address, as a P that D engines dial.
+        let mut p_side = kvhandoff::SideChannelConfig::new("127.0.0.1:0".parse().unwrap());
+        p_side.accept = kvhandoff::AcceptPolicy::Known([engine("decode")].into());
+        let mut p = builder("prefill", owned_regions(), &fabric)
+            .side_channel(SideChannel::Tcp(p_side))
+            .start()
+            .unwrap();
+        let p_addr = p.side_channel().unwrap();
+        let mut d = builder("decode", owned_regions(), &fabric)
+            .side_channel(tcp())
+            .peer(engine("prefill"), p_addr);
+        if warm {
+            d = d.warm_peers();
+        }
+        let mut d = d.start().unwrap();
+        p.add_peer(&engine("decode"), d.side_channel().unwrap())
+            .unwrap();
+        let before = d
+            .side_channel_stats()
+            .expect("a TCP side channel")
+            .outgoing_ok;
+        assert_eq!(before, u64::from(warm), "warm_peers = {warm}");
+        hand_over(&mut p, &mut d, 2, None);
+        let after = d.side_channel_stats().unwrap().outgoing_ok;
+        assert_eq!(after, 1, "one handshake in all, warm_peers = {warm}");
+        d.shutdown();
+        p.shutdown();
+    }
+    // Nobody listens there: a typed error, and the rank is fine.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let d = builder("decode", owned_regions(), &fabric)
+        .side_channel(tcp())
+        .peer(engine("prefill"), closed)
+        .start()
+        .unwrap();
+    let peer = kvhandoff::PeerAddr::new(engine("prefill"), 0);
+    let err = d.warm_up(&peer, Duration::from_secs(5)).unwrap_err();
+    assert!(matches!(err, StartError::WarmUp { .. }), "{err}");
+    d.shutdown();
+}

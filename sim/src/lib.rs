@@ -421,11 +421,21 @@ impl World {
 
 /// Runs every seed of `opts` (on two threads) and merges the results in seed order.
 pub fn run_seeds(opts: &SimOptions) -> SimReport {
+    run_seeds_observed(opts, &|| {})
+}
+
+/// [`run_seeds`], calling `seed_done` after each seed ends (from either of the two worker
+/// threads): what a progress bar counts.
+pub fn run_seeds_observed(opts: &SimOptions, seed_done: &(dyn Fn() + Sync)) -> SimReport {
     let seeds: Vec<u64> = opts.seeds.clone().collect();
     let run = |chunk: &[u64]| -> Vec<SeedResult> {
         chunk
             .iter()
-            .map(|&s| run_world(seed_world(opts, s), s))
+            .map(|&s| {
+                let result = run_world(seed_world(opts, s), s);
+                seed_done();
+                result
+            })
             .collect()
     };
     let half = seeds.len().div_ceil(2);

@@ -145,3 +145,56 @@ fn fuzz_catches_free_on_deadline() {
         "{text}"
     );
 }
+
+/// Found by the fuzz (about 1 case in 25,000): D's liveness deadline for P falls at the very
+/// instant a second handshake of the same incarnations completes (P's heartbeat in between was
+/// lost), and the scheduler runs the handshake before D's timer of that instant. Handling the
+/// handshake at its deadline, D declares P dead — what the timer due at that same instant does.
+/// S9 allowed a death only for a timer due strictly before the handshake.
+#[test]
+fn repeated_handshake_at_the_peers_deadline_may_declare_it_dead() {
+    const HALF: u64 = 1 << 63;
+    const THIRD: u64 = 6_148_914_691_236_517_206;
+    const THREE_QUARTERS: u64 = 13_835_058_055_282_163_712;
+    let choices = [
+        (Kind::Other, THREE_QUARTERS),
+        (Kind::Other, 0),
+        (Kind::Timer, 0),
+        (Kind::Timer, 0),
+        (Kind::Timer, 0),
+        (Kind::Other, THIRD),
+        (Kind::Timer, 0),
+        (Kind::Timer, 0),
+        (Kind::Other, THIRD),
+        (Kind::Timer, 0),
+        (Kind::Timer, HALF),
+        (Kind::Deliver, HALF),
+        (Kind::Timer, 0),
+        (Kind::Other, 0),
+        (Kind::Other, 0),
+    ];
+    let mut world = World::new(WorldConfig::small(2, 1, None), 0);
+    for (kind, fraction) in choices {
+        let enabled = world.actions_of(kind);
+        if !enabled.is_empty() {
+            // proptest's `Index::index`: a fixed-point fraction of the choices.
+            let at = ((enabled.len() as u128 * u128::from(fraction)) >> 64) as usize;
+            world.apply(enabled[at]);
+        }
+    }
+    let hit = |mark: &str| world.coverage().get(mark).copied().unwrap_or(0);
+    assert!(
+        hit("duplicate_handshake_same_incarnation") > 0 && hit("false_death_peer_alive") > 0,
+        "the replay no longer reaches a repeated handshake that ends in P's death: {:?}",
+        world.coverage()
+    );
+    assert!(
+        world.violations().is_empty(),
+        "{}",
+        world.violations()[0].message
+    );
+    assert!(
+        hit("repeated_handshake_while_overdue") > 0,
+        "the handshake came at D's deadline, which S9 must count as due"
+    );
+}

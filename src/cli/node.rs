@@ -123,6 +123,11 @@ pub(crate) struct NodeArgs {
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// vLLM's `--kv-transfer-config` JSON: `kv_role` (`kv_producer` = prefill, `kv_consumer` =
+    /// decode) and `kv_connector_extra_config` (this command's options, as in a `[node]` table
+    /// of `--config`); checked before the node starts. Options on the command line win.
+    #[arg(long, value_name = "JSON")]
+    kv_transfer_config: Option<String>,
 }
 
 fn parse_gap_ms(text: &str) -> Result<f64, String> {

@@ -208,7 +208,10 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
     let started = std::time::Instant::now();
     options.flood_peer = args.flood_peer;
     options.misname_rank = args.misname_rank;
-    let report = kvhandoff_sim::run_seeds(&options);
+    let progress =
+        super::progress::SweepProgress::new("seeds", options.seeds.clone().count() as u64);
+    let report = kvhandoff_sim::run_seeds_observed(&options, &|| progress.tick());
+    progress.finish();
     let elapsed = started.elapsed();
     if args.json {
         if !print_json(&report) {

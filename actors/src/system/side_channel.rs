@@ -69,7 +69,7 @@
 //! closes before the challenge, so a keyed initiator may count that as `NoChallenge`.)
 //!
 //! It authenticates the handshake only: the NIXL data path, and the frames' confidentiality,
-//! are not covered (see `docs/operations.md`, "Authentication").
+//! are not covered (see `docs/operations.md`, "Operations: authentication").
 //!
 //! # Bounds
 //! - Every read has a deadline and a size limit ([`MAX_PAYLOAD_LEN`](wire::MAX_PAYLOAD_LEN)); payload buffers grow with

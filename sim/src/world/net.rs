@@ -233,13 +233,14 @@ impl World {
             (deaths, states)
         };
         // A process resumed from a stall may get the repeat before its overdue timers ran
-        // (`stall_messages_first`): then its peer's deadline has passed, and declaring the
-        // peer dead is what the timer would have done — the one case S9 allows a death.
+        // (`stall_messages_first`), and a timer due at this very instant may be scheduled
+        // after the handshake: then its peer's deadline has come, and declaring the peer dead
+        // is what the timer would have done — the one case S9 allows a death.
         let overdue = [a, b].iter().any(|&n| {
             self.nodes[n]
                 .endpoint()
                 .and_then(|e| e.poll_timeout())
-                .is_some_and(|due| due < self.now)
+                .is_some_and(|due| due <= self.now)
         });
         let before = snapshot(self);
         for (x, y) in [(b, a), (a, b)] {

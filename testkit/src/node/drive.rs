@@ -68,6 +68,7 @@ struct Run<'a> {
     stop_after: StopAfter,
     /// Where the side channel listens, and how long the node waited for its peer.
     listen: std::net::SocketAddr,
+    listening_ms: f64,
     waited_ms: f64,
     errors: Vec<String>,
 }
@@ -145,6 +146,7 @@ pub fn run_full_on(options: &NodeOptions, kind: TransportKind) -> Result<NodeRun
         },
         kind,
     )?;
+    let listening_ms = wall.elapsed().as_secs_f64() * 1e3;
     eprintln!(
         "kvhandoff node: {own} listening on {}, peer {other} at {}",
         node.listen, options.peer
@@ -202,6 +204,7 @@ pub fn run_full_on(options: &NodeOptions, kind: TransportKind) -> Result<NodeRun
         turns: turn_settings(opts),
         stop_after: stop_after(options),
         listen: node.listen,
+        listening_ms,
         waited_ms,
         errors,
     };
@@ -460,7 +463,12 @@ fn run_prefill_role(mut run: Run<'_>, live: Live) -> NodeRun {
     };
     let mut r = prefill_report(&run, &side, races, errors, peer_exited);
     if let Some(s) = stats {
-        r.link = summary(&s, run.listen, options.peer, run.waited_ms);
+        r.link = summary(
+            &s,
+            run.listen,
+            options.peer,
+            (run.listening_ms, run.waited_ms),
+        );
     }
     r.ok = r.verdict_ok();
     r.verdict = r.verdict_line();

@@ -244,11 +244,12 @@ pub(super) fn summary(
     s: &SideChannelStats,
     listen: SocketAddr,
     peer: SocketAddr,
-    waited_ms: f64,
+    (listening_ms, waited_ms): (f64, f64),
 ) -> LinkSummary {
     LinkSummary {
         listen: listen.to_string(),
         peer: peer.to_string(),
+        listening_ms,
         waited_ms,
         incoming_ok: s.incoming_ok,
         outgoing_ok: s.outgoing_ok,

@@ -19,6 +19,10 @@ pub struct LinkSummary {
     pub listen: String,
     /// The peer's side channel.
     pub peer: String,
+    /// From the process's start to its side channel listening (its NIXL agent and memory
+    /// registered), ms.
+    #[serde(default)]
+    pub listening_ms: f64,
     /// From the process's start to the handshake (the schedule's start), ms.
     pub waited_ms: f64,
     /// Incoming handshakes completed.
