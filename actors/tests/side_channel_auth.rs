@@ -2,7 +2,8 @@
 //! the same key connect and deliver; different keys, or a key on one side only, are refused on
 //! both sides and counted as `AuthenticationFailed`; the bytes of a recorded successful exchange,
 //! replayed on a new connection, are refused in both directions; a keyed listener writes nothing
-//! to a peer without the key. (The plain exchange's tests are in `side_channel.rs`.)
+//! to a peer without the key, and cuts one that stalls after its hello at the I/O deadline. (The
+//! plain exchange's tests are in `side_channel.rs`.)
 
 mod fixture;
 use fixture::{call, fill, geometry, model, wrong_bytes};
@@ -485,8 +486,25 @@ async fn a_keyed_listener_writes_nothing_to_a_keyless_peer() {
     assert!(replay_to(p.addr, b"GET / HTTP/1.1\r\n\r\n")
         .await
         .is_empty());
-    let s = eventually(&p, "all three counted", |s| s.total_rejected() == 3).await;
+    // A hello, then silence: the challenge, then cut at the I/O deadline (300 ms).
+    let mut hello = b"KVHA\x01\x01\x00\x00".to_vec();
+    hello.extend_from_slice(&[7; 32]);
+    let started = Instant::now();
+    let mut stream = TcpStream::connect(p.addr).await.unwrap();
+    stream.write_all(&hello).await.unwrap();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut got))
+        .await
+        .expect("the listener cuts a silent peer");
+    assert_eq!(got.len(), 72, "the challenge only");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let s = eventually(&p, "all four counted", |s| s.total_rejected() == 4).await;
     assert_eq!(s.rejections(RejectReason::AuthenticationFailed), 2, "{s:?}");
     assert_eq!(s.rejections(RejectReason::BadMagic), 1, "{s:?}");
+    assert_eq!(s.rejections(RejectReason::TimedOut), 1, "{s:?}");
     assert_eq!(s.incoming_ok, 0);
 }
