@@ -47,8 +47,9 @@ pub use rank::RankActor;
 pub use regions::{AdoptError, AdoptMemory, KvRegion, MemoryLocation};
 pub use runtime::{Runtime, RuntimeError};
 pub use side_channel::{
-    AcceptPolicy, ClockEstimate, HandshakeError, PeerBook, PeerBookFull, RejectReason,
-    SideChannelConfig, SideChannelStats,
+    AcceptPolicy, AuthFailure, ClockEstimate, HandshakeError, PeerBook, PeerBookFull, Psk,
+    PskError, RejectReason, SideChannelConfig, SideChannelStats, MAC_LEN, NONCE_LEN, PSK_MAX_LEN,
+    PSK_MIN_LEN,
 };
 pub use transport_actor::TransportActor;
 

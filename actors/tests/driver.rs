@@ -13,7 +13,7 @@ use kvhandoff_protocol::driver::{
     connected_input, handshake_step, HandshakeStep, PeerInfo, TransportDriver, TransportOp,
 };
 use kvhandoff_protocol::machine::{
-    Config, ConnectFailure, NetEvent, StreamedLayers, Time, WriteOrder,
+    Config, ConnectFailure, NetEvent, ReadOrder, StreamedLayers, Time, WriteOrder,
 };
 use kvhandoff_protocol::{
     BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, WriteDone, WriteFailure,
@@ -365,4 +365,59 @@ fn an_abandoned_layer_wise_write_ends_with_its_posted_parts() {
         }]
     );
     assert_eq!(p.driver.stats().posted, 1, "one write, one part posted");
+}
+
+/// Block ids past the registered regions — the remote ones come from the peer (D's
+/// registration for a write, P's answer for a read), the local ones from the engine — are
+/// refused by the planner before the transport is called: `WriteFailed(PostFailed)`, nothing
+/// posted. The last block of the pool still posts.
+#[test]
+fn blocks_past_the_registered_regions_never_reach_the_transport() {
+    let fabric = MemFabric::new();
+    let (mut p, d) = (side(&fabric, "prefill"), side(&fabric, "decode"));
+    let to = d.info.peer.clone();
+    p.driver.load_peer(d.info.clone()).unwrap();
+    let posted = |p: &mut Side| {
+        let s = p.driver.transport_mut().stats();
+        (s.posted, s.post_errors)
+    };
+    let before = posted(&mut p);
+    // The fixture's pools have 16 logical blocks: 0..=15.
+    let cases = [
+        (1, vec![1, 2], vec![3, 16]),
+        (2, vec![1, 16], vec![3, 4]),
+        (3, vec![1], vec![u32::MAX]),
+    ];
+    for (write, local, remote) in cases {
+        let o = WriteOrder {
+            local: BlockIds::single_group(local),
+            remote: BlockIds::single_group(remote),
+            ..order(write, &to)
+        };
+        assert_eq!(
+            perform(&mut p, TransportOp::PostWrite(Box::new(o))),
+            post_failed(write)
+        );
+    }
+    let read = ReadOrder {
+        read: WriteId(4),
+        from: to.clone(),
+        key: PairingKey::new("key-2").unwrap(),
+        epoch: Epoch::FIRST,
+        local: BlockIds::single_group(vec![1]),
+        remote: BlockIds::single_group(vec![16]),
+    };
+    assert_eq!(
+        perform(&mut p, TransportOp::PostRead(Box::new(read))),
+        post_failed(4)
+    );
+    assert_eq!(posted(&mut p), before, "the transport was never called");
+    assert_eq!(p.driver.stats().post_failures, 4);
+    let last = WriteOrder {
+        local: BlockIds::single_group(vec![15]),
+        remote: BlockIds::single_group(vec![15]),
+        ..order(5, &to)
+    };
+    assert!(perform(&mut p, TransportOp::PostWrite(Box::new(last))).is_empty());
+    assert_eq!(posted(&mut p).0, before.0 + 1);
 }

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use kvhandoff_actors::system::{
     agent_name, blocking, build_rank_on_regions, build_routed_rank_on_regions, AddPeerAddress,
-    AdoptMemory, BuildError, Handshaker, KvRegion, Placement, RankOptions, RankSetup, RoutedRegion,
-    RuntimeError, ShellConfig, SideChannelConfig,
+    AdoptMemory, BuildError, Handshaker, KvRegion, Placement, Psk, RankOptions, RankSetup,
+    RoutedRegion, RuntimeError, ShellConfig, SideChannelConfig,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_actors::transport::TransportError;
@@ -72,6 +72,27 @@ impl SideChannel {
     /// [`EngineRank::side_channel`]), with the default configuration.
     pub fn tcp(listen: SocketAddr) -> SideChannel {
         SideChannel::Tcp(SideChannelConfig::new(listen))
+    }
+
+    /// This side channel with every handshake authenticated by the pre-shared key `psk`
+    /// ([`SideChannelConfig::psk`]: HMAC-SHA256 challenge–response; every peer needs the same
+    /// key). In-process ranks share one runtime and exchange nothing over a network: for
+    /// [`SideChannel::InProcess`] the key is not used.
+    ///
+    /// ```
+    /// use kvhandoff::{Psk, SideChannel};
+    /// let key = Psk::new(*b"a key of 16 byte").unwrap();
+    /// let side = SideChannel::tcp("127.0.0.1:0".parse().unwrap()).with_psk(key.clone());
+    /// assert!(matches!(side, SideChannel::Tcp(c) if c.psk == Some(key)));
+    /// ```
+    pub fn with_psk(self, psk: Psk) -> SideChannel {
+        match self {
+            SideChannel::InProcess => SideChannel::InProcess,
+            SideChannel::Tcp(config) => SideChannel::Tcp(SideChannelConfig {
+                psk: Some(psk),
+                ..config
+            }),
+        }
     }
 }
 

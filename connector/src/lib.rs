@@ -42,8 +42,9 @@ pub use kvhandoff_actors::metrics;
 pub use kvhandoff_actors::system::Runtime;
 pub use kvhandoff_actors::system::SideChannelStats;
 pub use kvhandoff_actors::system::{
-    AcceptPolicy, AdoptError, BuildError, KvRegion, MemoryLocation, Placement, RegionProblem,
-    RuntimeError, ShellConfig, SideChannelConfig,
+    AcceptPolicy, AdoptError, AuthFailure, BuildError, KvRegion, MemoryLocation, Placement, Psk,
+    PskError, RegionProblem, RuntimeError, ShellConfig, SideChannelConfig, PSK_MAX_LEN,
+    PSK_MIN_LEN,
 };
 pub use kvhandoff_actors::transport::mem::MemFabric;
 #[cfg(feature = "nixl")]

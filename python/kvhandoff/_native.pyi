@@ -4,6 +4,7 @@ Import from ``kvhandoff``, which re-exports everything here and adds :class:`kvh
 region handling (buffers, torch tensors) on top of :class:`NativeConnector`.
 """
 
+import os
 from typing import Any, Literal, Sequence, TypedDict
 
 BlockIdsLike = Sequence[int] | Sequence[Sequence[int]] | Any  # a list, a list per group, a numpy array
@@ -103,6 +104,7 @@ class NativeConnector:
         peers: Sequence[tuple[str, str]] | None = None,
         accept_any: bool = False,
         tp_size: int = 1,
+        psk_file: str | os.PathLike[str] | None = None,
         **config: Any,
     ) -> None:
         """Starts the rank (its runtime, transport agent and side channel).
@@ -113,6 +115,10 @@ class NativeConnector:
         trusted). ``model``/``dtype`` must match the peer's (they enter the compatibility check).
         ``rank``/``tp_size``: TP 1 only (opaque blocks carry no per-head geometry): other values
         raise :class:`Unsupported`.
+        ``psk_file``: a file holding the side channel's pre-shared key (16 to 1024 bytes, one
+        trailing newline trimmed): every handshake is authenticated with it (HMAC-SHA256
+        challenge-response) and refused by a peer with another key or none. A bad file raises
+        ``ConfigError``. It authenticates the handshake only, not the NIXL data path.
 
         ``**config`` (all optional; a ``ConfigError`` names an unknown key or invalid value):
         durations in milliseconds ``lease_ms``, ``lease_extension_ms``,

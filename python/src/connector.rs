@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyList};
 
 use kvhandoff::{
     AcceptPolicy, ConnectorEvent, EngineId, EngineRank, KvConnector, KvGeometry, KvRegion,
-    MemFabric, MemoryLocation, ModelIdentity, PeerAddr, RankBuilder, ShellConfig, SideChannel,
+    MemFabric, MemoryLocation, ModelIdentity, PeerAddr, Psk, RankBuilder, ShellConfig, SideChannel,
     SideChannelConfig, TransportKind,
 };
 
@@ -256,7 +256,8 @@ impl NativeConnector {
     #[pyo3(signature = (
         role, engine_id, regions, block_bytes, *, rank = 0, listen = "127.0.0.1:0",
         advertise_host = None, transport = "nixl", block_tokens = 16, model = "opaque",
-        dtype = "opaque", peers = None, accept_any = false, tp_size = 1, **config
+        dtype = "opaque", peers = None, accept_any = false, tp_size = 1, psk_file = None,
+        **config
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -275,6 +276,7 @@ impl NativeConnector {
         peers: Option<&Bound<'_, PyAny>>,
         accept_any: bool,
         tp_size: u32,
+        psk_file: Option<std::path::PathBuf>,
         config: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<NativeConnector> {
         let role = parse_role(role)?;
@@ -298,6 +300,10 @@ impl NativeConnector {
         let mut side = SideChannelConfig::new(parse_listen(listen)?);
         if accept_any {
             side.accept = AcceptPolicy::AnyEngine;
+        }
+        if let Some(path) = psk_file {
+            let key = Psk::from_file(&path).map_err(|e| self::config(format!("psk_file: {e}")))?;
+            side.psk = Some(key);
         }
         let mut shell = ShellConfig::default();
         if let Some(timeout) = options.handshake_timeout {

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvhandoff::metrics::MetricsServer;
+use kvhandoff::Psk;
 use kvhandoff_testkit::demo::DemoOptions;
 use kvhandoff_testkit::node::{self, NodeOptions, NodeRole};
 
@@ -119,6 +120,12 @@ pub(crate) struct NodeArgs {
     /// a last scrape sees the run's final figures.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     metrics_linger_ms: u64,
+    /// The side channel's pre-shared key: the handshake is authenticated with it (HMAC-SHA256
+    /// challenge-response) and refused by a peer with another key or none. The file holds the
+    /// key (16 to 1024 bytes; one trailing newline is trimmed), e.g. `openssl rand -hex 32`.
+    /// Give both nodes the same file. A bad file exits 2.
+    #[arg(long, value_name = "PATH")]
+    psk_file: Option<std::path::PathBuf>,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -145,6 +152,13 @@ fn parse_addr(text: &str) -> Result<std::net::SocketAddr, String> {
 }
 
 pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
+    let psk = match args.psk_file.as_deref().map(Psk::from_file).transpose() {
+        Ok(psk) => psk,
+        Err(error) => {
+            eprintln!("error: --psk-file: {error}");
+            return ExitCode::from(2);
+        }
+    };
     // Up before the rank, so that a scrape during the run (the handshake included) finds it.
     let metrics = match args.metrics_addr.map(MetricsServer::start).transpose() {
         Ok(server) => server,
@@ -160,7 +174,7 @@ pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
         );
     }
     let linger = std::time::Duration::from_millis(args.metrics_linger_ms);
-    let code = run_schedule(args);
+    let code = run_schedule(args, psk);
     if let Some(server) = metrics {
         if !linger.is_zero() {
             // The report is out (and flushed): what a scrape reads now is the run's last word.
@@ -176,7 +190,7 @@ pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
     code
 }
 
-fn run_schedule(args: NodeArgs) -> ExitCode {
+fn run_schedule(args: NodeArgs, psk: Option<Psk>) -> ExitCode {
     let role = match args.role {
         RoleArg::Prefill => NodeRole::Prefill,
         RoleArg::Decode => NodeRole::Decode,
@@ -195,6 +209,7 @@ fn run_schedule(args: NodeArgs) -> ExitCode {
         ..options.schedule
     };
     options.router = args.router;
+    options.psk = psk;
     let ms = std::time::Duration::from_millis;
     #[cfg(feature = "test-hooks")]
     {

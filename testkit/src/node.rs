@@ -44,6 +44,9 @@
 //!   ([`SideChannelStats::outgoing_ok`]), so that no request pays for it (and no request's own
 //!   handshake can race it). A failed handshake is retried.
 //! - P waits until D's handshake arrived ([`SideChannelStats::incoming_ok`] `>= 1`).
+//! - With `--psk-file` ([`NodeOptions::psk`]) the handshake is authenticated. One that fails
+//!   authentication (the keys differ, or one node has none) is not retried: D gives up at once
+//!   and P, when its deadline ends, says how many handshakes failed authentication; both exit 1.
 //!
 //! The schedule's time zero is the moment P saw the handshake complete; D takes the middle of
 //! its handshake for it (each side loads the other's metadata before counting the handshake,
@@ -154,6 +157,10 @@ pub struct NodeOptions {
     /// The router link's address: D listens there, P connects (needed by every mode but push;
     /// both nodes are given the same; see `testkit/src/node/router.rs`).
     pub router: Option<SocketAddr>,
+    /// The side channel's pre-shared key (`--psk-file`): the handshake is authenticated with it
+    /// and refused without it (default: none). A handshake that fails authentication is not
+    /// retried: D gives up at once, P reports it when its wait ends.
+    pub psk: Option<kvhandoff::Psk>,
     /// TEST HOOK of the kill tests: right after this node's last engine call for request `K`
     /// of the plan (P: `request_finished`; D: `keep_for_next_turn` for a turn it keeps,
     /// `request_allocated` otherwise) the node waits 2 ms and stops itself with SIGSTOP, so
@@ -276,6 +283,7 @@ impl NodeOptions {
             timing: NodeTiming::default(),
             expect_peer_loss: false,
             router: None,
+            psk: None,
             #[cfg(feature = "test-hooks")]
             stop_self_after: None,
             #[cfg(feature = "test-hooks")]

@@ -31,6 +31,46 @@
 //! close (or reset) before an answer and reports [`ConnectFailure::Refused`]. The listener
 //! counts every rejection by [`RejectReason`] in [`SideChannelStats`] and logs it.
 //!
+//! # Authentication
+//! With a pre-shared key ([`SideChannelConfig::psk`], at least [`PSK_MIN_LEN`] bytes) every
+//! exchange is authenticated by HMAC-SHA256 in a challenge–response around the unchanged
+//! handshake frames; the protocol's messages and version are the same with or without it. The
+//! auth frames are fixed-size (`KVHA`, auth version 1, step, two zero bytes, then the step's
+//! body), so a peer controls no length in them:
+//!
+//! 1. initiator → listener: `Hello` with the initiator's fresh 32-byte nonce `nI`;
+//! 2. listener → initiator: `Challenge` with its fresh nonce `nL` and its proof
+//!    `HMAC(K, "listener proof" ‖ nI ‖ nL)`; the initiator checks it before it sends anything
+//!    of its own ([`AuthFailure::BadProof`]: the keys differ);
+//! 3. initiator → listener: its handshake frame `H_I`, then `Tag` with
+//!    `HMAC(K, "initiator handshake" ‖ nI ‖ nL ‖ H_I)`; the listener verifies it before it
+//!    decodes `H_I` ([`AuthFailure::BadMac`]);
+//! 4. listener → initiator: its handshake frame `H_L`, then `Tag` with
+//!    `HMAC(K, "listener handshake" ‖ nI ‖ nL ‖ H_I ‖ H_L)`, verified before `H_L` is decoded.
+//!
+//! Each MAC is over both sides' fresh nonces (so a recorded frame replayed on another
+//! connection fails: the verifier's nonce is new), carries a label of its step (no MAC passes
+//! for another step's) and covers the handshake bytes, length-prefixed (a forged or altered
+//! handshake fails). Tags are compared in constant time (`hmac`'s `verify_slice`). Every
+//! failure is [`HandshakeError::Authentication`], counted as
+//! [`RejectReason::AuthenticationFailed`]; a rejection is still a close with nothing written,
+//! and nothing of a rank's handshake is sent to a peer that has not proved the key. A rank with
+//! a key takes no plain handshake ([`AuthFailure::PeerHasNoKey`]); a rank without one takes no
+//! auth frame ([`AuthFailure::NoKeyHere`]). What each side sees of a refusal:
+//!
+//! | case | listener counts | initiator counts |
+//! |---|---|---|
+//! | keys differ | `Abandoned` (the initiator closed after the challenge) | `BadProof` |
+//! | only the initiator has a key | `NoKeyHere` | `NoChallenge` (closed or reset before a challenge) |
+//! | only the listener has a key | `PeerHasNoKey` | `Closed` (a plain refusal: it learns nothing) |
+//! | replayed or altered frame | `BadMac` | — |
+//!
+//! (All but the keyless initiator's `Closed` are `AuthenticationFailed`. A busy listener also
+//! closes before the challenge, so a keyed initiator may count that as `NoChallenge`.)
+//!
+//! It authenticates the handshake only: the NIXL data path, and the frames' confidentiality,
+//! are not covered (see `docs/operations.md`, "Operations: authentication").
+//!
 //! # Bounds
 //! - Every read has a deadline and a size limit ([`MAX_PAYLOAD_LEN`](wire::MAX_PAYLOAD_LEN)); payload buffers grow with
 //!   the bytes that actually arrive, not with what a header announces.
@@ -47,8 +87,10 @@
 //! round-trip estimate. Clocks are microseconds since the rank's link started. The estimates are
 //! reported in [`SideChannelStats::clocks`]; the protocol does not use them yet.
 
+mod auth;
 mod error;
 mod handshake;
+mod psk;
 mod tasks;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -62,8 +104,10 @@ use kvhandoff_protocol::machine::ConnectFailure;
 
 use wire::{HEADER_LEN, MAGIC};
 
+pub use auth::{AuthFailure, MAC_LEN, NONCE_LEN};
 pub use error::HandshakeError;
 pub(crate) use handshake::layout_mismatch;
+pub use psk::{Psk, PskError, PSK_MAX_LEN, PSK_MIN_LEN};
 pub(crate) use tasks::{accept_loop, bind, initiate, link_up, outgoing_ok, Local, Shared};
 
 /// Settings of one rank's TCP side channel.
@@ -85,6 +129,10 @@ pub struct SideChannelConfig {
     pub modes: Vec<TransferMode>,
     /// Which engines' incoming handshakes the listener takes.
     pub accept: AcceptPolicy,
+    /// The pre-shared key that authenticates every exchange (see "Authentication" above);
+    /// `None` (the default) runs the plain exchange. Both sides must have the same key, or
+    /// both none.
+    pub psk: Option<Psk>,
 }
 
 /// Which engines' incoming handshakes a listener takes. A handshake is what makes a rank load a
@@ -145,6 +193,7 @@ impl SideChannelConfig {
                 TransferMode::Bidirectional,
             ],
             accept: AcceptPolicy::default(),
+            psk: None,
         }
     }
 }
@@ -273,6 +322,9 @@ pub enum RejectReason {
     ConnectRefused,
     /// The TCP connect timed out (initiator).
     ConnectTimedOut,
+    /// The pre-shared-key authentication failed: the keys differ, one side has none, or a MAC
+    /// does not verify (an altered or replayed frame); see [`AuthFailure`].
+    AuthenticationFailed,
 }
 
 /// One clock-offset estimate of a peer engine.

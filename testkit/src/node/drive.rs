@@ -142,6 +142,7 @@ pub fn run_full_on(options: &NodeOptions, kind: TransportKind) -> Result<NodeRun
                 ..ShellConfig::default()
             },
             listen: options.listen,
+            psk: options.psk.clone(),
         },
         kind,
     )?;

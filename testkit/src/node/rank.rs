@@ -65,6 +65,8 @@ pub(super) struct RankSpec<'a> {
     pub(super) config: &'a Config,
     pub(super) shell: ShellConfig,
     pub(super) listen: SocketAddr,
+    /// The side channel's pre-shared key, if any.
+    pub(super) psk: Option<kvhandoff::Psk>,
 }
 
 /// A started node rank, taken apart for the node's loops.
@@ -93,10 +95,14 @@ pub(super) fn start(spec: RankSpec<'_>, kind: TransportKind) -> Result<NodeRank,
     let allocated: Vec<u64> = regions.iter().map(KvRegion::addr).collect();
     let bytes = regions.iter().map(KvRegion::len).sum();
     let mut runtime = Runtime::start()?;
+    let side_channel = match spec.psk {
+        Some(psk) => SideChannel::tcp(spec.listen).with_psk(psk),
+        None => SideChannel::tcp(spec.listen),
+    };
     let rank = RankBuilder::new(spec.own.clone(), spec.geometry.clone(), model())
         .regions(regions)
         .transport(kind)
-        .side_channel(SideChannel::tcp(spec.listen))
+        .side_channel(side_channel)
         .config(spec.config.clone())
         .shell(spec.shell)
         .start_on(&mut runtime)

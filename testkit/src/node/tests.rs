@@ -113,6 +113,7 @@ fn start_node_rank(kind: kvhandoff::TransportKind) -> super::NodeMemory {
             config: &Config::default(),
             shell: kvhandoff::ShellConfig::default(),
             listen: "127.0.0.1:0".parse().unwrap(),
+            psk: None,
         },
         kind,
     )

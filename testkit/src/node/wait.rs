@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvhandoff_actors::system::{LinkActor, QuerySideChannel, RankActor};
+use kvhandoff_actors::system::{LinkActor, QuerySideChannel, RankActor, RejectReason};
 use kvhandoff_protocol::EngineId;
 use kvhandoff_protocol::PeerAddr;
 
@@ -47,7 +47,11 @@ pub(super) fn await_prefill(
             }
             thread::sleep(PROBE_POLL);
         }
-        let failed_before = side_channel(link).map_or(0, |s| s.outgoing_failed.values().sum());
+        let before = side_channel(link);
+        let failed_before = before
+            .as_ref()
+            .map_or(0, |s| s.outgoing_failed.values().sum());
+        let auth_before = before.map_or(0, |s| s.failures(RejectReason::AuthenticationFailed));
         let sent = Instant::now();
         link.do_send(Connect(PeerAddr::new(prefill.clone(), 0)));
         loop {
@@ -61,6 +65,13 @@ pub(super) fn await_prefill(
                     took.as_secs_f64() * 1e3
                 );
                 return Ok(sent + took / 2);
+            }
+            if s.failures(RejectReason::AuthenticationFailed) > auth_before {
+                // Not a restart: the keys differ (or one side has none); retrying cannot help.
+                return Err(format!(
+                    "the handshake with {prefill} at {peer} failed authentication (check that \
+                     both nodes have the same --psk-file, or both none)"
+                ));
             }
             if s.outgoing_failed.values().sum::<u64>() > failed_before {
                 // Refused or cut off: P may be restarting. Probe and try again.
@@ -90,7 +101,16 @@ pub(super) fn await_decode(
             None => return Err("the link did not answer".into()),
         }
         if Instant::now() >= deadline {
-            return Err("D never connected".into());
+            let refused =
+                side_channel(link).map_or(0, |s| s.rejections(RejectReason::AuthenticationFailed));
+            return Err(if refused > 0 {
+                format!(
+                    "D never connected: {refused} handshake(s) failed authentication (check \
+                     that both nodes have the same --psk-file, or both none)"
+                )
+            } else {
+                "D never connected".into()
+            });
         }
         thread::sleep(WAIT_POLL);
     }

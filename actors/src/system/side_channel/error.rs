@@ -7,6 +7,7 @@ use kvhandoff_protocol::{
     EngineId, FieldError, GeometryError, MessageKind, TransferMode, WireError,
 };
 
+use super::auth::AuthFailure;
 use super::{ConnectFailure, RejectReason};
 
 /// Why a handshake did not complete.
@@ -99,6 +100,9 @@ pub enum HandshakeError {
     /// The TCP connect timed out.
     #[error("connect to {0} timed out")]
     ConnectTimedOut(SocketAddr),
+    /// The pre-shared-key authentication failed ([`SideChannelConfig::psk`](super::SideChannelConfig::psk)).
+    #[error("authentication failed: {0}")]
+    Authentication(AuthFailure),
 }
 
 impl HandshakeError {
@@ -124,6 +128,7 @@ impl HandshakeError {
             HandshakeError::NoAddress => RejectReason::NoAddress,
             HandshakeError::Connect { .. } => RejectReason::ConnectRefused,
             HandshakeError::ConnectTimedOut(_) => RejectReason::ConnectTimedOut,
+            HandshakeError::Authentication(_) => RejectReason::AuthenticationFailed,
         }
     }
 
@@ -157,7 +162,8 @@ impl HandshakeError {
             | RejectReason::LoadFailed
             | RejectReason::NotAccepted
             | RejectReason::NoAddress
-            | RejectReason::ConnectRefused => ConnectFailure::Refused(self.to_string()),
+            | RejectReason::ConnectRefused
+            | RejectReason::AuthenticationFailed => ConnectFailure::Refused(self.to_string()),
         }
     }
 
@@ -178,6 +184,7 @@ impl HandshakeError {
                 | RejectReason::InvalidGeometry
                 | RejectReason::LoadFailed
                 | RejectReason::NotAccepted
+                | RejectReason::AuthenticationFailed
         )
     }
 

@@ -7,6 +7,7 @@ use kvhandoff_protocol::{
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::auth::{AuthFailure, AUTH_MAGIC};
 use super::{wire, HandshakeError, Message, HEADER_LEN, MAGIC};
 use kvhandoff_protocol::driver::PeerInfo;
 
@@ -135,12 +136,34 @@ pub(crate) fn validate_handshake(
     Ok(())
 }
 
-/// Reads one handshake frame under `deadline`: header first (the magic checked as it arrives),
-/// then exactly the announced payload, growing the buffer only with bytes that arrive.
+/// Reads one handshake frame under `deadline` and decodes it (see [`read_frame`]).
 pub(crate) async fn read_handshake<S>(
     stream: &mut S,
     deadline: Instant,
 ) -> Result<Handshake, HandshakeError>
+where
+    S: AsyncRead + Unpin,
+{
+    let frame = read_frame(stream, deadline).await?;
+    decode_handshake(&frame)
+}
+
+/// Decodes a handshake frame read by [`read_frame`].
+pub(crate) fn decode_handshake(frame: &[u8]) -> Result<Handshake, HandshakeError> {
+    match wire::decode(frame)? {
+        Message::Handshake(handshake) => Ok(*handshake),
+        other => Err(HandshakeError::WrongKind(other.kind())),
+    }
+}
+
+/// Reads the bytes of one handshake frame under `deadline`: header first (the magic checked as
+/// it arrives), then exactly the announced payload, growing the buffer only with bytes that
+/// arrive. An auth frame's magic in its place is [`AuthFailure::NoKeyHere`]: the peer has a
+/// pre-shared key, this rank none.
+pub(crate) async fn read_frame<S>(
+    stream: &mut S,
+    deadline: Instant,
+) -> Result<Vec<u8>, HandshakeError>
 where
     S: AsyncRead + Unpin,
 {
@@ -161,13 +184,20 @@ where
                 }
             });
         }
-        let seen = (filled + n).min(MAGIC.len());
+        filled += n;
+        let seen = filled.min(MAGIC.len());
         if header[..seen] != MAGIC[..seen] {
+            if header[..seen] == AUTH_MAGIC[..seen] {
+                // Wait for the whole magic before calling it an auth frame.
+                if seen == AUTH_MAGIC.len() {
+                    return Err(AuthFailure::NoKeyHere.into());
+                }
+                continue;
+            }
             let mut found = [0u8; 4];
             found[..seen].copy_from_slice(&header[..seen]);
             return Err(WireError::BadMagic { found }.into());
         }
-        filled += n;
     }
     let announced = wire::decode_header(&header)?;
     if announced.kind != MessageKind::Handshake {
@@ -187,10 +217,7 @@ where
             wanted: HEADER_LEN + announced.payload_len,
         });
     }
-    match wire::decode(&frame)? {
-        Message::Handshake(handshake) => Ok(*handshake),
-        other => Err(HandshakeError::WrongKind(other.kind())),
-    }
+    Ok(frame)
 }
 
 pub(super) async fn write_frame<S>(

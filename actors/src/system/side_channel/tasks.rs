@@ -14,12 +14,17 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
-use super::handshake::{read_handshake, validate_handshake, write_frame};
+use super::auth::{self, AuthFailure, Nonces, Step, NONCE_LEN};
+use super::handshake::{
+    decode_handshake, read_frame, read_handshake, validate_handshake, write_frame,
+};
+use super::psk::Psk;
 use super::{
     wire, AcceptPolicy, ClockEstimate, HandshakeError, LinkUp, Message, RejectReason,
     SideChannelConfig, SideChannelStats,
 };
 use kvhandoff_protocol::driver::PeerInfo;
+use kvhandoff_protocol::Handshake;
 use kvhandoff_protocol::PeerAddr;
 
 /// What both sides of a handshake know about this rank.
@@ -193,7 +198,13 @@ async fn serve(
     up: &Recipient<LinkUp>,
 ) -> Result<(PeerInfo, ClockEstimate), HandshakeError> {
     let deadline = Instant::now() + local.config.io_timeout;
-    let handshake = read_handshake(stream, deadline).await?;
+    let (handshake, auth) = match &local.config.psk {
+        None => (read_handshake(stream, deadline).await?, None),
+        Some(key) => {
+            let (handshake, theirs, nonces) = serve_auth(key, stream, deadline).await?;
+            (handshake, Some((key, theirs, nonces)))
+        }
+    };
     let t_recv = local.now_us();
     validate_handshake(&local.info, &local.config.modes, &handshake, None)?;
     if !shared.accepts(&local.config.accept, &handshake.engine_id) {
@@ -202,10 +213,52 @@ async fn serve(
     let clock = ClockEstimate::one_way(handshake.clock_sample_us, t_recv);
     let info = PeerInfo::from_handshake(handshake);
     link_up(up, info.clone(), local.config.io_timeout).await?;
-    let (answer, _) = local.frame();
+    let (mut answer, _) = local.frame();
+    if let Some((key, theirs, nonces)) = auth {
+        let tag = auth::listener_tag(key, &nonces, &theirs, &answer);
+        answer.extend_from_slice(&auth::frame(Step::Tag, &[&tag]));
+    }
     let deadline = Instant::now() + local.config.io_timeout;
     write_frame(stream, &answer, deadline).await?;
     Ok((info, clock))
+}
+
+/// The listener's authentication, before it decodes anything of the initiator's handshake:
+/// reads the hello, answers with a fresh nonce and its proof of the key, reads the handshake
+/// frame and its tag and verifies the tag. Returns the handshake, its bytes (the answer's tag
+/// binds them) and the nonces.
+async fn serve_auth(
+    key: &Psk,
+    stream: &mut TcpStream,
+    deadline: Instant,
+) -> Result<(Handshake, Vec<u8>, Nonces), HandshakeError> {
+    let hello = auth::read_auth(stream, Step::Hello, deadline).await?;
+    let mut nonces = Nonces {
+        initiator: [0; NONCE_LEN],
+        listener: auth::nonce()?,
+    };
+    nonces.initiator.copy_from_slice(&hello);
+    let proof = auth::proof(key, &nonces);
+    let challenge = auth::frame(Step::Challenge, &[&nonces.listener, &proof]);
+    write_frame(stream, &challenge, deadline).await?;
+    let theirs = match read_frame(stream, deadline).await {
+        Ok(frame) => frame,
+        // Only an initiator that refused our proof (or gave up) closes here.
+        Err(HandshakeError::Closed) => return Err(AuthFailure::Abandoned.into()),
+        Err(HandshakeError::Authentication(_)) => return Err(AuthFailure::BadFrame.into()),
+        Err(error) => return Err(error),
+    };
+    let tag = auth::read_auth(stream, Step::Tag, deadline)
+        .await
+        .map_err(|error| match error {
+            // A plain frame where the tag belongs: the handshake is not authenticated.
+            HandshakeError::Closed | HandshakeError::Authentication(_) => {
+                AuthFailure::BadMac.into()
+            }
+            other => other,
+        })?;
+    auth::verify_initiator(key, &nonces, &theirs, &tag)?;
+    Ok((decode_handshake(&theirs)?, theirs, nonces))
 }
 
 /// Hands a handshaken peer to the rank, which loads it and feeds `PeerConnected` (or, if the
@@ -249,13 +302,73 @@ pub(crate) async fn initiate(
             Ok(Ok(stream)) => stream,
         };
     let deadline = Instant::now() + local.config.io_timeout;
-    let (frame, t_send) = local.frame();
-    write_frame(&mut stream, &frame, deadline).await?;
-    let handshake = read_handshake(&mut stream, deadline).await?;
+    let (handshake, t_send) = match &local.config.psk {
+        None => {
+            let (frame, t_send) = local.frame();
+            write_frame(&mut stream, &frame, deadline).await?;
+            (read_handshake(&mut stream, deadline).await?, t_send)
+        }
+        Some(key) => initiate_auth(local, key, &mut stream, deadline).await?,
+    };
     let t_recv = local.now_us();
     validate_handshake(&local.info, &local.config.modes, &handshake, Some(expected))?;
     let clock = ClockEstimate::round_trip(handshake.clock_sample_us, t_send, t_recv);
     Ok((PeerInfo::from_handshake(handshake), clock))
+}
+
+/// The initiator's authenticated exchange: hello, the listener's challenge (its proof checked
+/// before anything of ours is sent), our handshake and its tag, then the answer and its tag,
+/// verified before the answer is decoded. Returns the answer and when ours was made.
+async fn initiate_auth(
+    local: &Local,
+    key: &Psk,
+    stream: &mut TcpStream,
+    deadline: Instant,
+) -> Result<(Handshake, u64), HandshakeError> {
+    let mut nonces = Nonces {
+        initiator: auth::nonce()?,
+        listener: [0; NONCE_LEN],
+    };
+    write_frame(
+        stream,
+        &auth::frame(Step::Hello, &[&nonces.initiator]),
+        deadline,
+    )
+    .await?;
+    let challenge = match auth::read_auth(stream, Step::Challenge, deadline).await {
+        Ok(body) => body,
+        // A listener without a key closes on our hello (with it unread: often a reset).
+        Err(HandshakeError::Closed)
+        | Err(HandshakeError::Io {
+            kind: io::ErrorKind::ConnectionReset,
+            ..
+        }) => return Err(AuthFailure::NoChallenge.into()),
+        // A listener without a key never writes first; anything but a challenge is noise.
+        Err(HandshakeError::Authentication(AuthFailure::PeerHasNoKey)) => {
+            return Err(AuthFailure::BadFrame.into())
+        }
+        Err(error) => return Err(error),
+    };
+    let (listener_nonce, proof) = challenge.split_at(NONCE_LEN);
+    nonces.listener.copy_from_slice(listener_nonce);
+    auth::verify_proof(key, &nonces, proof)?;
+    let (mut ours, t_send) = local.frame();
+    let tag = auth::initiator_tag(key, &nonces, &ours);
+    let sent = ours.len();
+    ours.extend_from_slice(&auth::frame(Step::Tag, &[&tag]));
+    write_frame(stream, &ours, deadline).await?;
+    ours.truncate(sent);
+    let theirs = read_frame(stream, deadline).await?;
+    let tag = auth::read_auth(stream, Step::Tag, deadline)
+        .await
+        .map_err(|error| match error {
+            HandshakeError::Closed | HandshakeError::Authentication(_) => {
+                AuthFailure::BadMac.into()
+            }
+            other => other,
+        })?;
+    auth::verify_listener(key, &nonces, &ours, &theirs, &tag)?;
+    Ok((decode_handshake(&theirs)?, t_send))
 }
 
 /// Records a completed outgoing handshake.
