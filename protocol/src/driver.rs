@@ -21,7 +21,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+mod observe;
 mod streams;
+
+pub use observe::TransferObserver;
 
 use crate::machine::{
     Endpoint, EndpointEvent, NetEvent, Output, ReadOrder, StreamedLayers, WriteOrder,
@@ -228,6 +231,7 @@ pub struct TransportDriver<T: Transport> {
     notifications: Vec<Notification>,
     stats: TransportStats,
     streams: streams::Streams,
+    observer: Option<Box<dyn TransferObserver>>,
 }
 
 impl<T: Transport + std::fmt::Debug> std::fmt::Debug for TransportDriver<T> {
@@ -257,6 +261,34 @@ impl<T: Transport> TransportDriver<T> {
             notifications: Vec::new(),
             stats: TransportStats::default(),
             streams: streams::Streams::default(),
+            observer: None,
+        }
+    }
+
+    /// Tells `observer` about every transfer from now on (see [`TransferObserver`]).
+    pub fn set_observer(&mut self, observer: Box<dyn TransferObserver>) {
+        self.observer = Some(observer);
+    }
+
+    fn observe(&mut self, f: impl FnOnce(&mut dyn TransferObserver)) {
+        if let Some(observer) = self.observer.as_deref_mut() {
+            f(observer);
+        }
+    }
+
+    /// Tells the observer that the transfer an end event names has ended (an id it never saw
+    /// posted, such as a refused post's, it ignores).
+    fn observe_end(&mut self, end: Option<&NetEvent>) {
+        match end {
+            Some(NetEvent::WriteCompleted { write }) => {
+                let write = *write;
+                self.observe(|o| o.ended(write, true));
+            }
+            Some(NetEvent::WriteFailed { write, .. }) => {
+                let write = *write;
+                self.observe(|o| o.ended(write, false));
+            }
+            _ => {}
         }
     }
 
@@ -315,6 +347,7 @@ impl<T: Transport> TransportDriver<T> {
                 if let Err(error) = self.transport.send_notification(&to, bytes) {
                     tracing::debug!(peer = %to, %error, "notification not sent");
                     self.stats.send_failures += 1;
+                    self.observe(|o| o.notification_failed(&error));
                     if matches!(
                         error,
                         TransportError::PeerUnreachable { .. }
@@ -330,11 +363,14 @@ impl<T: Transport> TransportDriver<T> {
             }),
             TransportOp::ExtendWrite { write, from, to } => {
                 tracing::trace!(%write, from, to, "write part");
-                feed.extend(self.streams.extend(&mut self.transport, write, to));
+                let end = self.streams.extend(&mut self.transport, write, to);
+                self.observe_end(end.as_ref());
+                feed.extend(end);
             }
             TransportOp::PostRead(order) => feed.extend(self.post_read(&order)),
             TransportOp::Abandon(write) => {
                 if let Some(end) = self.streams.abandon(&mut self.transport, write) {
+                    self.observe_end(end.as_ref());
                     feed.extend(end);
                 } else {
                     self.abandon(write, feed);
@@ -386,7 +422,15 @@ impl<T: Transport> TransportDriver<T> {
             notification: &order.notification,
             posted: stream.posted,
         };
-        self.streams.start(&mut self.transport, start, by_layer)
+        // The whole layer-wise write is one transfer: its post is its first layers' post.
+        self.observe(|o| o.posting());
+        let end = self.streams.start(&mut self.transport, start, by_layer);
+        // An end straight from the start is a post that failed: nothing to time.
+        if end.is_none() {
+            let write = order.write;
+            self.observe(|o| o.posted(write, summary.0, summary.1));
+        }
+        end
     }
 
     /// The planned descriptors by the layer of the local region each reads, if every one lies
@@ -455,8 +499,11 @@ impl<T: Transport> TransportDriver<T> {
         let Some(summary) = self.plan(transfer) else {
             return failed;
         };
+        self.observe(|o| o.posting());
         match post(&mut self.transport, &self.descriptors) {
             Ok(()) => {
+                let id = transfer.id;
+                self.observe(|o| o.posted(id, summary.0, summary.1));
                 self.stats.posted += 1;
                 self.stats.descriptors += summary.0 as u64;
                 self.stats.bytes += summary.1;
@@ -527,12 +574,18 @@ impl<T: Transport> TransportDriver<T> {
     /// Collects what the transport reports (write ends, notifications) into `feed`.
     pub fn poll(&mut self, feed: &mut Vec<NetEvent>) {
         self.transport.poll_completions(&mut self.completions);
-        for completion in self.completions.drain(..) {
+        // Taken out (and put back, its capacity kept) so that the observer may be told of each.
+        let mut completions = std::mem::take(&mut self.completions);
+        for completion in completions.drain(..) {
             if self.streams.owns_part(completion.write) {
                 let ok = completion.result.is_ok();
-                feed.extend(self.streams.part_ended(completion.write, ok));
+                let end = self.streams.part_ended(completion.write, ok);
+                self.observe_end(end.as_ref());
+                feed.extend(end);
                 continue;
             }
+            let (write, ok) = (completion.write, completion.result.is_ok());
+            self.observe(|o| o.ended(write, ok));
             feed.push(match completion.result {
                 Ok(()) => NetEvent::WriteCompleted {
                     write: completion.write,
@@ -546,6 +599,7 @@ impl<T: Transport> TransportDriver<T> {
                 }
             });
         }
+        self.completions = completions;
         self.transport.poll_notifications(&mut self.notifications);
         for note in self.notifications.drain(..) {
             let Some(from) = note.peer else {

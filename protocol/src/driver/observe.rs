@@ -1,0 +1,36 @@
+//! [`TransferObserver`]: what a shell learns about each transfer as the driver posts and ends
+//! it, for per-transfer metrics (time, bytes, descriptors) and failed notifications.
+//!
+//! The driver never reads a clock: it calls the observer at the moments that matter, and the
+//! shell's observer reads its own (the actor's `Instant`), so that this crate stays free of
+//! time and the tests can drive the driver without one.
+
+use crate::transport::TransportError;
+use crate::WriteId;
+
+/// Told by a [`TransportDriver`](super::TransportDriver) about each transfer (a write, a
+/// layer-wise write as a whole, or a read). Every method defaults to nothing; the calls are
+/// made on the driver's thread, in order: `posting`, then `posted` (the post succeeded) or
+/// nothing more (it failed, and the transfer's `WriteFailed(PostFailed)` goes to the endpoint),
+/// then `ended` once.
+pub trait TransferObserver: Send {
+    /// The transport's post call for a transfer starts now (planning is done).
+    fn posting(&mut self) {}
+
+    /// The post of `id` returned successfully: `descriptors` descriptors of `bytes` bytes in
+    /// all are in flight.
+    fn posted(&mut self, id: WriteId, descriptors: usize, bytes: u64) {
+        let _ = (id, descriptors, bytes);
+    }
+
+    /// The transfer `id` ended: the transport reported it complete (`ok`) or failed. Called
+    /// once per posted transfer (a layer-wise write once, when its last part ends).
+    fn ended(&mut self, id: WriteId, ok: bool) {
+        let _ = (id, ok);
+    }
+
+    /// A notification (a control message) could not be sent.
+    fn notification_failed(&mut self, error: &TransportError) {
+        let _ = error;
+    }
+}
