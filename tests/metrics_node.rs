@@ -333,6 +333,15 @@ fn a_scrape_during_and_after_a_two_process_run_matches_the_reports() {
     );
     let xfer_secs = pm["kvhandoff_xfer_time_seconds_sum"];
     assert!(xfer_secs > 0.0 && xfer_secs < 60.0 * writes as f64, "{all}");
+    // For the log (docs/benchmarks.md quotes a run): what the histograms say of this run.
+    eprintln!(
+        "P's transfers: {writes}, mean post {:.1} µs, mean post-to-completion {:.3} ms, mean \
+         {:.0} bytes in {:.1} descriptors",
+        pm["kvhandoff_post_time_seconds_sum"] / writes as f64 * 1e6,
+        xfer_secs / writes as f64 * 1e3,
+        pm["kvhandoff_bytes_transferred_sum"] / writes as f64,
+        pm["kvhandoff_num_descriptors_sum"] / writes as f64,
+    );
     let sum_of = |m: &BTreeMap<String, f64>, family: &str| -> u64 {
         m.iter()
             .filter(|(k, _)| k.starts_with(&format!("{family}{{")))

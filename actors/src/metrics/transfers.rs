@@ -79,8 +79,8 @@ impl Histograms {
         Ok(Histograms {
             xfer_time: histogram(
                 "kvhandoff_xfer_time_seconds",
-                "Time from the post of each transfer (write or read) to its completion, for \
-                 transfers that completed (vllm:nixl_xfer_time_seconds).",
+                "Time from the start of each transfer's post call to its completion (the post \
+                 included), for transfers that completed (vllm:nixl_xfer_time_seconds).",
                 &XFER_TIME_BUCKETS,
             )?,
             post_time: histogram(
@@ -225,7 +225,7 @@ pub(crate) fn observe_handshake(took: Duration) {
 #[derive(Debug)]
 pub(crate) struct TransferClock {
     posting: Option<Instant>,
-    /// Transfers posted and not ended: when posted, bytes, descriptors.
+    /// Transfers posted and not ended: when their post call started, bytes, descriptors.
     in_flight: HashMap<WriteId, (Instant, u64, usize)>,
 }
 
@@ -246,11 +246,14 @@ impl TransferObserver for TransferClock {
 
     fn posted(&mut self, id: WriteId, descriptors: usize, bytes: u64) {
         let now = Instant::now();
-        if let (Some(start), Some(h)) = (self.posting.take(), HISTOGRAMS.as_ref()) {
+        // As NIXL's telemetry, which vLLM reads: a transfer's time runs from the start of its
+        // post call, so it includes the post.
+        let start = self.posting.take().unwrap_or(now);
+        if let Some(h) = HISTOGRAMS.as_ref() {
             h.post_time.observe(now.duration_since(start).as_secs_f64());
         }
         if self.in_flight.len() < MAX_TIMED {
-            self.in_flight.insert(id, (now, bytes, descriptors));
+            self.in_flight.insert(id, (start, bytes, descriptors));
         }
     }
 
@@ -420,6 +423,16 @@ mod tests {
         assert!(after.num_descriptors.sum >= before.num_descriptors.sum + 3.0);
         assert!(after.bytes_transferred.sum - before.bytes_transferred.sum < (1u64 << 40) as f64);
         assert!(clock.in_flight.is_empty());
+    }
+
+    #[test]
+    fn a_transfers_time_includes_its_post() {
+        let mut clock = TransferClock::new();
+        clock.posting();
+        std::thread::sleep(Duration::from_millis(20));
+        clock.posted(WriteId(11), 1, 1);
+        let (start, _, _) = clock.in_flight[&WriteId(11)];
+        assert!(start.elapsed() >= Duration::from_millis(20));
     }
 
     #[test]
