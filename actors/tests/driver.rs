@@ -473,18 +473,23 @@ fn the_observer_sees_each_transfer_posted_and_ended_once() {
             Seen::Ended(5, true)
         ]
     );
-    // A notification the transport cannot send.
+    // A notification the transport cannot send; a heartbeat's failure is not one (as vLLM).
     let stranger = PeerAddr::new(EngineId::new("stranger").unwrap(), 0);
     let heartbeat = Message::Heartbeat(kvhandoff_protocol::Heartbeat {
         engine: p.info.peer.engine.clone(),
         leases: vec![],
     });
-    perform(
-        &mut p,
-        TransportOp::Send {
-            to: stranger,
-            message: heartbeat,
-        },
-    );
+    let send = |message: Message| TransportOp::Send {
+        to: stranger.clone(),
+        message,
+    };
+    perform(&mut p, send(heartbeat));
+    assert_eq!(seen.take(), vec![]);
+    perform(&mut p, send(order(6, &to).notification));
     assert_eq!(seen.take(), vec![Seen::NotificationFailed]);
+    assert_eq!(
+        p.driver.stats().send_failures,
+        2,
+        "both counted by the driver"
+    );
 }

@@ -347,7 +347,11 @@ impl<T: Transport> TransportDriver<T> {
                 if let Err(error) = self.transport.send_notification(&to, bytes) {
                     tracing::debug!(peer = %to, %error, "notification not sent");
                     self.stats.send_failures += 1;
-                    self.observe(|o| o.notification_failed(&error));
+                    // As vLLM: a heartbeat that could not be sent is not a failed notification
+                    // (the peer's liveness deadline covers it).
+                    if !matches!(message, Message::Heartbeat(_)) {
+                        self.observe(|o| o.notification_failed(&error));
+                    }
                     if matches!(
                         error,
                         TransportError::PeerUnreachable { .. }

@@ -29,7 +29,7 @@ pub trait TransferObserver: Send {
         let _ = (id, ok);
     }
 
-    /// A notification (a control message) could not be sent.
+    /// A notification (a control message other than a heartbeat) could not be sent.
     fn notification_failed(&mut self, error: &TransportError) {
         let _ = error;
     }
