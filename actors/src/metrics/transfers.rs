@@ -61,6 +61,10 @@ pub const HANDSHAKE_TIME_BUCKETS: [f64; 12] = [
 /// Transfers whose post time the clock remembers at once, at most (a bound on its table, far
 /// above the endpoint's own bounds on transfers in flight): one beyond it is not timed.
 const MAX_TIMED: usize = 1 << 16;
+/// An entry older than this when the table is full is dropped: its transfer's end was never
+/// reported (a transport that forgets an invalidated peer's transfers), and every transfer
+/// ends or is abandoned long before (`max_write_life` is seconds).
+const STALE: Duration = Duration::from_secs(600);
 
 struct Histograms {
     xfer_time: Histogram,
@@ -252,6 +256,11 @@ impl TransferObserver for TransferClock {
         if let Some(h) = HISTOGRAMS.as_ref() {
             h.post_time.observe(now.duration_since(start).as_secs_f64());
         }
+        if self.in_flight.len() >= MAX_TIMED {
+            // Only when full, so the sweep's cost is spread over 64 Ki transfers.
+            self.in_flight
+                .retain(|_, (posted, _, _)| now.duration_since(*posted) < STALE);
+        }
         if self.in_flight.len() < MAX_TIMED {
             self.in_flight.insert(id, (start, bytes, descriptors));
         }
@@ -423,6 +432,21 @@ mod tests {
         assert!(after.num_descriptors.sum >= before.num_descriptors.sum + 3.0);
         assert!(after.bytes_transferred.sum - before.bytes_transferred.sum < (1u64 << 40) as f64);
         assert!(clock.in_flight.is_empty());
+    }
+
+    #[test]
+    fn a_full_table_drops_the_transfers_whose_end_never_came() {
+        let mut clock = TransferClock::new();
+        let Some(long_ago) = Instant::now().checked_sub(STALE * 2) else {
+            return; // The machine has not been up that long: nothing can be that old.
+        };
+        for i in 0..MAX_TIMED as u64 {
+            clock.in_flight.insert(WriteId(i), (long_ago, 1, 1));
+        }
+        clock.posting();
+        clock.posted(WriteId(u64::MAX), 1, 1);
+        assert_eq!(clock.in_flight.len(), 1, "the stale entries made room");
+        assert!(clock.in_flight.contains_key(&WriteId(u64::MAX)));
     }
 
     #[test]
