@@ -22,13 +22,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 mod observe;
+mod routing;
 mod streams;
 
 pub use observe::TransferObserver;
+pub use routing::{connected_input, handshake_step, route, HandshakeStep, Routed};
 
-use crate::machine::{
-    Endpoint, EndpointEvent, NetEvent, Output, ReadOrder, StreamedLayers, WriteOrder,
-};
+use crate::machine::{NetEvent, ReadOrder, StreamedLayers, WriteOrder};
 use crate::planner::{PlanInput, Planner};
 use crate::transport::{Completion, Descriptor, Notification, Transport, TransportError};
 use crate::{
@@ -268,28 +268,6 @@ impl<T: Transport> TransportDriver<T> {
     /// Tells `observer` about every transfer from now on (see [`TransferObserver`]).
     pub fn set_observer(&mut self, observer: Box<dyn TransferObserver>) {
         self.observer = Some(observer);
-    }
-
-    fn observe(&mut self, f: impl FnOnce(&mut dyn TransferObserver)) {
-        if let Some(observer) = self.observer.as_deref_mut() {
-            f(observer);
-        }
-    }
-
-    /// Tells the observer that the transfer an end event names has ended (an id it never saw
-    /// posted, such as a refused post's, it ignores).
-    fn observe_end(&mut self, end: Option<&NetEvent>) {
-        match end {
-            Some(NetEvent::WriteCompleted { write }) => {
-                let write = *write;
-                self.observe(|o| o.ended(write, true));
-            }
-            Some(NetEvent::WriteFailed { write, .. }) => {
-                let write = *write;
-                self.observe(|o| o.ended(write, false));
-            }
-            _ => {}
-        }
     }
 
     /// Places every transfer with `route` instead of the equal-geometry planner (see
@@ -644,72 +622,5 @@ impl<'a> Transfer<'a> {
             local: &order.local,
             remote: &order.remote,
         }
-    }
-}
-
-/// Where a shell sends one endpoint output.
-#[derive(Debug)]
-pub enum Routed {
-    /// To the transport's driver ([`TransportDriver::perform`]).
-    Transport(TransportOp),
-    /// To the link: start a handshake with the peer.
-    Connect(PeerAddr),
-    /// To the engine.
-    Event(EndpointEvent),
-}
-
-/// Routes one endpoint output (the one mapping every shell uses).
-pub fn route(output: Output) -> Routed {
-    match output {
-        Output::Send { to, message } => Routed::Transport(TransportOp::Send { to, message }),
-        Output::PostWrite(order) => Routed::Transport(TransportOp::PostWrite(order)),
-        Output::ExtendWrite { write, from, to } => {
-            Routed::Transport(TransportOp::ExtendWrite { write, from, to })
-        }
-        Output::PostRead(order) => Routed::Transport(TransportOp::PostRead(order)),
-        Output::AbandonWrite { write } => Routed::Transport(TransportOp::Abandon(write)),
-        Output::Invalidate { peer } => Routed::Transport(TransportOp::Invalidate(peer)),
-        Output::Connect { peer } => Routed::Connect(peer),
-        Output::Event(event) => Routed::Event(event),
-    }
-}
-
-/// What a finished handshake means for a rank whose endpoint is `endpoint`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HandshakeStep {
-    /// It repeats the incarnation the endpoint is connected to: feed this event and nothing
-    /// else (reloading the peer would cut the live connection).
-    Repeat(NetEvent),
-    /// A new peer or a new incarnation: load the peer into the transport first, then feed
-    /// [`connected_input`] with the load's result.
-    Load,
-}
-
-/// Decides what a handshake from `peer` means (see [`HandshakeStep`]).
-pub fn handshake_step(endpoint: &Endpoint, peer: &PeerInfo) -> HandshakeStep {
-    if endpoint.connected_incarnation(&peer.peer) == Some(peer.incarnation) {
-        HandshakeStep::Repeat(NetEvent::PeerConnected {
-            peer: peer.peer.clone(),
-            incarnation: peer.incarnation,
-        })
-    } else {
-        HandshakeStep::Load
-    }
-}
-
-/// The event that reports a handshake whose load into the transport ended with `loaded`.
-pub fn connected_input(
-    peer: &PeerInfo,
-    loaded: &Result<(), crate::machine::ConnectFailure>,
-) -> NetEvent {
-    match loaded {
-        Ok(()) => NetEvent::PeerConnected {
-            peer: peer.peer.clone(),
-            incarnation: peer.incarnation,
-        },
-        Err(reason) => NetEvent::PeerConnectFailed {
-            peer: peer.peer.clone(),
-            reason: reason.clone(),
-        },
     }
 }

@@ -5,8 +5,11 @@
 //! shell's observer reads its own (the actor's `Instant`), so that this crate stays free of
 //! time and the tests can drive the driver without one.
 
-use crate::transport::TransportError;
+use crate::machine::NetEvent;
+use crate::transport::{Transport, TransportError};
 use crate::WriteId;
+
+use super::TransportDriver;
 
 /// Told by a [`TransportDriver`](super::TransportDriver) about each transfer (a write, a
 /// layer-wise write as a whole, or a read). Every method defaults to nothing; the calls are
@@ -32,5 +35,29 @@ pub trait TransferObserver: Send {
     /// A notification (a control message other than a heartbeat) could not be sent.
     fn notification_failed(&mut self, error: &TransportError) {
         let _ = error;
+    }
+}
+
+impl<T: Transport> TransportDriver<T> {
+    pub(super) fn observe(&mut self, f: impl FnOnce(&mut dyn TransferObserver)) {
+        if let Some(observer) = self.observer.as_deref_mut() {
+            f(observer);
+        }
+    }
+
+    /// Tells the observer that the transfer an end event names has ended (an id it never saw
+    /// posted, such as a refused post's, it ignores).
+    pub(super) fn observe_end(&mut self, end: Option<&NetEvent>) {
+        match end {
+            Some(NetEvent::WriteCompleted { write }) => {
+                let write = *write;
+                self.observe(|o| o.ended(write, true));
+            }
+            Some(NetEvent::WriteFailed { write, .. }) => {
+                let write = *write;
+                self.observe(|o| o.ended(write, false));
+            }
+            _ => {}
+        }
     }
 }
