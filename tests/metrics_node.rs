@@ -125,7 +125,18 @@ fn n(v: &Value) -> u64 {
 }
 
 /// The names every scrape shows, whatever the node's role.
-const NAMES: [&str; 12] = [
+const NAMES: [&str; 23] = [
+    "kvhandoff_xfer_time_seconds",
+    "kvhandoff_post_time_seconds",
+    "kvhandoff_bytes_transferred",
+    "kvhandoff_num_descriptors",
+    "kvhandoff_handshake_time_seconds",
+    "kvhandoff_num_failed_transfers_total",
+    "kvhandoff_num_failed_notifications_total",
+    "kvhandoff_requests_by_proof_total",
+    "kvhandoff_side_channel_rejections_total",
+    "kvhandoff_blocks_quarantined",
+    "kvhandoff_peers",
     "kvhandoff_requests_total",
     "kvhandoff_bytes_transferred_total",
     "kvhandoff_calls_refused_late_total",
@@ -284,4 +295,113 @@ fn a_scrape_during_and_after_a_two_process_run_matches_the_reports() {
     }
     // D's and P's bytes agree with each other too: what P sent is what D received.
     assert_eq!(bytes(&pm, "sent"), bytes(&dm, "received"), "{all}");
+
+    // The per-transfer histograms: P posted every write (push), and each completed, so each
+    // was timed and sized once, and their bytes are the report's; D posted nothing.
+    let writes = get(&pm, "kvhandoff_writes_posted_total", &all);
+    for family in [
+        "kvhandoff_xfer_time_seconds",
+        "kvhandoff_post_time_seconds",
+        "kvhandoff_bytes_transferred",
+        "kvhandoff_num_descriptors",
+    ] {
+        assert_eq!(
+            get(&pm, &format!("{family}_count"), &all),
+            writes,
+            "{family}\n{all}"
+        );
+        assert_eq!(
+            get(&dm, &format!("{family}_count"), &all),
+            0,
+            "{family}\n{all}"
+        );
+        // The +Inf bucket holds every observation.
+        assert_eq!(
+            get(&pm, &format!("{family}_bucket{{le=\"+Inf\"}}"), &all),
+            writes,
+            "{family}\n{all}"
+        );
+    }
+    assert_eq!(
+        get(&pm, "kvhandoff_bytes_transferred_sum", &all),
+        n(&pv["bytes"]),
+        "{all}"
+    );
+    assert!(
+        get(&pm, "kvhandoff_num_descriptors_sum", &all) >= writes,
+        "{all}"
+    );
+    let xfer_secs = pm["kvhandoff_xfer_time_seconds_sum"];
+    assert!(xfer_secs > 0.0 && xfer_secs < 60.0 * writes as f64, "{all}");
+    // For the log (docs/benchmarks.md quotes a run): what the histograms say of this run.
+    eprintln!(
+        "P's transfers: {writes}, mean post {:.1} µs, mean post-to-completion {:.3} ms, mean \
+         {:.0} bytes in {:.1} descriptors",
+        pm["kvhandoff_post_time_seconds_sum"] / writes as f64 * 1e6,
+        xfer_secs / writes as f64 * 1e3,
+        pm["kvhandoff_bytes_transferred_sum"] / writes as f64,
+        pm["kvhandoff_num_descriptors_sum"] / writes as f64,
+    );
+    let sum_of = |m: &BTreeMap<String, f64>, family: &str| -> u64 {
+        m.iter()
+            .filter(|(k, _)| k.starts_with(&format!("{family}{{")))
+            .map(|(_, v)| *v as u64)
+            .sum()
+    };
+    // The side channel: every handshake P's link completed was timed, and every connection it
+    // rejected (D's readiness probes, closed before a byte) is counted by its reason, as P's
+    // report says (D's report has no link summary: D dialled, so it timed one at least).
+    let link = &pv["link"];
+    assert_eq!(
+        get(&pm, "kvhandoff_handshake_time_seconds_count", &all),
+        n(&link["incoming_ok"]) + n(&link["outgoing_ok"]),
+        "{all}"
+    );
+    assert!(n(&link["incoming_ok"]) >= 1, "{all}");
+    assert!(
+        get(&dm, "kvhandoff_handshake_time_seconds_count", &all) >= 1,
+        "{all}"
+    );
+    assert_eq!(
+        sum_of(&pm, "kvhandoff_side_channel_rejections_total"),
+        n(&link["rejected"]),
+        "{all}"
+    );
+    for m in [&dm, &pm] {
+        assert_eq!(
+            sum_of(m, "kvhandoff_side_channel_rejections_total"),
+            get(
+                m,
+                "kvhandoff_side_channel_rejections_total{reason=\"closed\"}",
+                &all
+            ),
+            "only probes were rejected\n{all}"
+        );
+    }
+    // No failure of any cause on either side, and D's failures by proof are its failures.
+    for m in [&dm, &pm] {
+        for family in [
+            "kvhandoff_num_failed_transfers_total",
+            "kvhandoff_num_failed_notifications_total",
+        ] {
+            assert_eq!(sum_of(m, family), 0, "{family}\n{all}");
+        }
+        for key in [
+            "kvhandoff_num_failed_transfers_total{cause=\"peer_dead\"}",
+            "kvhandoff_num_failed_notifications_total{cause=\"peer_unreachable\"}",
+            "kvhandoff_side_channel_rejections_total{reason=\"bad_magic\"}",
+            "kvhandoff_peers{state=\"connected\"}",
+            "kvhandoff_requests_by_proof_total{outcome=\"failed\",proof=\"dead_peer_fence\",side=\"receiving\"}",
+        ] {
+            assert!(m.contains_key(key), "{key}\n{all}");
+        }
+        // The ranks have ended: their gauges left with them.
+        assert_eq!(get(m, "kvhandoff_blocks_quarantined", &all), 0, "{all}");
+        assert_eq!(sum_of(m, "kvhandoff_peers"), 0, "{all}");
+    }
+    assert_eq!(
+        sum_of(&dm, "kvhandoff_requests_by_proof_total"),
+        receiving(&dm, "failed"),
+        "{all}"
+    );
 }

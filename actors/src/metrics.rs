@@ -7,14 +7,20 @@
 //! per logical block: what a handoff moved, on the side that sent it and on the side that got
 //! it alike (a push D posts nothing, yet receives).
 //!
-//! Besides these, each rank publishes its endpoint's counters ([`endpoint_snapshot`]), and
-//! both are rendered in the Prometheus text format by [`prometheus_text`] (served on
+//! Per transfer, the transport actor times each post and each transfer and records its bytes
+//! and descriptors, and every request that fails counts once by [`FailureCause`]
+//! ([`transfer_snapshot`]).
+//!
+//! Besides these, each rank publishes its endpoint's counters and gauges
+//! ([`endpoint_snapshot`]), and all are rendered in the Prometheus text format by [`prometheus_text`] (served on
 //! `/metrics` by [`MetricsServer`]; `kvhandoff node --metrics-addr`). The metric names, and
 //! which counter each reads, are listed in docs/operations.md.
 
 mod endpoint;
 mod exposition;
 pub mod http;
+mod taxonomy;
+mod transfers;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,9 +28,16 @@ use std::sync::Arc;
 pub use endpoint::{endpoint_snapshot, EndpointMetrics};
 pub use exposition::{prometheus_text, registry, CONTENT_TYPE};
 pub use http::{MetricsServer, MetricsServerError};
+pub use taxonomy::FailureCause;
+pub(crate) use transfers::{count_rejection, observe_handshake, TransferClock};
+pub use transfers::{
+    free_proof_label, read_proof_label, transfer_snapshot, HistogramSnapshot, TransferMetrics,
+    BYTES_BUCKETS, DESCRIPTOR_BUCKETS, HANDSHAKE_TIME_BUCKETS, POST_TIME_BUCKETS,
+    XFER_TIME_BUCKETS,
+};
 
 use kvhandoff_protocol::machine::{
-    Counters as EndpointCounters, ExportEnd, ExportOutcome, ImportOutcome, ReleaseCause,
+    Counters as EndpointCounters, ExportEnd, ExportOutcome, Gauges, ImportOutcome, ReleaseCause,
 };
 use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::BlockIds;
@@ -129,6 +142,12 @@ impl EventCounter {
         self.endpoint.publish(counters);
     }
 
+    /// Publishes the rank's gauges (blocks in quarantine, peers by state) for
+    /// [`endpoint_snapshot`].
+    pub(crate) fn publish_gauges(&self, gauges: Gauges) {
+        self.endpoint.publish_gauges(gauges);
+    }
+
     fn bytes_of(&self, blocks: &BlockIds) -> u64 {
         blocks
             .groups
@@ -150,7 +169,11 @@ impl EventCounter {
                 add(&c.bytes_received, self.bytes_of(blocks));
             }
             ConnectorEvent::DecodeFenced { .. } => add(&c.requests_fenced, 1),
-            ConnectorEvent::Failed { .. } => add(&c.requests_failed, 1),
+            ConnectorEvent::Failed { reason, proof, .. } => {
+                add(&c.requests_failed, 1);
+                transfers::count_failed_transfer(FailureCause::of_decode(*reason));
+                transfers::count_decode_failed(*proof);
+            }
             ConnectorEvent::Refused { .. } => add(&c.calls_refused_late, 1),
             ConnectorEvent::BlocksFree {
                 released, blocks, ..
@@ -164,20 +187,31 @@ impl EventCounter {
                     if matches!(cause, ReleaseCause::LeaseExpired) {
                         add(&c.requests_expired, 1);
                     }
+                    if let Some(failure) = FailureCause::of_release(*cause) {
+                        transfers::count_failed_transfer(failure);
+                    }
                 }
             },
             ConnectorEvent::ExportEnded {
-                outcome, blocks, ..
+                outcome,
+                proof,
+                blocks,
+                ..
             } => match outcome {
                 ExportOutcome::Read => {
                     add(&c.requests_sent, 1);
                     add(&c.bytes_sent, self.bytes_of(blocks));
+                    transfers::count_export_end(true, *proof);
                 }
                 ExportOutcome::Released(end) => {
                     add(&c.requests_released, 1);
                     if matches!(end, ExportEnd::LeaseExpired) {
                         add(&c.requests_expired, 1);
                     }
+                    if let Some(failure) = FailureCause::of_export(*end) {
+                        transfers::count_failed_transfer(failure);
+                    }
+                    transfers::count_export_end(false, *proof);
                 }
             },
             ConnectorEvent::Imported {
@@ -187,8 +221,14 @@ impl EventCounter {
                     add(&c.requests_ready, 1);
                     add(&c.bytes_received, self.bytes_of(blocks));
                 }
-                ImportOutcome::Recompute { .. } => add(&c.requests_recomputed, 1),
-                ImportOutcome::Failed(_) => add(&c.requests_failed, 1),
+                ImportOutcome::Recompute { failure, .. } => {
+                    add(&c.requests_recomputed, 1);
+                    transfers::count_failed_transfer(FailureCause::of_import(*failure));
+                }
+                ImportOutcome::Failed(failure) => {
+                    add(&c.requests_failed, 1);
+                    transfers::count_failed_transfer(FailureCause::of_import(*failure));
+                }
             },
         }
     }
@@ -213,5 +253,33 @@ mod tests {
         // Other tests of this binary may count at the same time: at least ours.
         assert!(after.requests_ready > before.requests_ready);
         assert!(after.bytes_received >= before.bytes_received + 310);
+    }
+
+    #[test]
+    fn a_failed_request_counts_once_by_cause_and_by_proof() {
+        use kvhandoff_protocol::machine::{DecodeFailure, FreeProof};
+        let counter = EventCounter::new(vec![1]);
+        let before = transfer_snapshot();
+        counter.count(&ConnectorEvent::Failed {
+            request: RequestId::new("r").unwrap(),
+            reason: DecodeFailure::HandshakeFailed,
+            proof: FreeProof::PeerQuiesced,
+            blocks: BlockIds::default(),
+        });
+        // A lease that ended with nobody reading is an expiry, not a failed transfer.
+        counter.count(&ConnectorEvent::BlocksFree {
+            request: RequestId::new("p").unwrap(),
+            released: Some(ReleaseCause::LeaseExpired),
+            blocks: BlockIds::default(),
+        });
+        let after = transfer_snapshot();
+        let cause = FailureCause::HandshakeFailed;
+        assert!(after.failed_transfers[&cause] > before.failed_transfers[&cause]);
+        let proof = FreeProof::PeerQuiesced;
+        assert!(after.decode_failed_by_proof[&proof] > before.decode_failed_by_proof[&proof]);
+        assert_eq!(
+            after.failed_transfers[&FailureCause::LeaseExpired],
+            before.failed_transfers[&FailureCause::LeaseExpired]
+        );
     }
 }

@@ -421,3 +421,130 @@ fn blocks_past_the_registered_regions_never_reach_the_transport() {
     assert!(perform(&mut p, TransportOp::PostWrite(Box::new(last))).is_empty());
     assert_eq!(posted(&mut p).0, before.0 + 1);
 }
+
+/// What the driver told its observer, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seen {
+    Posting,
+    Posted(u64, usize, u64),
+    Ended(u64, bool),
+    NotificationFailed,
+}
+
+#[derive(Clone, Default)]
+struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<Seen>>>);
+
+impl Recorder {
+    fn take(&self) -> Vec<Seen> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+}
+
+impl kvhandoff_protocol::driver::TransferObserver for Recorder {
+    fn posting(&mut self) {
+        self.0.lock().unwrap().push(Seen::Posting);
+    }
+    fn posted(&mut self, id: WriteId, descriptors: usize, bytes: u64) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(Seen::Posted(id.0, descriptors, bytes));
+    }
+    fn ended(&mut self, id: WriteId, ok: bool) {
+        self.0.lock().unwrap().push(Seen::Ended(id.0, ok));
+    }
+    fn notification_failed(&mut self, _: &kvhandoff_protocol::transport::TransportError) {
+        self.0.lock().unwrap().push(Seen::NotificationFailed);
+    }
+}
+
+/// The observer (the transport actor's per-transfer metrics) hears of each transfer posted,
+/// once, with its descriptors and bytes, and of its end; a post that fails is never `posted`.
+#[test]
+fn the_observer_sees_each_transfer_posted_and_ended_once() {
+    let fabric = MemFabric::new();
+    let (mut p, d) = (side(&fabric, "prefill"), side(&fabric, "decode"));
+    let seen = Recorder::default();
+    p.driver.set_observer(Box::new(seen.clone()));
+    let to = d.info.peer.clone();
+    // Not planned (the peer is not loaded): no post call, nothing posted.
+    assert_eq!(
+        perform(&mut p, TransportOp::PostWrite(Box::new(order(1, &to)))),
+        post_failed(1)
+    );
+    assert_eq!(seen.take(), vec![]);
+    p.driver.load_peer(d.info.clone()).unwrap();
+    // Refused by the transport: the post call ran, nothing was posted.
+    p.driver
+        .transport_mut()
+        .update_faults(|f| f.fail_next_posts = 1);
+    assert_eq!(
+        perform(&mut p, TransportOp::PostWrite(Box::new(order(2, &to)))),
+        post_failed(2)
+    );
+    assert_eq!(seen.take(), vec![Seen::Posting]);
+    // A good write, then one that fails in flight.
+    assert!(perform(&mut p, TransportOp::PostWrite(Box::new(order(3, &to)))).is_empty());
+    poll(&mut p);
+    let good = seen.take();
+    let [Seen::Posting, Seen::Posted(3, descriptors, bytes), Seen::Ended(3, true)] = good[..]
+    else {
+        panic!("{good:?}");
+    };
+    let stats = p.driver.stats();
+    assert_eq!(
+        (descriptors as u64, bytes),
+        (stats.descriptors, stats.bytes)
+    );
+    assert!(descriptors > 0 && bytes > 0);
+    p.driver
+        .transport_mut()
+        .update_faults(|f| f.fail_next_transfers = 1);
+    assert!(perform(&mut p, TransportOp::PostWrite(Box::new(order(4, &to)))).is_empty());
+    poll(&mut p);
+    assert_eq!(
+        seen.take(),
+        vec![
+            Seen::Posting,
+            Seen::Posted(4, descriptors, bytes),
+            Seen::Ended(4, false)
+        ]
+    );
+    // A layer-wise write is one transfer, ended when its last part ends.
+    assert!(perform(&mut p, streamed(5, &to, 2, 1)).is_empty());
+    poll(&mut p);
+    let extend = TransportOp::ExtendWrite {
+        write: WriteId(5),
+        from: 1,
+        to: 2,
+    };
+    assert!(perform(&mut p, extend).is_empty());
+    poll(&mut p);
+    assert_eq!(
+        seen.take(),
+        vec![
+            Seen::Posting,
+            Seen::Posted(5, descriptors, bytes),
+            Seen::Ended(5, true)
+        ]
+    );
+    // A notification the transport cannot send; a heartbeat's failure is not one (as vLLM).
+    let stranger = PeerAddr::new(EngineId::new("stranger").unwrap(), 0);
+    let heartbeat = Message::Heartbeat(kvhandoff_protocol::Heartbeat {
+        engine: p.info.peer.engine.clone(),
+        leases: vec![],
+    });
+    let send = |message: Message| TransportOp::Send {
+        to: stranger.clone(),
+        message,
+    };
+    perform(&mut p, send(heartbeat));
+    assert_eq!(seen.take(), vec![]);
+    perform(&mut p, send(order(6, &to).notification));
+    assert_eq!(seen.take(), vec![Seen::NotificationFailed]);
+    assert_eq!(
+        p.driver.stats().send_failures,
+        2,
+        "both counted by the driver"
+    );
+}

@@ -427,6 +427,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
     let timeout = quick().io_timeout;
     for (i, (what, bytes, half_close, reason)) in cases.iter().enumerate() {
         let before = stats(&p).await;
+        let published = kvhandoff_actors::metrics::transfer_snapshot().side_channel_rejections;
         let (got, took) = probe(p.addr, bytes, *half_close).await;
         assert!(
             got.is_empty(),
@@ -439,6 +440,9 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
             "{what}: counted as {reason:?}; {after:?}"
         );
         assert_eq!(after.total_rejected(), i as u64 + 1, "{what}: {after:?}");
+        // Published process-wide for `/metrics` too (other tests of this binary may add).
+        let now = kvhandoff_actors::metrics::transfer_snapshot().side_channel_rejections;
+        assert!(now[reason] > published[reason], "{what}: not published");
         assert_eq!(after.incoming_ok, 0, "{what}");
         if *reason == RejectReason::TimedOut {
             assert!(

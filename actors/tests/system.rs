@@ -6,6 +6,7 @@ use fixture::{call, fill, geometry, model, wrong_bytes};
 
 use std::time::Duration;
 
+use kvhandoff_actors::metrics;
 use kvhandoff_actors::system::{
     build_mem_rank, start_rank, Directory, Handshaker, KvPool, RankHandle, ShellConfig,
 };
@@ -76,6 +77,7 @@ async fn both_races_deliver_every_byte() {
     let directory = Directory::new();
     let mut p = start(&fabric, &directory, "prefill");
     let mut d = start(&fabric, &directory, "decode");
+    let before = metrics::transfer_snapshot();
 
     // D registers first: D allocates, then P finishes later.
     let d_blocks = vec![3, 4, 5];
@@ -142,6 +144,16 @@ async fn both_races_deliver_every_byte() {
         matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{event:?}"
     );
+
+    // Each write was timed and sized once by P's transport actor (other tests of this binary
+    // may add theirs), and the ranks publish their peers: each sees the other connected.
+    let after = metrics::transfer_snapshot();
+    assert!(after.xfer_time_seconds.count >= before.xfer_time_seconds.count + 2);
+    assert!(after.post_time_seconds.count >= before.post_time_seconds.count + 2);
+    assert!(after.num_descriptors.count >= before.num_descriptors.count + 2);
+    assert!(after.bytes_transferred.sum > before.bytes_transferred.sum);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(metrics::endpoint_snapshot().peers_connected >= 2);
 }
 
 #[actix_rt::test]
@@ -184,6 +196,7 @@ async fn d_fails_with_a_typed_outcome_when_p_is_missing() {
     let fabric = MemFabric::new();
     let directory = Directory::new();
     let mut d = start(&fabric, &directory, "decode");
+    let before = metrics::transfer_snapshot();
     // No P rank exists: the handshake fails and D hands its blocks back at once.
     call(
         &d.handle,
@@ -203,4 +216,10 @@ async fn d_fails_with_a_typed_outcome_when_p_is_missing() {
         ),
         "{event:?}"
     );
+    // Counted once by its cause and by its proof (other tests of this binary may add).
+    let after = metrics::transfer_snapshot();
+    let cause = metrics::FailureCause::HandshakeFailed;
+    assert!(after.failed_transfers[&cause] > before.failed_transfers[&cause]);
+    let proof = FreeProof::NeverExposed;
+    assert!(after.decode_failed_by_proof[&proof] > before.decode_failed_by_proof[&proof]);
 }

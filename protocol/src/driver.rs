@@ -21,11 +21,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+mod observe;
+mod routing;
 mod streams;
 
-use crate::machine::{
-    Endpoint, EndpointEvent, NetEvent, Output, ReadOrder, StreamedLayers, WriteOrder,
-};
+pub use observe::TransferObserver;
+pub use routing::{connected_input, handshake_step, route, HandshakeStep, Routed};
+
+use crate::machine::{NetEvent, ReadOrder, StreamedLayers, WriteOrder};
 use crate::planner::{PlanInput, Planner};
 use crate::transport::{Completion, Descriptor, Notification, Transport, TransportError};
 use crate::{
@@ -228,6 +231,7 @@ pub struct TransportDriver<T: Transport> {
     notifications: Vec<Notification>,
     stats: TransportStats,
     streams: streams::Streams,
+    observer: Option<Box<dyn TransferObserver>>,
 }
 
 impl<T: Transport + std::fmt::Debug> std::fmt::Debug for TransportDriver<T> {
@@ -257,7 +261,13 @@ impl<T: Transport> TransportDriver<T> {
             notifications: Vec::new(),
             stats: TransportStats::default(),
             streams: streams::Streams::default(),
+            observer: None,
         }
+    }
+
+    /// Tells `observer` about every transfer from now on (see [`TransferObserver`]).
+    pub fn set_observer(&mut self, observer: Box<dyn TransferObserver>) {
+        self.observer = Some(observer);
     }
 
     /// Places every transfer with `route` instead of the equal-geometry planner (see
@@ -315,6 +325,11 @@ impl<T: Transport> TransportDriver<T> {
                 if let Err(error) = self.transport.send_notification(&to, bytes) {
                     tracing::debug!(peer = %to, %error, "notification not sent");
                     self.stats.send_failures += 1;
+                    // As vLLM: a heartbeat that could not be sent is not a failed notification
+                    // (the peer's liveness deadline covers it).
+                    if !matches!(message, Message::Heartbeat(_)) {
+                        self.observe(|o| o.notification_failed(&error));
+                    }
                     if matches!(
                         error,
                         TransportError::PeerUnreachable { .. }
@@ -330,11 +345,14 @@ impl<T: Transport> TransportDriver<T> {
             }),
             TransportOp::ExtendWrite { write, from, to } => {
                 tracing::trace!(%write, from, to, "write part");
-                feed.extend(self.streams.extend(&mut self.transport, write, to));
+                let end = self.streams.extend(&mut self.transport, write, to);
+                self.observe_end(end.as_ref());
+                feed.extend(end);
             }
             TransportOp::PostRead(order) => feed.extend(self.post_read(&order)),
             TransportOp::Abandon(write) => {
                 if let Some(end) = self.streams.abandon(&mut self.transport, write) {
+                    self.observe_end(end.as_ref());
                     feed.extend(end);
                 } else {
                     self.abandon(write, feed);
@@ -386,7 +404,15 @@ impl<T: Transport> TransportDriver<T> {
             notification: &order.notification,
             posted: stream.posted,
         };
-        self.streams.start(&mut self.transport, start, by_layer)
+        // The whole layer-wise write is one transfer: its post is its first layers' post.
+        self.observe(|o| o.posting());
+        let end = self.streams.start(&mut self.transport, start, by_layer);
+        // An end straight from the start is a post that failed: nothing to time.
+        if end.is_none() {
+            let write = order.write;
+            self.observe(|o| o.posted(write, summary.0, summary.1));
+        }
+        end
     }
 
     /// The planned descriptors by the layer of the local region each reads, if every one lies
@@ -455,8 +481,11 @@ impl<T: Transport> TransportDriver<T> {
         let Some(summary) = self.plan(transfer) else {
             return failed;
         };
+        self.observe(|o| o.posting());
         match post(&mut self.transport, &self.descriptors) {
             Ok(()) => {
+                let id = transfer.id;
+                self.observe(|o| o.posted(id, summary.0, summary.1));
                 self.stats.posted += 1;
                 self.stats.descriptors += summary.0 as u64;
                 self.stats.bytes += summary.1;
@@ -527,12 +556,18 @@ impl<T: Transport> TransportDriver<T> {
     /// Collects what the transport reports (write ends, notifications) into `feed`.
     pub fn poll(&mut self, feed: &mut Vec<NetEvent>) {
         self.transport.poll_completions(&mut self.completions);
-        for completion in self.completions.drain(..) {
+        // Taken out (and put back, its capacity kept) so that the observer may be told of each.
+        let mut completions = std::mem::take(&mut self.completions);
+        for completion in completions.drain(..) {
             if self.streams.owns_part(completion.write) {
                 let ok = completion.result.is_ok();
-                feed.extend(self.streams.part_ended(completion.write, ok));
+                let end = self.streams.part_ended(completion.write, ok);
+                self.observe_end(end.as_ref());
+                feed.extend(end);
                 continue;
             }
+            let (write, ok) = (completion.write, completion.result.is_ok());
+            self.observe(|o| o.ended(write, ok));
             feed.push(match completion.result {
                 Ok(()) => NetEvent::WriteCompleted {
                     write: completion.write,
@@ -546,6 +581,7 @@ impl<T: Transport> TransportDriver<T> {
                 }
             });
         }
+        self.completions = completions;
         self.transport.poll_notifications(&mut self.notifications);
         for note in self.notifications.drain(..) {
             let Some(from) = note.peer else {
@@ -586,72 +622,5 @@ impl<'a> Transfer<'a> {
             local: &order.local,
             remote: &order.remote,
         }
-    }
-}
-
-/// Where a shell sends one endpoint output.
-#[derive(Debug)]
-pub enum Routed {
-    /// To the transport's driver ([`TransportDriver::perform`]).
-    Transport(TransportOp),
-    /// To the link: start a handshake with the peer.
-    Connect(PeerAddr),
-    /// To the engine.
-    Event(EndpointEvent),
-}
-
-/// Routes one endpoint output (the one mapping every shell uses).
-pub fn route(output: Output) -> Routed {
-    match output {
-        Output::Send { to, message } => Routed::Transport(TransportOp::Send { to, message }),
-        Output::PostWrite(order) => Routed::Transport(TransportOp::PostWrite(order)),
-        Output::ExtendWrite { write, from, to } => {
-            Routed::Transport(TransportOp::ExtendWrite { write, from, to })
-        }
-        Output::PostRead(order) => Routed::Transport(TransportOp::PostRead(order)),
-        Output::AbandonWrite { write } => Routed::Transport(TransportOp::Abandon(write)),
-        Output::Invalidate { peer } => Routed::Transport(TransportOp::Invalidate(peer)),
-        Output::Connect { peer } => Routed::Connect(peer),
-        Output::Event(event) => Routed::Event(event),
-    }
-}
-
-/// What a finished handshake means for a rank whose endpoint is `endpoint`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HandshakeStep {
-    /// It repeats the incarnation the endpoint is connected to: feed this event and nothing
-    /// else (reloading the peer would cut the live connection).
-    Repeat(NetEvent),
-    /// A new peer or a new incarnation: load the peer into the transport first, then feed
-    /// [`connected_input`] with the load's result.
-    Load,
-}
-
-/// Decides what a handshake from `peer` means (see [`HandshakeStep`]).
-pub fn handshake_step(endpoint: &Endpoint, peer: &PeerInfo) -> HandshakeStep {
-    if endpoint.connected_incarnation(&peer.peer) == Some(peer.incarnation) {
-        HandshakeStep::Repeat(NetEvent::PeerConnected {
-            peer: peer.peer.clone(),
-            incarnation: peer.incarnation,
-        })
-    } else {
-        HandshakeStep::Load
-    }
-}
-
-/// The event that reports a handshake whose load into the transport ended with `loaded`.
-pub fn connected_input(
-    peer: &PeerInfo,
-    loaded: &Result<(), crate::machine::ConnectFailure>,
-) -> NetEvent {
-    match loaded {
-        Ok(()) => NetEvent::PeerConnected {
-            peer: peer.peer.clone(),
-            incarnation: peer.incarnation,
-        },
-        Err(reason) => NetEvent::PeerConnectFailed {
-            peer: peer.peer.clone(),
-            reason: reason.clone(),
-        },
     }
 }

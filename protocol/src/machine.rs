@@ -32,6 +32,7 @@ mod tables;
 mod types;
 
 pub use config::{BlockPairing, Config, ConfigError};
+pub use counters::Gauges;
 pub use endpoint::{Endpoint, EndpointStats};
 pub use fan_in::{
     FanCounts, FanIn, FanInError, FanInStep, FanOutcome, FanSide, SubFailure, SubRequest,

@@ -11,11 +11,12 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvhandoff_protocol::machine::{Counters, DropReason};
+use kvhandoff_protocol::machine::{Counters, DropReason, Gauges};
 
 /// The endpoint counters of every rank this process has run, summed ([`endpoint_snapshot`]):
 /// the live ranks' figures as they last published them, plus the ended ranks' last figures.
-/// Every figure but [`EndpointMetrics::live_ranks`] only grows.
+/// Every figure but the gauges ([`EndpointMetrics::live_ranks`], the blocks in quarantine
+/// and the peers by state, summed over the live ranks only) only grows.
 ///
 /// ```
 /// // No rank runs in this process yet: nothing published, nothing counted.
@@ -27,6 +28,15 @@ use kvhandoff_protocol::machine::{Counters, DropReason};
 pub struct EndpointMetrics {
     /// Ranks running now (a gauge: it goes down when a rank ends).
     pub live_ranks: u64,
+    /// Logical blocks of the live ranks' D requests that wait for a proof or their
+    /// quarantine ([`Gauges::blocks_quarantined`]; a gauge, as each rank last published it).
+    pub blocks_quarantined: u64,
+    /// The live ranks' peers whose handshake is in progress (a gauge).
+    pub peers_connecting: u64,
+    /// The live ranks' connected peers (a gauge).
+    pub peers_connected: u64,
+    /// The live ranks' peers declared dead and still remembered (a gauge).
+    pub peers_dead: u64,
     /// Inputs from outside the rank that it ignored, by reason ([`Counters::dropped`]).
     pub dropped: BTreeMap<DropReason, u64>,
     /// [`Counters::writes_posted`].
@@ -68,6 +78,10 @@ pub struct EndpointMetrics {
 impl EndpointMetrics {
     const ZERO: EndpointMetrics = EndpointMetrics {
         live_ranks: 0,
+        blocks_quarantined: 0,
+        peers_connecting: 0,
+        peers_connected: 0,
+        peers_dead: 0,
         dropped: BTreeMap::new(),
         writes_posted: 0,
         writes_abandoned: 0,
@@ -87,6 +101,14 @@ impl EndpointMetrics {
         fence_frees: 0,
         stalls_past_allowance: 0,
     };
+
+    /// Adds one live rank's gauges.
+    fn add_gauges(&mut self, g: &Gauges) {
+        self.blocks_quarantined = self.blocks_quarantined.saturating_add(g.blocks_quarantined);
+        self.peers_connecting = self.peers_connecting.saturating_add(g.peers_connecting);
+        self.peers_connected = self.peers_connected.saturating_add(g.peers_connected);
+        self.peers_dead = self.peers_dead.saturating_add(g.peers_dead);
+    }
 
     /// Adds one rank's counters (not [`EndpointMetrics::live_ranks`]).
     fn add(&mut self, c: &Counters) {
@@ -125,8 +147,15 @@ impl EndpointMetrics {
 /// The live ranks' slots and the ended ranks' totals, behind one lock so that a rank's figures
 /// move from one to the other atomically with respect to a scrape.
 struct Published {
-    live: Vec<Arc<Mutex<Counters>>>,
+    live: Vec<Arc<Mutex<Slot>>>,
     retired: EndpointMetrics,
+}
+
+/// What one live rank last published.
+#[derive(Debug, Default)]
+struct Slot {
+    counters: Counters,
+    gauges: Gauges,
 }
 
 static PUBLISHED: Mutex<Published> = Mutex::new(Published {
@@ -146,7 +175,9 @@ pub fn endpoint_snapshot() -> EndpointMetrics {
     let published = lock(&PUBLISHED);
     let mut total = published.retired.clone();
     for slot in &published.live {
-        total.add(&lock(slot));
+        let slot = lock(slot);
+        total.add(&slot.counters);
+        total.add_gauges(&slot.gauges);
     }
     total.live_ranks = published.live.len() as u64;
     total
@@ -156,32 +187,36 @@ pub fn endpoint_snapshot() -> EndpointMetrics {
 /// last clone of its counter) is dropped.
 #[derive(Debug)]
 pub(crate) struct EndpointSlot {
-    counters: Arc<Mutex<Counters>>,
+    slot: Arc<Mutex<Slot>>,
 }
 
 impl EndpointSlot {
     pub(crate) fn register() -> EndpointSlot {
-        let counters = Arc::new(Mutex::new(Counters::default()));
-        lock(&PUBLISHED).live.push(counters.clone());
-        EndpointSlot { counters }
+        let slot = Arc::new(Mutex::new(Slot::default()));
+        lock(&PUBLISHED).live.push(slot.clone());
+        EndpointSlot { slot }
     }
 
     /// Copies `counters` into the slot if they changed since the last copy.
     pub(crate) fn publish(&self, counters: &Counters) {
-        let mut slot = lock(&self.counters);
-        if *slot != *counters {
-            slot.clone_from(counters);
+        let mut slot = lock(&self.slot);
+        if slot.counters != *counters {
+            slot.counters.clone_from(counters);
         }
+    }
+
+    /// Replaces the slot's gauges.
+    pub(crate) fn publish_gauges(&self, gauges: Gauges) {
+        lock(&self.slot).gauges = gauges;
     }
 }
 
 impl Drop for EndpointSlot {
     fn drop(&mut self) {
         let mut published = lock(&PUBLISHED);
-        published
-            .live
-            .retain(|slot| !Arc::ptr_eq(slot, &self.counters));
-        let last = lock(&self.counters).clone();
+        published.live.retain(|slot| !Arc::ptr_eq(slot, &self.slot));
+        // The counters stay in the totals; the gauges leave with the rank.
+        let last = lock(&self.slot).counters.clone();
         published.retired.add(&last);
     }
 }
@@ -207,5 +242,24 @@ mod tests {
         let after = endpoint_snapshot();
         assert!(after.stuck_writes >= before.stuck_writes + 3);
         assert!(after.dropped.get(&DropReason::Late).copied().unwrap_or(0) >= 2);
+    }
+
+    #[test]
+    fn a_ranks_gauges_count_while_it_lives_and_leave_with_it() {
+        // A figure no other test publishes: ours is told apart from theirs.
+        const MANY: u64 = 1 << 40;
+        let slot = EndpointSlot::register();
+        slot.publish_gauges(Gauges {
+            blocks_quarantined: MANY,
+            peers_connected: MANY,
+            ..Gauges::default()
+        });
+        let live = endpoint_snapshot();
+        assert!(live.blocks_quarantined >= MANY);
+        assert!(live.peers_connected >= MANY);
+        drop(slot);
+        let after = endpoint_snapshot();
+        assert!(after.blocks_quarantined < MANY, "{after:?}");
+        assert!(after.peers_connected < MANY, "{after:?}");
     }
 }

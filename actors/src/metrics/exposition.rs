@@ -10,11 +10,14 @@
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
 use kvhandoff_protocol::machine::DropReason;
 
-use super::{EndpointMetrics, ProcessMetrics};
+use super::transfers::{free_proof_label, read_proof_label};
+use super::{EndpointMetrics, ProcessMetrics, TransferMetrics};
 
 /// Every drop reason, so that each has its series from the start (at 0): a rate over a series
 /// that appears only on its first increment misses that increment.
@@ -158,13 +161,116 @@ fn plain_counters(
     ]
 }
 
-/// Builds every family from the two snapshots. Each call makes fresh metric objects: they are
+/// A gauge's value: figures above `i64::MAX` read as `i64::MAX`.
+fn gauge_value(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// The families of [`TransferMetrics`]' counters and the endpoint gauges (the histograms are the
+/// `prometheus` crate's own and collected as they are). Every series exists at 0.
+fn transfer_families(
+    t: &TransferMetrics,
+    e: &EndpointMetrics,
+    out: &mut Vec<Box<dyn Collector>>,
+) -> prometheus::Result<()> {
+    for (name, help, by_cause) in [
+        (
+            "kvhandoff_num_failed_transfers_total",
+            "Failed transfers by cause: each request whose KV did not move (counted once, on \
+             each side, at its final event), plus the failed notifications, as vLLM's \
+             vllm:nixl_num_failed_transfers counts them.",
+            &t.failed_transfers,
+        ),
+        (
+            "kvhandoff_num_failed_notifications_total",
+            "Notifications (control messages) the transport could not send, by cause \
+             (vllm:nixl_num_failed_notifications).",
+            &t.failed_notifications,
+        ),
+    ] {
+        let family = IntCounterVec::new(Opts::new(name, help), &["cause"])?;
+        for (cause, n) in by_cause {
+            family.with_label_values(&[cause.label()]).inc_by(*n);
+        }
+        out.push(Box::new(family));
+    }
+
+    let by_proof = IntCounterVec::new(
+        Opts::new(
+            "kvhandoff_requests_by_proof_total",
+            "Requests whose final event names what made it safe to hand their blocks back, by \
+             that proof: side=receiving outcome=failed (D's Failed), side=sending outcome=sent \
+             or released (an export's end). The same requests as kvhandoff_requests_total, \
+             which keeps its labels.",
+        ),
+        &["side", "outcome", "proof"],
+    )?;
+    for (proof, n) in &t.decode_failed_by_proof {
+        by_proof
+            .with_label_values(&["receiving", "failed", free_proof_label(*proof)])
+            .inc_by(*n);
+    }
+    for (outcome, counts) in [
+        ("sent", &t.export_sent_by_proof),
+        ("released", &t.export_released_by_proof),
+    ] {
+        for (proof, n) in counts {
+            by_proof
+                .with_label_values(&["sending", outcome, read_proof_label(*proof)])
+                .inc_by(*n);
+        }
+    }
+    out.push(Box::new(by_proof));
+
+    let rejections = IntCounterVec::new(
+        Opts::new(
+            "kvhandoff_side_channel_rejections_total",
+            "Incoming side-channel connections the listener rejected (closed with nothing \
+             written), by reason.",
+        ),
+        &["reason"],
+    )?;
+    for (reason, n) in &t.side_channel_rejections {
+        rejections.with_label_values(&[reason.label()]).inc_by(*n);
+    }
+    out.push(Box::new(rejections));
+
+    let quarantined = IntGauge::new(
+        "kvhandoff_blocks_quarantined",
+        "Logical blocks of D requests that gave up and wait for a proof that no write can \
+         still land, or for their quarantine or dead-peer fence to pass.",
+    )?;
+    quarantined.set(gauge_value(e.blocks_quarantined));
+    out.push(Box::new(quarantined));
+
+    let peers = IntGaugeVec::new(
+        Opts::new(
+            "kvhandoff_peers",
+            "Peers of the live ranks by liveness state (connecting, connected, dead: declared \
+             dead and still remembered).",
+        ),
+        &["state"],
+    )?;
+    for (state, n) in [
+        ("connecting", e.peers_connecting),
+        ("connected", e.peers_connected),
+        ("dead", e.peers_dead),
+    ] {
+        peers.with_label_values(&[state]).set(gauge_value(n));
+    }
+    out.push(Box::new(peers));
+    Ok(())
+}
+
+/// Builds every family from the snapshots. Each call makes fresh metric objects: they are
 /// only the crate's containers for one scrape's values.
 fn families(
     p: &ProcessMetrics,
     e: &EndpointMetrics,
+    t: &TransferMetrics,
 ) -> prometheus::Result<Vec<Box<dyn Collector>>> {
     let mut out: Vec<Box<dyn Collector>> = Vec::new();
+    transfer_families(t, e, &mut out)?;
 
     let requests = IntCounterVec::new(
         Opts::new(
@@ -223,7 +329,7 @@ fn families(
     out.push(Box::new(dropped));
 
     let ranks = IntGauge::new("kvhandoff_ranks", "Ranks running in this process.")?;
-    ranks.set(i64::try_from(e.live_ranks).unwrap_or(i64::MAX));
+    ranks.set(gauge_value(e.live_ranks));
     out.push(Box::new(ranks));
     Ok(out)
 }
@@ -235,11 +341,16 @@ struct RuntimeCollector {
 
 impl RuntimeCollector {
     fn new() -> prometheus::Result<RuntimeCollector> {
-        let zero = families(&ProcessMetrics::default(), &EndpointMetrics::default())?;
-        let descs = zero
+        let zero = families(
+            &ProcessMetrics::default(),
+            &EndpointMetrics::default(),
+            &TransferMetrics::default(),
+        )?;
+        let mut descs: Vec<Desc> = zero
             .iter()
             .flat_map(|c| c.desc().into_iter().cloned())
             .collect();
+        descs.extend(super::transfers::histogram_descs());
         Ok(RuntimeCollector { descs })
     }
 }
@@ -252,9 +363,15 @@ impl Collector for RuntimeCollector {
     fn collect(&self) -> Vec<MetricFamily> {
         // The options are fixed and valid (`RuntimeCollector::new` built them once already), so
         // this cannot fail; should it, the scrape shows nothing rather than wrong figures.
-        families(&super::snapshot(), &super::endpoint_snapshot())
-            .map(|all| all.iter().flat_map(|c| c.collect()).collect())
-            .unwrap_or_default()
+        let mut out: Vec<MetricFamily> = families(
+            &super::snapshot(),
+            &super::endpoint_snapshot(),
+            &super::transfer_snapshot(),
+        )
+        .map(|all| all.iter().flat_map(|c| c.collect()).collect())
+        .unwrap_or_default();
+        out.extend(super::transfers::histogram_families());
+        out
     }
 }
 
@@ -292,3 +409,96 @@ pub fn prometheus_text() -> String {
 
 /// The content type of [`prometheus_text`].
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::FailureCause;
+    use crate::system::RejectReason;
+
+    /// Every family, with its type: each is on the page from the first scrape, whatever ran.
+    const FAMILIES: [(&str, &str); 10] = [
+        ("kvhandoff_xfer_time_seconds", "histogram"),
+        ("kvhandoff_post_time_seconds", "histogram"),
+        ("kvhandoff_bytes_transferred", "histogram"),
+        ("kvhandoff_num_descriptors", "histogram"),
+        ("kvhandoff_handshake_time_seconds", "histogram"),
+        ("kvhandoff_num_failed_transfers_total", "counter"),
+        ("kvhandoff_num_failed_notifications_total", "counter"),
+        ("kvhandoff_side_channel_rejections_total", "counter"),
+        ("kvhandoff_blocks_quarantined", "gauge"),
+        ("kvhandoff_peers", "gauge"),
+    ];
+
+    #[test]
+    fn every_family_and_every_labelled_series_is_on_the_first_page() {
+        let text = prometheus_text();
+        for (name, kind) in FAMILIES {
+            assert!(
+                text.contains(&format!("# TYPE {name} {kind}\n")),
+                "{name} missing\n{text}"
+            );
+        }
+        for name in [
+            "kvhandoff_requests_total",
+            "kvhandoff_bytes_transferred_total",
+        ] {
+            assert!(text.contains(&format!("# TYPE {name} counter\n")), "{name}");
+        }
+        for cause in FailureCause::ALL {
+            for family in [
+                "kvhandoff_num_failed_transfers_total",
+                "kvhandoff_num_failed_notifications_total",
+            ] {
+                let series = format!("{family}{{cause=\"{}\"}} ", cause.label());
+                assert!(text.contains(&series), "{series} missing\n{text}");
+            }
+        }
+        for reason in RejectReason::ALL {
+            let series = format!(
+                "kvhandoff_side_channel_rejections_total{{reason=\"{}\"}} ",
+                reason.label()
+            );
+            assert!(text.contains(&series), "{series} missing");
+        }
+        for state in ["connecting", "connected", "dead"] {
+            let series = format!("kvhandoff_peers{{state=\"{state}\"}} ");
+            assert!(text.contains(&series), "{series} missing");
+        }
+        for proof in crate::metrics::transfers::FREE_PROOFS {
+            let series = format!(
+                "kvhandoff_requests_by_proof_total{{outcome=\"failed\",proof=\"{}\",side=\"receiving\"}} ",
+                free_proof_label(proof)
+            );
+            assert!(text.contains(&series), "{series} missing");
+        }
+        for proof in crate::metrics::transfers::READ_PROOFS {
+            for outcome in ["sent", "released"] {
+                let series = format!(
+                    "kvhandoff_requests_by_proof_total{{outcome=\"{outcome}\",proof=\"{}\",side=\"sending\"}} ",
+                    read_proof_label(proof)
+                );
+                assert!(text.contains(&series), "{series} missing");
+            }
+        }
+        // vLLM's buckets, so that its dashboards read ours.
+        assert!(text.contains("kvhandoff_xfer_time_seconds_bucket{le=\"0.005\"}"));
+        assert!(text.contains("kvhandoff_bytes_transferred_bucket{le=\"8589934592\"}"));
+        assert!(text.contains("kvhandoff_num_descriptors_bucket{le=\"50000\"}"));
+    }
+
+    #[test]
+    fn the_registry_takes_the_collector_with_its_histograms() {
+        // Registering checks the collector's descriptions against what it collects.
+        let registry = registry().expect("the collector's fixed names are valid");
+        let names: Vec<String> = registry
+            .gather()
+            .iter()
+            .map(|f| f.name().to_string())
+            .collect();
+        assert!(
+            names.iter().any(|n| n == "kvhandoff_xfer_time_seconds"),
+            "{names:?}"
+        );
+    }
+}

@@ -153,6 +153,7 @@ impl LinkActor {
         let rank = self.rank.clone();
         let clocks = self.clocks.clone();
         let handshake = async move {
+            let started = std::time::Instant::now();
             let shaken = match addr {
                 Some(addr) => side_channel::initiate(&local, addr, &peer).await,
                 None => Err(HandshakeError::NoAddress),
@@ -172,6 +173,7 @@ impl LinkActor {
             let limit = local.config.io_timeout;
             match side_channel::link_up(&up, info, limit).await {
                 Ok(()) => {
+                    crate::metrics::observe_handshake(started.elapsed());
                     tracing::info!(peer = %peer, ?clock, "side channel handshake completed");
                     clocks.do_send(ClockMeasured {
                         engine: peer.engine.clone(),

@@ -16,6 +16,10 @@ use kvhandoff_protocol::session::{
     ConnectorError, ConnectorEvent, PeerAddress, Session, SessionOutput,
 };
 
+/// How often a rank publishes its gauges (blocks in quarantine, peers by state): what a scrape
+/// shows of them is at most this old.
+const GAUGE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Where the rank actor reaches its transport actor.
 pub(crate) struct TransportInbox {
     /// The operations the session asks for.
@@ -157,6 +161,11 @@ impl Actor for RankActor {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.arm_timer(ctx);
+        // The gauges walk the rank's live requests and peers: published on a cadence of their
+        // own rather than after every step, so that the hot path does not pay for them.
+        ctx.run_interval(GAUGE_INTERVAL, |act, _| {
+            act.counter.publish_gauges(act.session.endpoint().gauges());
+        });
     }
 }
 

@@ -327,6 +327,74 @@ pub enum RejectReason {
     AuthenticationFailed,
 }
 
+impl RejectReason {
+    /// Every reason: each has its series from the first scrape.
+    pub const ALL: [RejectReason; 28] = [
+        RejectReason::Busy,
+        RejectReason::Closed,
+        RejectReason::Truncated,
+        RejectReason::TimedOut,
+        RejectReason::Io,
+        RejectReason::BadMagic,
+        RejectReason::UnsupportedVersion,
+        RejectReason::UnknownKind,
+        RejectReason::ReservedFlags,
+        RejectReason::PayloadTooLarge,
+        RejectReason::WrongKind,
+        RejectReason::Malformed,
+        RejectReason::ProtocolVersion,
+        RejectReason::InvalidGeometry,
+        RejectReason::RegionTable,
+        RejectReason::InvalidField,
+        RejectReason::CompatMismatch,
+        RejectReason::Incompatible,
+        RejectReason::NoCommonMode,
+        RejectReason::OwnEngine,
+        RejectReason::UnexpectedEngine,
+        RejectReason::UnexpectedRank,
+        RejectReason::LoadFailed,
+        RejectReason::NotAccepted,
+        RejectReason::NoAddress,
+        RejectReason::ConnectRefused,
+        RejectReason::ConnectTimedOut,
+        RejectReason::AuthenticationFailed,
+    ];
+
+    /// The stable `reason` label (snake_case) of the rejection metrics.
+    pub const fn label(self) -> &'static str {
+        match self {
+            RejectReason::Busy => "busy",
+            RejectReason::Closed => "closed",
+            RejectReason::Truncated => "truncated",
+            RejectReason::TimedOut => "timed_out",
+            RejectReason::Io => "io",
+            RejectReason::BadMagic => "bad_magic",
+            RejectReason::UnsupportedVersion => "unsupported_version",
+            RejectReason::UnknownKind => "unknown_kind",
+            RejectReason::ReservedFlags => "reserved_flags",
+            RejectReason::PayloadTooLarge => "payload_too_large",
+            RejectReason::WrongKind => "wrong_kind",
+            RejectReason::Malformed => "malformed",
+            RejectReason::ProtocolVersion => "protocol_version",
+            RejectReason::InvalidGeometry => "invalid_geometry",
+            RejectReason::RegionTable => "region_table",
+            RejectReason::InvalidField => "invalid_field",
+            RejectReason::CompatMismatch => "compat_mismatch",
+            RejectReason::Incompatible => "incompatible",
+            RejectReason::NoCommonMode => "no_common_mode",
+            RejectReason::OwnEngine => "own_engine",
+            RejectReason::UnexpectedEngine => "unexpected_engine",
+            RejectReason::UnexpectedRank => "unexpected_rank",
+            RejectReason::LoadFailed => "load_failed",
+            RejectReason::NotAccepted => "not_accepted",
+            RejectReason::NoAddress => "no_address",
+            RejectReason::ConnectRefused => "connect_refused",
+            RejectReason::ConnectTimedOut => "connect_timed_out",
+            RejectReason::AuthenticationFailed => "authentication_failed",
+        }
+    }
+}
+
 /// One clock-offset estimate of a peer engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClockEstimate {

@@ -32,6 +32,7 @@ impl<T: Transport> TransportActor<T> {
         route: Option<kvhandoff_protocol::driver::SharedRoute>,
     ) -> Self {
         let mut driver = TransportDriver::new(transport, own);
+        driver.set_observer(Box::new(crate::metrics::TransferClock::new()));
         if let Some(route) = route {
             driver.set_route(route);
         }

@@ -137,3 +137,18 @@ impl Counters {
         *self.dropped.entry(reason).or_insert(0) += 1;
     }
 }
+
+/// What an [`Endpoint`](super::Endpoint) holds now, for gauges
+/// ([`Endpoint::gauges`](super::Endpoint::gauges)): unlike [`Counters`], these go down.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Gauges {
+    /// Logical blocks of D requests that gave up and wait for a proof that no write can still
+    /// land, or for their quarantine or dead-peer fence to pass: blocks the engine cannot use.
+    pub blocks_quarantined: u64,
+    /// Peers whose handshake is in progress.
+    pub peers_connecting: u64,
+    /// Peers connected and heard from within their liveness deadline.
+    pub peers_connected: u64,
+    /// Peers declared dead and still remembered (so that their late messages are recognised).
+    pub peers_dead: u64,
+}

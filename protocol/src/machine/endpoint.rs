@@ -14,6 +14,7 @@ mod tests;
 use crate::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, RequestId};
 
 use super::config::ConfigError;
+use super::counters::Gauges;
 use super::decode::{DecodeInput, DecodeRequest};
 use super::decode_table::DecodeTable;
 use super::effects::Outbox;
@@ -179,6 +180,27 @@ impl Endpoint {
             imports: self.imports.len(),
             reads_in_flight: self.imports.reads_in_flight(),
         }
+    }
+
+    /// What the endpoint holds now, for gauges: blocks in quarantine, peers by liveness state.
+    /// It walks the live D requests and the peers, so the shell reads it on a cadence of its
+    /// own, not after every step.
+    pub fn gauges(&self) -> Gauges {
+        let mut g = Gauges::default();
+        for request in self.decodes.values() {
+            if let DecodeRequest::Cancelling(c) = request {
+                let blocks: usize = c.common.blocks.groups.iter().map(Vec::len).sum();
+                g.blocks_quarantined = g.blocks_quarantined.saturating_add(blocks as u64);
+            }
+        }
+        for peer in self.peers.values() {
+            match peer {
+                Peer::Connecting(_) => g.peers_connecting += 1,
+                Peer::Connected(_) => g.peers_connected += 1,
+                Peer::Dead(_) => g.peers_dead += 1,
+            }
+        }
+        g
     }
 
     /// Tombstones evicted at capacity so far, both sides (each one a key whose late messages

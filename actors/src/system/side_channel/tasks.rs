@@ -119,6 +119,8 @@ impl Shared {
 
     fn rejected(&self, reason: RejectReason) {
         self.with(|s| *s.rejected.entry(reason).or_insert(0) += 1);
+        // The process's figures too, for `/metrics` (they outlive the link).
+        crate::metrics::count_rejection(reason);
     }
 
     pub(crate) fn outgoing_failed(&self, reason: RejectReason) {
@@ -165,8 +167,10 @@ pub(crate) async fn accept_loop(
         let (local, shared, up) = (local.clone(), shared.clone(), up.clone());
         actix::spawn(async move {
             let mut stream = stream;
+            let started = std::time::Instant::now();
             match serve(&local, &shared, &mut stream, &up).await {
                 Ok((info, clock)) => {
+                    crate::metrics::observe_handshake(started.elapsed());
                     tracing::info!(peer = %info.peer, %from, "side channel handshake served");
                     shared.record_clock(&info.peer.engine, clock);
                     shared.with(|s| s.incoming_ok += 1);

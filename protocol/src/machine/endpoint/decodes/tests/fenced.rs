@@ -253,3 +253,32 @@ fn a_fan_in_forwards_one_early_event_and_waits_for_the_fence() {
     assert_eq!(step.hand_back, Some(blocks));
     assert!(!step.fenced, "told once");
 }
+
+/// The gauges follow the fenced request: its blocks count as quarantined from the death until
+/// the fence hands them back, and the peer moves from connected to dead.
+#[test]
+fn the_gauges_show_the_fenced_blocks_and_the_dead_peer() {
+    use crate::machine::Gauges;
+    // Connected to P's two ranks; the request's two blocks are exposed to rank 0.
+    let mut d = registered(1);
+    assert_eq!(
+        d.gauges(),
+        Gauges {
+            peers_connected: 2,
+            ..Gauges::default()
+        }
+    );
+    lose_p(&mut d);
+    assert_eq!(
+        d.gauges(),
+        Gauges {
+            blocks_quarantined: 2,
+            peers_connected: 1,
+            peers_dead: 1,
+            ..Gauges::default()
+        }
+    );
+    let fence = LOST_AT + d.config().quarantine;
+    run_until(&mut d, fence);
+    assert_eq!(d.gauges().blocks_quarantined, 0);
+}
