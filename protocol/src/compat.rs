@@ -130,12 +130,12 @@ mod tests {
     #[test]
     fn the_hash_is_stable() {
         assert_eq!(
-            PROTOCOL_VERSION, 5,
+            PROTOCOL_VERSION, 6,
             "update the pinned hash with the version"
         );
         assert_eq!(
             hex(compatibility_hash(&identity(), &geometry())),
-            "e541a4ea4d52fb90cf48ec8f3515c32c4ebc4f7237e20e4e00f1eac6f30323f2"
+            "de02011937243a65dfeb47327b6bca1bb9a162464777bae42a59e5ee8f0cafca"
         );
     }
 
