@@ -123,7 +123,7 @@ mod tests {
         compatibility_hash(&i, &g)
     }
 
-    /// The hash of one fixed input, pinned: it is part of protocol version 5. If it changes, the
+    /// The hash of one fixed input, pinned: it is part of protocol version 6. If it changes, the
     /// hash's inputs or encoding changed, and so must `PROTOCOL_VERSION` (which is hashed too, so
     /// a version bump changes this value and the pin must then be updated). The value was
     /// reproduced independently (Python `hashlib`) from the field encoding in docs/protocol.md.

@@ -7,6 +7,7 @@ use kvhandoff::metrics::MetricsServer;
 use kvhandoff_testkit::demo::DemoOptions;
 use kvhandoff_testkit::node::{self, NodeOptions, NodeRole};
 
+use super::logging::LogArgs;
 use super::{conclude, demo_mode, ModeArg};
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -116,6 +117,8 @@ pub(crate) struct NodeArgs {
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 fn parse_gap_ms(text: &str) -> Result<f64, String> {
@@ -134,6 +137,10 @@ fn parse_addr(text: &str) -> Result<std::net::SocketAddr, String> {
 }
 
 pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
+    if let Err(error) = args.log.init() {
+        eprintln!("error: {error}");
+        return ExitCode::from(2);
+    }
     // Up before the rank, so that a scrape during the run (the handshake included) finds it.
     let metrics = match args.metrics_addr.map(MetricsServer::start).transpose() {
         Ok(server) => server,

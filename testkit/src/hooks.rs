@@ -89,7 +89,7 @@ impl Repeater {
             std::thread::sleep(at.saturating_duration_since(Instant::now()));
             link.do_send(Connect(to));
             let frame = wire::encode(&Message::Handshake(Box::new(
-                own.handshake(vec![TransferMode::Push], 0),
+                own.handshake(vec![TransferMode::Push], 0, kvhandoff_protocol::TraceId::random()),
             )));
             let io = |e: std::io::Error| format!("the raw handshake copy to {addr}: {e}");
             let limit = Duration::from_secs(5);

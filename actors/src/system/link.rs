@@ -157,7 +157,7 @@ impl LinkActor {
                 Some(addr) => side_channel::initiate(&local, addr, &peer).await,
                 None => Err(HandshakeError::NoAddress),
             };
-            let (info, clock) = match shaken {
+            let (info, clock, trace_id) = match shaken {
                 Ok(shaken) => shaken,
                 Err(error) => {
                     tracing::warn!(peer = %peer, %error, "side channel handshake failed");
@@ -172,7 +172,7 @@ impl LinkActor {
             let limit = local.config.io_timeout;
             match side_channel::link_up(&up, info, limit).await {
                 Ok(()) => {
-                    tracing::info!(peer = %peer, ?clock, "side channel handshake completed");
+                    tracing::info!(peer = %peer, ?clock, %trace_id, "side channel handshake completed");
                     clocks.do_send(ClockMeasured {
                         engine: peer.engine.clone(),
                         offset_us: clock.offset_us,
@@ -180,7 +180,7 @@ impl LinkActor {
                     side_channel::outgoing_ok(&shared, &peer.engine, clock);
                 }
                 Err(error) => {
-                    tracing::warn!(peer = %peer, %error, "handshaken peer not loaded");
+                    tracing::warn!(peer = %peer, %trace_id, %error, "handshaken peer not loaded");
                     shared.outgoing_failed(error.reason());
                 }
             }
