@@ -69,7 +69,9 @@ fn parse(node: &Finished, all: &str) -> Log {
 
 fn is_trace_id(text: &str) -> bool {
     text.len() == 32
-        && text.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
         && text.bytes().any(|b| b != b'0')
 }
 
@@ -117,10 +119,19 @@ fn run_traced(mode: &str) {
 
     // Every request of the schedule has records on D, each under exactly one trace id (a clean
     // run makes one attempt per request), and P's records of it carry that id and no other.
-    assert_eq!(dl.by_key.len(), REQUESTS, "D's keys: {:?}\n{all}", dl.by_key);
+    assert_eq!(
+        dl.by_key.len(),
+        REQUESTS,
+        "D's keys: {:?}\n{all}",
+        dl.by_key
+    );
     let mut seen = BTreeSet::new();
     for (key, d_traces) in &dl.by_key {
-        assert_eq!(d_traces.len(), 1, "{key}: D's trace ids {d_traces:?}\n{all}");
+        assert_eq!(
+            d_traces.len(),
+            1,
+            "{key}: D's trace ids {d_traces:?}\n{all}"
+        );
         let trace = d_traces.iter().next().expect("one");
         assert!(is_trace_id(trace), "{key}: {trace:?} is not 32 hex digits");
         let p_traces = pl.by_key.get(key);
@@ -129,13 +140,24 @@ fn run_traced(mode: &str) {
             Some(d_traces),
             "{key}: P's trace ids differ from D's {trace}\n{all}"
         );
-        assert!(seen.insert(trace.clone()), "{key}: {trace} shared by two requests");
+        assert!(
+            seen.insert(trace.clone()),
+            "{key}: {trace} shared by two requests"
+        );
     }
-    assert_eq!(pl.by_key.len(), REQUESTS, "P's keys: {:?}", pl.by_key.keys());
+    assert_eq!(
+        pl.by_key.len(),
+        REQUESTS,
+        "P's keys: {:?}",
+        pl.by_key.keys()
+    );
 
     // Connections: each side's completed (dialled) handshake is served by the other under the
     // same trace id.
-    assert!(!dl.completed.is_empty() || !pl.completed.is_empty(), "no handshake\n{all}");
+    assert!(
+        !dl.completed.is_empty() || !pl.completed.is_empty(),
+        "no handshake\n{all}"
+    );
     for (dialler, server) in [(&dl, &pl), (&pl, &dl)] {
         for trace in &dialler.completed {
             assert!(is_trace_id(trace), "{trace:?}");

@@ -415,7 +415,11 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
         }),
     ];
     // A valid handshake (D's own) on the notification path.
-    let handshake = Message::Handshake(Box::new(d.info.handshake(vec![TransferMode::Push], 0, kvhandoff_protocol::TraceId::random())));
+    let handshake = Message::Handshake(Box::new(d.info.handshake(
+        vec![TransferMode::Push],
+        0,
+        kvhandoff_protocol::TraceId::random(),
+    )));
     for message in unexpected.iter().chain(&unknown_key).chain([&handshake]) {
         hostile
             .send_notification(&p_addr, wire::encode(message))

@@ -664,7 +664,12 @@ async fn the_peer_book_is_bounded_and_a_restart_reconnects() {
 
     // An engine the book does not name (and the policy does not list) is refused, counted.
     let raw = unstarted_info(&fabric, "raw-d");
-    let (got, _) = probe(p.addr, &frame_of(raw.handshake(vec![], 1, TraceId::random())), false).await;
+    let (got, _) = probe(
+        p.addr,
+        &frame_of(raw.handshake(vec![], 1, TraceId::random())),
+        false,
+    )
+    .await;
     assert!(got.is_empty(), "a refusal writes nothing: {got:?}");
     let s = stats(&p).await;
     assert_eq!(s.rejections(RejectReason::NotAccepted), 1, "{s:?}");
@@ -684,7 +689,10 @@ async fn handshake_once(addr: SocketAddr, info: &PeerInfo, clock: u64) -> bool {
     stream.read_to_end(&mut answer).await.unwrap();
     match wire::decode(&answer) {
         Ok(Message::Handshake(answer)) => {
-            assert_eq!(answer.trace_id, trace_id, "the answer adopts the dialler's trace id");
+            assert_eq!(
+                answer.trace_id, trace_id,
+                "the answer adopts the dialler's trace id"
+            );
             true
         }
         _ => false,

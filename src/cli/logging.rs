@@ -46,7 +46,9 @@ impl LogArgs {
                 EnvFilter::try_new(text).map_err(|e| format!("--log-level {text:?}: {e}"))?
             }
             None => match std::env::var(EnvFilter::DEFAULT_ENV) {
-                Ok(text) => EnvFilter::try_new(&text).map_err(|e| format!("RUST_LOG {text:?}: {e}"))?,
+                Ok(text) => {
+                    EnvFilter::try_new(&text).map_err(|e| format!("RUST_LOG {text:?}: {e}"))?
+                }
                 Err(_) => EnvFilter::new("warn"),
             },
         };
@@ -81,7 +83,8 @@ mod tests {
         let cli = Cli::try_parse_from(["x"]).unwrap();
         assert_eq!(cli.log.log_format, LogFormat::Text);
         assert_eq!(cli.log.log_level, None);
-        let cli = Cli::try_parse_from(["x", "--log-format", "json", "--log-level", "debug"]).unwrap();
+        let cli =
+            Cli::try_parse_from(["x", "--log-format", "json", "--log-level", "debug"]).unwrap();
         assert_eq!(cli.log.log_format, LogFormat::Json);
         assert_eq!(cli.log.log_level.as_deref(), Some("debug"));
         assert!(Cli::try_parse_from(["x", "--log-format", "xml"]).is_err());

@@ -40,13 +40,17 @@ impl Local {
     /// This rank's handshake for the connection traced by `trace_id`, and when it was stamped.
     fn frame(&self, trace_id: TraceId) -> (Vec<u8>, u64) {
         let now = self.now_us();
-        let handshake = self.info.handshake(self.config.modes.clone(), now, trace_id);
+        let handshake = self
+            .info
+            .handshake(self.config.modes.clone(), now, trace_id);
         (wire::encode(&Message::Handshake(Box::new(handshake))), now)
     }
 
     /// Checks that this rank's own handshake is valid (so that encoding it cannot panic).
     pub(crate) fn check_own(&self) -> io::Result<()> {
-        let handshake = self.info.handshake(self.config.modes.clone(), 0, TraceId::random());
+        let handshake = self
+            .info
+            .handshake(self.config.modes.clone(), 0, TraceId::random());
         Message::Handshake(Box::new(handshake))
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("own handshake: {e}")))
