@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::geometry::{KvGeometry, RegionDesc, MAX_CACHE_GROUPS};
 use crate::ids::{AgentName, EngineId, Epoch, IdError, Incarnation, PairingKey, RequestId};
 use crate::trace::{TraceId, TraceIdError};
+use rules::{check_epoch, check_len, check_part};
 
 /// Most logical blocks one cache group of one request may list.
 pub const MAX_BLOCKS_PER_GROUP: usize = 1 << 16;
@@ -474,34 +475,8 @@ pub enum FieldError {
     },
 }
 
-fn check_epoch(epoch: Epoch) -> Result<(), FieldError> {
-    if epoch.0 == 0 {
-        return Err(FieldError::ZeroEpoch);
-    }
-    Ok(())
-}
-
 /// Most layers one rank's layer-wise write may name (a model's layers on one pipeline stage).
 pub const MAX_WRITE_LAYERS: u32 = 4096;
-
-fn check_part(part: &WritePartDone) -> Result<(), FieldError> {
-    let end = part.first.checked_add(part.count);
-    if part.count == 0 || part.of > MAX_WRITE_LAYERS || end.is_none_or(|end| end > part.of) {
-        return Err(FieldError::BadPart {
-            first: part.first,
-            count: part.count,
-            of: part.of,
-        });
-    }
-    Ok(())
-}
-
-fn check_len(field: &'static str, len: usize, limit: usize) -> Result<(), FieldError> {
-    if len > limit {
-        return Err(FieldError::TooMany { field, len, limit });
-    }
-    Ok(())
-}
 
 impl Message {
     /// The wire kind of this message.
@@ -608,6 +583,7 @@ impl Message {
 }
 
 mod read_messages;
+mod rules;
 #[cfg(test)]
 mod tests;
 
