@@ -5,6 +5,7 @@
 pub(crate) mod bench;
 pub(crate) mod config;
 pub(crate) mod demo;
+pub(crate) mod logging;
 pub(crate) mod matrix;
 pub(crate) mod model;
 pub(crate) mod node;

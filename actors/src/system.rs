@@ -251,12 +251,14 @@ where
     T: Transport + Unpin + 'static,
 {
     let RankSetup {
-        endpoint,
+        mut endpoint,
         transport,
         info,
         shell,
         route,
     } = setup;
+    // A random seed per process run: a restarted rank's trace ids never repeat its last run's.
+    endpoint.set_trace_seed(kvhandoff_protocol::TraceId::random().as_u128());
     let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
     let counter = crate::metrics::EventCounter::new(
         (0..info.geometry.cache_groups.len())

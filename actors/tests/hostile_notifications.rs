@@ -254,6 +254,7 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
             decode_rank: rank,
             blocks: BlockIds::single_group(blocks),
             num_tokens: 8,
+            trace_id: kvhandoff_protocol::TraceId::random(),
         }))
     };
     let valid = wire::encode(&register("hostile", 0, vec![1], "cmpl-h1-0-aaaaaaaa"));
@@ -414,7 +415,11 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
         }),
     ];
     // A valid handshake (D's own) on the notification path.
-    let handshake = Message::Handshake(Box::new(d.info.handshake(vec![TransferMode::Push], 0)));
+    let handshake = Message::Handshake(Box::new(d.info.handshake(
+        vec![TransferMode::Push],
+        0,
+        kvhandoff_protocol::TraceId::random(),
+    )));
     for message in unexpected.iter().chain(&unknown_key).chain([&handshake]) {
         hostile
             .send_notification(&p_addr, wire::encode(message))

@@ -27,7 +27,7 @@ use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
 use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{
     BlockIds, CompatHash, EngineId, Epoch, Handshake, Incarnation, KvLayout, Message, PairingKey,
-    Register, RequestId, TransferMode, PROTOCOL_VERSION,
+    Register, RequestId, TraceId, TransferMode, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -272,7 +272,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
     let fabric = MemFabric::new();
     let mut p = start(&fabric, "prefill", quick());
     let raw = unstarted_info(&fabric, "raw-d");
-    let good = raw.handshake(vec![TransferMode::Push], 7);
+    let good = raw.handshake(vec![TransferMode::Push], 7, TraceId::random());
     let good_frame = frame_of(good.clone());
     let with = |f: &dyn Fn(&mut Handshake)| {
         let mut h = good.clone();
@@ -299,6 +299,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
         decode_rank: 0,
         blocks: BlockIds::single_group(vec![1]),
         num_tokens: 4,
+        trace_id: TraceId::random(),
     })));
     let mut malformed = header(1, 20);
     malformed.extend_from_slice(&[0xff; 20]);
@@ -667,23 +668,39 @@ async fn the_peer_book_is_bounded_and_a_restart_reconnects() {
 
     // An engine the book does not name (and the policy does not list) is refused, counted.
     let raw = unstarted_info(&fabric, "raw-d");
-    let (got, _) = probe(p.addr, &frame_of(raw.handshake(vec![], 1)), false).await;
+    let (got, _) = probe(
+        p.addr,
+        &frame_of(raw.handshake(vec![], 1, TraceId::random())),
+        false,
+    )
+    .await;
     assert!(got.is_empty(), "a refusal writes nothing: {got:?}");
     let s = stats(&p).await;
     assert_eq!(s.rejections(RejectReason::NotAccepted), 1, "{s:?}");
     assert_eq!(s.incoming_ok, 0, "{s:?}");
 }
 
-/// Sends `info`'s handshake to `addr` as a raw client; true if a handshake came back.
+/// Sends `info`'s handshake to `addr` as a raw client; true if a handshake came back (which
+/// must repeat the dialler's trace id: the connection's records on both sides carry it).
 async fn handshake_once(addr: SocketAddr, info: &PeerInfo, clock: u64) -> bool {
     let mut stream = TcpStream::connect(addr).await.unwrap();
+    let trace_id = TraceId::random();
     stream
-        .write_all(&frame_of(info.handshake(vec![], clock)))
+        .write_all(&frame_of(info.handshake(vec![], clock, trace_id)))
         .await
         .unwrap();
     let mut answer = Vec::new();
     stream.read_to_end(&mut answer).await.unwrap();
-    matches!(wire::decode(&answer), Ok(Message::Handshake(_)))
+    match wire::decode(&answer) {
+        Ok(Message::Handshake(answer)) => {
+            assert_eq!(
+                answer.trace_id, trace_id,
+                "the answer adopts the dialler's trace id"
+            );
+            true
+        }
+        _ => false,
+    }
 }
 
 async fn counters(rank: &Rank) -> Counters {

@@ -56,8 +56,14 @@ pub struct PeerInfo {
 }
 
 impl PeerInfo {
-    /// This rank's handshake message, advertising `modes`, stamped with `clock_sample_us`.
-    pub fn handshake(&self, modes: Vec<TransferMode>, clock_sample_us: u64) -> Handshake {
+    /// This rank's handshake message, advertising `modes`, stamped with `clock_sample_us`, for
+    /// the connection traced by `trace_id` (the dialler's, which the answer repeats).
+    pub fn handshake(
+        &self,
+        modes: Vec<TransferMode>,
+        clock_sample_us: u64,
+        trace_id: crate::TraceId,
+    ) -> Handshake {
         Handshake {
             protocol_version: PROTOCOL_VERSION,
             engine_id: self.peer.engine.clone(),
@@ -69,6 +75,7 @@ impl PeerInfo {
             compat_hash: self.compat,
             modes,
             clock_sample_us,
+            trace_id,
         }
     }
 

@@ -28,6 +28,7 @@ pub mod machine;
 mod message;
 pub mod planner;
 pub mod session;
+pub mod trace;
 pub mod transport;
 pub mod wire;
 
@@ -48,4 +49,5 @@ pub use message::{
     MAX_AGENT_METADATA, MAX_BLOCKS_PER_GROUP, MAX_BLOCKS_PER_REQUEST, MAX_HEARTBEAT_LEASES,
     MAX_REGIONS, MAX_TRANSFER_MODES, MAX_WRITE_LAYERS,
 };
+pub use trace::{TraceId, TraceIdError, TraceIds};
 pub use wire::{WireError, PROTOCOL_VERSION};

@@ -28,6 +28,7 @@ mod prefill_table;
 mod read_tables;
 mod read_types;
 mod shape;
+mod spans;
 mod tables;
 mod types;
 

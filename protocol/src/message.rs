@@ -9,6 +9,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::geometry::{KvGeometry, RegionDesc, MAX_CACHE_GROUPS};
 use crate::ids::{AgentName, EngineId, Epoch, IdError, Incarnation, PairingKey, RequestId};
+use crate::trace::{TraceId, TraceIdError};
+use rules::{check_epoch, check_len, check_part};
 
 /// Most logical blocks one cache group of one request may list.
 pub const MAX_BLOCKS_PER_GROUP: usize = 1 << 16;
@@ -154,6 +156,9 @@ pub struct Handshake {
     /// The sender's clock when it sent the handshake, in microseconds since its own epoch; the
     /// receiver estimates the clock offset from it and the round trip.
     pub clock_sample_us: u64,
+    /// The connection's trace id: made by the side that dials, adopted by the side that answers,
+    /// so both sides' records of one connection join.
+    pub trace_id: TraceId,
 }
 
 /// D → P: D has allocated `blocks` for the request paired by `key`, for attempt `epoch`; P may
@@ -174,6 +179,8 @@ pub struct Register {
     pub blocks: BlockIds,
     /// Tokens D expects to receive.
     pub num_tokens: u64,
+    /// The attempt's trace id, made by D when the attempt started; P's records of it carry it.
+    pub trace_id: TraceId,
 }
 
 /// P → D: every write of `epoch` from `prefill_rank` for `key` has landed (sent as the
@@ -414,6 +421,9 @@ pub enum FieldError {
     /// An identifier is invalid.
     #[error(transparent)]
     Id(#[from] IdError),
+    /// A trace id is invalid (all zeros).
+    #[error(transparent)]
+    TraceId(#[from] TraceIdError),
     /// A list is longer than its limit.
     #[error("{field}: {len} entries, above the limit of {limit}")]
     TooMany {
@@ -465,34 +475,8 @@ pub enum FieldError {
     },
 }
 
-fn check_epoch(epoch: Epoch) -> Result<(), FieldError> {
-    if epoch.0 == 0 {
-        return Err(FieldError::ZeroEpoch);
-    }
-    Ok(())
-}
-
 /// Most layers one rank's layer-wise write may name (a model's layers on one pipeline stage).
 pub const MAX_WRITE_LAYERS: u32 = 4096;
-
-fn check_part(part: &WritePartDone) -> Result<(), FieldError> {
-    let end = part.first.checked_add(part.count);
-    if part.count == 0 || part.of > MAX_WRITE_LAYERS || end.is_none_or(|end| end > part.of) {
-        return Err(FieldError::BadPart {
-            first: part.first,
-            count: part.count,
-            of: part.of,
-        });
-    }
-    Ok(())
-}
-
-fn check_len(field: &'static str, len: usize, limit: usize) -> Result<(), FieldError> {
-    if len > limit {
-        return Err(FieldError::TooMany { field, len, limit });
-    }
-    Ok(())
-}
 
 impl Message {
     /// The wire kind of this message.
@@ -550,6 +534,7 @@ impl Message {
                 }
                 h.engine_id.validate()?;
                 h.agent_name.validate()?;
+                h.trace_id.validate()?;
                 check_len("agent metadata", h.agent_metadata.len(), MAX_AGENT_METADATA)?;
                 check_len("regions", h.regions.len(), MAX_REGIONS)?;
                 check_len("transfer modes", h.modes.len(), MAX_TRANSFER_MODES)?;
@@ -569,6 +554,7 @@ impl Message {
             Message::Register(m) => {
                 m.decode_engine.validate()?;
                 m.decode_request.validate()?;
+                m.trace_id.validate()?;
                 m.blocks.validate()
             }
             Message::Heartbeat(m) => {
@@ -580,7 +566,10 @@ impl Message {
                 }
                 Ok(())
             }
-            Message::ReadAsk(m) => m.reader_request.validate().map_err(FieldError::from),
+            Message::ReadAsk(m) => {
+                m.reader_request.validate()?;
+                Ok(m.trace_id.validate()?)
+            }
             Message::ReadGrant(m) => m.blocks.validate(),
             Message::WritePartDone(m) => check_part(m),
             Message::WriteDone(_)
@@ -594,6 +583,7 @@ impl Message {
 }
 
 mod read_messages;
+mod rules;
 #[cfg(test)]
 mod tests;
 

@@ -283,6 +283,7 @@ fn invalid_field_control_character() {
             decode_rank: 0,
             blocks: BlockIds::single_group(vec![1]),
             num_tokens: 16,
+            trace_id: kvhandoff_protocol::TraceId::from_u128(0x7ace),
         }));
         assert_eq!(
             field_error(&m),
@@ -304,6 +305,7 @@ fn register_with(blocks: BlockIds) -> Message {
         decode_rank: 0,
         blocks,
         num_tokens: 1,
+        trace_id: kvhandoff_protocol::TraceId::from_u128(0x7ace),
     }))
 }
 
@@ -498,6 +500,7 @@ fn small_handshake() -> Handshake {
         compat_hash: CompatHash([7; 32]),
         modes: vec![TransferMode::Push],
         clock_sample_us: 1,
+        trace_id: kvhandoff_protocol::TraceId::from_u128(0x7ace),
     }
 }
 

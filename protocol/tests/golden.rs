@@ -28,14 +28,14 @@ use kvhandoff_protocol::{
     compatibility_hash, AgentName, BlockIds, CacheGroup, CacheGroupKind, Cancel, CancelAck,
     CancelReason, EngineId, Epoch, Handshake, Heartbeat, KvGeometry, KvLayout, LeaseRef, Message,
     MessageKind, ModelIdentity, PairingKey, ReadAsk, ReadGrant, ReadRefusal, ReadRefused,
-    RegionDesc, Register, Release, ReleaseReason, RequestId, TransferMode, WriteDone, WriteFailed,
-    WriteFailure, WritePartDone, PROTOCOL_VERSION,
+    RegionDesc, Register, Release, ReleaseReason, RequestId, TraceId, TransferMode, WriteDone,
+    WriteFailed, WriteFailure, WritePartDone, PROTOCOL_VERSION,
 };
 
 /// The protocol version the golden files were made with. If this test fails because
 /// `PROTOCOL_VERSION` changed, bless the files and update this constant in the same change; if
 /// the files changed, `PROTOCOL_VERSION` must change too.
-const GOLDEN_PROTOCOL_VERSION: u16 = 5;
+const GOLDEN_PROTOCOL_VERSION: u16 = 6;
 
 #[test]
 fn goldens_pin_the_protocol_version() {
@@ -118,6 +118,7 @@ fn handshake() -> Message {
         geometry,
         modes: vec![TransferMode::Push, TransferMode::LayerwisePush],
         clock_sample_us: 1_700_000_000_123_456,
+        trace_id: TraceId::from_u128(0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736),
     }))
 }
 
@@ -133,6 +134,7 @@ fn register() -> Message {
             groups: vec![vec![7, 8, 9, 300, 70_000], vec![12, 11], vec![5]],
         },
         num_tokens: 130,
+        trace_id: TraceId::from_u128(0x0af7_6519_16cd_43dd_8448_eb21_1c80_319c),
     }))
 }
 
@@ -212,6 +214,7 @@ fn read_ask() -> Message {
             .unwrap(),
         reader_rank: 1,
         ask: 1,
+        trace_id: TraceId::from_u128(0x0af7_6519_16cd_43dd_8448_eb21_1c80_319c),
     })
 }
 
@@ -407,7 +410,7 @@ fn the_release_vector_reads_as_documented() {
     let bytes = wire::encode(&release());
     let expected: Vec<u8> = [
         &b"KVHO"[..],     // magic
-        &[0x05, 0x00],    // version 5, little endian
+        &[0x06, 0x00],    // version 6, little endian
         &[0x08],          // kind: Release
         &[0x00],          // flags
         &[0x0a, 0, 0, 0], // payload length 10, little endian

@@ -41,6 +41,7 @@ fn register(groups: Vec<Vec<u32>>) -> Message {
         decode_rank: u32::MAX,
         blocks: BlockIds { groups },
         num_tokens: u64::MAX,
+        trace_id: kvhandoff_protocol::TraceId::from_u128(u128::MAX),
     }))
 }
 
@@ -133,6 +134,7 @@ fn the_largest_handshake_fits() {
         compat_hash: CompatHash([0xff; 32]),
         modes: vec![TransferMode::Bidirectional; MAX_TRANSFER_MODES],
         clock_sample_us: u64::MAX,
+        trace_id: kvhandoff_protocol::TraceId::from_u128(u128::MAX),
     }));
     let len = fits_and_round_trips(&message);
     println!("largest handshake frame: {len} bytes");

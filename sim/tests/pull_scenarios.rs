@@ -677,6 +677,7 @@ fn a_copy_of_the_ask_changes_nothing() {
         reader_request: d_request(1),
         reader_rank: 0,
         ask: 0,
+        trace_id: kvhandoff_protocol::TraceId::from_u128(n_trace()),
     });
     // The same attempt again: the same grant, nothing changes.
     h.inject(&d_addr(), &p_addr(), ask);
@@ -761,6 +762,7 @@ fn the_ghost_catches_a_short_grant_fence() {
         reader_request: d_request(1),
         reader_rank: 0,
         ask: 0,
+        trace_id: kvhandoff_protocol::TraceId::from_u128(n_trace()),
     });
     h.inject(&d_addr(), &p_addr(), ask);
     h.advance(config.max_message_delay + ms(1));
@@ -849,4 +851,9 @@ fn a_full_prefix_hit_skips_the_expiry_gate() {
     assert_eq!(import_results(&h, &d_addr()), vec![ImportOutcome::Loaded]);
     assert_eq!(h.d().counters().reads_declined_near_expiry, 0);
     h.assert_no_leak();
+}
+
+/// The trace id of an injected ask (any valid one: the holder only logs it).
+fn n_trace() -> u128 {
+    0x7ace
 }

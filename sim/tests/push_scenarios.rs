@@ -224,6 +224,7 @@ fn register(n: u32, ids: &[u32]) -> Register {
         decode_rank: 0,
         blocks: blocks(ids),
         num_tokens: 16,
+        trace_id: kvhandoff_protocol::TraceId::from_u128(0x7ace + u128::from(n)),
     }
 }
 

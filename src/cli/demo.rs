@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::Args;
 use kvhandoff_testkit::demo::{self, DemoOptions, DemoTransport};
 
+use super::logging::LogArgs;
 use super::{conclude, demo_mode, ModeArg};
 
 #[derive(Debug, Args)]
@@ -38,6 +39,8 @@ pub(crate) struct DemoArgs {
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    log: LogArgs,
     /// A heterogeneous pair: a model of the catalog (gqa8, gqa2, mla, swa, mamba), with
     /// `--prefill` and `--decode`. Every rank of both sides runs in this process (push only).
     #[arg(long, requires_all = ["prefill", "decode"])]
@@ -67,6 +70,10 @@ enum TransportArg {
 }
 
 pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
+    if let Err(error) = args.log.init() {
+        eprintln!("error: {error}");
+        return ExitCode::from(2);
+    }
     if let (Some(model), Some(prefill), Some(decode)) = (&args.model, &args.prefill, &args.decode) {
         return run_hetero(&args, model, prefill, decode);
     }

@@ -8,6 +8,7 @@ use kvhandoff::Psk;
 use kvhandoff_testkit::demo::DemoOptions;
 use kvhandoff_testkit::node::{self, NodeOptions, NodeRole};
 
+use super::logging::LogArgs;
 use super::{conclude, demo_mode, ModeArg};
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -134,6 +135,8 @@ pub(crate) struct NodeArgs {
     /// of `--config`); checked before the node starts. Options on the command line win.
     #[arg(long, value_name = "JSON")]
     kv_transfer_config: Option<String>,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 fn parse_gap_ms(text: &str) -> Result<f64, String> {
@@ -159,6 +162,10 @@ pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Err(error) = args.log.init() {
+        eprintln!("error: {error}");
+        return ExitCode::from(2);
+    }
     // Up before the rank, so that a scrape during the run (the handshake included) finds it.
     let metrics = match args.metrics_addr.map(MetricsServer::start).transpose() {
         Ok(server) => server,

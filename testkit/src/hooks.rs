@@ -88,9 +88,11 @@ impl Repeater {
         Self(Some(std::thread::spawn(move || {
             std::thread::sleep(at.saturating_duration_since(Instant::now()));
             link.do_send(Connect(to));
-            let frame = wire::encode(&Message::Handshake(Box::new(
-                own.handshake(vec![TransferMode::Push], 0),
-            )));
+            let frame = wire::encode(&Message::Handshake(Box::new(own.handshake(
+                vec![TransferMode::Push],
+                0,
+                kvhandoff_protocol::TraceId::random(),
+            ))));
             let io = |e: std::io::Error| format!("the raw handshake copy to {addr}: {e}");
             let limit = Duration::from_secs(5);
             let mut stream = TcpStream::connect_timeout(&addr, limit).map_err(io)?;

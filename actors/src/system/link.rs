@@ -158,7 +158,7 @@ impl LinkActor {
                 Some(addr) => side_channel::initiate(&local, addr, &peer).await,
                 None => Err(HandshakeError::NoAddress),
             };
-            let (info, clock) = match shaken {
+            let (info, clock, trace_id) = match shaken {
                 Ok(shaken) => shaken,
                 Err(error) => {
                     tracing::warn!(peer = %peer, %error, "side channel handshake failed");
@@ -174,7 +174,7 @@ impl LinkActor {
             match side_channel::link_up(&up, info, limit).await {
                 Ok(()) => {
                     crate::metrics::observe_handshake(started.elapsed());
-                    tracing::info!(peer = %peer, ?clock, "side channel handshake completed");
+                    tracing::info!(peer = %peer, ?clock, %trace_id, "side channel handshake completed");
                     clocks.do_send(ClockMeasured {
                         engine: peer.engine.clone(),
                         offset_us: clock.offset_us,
@@ -182,7 +182,7 @@ impl LinkActor {
                     side_channel::outgoing_ok(&shared, &peer.engine, clock);
                 }
                 Err(error) => {
-                    tracing::warn!(peer = %peer, %error, "handshaken peer not loaded");
+                    tracing::warn!(peer = %peer, %trace_id, %error, "handshaken peer not loaded");
                     shared.outgoing_failed(error.reason());
                 }
             }

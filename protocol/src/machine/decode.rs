@@ -67,6 +67,8 @@ pub(crate) struct DecodeCommon {
     pub(crate) deadline: Time,
     /// The parts of layer-wise writes that landed, per P rank.
     pub(crate) parts: PartTally,
+    /// The attempt's trace id, made here and sent in the registration.
+    pub(crate) trace: crate::TraceId,
 }
 
 /// Waiting for the handshake with P; the blocks are not exposed yet.
@@ -172,7 +174,7 @@ pub(crate) enum DecodeInput {
 pub(crate) type DecodeStep = Step<DecodeRequest, DecodeEnded>;
 
 impl DecodeCommon {
-    pub(crate) fn from_start(start: DecodeStart, deadline: Time) -> Self {
+    pub(crate) fn from_start(start: DecodeStart, deadline: Time, trace: crate::TraceId) -> Self {
         DecodeCommon {
             request: start.request,
             key: start.key,
@@ -183,6 +185,7 @@ impl DecodeCommon {
             expected_writes: start.expected_writes,
             deadline,
             parts: PartTally::default(),
+            trace,
         }
     }
 
@@ -215,6 +218,7 @@ impl DecodeCommon {
             decode_rank: own.rank,
             blocks: self.blocks.clone(),
             num_tokens: self.num_tokens,
+            trace_id: self.trace,
         }))
     }
 

@@ -181,11 +181,18 @@ impl DecodeTable {
         input: DecodeInput,
         fx: &mut Outbox,
     ) -> Option<DecodeEnded> {
+        let span = tracing::debug_span!(
+            "decode",
+            key = %key,
+            rank = ctx.own.rank,
+            epoch = tracing::field::Empty,
+            trace_id = tracing::field::Empty
+        );
+        // Entered over the filing too, so the request's end is recorded in its span.
+        let _entered = span.enter();
         let transition = |request: DecodeRequest| {
-            let epoch = request.common().epoch;
-            let _span =
-                tracing::debug_span!("decode", key = %key, epoch = %epoch, rank = ctx.own.rank)
-                    .entered();
+            let common = request.common();
+            super::spans::record_attempt(&span, Some(common.epoch), Some(common.trace));
             match request.handle(ctx, input, &mut *fx) {
                 Step::Live(next) => (Some(next), None),
                 Step::Ended(ended) => (None, Some(ended)),

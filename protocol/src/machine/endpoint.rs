@@ -101,6 +101,8 @@ pub struct Endpoint {
     shutting_down: bool,
     /// The deliberate bug in force (simulator only; see [`super::Mutation`]).
     mutation: ActiveMutation,
+    /// Makes the trace ids of the attempts this rank starts (D's registrations, readers' asks).
+    traces: crate::TraceIds,
 }
 
 impl Endpoint {
@@ -110,6 +112,7 @@ impl Endpoint {
     /// [`ConfigError`] if the configuration is invalid.
     pub fn new(engine: EngineId, rank: u32, config: Config) -> Result<Endpoint, ConfigError> {
         config.validate()?;
+        let own_for_traces = PeerAddr::new(engine.clone(), rank);
         Ok(Endpoint {
             own: PeerAddr::new(engine, rank),
             prefills: PrefillTable::new(rank, &config),
@@ -122,6 +125,7 @@ impl Endpoint {
             outbox: Outbox::default(),
             shutting_down: false,
             mutation: ActiveMutation::default(),
+            traces: crate::TraceIds::for_rank(&own_for_traces),
         })
     }
 
@@ -131,6 +135,14 @@ impl Endpoint {
     pub fn set_mutation(&mut self, mutation: Option<super::Mutation>) {
         self.mutation = ActiveMutation(mutation);
         self.prefills.set_mutation(self.mutation);
+    }
+
+    /// Seeds the trace ids of the attempts this endpoint starts. The shells pass a random seed
+    /// (two processes' ids must not repeat each other's); left unseeded (seeded by the rank's
+    /// address, as in the simulator), ids are reproducible, and repeat those of an earlier run
+    /// of the same rank.
+    pub fn set_trace_seed(&mut self, seed: u128) {
+        self.traces = crate::TraceIds::new(seed);
     }
 
     /// This endpoint's own address.

@@ -61,6 +61,8 @@ pub(crate) struct Granted {
     pub(crate) epoch: Epoch,
     /// After this no read posted under the grant can still run.
     pub(crate) fence: Time,
+    /// The trace id of the reader's attempt, from its ask.
+    pub(crate) trace: crate::TraceId,
 }
 
 /// A live export.
@@ -87,6 +89,8 @@ pub(crate) enum ExportInput {
         epoch: Epoch,
         /// Which ask of the reader's attempt (its grant names it back).
         ask: u32,
+        /// The trace id of the reader's attempt.
+        trace: crate::TraceId,
     },
     /// A reader lets go of the blocks.
     Release {
@@ -193,6 +197,14 @@ fn released_outcome(reason: ReleaseReason) -> ExportOutcome {
 }
 
 impl ExportRequest {
+    /// The reader's attempt and its trace id, once granted.
+    pub(crate) fn granted_attempt(&self) -> Option<(Epoch, crate::TraceId)> {
+        match self {
+            ExportRequest::Offered(_) => None,
+            ExportRequest::Granted(g) => Some((g.epoch, g.trace)),
+        }
+    }
+
     /// A new export, waiting for its reader until `lease_until`.
     pub(crate) fn new(common: ExportCommon, lease_until: Time) -> Self {
         assert!(!common.blocks.is_empty(), "an empty export ends at once");
@@ -269,7 +281,12 @@ impl Offered {
                     ReadProof::NeverGranted,
                 )
             }
-            ExportInput::Ask { from, epoch, ask } => {
+            ExportInput::Ask {
+                from,
+                epoch,
+                ask,
+                trace,
+            } => {
                 // Within the lease, which never runs past the renewal cap, a grant always fits
                 // before the hard end.
                 assert!(
@@ -283,6 +300,7 @@ impl Offered {
                     common: self.common,
                     reader: from,
                     epoch,
+                    trace,
                 }))
             }
             ExportInput::Release { reason, .. } => self
@@ -315,7 +333,9 @@ impl Offered {
 impl Granted {
     fn handle(mut self, ctx: &ExportCtx<'_>, input: ExportInput, fx: &mut Outbox) -> ExportStep {
         match input {
-            ExportInput::Ask { from, epoch, ask } if from == self.reader && epoch == self.epoch => {
+            ExportInput::Ask {
+                from, epoch, ask, ..
+            } if from == self.reader && epoch == self.epoch => {
                 // A copy of the ask, or a resend whose grant was lost: the same grant again. A
                 // read under the copy may start only when it arrives, so the fence moves with
                 // it; a copy that could outlive the hard end is refused instead (a read under
@@ -338,7 +358,12 @@ impl Granted {
                 fx.send(&from, refusal);
                 Step::Live(ExportRequest::Granted(self))
             }
-            ExportInput::Ask { from, epoch, ask } if from == self.reader && epoch > self.epoch => {
+            ExportInput::Ask {
+                from,
+                epoch,
+                ask,
+                trace,
+            } if from == self.reader && epoch > self.epoch => {
                 // The reader ends an attempt only after its reads ended, so a newer attempt
                 // means none of the older one's is in flight: grant it afresh, fence from now.
                 if self.common.too_late_to_grant(ctx) {
@@ -351,6 +376,7 @@ impl Granted {
                 fx.counters.reads_granted += 1;
                 self.epoch = epoch;
                 self.fence = ctx.fence();
+                self.trace = trace;
                 Step::Live(ExportRequest::Granted(self))
             }
             ExportInput::Ask { from, epoch, .. } => {

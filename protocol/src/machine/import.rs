@@ -43,6 +43,8 @@ pub(crate) struct ImportCommon {
     pub(crate) policy: LoadFailurePolicy,
     /// When the import stops waiting for a grant.
     pub(crate) deadline: Time,
+    /// The attempt's trace id, made here and sent in the ask.
+    pub(crate) trace: crate::TraceId,
 }
 
 /// Waiting for the handshake with the holder.
@@ -139,7 +141,7 @@ pub(crate) struct ImportCtx<'a> {
 }
 
 impl ImportCommon {
-    pub(crate) fn from_start(start: ImportStart, deadline: Time) -> Self {
+    pub(crate) fn from_start(start: ImportStart, deadline: Time, trace: crate::TraceId) -> Self {
         ImportCommon {
             request: start.request,
             key: start.key,
@@ -150,6 +152,7 @@ impl ImportCommon {
             block_tokens: start.block_tokens,
             policy: start.policy,
             deadline,
+            trace,
         }
     }
 
@@ -185,6 +188,7 @@ impl ImportCommon {
             reader_request: self.request.clone(),
             reader_rank: own.rank,
             ask,
+            trace_id: self.trace,
         })
     }
 }

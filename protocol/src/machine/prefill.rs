@@ -100,6 +100,8 @@ pub(crate) struct Binding {
     pub(crate) epoch: Epoch,
     pub(crate) to: PeerAddr,
     pub(crate) write: WriteId,
+    /// The trace id of D's attempt, from its registration.
+    pub(crate) trace: crate::TraceId,
 }
 
 /// A write is posted for one epoch.
@@ -274,6 +276,15 @@ impl PrefillRequest {
         }
     }
 
+    /// The trace id of the attempt the blocks are bound to, once a registration was matched.
+    pub(crate) fn bound_trace(&self) -> Option<crate::TraceId> {
+        match self {
+            PrefillRequest::Held(_) => None,
+            PrefillRequest::Writing(s) => Some(s.binding.trace),
+            PrefillRequest::Draining(s) => Some(s.binding.trace),
+        }
+    }
+
     /// The peer the blocks are bound to, once a registration was matched.
     pub(crate) fn bound_peer(&self) -> Option<&PeerAddr> {
         match self {
@@ -366,6 +377,7 @@ impl Held {
         if stream.is_some_and(|s| s.posted == s.layers) {
             self.common.producing = None;
         }
+        let trace = register.trace_id;
         fx.emit(Output::PostWrite(Box::new(WriteOrder {
             write,
             to: from.clone(),
@@ -387,6 +399,7 @@ impl Held {
                 epoch: register.epoch,
                 to: from,
                 write,
+                trace,
             },
             write_deadline: ctx.now + ctx.config.write_timeout,
         }))

@@ -160,9 +160,25 @@ impl PrefillTable {
             mutation: self.mutation,
         };
         let (mut before, mut after) = (None, None);
+        let span = tracing::debug_span!(
+            "prefill",
+            key = %key,
+            rank = ctx.own_rank,
+            epoch = tracing::field::Empty,
+            trace_id = tracing::field::Empty
+        );
+        // Entered over the filing too, so the request's end is recorded in its span.
+        let _entered = span.enter();
         let transition = |request: PrefillRequest| {
             before = request.write();
-            let _span = tracing::debug_span!("prefill", key = %key, rank = ctx.own_rank).entered();
+            // A registration names the attempt it may bind; otherwise the one bound, if any.
+            let (epoch, trace) = match &input {
+                PrefillInput::Registered { register, .. } => {
+                    (Some(register.epoch), Some(register.trace_id))
+                }
+                _ => (request.bound_epoch(), request.bound_trace()),
+            };
+            super::spans::record_attempt(&span, epoch, trace);
             match request.handle(&ctx, input, fx) {
                 Step::Live(next) => {
                     after = next.write();

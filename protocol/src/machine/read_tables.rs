@@ -135,8 +135,21 @@ impl ExportTable {
         input: ExportInput,
         fx: &mut Outbox,
     ) -> Option<ExportEnded> {
+        let span = tracing::debug_span!(
+            "export",
+            key = %key,
+            rank = ctx.own.rank,
+            epoch = tracing::field::Empty,
+            trace_id = tracing::field::Empty
+        );
+        let _entered = span.enter();
         let transition = |export: ExportRequest| {
-            let _span = tracing::debug_span!("export", key = %key, rank = ctx.own.rank).entered();
+            // An ask names the attempt it binds; otherwise the one granted, if any.
+            let attempt = match &input {
+                ExportInput::Ask { epoch, trace, .. } => Some((*epoch, *trace)),
+                _ => export.granted_attempt(),
+            };
+            super::spans::record_attempt(&span, attempt.map(|a| a.0), attempt.map(|a| a.1));
             match export.handle(ctx, input, &mut *fx) {
                 Step::Live(next) => (Some(next), None),
                 Step::Ended(ended) => (None, Some(ended)),
@@ -339,10 +352,17 @@ impl ImportTable {
             next_read: &self.next_read,
             mutation,
         };
+        let span = tracing::debug_span!(
+            "import",
+            key = %key,
+            rank = own.rank,
+            epoch = tracing::field::Empty,
+            trace_id = tracing::field::Empty
+        );
+        let _entered = span.enter();
         let transition = |import: ImportRequest| {
-            let epoch = import.common().epoch;
-            let _span = tracing::debug_span!("import", key = %key, epoch = %epoch, rank = own.rank)
-                .entered();
+            let common = import.common();
+            super::spans::record_attempt(&span, Some(common.epoch), Some(common.trace));
             match import.handle(&ctx, input, &mut *fx) {
                 Step::Live(next) => {
                     let after: BTreeSet<WriteId> = next.pending_reads().copied().collect();

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::BlockIds;
 use crate::ids::{Epoch, PairingKey, RequestId};
+use crate::trace::TraceId;
 
 /// Reader → holder (pull: D → P; bidirectional: P → D): the reader wants to read the blocks
 /// exported under `key` for its attempt `epoch`. It reads nothing before a [`ReadGrant`].
@@ -22,6 +23,9 @@ pub struct ReadAsk {
     /// names it in its grant, so the reader knows how old the ask is that the grant answers: a
     /// grant that waited in a stopped reader's queue must not pass for the answer to a resend.
     pub ask: u32,
+    /// The attempt's trace id, made by the reader when the attempt started; the holder's
+    /// records of it carry it.
+    pub trace_id: TraceId,
 }
 
 /// Holder → reader: the blocks are bound to the reader's `epoch` until it releases them (or,

@@ -43,6 +43,7 @@ fn one_of_each() -> Vec<Message> {
             compat_hash: CompatHash([0; 32]),
             modes: vec![],
             clock_sample_us: 0,
+            trace_id: crate::TraceId::from_u128(0x7ace),
         })),
         Message::Register(Box::new(Register {
             key: key(),
@@ -52,6 +53,7 @@ fn one_of_each() -> Vec<Message> {
             decode_rank: 0,
             blocks: BlockIds::default(),
             num_tokens: 0,
+            trace_id: crate::TraceId::from_u128(0x7ace),
         })),
         Message::WriteDone(WriteDone {
             key: key(),
@@ -89,6 +91,7 @@ fn one_of_each() -> Vec<Message> {
             reader_request: RequestId::new("r").unwrap(),
             reader_rank: 0,
             ask: 2,
+            trace_id: crate::TraceId::from_u128(0x7ace),
         }),
         Message::ReadGrant(Box::new(ReadGrant {
             key: key(),
@@ -261,6 +264,7 @@ fn the_first_broken_rule_is_reported() {
         decode_rank: 0,
         blocks: BlockIds::single_group(vec![1, 1]),
         num_tokens: 0,
+        trace_id: crate::TraceId::from_u128(0x7ace),
     }));
     assert_eq!(m.validate(), Err(FieldError::ZeroEpoch));
 }
@@ -307,4 +311,84 @@ fn field_errors_display() {
         FieldError::from(IdError::Empty { kind: "engine id" }).to_string(),
         "engine id is empty"
     );
+}
+
+/// The messages that carry a trace id: the handshake (the connection's), the registration and
+/// the ask (the attempt's), each with it as its last field.
+fn traced() -> Vec<Message> {
+    one_of_each()
+        .into_iter()
+        .filter(|m| {
+            matches!(
+                m.kind(),
+                MessageKind::Handshake | MessageKind::Register | MessageKind::ReadAsk
+            )
+        })
+        .collect()
+}
+
+fn trace_of(message: &Message) -> TraceId {
+    match message {
+        Message::Handshake(h) => h.trace_id,
+        Message::Register(r) => r.trace_id,
+        Message::ReadAsk(a) => a.trace_id,
+        _ => unreachable!("only the traced kinds"),
+    }
+}
+
+#[test]
+fn trace_ids_round_trip_through_the_codec() {
+    for message in traced() {
+        for value in [1, 0x7ace, u128::MAX, 1 << 127] {
+            let mut message = message.clone();
+            match &mut message {
+                Message::Handshake(h) => h.trace_id = TraceId::from_u128(value),
+                Message::Register(r) => r.trace_id = TraceId::from_u128(value),
+                Message::ReadAsk(a) => a.trace_id = TraceId::from_u128(value),
+                _ => unreachable!(),
+            }
+            let frame = crate::wire::encode(&message);
+            // A fixed 16 bytes at the payload's end, most significant first (as printed).
+            assert_eq!(frame[frame.len() - 16..], value.to_be_bytes());
+            let decoded = crate::wire::decode(&frame).unwrap();
+            assert_eq!(trace_of(&decoded), TraceId::from_u128(value));
+            assert_eq!(decoded, message);
+        }
+    }
+}
+
+#[test]
+fn a_zero_trace_id_is_refused_by_the_codec() {
+    for message in traced() {
+        let mut frame = crate::wire::encode(&message);
+        let len = frame.len();
+        frame[len - 16..].fill(0);
+        assert_eq!(
+            crate::wire::decode(&frame),
+            Err(crate::WireError::InvalidField {
+                kind: message.kind(),
+                source: FieldError::TraceId(TraceIdError::Zero),
+            }),
+            "{:?}",
+            message.kind()
+        );
+    }
+}
+
+#[test]
+fn a_truncated_trace_id_is_malformed() {
+    for message in traced() {
+        let mut frame = crate::wire::encode(&message);
+        frame.truncate(frame.len() - 1);
+        let payload_len = u32::try_from(frame.len() - crate::wire::HEADER_LEN).unwrap();
+        frame[8..12].copy_from_slice(&payload_len.to_le_bytes());
+        assert!(
+            matches!(
+                crate::wire::decode(&frame),
+                Err(crate::WireError::MalformedPayload { .. })
+            ),
+            "{:?}",
+            message.kind()
+        );
+    }
 }

@@ -191,6 +191,7 @@ pub fn handshake() -> impl Strategy<Value = Handshake> {
         vec(transfer_mode(), 0..=8),
         any::<u64>(),
         any::<u128>(),
+        trace_id(),
     )
         .prop_map(
             |(
@@ -202,6 +203,7 @@ pub fn handshake() -> impl Strategy<Value = Handshake> {
                 modes,
                 clock,
                 incarnation,
+                trace_id,
             )| {
                 Handshake {
                     protocol_version: PROTOCOL_VERSION,
@@ -214,6 +216,7 @@ pub fn handshake() -> impl Strategy<Value = Handshake> {
                     compat_hash: CompatHash(hash),
                     modes,
                     clock_sample_us: clock,
+                    trace_id,
                 }
             },
         )
@@ -229,6 +232,11 @@ pub fn block_ids() -> impl Strategy<Value = BlockIds> {
     vec(block_list(), 0..=MAX_CACHE_GROUPS).prop_map(|groups| BlockIds { groups })
 }
 
+/// Any valid trace id: 128 bits, not all zeros.
+pub fn trace_id() -> impl Strategy<Value = kvhandoff_protocol::TraceId> {
+    (1..=u128::MAX).prop_map(kvhandoff_protocol::TraceId::from_u128)
+}
+
 pub fn register() -> impl Strategy<Value = Register> {
     (
         pairing_key(),
@@ -238,9 +246,19 @@ pub fn register() -> impl Strategy<Value = Register> {
         any::<u32>(),
         block_ids(),
         any::<u64>(),
+        trace_id(),
     )
         .prop_map(
-            |(key, epoch, decode_engine, decode_request, decode_rank, blocks, num_tokens)| {
+            |(
+                key,
+                epoch,
+                decode_engine,
+                decode_request,
+                decode_rank,
+                blocks,
+                num_tokens,
+                trace_id,
+            )| {
                 Register {
                     key,
                     epoch,
@@ -249,6 +267,7 @@ pub fn register() -> impl Strategy<Value = Register> {
                     decode_rank,
                     blocks,
                     num_tokens,
+                    trace_id,
                 }
             },
         )
@@ -406,14 +425,18 @@ pub fn read_ask() -> impl Strategy<Value = ReadAsk> {
         request_id(),
         any::<u32>(),
         any::<u32>(),
+        trace_id(),
     )
-        .prop_map(|(key, epoch, reader_request, reader_rank, ask)| ReadAsk {
-            key,
-            epoch,
-            reader_request,
-            reader_rank,
-            ask,
-        })
+        .prop_map(
+            |(key, epoch, reader_request, reader_rank, ask, trace_id)| ReadAsk {
+                key,
+                epoch,
+                reader_request,
+                reader_rank,
+                ask,
+                trace_id,
+            },
+        )
 }
 
 pub fn read_grant() -> impl Strategy<Value = ReadGrant> {

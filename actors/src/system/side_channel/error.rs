@@ -218,6 +218,7 @@ fn wire_reason(error: &WireError) -> RejectReason {
             | FieldError::Geometry(GeometryError::BadRegion { .. }) => RejectReason::RegionTable,
             FieldError::Geometry(_) => RejectReason::InvalidGeometry,
             FieldError::Id(_)
+            | FieldError::TraceId(_)
             | FieldError::TooMany { .. }
             | FieldError::DuplicateBlock { .. }
             | FieldError::BadPart { .. }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use actix::clock::Instant;
 use actix::Recipient;
-use kvhandoff_protocol::EngineId;
+use kvhandoff_protocol::{EngineId, TraceId};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -42,15 +42,20 @@ impl Local {
         u64::try_from(crate::system::process_clock().as_micros()).unwrap_or(u64::MAX)
     }
 
-    fn frame(&self) -> (Vec<u8>, u64) {
+    /// This rank's handshake for the connection traced by `trace_id`, and when it was stamped.
+    fn frame(&self, trace_id: TraceId) -> (Vec<u8>, u64) {
         let now = self.now_us();
-        let handshake = self.info.handshake(self.config.modes.clone(), now);
+        let handshake = self
+            .info
+            .handshake(self.config.modes.clone(), now, trace_id);
         (wire::encode(&Message::Handshake(Box::new(handshake))), now)
     }
 
     /// Checks that this rank's own handshake is valid (so that encoding it cannot panic).
     pub(crate) fn check_own(&self) -> io::Result<()> {
-        let handshake = self.info.handshake(self.config.modes.clone(), 0);
+        let handshake = self
+            .info
+            .handshake(self.config.modes.clone(), 0, TraceId::random());
         Message::Handshake(Box::new(handshake))
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("own handshake: {e}")))
@@ -169,9 +174,9 @@ pub(crate) async fn accept_loop(
             let mut stream = stream;
             let started = std::time::Instant::now();
             match serve(&local, &shared, &mut stream, &up).await {
-                Ok((info, clock)) => {
+                Ok((info, clock, trace_id)) => {
                     crate::metrics::observe_handshake(started.elapsed());
-                    tracing::info!(peer = %info.peer, %from, "side channel handshake served");
+                    tracing::info!(peer = %info.peer, %from, %trace_id, "side channel handshake served");
                     shared.record_clock(&info.peer.engine, clock);
                     shared.with(|s| s.incoming_ok += 1);
                     let _ = stream.shutdown().await;
@@ -200,7 +205,7 @@ async fn serve(
     shared: &Shared,
     stream: &mut TcpStream,
     up: &Recipient<LinkUp>,
-) -> Result<(PeerInfo, ClockEstimate), HandshakeError> {
+) -> Result<(PeerInfo, ClockEstimate, TraceId), HandshakeError> {
     let deadline = Instant::now() + local.config.io_timeout;
     let (handshake, auth) = match &local.config.psk {
         None => (read_handshake(stream, deadline).await?, None),
@@ -209,6 +214,8 @@ async fn serve(
             (handshake, Some((key, theirs, nonces)))
         }
     };
+    // The dialler made the connection's trace id; the answer repeats it.
+    let trace_id = handshake.trace_id;
     let t_recv = local.now_us();
     validate_handshake(&local.info, &local.config.modes, &handshake, None)?;
     if !shared.accepts(&local.config.accept, &handshake.engine_id) {
@@ -217,14 +224,14 @@ async fn serve(
     let clock = ClockEstimate::one_way(handshake.clock_sample_us, t_recv);
     let info = PeerInfo::from_handshake(handshake);
     link_up(up, info.clone(), local.config.io_timeout).await?;
-    let (mut answer, _) = local.frame();
+    let (mut answer, _) = local.frame(trace_id);
     if let Some((key, theirs, nonces)) = auth {
         let tag = auth::listener_tag(key, &nonces, &theirs, &answer);
         answer.extend_from_slice(&auth::frame(Step::Tag, &[&tag]));
     }
     let deadline = Instant::now() + local.config.io_timeout;
     write_frame(stream, &answer, deadline).await?;
-    Ok((info, clock))
+    Ok((info, clock, trace_id))
 }
 
 /// The listener's authentication, before it decodes anything of the initiator's handshake:
@@ -285,12 +292,13 @@ pub(crate) async fn link_up(
     }
 }
 
-/// The initiator's half: connect, send ours, read and validate theirs. Loading is the caller's.
+/// The initiator's half: connect, send ours (under a new trace id for the connection), read
+/// and validate theirs. Loading is the caller's.
 pub(crate) async fn initiate(
     local: &Local,
     addr: SocketAddr,
     expected: &PeerAddr,
-) -> Result<(PeerInfo, ClockEstimate), HandshakeError> {
+) -> Result<(PeerInfo, ClockEstimate, TraceId), HandshakeError> {
     let mut stream =
         match tokio::time::timeout(local.config.connect_timeout, TcpStream::connect(addr)).await {
             Err(_) => return Err(HandshakeError::ConnectTimedOut(addr)),
@@ -306,18 +314,23 @@ pub(crate) async fn initiate(
             Ok(Ok(stream)) => stream,
         };
     let deadline = Instant::now() + local.config.io_timeout;
+    let trace_id = TraceId::random();
     let (handshake, t_send) = match &local.config.psk {
         None => {
-            let (frame, t_send) = local.frame();
+            let (frame, t_send) = local.frame(trace_id);
             write_frame(&mut stream, &frame, deadline).await?;
             (read_handshake(&mut stream, deadline).await?, t_send)
         }
-        Some(key) => initiate_auth(local, key, &mut stream, deadline).await?,
+        Some(key) => initiate_auth(local, key, trace_id, &mut stream, deadline).await?,
     };
     let t_recv = local.now_us();
     validate_handshake(&local.info, &local.config.modes, &handshake, Some(expected))?;
+    if handshake.trace_id != trace_id {
+        // Not a reason to refuse the peer (the trace id only joins logs), but worth knowing.
+        tracing::debug!(%trace_id, answer = %handshake.trace_id, "peer answered under another trace id");
+    }
     let clock = ClockEstimate::round_trip(handshake.clock_sample_us, t_send, t_recv);
-    Ok((PeerInfo::from_handshake(handshake), clock))
+    Ok((PeerInfo::from_handshake(handshake), clock, trace_id))
 }
 
 /// The initiator's authenticated exchange: hello, the listener's challenge (its proof checked
@@ -326,6 +339,7 @@ pub(crate) async fn initiate(
 async fn initiate_auth(
     local: &Local,
     key: &Psk,
+    trace_id: TraceId,
     stream: &mut TcpStream,
     deadline: Instant,
 ) -> Result<(Handshake, u64), HandshakeError> {
@@ -356,7 +370,7 @@ async fn initiate_auth(
     let (listener_nonce, proof) = challenge.split_at(NONCE_LEN);
     nonces.listener.copy_from_slice(listener_nonce);
     auth::verify_proof(key, &nonces, proof)?;
-    let (mut ours, t_send) = local.frame();
+    let (mut ours, t_send) = local.frame(trace_id);
     let tag = auth::initiator_tag(key, &nonces, &ours);
     let sent = ours.len();
     ours.extend_from_slice(&auth::frame(Step::Tag, &[&tag]));

@@ -61,6 +61,7 @@ fn common(expected_writes: u32) -> DecodeCommon {
         expected_writes,
         deadline: ms(DEADLINE_MS),
         parts: Default::default(),
+        trace: crate::TraceId::from_u128(0x7ace),
     }
 }
 
@@ -217,6 +218,7 @@ fn register_sent() -> Output {
             decode_rank: 3,
             blocks: BlockIds::single_group(vec![500, 501]),
             num_tokens: 40,
+            trace_id: crate::TraceId::from_u128(0x7ace),
         })),
     }
 }

@@ -35,8 +35,13 @@ impl Endpoint {
         }
         let key = start.key.clone();
         let peer = start.prefill.clone();
-        let common = DecodeCommon::from_start(start, now + self.config.decode_deadline);
-        tracing::debug!(key = %key, epoch = %common.epoch, peer = %peer, "decode request allocated");
+        let common = DecodeCommon::from_start(
+            start,
+            now + self.config.decode_deadline,
+            self.traces.next_id(),
+        );
+        tracing::debug!(key = %key, epoch = %common.epoch, trace_id = %common.trace, peer = %peer,
+            "decode request allocated");
         self.decodes.insert(common, &self.config);
         if self.peers.get(&peer).is_some_and(Peer::is_connected) {
             self.step_decode(now, &key, DecodeInput::PeerConnected);

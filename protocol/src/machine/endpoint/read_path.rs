@@ -63,8 +63,13 @@ impl Endpoint {
         }
         let key = start.key.clone();
         let holder = start.holder.clone();
-        let common = ImportCommon::from_start(start, now + self.config.decode_deadline);
-        tracing::debug!(key = %key, epoch = %common.epoch, holder = %holder, "import allocated");
+        let common = ImportCommon::from_start(
+            start,
+            now + self.config.decode_deadline,
+            self.traces.next_id(),
+        );
+        tracing::debug!(key = %key, epoch = %common.epoch, trace_id = %common.trace, holder = %holder,
+            "import allocated");
         self.imports.insert(common, &self.config);
         if self.peers.get(&holder).is_some_and(Peer::is_connected) {
             self.step_import(now, &key, ImportInput::PeerConnected);
@@ -82,7 +87,7 @@ impl Endpoint {
         self.send_or_queue(now, &start.holder, release);
         self.imports
             .remember(now, start.key.clone(), start.epoch, &self.config);
-        let common = ImportCommon::from_start(start, now);
+        let common = ImportCommon::from_start(start, now, self.traces.next_id());
         let failure = crate::machine::read_types::ImportFailure::DeclinedNearExpiry;
         let outcome = common.outcome_of(failure, 0);
         self.import_event(common, outcome);
@@ -220,6 +225,7 @@ impl Endpoint {
                         from,
                         epoch: ask.epoch,
                         ask: ask.ask,
+                        trace: ask.trace_id,
                     };
                     self.step_export(now, &ask.key, input);
                 } else {

@@ -33,6 +33,7 @@ fn register() -> Message {
         decode_rank: 0,
         blocks: BlockIds::single_group(vec![40, 41]),
         num_tokens: 32,
+        trace_id: crate::TraceId::from_u128(0x7ace),
     }))
 }
 

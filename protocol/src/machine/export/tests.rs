@@ -146,6 +146,7 @@ impl GrantedAt {
             reader: self.reader,
             epoch: self.epoch,
             fence: self.fence,
+            trace: crate::TraceId::from_u128(0x7ace),
         })
     }
 }
@@ -281,6 +282,7 @@ fn ask(from: PeerAddr, epoch: Epoch) -> ExportInput {
         from,
         epoch,
         ask: 0,
+        trace: crate::TraceId::from_u128(0x7ace),
     }
 }
 

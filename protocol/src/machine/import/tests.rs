@@ -97,6 +97,7 @@ fn common_of(policy: LoadFailurePolicy, blocks: BlockIds, num_tokens: u64) -> Im
         block_tokens: BLOCK_TOKENS,
         policy,
         deadline: ms(DEADLINE_MS),
+        trace: crate::TraceId::from_u128(0x7ace),
     }
 }
 
@@ -293,6 +294,7 @@ fn ask_sent_n(n: u32) -> Output {
             reader_request: request(),
             reader_rank: 3,
             ask: n,
+            trace_id: crate::TraceId::from_u128(0x7ace),
         }),
     }
 }
@@ -1700,7 +1702,7 @@ fn common_from_start_keeps_the_fields() {
         expires: None,
     };
     assert_eq!(
-        ImportCommon::from_start(start, ms(DEADLINE_MS)),
+        ImportCommon::from_start(start, ms(DEADLINE_MS), crate::TraceId::from_u128(0x7ace)),
         common(RECOMPUTE)
     );
 }

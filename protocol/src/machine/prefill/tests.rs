@@ -89,6 +89,7 @@ fn register_from(from: &PeerAddr, epoch: Epoch, blocks: BlockIds) -> PrefillInpu
             decode_rank: from.rank,
             blocks,
             num_tokens: 40,
+            trace_id: crate::TraceId::from_u128(0x7ace),
         }),
     }
 }
@@ -121,6 +122,7 @@ fn binding() -> Binding {
         epoch: EPOCH,
         to: d(),
         write: WRITE,
+        trace: crate::TraceId::from_u128(0x7ace),
     }
 }
 
@@ -347,6 +349,7 @@ fn held_cases() -> Vec<Case> {
                 epoch: EPOCH,
                 to,
                 write: WRITE,
+                trace: crate::TraceId::from_u128(0x7ace),
             },
             write_deadline: ms(NOW_MS + 1_000),
         }))

@@ -83,6 +83,7 @@ fn registration(from: &PeerAddr, epoch: Epoch) -> Box<Register> {
         decode_rank: from.rank,
         blocks: d_blocks(),
         num_tokens: 40,
+        trace_id: crate::TraceId::from_u128(0x7ace),
     })
 }
 
@@ -328,6 +329,7 @@ fn binding(epoch: Epoch) -> Binding {
         epoch,
         to: d(),
         write: W1,
+        trace: crate::TraceId::from_u128(0x7ace),
     }
 }
 

@@ -1,0 +1,31 @@
+//! The field rules [`Message::validate`](super::Message::validate) applies that are not a
+//! type's own: epochs, list lengths, layer-wise parts.
+
+use super::{FieldError, WritePartDone, MAX_WRITE_LAYERS};
+use crate::ids::Epoch;
+
+pub(super) fn check_epoch(epoch: Epoch) -> Result<(), FieldError> {
+    if epoch.0 == 0 {
+        return Err(FieldError::ZeroEpoch);
+    }
+    Ok(())
+}
+
+pub(super) fn check_part(part: &WritePartDone) -> Result<(), FieldError> {
+    let end = part.first.checked_add(part.count);
+    if part.count == 0 || part.of > MAX_WRITE_LAYERS || end.is_none_or(|end| end > part.of) {
+        return Err(FieldError::BadPart {
+            first: part.first,
+            count: part.count,
+            of: part.of,
+        });
+    }
+    Ok(())
+}
+
+pub(super) fn check_len(field: &'static str, len: usize, limit: usize) -> Result<(), FieldError> {
+    if len > limit {
+        return Err(FieldError::TooMany { field, len, limit });
+    }
+    Ok(())
+}
