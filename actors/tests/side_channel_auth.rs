@@ -438,9 +438,11 @@ async fn raw_client(addr: SocketAddr, info: &PeerInfo, key: &[u8], alter: bool) 
     mac(key, "listener proof", &n_i, n_l, &[])
         .verify_slice(&challenge[40..])
         .expect("the listener's proof");
-    let mut ours = wire::encode(&Message::Handshake(Box::new(
-        info.handshake(vec![TransferMode::Push], 7),
-    )));
+    let mut ours = wire::encode(&Message::Handshake(Box::new(info.handshake(
+        vec![TransferMode::Push],
+        7,
+        kvhandoff_protocol::TraceId::from_u128(7),
+    ))));
     let tag = mac(key, "initiator handshake", &n_i, n_l, &[&ours])
         .finalize()
         .into_bytes();
@@ -471,9 +473,11 @@ async fn a_keyed_listener_writes_nothing_to_a_keyless_peer() {
     let fabric = MemFabric::new();
     let p = start(&fabric, "prefill", keyed(key(KEY_A)));
     let raw = raw_info(&fabric);
-    let plain = wire::encode(&Message::Handshake(Box::new(
-        raw.handshake(vec![TransferMode::Push], 7),
-    )));
+    let plain = wire::encode(&Message::Handshake(Box::new(raw.handshake(
+        vec![TransferMode::Push],
+        7,
+        kvhandoff_protocol::TraceId::from_u128(7),
+    ))));
     assert!(
         replay_to(p.addr, &plain).await.is_empty(),
         "nothing written"
