@@ -123,19 +123,31 @@ mod tests {
         compatibility_hash(&i, &g)
     }
 
-    /// The hash of one fixed input, pinned: it is part of protocol version 5. If it changes, the
+    /// The hash of one fixed input, pinned: it is part of protocol version 6. If it changes, the
     /// hash's inputs or encoding changed, and so must `PROTOCOL_VERSION` (which is hashed too, so
     /// a version bump changes this value and the pin must then be updated). The value was
     /// reproduced independently (Python `hashlib`) from the field encoding in docs/protocol.md.
     #[test]
     fn the_hash_is_stable() {
         assert_eq!(
-            PROTOCOL_VERSION, 5,
+            PROTOCOL_VERSION, 6,
             "update the pinned hash with the version"
         );
         assert_eq!(
             hex(compatibility_hash(&identity(), &geometry())),
-            "e541a4ea4d52fb90cf48ec8f3515c32c4ebc4f7237e20e4e00f1eac6f30323f2"
+            "de02011937243a65dfeb47327b6bca1bb9a162464777bae42a59e5ee8f0cafca"
+        );
+    }
+
+    /// The integrity setting's fold, pinned the same way (reproduced with Python `hashlib`:
+    /// SHA-256 of the tag bytes then the 32 bytes of the hash above; docs/protocol.md §7).
+    #[test]
+    fn the_integrity_fold_is_stable() {
+        let on =
+            crate::integrity::with_integrity(compatibility_hash(&identity(), &geometry()), true);
+        assert_eq!(
+            hex(on),
+            "ada18b4b204738de54e1e88e90c40b42264465888e3bd7788f393281588a2f71"
         );
     }
 

@@ -21,8 +21,12 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+mod integrity;
 mod streams;
 
+pub use integrity::{DigestFn, MAX_TRACKED_REGISTRATIONS};
+
+use crate::integrity::DigestLayout;
 use crate::machine::{
     Endpoint, EndpointEvent, NetEvent, Output, ReadOrder, StreamedLayers, WriteOrder,
 };
@@ -212,6 +216,9 @@ pub struct TransportStats {
     pub send_failures: u64,
     /// Notifications from agents the transport does not know.
     pub unknown_senders: u64,
+    /// Writes whose landed bytes did not match their integrity digests (D), or whose
+    /// registration was unknown when their completion arrived.
+    pub digest_mismatches: u64,
 }
 
 /// The transport of one rank and what the shell knows around it: the rank's own handshake
@@ -228,6 +235,7 @@ pub struct TransportDriver<T: Transport> {
     notifications: Vec<Notification>,
     stats: TransportStats,
     streams: streams::Streams,
+    integrity: Option<integrity::Integrity>,
 }
 
 impl<T: Transport + std::fmt::Debug> std::fmt::Debug for TransportDriver<T> {
@@ -257,6 +265,7 @@ impl<T: Transport> TransportDriver<T> {
             notifications: Vec::new(),
             stats: TransportStats::default(),
             streams: streams::Streams::default(),
+            integrity: None,
         }
     }
 
@@ -264,6 +273,15 @@ impl<T: Transport> TransportDriver<T> {
     /// [`TransferRoute`]).
     pub fn set_route(&mut self, route: SharedRoute) {
         self.route = Some(route);
+    }
+
+    /// Turns integrity digests on (`Config::integrity_digest`, see [`crate::integrity`]): P's
+    /// writes carry digests of their blocks made with `hash` from the transport's
+    /// [`Transport::read_local`], and D checks the blocks of every write that lands against
+    /// them, reporting a mismatch as [`NetEvent::DigestMismatch`]. Only for equal-geometry
+    /// ranks (no [`TransferRoute`]).
+    pub fn set_integrity(&mut self, hash: DigestFn) {
+        self.integrity = Some(integrity::Integrity::new(hash));
     }
 
     /// The transport, for what the shell sets up around it (an arrival hook).
@@ -311,6 +329,9 @@ impl<T: Transport> TransportDriver<T> {
     pub fn perform(&mut self, op: TransportOp, feed: &mut Vec<NetEvent>) {
         match op {
             TransportOp::Send { to, message } => {
+                if let Some(integrity) = self.integrity.as_mut() {
+                    integrity.sending(&to, &message);
+                }
                 let bytes = wire::encode(&message);
                 if let Err(error) = self.transport.send_notification(&to, bytes) {
                     tracing::debug!(peer = %to, %error, "notification not sent");
@@ -324,13 +345,15 @@ impl<T: Transport> TransportDriver<T> {
                     }
                 }
             }
-            TransportOp::PostWrite(order) => feed.extend(match order.stream {
+            TransportOp::PostWrite(mut order) => feed.extend(match order.stream {
                 Some(stream) => self.post_stream(&order, stream),
-                None => self.post(&order),
+                None => self.post(&mut order),
             }),
             TransportOp::ExtendWrite { write, from, to } => {
                 tracing::trace!(%write, from, to, "write part");
-                feed.extend(self.streams.extend(&mut self.transport, write, to));
+                let layout = digest_layout(&self.own, &self.specs);
+                let digests = self.integrity.as_mut().map(|i| (i, &layout));
+                feed.extend(self.streams.extend(&mut self.transport, write, to, digests));
             }
             TransportOp::PostRead(order) => feed.extend(self.post_read(&order)),
             TransportOp::Abandon(write) => {
@@ -341,6 +364,9 @@ impl<T: Transport> TransportDriver<T> {
                 }
             }
             TransportOp::Invalidate(peer) => {
+                if let Some(integrity) = self.integrity.as_mut() {
+                    integrity.forget_peer(&peer);
+                }
                 self.transport.invalidate_remote(&peer);
                 self.peers.remove(&peer);
             }
@@ -385,8 +411,12 @@ impl<T: Transport> TransportDriver<T> {
             to: &order.to,
             notification: &order.notification,
             posted: stream.posted,
+            local: &order.local,
         };
-        self.streams.start(&mut self.transport, start, by_layer)
+        let layout = digest_layout(&self.own, &self.specs);
+        let digests = self.integrity.as_mut().map(|i| (i, &layout));
+        self.streams
+            .start(&mut self.transport, start, by_layer, digests)
     }
 
     /// The planned descriptors by the layer of the local region each reads, if every one lies
@@ -418,7 +448,26 @@ impl<T: Transport> TransportDriver<T> {
         Some(out)
     }
 
-    fn post(&mut self, order: &WriteOrder) -> Option<NetEvent> {
+    fn post(&mut self, order: &mut WriteOrder) -> Option<NetEvent> {
+        if let (Some(integrity), Message::WriteDone(done)) =
+            (self.integrity.as_mut(), &mut order.notification)
+        {
+            // Just before the post: the transport keeps source memory unchanged until the
+            // write's completion, so these are the bytes that travel.
+            let layout = digest_layout(&self.own, &self.specs);
+            let all = 0..crate::MAX_WRITE_LAYERS;
+            match integrity.digests(&self.transport, &layout, &order.local, all) {
+                Ok(digests) => done.digests = digests,
+                Err(error) => {
+                    tracing::warn!(key = %order.key, %error, "integrity digests not computed; write not posted");
+                    self.stats.post_failures += 1;
+                    return Some(NetEvent::WriteFailed {
+                        write: order.write,
+                        failure: WriteFailure::PostFailed,
+                    });
+                }
+            }
+        }
         let transfer = Transfer::write(order);
         let notification = wire::encode(&order.notification);
         self.plan_and_post(&transfer, |transport, descriptors| {
@@ -552,14 +601,39 @@ impl<T: Transport> TransportDriver<T> {
                 self.stats.unknown_senders += 1;
                 continue;
             };
-            feed.push(match wire::decode(&note.bytes) {
-                Ok(message) => NetEvent::Received { from, message },
-                Err(error) => NetEvent::Malformed {
-                    from: Some(from),
-                    error,
-                },
-            });
+            let message = match wire::decode(&note.bytes) {
+                Ok(message) => message,
+                Err(error) => {
+                    feed.push(NetEvent::Malformed {
+                        from: Some(from),
+                        error,
+                    });
+                    continue;
+                }
+            };
+            if let Some(integrity) = self.integrity.as_mut() {
+                let layout = digest_layout(&self.own, &self.specs);
+                match integrity.received(&self.transport, &layout, &from, &message) {
+                    integrity::Verdict::Pass => {}
+                    integrity::Verdict::Withhold => continue,
+                    integrity::Verdict::Mismatch => {
+                        self.stats.digest_mismatches += 1;
+                        feed.extend(integrity::Integrity::mismatch_event(from, &message));
+                        continue;
+                    }
+                }
+            }
+            feed.push(NetEvent::Received { from, message });
         }
+    }
+}
+
+/// This rank's memory as the integrity digests walk it.
+fn digest_layout<'a>(own: &'a PeerInfo, specs: &'a [RegionSpec]) -> DigestLayout<'a> {
+    DigestLayout {
+        regions: &own.regions,
+        specs,
+        kernel_blocks_per_logical: own.geometry.kernel_blocks_per_logical,
     }
 }
 

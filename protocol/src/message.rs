@@ -186,6 +186,11 @@ pub struct WriteDone {
     pub epoch: Epoch,
     /// P's TP rank that wrote.
     pub prefill_rank: u32,
+    /// The integrity digests of the written blocks as P read them (see [`crate::integrity`]):
+    /// empty unless both sides run with `Config::integrity_digest`, then one per
+    /// [`crate::integrity::blocks_per_digest`] blocks of the registration, at most
+    /// [`crate::integrity::MAX_WRITE_DIGESTS`].
+    pub digests: Vec<u64>,
 }
 
 /// One part of a layer-wise write landed: layers `first .. first + count` of P's `of` layers,
@@ -206,6 +211,9 @@ pub struct WritePartDone {
     pub count: u32,
     /// Layers of the whole write (P's layers on its rank).
     pub of: u32,
+    /// The integrity digests of the part's layers of the written blocks, as for
+    /// [`WriteDone::digests`] (empty unless integrity digests are on).
+    pub digests: Vec<u64>,
 }
 
 /// Why P could not complete its writes.
@@ -228,6 +236,10 @@ pub enum WriteFailure {
     Unavailable,
     /// D's registration waited for P's prefill longer than P keeps registrations.
     RegistrationExpired,
+    /// The bytes that landed on D do not match the digests P computed over what it wrote
+    /// (`Config::integrity_digest`): corrupted in flight. Never sent by P: D's shell reports it
+    /// for a write whose notification arrived (so nothing of it is in flight any more).
+    DigestMismatch,
 }
 
 /// P → D: P will not (or no longer) write `epoch` for `key`, and nothing it posted for that
@@ -487,6 +499,14 @@ fn check_part(part: &WritePartDone) -> Result<(), FieldError> {
     Ok(())
 }
 
+fn check_digests(digests: &[u64]) -> Result<(), FieldError> {
+    check_len(
+        "write digests",
+        digests.len(),
+        crate::integrity::MAX_WRITE_DIGESTS,
+    )
+}
+
 fn check_len(field: &'static str, len: usize, limit: usize) -> Result<(), FieldError> {
     if len > limit {
         return Err(FieldError::TooMany { field, len, limit });
@@ -582,9 +602,12 @@ impl Message {
             }
             Message::ReadAsk(m) => m.reader_request.validate().map_err(FieldError::from),
             Message::ReadGrant(m) => m.blocks.validate(),
-            Message::WritePartDone(m) => check_part(m),
-            Message::WriteDone(_)
-            | Message::WriteFailed(_)
+            Message::WritePartDone(m) => {
+                check_part(m)?;
+                check_digests(&m.digests)
+            }
+            Message::WriteDone(m) => check_digests(&m.digests),
+            Message::WriteFailed(_)
             | Message::Cancel(_)
             | Message::CancelAck(_)
             | Message::Release(_)

@@ -35,7 +35,7 @@ use kvhandoff_protocol::{
 /// The protocol version the golden files were made with. If this test fails because
 /// `PROTOCOL_VERSION` changed, bless the files and update this constant in the same change; if
 /// the files changed, `PROTOCOL_VERSION` must change too.
-const GOLDEN_PROTOCOL_VERSION: u16 = 5;
+const GOLDEN_PROTOCOL_VERSION: u16 = 6;
 
 #[test]
 fn goldens_pin_the_protocol_version() {
@@ -141,6 +141,7 @@ fn write_done() -> Message {
         key: key(),
         epoch: Epoch(2),
         prefill_rank: 1,
+        digests: vec![0x2d06_8005_38d3_94c2, 7],
     })
 }
 
@@ -152,6 +153,7 @@ fn write_part_done() -> Message {
         first: 20,
         count: 10,
         of: 80,
+        digests: vec![0x0123_4567_89ab_cdef],
     })
 }
 
@@ -407,7 +409,7 @@ fn the_release_vector_reads_as_documented() {
     let bytes = wire::encode(&release());
     let expected: Vec<u8> = [
         &b"KVHO"[..],     // magic
-        &[0x05, 0x00],    // version 5, little endian
+        &[0x06, 0x00],    // version 6, little endian
         &[0x08],          // kind: Release
         &[0x00],          // flags
         &[0x0a, 0, 0, 0], // payload length 10, little endian

@@ -57,6 +57,7 @@ fn one_of_each() -> Vec<Message> {
             key: key(),
             epoch: Epoch(2),
             prefill_rank: 0,
+            digests: Vec::new(),
         }),
         Message::WriteFailed(WriteFailed {
             key: key(),
@@ -111,6 +112,7 @@ fn one_of_each() -> Vec<Message> {
             first: 0,
             count: 1,
             of: 1,
+            digests: Vec::new(),
         }),
     ]
 }
@@ -125,6 +127,7 @@ fn a_write_part_names_layers_within_its_write() {
             first,
             count,
             of,
+            digests: Vec::new(),
         })
         .validate()
     };

@@ -418,6 +418,7 @@ fn post(epoch: Epoch) -> Output {
             key: key(),
             epoch,
             prefill_rank: RANK,
+            digests: Vec::new(),
         }),
         stream: None,
     }))
@@ -2405,6 +2406,7 @@ fn post_to(write: WriteId, to: &PeerAddr, epoch: Epoch) -> Output {
             key: key(),
             epoch,
             prefill_rank: RANK,
+            digests: Vec::new(),
         }),
         stream: None,
     }))
