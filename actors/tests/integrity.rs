@@ -1,0 +1,216 @@
+//! Integrity digests end to end (`Config::integrity_digest`): the in-memory transport corrupts
+//! one byte of a write in flight (`MemFaults::corrupt_next_transfers`); with digests on D fails
+//! the request with `WriteFailed(DigestMismatch)` and hands its blocks back, and the next
+//! request goes through; with digests off the same corruption reaches the engine as
+//! `BlocksReady` (the protocol cannot see it), which is what makes the first test able to fail.
+
+mod fixture;
+use fixture::{call, fill, geometry, model, wrong_bytes};
+
+use std::time::Duration;
+
+use kvhandoff_actors::system::{
+    build_mem_rank, start_rank, Directory, Handshaker, KvPool, QueryCounters, QueryStats,
+    RankHandle, ShellConfig,
+};
+use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_protocol::machine::{
+    Config, DecodeFailure, DecodeStart, EndpointCall, FreeProof, PrefillStart,
+};
+use kvhandoff_protocol::session::ConnectorEvent;
+use kvhandoff_protocol::{
+    AgentName, BlockIds, EngineId, Epoch, PairingKey, PeerAddr, RequestId, WriteFailure,
+};
+
+struct Rank {
+    handle: RankHandle,
+    pool: KvPool,
+    agent: AgentName,
+}
+
+fn start(fabric: &MemFabric, directory: &Directory, engine: &str, integrity: bool) -> Rank {
+    let engine = EngineId::new(engine).unwrap();
+    let config = Config {
+        integrity_digest: integrity,
+        ..Config::fast()
+    };
+    let (setup, pool) = build_mem_rank(
+        fabric,
+        &engine,
+        geometry(),
+        &model(),
+        32,
+        config,
+        ShellConfig::default(),
+    )
+    .unwrap();
+    let agent = setup.info.agent.clone();
+    Rank {
+        handle: start_rank(setup, Handshaker::InProcess(directory.clone()), None).unwrap(),
+        pool,
+        agent,
+    }
+}
+
+async fn next_event(rank: &mut RankHandle) -> ConnectorEvent {
+    tokio::time::timeout(Duration::from_secs(30), rank.events.recv())
+        .await
+        .expect("an event within 30 s of virtual time")
+        .expect("the rank is alive")
+}
+
+fn decode_start(id: &str, blocks: Vec<u32>) -> DecodeStart {
+    let request = RequestId::new(id).unwrap();
+    DecodeStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        epoch: Epoch::FIRST,
+        prefill: PeerAddr::new(EngineId::new("prefill").unwrap(), 0),
+        blocks: BlockIds::single_group(blocks),
+        num_tokens: 12,
+        expected_writes: 1,
+    }
+}
+
+fn prefill_start(id: &str, blocks: Vec<u32>) -> PrefillStart {
+    let request = RequestId::new(id).unwrap();
+    PrefillStart {
+        key: PairingKey::from_request_id(&request),
+        request,
+        blocks: BlockIds::single_group(blocks),
+    }
+}
+
+/// Hands one request from P to D (D registers first) and returns D's first event.
+async fn hand_off(p: &mut Rank, d: &mut Rank, name: &str, p_blocks: &[u32], d_blocks: &[u32]) -> ConnectorEvent {
+    call(
+        &d.handle,
+        EndpointCall::DecodeAllocated(decode_start(&format!("{name}-11111111"), d_blocks.to_vec())),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    fill(&p.pool, name, p_blocks);
+    call(
+        &p.handle,
+        EndpointCall::PrefillFinished(prefill_start(&format!("{name}-22222222"), p_blocks.to_vec())),
+    )
+    .await
+    .unwrap();
+    next_event(&mut d.handle).await
+}
+
+/// P's blocks come back once its write ended, whatever D found.
+async fn p_frees_its_blocks(p: &mut Rank) {
+    let event = next_event(&mut p.handle).await;
+    assert!(
+        matches!(event, ConnectorEvent::BlocksFree { .. }),
+        "{event:?}"
+    );
+}
+
+fn corrupt_next_write(fabric: &MemFabric, p: &Rank) {
+    let mut faults = fabric.faults(&p.agent).unwrap();
+    faults.corrupt_next_transfers = 1;
+    fabric.set_faults(&p.agent, faults).unwrap();
+}
+
+#[actix_rt::test]
+async fn a_byte_corrupted_in_flight_fails_the_request_with_the_digest_cause() {
+    tokio::time::pause();
+    let fabric = MemFabric::new();
+    let directory = Directory::new();
+    let mut p = start(&fabric, &directory, "prefill", true);
+    let mut d = start(&fabric, &directory, "decode", true);
+
+    corrupt_next_write(&fabric, &p);
+    let d_blocks = [3, 4, 5];
+    let event = hand_off(&mut p, &mut d, "req-bad", &[20, 21, 22], &d_blocks).await;
+    assert!(
+        matches!(
+            event,
+            ConnectorEvent::Failed {
+                reason: DecodeFailure::WriteFailed(WriteFailure::DigestMismatch),
+                // The write's notification came after its data: nothing is in flight, and the
+                // blocks come back as for any failed write.
+                proof: FreeProof::PeerQuiesced,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+    // The corruption was real: one byte of D's blocks differs from what P wrote.
+    assert_eq!(wrong_bytes(&d.pool, "req-bad", &d_blocks), 1);
+    p_frees_its_blocks(&mut p).await;
+
+    // The next request, into the same D blocks, goes through untouched.
+    let event = hand_off(&mut p, &mut d, "req-good", &[20, 21, 22], &d_blocks).await;
+    assert!(
+        matches!(event, ConnectorEvent::BlocksReady { .. }),
+        "{event:?}"
+    );
+    assert_eq!(wrong_bytes(&d.pool, "req-good", &d_blocks), 0);
+    p_frees_its_blocks(&mut p).await;
+
+    // Counted, and nothing is left behind on either side.
+    let counters = d.handle.rank.send(QueryCounters).await.unwrap();
+    assert_eq!(counters.digest_mismatches, 1);
+    for rank in [&p, &d] {
+        let stats = rank.handle.rank.send(QueryStats).await.unwrap();
+        assert_eq!(
+            (stats.decode_requests, stats.prefill_requests, stats.writes_in_flight),
+            (0, 0, 0),
+            "{stats:?}"
+        );
+    }
+}
+
+/// The control: without digests the same corruption reaches the engine as ready blocks.
+#[actix_rt::test]
+async fn without_digests_the_same_corruption_goes_unnoticed() {
+    tokio::time::pause();
+    let fabric = MemFabric::new();
+    let directory = Directory::new();
+    let mut p = start(&fabric, &directory, "prefill", false);
+    let mut d = start(&fabric, &directory, "decode", false);
+
+    corrupt_next_write(&fabric, &p);
+    let d_blocks = [3, 4, 5];
+    let event = hand_off(&mut p, &mut d, "req-bad", &[20, 21, 22], &d_blocks).await;
+    assert!(
+        matches!(event, ConnectorEvent::BlocksReady { .. }),
+        "{event:?}"
+    );
+    assert_eq!(wrong_bytes(&d.pool, "req-bad", &d_blocks), 1);
+    let counters = d.handle.rank.send(QueryCounters).await.unwrap();
+    assert_eq!(counters.digest_mismatches, 0);
+}
+
+/// The setting is part of the compatibility hash: a P and a D that disagree refuse each other
+/// at the handshake, and D hands its blocks back at once.
+#[actix_rt::test]
+async fn sides_that_disagree_on_digests_refuse_each_other() {
+    tokio::time::pause();
+    let fabric = MemFabric::new();
+    let directory = Directory::new();
+    let _p = start(&fabric, &directory, "prefill", true);
+    let mut d = start(&fabric, &directory, "decode", false);
+    call(
+        &d.handle,
+        EndpointCall::DecodeAllocated(decode_start("mixed-11111111", vec![1, 2])),
+    )
+    .await
+    .unwrap();
+    let event = next_event(&mut d.handle).await;
+    assert!(
+        matches!(
+            event,
+            ConnectorEvent::Failed {
+                reason: DecodeFailure::HandshakeFailed,
+                proof: FreeProof::NeverExposed,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+}
