@@ -82,7 +82,13 @@ fn prefill_start(id: &str, blocks: Vec<u32>) -> PrefillStart {
 }
 
 /// Hands one request from P to D (D registers first) and returns D's first event.
-async fn hand_off(p: &mut Rank, d: &mut Rank, name: &str, p_blocks: &[u32], d_blocks: &[u32]) -> ConnectorEvent {
+async fn hand_off(
+    p: &mut Rank,
+    d: &mut Rank,
+    name: &str,
+    p_blocks: &[u32],
+    d_blocks: &[u32],
+) -> ConnectorEvent {
     call(
         &d.handle,
         EndpointCall::DecodeAllocated(decode_start(&format!("{name}-11111111"), d_blocks.to_vec())),
@@ -93,7 +99,10 @@ async fn hand_off(p: &mut Rank, d: &mut Rank, name: &str, p_blocks: &[u32], d_bl
     fill(&p.pool, name, p_blocks);
     call(
         &p.handle,
-        EndpointCall::PrefillFinished(prefill_start(&format!("{name}-22222222"), p_blocks.to_vec())),
+        EndpointCall::PrefillFinished(prefill_start(
+            &format!("{name}-22222222"),
+            p_blocks.to_vec(),
+        )),
     )
     .await
     .unwrap();
@@ -158,7 +167,11 @@ async fn a_byte_corrupted_in_flight_fails_the_request_with_the_digest_cause() {
     for rank in [&p, &d] {
         let stats = rank.handle.rank.send(QueryStats).await.unwrap();
         assert_eq!(
-            (stats.decode_requests, stats.prefill_requests, stats.writes_in_flight),
+            (
+                stats.decode_requests,
+                stats.prefill_requests,
+                stats.writes_in_flight
+            ),
             (0, 0, 0),
             "{stats:?}"
         );
@@ -213,4 +226,185 @@ async fn sides_that_disagree_on_digests_refuse_each_other() {
         ),
         "{event:?}"
     );
+}
+
+/// Layer-wise writes, at the driver: a corrupt part is withheld from D's endpoint (its request
+/// cannot become ready) and the mismatch is reported only once every part arrived (none is in
+/// flight any more); a clean write's parts all pass.
+mod layerwise {
+    use super::{geometry, model};
+    use kvhandoff_actors::system::{build_mem_rank, ShellConfig};
+    use kvhandoff_actors::transport::mem::{MemFabric, MemTransport};
+    use kvhandoff_protocol::driver::{PeerInfo, TransportDriver, TransportOp};
+    use kvhandoff_protocol::machine::{Config, NetEvent, StreamedLayers, WriteOrder};
+    use kvhandoff_protocol::{
+        BlockIds, EngineId, Epoch, Message, PairingKey, Register, RequestId, WriteDone, WriteId,
+    };
+
+    struct Side {
+        driver: TransportDriver<MemTransport>,
+        info: PeerInfo,
+    }
+
+    fn side(fabric: &MemFabric, name: &str) -> Side {
+        let config = Config {
+            integrity_digest: true,
+            ..Config::fast()
+        };
+        let engine = EngineId::new(name).unwrap();
+        let (setup, pool) = build_mem_rank(
+            fabric,
+            &engine,
+            geometry(),
+            &model(),
+            16,
+            config,
+            ShellConfig::default(),
+        )
+        .unwrap();
+        // Distinct bytes in every block, so that a digest of the wrong bytes cannot match.
+        for (r, (spec, region)) in pool.regions().enumerate() {
+            for b in 0..16 {
+                let (offset, len) = pool.block_span(spec, b);
+                let bytes: Vec<u8> = (0..len)
+                    .map(|i| (i as usize * 7 + r * 31 + b as usize) as u8)
+                    .collect();
+                region.write(offset, &bytes).unwrap();
+            }
+        }
+        let mut driver = TransportDriver::new(setup.transport, setup.info.clone());
+        driver.set_integrity(kvhandoff_kernels::digest::digest);
+        Side {
+            driver,
+            info: setup.info,
+        }
+    }
+
+    fn poll(side: &mut Side) -> Vec<NetEvent> {
+        let mut feed = Vec::new();
+        for _ in 0..3 {
+            side.driver.poll(&mut feed);
+        }
+        feed
+    }
+
+    fn perform(side: &mut Side, op: TransportOp) -> Vec<NetEvent> {
+        let mut feed = Vec::new();
+        side.driver.perform(op, &mut feed);
+        feed
+    }
+
+    /// D registers blocks 3 and 4 for `key`; P writes its blocks 1 and 2 there, layer by layer.
+    fn start(p: &mut Side, d: &mut Side, key: &PairingKey, write: u64) {
+        let register = Message::Register(Box::new(Register {
+            key: key.clone(),
+            epoch: Epoch::FIRST,
+            decode_engine: d.info.peer.engine.clone(),
+            decode_request: RequestId::new("req-11111111").unwrap(),
+            decode_rank: 0,
+            blocks: BlockIds::single_group(vec![3, 4]),
+            num_tokens: 8,
+        }));
+        let to_p = p.info.peer.clone();
+        perform(
+            d,
+            TransportOp::Send {
+                to: to_p,
+                message: register,
+            },
+        );
+        poll(p);
+        let order = WriteOrder {
+            write: WriteId(write),
+            to: d.info.peer.clone(),
+            key: key.clone(),
+            epoch: Epoch::FIRST,
+            local: BlockIds::single_group(vec![1, 2]),
+            remote: BlockIds::single_group(vec![3, 4]),
+            notification: Message::WriteDone(WriteDone {
+                key: key.clone(),
+                epoch: Epoch::FIRST,
+                prefill_rank: 0,
+                digests: Vec::new(),
+            }),
+            stream: Some(StreamedLayers {
+                layers: 2,
+                posted: 1,
+            }),
+        };
+        assert!(perform(p, TransportOp::PostWrite(Box::new(order))).is_empty());
+    }
+
+    fn parts(feed: &[NetEvent]) -> Vec<(u32, usize)> {
+        feed.iter()
+            .filter_map(|e| match e {
+                NetEvent::Received {
+                    message: Message::WritePartDone(m),
+                    ..
+                } => Some((m.first, m.digests.len())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn mismatches(feed: &[NetEvent]) -> usize {
+        feed.iter()
+            .filter(|e| matches!(e, NetEvent::DigestMismatch { .. }))
+            .count()
+    }
+
+    #[test]
+    fn a_corrupt_part_is_withheld_and_reported_after_the_last_part() {
+        let fabric = MemFabric::new();
+        let (mut p, mut d) = (side(&fabric, "prefill"), side(&fabric, "decode"));
+        p.driver.load_peer(d.info.clone()).unwrap();
+        d.driver.load_peer(p.info.clone()).unwrap();
+
+        // A clean write: both parts reach D's endpoint, each with one digest per block.
+        let clean = PairingKey::new("clean").unwrap();
+        start(&mut p, &mut d, &clean, 1);
+        poll(&mut p);
+        let first = poll(&mut d);
+        perform(
+            &mut p,
+            TransportOp::ExtendWrite {
+                write: WriteId(1),
+                from: 1,
+                to: 2,
+            },
+        );
+        poll(&mut p);
+        let second = poll(&mut d);
+        assert_eq!(
+            (parts(&first), parts(&second)),
+            (vec![(0, 2)], vec![(1, 2)])
+        );
+        assert_eq!(mismatches(&first) + mismatches(&second), 0);
+
+        // The first part of the next write lands with a byte flipped.
+        let bad = PairingKey::new("bad").unwrap();
+        p.driver
+            .transport_mut()
+            .update_faults(|f| f.corrupt_next_transfers = 1);
+        start(&mut p, &mut d, &bad, 2);
+        poll(&mut p);
+        let first = poll(&mut d);
+        assert_eq!(
+            (parts(&first), mismatches(&first)),
+            (vec![], 0),
+            "{first:?}"
+        );
+        perform(
+            &mut p,
+            TransportOp::ExtendWrite {
+                write: WriteId(2),
+                from: 1,
+                to: 2,
+            },
+        );
+        poll(&mut p);
+        let last = poll(&mut d);
+        assert_eq!((parts(&last), mismatches(&last)), (vec![], 1), "{last:?}");
+        assert_eq!(d.driver.stats().digest_mismatches, 1);
+    }
 }

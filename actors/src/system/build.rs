@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use kvhandoff_protocol::{
-    compatibility_hash, integrity::with_integrity, AgentName, EngineId, GeometryError, IdError, Incarnation, KvGeometry,
-    ModelIdentity, RegionDesc, RegionSpec,
+    compatibility_hash, integrity::with_integrity, AgentName, EngineId, GeometryError, IdError,
+    Incarnation, KvGeometry, ModelIdentity, RegionDesc, RegionSpec,
 };
 
 use super::regions::{AdoptError, AdoptMemory, KvRegion};
@@ -289,10 +289,7 @@ fn own_info<T: Transport>(
         regions,
         // Integrity digests must be on on both sides or on neither: a rank that disagrees
         // has another hash, so the handshake refuses the pair (`Incompatible`).
-        compat: with_integrity(
-            compatibility_hash(model, geometry),
-            config.integrity_digest,
-        ),
+        compat: with_integrity(compatibility_hash(model, geometry), config.integrity_digest),
         geometry: geometry.clone(),
         incarnation: Incarnation::random(),
     })
@@ -547,7 +544,14 @@ pub fn build_rank_on_regions<T: AdoptMemory>(
     // Checked before anything is registered.
     let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
     let (descs, registered) = adopt_all(&mut transport, regions, |i, _| specs[i].block_len)?;
-    let info = own_info(&transport, engine, &geometry, model, descs, endpoint.config())?;
+    let info = own_info(
+        &transport,
+        engine,
+        &geometry,
+        model,
+        descs,
+        endpoint.config(),
+    )?;
     let pool = KvPool {
         geometry,
         specs,
@@ -605,7 +609,14 @@ pub fn build_routed_rank_on_regions<T: AdoptMemory>(
     refuse_routed_integrity(&config)?;
     let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
     let (descs, registered) = adopt_all(&mut transport, regions, |_, len| len)?;
-    let info = own_info(&transport, engine, &geometry, model, descs, endpoint.config())?;
+    let info = own_info(
+        &transport,
+        engine,
+        &geometry,
+        model,
+        descs,
+        endpoint.config(),
+    )?;
     Ok((
         RankSetup {
             endpoint,
