@@ -282,6 +282,13 @@ fn own_info<T: Transport>(
     regions: Vec<RegionDesc>,
     config: &Config,
 ) -> Result<PeerInfo, BuildError> {
+    if config.integrity_digest {
+        // Digests need the transport to read its own memory (NIXL cannot): refuse the rank
+        // now rather than fail every write it posts.
+        if let Some(region) = regions.first() {
+            transport.read_local(region.base, 1, &mut Vec::new())?;
+        }
+    }
     Ok(PeerInfo {
         peer: PeerAddr::new(engine.clone(), geometry.rank_index()),
         agent: transport.agent_name().clone(),
