@@ -22,11 +22,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 mod integrity;
+use integrity::digest_layout;
 mod streams;
 
 pub use integrity::{DigestFn, MAX_TRACKED_REGISTRATIONS};
 
-use crate::integrity::DigestLayout;
 use crate::machine::{
     Endpoint, EndpointEvent, NetEvent, Output, ReadOrder, StreamedLayers, WriteOrder,
 };
@@ -449,23 +449,15 @@ impl<T: Transport> TransportDriver<T> {
     }
 
     fn post(&mut self, order: &mut WriteOrder) -> Option<NetEvent> {
-        if let (Some(integrity), Message::WriteDone(done)) =
-            (self.integrity.as_mut(), &mut order.notification)
-        {
-            // Just before the post: the transport keeps source memory unchanged until the
-            // write's completion, so these are the bytes that travel.
+        if let Some(integrity) = self.integrity.as_mut() {
             let layout = digest_layout(&self.own, &self.specs);
-            let all = 0..crate::MAX_WRITE_LAYERS;
-            match integrity.digests(&self.transport, &layout, &order.local, all) {
-                Ok(digests) => done.digests = digests,
-                Err(error) => {
-                    tracing::warn!(key = %order.key, %error, "integrity digests not computed; write not posted");
-                    self.stats.post_failures += 1;
-                    return Some(NetEvent::WriteFailed {
-                        write: order.write,
-                        failure: WriteFailure::PostFailed,
-                    });
-                }
+            if let Err(error) = integrity.fill_write(&self.transport, &layout, order) {
+                tracing::warn!(key = %order.key, %error, "integrity digests not computed; write not posted");
+                self.stats.post_failures += 1;
+                return Some(NetEvent::WriteFailed {
+                    write: order.write,
+                    failure: WriteFailure::PostFailed,
+                });
             }
         }
         let transfer = Transfer::write(order);
@@ -611,29 +603,15 @@ impl<T: Transport> TransportDriver<T> {
                     continue;
                 }
             };
-            if let Some(integrity) = self.integrity.as_mut() {
-                let layout = digest_layout(&self.own, &self.specs);
-                match integrity.received(&self.transport, &layout, &from, &message) {
-                    integrity::Verdict::Pass => {}
-                    integrity::Verdict::Withhold => continue,
-                    integrity::Verdict::Mismatch => {
-                        self.stats.digest_mismatches += 1;
-                        feed.extend(integrity::Integrity::mismatch_event(from, &message));
-                        continue;
-                    }
+            feed.extend(match self.integrity.as_mut() {
+                Some(integrity) => {
+                    let layout = digest_layout(&self.own, &self.specs);
+                    let mismatches = &mut self.stats.digest_mismatches;
+                    integrity.screen(&self.transport, &layout, from, message, mismatches)
                 }
-            }
-            feed.push(NetEvent::Received { from, message });
+                None => Some(NetEvent::Received { from, message }),
+            });
         }
-    }
-}
-
-/// This rank's memory as the integrity digests walk it.
-fn digest_layout<'a>(own: &'a PeerInfo, specs: &'a [RegionSpec]) -> DigestLayout<'a> {
-    DigestLayout {
-        regions: &own.regions,
-        specs,
-        kernel_blocks_per_logical: own.geometry.kernel_blocks_per_logical,
     }
 }
 

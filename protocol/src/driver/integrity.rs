@@ -15,10 +15,20 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
+use super::PeerInfo;
 use crate::integrity::{DigestLayout, IntegrityError, SpanSink};
-use crate::machine::NetEvent;
+use crate::machine::{NetEvent, WriteOrder};
 use crate::transport::Transport;
-use crate::{BlockIds, Epoch, Message, PairingKey, PeerAddr, MAX_WRITE_LAYERS};
+use crate::{BlockIds, Epoch, Message, PairingKey, PeerAddr, RegionSpec, MAX_WRITE_LAYERS};
+
+/// This rank's memory as the integrity digests walk it.
+pub(super) fn digest_layout<'a>(own: &'a PeerInfo, specs: &'a [RegionSpec]) -> DigestLayout<'a> {
+    DigestLayout {
+        regions: &own.regions,
+        specs,
+        kernel_blocks_per_logical: own.geometry.kernel_blocks_per_logical,
+    }
+}
 
 /// The digest function the shell provides (`kvhandoff_kernels::digest::digest`): the protocol
 /// crate decides which bytes are digested, not how.
@@ -42,7 +52,7 @@ struct Tracked {
 
 /// What D's driver does with a received completion.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Verdict {
+enum Verdict {
     /// Hand it to the endpoint.
     Pass,
     /// Withhold it (a part of a write found corrupt, whose other parts are still coming).
@@ -110,6 +120,42 @@ impl Integrity {
         digests
     }
 
+    /// P: fills the digests of a whole write's `WriteDone`, just before its post (the transport
+    /// keeps source memory unchanged until the write's completion, so these are the bytes that
+    /// travel).
+    pub(super) fn fill_write<T: Transport>(
+        &mut self,
+        transport: &T,
+        layout: &DigestLayout<'_>,
+        order: &mut WriteOrder,
+    ) -> Result<(), IntegrityError> {
+        if let Message::WriteDone(done) = &mut order.notification {
+            let all = 0..MAX_WRITE_LAYERS;
+            done.digests = self.digests(transport, layout, &order.local, all)?;
+        }
+        Ok(())
+    }
+
+    /// D received `message` from `from`: the event to feed the endpoint (the message, or
+    /// [`NetEvent::DigestMismatch`] counted in `mismatches`), or none (withheld).
+    pub(super) fn screen<T: Transport>(
+        &mut self,
+        transport: &T,
+        layout: &DigestLayout<'_>,
+        from: PeerAddr,
+        message: Message,
+        mismatches: &mut u64,
+    ) -> Option<NetEvent> {
+        match self.received(transport, layout, &from, &message) {
+            Verdict::Pass => Some(NetEvent::Received { from, message }),
+            Verdict::Withhold => None,
+            Verdict::Mismatch => {
+                *mismatches += 1;
+                Self::mismatch_event(from, &message)
+            }
+        }
+    }
+
     /// D sends `message` to `to`: remember a registration's blocks for its completion.
     pub(super) fn sending(&mut self, to: &PeerAddr, message: &Message) {
         let Message::Register(register) = message else {
@@ -148,7 +194,7 @@ impl Integrity {
     }
 
     /// D received `message` from `from`: what to do with it (see [`Verdict`]).
-    pub(super) fn received<T: Transport>(
+    fn received<T: Transport>(
         &mut self,
         transport: &T,
         layout: &DigestLayout<'_>,
@@ -253,7 +299,7 @@ impl Integrity {
     }
 
     /// The event that reports `message`'s write corrupt.
-    pub(super) fn mismatch_event(from: PeerAddr, message: &Message) -> Option<NetEvent> {
+    fn mismatch_event(from: PeerAddr, message: &Message) -> Option<NetEvent> {
         let (key, epoch, prefill_rank) = match message {
             Message::WriteDone(m) => (m.key.clone(), m.epoch, m.prefill_rank),
             Message::WritePartDone(m) => (m.key.clone(), m.epoch, m.prefill_rank),
