@@ -408,3 +408,56 @@ mod layerwise {
         assert_eq!(d.driver.stats().digest_mismatches, 1);
     }
 }
+
+/// A routed (heterogeneous) rank rearranges bytes on the way, so there is nothing common to
+/// digest: the build refuses the setting before it allocates anything.
+#[test]
+fn a_routed_rank_refuses_integrity_digests() {
+    use std::sync::Arc;
+
+    use kvhandoff_actors::system::{agent_name, build_routed_rank, BuildError};
+    use kvhandoff_protocol::driver::{RouteError, RouteRequest, TransferRoute};
+    use kvhandoff_protocol::machine::ConfigError;
+    use kvhandoff_protocol::planner::Descriptor;
+    use kvhandoff_protocol::KvGeometry;
+
+    struct Nowhere;
+    impl TransferRoute for Nowhere {
+        fn accepts(&self, _: &KvGeometry, _: &KvGeometry) -> Result<(), RouteError> {
+            Ok(())
+        }
+        fn descriptors(
+            &self,
+            _: &RouteRequest<'_>,
+            _: &mut Vec<Descriptor>,
+        ) -> Result<(), RouteError> {
+            Err(RouteError("nothing to place".into()))
+        }
+    }
+
+    let fabric = MemFabric::new();
+    let engine = EngineId::new("routed").unwrap();
+    let transport = fabric.agent(agent_name(&engine, 0).unwrap()).unwrap();
+    let config = Config {
+        integrity_digest: true,
+        ..Config::fast()
+    };
+    let built = build_routed_rank(
+        transport,
+        &engine,
+        geometry(),
+        &model(),
+        &[4096],
+        config,
+        ShellConfig::default(),
+        Arc::new(Nowhere),
+    );
+    assert!(
+        matches!(
+            built,
+            Err(BuildError::Config(ConfigError::Contradiction(_)))
+        ),
+        "{:?}",
+        built.err()
+    );
+}
