@@ -311,3 +311,38 @@ fn field_errors_display() {
         "engine id is empty"
     );
 }
+
+/// A completion carries at most `MAX_WRITE_DIGESTS` digests (a peer controls the count); at the
+/// bound, with digests of the largest varint size, it still fits in one frame.
+#[test]
+fn write_digests_are_bounded_and_fit_a_frame() {
+    use crate::integrity::MAX_WRITE_DIGESTS;
+    let done = |n: usize| {
+        Message::WriteDone(WriteDone {
+            key: key(),
+            epoch: Epoch(1),
+            prefill_rank: 0,
+            digests: vec![u64::MAX; n],
+        })
+    };
+    assert_eq!(done(MAX_WRITE_DIGESTS).validate(), Ok(()));
+    assert!(crate::wire::encode(&done(MAX_WRITE_DIGESTS)).len() <= crate::wire::MAX_PAYLOAD_LEN);
+    assert_eq!(
+        done(MAX_WRITE_DIGESTS + 1).validate(),
+        Err(FieldError::TooMany {
+            field: "write digests",
+            len: MAX_WRITE_DIGESTS + 1,
+            limit: MAX_WRITE_DIGESTS,
+        })
+    );
+    let part = Message::WritePartDone(WritePartDone {
+        key: key(),
+        epoch: Epoch(1),
+        prefill_rank: 0,
+        first: 0,
+        count: 1,
+        of: 1,
+        digests: vec![0; MAX_WRITE_DIGESTS + 1],
+    });
+    assert!(matches!(part.validate(), Err(FieldError::TooMany { .. })));
+}
