@@ -275,6 +275,7 @@ where
         rank_addr.clone().recipient(),
         shell.poll_interval,
         route.clone(),
+        endpoint.config().integrity_digest,
     ));
     let directory = match &mode {
         link::LinkMode::InProcess(directory) => Some(directory.clone()),

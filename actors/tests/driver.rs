@@ -57,6 +57,7 @@ fn order(write: u64, to: &PeerAddr) -> WriteOrder {
             key,
             epoch: Epoch::FIRST,
             prefill_rank: 0,
+            digests: Vec::new(),
         }),
         stream: None,
     }

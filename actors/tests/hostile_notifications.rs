@@ -401,6 +401,7 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
             key: unknown.clone(),
             epoch: Epoch::FIRST,
             prefill_rank: 0,
+            digests: Vec::new(),
         }),
         Message::WriteFailed(WriteFailed {
             key: unknown.clone(),
@@ -458,6 +459,7 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
         key: key_of(&format!("{live}-dddddddd")),
         epoch: Epoch::FIRST,
         prefill_rank: 0,
+        digests: Vec::new(),
     }));
     hostile.send_notification(&d_addr, done.clone()).unwrap();
     stranger.send_notification(&d_addr, done).unwrap();

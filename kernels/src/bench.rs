@@ -15,6 +15,9 @@
 //! bandwidth over that of the copy run just before it (so a slower or faster stretch of the
 //! machine moves both sides of a ratio together).
 //!
+//! The integrity digest ([`crate::digest`]) is measured the same way, over a plain buffer of
+//! its own, one digest per kernel block: its figure counts the bytes it reads.
+//!
 //! With the feature `cuda` the run also compiles every CUDA kernel with NVRTC and, where a CUDA
 //! driver and GPU are present, runs each on the same workload, checks its output against the CPU
 //! kernel's and reports its bandwidth against a device-to-device copy; where there is none the
@@ -29,6 +32,7 @@ use serde::{Deserialize, Serialize};
 
 pub use workload::{fill_random, Case, Workload};
 
+use crate::digest::digest_blocks;
 use crate::{default_threads, BlockShape, KernelError};
 
 /// What a kernel benchmark runs.
@@ -212,6 +216,11 @@ pub struct KernelBenchReport {
     pub memcpy_gbps_range: [f64; 2],
     /// Each CPU kernel.
     pub kernels: Vec<KernelResult>,
+    /// The integrity digest ([`crate::digest::digest_blocks`]) of a plain buffer, one digest per
+    /// kernel block, on `threads` threads: `bytes` and `gbps` count the bytes it *reads* (it
+    /// writes 8 bytes a block), against a copy of as many bytes run just before it in each
+    /// round.
+    pub digest: KernelResult,
     /// The CUDA kernels.
     pub cuda: CudaResult,
 }
@@ -254,7 +263,7 @@ impl KernelBenchReport {
             "",
             "1.00"
         ));
-        for k in &self.kernels {
+        for k in self.kernels.iter().chain([&self.digest]) {
             out.push_str(&format!(
                 "{:<22} {:>8.0} {:>8.2}  {:>13}  {:>11.2}  {:>9.2}\n",
                 k.name,
@@ -356,6 +365,12 @@ pub fn run(options: &KernelBenchOptions) -> Result<KernelBenchReport, KernelBenc
 
     // Per case and round: (kernel GB/s, its reference copy's GB/s).
     let mut samples: Vec<Vec<(f64, f64)>> = vec![Vec::new(); cases.len()];
+    // The digest reads a buffer of its own too, for the same reason.
+    let block_bytes = w.shape.block_bytes().map_err(KernelBenchError::Options)?;
+    let mut digest_src = vec![0u8; plain];
+    fill_random(&mut digest_src, options.seed.wrapping_add(1 << 32));
+    let mut digests = vec![0u64; plain / block_bytes.max(1)];
+    let mut digest_samples: Vec<(f64, f64)> = Vec::new();
     for round in 0..=options.rounds {
         for (c, &case) in cases.iter().enumerate() {
             let ins: Vec<&[u8]> = case_inputs[c]
@@ -377,6 +392,21 @@ pub fn run(options: &KernelBenchOptions) -> Result<KernelBenchReport, KernelBenc
                 samples[c].push((gbps(len, t), copy));
             }
         }
+        let start = Instant::now();
+        copy_threads(&copy_src[..plain], &mut out[..plain], options.threads);
+        let copy = gbps(plain, start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        digest_blocks(&digest_src, block_bytes, &mut digests, options.threads).map_err(
+            |error| KernelBenchError::Kernel {
+                kernel: DIGEST_NAME.to_string(),
+                error,
+            },
+        )?;
+        let t = start.elapsed().as_secs_f64();
+        std::hint::black_box(&digests);
+        if round > 0 {
+            digest_samples.push((gbps(plain, t), copy));
+        }
     }
     let memcpy = Gbps::of(
         samples
@@ -390,24 +420,7 @@ pub fn run(options: &KernelBenchOptions) -> Result<KernelBenchReport, KernelBenc
         .iter()
         .zip(samples)
         .zip(&sizes)
-        .map(|((case, s), (_, bytes))| {
-            let g = Gbps::of(s.iter().map(|&(k, _)| k).collect());
-            let reference = Gbps::of(s.iter().map(|&(_, copy)| copy).collect());
-            let ratio = Gbps::of(
-                s.iter()
-                    .filter(|&&(_, copy)| copy > 0.0)
-                    .map(|&(k, copy)| k / copy)
-                    .collect(),
-            );
-            KernelResult {
-                name: case.name(),
-                bytes: *bytes,
-                gbps: g.median,
-                gbps_range: [g.min, g.max],
-                memcpy_gbps: reference.median,
-                ratio: ratio.median,
-            }
-        })
+        .map(|((case, s), (_, bytes))| result(case.name(), *bytes, &s))
         .collect();
     Ok(KernelBenchReport {
         workload: w,
@@ -417,8 +430,32 @@ pub fn run(options: &KernelBenchOptions) -> Result<KernelBenchReport, KernelBenc
         memcpy_gbps: memcpy.median,
         memcpy_gbps_range: [memcpy.min, memcpy.max],
         kernels,
+        digest: result(DIGEST_NAME.to_string(), plain, &digest_samples),
         cuda: cuda_part(options),
     })
+}
+
+/// The name of the digest's line in the report.
+pub const DIGEST_NAME: &str = "digest_xxh3";
+
+/// One kernel's figures from its (kernel GB/s, reference copy GB/s) pairs.
+fn result(name: String, bytes: usize, s: &[(f64, f64)]) -> KernelResult {
+    let g = Gbps::of(s.iter().map(|&(k, _)| k).collect());
+    let reference = Gbps::of(s.iter().map(|&(_, copy)| copy).collect());
+    let ratio = Gbps::of(
+        s.iter()
+            .filter(|&&(_, copy)| copy > 0.0)
+            .map(|&(k, copy)| k / copy)
+            .collect(),
+    );
+    KernelResult {
+        name,
+        bytes,
+        gbps: g.median,
+        gbps_range: [g.min, g.max],
+        memcpy_gbps: reference.median,
+        ratio: ratio.median,
+    }
 }
 
 /// The reference copy: `copy_from_slice` of `threads` contiguous runs, one per thread.

@@ -10,6 +10,8 @@
 //! (the `head_dim × dtype_bytes` bytes of one token of one head), so any dtype (or packed
 //! format) is moved exactly.
 //!
+//! - [`digest`](mod@digest): the integrity digest of KV blocks (XXH3-64), which P computes over
+//!   the bytes it writes and D over the bytes that landed (`Config::integrity_digest`).
 //! - [`permute`]: NHD (`[tokens, heads, head_dim]`) ↔ HND (`[heads, tokens, head_dim]`), the
 //!   `kv_postprocess_layout_on_receive` of vLLM.
 //! - [`regroup_gather`] / [`regroup_split`]: `ratio` kernel blocks of `B` tokens ↔ one block of
@@ -39,6 +41,7 @@ pub mod bench;
 mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod digest;
 mod error;
 mod heads;
 mod par;

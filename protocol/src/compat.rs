@@ -139,6 +139,18 @@ mod tests {
         );
     }
 
+    /// The integrity setting's fold, pinned the same way (reproduced with Python `hashlib`:
+    /// SHA-256 of the tag bytes then the 32 bytes of the hash above; docs/protocol.md §7).
+    #[test]
+    fn the_integrity_fold_is_stable() {
+        let on =
+            crate::integrity::with_integrity(compatibility_hash(&identity(), &geometry()), true);
+        assert_eq!(
+            hex(on),
+            "ada18b4b204738de54e1e88e90c40b42264465888e3bd7788f393281588a2f71"
+        );
+    }
+
     #[test]
     fn what_must_match_changes_the_hash() {
         let base = compatibility_hash(&identity(), &geometry());

@@ -21,10 +21,12 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+mod integrity;
 mod observe;
 mod routing;
 mod streams;
 
+pub use integrity::{DigestFn, MAX_TRACKED_REGISTRATIONS};
 pub use observe::TransferObserver;
 pub use routing::{connected_input, handshake_step, route, HandshakeStep, Routed};
 
@@ -35,6 +37,7 @@ use crate::{
     wire, AgentName, CompatHash, Handshake, Incarnation, KvGeometry, Message, PeerAddr, RegionDesc,
     RegionSpec, TransferMode, WriteFailure, WriteId, PROTOCOL_VERSION,
 };
+use integrity::digest_layout;
 
 /// What a rank tells a peer about itself in a handshake.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -222,6 +225,9 @@ pub struct TransportStats {
     pub send_failures: u64,
     /// Notifications from agents the transport does not know.
     pub unknown_senders: u64,
+    /// Writes whose landed bytes did not match their integrity digests (D), or whose
+    /// registration was unknown when their completion arrived.
+    pub digest_mismatches: u64,
 }
 
 /// The transport of one rank and what the shell knows around it: the rank's own handshake
@@ -239,6 +245,7 @@ pub struct TransportDriver<T: Transport> {
     stats: TransportStats,
     streams: streams::Streams,
     observer: Option<Box<dyn TransferObserver>>,
+    integrity: Option<integrity::Integrity>,
 }
 
 impl<T: Transport + std::fmt::Debug> std::fmt::Debug for TransportDriver<T> {
@@ -269,6 +276,7 @@ impl<T: Transport> TransportDriver<T> {
             stats: TransportStats::default(),
             streams: streams::Streams::default(),
             observer: None,
+            integrity: None,
         }
     }
 
@@ -281,6 +289,15 @@ impl<T: Transport> TransportDriver<T> {
     /// [`TransferRoute`]).
     pub fn set_route(&mut self, route: SharedRoute) {
         self.route = Some(route);
+    }
+
+    /// Turns integrity digests on (`Config::integrity_digest`, see [`crate::integrity`]): P's
+    /// writes carry digests of their blocks made with `hash` from the transport's
+    /// [`Transport::read_local`], and D checks the blocks of every write that lands against
+    /// them, reporting a mismatch as [`NetEvent::DigestMismatch`]. Only for equal-geometry
+    /// ranks (no [`TransferRoute`]).
+    pub fn set_integrity(&mut self, hash: DigestFn) {
+        self.integrity = Some(integrity::Integrity::new(hash));
     }
 
     /// The transport, for what the shell sets up around it (an arrival hook).
@@ -328,6 +345,9 @@ impl<T: Transport> TransportDriver<T> {
     pub fn perform(&mut self, op: TransportOp, feed: &mut Vec<NetEvent>) {
         match op {
             TransportOp::Send { to, message } => {
+                if let Some(integrity) = self.integrity.as_mut() {
+                    integrity.sending(&to, &message);
+                }
                 let bytes = wire::encode(&message);
                 if let Err(error) = self.transport.send_notification(&to, bytes) {
                     tracing::debug!(peer = %to, %error, "notification not sent");
@@ -346,13 +366,15 @@ impl<T: Transport> TransportDriver<T> {
                     }
                 }
             }
-            TransportOp::PostWrite(order) => feed.extend(match order.stream {
+            TransportOp::PostWrite(mut order) => feed.extend(match order.stream {
                 Some(stream) => self.post_stream(&order, stream),
-                None => self.post(&order),
+                None => self.post(&mut order),
             }),
             TransportOp::ExtendWrite { write, from, to } => {
                 tracing::trace!(%write, from, to, "write part");
-                let end = self.streams.extend(&mut self.transport, write, to);
+                let layout = digest_layout(&self.own, &self.specs);
+                let digests = self.integrity.as_mut().map(|i| (i, &layout));
+                let end = self.streams.extend(&mut self.transport, write, to, digests);
                 self.observe_end(end.as_ref());
                 feed.extend(end);
             }
@@ -366,6 +388,9 @@ impl<T: Transport> TransportDriver<T> {
                 }
             }
             TransportOp::Invalidate(peer) => {
+                if let Some(integrity) = self.integrity.as_mut() {
+                    integrity.forget_peer(&peer);
+                }
                 self.transport.invalidate_remote(&peer);
                 self.peers.remove(&peer);
             }
@@ -410,10 +435,15 @@ impl<T: Transport> TransportDriver<T> {
             to: &order.to,
             notification: &order.notification,
             posted: stream.posted,
+            local: &order.local,
         };
         // The whole layer-wise write is one transfer: its post is its first layers' post.
         self.observe(|o| o.posting());
-        let end = self.streams.start(&mut self.transport, start, by_layer);
+        let layout = digest_layout(&self.own, &self.specs);
+        let digests = self.integrity.as_mut().map(|i| (i, &layout));
+        let end = self
+            .streams
+            .start(&mut self.transport, start, by_layer, digests);
         // An end straight from the start is a post that failed: nothing to time.
         if end.is_none() {
             let write = order.write;
@@ -451,7 +481,18 @@ impl<T: Transport> TransportDriver<T> {
         Some(out)
     }
 
-    fn post(&mut self, order: &WriteOrder) -> Option<NetEvent> {
+    fn post(&mut self, order: &mut WriteOrder) -> Option<NetEvent> {
+        if let Some(integrity) = self.integrity.as_mut() {
+            let layout = digest_layout(&self.own, &self.specs);
+            if let Err(error) = integrity.fill_write(&self.transport, &layout, order) {
+                tracing::warn!(key = %order.key, %error, "integrity digests not computed; write not posted");
+                self.stats.post_failures += 1;
+                return Some(NetEvent::WriteFailed {
+                    write: order.write,
+                    failure: WriteFailure::PostFailed,
+                });
+            }
+        }
         let transfer = Transfer::write(order);
         let notification = wire::encode(&order.notification);
         self.plan_and_post(&transfer, |transport, descriptors| {
@@ -595,12 +636,23 @@ impl<T: Transport> TransportDriver<T> {
                 self.stats.unknown_senders += 1;
                 continue;
             };
-            feed.push(match wire::decode(&note.bytes) {
-                Ok(message) => NetEvent::Received { from, message },
-                Err(error) => NetEvent::Malformed {
-                    from: Some(from),
-                    error,
-                },
+            let message = match wire::decode(&note.bytes) {
+                Ok(message) => message,
+                Err(error) => {
+                    feed.push(NetEvent::Malformed {
+                        from: Some(from),
+                        error,
+                    });
+                    continue;
+                }
+            };
+            feed.extend(match self.integrity.as_mut() {
+                Some(integrity) => {
+                    let layout = digest_layout(&self.own, &self.specs);
+                    let mismatches = &mut self.stats.digest_mismatches;
+                    integrity.screen(&self.transport, &layout, from, message, mismatches)
+                }
+                None => Some(NetEvent::Received { from, message }),
             });
         }
     }

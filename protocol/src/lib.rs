@@ -12,7 +12,7 @@
 //! use kvhandoff_protocol::{wire, Epoch, Message, PairingKey, RequestId, WriteDone};
 //! let d_request = RequestId::new("cmpl-abc-0-1a2b3c4d").unwrap();
 //! let key = PairingKey::from_request_id(&d_request);
-//! let done = Message::WriteDone(WriteDone { key, epoch: Epoch::FIRST, prefill_rank: 0 });
+//! let done = Message::WriteDone(WriteDone { key, epoch: Epoch::FIRST, prefill_rank: 0, digests: vec![] });
 //! assert_eq!(wire::decode(&wire::encode(&done)).unwrap(), done);
 //! ```
 #![forbid(unsafe_code)]
@@ -24,6 +24,7 @@ pub mod driver;
 mod geometry;
 pub mod hetero;
 mod ids;
+pub mod integrity;
 pub mod machine;
 mod message;
 pub mod planner;

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::geometry::{KvGeometry, RegionDesc, MAX_CACHE_GROUPS};
 use crate::ids::{AgentName, EngineId, Epoch, IdError, Incarnation, PairingKey, RequestId};
 use crate::trace::{TraceId, TraceIdError};
-use rules::{check_epoch, check_len, check_part};
+use rules::{check_digests, check_epoch, check_len, check_part};
 
 /// Most logical blocks one cache group of one request may list.
 pub const MAX_BLOCKS_PER_GROUP: usize = 1 << 16;
@@ -193,6 +193,11 @@ pub struct WriteDone {
     pub epoch: Epoch,
     /// P's TP rank that wrote.
     pub prefill_rank: u32,
+    /// The integrity digests of the written blocks as P read them (see [`crate::integrity`]):
+    /// empty unless both sides run with `Config::integrity_digest`, then one per
+    /// [`crate::integrity::blocks_per_digest`] blocks of the registration, at most
+    /// [`crate::integrity::MAX_WRITE_DIGESTS`].
+    pub digests: Vec<u64>,
 }
 
 /// One part of a layer-wise write landed: layers `first .. first + count` of P's `of` layers,
@@ -213,6 +218,9 @@ pub struct WritePartDone {
     pub count: u32,
     /// Layers of the whole write (P's layers on its rank).
     pub of: u32,
+    /// The integrity digests of the part's layers of the written blocks, as for
+    /// [`WriteDone::digests`] (empty unless integrity digests are on).
+    pub digests: Vec<u64>,
 }
 
 /// Why P could not complete its writes.
@@ -235,6 +243,10 @@ pub enum WriteFailure {
     Unavailable,
     /// D's registration waited for P's prefill longer than P keeps registrations.
     RegistrationExpired,
+    /// The bytes that landed on D do not match the digests P computed over what it wrote
+    /// (`Config::integrity_digest`): corrupted in flight. Never sent by P: D's shell reports it
+    /// for a write whose notification arrived (so nothing of it is in flight any more).
+    DigestMismatch,
 }
 
 /// P → D: P will not (or no longer) write `epoch` for `key`, and nothing it posted for that
@@ -571,9 +583,12 @@ impl Message {
                 Ok(m.trace_id.validate()?)
             }
             Message::ReadGrant(m) => m.blocks.validate(),
-            Message::WritePartDone(m) => check_part(m),
-            Message::WriteDone(_)
-            | Message::WriteFailed(_)
+            Message::WritePartDone(m) => {
+                check_part(m)?;
+                check_digests(&m.digests)
+            }
+            Message::WriteDone(m) => check_digests(&m.digests),
+            Message::WriteFailed(_)
             | Message::Cancel(_)
             | Message::CancelAck(_)
             | Message::Release(_)

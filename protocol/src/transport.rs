@@ -446,6 +446,21 @@ pub trait Transport {
         Ok(())
     }
 
+    /// Appends the `len` bytes at `addr` of this agent's own registered memory to `out`: the
+    /// shell's access to the bytes it digests (`Config::integrity_digest`, see
+    /// [`crate::integrity`]). The default cannot read (NIXL: the KV regions are device memory
+    /// the transport has no CPU mapping of).
+    ///
+    /// # Errors
+    /// [`TransportError::LocalOutOfRange`] when the span is not inside one region registered
+    /// with this agent; [`TransportError::Backend`] when the transport cannot read its memory.
+    fn read_local(&self, addr: u64, len: u64, out: &mut Vec<u8>) -> Result<(), TransportError> {
+        let _ = (addr, len, out);
+        Err(TransportError::Backend {
+            reason: "this transport cannot read its registered memory".into(),
+        })
+    }
+
     /// Asks the transport to call `hook` (from any thread, without blocking) when a
     /// notification arrives for this agent while none is waiting to be polled, so that the
     /// caller may poll at once instead of on its next tick. A transport that cannot tell may

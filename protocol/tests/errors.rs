@@ -24,6 +24,7 @@ fn write_done() -> Message {
         key: key(),
         epoch: Epoch(3),
         prefill_rank: 1,
+        digests: Vec::new(),
     })
 }
 

@@ -295,7 +295,7 @@ fn write_done_with_key_of(key_len: usize) -> Vec<u8> {
     let mut payload = vec![252];
     payload.extend_from_slice(&(key_len as u32).to_le_bytes());
     payload.resize(payload.len() + key_len, b'k');
-    payload.extend([1, 0]);
+    payload.extend([1, 0, 0]);
     assert!(payload.len() <= MAX_PAYLOAD_LEN);
     frame(MessageKind::WriteDone as u8, &payload)
 }
@@ -342,9 +342,10 @@ fn the_hand_written_layout_matches_the_encoder() {
         key: PairingKey::new("k").unwrap(),
         epoch: Epoch(1),
         prefill_rank: 0,
+        digests: Vec::new(),
     });
-    assert_eq!(wire::encode(&m), frame(3, &[1, b'k', 1, 0]));
-    assert_eq!(wire::decode(&frame(3, &[1, b'k', 1, 0])), Ok(m));
+    assert_eq!(wire::encode(&m), frame(3, &[1, b'k', 1, 0, 0]));
+    assert_eq!(wire::decode(&frame(3, &[1, b'k', 1, 0, 0])), Ok(m));
 }
 
 /// The decoder accepts integers in a longer varint form than the encoder writes (bincode does not
@@ -353,16 +354,17 @@ fn the_hand_written_layout_matches_the_encoder() {
 #[test]
 fn non_minimal_varints_decode_to_the_same_message() {
     use kvhandoff_protocol::{Epoch, PairingKey, WriteDone};
-    let canonical = frame(MessageKind::WriteDone as u8, &[1, b'k', 1, 0]);
-    let long_epoch = frame(MessageKind::WriteDone as u8, &[1, b'k', 251, 1, 0, 0]);
+    let canonical = frame(MessageKind::WriteDone as u8, &[1, b'k', 1, 0, 0]);
+    let long_epoch = frame(MessageKind::WriteDone as u8, &[1, b'k', 251, 1, 0, 0, 0]);
     let longer_epoch = frame(
         MessageKind::WriteDone as u8,
-        &[1, b'k', 253, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+        &[1, b'k', 253, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
     );
     let expected = Message::WriteDone(WriteDone {
         key: PairingKey::new("k").unwrap(),
         epoch: Epoch(1),
         prefill_rank: 0,
+        digests: Vec::new(),
     });
     for bytes in [&canonical, &long_epoch, &longer_epoch] {
         assert_eq!(wire::decode(bytes).as_ref(), Ok(&expected));

@@ -143,6 +143,7 @@ fn write_done() -> Message {
         key: key(),
         epoch: Epoch(2),
         prefill_rank: 1,
+        digests: vec![0x2d06_8005_38d3_94c2, 7],
     })
 }
 
@@ -154,6 +155,7 @@ fn write_part_done() -> Message {
         first: 20,
         count: 10,
         of: 80,
+        digests: vec![0x0123_4567_89ab_cdef],
     })
 }
 

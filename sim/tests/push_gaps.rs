@@ -1156,6 +1156,7 @@ fn notification_from_another_prefill_engine_is_ignored() {
         key: key(1),
         epoch: Epoch::FIRST,
         prefill_rank: 0,
+        digests: Vec::new(),
     });
     h.inject(&other, &d_addr(), done);
     assert_eq!(h.d().counters().dropped(DropReason::Unexpected), 1);

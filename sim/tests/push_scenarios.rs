@@ -583,6 +583,7 @@ fn write_done_for_unknown_key_is_dropped() {
         key: key(99),
         epoch: Epoch::FIRST,
         prefill_rank: 0,
+        digests: Vec::new(),
     });
     h.inject(&p_addr(), &d_addr(), done);
     assert_eq!(h.d().counters().dropped(DropReason::UnknownKey), 1);
@@ -603,6 +604,7 @@ fn write_done_after_the_end_is_late() {
         key: key(1),
         epoch: Epoch::FIRST,
         prefill_rank: 0,
+        digests: Vec::new(),
     });
     h.inject(&p_addr(), &d_addr(), done);
     assert_eq!(h.d().counters().dropped(DropReason::Late), 1);
@@ -774,6 +776,7 @@ fn two_writes_from_two_ranks_are_needed() {
         key: key(1),
         epoch: Epoch::FIRST,
         prefill_rank: 0,
+        digests: Vec::new(),
     });
     h.inject(&p_addr(), &d_addr(), again);
     assert_eq!(h.d().counters().dropped(DropReason::Duplicate), 1);
@@ -811,6 +814,7 @@ fn notifications_for_other_epochs_are_ignored() {
             key: key(1),
             epoch,
             prefill_rank: 0,
+            digests: Vec::new(),
         });
         h.inject(&p_addr(), &d_addr(), done);
         assert_eq!(h.d().counters().dropped(reason), 1);
@@ -959,6 +963,7 @@ fn a_rank_cannot_settle_another_ranks_share() {
         key: key(1),
         epoch: Epoch::FIRST,
         prefill_rank: 1,
+        digests: Vec::new(),
     });
     h.inject(&p_addr(), &d_addr(), forged);
     assert_eq!(h.d().counters().dropped(DropReason::Unexpected), 1);

@@ -41,6 +41,11 @@ pub(crate) struct DemoArgs {
     json: bool,
     #[command(flatten)]
     log: LogArgs,
+    /// Integrity digests on both ranks: P digests every block it writes (XXH3-64), D checks
+    /// every block that lands and fails a mismatching request (the in-memory transport only:
+    /// NIXL cannot read its registered memory, and the ranks refuse to start).
+    #[arg(long)]
+    integrity_digest: bool,
     /// A heterogeneous pair: a model of the catalog (gqa8, gqa2, mla, swa, mamba), with
     /// `--prefill` and `--decode`. Every rank of both sides runs in this process (push only).
     #[arg(long, requires_all = ["prefill", "decode"])]
@@ -88,6 +93,7 @@ pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
         turns: args.turns,
         keep_ttl: std::time::Duration::from_millis(args.keep_ttl_ms),
         recompute_threshold: args.recompute_threshold,
+        integrity_digest: args.integrity_digest,
         ..DemoOptions::default()
     };
     let result = with_progress(&options, || demo::run(&options));

@@ -194,6 +194,9 @@ pub struct DemoOptions {
     /// Whether the run's limit grows with the work (default true); false makes `timeout` the
     /// limit exactly (a test of the limit itself).
     pub limit_grows_with_work: bool,
+    /// Both ranks run with integrity digests (`Config::integrity_digest`; default false): P
+    /// digests every block it writes, D checks every block that lands.
+    pub integrity_digest: bool,
     /// TEST ONLY: P writes a wrong pattern into one request's blocks, which D must catch.
     #[doc(hidden)]
     pub corrupt_one_request: bool,
@@ -217,6 +220,7 @@ impl Default for DemoOptions {
             recompute_threshold: 64,
             timeout: Duration::from_secs(60),
             limit_grows_with_work: true,
+            integrity_digest: false,
             corrupt_one_request: false,
         }
     }
@@ -386,7 +390,10 @@ where
         let rank = RankBuilder::new(engine.clone(), workload.geometry.clone(), model())
             .regions(engine_memory(&workload.geometry, options.pool_blocks)?)
             .transport(kind.clone())
-            .config(Config::default())
+            .config(Config {
+                integrity_digest: options.integrity_digest,
+                ..Config::default()
+            })
             .shell(shell.clone())
             .start_on(&mut runtime)
             .map_err(start_error)?;

@@ -73,6 +73,9 @@ pub struct EndpointMetrics {
     pub fence_frees: u64,
     /// [`Counters::stalls_past_allowance`].
     pub stalls_past_allowance: u64,
+    /// [`Counters::digest_mismatches`]: writes whose landed bytes failed their integrity
+    /// digests.
+    pub digest_mismatches: u64,
 }
 
 impl EndpointMetrics {
@@ -100,6 +103,7 @@ impl EndpointMetrics {
         quarantine_frees: 0,
         fence_frees: 0,
         stalls_past_allowance: 0,
+        digest_mismatches: 0,
     };
 
     /// Adds one live rank's gauges.
@@ -120,6 +124,7 @@ impl EndpointMetrics {
             (&mut self.writes_posted, c.writes_posted),
             (&mut self.writes_abandoned, c.writes_abandoned),
             (&mut self.stuck_writes, c.stuck_writes),
+            (&mut self.digest_mismatches, c.digest_mismatches),
             (&mut self.reads_posted, c.reads_posted),
             (&mut self.reads_failed, c.reads_failed),
             (&mut self.reads_abandoned, c.reads_abandoned),

@@ -60,7 +60,7 @@ fn reason_label(reason: DropReason) -> &'static str {
 fn plain_counters(
     p: &ProcessMetrics,
     e: &EndpointMetrics,
-) -> [(&'static str, &'static str, u64); 18] {
+) -> [(&'static str, &'static str, u64); 19] {
     [
         (
             "kvhandoff_calls_refused_late_total",
@@ -100,6 +100,12 @@ fn plain_counters(
             "Writes whose abandon the transport did not confirm in time (their source blocks \
              stay held).",
             e.stuck_writes,
+        ),
+        (
+            "kvhandoff_digest_mismatches_total",
+            "Writes whose landed bytes did not match P's integrity digests (integrity_digest on; \
+             the request failed with WriteFailed(DigestMismatch)).",
+            e.digest_mismatches,
         ),
         (
             "kvhandoff_reads_posted_total",

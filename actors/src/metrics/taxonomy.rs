@@ -55,11 +55,14 @@ pub enum FailureCause {
     PeerUnknown,
     /// Any other transport error.
     TransportError,
+    /// The bytes that landed do not match the writer's integrity digests
+    /// (`WriteFailure::DigestMismatch`, D's own verdict).
+    DigestMismatch,
 }
 
 impl FailureCause {
     /// Every cause, in label order of the docs: each has its series from the first scrape.
-    pub const ALL: [FailureCause; 16] = [
+    pub const ALL: [FailureCause; 17] = [
         FailureCause::PostFailed,
         FailureCause::TransferFailed,
         FailureCause::TimedOut,
@@ -76,6 +79,7 @@ impl FailureCause {
         FailureCause::PeerUnreachable,
         FailureCause::PeerUnknown,
         FailureCause::TransportError,
+        FailureCause::DigestMismatch,
     ];
 
     /// The stable `cause` label.
@@ -97,6 +101,7 @@ impl FailureCause {
             FailureCause::PeerUnreachable => "peer_unreachable",
             FailureCause::PeerUnknown => "peer_unknown",
             FailureCause::TransportError => "transport_error",
+            FailureCause::DigestMismatch => "digest_mismatch",
         }
     }
 
@@ -117,6 +122,7 @@ impl FailureCause {
             WriteFailure::LeaseExpired => FailureCause::LeaseExpired,
             WriteFailure::PlanMismatch => FailureCause::Incompatible,
             WriteFailure::Unavailable => FailureCause::Unavailable,
+            WriteFailure::DigestMismatch => FailureCause::DigestMismatch,
         }
     }
 
@@ -234,6 +240,7 @@ mod tests {
             (WriteFailure::PlanMismatch, C::Incompatible),
             (WriteFailure::Unavailable, C::Unavailable),
             (WriteFailure::RegistrationExpired, C::TimedOut),
+            (WriteFailure::DigestMismatch, C::DigestMismatch),
         ];
         for (w, c) in writes {
             assert_eq!(C::of_write(w), c, "{w:?}");

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use kvhandoff_protocol::{
-    compatibility_hash, AgentName, EngineId, GeometryError, IdError, Incarnation, KvGeometry,
-    ModelIdentity, RegionDesc, RegionSpec,
+    compatibility_hash, integrity::with_integrity, AgentName, EngineId, GeometryError, IdError,
+    Incarnation, KvGeometry, ModelIdentity, RegionDesc, RegionSpec,
 };
 
 use super::regions::{AdoptError, AdoptMemory, KvRegion};
@@ -252,7 +252,7 @@ pub fn build_rank<T: RankMemory>(
         });
         regions.push(bytes);
     }
-    let info = own_info(&transport, engine, &geometry, model, descs)?;
+    let info = own_info(&transport, engine, &geometry, model, descs, &config)?;
     let endpoint = Endpoint::new(engine.clone(), rank, config)?;
     let pool = KvPool {
         geometry,
@@ -280,16 +280,37 @@ fn own_info<T: Transport>(
     geometry: &KvGeometry,
     model: &ModelIdentity,
     regions: Vec<RegionDesc>,
+    config: &Config,
 ) -> Result<PeerInfo, BuildError> {
+    if config.integrity_digest {
+        // Digests need the transport to read its own memory (NIXL cannot): refuse the rank
+        // now rather than fail every write it posts.
+        if let Some(region) = regions.first() {
+            transport.read_local(region.base, 1, &mut Vec::new())?;
+        }
+    }
     Ok(PeerInfo {
         peer: PeerAddr::new(engine.clone(), geometry.rank_index()),
         agent: transport.agent_name().clone(),
         metadata: transport.local_metadata()?,
         regions,
-        compat: compatibility_hash(model, geometry),
+        // Integrity digests must be on on both sides or on neither: a rank that disagrees
+        // has another hash, so the handshake refuses the pair (`Incompatible`).
+        compat: with_integrity(compatibility_hash(model, geometry), config.integrity_digest),
         geometry: geometry.clone(),
         incarnation: Incarnation::random(),
     })
+}
+
+/// A routed rank rearranges bytes on the way (staging memory, kernels), so P's bytes and D's
+/// are not the same string: there is nothing to digest on both sides.
+fn refuse_routed_integrity(config: &Config) -> Result<(), BuildError> {
+    if config.integrity_digest {
+        return Err(BuildError::Config(ConfigError::Contradiction(
+            "integrity_digest needs equal geometries: a rank with a transfer route cannot digest its blocks",
+        )));
+    }
+    Ok(())
 }
 
 /// One buffer of a routed rank ([`build_routed_rank`]): where the transport registered it and
@@ -339,6 +360,7 @@ pub fn build_routed_rank<T: RankMemory>(
     route: kvhandoff_protocol::driver::SharedRoute,
 ) -> Result<(RankSetup<T>, Vec<RoutedRegion>), BuildError> {
     geometry.validate()?;
+    refuse_routed_integrity(&config)?;
     if region_lens.is_empty() || region_lens.len() > MAX_ROUTED_REGIONS {
         return Err(BuildError::PoolSize {
             got: region_lens.len() as u64,
@@ -364,7 +386,7 @@ pub fn build_routed_rank<T: RankMemory>(
         });
         regions.push(RoutedRegion { base, len, bytes });
     }
-    let info = own_info(&transport, engine, &geometry, model, descs)?;
+    let info = own_info(&transport, engine, &geometry, model, descs, &config)?;
     let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
     Ok((
         RankSetup {
@@ -529,7 +551,14 @@ pub fn build_rank_on_regions<T: AdoptMemory>(
     // Checked before anything is registered.
     let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
     let (descs, registered) = adopt_all(&mut transport, regions, |i, _| specs[i].block_len)?;
-    let info = own_info(&transport, engine, &geometry, model, descs)?;
+    let info = own_info(
+        &transport,
+        engine,
+        &geometry,
+        model,
+        descs,
+        endpoint.config(),
+    )?;
     let pool = KvPool {
         geometry,
         specs,
@@ -584,9 +613,17 @@ pub fn build_routed_rank_on_regions<T: AdoptMemory>(
         }
         check_location::<T>(index, region)?;
     }
+    refuse_routed_integrity(&config)?;
     let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
     let (descs, registered) = adopt_all(&mut transport, regions, |_, len| len)?;
-    let info = own_info(&transport, engine, &geometry, model, descs)?;
+    let info = own_info(
+        &transport,
+        engine,
+        &geometry,
+        model,
+        descs,
+        endpoint.config(),
+    )?;
     Ok((
         RankSetup {
             endpoint,

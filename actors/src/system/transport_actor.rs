@@ -30,11 +30,15 @@ impl<T: Transport> TransportActor<T> {
         rank: Recipient<Feed>,
         poll_interval: Duration,
         route: Option<kvhandoff_protocol::driver::SharedRoute>,
+        integrity_digest: bool,
     ) -> Self {
         let mut driver = TransportDriver::new(transport, own);
         driver.set_observer(Box::new(crate::metrics::TransferClock::new()));
         if let Some(route) = route {
             driver.set_route(route);
+        }
+        if integrity_digest {
+            driver.set_integrity(kvhandoff_kernels::digest::digest);
         }
         TransportActor {
             driver,

@@ -579,6 +579,8 @@ enum Fate {
     Fail,
     Partial,
     Hang,
+    /// Lands, with one byte flipped ([`MemFaults::corrupt_next_transfers`]).
+    Corrupt,
 }
 
 struct Xfer {

@@ -68,9 +68,15 @@ fn a_tiny_run_has_the_report_shape() {
     if cfg!(not(feature = "cuda")) {
         assert!(!report.cuda.compiled);
     }
+    // The digest reads one plain buffer, next to a copy of as many bytes in the same rounds.
+    assert_eq!(report.digest.name, super::DIGEST_NAME);
+    assert_eq!(report.digest.bytes, report.buffer_bytes);
+    assert!(json["digest"]["gbps"].is_number() && json["digest"]["ratio"].is_number());
     let table = report.render_table();
     assert!(
-        table.contains("permute_nhd_to_hnd") && table.contains("CUDA"),
+        table.contains("permute_nhd_to_hnd")
+            && table.contains("CUDA")
+            && table.contains("digest_xxh3"),
         "{table}"
     );
     let back: KernelBenchReport = serde_json::from_value(json).unwrap();

@@ -14,10 +14,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::integrity::Integrity;
+use crate::integrity::DigestLayout;
 use crate::machine::NetEvent;
 use crate::planner::Descriptor;
 use crate::transport::{Transport, TransportError};
-use crate::{wire, Epoch, Message, PairingKey, PeerAddr, WriteFailure, WriteId, WritePartDone};
+use crate::{
+    wire, BlockIds, Epoch, Message, PairingKey, PeerAddr, WriteFailure, WriteId, WritePartDone,
+};
+
+/// The integrity state and this rank's memory, when digests are on: each part carries the
+/// digests of its layers of the write's local blocks.
+pub(super) type PartDigests<'a, 'b> = Option<(&'a mut Integrity, &'a DigestLayout<'b>)>;
 
 /// Transport ids of parts: above the endpoint's write ids, below its read ids.
 const FIRST_PART_ID: u64 = 1 << 62;
@@ -29,6 +37,8 @@ struct Stream {
     key: PairingKey,
     epoch: Epoch,
     prefill_rank: u32,
+    /// This rank's blocks the write reads (for the parts' integrity digests).
+    local: BlockIds,
     /// The write's descriptors, by layer.
     by_layer: Vec<Vec<Descriptor>>,
     /// Layers `0 .. posted` are posted.
@@ -81,6 +91,8 @@ pub(super) struct StreamStart<'a> {
     pub notification: &'a Message,
     /// Layers to post at once.
     pub posted: u32,
+    /// This rank's blocks the write reads.
+    pub local: &'a BlockIds,
 }
 
 impl Streams {
@@ -96,6 +108,7 @@ impl Streams {
         transport: &mut T,
         start: StreamStart<'_>,
         by_layer: Vec<Vec<Descriptor>>,
+        digests: PartDigests<'_, '_>,
     ) -> Option<NetEvent> {
         let Message::WriteDone(done) = start.notification else {
             tracing::warn!(write = %start.write, "layer-wise write without a WriteDone to split");
@@ -109,6 +122,7 @@ impl Streams {
             key: done.key.clone(),
             epoch: done.epoch,
             prefill_rank: done.prefill_rank,
+            local: start.local.clone(),
             by_layer,
             posted: 0,
             pending: BTreeSet::new(),
@@ -116,7 +130,7 @@ impl Streams {
             abandoned: false,
         };
         self.streams.insert(start.write, stream);
-        self.extend(transport, start.write, start.posted)
+        self.extend(transport, start.write, start.posted, digests)
     }
 
     /// Posts layers up to `to` of `write` (what is posted already is skipped). The end to
@@ -126,6 +140,7 @@ impl Streams {
         transport: &mut T,
         write: WriteId,
         to: u32,
+        digests: PartDigests<'_, '_>,
     ) -> Option<NetEvent> {
         let Some(stream) = self.streams.get_mut(&write) else {
             // Ended already (a part failed and the end was reported): nothing to post.
@@ -141,25 +156,38 @@ impl Streams {
             }
             let part = WriteId(FIRST_PART_ID + self.next_part);
             self.next_part += 1;
-            let note = Message::WritePartDone(WritePartDone {
-                key: stream.key.clone(),
-                epoch: stream.epoch,
-                prefill_rank: stream.prefill_rank,
-                first: from,
-                count: to - from,
-                of: stream.layers(),
+            // Just before the part's post, as for a whole write (see `super::integrity`).
+            let part_digests = match digests {
+                Some((integrity, layout)) => {
+                    integrity.digests(&*transport, layout, &stream.local, from..to)
+                }
+                None => Ok(Vec::new()),
+            };
+            let note = part_digests.map(|digests| {
+                Message::WritePartDone(WritePartDone {
+                    key: stream.key.clone(),
+                    epoch: stream.epoch,
+                    prefill_rank: stream.prefill_rank,
+                    first: from,
+                    count: to - from,
+                    of: stream.layers(),
+                    digests,
+                })
             });
-            let bytes = wire::encode(&note);
-            let posted = if self.scratch.is_empty() {
+            let posted = match note {
+                Err(error) => Err(TransportError::Backend {
+                    reason: format!("integrity digests: {error}"),
+                }),
                 // Layers with no bytes for D: their notification alone says they are done.
-                transport.send_notification(&stream.to, bytes)
-            } else {
-                transport
-                    .post_write(part, &stream.to, &self.scratch, Some(bytes))
+                Ok(note) if self.scratch.is_empty() => {
+                    transport.send_notification(&stream.to, wire::encode(&note))
+                }
+                Ok(note) => transport
+                    .post_write(part, &stream.to, &self.scratch, Some(wire::encode(&note)))
                     .map(|()| {
                         stream.pending.insert(part);
                         self.parts.insert(part, write);
-                    })
+                    }),
             };
             match posted {
                 Ok(()) => stream.posted = to,

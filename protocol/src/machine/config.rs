@@ -72,6 +72,10 @@ pub struct Config {
     pub read_chunk_blocks: u32,
     /// How P pairs its blocks with the ones D registered (see [`BlockPairing`]).
     pub block_pairing: BlockPairing,
+    /// Integrity digests of written blocks (off by default): P digests what it writes, D
+    /// checks what landed and fails a mismatching write (see [`crate::integrity`]). Both sides
+    /// must agree: the setting is part of the compatibility hash.
+    pub integrity_digest: bool,
 }
 
 /// How P pairs its finished blocks with the blocks D registered before it writes.
@@ -121,6 +125,7 @@ impl Default for Config {
             max_queued_per_peer: 1024,
             read_chunk_blocks: 64,
             block_pairing: BlockPairing::TailAligned,
+            integrity_digest: false,
         }
     }
 }

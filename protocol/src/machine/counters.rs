@@ -125,6 +125,10 @@ pub struct Counters {
     pub peers_rejoined: u64,
     /// Dials of a peer declared dead that still had D requests fenced by its death.
     pub fenced_peer_probes: u64,
+    /// Writes whose landed bytes did not match P's integrity digests (D;
+    /// `Config::integrity_digest`): their requests failed with
+    /// `WriteFailed(DigestMismatch)`.
+    pub digest_mismatches: u64,
 }
 
 impl Counters {

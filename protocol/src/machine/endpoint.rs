@@ -11,7 +11,7 @@ mod read_path;
 #[cfg(test)]
 mod tests;
 
-use crate::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, RequestId};
+use crate::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, RequestId, WriteFailure};
 
 use super::config::ConfigError;
 use super::counters::Gauges;
@@ -319,6 +319,20 @@ impl Endpoint {
             NetEvent::WriteCompleted { write } => self.write_result(now, write, None),
             NetEvent::WriteFailed { write, failure } => {
                 self.write_result(now, write, Some(failure));
+            }
+            NetEvent::DigestMismatch {
+                from,
+                key,
+                epoch,
+                prefill_rank,
+            } => {
+                tracing::warn!(peer = %from, %key, %epoch, "landed bytes do not match P's digests");
+                self.outbox.counters.digest_mismatches += 1;
+                let input = DecodeInput::WriteFailed {
+                    rank: prefill_rank,
+                    reason: WriteFailure::DigestMismatch,
+                };
+                self.route_to_decode(now, &from, prefill_rank, &key, epoch, input);
             }
         }
         self.check_invariants();

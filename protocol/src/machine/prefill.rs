@@ -389,6 +389,8 @@ impl Held {
                 key: register.key,
                 epoch: register.epoch,
                 prefill_rank: ctx.own_rank,
+                // The shell digests the bytes it posts (`Config::integrity_digest`).
+                digests: Vec::new(),
             }),
             stream,
         })));

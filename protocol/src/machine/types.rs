@@ -237,6 +237,20 @@ pub enum NetEvent {
         /// How it failed.
         failure: WriteFailure,
     },
+    /// D's shell found that the bytes of a write whose completion arrived from `from` do not
+    /// match the integrity digests P sent with it (`Config::integrity_digest`): handled as
+    /// that P rank's `WriteFailed(DigestMismatch)`. Reported only once nothing of the write is
+    /// in flight (its completion, or every part's, arrived).
+    DigestMismatch {
+        /// The P rank that wrote.
+        from: PeerAddr,
+        /// The pairing key.
+        key: PairingKey,
+        /// The attempt.
+        epoch: Epoch,
+        /// P's TP rank, as its completion named it.
+        prefill_rank: u32,
+    },
 }
 
 /// One write for the transport to post: `local` blocks of this rank into `remote` blocks of

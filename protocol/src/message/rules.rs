@@ -23,6 +23,14 @@ pub(super) fn check_part(part: &WritePartDone) -> Result<(), FieldError> {
     Ok(())
 }
 
+pub(super) fn check_digests(digests: &[u64]) -> Result<(), FieldError> {
+    check_len(
+        "write digests",
+        digests.len(),
+        crate::integrity::MAX_WRITE_DIGESTS,
+    )
+}
+
 pub(super) fn check_len(field: &'static str, len: usize, limit: usize) -> Result<(), FieldError> {
     if len > limit {
         return Err(FieldError::TooMany { field, len, limit });

@@ -59,6 +59,7 @@ fn one_of_each() -> Vec<Message> {
             key: key(),
             epoch: Epoch(2),
             prefill_rank: 0,
+            digests: Vec::new(),
         }),
         Message::WriteFailed(WriteFailed {
             key: key(),
@@ -114,6 +115,7 @@ fn one_of_each() -> Vec<Message> {
             first: 0,
             count: 1,
             of: 1,
+            digests: Vec::new(),
         }),
     ]
 }
@@ -128,6 +130,7 @@ fn a_write_part_names_layers_within_its_write() {
             first,
             count,
             of,
+            digests: Vec::new(),
         })
         .validate()
     };
@@ -391,4 +394,39 @@ fn a_truncated_trace_id_is_malformed() {
             message.kind()
         );
     }
+}
+
+/// A completion carries at most `MAX_WRITE_DIGESTS` digests (a peer controls the count); at the
+/// bound, with digests of the largest varint size, it still fits in one frame.
+#[test]
+fn write_digests_are_bounded_and_fit_a_frame() {
+    use crate::integrity::MAX_WRITE_DIGESTS;
+    let done = |n: usize| {
+        Message::WriteDone(WriteDone {
+            key: key(),
+            epoch: Epoch(1),
+            prefill_rank: 0,
+            digests: vec![u64::MAX; n],
+        })
+    };
+    assert_eq!(done(MAX_WRITE_DIGESTS).validate(), Ok(()));
+    assert!(crate::wire::encode(&done(MAX_WRITE_DIGESTS)).len() <= crate::wire::MAX_PAYLOAD_LEN);
+    assert_eq!(
+        done(MAX_WRITE_DIGESTS + 1).validate(),
+        Err(FieldError::TooMany {
+            field: "write digests",
+            len: MAX_WRITE_DIGESTS + 1,
+            limit: MAX_WRITE_DIGESTS,
+        })
+    );
+    let part = Message::WritePartDone(WritePartDone {
+        key: key(),
+        epoch: Epoch(1),
+        prefill_rank: 0,
+        first: 0,
+        count: 1,
+        of: 1,
+        digests: vec![0; MAX_WRITE_DIGESTS + 1],
+    });
+    assert!(matches!(part.validate(), Err(FieldError::TooMany { .. })));
 }

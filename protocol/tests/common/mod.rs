@@ -278,12 +278,13 @@ pub fn write_done() -> impl Strategy<Value = WriteDone> {
         key,
         epoch,
         prefill_rank,
+        digests: Vec::new(),
     })
 }
 
 /// Every write failure. The match below stops compiling when a variant is added, so that this
 /// list (and the strategies built on it) cannot silently fall behind the enum.
-pub const WRITE_FAILURES: [WriteFailure; 8] = [
+pub const WRITE_FAILURES: [WriteFailure; 9] = [
     WriteFailure::PostFailed,
     WriteFailure::TransferFailed,
     WriteFailure::TransferTimedOut,
@@ -292,6 +293,7 @@ pub const WRITE_FAILURES: [WriteFailure; 8] = [
     WriteFailure::PlanMismatch,
     WriteFailure::Unavailable,
     WriteFailure::RegistrationExpired,
+    WriteFailure::DigestMismatch,
 ];
 
 /// Every cancel reason (see [`WRITE_FAILURES`]).
@@ -340,6 +342,7 @@ pub fn variant_index(value: VariantOf) -> usize {
             WriteFailure::PlanMismatch => 5,
             WriteFailure::Unavailable => 6,
             WriteFailure::RegistrationExpired => 7,
+            WriteFailure::DigestMismatch => 8,
         },
         VariantOf::CancelReason(c) => match c {
             CancelReason::Deadline => 0,

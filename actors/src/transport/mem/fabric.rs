@@ -155,6 +155,9 @@ impl Fabric {
         } else if faults.hang_next_transfers > 0 {
             faults.hang_next_transfers -= 1;
             Fate::Hang
+        } else if faults.corrupt_next_transfers > 0 {
+            faults.corrupt_next_transfers -= 1;
+            Fate::Corrupt
         } else {
             Fate::Land
         };
@@ -229,7 +232,7 @@ impl Fabric {
         let (result, copied) = match x.fate {
             Fate::Hang => unreachable!("a hung transfer is never due"),
             Fate::Fail => (Err(failed("injected transfer failure")), 0),
-            Fate::Land | Fate::Partial if !reachable => (
+            Fate::Land | Fate::Partial | Fate::Corrupt if !reachable => (
                 Err(TransportError::PeerUnreachable {
                     agent: x.target.clone(),
                 }),
@@ -240,8 +243,11 @@ impl Fabric {
                 let why = format!("injected partial transfer: {copied} of {total} bytes landed");
                 (Err(failed(&why)), copied)
             }
-            Fate::Land => {
+            Fate::Land | Fate::Corrupt => {
                 let copied = self.copy(&x, total);
+                if x.fate == Fate::Corrupt {
+                    self.corrupt_one_byte(&x);
+                }
                 if let Some(bytes) = x.notification {
                     self.deliver(name, incarnation, &x.target, bytes);
                 }
@@ -262,6 +268,26 @@ impl Fabric {
                 result,
             },
         });
+    }
+
+    /// Flips every bit of the middle byte of a landed transfer's first descriptor, at its
+    /// destination (the corruption fault: the bytes moved, one of them wrong).
+    fn corrupt_one_byte(&mut self, x: &Xfer) {
+        let Some(d) = x.descriptors.first() else {
+            return;
+        };
+        let dst = match x.op {
+            Op::Write => d.remote_addr,
+            Op::Read => d.local_addr,
+        };
+        let Some((base, at)) = self.span(dst + d.len / 2, 1) else {
+            return;
+        };
+        if let Some(region) = self.regions.get_mut(&base) {
+            let mut byte = [0u8];
+            region.read_at(at, &mut byte);
+            region.write_at(at, &[!byte[0]]);
+        }
     }
 
     /// Copies up to `budget` bytes of a transfer, in descriptor order; returns the bytes copied.
@@ -301,7 +327,7 @@ impl Fabric {
 
     /// The region holding `[addr, addr + len)` (which posting proved lies inside one) and the
     /// span's offset in it; `None` if that region's adopted memory is gone.
-    fn span(&self, addr: u64, len: u64) -> Option<(u64, usize)> {
+    pub(super) fn span(&self, addr: u64, len: u64) -> Option<(u64, usize)> {
         let (&base, region) = self.regions.range(..=addr).next_back()?;
         let inside = AddrRange {
             base,

@@ -53,8 +53,8 @@ impl Default for MemLimits {
 /// land on the first poll after posting.
 ///
 /// Switches about transfers apply to the agent's own posts (it is the initiator). A post takes at
-/// most one of `fail_next_transfers`, `partial_next_transfers` and `hang_next_transfers`, in that
-/// order of precedence.
+/// most one of `fail_next_transfers`, `partial_next_transfers`, `hang_next_transfers` and
+/// `corrupt_next_transfers`, in that order of precedence.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemFaults {
     /// A transfer lands during this many-th `poll_completions` after its post; 0 lands it inside
@@ -75,6 +75,11 @@ pub struct MemFaults {
     /// The next this-many posted transfers never land: they stay pending until abandoned or
     /// their peer is invalidated.
     pub hang_next_transfers: u32,
+    /// The next this-many posted transfers land with one byte wrong (every bit of the middle
+    /// byte of their first descriptor flipped at the destination), then complete `Ok` and
+    /// deliver their notification: corruption in flight that only an integrity check
+    /// (`Config::integrity_digest`) can notice. Taken after the three above.
+    pub corrupt_next_transfers: u32,
     /// While set, nothing this agent posted lands (pending transfers resume when cleared).
     pub stall: bool,
     /// The next this-many notifications this agent sends (standalone, or attached to its
@@ -97,6 +102,7 @@ impl Default for MemFaults {
             fail_next_transfers: 0,
             partial_next_transfers: 0,
             hang_next_transfers: 0,
+            corrupt_next_transfers: 0,
             stall: false,
             drop_next_notifications: 0,
             completion_lag_polls: 0,

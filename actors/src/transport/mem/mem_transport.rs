@@ -210,6 +210,28 @@ impl Transport for MemTransport {
         Ok(region.range())
     }
 
+    fn read_local(&self, addr: u64, len: u64, out: &mut Vec<u8>) -> Result<(), TransportError> {
+        let fab = self.fabric.lock();
+        let out_of_range = TransportError::LocalOutOfRange {
+            index: 0,
+            addr,
+            len,
+        };
+        let Some((base, at)) = fab.span(addr, len) else {
+            return Err(out_of_range);
+        };
+        let region = &fab.regions[&base];
+        if !region.registered || region.owner != self.name || region.incarnation != self.incarnation
+        {
+            return Err(out_of_range);
+        }
+        // `span` proved the bytes lie inside the region's memory, so `len` fits in `usize`.
+        let start = out.len();
+        out.resize(start + len as usize, 0);
+        region.read_at(at, &mut out[start..]);
+        Ok(())
+    }
+
     fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
         let fab = self.fabric.lock();
         let regions: Vec<AddrRange> = fab

@@ -245,6 +245,7 @@ fn post(to: &PeerAddr, local: BlockIds, remote: BlockIds) -> Output {
             key: key(),
             epoch: EPOCH,
             prefill_rank: OWN_RANK,
+            digests: Vec::new(),
         }),
         stream: None,
     }))

@@ -420,6 +420,7 @@ fn post(epoch: Epoch) -> Output {
             key: key(),
             epoch,
             prefill_rank: RANK,
+            digests: Vec::new(),
         }),
         stream: None,
     }))
@@ -2407,6 +2408,7 @@ fn post_to(write: WriteId, to: &PeerAddr, epoch: Epoch) -> Output {
             key: key(),
             epoch,
             prefill_rank: RANK,
+            digests: Vec::new(),
         }),
         stream: None,
     }))

@@ -52,6 +52,7 @@ fn done(rank: u32) -> Message {
         key: key(),
         epoch: Epoch::FIRST,
         prefill_rank: rank,
+        digests: Vec::new(),
     })
 }
 
