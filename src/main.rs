@@ -40,7 +40,7 @@ enum Command {
     Demo(DemoArgs),
     /// One engine role (P or D) of the demo as its own process, over NIXL and a TCP side
     /// channel; run one of each (either first). Needs a build with `--features nixl`.
-    Node(NodeArgs),
+    Node(Box<NodeArgs>),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -141,7 +141,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Demo(args) => run_demo(args),
-        Command::Node(args) => run_node(args),
+        Command::Node(args) => run_node(*args),
         Command::Bench(command) => run_bench(command),
         Command::Sim(args) => run_sim(args),
         Command::Plan(args) => run_plan(args),

@@ -304,6 +304,7 @@ mod layerwise {
             decode_rank: 0,
             blocks: BlockIds::single_group(vec![3, 4]),
             num_tokens: 8,
+            trace_id: kvhandoff_protocol::TraceId::from_u128(11),
         }));
         let to_p = p.info.peer.clone();
         perform(
