@@ -75,10 +75,13 @@ enum TransportArg {
 }
 
 pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
-    if let Err(error) = args.log.init() {
-        eprintln!("error: {error}");
-        return ExitCode::from(2);
-    }
+    let _logs = match args.log.init() {
+        Ok(guard) => guard,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::from(2);
+        }
+    };
     if let (Some(model), Some(prefill), Some(decode)) = (&args.model, &args.prefill, &args.decode) {
         return run_hetero(&args, model, prefill, decode);
     }

@@ -162,10 +162,13 @@ pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Err(error) = args.log.init() {
-        eprintln!("error: {error}");
-        return ExitCode::from(2);
-    }
+    let _logs = match args.log.init() {
+        Ok(guard) => guard,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::from(2);
+        }
+    };
     // Up before the rank, so that a scrape during the run (the handshake included) finds it.
     let metrics = match args.metrics_addr.map(MetricsServer::start).transpose() {
         Ok(server) => server,
