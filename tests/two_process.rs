@@ -36,7 +36,7 @@ const ARGS: [&str; 14] = [
     "--mean-arrival-gap-ms",
     "12",
     // Both races must happen although a side may lag its schedule by tens of ms on a loaded
-    // machine (with the default 10 ms, a run beside a CPU hog once saw only one race).
+    // machine (with the default 30 ms, a run beside a CPU hog once saw only one race).
     "--max-call-skew-ms",
     "80",
     "--timeout-secs",

@@ -51,7 +51,7 @@ pub(crate) struct NodeArgs {
     /// apart, ms (each uniform in 0..=this after the prefill is due). Which side calls first
     /// decides the race; a side lagging its schedule by more than this runs only one race, so
     /// give a loaded machine more.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     max_call_skew_ms: u64,
     /// The whole process's limit, waiting for the peer included; past it the node reports
     /// FAILED.
@@ -244,4 +244,42 @@ fn run_schedule(args: NodeArgs, psk: Option<Psk>) -> ExitCode {
         |r| r.render_table(),
         |r| r.verdict_ok(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        node: NodeArgs,
+    }
+
+    /// The flags' defaults are the node's own: a different one would change every seeded plan
+    /// the end-to-end tests were written against (a 10 ms call skew once did).
+    #[test]
+    fn schedule_defaults_are_the_nodes() {
+        let argv = [
+            "x",
+            "--role",
+            "prefill",
+            "--listen",
+            "127.0.0.1:1",
+            "--peer",
+            "127.0.0.1:2",
+        ];
+        let args = Cli::try_parse_from(argv).expect("parses").node;
+        let own = NodeOptions::new(NodeRole::Prefill, args.listen, args.peer).schedule;
+        assert_eq!(
+            std::time::Duration::from_millis(args.max_call_skew_ms),
+            own.max_call_skew
+        );
+        assert_eq!(
+            std::time::Duration::from_secs_f64(args.mean_arrival_gap_ms / 1e3),
+            own.mean_arrival_gap
+        );
+        assert_eq!(args.max_prompt_tokens as u64, own.max_prompt_tokens as u64);
+    }
 }
