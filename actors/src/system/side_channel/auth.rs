@@ -203,34 +203,13 @@ where
     S: AsyncRead + Unpin,
 {
     let mut header = [0u8; AUTH_HEADER_LEN];
-    let mut filled = 0;
-    while filled < AUTH_HEADER_LEN {
-        let n = read_some(stream, &mut header[filled..], deadline).await?;
-        if n == 0 {
-            return Err(if filled == 0 {
-                HandshakeError::Closed
-            } else {
-                HandshakeError::Truncated {
-                    got: filled,
-                    wanted: AUTH_HEADER_LEN,
-                }
-            });
-        }
-        filled += n;
-        let seen = filled.min(AUTH_MAGIC.len());
-        if header[..seen] != AUTH_MAGIC[..seen] {
-            if header[..seen] == MAGIC[..seen] {
-                // Wait for the whole magic before calling it a plain frame.
-                if seen == MAGIC.len() {
-                    return Err(AuthFailure::PeerHasNoKey.into());
-                }
-                continue;
-            }
-            let mut found = [0u8; 4];
-            found[..seen].copy_from_slice(&header[..seen]);
-            return Err(kvhandoff_protocol::WireError::BadMagic { found }.into());
-        }
-    }
+    read_header(
+        stream,
+        &mut header,
+        (&AUTH_MAGIC, &MAGIC, AuthFailure::PeerHasNoKey),
+        deadline,
+    )
+    .await?;
     if header[4..] != [AUTH_VERSION, step as u8, 0, 0] {
         return Err(AuthFailure::BadFrame.into());
     }
@@ -247,6 +226,50 @@ where
         got += n;
     }
     Ok(body)
+}
+
+/// Fills `header` (a frame's fixed header) under `deadline`, checking its magic as it arrives:
+/// `ours` is the frame expected; the other frame family's magic (`theirs`: a plain handshake
+/// where an auth frame belongs, or the reverse) is `mismatch` once all of it came, since it
+/// says which side lacks a key; anything else is `BadMagic`.
+pub(crate) async fn read_header<S>(
+    stream: &mut S,
+    header: &mut [u8],
+    (ours, theirs, mismatch): (&[u8; 4], &[u8; 4], AuthFailure),
+    deadline: Instant,
+) -> Result<(), HandshakeError>
+where
+    S: AsyncRead + Unpin,
+{
+    let mut filled = 0;
+    while filled < header.len() {
+        let n = read_some(stream, &mut header[filled..], deadline).await?;
+        if n == 0 {
+            return Err(if filled == 0 {
+                HandshakeError::Closed
+            } else {
+                HandshakeError::Truncated {
+                    got: filled,
+                    wanted: header.len(),
+                }
+            });
+        }
+        filled += n;
+        let seen = filled.min(ours.len());
+        if header[..seen] != ours[..seen] {
+            if header[..seen] == theirs[..seen] {
+                // Wait for the whole magic before naming the other frame family.
+                if seen == theirs.len() {
+                    return Err(mismatch.into());
+                }
+                continue;
+            }
+            let mut found = [0u8; 4];
+            found[..seen].copy_from_slice(&header[..seen]);
+            return Err(kvhandoff_protocol::WireError::BadMagic { found }.into());
+        }
+    }
+    Ok(())
 }
 
 async fn read_some<S>(

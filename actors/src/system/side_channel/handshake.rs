@@ -7,7 +7,7 @@ use kvhandoff_protocol::{
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::auth::{AuthFailure, AUTH_MAGIC};
+use super::auth::{read_header, AuthFailure, AUTH_MAGIC};
 use super::{wire, HandshakeError, Message, HEADER_LEN, MAGIC};
 use kvhandoff_protocol::driver::PeerInfo;
 
@@ -168,37 +168,13 @@ where
     S: AsyncRead + Unpin,
 {
     let mut header = [0u8; HEADER_LEN];
-    let mut filled = 0;
-    while filled < HEADER_LEN {
-        let n = tokio::time::timeout_at(deadline, stream.read(&mut header[filled..]))
-            .await
-            .map_err(|_| HandshakeError::TimedOut)?
-            .map_err(HandshakeError::io)?;
-        if n == 0 {
-            return Err(if filled == 0 {
-                HandshakeError::Closed
-            } else {
-                HandshakeError::Truncated {
-                    got: filled,
-                    wanted: HEADER_LEN,
-                }
-            });
-        }
-        filled += n;
-        let seen = filled.min(MAGIC.len());
-        if header[..seen] != MAGIC[..seen] {
-            if header[..seen] == AUTH_MAGIC[..seen] {
-                // Wait for the whole magic before calling it an auth frame.
-                if seen == AUTH_MAGIC.len() {
-                    return Err(AuthFailure::NoKeyHere.into());
-                }
-                continue;
-            }
-            let mut found = [0u8; 4];
-            found[..seen].copy_from_slice(&header[..seen]);
-            return Err(WireError::BadMagic { found }.into());
-        }
-    }
+    read_header(
+        stream,
+        &mut header,
+        (&MAGIC, &AUTH_MAGIC, AuthFailure::NoKeyHere),
+        deadline,
+    )
+    .await?;
     let announced = wire::decode_header(&header)?;
     if announced.kind != MessageKind::Handshake {
         return Err(HandshakeError::WrongKind(announced.kind));
