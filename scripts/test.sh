@@ -167,6 +167,19 @@ case ":${LD_LIBRARY_PATH:-}:" in
     *":$nvrtc_lib:"*) ;;
     *) export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
 esac
+# A fresh clone builds ~80 test binaries; CI's disk once ran out mid-link. Incremental caches
+# only pay off on rebuilds, which CI never does, and they doubled target/ here.
+if [ "${CI:-}" = "true" ]; then
+    export CARGO_INCREMENTAL=0
+fi
+
+# Prints what target/ takes and what the disk has left, after each stage that builds.
+report_disk() {
+    local used
+    used="$(du -sh "$REPO_ROOT/target" 2>/dev/null | cut -f1)"
+    echo "disk after $1: target/ ${used:-0}; $(df -h "$REPO_ROOT" | awk 'NR==2 {print $4 " free of " $2}')"
+}
+
 summary="$(printf '%s; ' "${SUMMARY[@]}")"
 echo "setup: ${summary}LD_LIBRARY_PATH+=$NIXL_HOME/.nixl_cu12.mesonpy.libs:$nvrtc_lib, NIXL_PLUGIN_DIR=$NIXL_PLUGIN_DIR"
 
@@ -182,6 +195,7 @@ else
     # Every rustdoc link resolves (the docs name the files and items a newcomer reads next).
     banner "cargo doc --workspace --no-deps --all-features (-D warnings)"
     RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features
+    report_disk "clippy and doc"
 fi
 
 # Every CUDA kernel compiled to PTX by NVRTC (no GPU needed; with one, each also runs against
@@ -192,6 +206,7 @@ cargo test -p kvhandoff-kernels --features cuda -- --nocapture
 
 banner "cargo test --workspace --all-features"
 cargo test --workspace --all-features "$@"
+report_disk "the workspace tests"
 
 # The integrator's example (connector/examples/handoff.rs, the `kvhandoff` crate only, no
 # `unsafe`): a P and a D engine loop on KV memory they allocated themselves, handed over and
@@ -220,6 +235,7 @@ cargo run --release --quiet -- matrix --runtime
 banner "scripts/swarm-check.sh (the swarm: clean, every mark hit, its mutations caught)"
 cargo build --release --quiet
 "$REPO_ROOT/scripts/swarm-check.sh"
+report_disk "the release builds"
 
 # The Python package (python/: the PyO3 extension and kvhandoff.vllm) built with maturin and
 # installed into the vLLM environment (scripts/install-vllm.sh: vLLM's CPU build, pinned, cached
@@ -237,5 +253,6 @@ PATH="$(dirname "$VLLM_PYTHON"):$PATH" "$VLLM_PYTHON" -m pip install --quiet --d
 "$VLLM_PYTHON" "$REPO_ROOT/examples/python/handoff.py" --transport nixl --requests 16
 "$VLLM_PYTHON" "$REPO_ROOT/examples/python/handoff.py" --transport nixl --mode pull --requests 8
 VPY="$VLLM_PYTHON" bash "$REPO_ROOT/python/tests/vllm_pd/run_all.sh"
+report_disk "the Python stage"
 
 banner "all stages passed"
