@@ -25,6 +25,7 @@ use kvhandoff_protocol::machine::{BlockPairing, Config};
 use kvhandoff_protocol::{EngineId, IdError, KvGeometry, ModelIdentity, PeerAddr};
 
 use crate::route::PlannedRoute;
+use crate::settings::{RankSettings, SettingsError};
 use crate::{
     ConnectorError, ConnectorIdentity, ConnectorSettings, KvCache, KvConnector, RankLinks, Runtime,
 };
@@ -271,6 +272,19 @@ impl RankBuilder {
     pub fn connector_settings(mut self, settings: ConnectorSettings) -> RankBuilder {
         self.settings = Some(settings);
         self
+    }
+
+    /// Everything [`RankSettings`] holds — the protocol's configuration, the connector's
+    /// settings for this builder's geometry and the shell tuning — in one call, e.g. from a
+    /// file and the environment ([`RankSettings::load`]). Fails when the settings contradict
+    /// each other; a later [`config`](Self::config), [`connector_settings`](Self::connector_settings)
+    /// or [`shell`](Self::shell) call overrides its part.
+    pub fn settings(mut self, settings: &RankSettings) -> Result<RankBuilder, SettingsError> {
+        let config = settings.config()?;
+        self.settings = Some(settings.connector_settings(&config, &self.geometry));
+        self.config = config;
+        self.shell = settings.shell();
+        Ok(self)
     }
 
     /// Where `engine`'s side channel listens (TCP only; the rank then takes its handshakes).

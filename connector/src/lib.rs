@@ -33,6 +33,7 @@ mod builder;
 mod cache;
 mod connector;
 pub mod route;
+mod settings;
 mod warm;
 
 pub use builder::{EngineRank, RankBuilder, SideChannel, StartError, TransportKind};
@@ -64,3 +65,4 @@ pub use kvhandoff_protocol::TransferMode;
 pub use kvhandoff_protocol::{
     BlockIds, EngineId, IdError, KvGeometry, KvLayout, ModelIdentity, RegionSpec, RequestId,
 };
+pub use settings::{RankSettings, SettingValue, SettingsError, RANK_ENV_PREFIX, RANK_TABLE};

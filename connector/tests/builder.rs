@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use kvhandoff::{
     AdoptError, BlockIds, BuildError, ConnectorEvent, EngineId, EngineRank, KvCacheError,
-    KvGeometry, KvLayout, KvRegion, KvTransferParams, MemFabric, MemoryLocation, ModelIdentity,
-    RankBuilder, RegionProblem, RequestId, Runtime, SideChannel, StartError, TransportKind,
+    KvGeometry, KvLayout, KvRegion, KvTransferParams, LoadFailurePolicy, MemFabric, MemoryLocation,
+    ModelIdentity, RankBuilder, RankSettings, RegionProblem, RequestId, Runtime, SettingValue,
+    SettingsError, SideChannel, StartError, TransportKind,
 };
 
 const BLOCKS: u64 = 16;
@@ -198,6 +199,44 @@ fn engine_owned_memory_hands_requests_over_byte_for_byte() {
     hand_over(&mut p, &mut d, 6, None);
     drop((p, d));
     runtime.shutdown();
+}
+
+/// A rank configured from the deployment file's `[rank]` table hands requests over under
+/// those settings; settings that contradict each other stop the builder, naming the rule.
+#[test]
+fn ranks_take_their_settings_from_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvhandoff.toml");
+    let text = "[node]\nrequests = 4\n\n[rank]\nlease_ms = 5000\nlayerwise_parts = 2\nload_failure_policy = \"recompute\"\n";
+    std::fs::write(&path, text).unwrap();
+    let settings = RankSettings::from_file(&path).unwrap();
+    let fabric = MemFabric::new();
+    let mut runtime = Runtime::start().unwrap();
+    let mut ranks = ["prefill", "decode"].map(|name| {
+        builder(name, owned_regions(), &fabric)
+            .settings(&settings)
+            .unwrap()
+            .start_on(&mut runtime)
+            .unwrap()
+    });
+    let applied = *ranks[0].connector().settings();
+    assert_eq!(applied.lease_duration, Duration::from_secs(5));
+    assert_eq!(applied.layerwise_parts, 2);
+    assert_eq!(applied.load_failure_policy, LoadFailurePolicy::Recompute);
+    assert_eq!(applied.block_tokens, Some(4), "the builder's geometry: 4-token blocks");
+    let [p, d] = &mut ranks;
+    hand_over(p, d, 3, None);
+    drop(ranks);
+    runtime.shutdown();
+
+    let mut contradiction = settings.clone();
+    contradiction
+        .set("lease_extension_ms", SettingValue::Int(6000), "test")
+        .unwrap();
+    let err = builder("x", owned_regions(), &fabric)
+        .settings(&contradiction)
+        .unwrap_err();
+    assert!(matches!(err, SettingsError::Invalid(_)), "{err:?}");
 }
 
 #[test]

@@ -75,6 +75,9 @@ def prometheus_text() -> str:
 def threads_outside() -> int:
     """Threads now in a connector call with the GIL released (the exit hook waits for none)."""
 
+#: Every keyword setting :class:`NativeConnector` takes (the rank's, then the shell's own).
+SETTING_KEYS: tuple[str, ...]
+
 def clock_secs() -> float:
     """The monotonic clock that ``remote_blocks_expiry_time`` is written in (this process)."""
 
@@ -132,7 +135,14 @@ class NativeConnector:
         ``next_turn_ttl_s``, ``max_requests``; layer-wise push (:meth:`prefill_started`):
         ``layerwise_parts`` (how many parts a request's layers are written in, default 8, at
         most one per layer) and ``layerwise_min_tokens`` (prompts of fewer tokens go as one part
-        with the last layer, default 256).
+        with the last layer, default 256); every other key of ``kvhandoff::RankSettings``
+        (``SETTING_KEYS`` lists them all: retries, table bounds, ``block_pairing``,
+        ``integrity_digest``, ``recompute_threshold``, ``poll_interval_us``, ...).
+
+        Layers, lowest first: the protocol's defaults; ``defaults`` (a dict of settings, for an
+        adapter's own defaults); ``config_file`` (a TOML file's ``[rank]`` table, the file the
+        ``kvhandoff`` command line reads too); ``KVHANDOFF_RANK_<KEY>`` environment variables;
+        the keywords themselves. Errors name the key and the layer it came from.
         """
     @property
     def address(self) -> str:

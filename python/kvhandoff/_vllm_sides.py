@@ -49,13 +49,6 @@ _HANDSHAKE_TIMEOUT_MS = 30_000
 _ADAPTER_KEYS = frozenset({
     "transport", "listen", "advertise_host", "engine_id", "model", "dtype", "fault", "layerwise",
 })
-_NATIVE_KEYS = frozenset({
-    "lease_ms", "lease_extension_ms", "heartbeat_interval_ms", "peer_timeout_ms",
-    "connect_timeout_ms", "decode_deadline_ms", "registration_ttl_ms", "write_timeout_ms",
-    "abandon_timeout_ms", "max_write_life_ms", "max_message_delay_ms", "quarantine_ms",
-    "tombstone_ttl_ms", "handshake_timeout_ms", "call_timeout_ms", "close_timeout_ms",
-    "max_requests", "layerwise_parts", "layerwise_min_tokens",
-})
 
 
 #: This process's P-side native calls by kind (diagnostics: how requests were handed over,
@@ -141,18 +134,26 @@ class Settings:
         if not eid:
             raise ValueError("KvHandoffConnector: no engine_id (neither vLLM's nor extra config's)")
 
-        unknown = sorted(set(extra) - _ADAPTER_KEYS - _NATIVE_KEYS)
+        # Every setting the native connector takes (its own list, so the two cannot drift
+        # apart); the native layer checks each value, naming the key.
+        from ._native import SETTING_KEYS
+
+        native_keys = frozenset(SETTING_KEYS)
+        unknown = sorted(set(extra) - _ADAPTER_KEYS - native_keys)
         if unknown:
             raise ValueError(
                 f"KvHandoffConnector: unknown kv_connector_extra_config key(s) {unknown}; known: "
-                f"{sorted(_ADAPTER_KEYS | _NATIVE_KEYS)}"
+                f"{sorted(_ADAPTER_KEYS | native_keys)}"
             )
-        native = {k: float(v) if k.endswith("_ms") else int(v)
-                  for k, v in extra.items() if k in _NATIVE_KEYS and v is not None}
+        native = {k: v for k, v in extra.items() if k in native_keys and v is not None}
         # The first request to a new peer waits for the side-channel handshake (NIXL metadata
         # loaded on both sides); on a loaded host that took more than the runtime's 5 s default
         # (python/tests/vllm_pd/serve_pd.py, three vLLM servers on 2 cores), failing the request.
-        native.setdefault("handshake_timeout_ms", float(_HANDSHAKE_TIMEOUT_MS))
+        # A default beneath a settings file and the environment, which may override it.
+        defaults = native.get("defaults", {})
+        if not isinstance(defaults, dict):
+            raise ValueError(f"KvHandoffConnector: defaults must be an object (got {defaults!r})")
+        native["defaults"] = {"handshake_timeout_ms": _HANDSHAKE_TIMEOUT_MS, **defaults}
 
         return cls(
             role=role,

@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyList};
 
 use kvhandoff::{
     AcceptPolicy, ConnectorEvent, EngineId, EngineRank, KvConnector, KvGeometry, KvRegion,
-    MemFabric, MemoryLocation, ModelIdentity, PeerAddr, Psk, RankBuilder, ShellConfig, SideChannel,
+    MemFabric, MemoryLocation, ModelIdentity, PeerAddr, Psk, RankBuilder, SideChannel,
     SideChannelConfig, TransportKind,
 };
 
@@ -305,10 +305,6 @@ impl NativeConnector {
             let key = Psk::from_file(&path).map_err(|e| self::config(format!("psk_file: {e}")))?;
             side.psk = Some(key);
         }
-        let mut shell = ShellConfig::default();
-        if let Some(timeout) = options.handshake_timeout {
-            shell.handshake_timeout = timeout;
-        }
         let mut peer_addrs = Vec::new();
         for (peer, addr) in peer_list(peers)? {
             let id = EngineId::new(&peer).map_err(|e| self::config(format!("peers: {e}")))?;
@@ -327,7 +323,7 @@ impl NativeConnector {
             .side_channel(SideChannel::Tcp(side))
             .config(options.config.clone())
             .connector_settings(settings)
-            .shell(shell);
+            .shell(options.shell.clone());
         if let Some(host) = advertise_host {
             builder = builder.advertise_host(host);
         }

@@ -58,5 +58,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(clock_secs, m)?)?;
     m.add_function(wrap_pyfunction!(prometheus_text, m)?)?;
     m.add_function(wrap_pyfunction!(connector::threads_outside, m)?)?;
+    // Every keyword setting the connector takes (the rank's, then the shell's own), so the
+    // vLLM adapter passes on exactly those.
+    let keys: Vec<&str> = kvhandoff::RankSettings::keys()
+        .chain(options::SHELL_KEYS)
+        .collect();
+    m.add("SETTING_KEYS", pyo3::types::PyTuple::new(m.py(), keys)?)?;
     Ok(())
 }

@@ -668,6 +668,43 @@ def test_layerwise_settings_are_checked_by_name(setting):
     assert next(iter(setting)) in str(e.value)
 
 
+def test_settings_layer_defaults_file_environment_keywords(tmp_path, monkeypatch):
+    """One key table for the file's ``[rank]``, ``KVHANDOFF_RANK_*`` and the keywords, layered
+    in that order over ``defaults``; each layer's errors name the layer. A lease of 400 ms with
+    an extension of 500 ms contradicts itself: which layer wins decides whether it starts."""
+    assert "lease_ms" in kvhandoff.SETTING_KEYS and "config_file" in kvhandoff.SETTING_KEYS
+    for key in ("KVHANDOFF_RANK_LEASE_MS", "KVHANDOFF_RANK_LEASE_EXTENSION_MS"):
+        monkeypatch.delenv(key, raising=False)
+    path = tmp_path / "kvhandoff.toml"
+    path.write_text("[node]\nrequests = 3\n\n[rank]\nlease_ms = 400\n")
+    _connector(config_file=str(path)).close()  # the extension follows the unset lease
+    with pytest.raises(kvhandoff.ConfigError) as e:  # the file's lease against defaults' 500
+        _connector(config_file=str(path), defaults={"lease_extension_ms": 500})
+    assert "contradict" in str(e.value)
+    _connector(config_file=str(path), defaults={"lease_extension_ms": 500}, lease_extension_ms=300).close()
+    monkeypatch.setenv("KVHANDOFF_RANK_LEASE_EXTENSION_MS", "300")  # the environment over defaults
+    _connector(config_file=str(path), defaults={"lease_extension_ms": 500}).close()
+    with pytest.raises(kvhandoff.ConfigError):  # a keyword over the environment
+        _connector(config_file=str(path), lease_extension_ms=500)
+    monkeypatch.setenv("KVHANDOFF_RANK_LEASE_EXTENSION_MS", "soon")
+    with pytest.raises(kvhandoff.ConfigError) as e:
+        _connector()
+    assert "KVHANDOFF_RANK_LEASE_EXTENSION_MS" in str(e.value)
+    monkeypatch.delenv("KVHANDOFF_RANK_LEASE_EXTENSION_MS")
+    path.write_text("[rank]\nleese_ms = 400\n")
+    with pytest.raises(kvhandoff.ConfigError) as e:
+        _connector(config_file=str(path))
+    assert "leese_ms" in str(e.value) and str(path) in str(e.value)
+    with pytest.raises(kvhandoff.ConfigError) as e:
+        _connector(config_file=str(tmp_path / "missing.toml"))
+    assert "missing.toml" in str(e.value)
+    for bad in ({"defaults": 5}, {"defaults": {"leese_ms": 1}}, {"integrity_digest": "maybe"},
+                {"block_pairing": "diagonal"}, {"max_peers": 0}):
+        with pytest.raises(kvhandoff.ConfigError) as e:
+            _connector(**bad)
+        assert "defaults" in str(e.value) or next(iter(bad)) in str(e.value), (bad, str(e.value))
+
+
 def test_unknown_setting_is_a_config_error_naming_it():
     with pytest.raises(kvhandoff.ConfigError) as e:
         _connector(bogus_ms=5)

@@ -663,7 +663,14 @@ def test_settings():
     s = A.Settings.from_config("kv_consumer", "e1", {"transport": "mem", "listen": "0.0.0.0:7000",
                                                      "engine_id": "d0", "lease_ms": "500"})
     assert (s.role, s.transport, s.engine_id) == ("decode", "mem", "d0")
-    assert s.native == {"lease_ms": 500.0, "handshake_timeout_ms": 30_000.0}
+    # Passed on as given (the native layer parses "500"); the adapter's handshake timeout as a
+    # default beneath a settings file and the environment.
+    assert s.native == {"lease_ms": "500", "defaults": {"handshake_timeout_ms": 30_000}}
+    s2 = A.Settings.from_config("kv_producer", "e1", {"config_file": "/etc/kvhandoff.toml",
+                                                      "integrity_digest": True,
+                                                      "defaults": {"handshake_timeout_ms": 9}})
+    assert s2.native == {"config_file": "/etc/kvhandoff.toml", "integrity_digest": True,
+                         "defaults": {"handshake_timeout_ms": 9}}
     assert s.static_address() == ("0.0.0.0", 7000)
     for bad in (("kv_both", {}), ("kv_producer", {"fault": "nope"}), ("kv_producer", {"read_span": 1})):
         try:

@@ -103,6 +103,9 @@ pub(crate) enum ConfigError {
         value: String,
         why: String,
     },
+    /// The file's `[rank]` table (the embedding API's settings) is wrong.
+    #[error(transparent)]
+    Rank(#[from] kvhandoff::SettingsError),
     /// `--kv-transfer-config` cannot configure a node.
     #[error("--kv-transfer-config: {0}")]
     Vllm(String),
@@ -230,6 +233,10 @@ fn file_settings(
             why: e.message().to_string(),
         })?;
     let origin = file.display().to_string();
+    // `[rank]` is the embedding API's (`kvhandoff::RankSettings`), read by engines and the
+    // Python connector from the same file; checked here too, so a typo in it fails every
+    // command that reads the file rather than only the engine.
+    kvhandoff::RankSettings::from_toml(&text, &origin)?;
     let mut found = Vec::new();
     walk_tables(command, &table, &mut Vec::new(), &origin, path, &mut found)?;
     Ok(found)
@@ -246,6 +253,9 @@ fn walk_tables(
     found: &mut Vec<Setting>,
 ) -> Result<(), ConfigError> {
     for (key, value) in table {
+        if at.is_empty() && key == kvhandoff::RANK_TABLE {
+            continue;
+        }
         let sub = command.find_subcommand(key.as_str());
         match (value, sub) {
             (toml::Value::Table(inner), Some(sub)) => {

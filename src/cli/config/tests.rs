@@ -133,6 +133,8 @@ fn a_bad_file_is_refused_naming_the_file_table_and_key() {
             "`requets` is not an option of `kvhandoff sim`",
         ),
         ("[node\n", "not valid TOML"),
+        ("[rank]\nleese_ms = 5\n", "`leese_ms` is not a rank setting"),
+        ("[rank]\nlease_ms = 0\n", "[rank]: `lease_ms` = 0"),
     ];
     for (text, expected) in cases {
         let f = file(text);
@@ -226,4 +228,26 @@ fn commands_without_configuration_parse_as_before() {
     assert!(parse(&["version"], &[]).is_ok());
     let m = parse(&["sim", "--seeds", "1..3"], &[("KVHANDOFF_SIM_TRACE", "1")]);
     assert!(m.is_ok(), "{m:?}");
+}
+
+/// One deployment file serves the command line and the engines: `[rank]` is the embedding
+/// API's (`kvhandoff::RankSettings`), and a command reading the file leaves it to them.
+#[test]
+fn the_rank_table_is_the_embedding_apis() {
+    let text =
+        "[rank]\nlease_ms = 5000\nload_failure_policy = \"recompute\"\n\n[node]\nrequests = 7\n";
+    let f = file(text);
+    let path = f.path().to_str().unwrap();
+    let argv: Vec<&str> = ["--config", path, "node"]
+        .iter()
+        .chain(NODE.iter())
+        .copied()
+        .collect();
+    let m = parse(&argv, &[]).expect("a [rank] table is not a subcommand's");
+    assert_eq!(requests(&m), 7);
+    let rank = kvhandoff::RankSettings::from_file(f.path()).expect("the same file");
+    assert_eq!(
+        rank.config().expect("valid").lease_duration,
+        std::time::Duration::from_secs(5)
+    );
 }

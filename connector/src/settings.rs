@@ -1,0 +1,596 @@
+//! [`RankSettings`]: every tunable of a rank an engine embeds — the protocol's [`Config`], the
+//! connector's [`ConnectorSettings`] and the shells' [`ShellConfig`] — under one set of keys,
+//! loadable from the `[rank]` table of a TOML file, from `KVHANDOFF_RANK_<KEY>` environment
+//! variables and from key–value pairs (the Python connector's keyword settings and vLLM's
+//! `kv_connector_extra_config` go through the same table), each value checked when it is read,
+//! with an error naming the key and where it came from.
+//!
+//! The file is the one the `kvhandoff` command line reads (`kvhandoff.toml`): its `[rank]`
+//! table belongs to the embedding API, its other tables to the subcommands, so one deployment
+//! file configures both. Precedence, lowest first: the protocol's defaults, the file, the
+//! environment, then whatever the engine sets in code.
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvhandoff::{RankSettings, SettingValue};
+//!
+//! let text = r#"
+//! [rank]
+//! lease_ms = 5000
+//! load_failure_policy = "recompute"
+//! "#;
+//! let mut settings = RankSettings::from_toml(text, "kvhandoff.toml")?;
+//! settings.apply_env([("KVHANDOFF_RANK_QUARANTINE_MS".to_string(), "300000".to_string())])?;
+//! settings.set("max_requests", SettingValue::Int(4096), "code")?;
+//! let config = settings.config()?;
+//! assert_eq!(config.lease_duration, Duration::from_secs(5));
+//! assert_eq!(config.quarantine, Duration::from_secs(300));
+//! // The lease is shorter than the default extension: the extension follows it.
+//! assert_eq!(config.lease_extension, Duration::from_secs(5));
+//!
+//! let err = RankSettings::from_toml("[rank]\nleese_ms = 1", "kvhandoff.toml").unwrap_err();
+//! assert!(err.to_string().contains("`leese_ms` is not a rank setting"));
+//! # Ok::<(), kvhandoff::SettingsError>(())
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kvhandoff_actors::system::ShellConfig;
+use kvhandoff_protocol::machine::{BlockPairing, Config, ConfigError, LoadFailurePolicy};
+use kvhandoff_protocol::session::ConnectorSettings;
+use kvhandoff_protocol::KvGeometry;
+
+#[cfg(test)]
+mod tests;
+
+/// The table of a TOML file that [`RankSettings::from_toml`] reads.
+pub const RANK_TABLE: &str = "rank";
+/// The prefix of the environment variables [`RankSettings::apply_env`] reads.
+pub const RANK_ENV_PREFIX: &str = "KVHANDOFF_RANK_";
+/// The largest settings file read.
+const MAX_FILE_BYTES: u64 = 1 << 20;
+
+/// One value of one setting, as a file, a variable or an engine's code gives it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SettingValue {
+    /// A whole number.
+    Int(i64),
+    /// A number with a fraction (durations only).
+    Float(f64),
+    /// `true` or `false`.
+    Bool(bool),
+    /// Text: a choice (`"recompute"`), or any value as written in an environment variable.
+    Text(String),
+}
+
+impl std::fmt::Display for SettingValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SettingValue::Int(n) => write!(f, "{n}"),
+            SettingValue::Float(x) => write!(f, "{x}"),
+            SettingValue::Bool(b) => write!(f, "{b}"),
+            SettingValue::Text(t) => write!(f, "{t:?}"),
+        }
+    }
+}
+
+/// Rank settings that cannot be used; each names the key and where its value came from.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SettingsError {
+    /// The file could not be read.
+    #[error("cannot read the settings file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is over 1 MiB.
+    #[error("the settings file {path} is {bytes} bytes; the limit is {MAX_FILE_BYTES}")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        bytes: u64,
+    },
+    /// The text is not TOML, or its `[rank]` is not a table.
+    #[error("{origin}: {why}")]
+    Syntax {
+        /// The file.
+        origin: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// A key names no setting.
+    #[error("{origin}: `{key}` is not a rank setting (settings: {known})")]
+    UnknownKey {
+        /// Where the key was read.
+        origin: String,
+        /// The key.
+        key: String,
+        /// Every key there is.
+        known: String,
+    },
+    /// A value its key does not take.
+    #[error("{origin}: `{key}` = {value}: {why}")]
+    BadValue {
+        /// Where the value was read.
+        origin: String,
+        /// The key.
+        key: String,
+        /// The value as given.
+        value: String,
+        /// What the key takes.
+        why: String,
+    },
+    /// Each value is fine but together they break a rule of the protocol.
+    #[error("the rank settings contradict each other: {0}")]
+    Invalid(#[from] ConfigError),
+}
+
+/// The unit a duration key is given in.
+#[derive(Debug, Clone, Copy)]
+enum Unit {
+    Seconds,
+    Millis,
+    Micros,
+}
+
+/// What a key takes, and where the value goes.
+#[derive(Clone, Copy)]
+enum Setter {
+    /// A positive, finite duration, at most 30 days.
+    Duration(Unit, fn(&mut RankSettings, Duration)),
+    /// A whole number from `min` to `max`.
+    Count(u64, u64, fn(&mut RankSettings, u64)),
+    /// `true` or `false`.
+    Flag(fn(&mut RankSettings, bool)),
+    /// One of these words (the setter gets its index).
+    Choice(&'static [&'static str], fn(&mut RankSettings, usize)),
+}
+
+const MS: Unit = Unit::Millis;
+/// The most retries a retry count takes.
+const RETRIES: u64 = Config::MAX_RETRIES as u64;
+/// The largest table bound a key takes.
+const BOUND: u64 = 1 << 24;
+/// The largest token count a key takes.
+const TOKENS: u64 = 1 << 40;
+
+/// Every key and what it takes. The names of durations carry their unit; they are the names
+/// the Python connector has always taken.
+const KEYS: &[(&str, Setter)] = &[
+    (
+        "lease_ms",
+        Setter::Duration(MS, |s, d| s.config.lease_duration = d),
+    ),
+    (
+        "lease_extension_ms",
+        Setter::Duration(MS, |s, d| s.config.lease_extension = d),
+    ),
+    (
+        "heartbeat_interval_ms",
+        Setter::Duration(MS, |s, d| s.config.heartbeat_interval = d),
+    ),
+    (
+        "peer_timeout_ms",
+        Setter::Duration(MS, |s, d| s.config.peer_timeout = d),
+    ),
+    (
+        "connect_timeout_ms",
+        Setter::Duration(MS, |s, d| s.config.connect_timeout = d),
+    ),
+    (
+        "decode_deadline_ms",
+        Setter::Duration(MS, |s, d| s.config.decode_deadline = d),
+    ),
+    (
+        "registration_ttl_ms",
+        Setter::Duration(MS, |s, d| s.config.registration_ttl = d),
+    ),
+    (
+        "write_timeout_ms",
+        Setter::Duration(MS, |s, d| s.config.write_timeout = d),
+    ),
+    (
+        "abandon_timeout_ms",
+        Setter::Duration(MS, |s, d| s.config.abandon_timeout = d),
+    ),
+    (
+        "max_write_life_ms",
+        Setter::Duration(MS, |s, d| s.config.max_write_life = d),
+    ),
+    (
+        "max_message_delay_ms",
+        Setter::Duration(MS, |s, d| s.config.max_message_delay = d),
+    ),
+    (
+        "register_retry_interval_ms",
+        Setter::Duration(MS, |s, d| s.config.register_retry_interval = d),
+    ),
+    (
+        "max_register_retries",
+        Setter::Count(0, RETRIES, |s, n| s.config.max_register_retries = narrow(n)),
+    ),
+    (
+        "cancel_retry_interval_ms",
+        Setter::Duration(MS, |s, d| s.config.cancel_retry_interval = d),
+    ),
+    (
+        "max_cancel_retries",
+        Setter::Count(0, RETRIES, |s, n| s.config.max_cancel_retries = narrow(n)),
+    ),
+    (
+        "quarantine_ms",
+        Setter::Duration(MS, |s, d| s.config.quarantine = d),
+    ),
+    (
+        "tombstone_ttl_ms",
+        Setter::Duration(MS, |s, d| s.config.tombstone_ttl = d),
+    ),
+    (
+        "max_requests",
+        Setter::Count(1, BOUND, |s, n| s.config.max_requests = widen(n)),
+    ),
+    (
+        "max_pending_registrations",
+        Setter::Count(1, BOUND, |s, n| {
+            s.config.max_pending_registrations = widen(n)
+        }),
+    ),
+    (
+        "max_tombstones",
+        Setter::Count(1, BOUND, |s, n| s.config.max_tombstones = widen(n)),
+    ),
+    (
+        "max_peers",
+        Setter::Count(1, BOUND, |s, n| s.config.max_peers = widen(n)),
+    ),
+    (
+        "max_queued_per_peer",
+        Setter::Count(1, BOUND, |s, n| s.config.max_queued_per_peer = widen(n)),
+    ),
+    (
+        "read_chunk_blocks",
+        Setter::Count(1, 1 << 20, |s, n| s.config.read_chunk_blocks = narrow(n)),
+    ),
+    (
+        "block_pairing",
+        Setter::Choice(&["tail_aligned", "as_given"], |s, i| {
+            s.config.block_pairing = [BlockPairing::TailAligned, BlockPairing::AsGiven][i]
+        }),
+    ),
+    (
+        "integrity_digest",
+        Setter::Flag(|s, b| s.config.integrity_digest = b),
+    ),
+    (
+        "handshake_timeout_ms",
+        Setter::Duration(MS, |s, d| s.shell.handshake_timeout = d),
+    ),
+    (
+        "poll_interval_us",
+        Setter::Duration(Unit::Micros, |s, d| s.shell.poll_interval = d),
+    ),
+    (
+        "load_failure_policy",
+        Setter::Choice(&["fail", "recompute"], |s, i| {
+            s.load_failure_policy = [LoadFailurePolicy::Fail, LoadFailurePolicy::Recompute][i]
+        }),
+    ),
+    (
+        "next_turn_ttl_s",
+        Setter::Duration(Unit::Seconds, |s, d| s.next_turn_ttl = Some(d)),
+    ),
+    (
+        "recompute_threshold",
+        Setter::Count(0, TOKENS, |s, n| s.recompute_threshold = Some(n)),
+    ),
+    (
+        "layerwise_parts",
+        Setter::Count(1, 1 << 16, |s, n| s.layerwise_parts = Some(narrow(n))),
+    ),
+    (
+        "layerwise_min_tokens",
+        Setter::Count(0, TOKENS, |s, n| s.layerwise_min_tokens = Some(n)),
+    ),
+];
+
+/// Every setting of one rank, with where each came from checked as it was read.
+///
+/// Start from [`RankSettings::default`] (the protocol's defaults), a file
+/// ([`RankSettings::from_file`], [`RankSettings::from_toml`]) or both a file and the
+/// environment ([`RankSettings::load`]); override in code with [`RankSettings::set`]; hand the
+/// result to [`RankBuilder::settings`](crate::RankBuilder::settings).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankSettings {
+    config: Config,
+    shell: ShellConfig,
+    load_failure_policy: LoadFailurePolicy,
+    next_turn_ttl: Option<Duration>,
+    recompute_threshold: Option<u64>,
+    layerwise_parts: Option<u32>,
+    layerwise_min_tokens: Option<u64>,
+    /// The keys set so far (a lease shorter than the defaults of the others pulls them along
+    /// unless they were set too).
+    given: Vec<&'static str>,
+}
+
+impl Default for RankSettings {
+    fn default() -> Self {
+        RankSettings {
+            config: Config::default(),
+            shell: ShellConfig::default(),
+            load_failure_policy: LoadFailurePolicy::Fail,
+            next_turn_ttl: None,
+            recompute_threshold: None,
+            layerwise_parts: None,
+            layerwise_min_tokens: None,
+            given: Vec::new(),
+        }
+    }
+}
+
+impl RankSettings {
+    /// Every key a rank setting takes, in the order of the documentation.
+    pub fn keys() -> impl Iterator<Item = &'static str> {
+        KEYS.iter().map(|(name, _)| *name)
+    }
+
+    /// The settings of the `[rank]` table of TOML `text` over the defaults; `origin` (a file
+    /// name) is what errors name. See [`RankSettings::apply_toml`].
+    pub fn from_toml(text: &str, origin: &str) -> Result<RankSettings, SettingsError> {
+        let mut settings = RankSettings::default();
+        settings.apply_toml(text, origin)?;
+        Ok(settings)
+    }
+
+    /// [`RankSettings::from_toml`] on the file at `path` (at most 1 MiB).
+    pub fn from_file(path: &Path) -> Result<RankSettings, SettingsError> {
+        let mut settings = RankSettings::default();
+        settings.apply_file(path)?;
+        Ok(settings)
+    }
+
+    /// The file at `path` (when given), then this process's `KVHANDOFF_RANK_<KEY>` variables,
+    /// over the defaults.
+    pub fn load(path: Option<&Path>) -> Result<RankSettings, SettingsError> {
+        let mut settings = RankSettings::default();
+        if let Some(path) = path {
+            settings.apply_file(path)?;
+        }
+        settings.apply_env(std::env::vars())?;
+        Ok(settings)
+    }
+
+    /// Applies the `[rank]` table of TOML `text`; `origin` (a file name) is what errors name.
+    /// Other tables are left alone (they configure the command line); a key of `[rank]` that
+    /// names no setting is an error, and leaves these settings as they were.
+    pub fn apply_toml(
+        &mut self,
+        text: &str,
+        origin: &str,
+    ) -> Result<&mut RankSettings, SettingsError> {
+        let root: toml::Table =
+            text.parse()
+                .map_err(|e: toml::de::Error| SettingsError::Syntax {
+                    origin: origin.to_string(),
+                    why: format!("not valid TOML: {}", e.message()),
+                })?;
+        let Some(table) = root.get(RANK_TABLE) else {
+            return Ok(self);
+        };
+        let Some(table) = table.as_table() else {
+            return Err(SettingsError::Syntax {
+                origin: origin.to_string(),
+                why: format!("`{RANK_TABLE}` must be a table ([{RANK_TABLE}])"),
+            });
+        };
+        let origin = format!("{origin} [{RANK_TABLE}]");
+        let mut next = self.clone();
+        for (key, value) in table {
+            let value = match value {
+                toml::Value::Integer(n) => SettingValue::Int(*n),
+                toml::Value::Float(x) => SettingValue::Float(*x),
+                toml::Value::Boolean(b) => SettingValue::Bool(*b),
+                toml::Value::String(s) => SettingValue::Text(s.clone()),
+                other => {
+                    return Err(SettingsError::BadValue {
+                        origin,
+                        key: key.clone(),
+                        value: other.to_string(),
+                        why: "must be a number, a boolean or a string".into(),
+                    })
+                }
+            };
+            next.set(key, value, &origin)?;
+        }
+        *self = next;
+        Ok(self)
+    }
+
+    /// [`RankSettings::apply_toml`] on the file at `path` (at most 1 MiB).
+    pub fn apply_file(&mut self, path: &Path) -> Result<&mut RankSettings, SettingsError> {
+        let read = |source| SettingsError::Read {
+            path: path.to_path_buf(),
+            source,
+        };
+        let bytes = std::fs::metadata(path).map_err(read)?.len();
+        if bytes > MAX_FILE_BYTES {
+            return Err(SettingsError::TooLarge {
+                path: path.to_path_buf(),
+                bytes,
+            });
+        }
+        let text = std::fs::read_to_string(path).map_err(read)?;
+        self.apply_toml(&text, &path.display().to_string())
+    }
+
+    /// Applies the `KVHANDOFF_RANK_<KEY>` variables among `vars` (`KEY` is a key in capitals:
+    /// `KVHANDOFF_RANK_LEASE_MS=5000`). The prefix is the rank's alone, so a variable under it
+    /// that names no setting is an error, as is a value its key does not take; flags take
+    /// `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`. On an error these settings are left as
+    /// they were.
+    pub fn apply_env(
+        &mut self,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<&mut RankSettings, SettingsError> {
+        let mut vars: Vec<(String, String)> = vars
+            .into_iter()
+            .filter(|(name, _)| name.starts_with(RANK_ENV_PREFIX))
+            .collect();
+        // The environment's order is arbitrary; errors and contradictions should not be.
+        vars.sort();
+        let mut next = self.clone();
+        for (name, value) in vars {
+            let key = name[RANK_ENV_PREFIX.len()..].to_ascii_lowercase();
+            let origin = format!("environment variable {name}");
+            next.set(&key, SettingValue::Text(value), &origin)?;
+        }
+        *self = next;
+        Ok(self)
+    }
+
+    /// Sets one key; `origin` is what an error names (a file, a variable, "code").
+    pub fn set(
+        &mut self,
+        key: &str,
+        value: SettingValue,
+        origin: &str,
+    ) -> Result<&mut RankSettings, SettingsError> {
+        let Some(&(name, setter)) = KEYS.iter().find(|(name, _)| *name == key) else {
+            return Err(SettingsError::UnknownKey {
+                origin: origin.to_string(),
+                key: key.to_string(),
+                known: RankSettings::keys().collect::<Vec<_>>().join(", "),
+            });
+        };
+        let bad = |why: String| SettingsError::BadValue {
+            origin: origin.to_string(),
+            key: key.to_string(),
+            value: value.to_string(),
+            why,
+        };
+        match setter {
+            Setter::Duration(unit, set) => set(self, duration(&value, unit).map_err(bad)?),
+            Setter::Count(min, max, set) => set(self, count(&value, min, max).map_err(bad)?),
+            Setter::Flag(set) => set(self, flag(&value).map_err(bad)?),
+            Setter::Choice(words, set) => set(self, choice(&value, words).map_err(bad)?),
+        }
+        if !self.given.contains(&name) {
+            self.given.push(name);
+        }
+        Ok(self)
+    }
+
+    /// Whether `key` was set (by a file, a variable or [`RankSettings::set`]).
+    pub fn is_set(&self, key: &str) -> bool {
+        self.given.contains(&key)
+    }
+
+    /// The protocol's configuration, checked. A lease shorter than the default extension (or
+    /// an extension no longer than the default heartbeat) pulls those along unless they were
+    /// set too: the defaults would otherwise contradict it.
+    pub fn config(&self) -> Result<Config, SettingsError> {
+        let mut config = self.config.clone();
+        if !self.is_set("lease_extension_ms") && config.lease_extension > config.lease_duration {
+            config.lease_extension = config.lease_duration;
+        }
+        if !self.is_set("heartbeat_interval_ms")
+            && config.heartbeat_interval >= config.lease_extension
+        {
+            config.heartbeat_interval = config.lease_extension / 4;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The shells' tuning (the handshake timeout, the transport's poll interval).
+    pub fn shell(&self) -> ShellConfig {
+        self.shell.clone()
+    }
+
+    /// The connector's settings for a rank of `geometry` running `config` (from
+    /// [`RankSettings::config`]).
+    pub fn connector_settings(&self, config: &Config, geometry: &KvGeometry) -> ConnectorSettings {
+        let mut settings = ConnectorSettings::new(config, geometry);
+        settings.load_failure_policy = self.load_failure_policy;
+        if let Some(ttl) = self.next_turn_ttl {
+            settings.next_turn_ttl = ttl;
+        }
+        if let Some(threshold) = self.recompute_threshold {
+            settings.recompute_threshold = threshold;
+        }
+        if let Some(parts) = self.layerwise_parts {
+            settings.layerwise_parts = parts;
+        }
+        if let Some(tokens) = self.layerwise_min_tokens {
+            settings.layerwise_min_tokens = tokens;
+        }
+        settings
+    }
+}
+
+/// A count checked against bounds that fit in u32.
+fn narrow(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// A count checked against bounds that fit in usize.
+fn widen(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+fn count(value: &SettingValue, min: u64, max: u64) -> Result<u64, String> {
+    let n = match value {
+        SettingValue::Int(n) => u64::try_from(*n).ok(),
+        SettingValue::Text(t) => t.trim().parse::<u64>().ok(),
+        SettingValue::Float(_) | SettingValue::Bool(_) => None,
+    };
+    n.filter(|n| (min..=max).contains(n))
+        .ok_or_else(|| format!("must be a whole number from {min} to {max}"))
+}
+
+fn flag(value: &SettingValue) -> Result<bool, String> {
+    let why = || "must be true or false".to_string();
+    match value {
+        SettingValue::Bool(b) => Ok(*b),
+        SettingValue::Text(t) => match t.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => Ok(true),
+            "0" | "false" | "no" | "off" => Ok(false),
+            _ => Err(why()),
+        },
+        SettingValue::Int(_) | SettingValue::Float(_) => Err(why()),
+    }
+}
+
+fn choice(value: &SettingValue, words: &[&str]) -> Result<usize, String> {
+    let text = match value {
+        SettingValue::Text(t) => Some(t.trim()),
+        SettingValue::Int(_) | SettingValue::Float(_) | SettingValue::Bool(_) => None,
+    };
+    text.and_then(|t| words.iter().position(|w| *w == t))
+        .ok_or_else(|| format!("must be one of {}", words.join(", ")))
+}
+
+/// A positive, finite duration of at most [`Config::MAX_DURATION`], given in `unit`s.
+fn duration(value: &SettingValue, unit: Unit) -> Result<Duration, String> {
+    let (unit_secs, name) = match unit {
+        Unit::Seconds => (1.0, "seconds"),
+        Unit::Millis => (1e-3, "milliseconds"),
+        Unit::Micros => (1e-6, "microseconds"),
+    };
+    let amount = match value {
+        SettingValue::Int(n) => Some(*n as f64),
+        SettingValue::Float(x) => Some(*x),
+        SettingValue::Text(t) => t.trim().parse::<f64>().ok(),
+        SettingValue::Bool(_) => None,
+    };
+    let max = Config::MAX_DURATION.as_secs_f64() / unit_secs;
+    amount
+        .filter(|x| x.is_finite() && *x > 0.0 && *x <= max)
+        .map(|x| Duration::from_secs_f64(x * unit_secs))
+        .ok_or_else(|| format!("must be a positive number of {name}, at most {max} (30 days)"))
+}
