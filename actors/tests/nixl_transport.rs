@@ -508,6 +508,42 @@ fn host_buffer_basics() {
     assert_eq!(std::sync::Arc::strong_count(&owned), 1, "owner released");
 }
 
+/// `read_local` (the integrity digests' access to this agent's own memory): the bytes of a
+/// registered buffer, appended; a span outside every registered buffer, or straddling one's
+/// end, is refused and appends nothing.
+#[test]
+fn read_local_reads_registered_host_memory_only() {
+    let _serial = serial();
+    require_runtime();
+    let a = side("kvh-read-local", "kvh-read-local-e", 8192);
+    let pattern = lcg_bytes(7, 8192);
+    a.buf.write(0, &pattern).unwrap();
+    let mut out = vec![0xee];
+    a.t.read_local(a.range.base + 100, 900, &mut out).unwrap();
+    assert_eq!(out[0], 0xee, "appended, not overwritten");
+    assert_eq!(&out[1..], &pattern[100..1000]);
+    out.clear();
+    a.t.read_local(a.range.base, 8192, &mut out).unwrap();
+    assert_eq!(out, pattern);
+    let unregistered = HostBuffer::new(4096).unwrap();
+    for (addr, len) in [
+        (a.range.base + 8000, 193),
+        (a.range.base - 1, 2),
+        (unregistered.base(), 16),
+        (a.range.base, u64::MAX),
+    ] {
+        let mut out = Vec::new();
+        assert!(
+            matches!(
+                a.t.read_local(addr, len, &mut out),
+                Err(TransportError::LocalOutOfRange { .. })
+            ),
+            "{addr:#x}+{len}"
+        );
+        assert!(out.is_empty());
+    }
+}
+
 /// Peers that were never loaded, and metadata that is wrong.
 #[test]
 fn unknown_peers_and_bad_metadata_are_refused() {

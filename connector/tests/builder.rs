@@ -223,7 +223,11 @@ fn ranks_take_their_settings_from_a_file() {
     assert_eq!(applied.lease_duration, Duration::from_secs(5));
     assert_eq!(applied.layerwise_parts, 2);
     assert_eq!(applied.load_failure_policy, LoadFailurePolicy::Recompute);
-    assert_eq!(applied.block_tokens, Some(4), "the builder's geometry: 4-token blocks");
+    assert_eq!(
+        applied.block_tokens,
+        Some(4),
+        "the builder's geometry: 4-token blocks"
+    );
     let [p, d] = &mut ranks;
     hand_over(p, d, 3, None);
     drop(ranks);
@@ -508,6 +512,34 @@ mod nixl {
         drop((p, d));
         runtime.shutdown();
         assert_eq!(d_raw.drops(), 4, "NIXL let go of the engine's memory");
+    }
+
+    /// Integrity digests over NIXL (host memory): P digests its blocks as it posts, D checks
+    /// what landed before `BlocksReady`; every request verifies and nothing mismatches.
+    #[test]
+    fn nixl_ranks_carry_integrity_digests() {
+        if let Err(e) = nixl_runtime_available() {
+            panic!("{e} (source scripts/nixl-env.sh)");
+        }
+        let mut settings = RankSettings::default();
+        settings
+            .set("integrity_digest", SettingValue::Bool(true), "test")
+            .unwrap();
+        let mut runtime = Runtime::start().unwrap();
+        let nixl = |name: &str| {
+            RankBuilder::new(engine(name), geometry(), model())
+                .regions(owned_regions())
+                .transport(TransportKind::nixl())
+                .settings(&settings)
+                .unwrap()
+        };
+        let mut p = nixl("prefill-digest").start_on(&mut runtime).unwrap();
+        let mut d = nixl("decode-digest").start_on(&mut runtime).unwrap();
+        hand_over(&mut p, &mut d, 4, None);
+        let counters = kvhandoff::metrics::endpoint_snapshot();
+        drop((p, d));
+        runtime.shutdown();
+        assert_eq!(counters.digest_mismatches, 0);
     }
 }
 

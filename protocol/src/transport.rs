@@ -448,8 +448,8 @@ pub trait Transport {
 
     /// Appends the `len` bytes at `addr` of this agent's own registered memory to `out`: the
     /// shell's access to the bytes it digests (`Config::integrity_digest`, see
-    /// [`crate::integrity`]). The default cannot read (NIXL: the KV regions are device memory
-    /// the transport has no CPU mapping of).
+    /// [`crate::integrity`]). The default cannot read (a transport of device memory it has no
+    /// CPU mapping of); the in-memory and NIXL (host memory) transports can.
     ///
     /// # Errors
     /// [`TransportError::LocalOutOfRange`] when the span is not inside one region registered

@@ -283,8 +283,8 @@ fn own_info<T: Transport>(
     config: &Config,
 ) -> Result<PeerInfo, BuildError> {
     if config.integrity_digest {
-        // Digests need the transport to read its own memory (NIXL cannot): refuse the rank
-        // now rather than fail every write it posts.
+        // Digests need the transport to read its own memory (one of device memory could
+        // not): refuse the rank now rather than fail every write it posts.
         if let Some(region) = regions.first() {
             transport.read_local(region.base, 1, &mut Vec::new())?;
         }

@@ -56,6 +56,36 @@ impl Transport for NixlTransport {
         Ok(range)
     }
 
+    /// Reads this agent's own host memory (its registered [`HostBuffer`]s) for the integrity
+    /// digests: P digests what it is about to write, D what landed once NIXL reported it.
+    ///
+    /// # Errors
+    /// [`TransportError::LocalOutOfRange`] when `[addr, addr + len)` is not inside one
+    /// registered buffer.
+    fn read_local(&self, addr: u64, len: u64, out: &mut Vec<u8>) -> Result<(), TransportError> {
+        let out_of_range = TransportError::LocalOutOfRange {
+            index: 0,
+            addr,
+            len,
+        };
+        let Some((&base, reg)) = self.regions.range(..=addr).next_back() else {
+            return Err(out_of_range);
+        };
+        let offset = addr - base;
+        let inside = offset
+            .checked_add(len)
+            .is_some_and(|end| end <= reg.buffer.len());
+        let Ok(len) = usize::try_from(len) else {
+            return Err(out_of_range);
+        };
+        if !inside || reg.handle.is_none() {
+            return Err(out_of_range);
+        }
+        let start = out.len();
+        out.resize(start + len, 0);
+        reg.buffer.read(offset, &mut out[start..])
+    }
+
     fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {
         self.agent
             .get_local_md()
