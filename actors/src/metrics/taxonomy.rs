@@ -18,6 +18,7 @@ use kvhandoff_protocol::{ReleaseReason, WriteFailure};
 
 /// Why a transfer (or a notification) failed, across every path: the `cause` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(test, derive(strum::EnumIter))]
 pub enum FailureCause {
     /// The transport refused to post the transfer, or it could not be planned
     /// (`WriteFailure::PostFailed`).
@@ -209,6 +210,15 @@ mod tests {
     use super::*;
     use kvhandoff_protocol::ReadRefusal;
     use std::collections::BTreeSet;
+
+    /// `ALL` (the series present from the first scrape) is kept by hand: every variant in it.
+    #[test]
+    fn all_holds_every_cause() {
+        use strum::IntoEnumIterator;
+        let every: BTreeSet<FailureCause> = FailureCause::iter().collect();
+        let listed: BTreeSet<FailureCause> = FailureCause::ALL.into_iter().collect();
+        assert_eq!(listed, every);
+    }
 
     #[test]
     fn every_cause_has_its_own_snake_case_label_at_its_index() {

@@ -267,6 +267,7 @@ impl PeerBook {
 
 /// Why a handshake was rejected (listener) or failed (initiator).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(test, derive(strum::EnumIter))]
 pub enum RejectReason {
     /// Too many handshakes in progress; closed at once.
     Busy,

@@ -113,3 +113,17 @@ async fn frames_are_read_with_limits() {
         Err(HandshakeError::WrongKind(MessageKind::Register))
     );
 }
+
+/// `RejectReason::ALL` (each reason's series from the first scrape) is kept by hand: every
+/// variant in it, once, with labels of their own.
+#[test]
+fn all_holds_every_reject_reason_once() {
+    use std::collections::BTreeSet;
+    use strum::IntoEnumIterator;
+    let every: BTreeSet<RejectReason> = RejectReason::iter().collect();
+    let listed: BTreeSet<RejectReason> = RejectReason::ALL.into_iter().collect();
+    assert_eq!(listed, every);
+    assert_eq!(listed.len(), RejectReason::ALL.len(), "listed twice");
+    let labels: BTreeSet<&str> = RejectReason::ALL.iter().map(|r| r.label()).collect();
+    assert_eq!(labels.len(), RejectReason::ALL.len(), "labels must differ");
+}
