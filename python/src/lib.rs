@@ -11,6 +11,7 @@ use pyo3::types::PyDict;
 mod connector;
 mod convert;
 mod errors;
+mod logging;
 mod options;
 
 pub use connector::NativeConnector;
@@ -53,6 +54,7 @@ fn clock_secs() -> f64 {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
+    logging::init_from_env()?;
     m.add_class::<NativeConnector>()?;
     m.add_function(wrap_pyfunction!(metrics, m)?)?;
     m.add_function(wrap_pyfunction!(clock_secs, m)?)?;

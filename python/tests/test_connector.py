@@ -732,6 +732,37 @@ def test_interpreter_exit_with_a_polling_thread(tmp_path):
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
 
 
+def test_runtime_logs_on_request(tmp_path):
+    """``KVHANDOFF_LOG`` wires the runtime's logs to stderr: JSON records carrying the request
+    spans' trace ids on both sides; unset, nothing; a bad filter or format is a ConfigError at
+    import, naming the variable."""
+    import json as _json
+    import os
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", "handoff.py")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVHANDOFF_LOG")}
+
+    def run(env, *args):
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                              env={**base, **env})
+
+    quiet = run({}, example, "--transport", "mem", "--requests", "2")
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "trace_id" not in quiet.stderr
+    logged = run({"KVHANDOFF_LOG": "debug", "KVHANDOFF_LOG_FORMAT": "json"},
+                 example, "--transport", "mem", "--requests", "2")
+    assert logged.returncode == 0, logged.stderr[-2000:]
+    records = [_json.loads(line) for line in logged.stderr.splitlines() if line.startswith("{")]
+    traced = {span["trace_id"] for r in records for span in r.get("spans", []) if "trace_id" in span}
+    assert len(traced) >= 2, logged.stderr[-2000:]
+    for env, name in (({"KVHANDOFF_LOG": "kvhandoff=notalevel"}, "KVHANDOFF_LOG"),
+                      ({"KVHANDOFF_LOG": "info", "KVHANDOFF_LOG_FORMAT": "xml"}, "KVHANDOFF_LOG_FORMAT")):
+        bad = run(env, "-c", "import kvhandoff")
+        assert bad.returncode != 0 and "ConfigError" in bad.stderr and name in bad.stderr, bad.stderr
+
+
 def test_raw_region_contract_checks():
     with pytest.raises(kvhandoff.ConfigError):
         kvhandoff.RawRegion(0, 4096)
