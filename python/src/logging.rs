@@ -34,7 +34,11 @@ pub(crate) fn init_from_env() -> PyResult<()> {
     // `try_init` fails only when a subscriber is installed already: that one stays.
     let _already = match format.as_str() {
         "" | "text" => builder.try_init(),
-        "json" => builder.json().with_current_span(true).with_span_list(true).try_init(),
+        "json" => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .try_init(),
         other => {
             return Err(config(format!(
                 "{FORMAT_VAR}={other:?}: must be text or json"

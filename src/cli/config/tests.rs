@@ -39,6 +39,15 @@ fn parse(argv: &[&str], env: &[(&str, &str)]) -> Result<ArgMatches, String> {
         .map_err(|e| e.to_string())
 }
 
+/// `--config PATH node` with the node's required options.
+fn node_with_config(path: &str) -> Vec<&str> {
+    ["--config", path, "node"]
+        .iter()
+        .chain(NODE.iter())
+        .copied()
+        .collect()
+}
+
 fn node(m: &ArgMatches) -> &ArgMatches {
     m.subcommand_matches("node").expect("node")
 }
@@ -139,12 +148,7 @@ fn a_bad_file_is_refused_naming_the_file_table_and_key() {
     for (text, expected) in cases {
         let f = file(text);
         let path = f.path().to_str().unwrap();
-        let argv: Vec<&str> = ["--config", path, "node"]
-            .iter()
-            .chain(NODE.iter())
-            .copied()
-            .collect();
-        let err = parse(&argv, &[]).expect_err(text);
+        let err = parse(&node_with_config(path), &[]).expect_err(text);
         assert!(err.contains(expected), "{text:?}: {err}");
         if !expected.contains("TOML") {
             assert!(err.contains(path), "{text:?}: {err}");
@@ -238,12 +242,7 @@ fn the_rank_table_is_the_embedding_apis() {
         "[rank]\nlease_ms = 5000\nload_failure_policy = \"recompute\"\n\n[node]\nrequests = 7\n";
     let f = file(text);
     let path = f.path().to_str().unwrap();
-    let argv: Vec<&str> = ["--config", path, "node"]
-        .iter()
-        .chain(NODE.iter())
-        .copied()
-        .collect();
-    let m = parse(&argv, &[]).expect("a [rank] table is not a subcommand's");
+    let m = parse(&node_with_config(path), &[]).expect("a [rank] table is not a subcommand's");
     assert_eq!(requests(&m), 7);
     let rank = kvhandoff::RankSettings::from_file(f.path()).expect("the same file");
     assert_eq!(
