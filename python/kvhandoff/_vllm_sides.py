@@ -135,10 +135,15 @@ class Settings:
             raise ValueError("KvHandoffConnector: no engine_id (neither vLLM's nor extra config's)")
 
         # Every setting the native connector takes (its own list, so the two cannot drift
-        # apart); the native layer checks each value, naming the key.
-        from ._native import SETTING_KEYS
+        # apart); the native layer checks each value, naming the key. Without the extension (the
+        # adapter's logic tested alone) every other key is passed on, for the native connector
+        # to refuse when the rank starts.
+        try:
+            from ._native import SETTING_KEYS
 
-        native_keys = frozenset(SETTING_KEYS)
+            native_keys = frozenset(SETTING_KEYS)
+        except ImportError:
+            native_keys = frozenset(extra) - _ADAPTER_KEYS
         unknown = sorted(set(extra) - _ADAPTER_KEYS - native_keys)
         if unknown:
             raise ValueError(
