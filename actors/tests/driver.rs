@@ -3,7 +3,6 @@
 //! input the shell must make of it (the actix `TransportActor` and `RankActor` only forward).
 
 // The shared fixture; this file needs only its geometry and model.
-#[allow(dead_code)]
 mod fixture;
 use fixture::{geometry, model};
 

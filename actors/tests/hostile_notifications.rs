@@ -13,7 +13,10 @@
 //! whole test takes milliseconds, far from any protocol deadline.
 
 mod fixture;
-use fixture::{call, fill, geometry, model, wrong_bytes};
+use fixture::{call, fill, geometry, model, next_event, wrong_bytes};
+
+/// How long a test waits for a rank's next event.
+const EVENT_WITHIN: Duration = Duration::from_secs(5);
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -64,13 +67,6 @@ fn start(fabric: &MemFabric, directory: &Directory, name: &str) -> Rank {
         pool,
         info,
     }
-}
-
-async fn next_event(rank: &mut RankHandle) -> ConnectorEvent {
-    tokio::time::timeout(Duration::from_secs(5), rank.events.recv())
-        .await
-        .expect("an event within 5 s")
-        .expect("the rank is alive")
 }
 
 async fn counters(rank: &RankHandle) -> Counters {
@@ -131,7 +127,7 @@ async fn finish_on_p(p: &mut Rank, d: &mut Rank, base: &str) {
     )
     .await
     .unwrap();
-    let event = next_event(&mut d.handle).await;
+    let event = next_event(&mut d.handle, EVENT_WITHIN).await;
     assert!(
         matches!(&event, ConnectorEvent::BlocksReady { .. }),
         "{base}: {event:?}"
@@ -141,7 +137,7 @@ async fn finish_on_p(p: &mut Rank, d: &mut Rank, base: &str) {
         0,
         "every byte of {base}"
     );
-    let event = next_event(&mut p.handle).await;
+    let event = next_event(&mut p.handle, EVENT_WITHIN).await;
     assert!(
         matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{base}: {event:?}"

@@ -5,7 +5,10 @@
 //! `BlocksReady` (the protocol cannot see it), which is what makes the first test able to fail.
 
 mod fixture;
-use fixture::{call, fill, geometry, model, wrong_bytes};
+use fixture::{call, decode_start, fill, geometry, model, next_event, prefill_start, wrong_bytes};
+
+/// How long a test waits for a rank's next event (virtual time: the tests pause the clock).
+const EVENT_WITHIN: Duration = Duration::from_secs(30);
 
 use std::time::Duration;
 
@@ -14,13 +17,9 @@ use kvhandoff_actors::system::{
     RankHandle, ShellConfig,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
-use kvhandoff_protocol::machine::{
-    Config, DecodeFailure, DecodeStart, EndpointCall, FreeProof, PrefillStart,
-};
+use kvhandoff_protocol::machine::{Config, DecodeFailure, EndpointCall, FreeProof};
 use kvhandoff_protocol::session::ConnectorEvent;
-use kvhandoff_protocol::{
-    AgentName, BlockIds, EngineId, Epoch, PairingKey, PeerAddr, RequestId, WriteFailure,
-};
+use kvhandoff_protocol::{AgentName, EngineId, WriteFailure};
 
 struct Rank {
     handle: RankHandle,
@@ -52,35 +51,6 @@ fn start(fabric: &MemFabric, directory: &Directory, engine: &str, integrity: boo
     }
 }
 
-async fn next_event(rank: &mut RankHandle) -> ConnectorEvent {
-    tokio::time::timeout(Duration::from_secs(30), rank.events.recv())
-        .await
-        .expect("an event within 30 s of virtual time")
-        .expect("the rank is alive")
-}
-
-fn decode_start(id: &str, blocks: Vec<u32>) -> DecodeStart {
-    let request = RequestId::new(id).unwrap();
-    DecodeStart {
-        key: PairingKey::from_request_id(&request),
-        request,
-        epoch: Epoch::FIRST,
-        prefill: PeerAddr::new(EngineId::new("prefill").unwrap(), 0),
-        blocks: BlockIds::single_group(blocks),
-        num_tokens: 12,
-        expected_writes: 1,
-    }
-}
-
-fn prefill_start(id: &str, blocks: Vec<u32>) -> PrefillStart {
-    let request = RequestId::new(id).unwrap();
-    PrefillStart {
-        key: PairingKey::from_request_id(&request),
-        request,
-        blocks: BlockIds::single_group(blocks),
-    }
-}
-
 /// Hands one request from P to D (D registers first) and returns D's first event.
 async fn hand_off(
     p: &mut Rank,
@@ -91,7 +61,11 @@ async fn hand_off(
 ) -> ConnectorEvent {
     call(
         &d.handle,
-        EndpointCall::DecodeAllocated(decode_start(&format!("{name}-11111111"), d_blocks.to_vec())),
+        EndpointCall::DecodeAllocated(decode_start(
+            &format!("{name}-11111111"),
+            "prefill",
+            d_blocks.to_vec(),
+        )),
     )
     .await
     .unwrap();
@@ -106,12 +80,12 @@ async fn hand_off(
     )
     .await
     .unwrap();
-    next_event(&mut d.handle).await
+    next_event(&mut d.handle, EVENT_WITHIN).await
 }
 
 /// P's blocks come back once its write ended, whatever D found.
 async fn p_frees_its_blocks(p: &mut Rank) {
-    let event = next_event(&mut p.handle).await;
+    let event = next_event(&mut p.handle, EVENT_WITHIN).await;
     assert!(
         matches!(event, ConnectorEvent::BlocksFree { .. }),
         "{event:?}"
@@ -210,11 +184,11 @@ async fn sides_that_disagree_on_digests_refuse_each_other() {
     let mut d = start(&fabric, &directory, "decode", false);
     call(
         &d.handle,
-        EndpointCall::DecodeAllocated(decode_start("mixed-11111111", vec![1, 2])),
+        EndpointCall::DecodeAllocated(decode_start("mixed-11111111", "prefill", vec![1, 2])),
     )
     .await
     .unwrap();
-    let event = next_event(&mut d.handle).await;
+    let event = next_event(&mut d.handle, EVENT_WITHIN).await;
     assert!(
         matches!(
             event,

@@ -8,7 +8,10 @@
 //! point is the TCP handshake, not the transport.
 
 mod fixture;
-use fixture::{call, fill, geometry, model, wrong_bytes};
+use fixture::{call, decode_start, fill, geometry, model, next_event, prefill_start, wrong_bytes};
+
+/// How long a test waits for a rank's next event.
+const EVENT_WITHIN: Duration = Duration::from_secs(10);
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -19,12 +22,9 @@ use kvhandoff_actors::system::{
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::driver::PeerInfo;
-use kvhandoff_protocol::machine::{
-    Config, Counters, DecodeFailure, DecodeStart, EndpointCall, FreeProof, PrefillStart,
-};
+use kvhandoff_protocol::machine::{Config, Counters, DecodeFailure, EndpointCall, FreeProof};
 use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
-use kvhandoff_protocol::PeerAddr;
 use kvhandoff_protocol::{
     BlockIds, CompatHash, EngineId, Epoch, Handshake, Incarnation, KvLayout, Message, PairingKey,
     Register, RequestId, TraceId, TransferMode, PROTOCOL_VERSION,
@@ -110,35 +110,6 @@ async fn stats(rank: &Rank) -> SideChannelStats {
     rank.handle.link.send(QuerySideChannel).await.unwrap()
 }
 
-async fn next_event(rank: &mut RankHandle) -> ConnectorEvent {
-    tokio::time::timeout(Duration::from_secs(10), rank.events.recv())
-        .await
-        .expect("an event within 10 s")
-        .expect("the rank is alive")
-}
-
-fn decode_start(id: &str, prefill: &str, blocks: Vec<u32>) -> DecodeStart {
-    let request = RequestId::new(id).unwrap();
-    DecodeStart {
-        key: PairingKey::from_request_id(&request),
-        request,
-        epoch: Epoch::FIRST,
-        prefill: PeerAddr::new(engine(prefill), 0),
-        blocks: BlockIds::single_group(blocks),
-        num_tokens: 12,
-        expected_writes: 1,
-    }
-}
-
-fn prefill_start(id: &str, blocks: Vec<u32>) -> PrefillStart {
-    let request = RequestId::new(id).unwrap();
-    PrefillStart {
-        key: PairingKey::from_request_id(&request),
-        request,
-        blocks: BlockIds::single_group(blocks),
-    }
-}
-
 /// D registers first: the push completes, every byte lands.
 async fn push_d_first(
     p: &mut Rank,
@@ -163,7 +134,7 @@ async fn push_d_first(
     )
     .await
     .unwrap();
-    let event = next_event(&mut d.handle).await;
+    let event = next_event(&mut d.handle, EVENT_WITHIN).await;
     assert!(
         matches!(&event, ConnectorEvent::BlocksReady { .. }),
         "{event:?}"
@@ -173,7 +144,7 @@ async fn push_d_first(
         0,
         "every byte of {tag}"
     );
-    let event = next_event(&mut p.handle).await;
+    let event = next_event(&mut p.handle, EVENT_WITHIN).await;
     assert!(
         matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{event:?}"
@@ -208,7 +179,7 @@ async fn tcp_ranks_deliver_both_races() {
     )
     .await
     .unwrap();
-    let event = next_event(&mut d.handle).await;
+    let event = next_event(&mut d.handle, EVENT_WITHIN).await;
     assert!(
         matches!(event, ConnectorEvent::BlocksReady { .. }),
         "{event:?}"
@@ -218,7 +189,7 @@ async fn tcp_ranks_deliver_both_races() {
         0,
         "every byte of req-b"
     );
-    let event = next_event(&mut p.handle).await;
+    let event = next_event(&mut p.handle, EVENT_WITHIN).await;
     assert!(
         matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{event:?}"
@@ -603,7 +574,7 @@ async fn initiator_failures_are_typed() {
         )
         .await
         .unwrap();
-        let event = next_event(&mut d.handle).await;
+        let event = next_event(&mut d.handle, EVENT_WITHIN).await;
         assert!(
             matches!(
                 event,

@@ -6,7 +6,10 @@
 //! plain exchange's tests are in `side_channel.rs`.)
 
 mod fixture;
-use fixture::{call, fill, geometry, model, wrong_bytes};
+use fixture::{call, decode_start, fill, geometry, model, next_event, wrong_bytes};
+
+/// How long a test waits for a rank's next event.
+const EVENT_WITHIN: Duration = Duration::from_secs(10);
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -19,13 +22,9 @@ use kvhandoff_actors::system::{
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::driver::PeerInfo;
-use kvhandoff_protocol::machine::{
-    Config, DecodeFailure, DecodeStart, EndpointCall, FreeProof, PrefillStart,
-};
+use kvhandoff_protocol::machine::{Config, DecodeFailure, EndpointCall, FreeProof, PrefillStart};
 use kvhandoff_protocol::session::ConnectorEvent;
-use kvhandoff_protocol::{
-    wire, BlockIds, EngineId, Epoch, Message, PairingKey, PeerAddr, RequestId, TransferMode,
-};
+use kvhandoff_protocol::{wire, BlockIds, EngineId, Message, PairingKey, RequestId, TransferMode};
 use sha2::Sha256;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -99,26 +98,6 @@ async fn stats(rank: &Rank) -> SideChannelStats {
     rank.handle.link.send(QuerySideChannel).await.unwrap()
 }
 
-async fn next_event(rank: &mut RankHandle) -> ConnectorEvent {
-    tokio::time::timeout(Duration::from_secs(10), rank.events.recv())
-        .await
-        .expect("an event within 10 s")
-        .expect("the rank is alive")
-}
-
-fn decode_start(id: &str, prefill: &str, blocks: Vec<u32>) -> DecodeStart {
-    let request = RequestId::new(id).unwrap();
-    DecodeStart {
-        key: PairingKey::from_request_id(&request),
-        request,
-        epoch: Epoch::FIRST,
-        prefill: PeerAddr::new(engine(prefill), 0),
-        blocks: BlockIds::single_group(blocks),
-        num_tokens: 12,
-        expected_writes: 1,
-    }
-}
-
 /// D registers, P finishes: the push completes and every byte lands.
 async fn push(p: &mut Rank, d: &mut Rank, tag: &str) {
     let (d_blocks, p_blocks) = (vec![3, 4, 5], vec![20, 21, 22]);
@@ -143,7 +122,7 @@ async fn push(p: &mut Rank, d: &mut Rank, tag: &str) {
     call(&p.handle, EndpointCall::PrefillFinished(start))
         .await
         .unwrap();
-    let event = next_event(&mut d.handle).await;
+    let event = next_event(&mut d.handle, EVENT_WITHIN).await;
     assert!(
         matches!(&event, ConnectorEvent::BlocksReady { .. }),
         "{event:?}"
@@ -163,7 +142,7 @@ async fn handshake_fails(d: &mut Rank, id: &str) {
     )
     .await
     .unwrap();
-    let event = next_event(&mut d.handle).await;
+    let event = next_event(&mut d.handle, EVENT_WITHIN).await;
     assert!(
         matches!(
             event,

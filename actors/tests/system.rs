@@ -2,7 +2,10 @@
 //! end with real bytes, and a P rank that goes silent.
 
 mod fixture;
-use fixture::{call, fill, geometry, model, wrong_bytes};
+use fixture::{call, decode_start, fill, geometry, model, next_event, prefill_start, wrong_bytes};
+
+/// How long a test waits for a rank's next event (virtual time: the tests pause the clock).
+const EVENT_WITHIN: Duration = Duration::from_secs(30);
 
 use std::time::Duration;
 
@@ -11,12 +14,9 @@ use kvhandoff_actors::system::{
     build_mem_rank, start_rank, Directory, Handshaker, KvPool, RankHandle, ShellConfig,
 };
 use kvhandoff_actors::transport::mem::MemFabric;
-use kvhandoff_protocol::machine::{
-    Config, DecodeFailure, DecodeStart, EndpointCall, FreeProof, PrefillStart, Rejected,
-};
+use kvhandoff_protocol::machine::{Config, DecodeFailure, EndpointCall, FreeProof, Rejected};
 use kvhandoff_protocol::session::ConnectorEvent;
-use kvhandoff_protocol::PeerAddr;
-use kvhandoff_protocol::{BlockIds, EngineId, Epoch, PairingKey, RequestId};
+use kvhandoff_protocol::{EngineId, RequestId};
 
 struct Rank {
     handle: RankHandle,
@@ -41,35 +41,6 @@ fn start(fabric: &MemFabric, directory: &Directory, engine: &str) -> Rank {
     }
 }
 
-async fn next_event(rank: &mut RankHandle) -> ConnectorEvent {
-    tokio::time::timeout(Duration::from_secs(30), rank.events.recv())
-        .await
-        .expect("an event within 30 s of virtual time")
-        .expect("the rank is alive")
-}
-
-fn decode_start(id: &str, blocks: Vec<u32>) -> DecodeStart {
-    let request = RequestId::new(id).unwrap();
-    DecodeStart {
-        key: PairingKey::from_request_id(&request),
-        request,
-        epoch: Epoch::FIRST,
-        prefill: PeerAddr::new(EngineId::new("prefill").unwrap(), 0),
-        blocks: BlockIds::single_group(blocks),
-        num_tokens: 12,
-        expected_writes: 1,
-    }
-}
-
-fn prefill_start(id: &str, blocks: Vec<u32>) -> PrefillStart {
-    let request = RequestId::new(id).unwrap();
-    PrefillStart {
-        key: PairingKey::from_request_id(&request),
-        request,
-        blocks: BlockIds::single_group(blocks),
-    }
-}
-
 #[actix_rt::test]
 async fn both_races_deliver_every_byte() {
     tokio::time::pause();
@@ -83,7 +54,7 @@ async fn both_races_deliver_every_byte() {
     let d_blocks = vec![3, 4, 5];
     call(
         &d.handle,
-        EndpointCall::DecodeAllocated(decode_start("req-a-11111111", d_blocks.clone())),
+        EndpointCall::DecodeAllocated(decode_start("req-a-11111111", "prefill", d_blocks.clone())),
     )
     .await
     .unwrap();
@@ -96,7 +67,7 @@ async fn both_races_deliver_every_byte() {
     )
     .await
     .unwrap();
-    let event = next_event(&mut d.handle).await;
+    let event = next_event(&mut d.handle, EVENT_WITHIN).await;
     assert!(
         matches!(&event, ConnectorEvent::BlocksReady { .. }),
         "{event:?}"
@@ -106,7 +77,7 @@ async fn both_races_deliver_every_byte() {
         0,
         "every byte of req-a"
     );
-    let event = next_event(&mut p.handle).await;
+    let event = next_event(&mut p.handle, EVENT_WITHIN).await;
     assert!(
         matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{event:?}"
@@ -125,11 +96,11 @@ async fn both_races_deliver_every_byte() {
     let d_blocks = vec![7, 8, 0];
     call(
         &d.handle,
-        EndpointCall::DecodeAllocated(decode_start("req-b-44444444", d_blocks.clone())),
+        EndpointCall::DecodeAllocated(decode_start("req-b-44444444", "prefill", d_blocks.clone())),
     )
     .await
     .unwrap();
-    let event = next_event(&mut d.handle).await;
+    let event = next_event(&mut d.handle, EVENT_WITHIN).await;
     assert!(
         matches!(event, ConnectorEvent::BlocksReady { .. }),
         "{event:?}"
@@ -139,7 +110,7 @@ async fn both_races_deliver_every_byte() {
         0,
         "every byte of req-b"
     );
-    let event = next_event(&mut p.handle).await;
+    let event = next_event(&mut p.handle, EVENT_WITHIN).await;
     assert!(
         matches!(event, ConnectorEvent::BlocksFree { released: None, .. }),
         "{event:?}"
@@ -176,14 +147,14 @@ async fn engine_errors_come_back_typed() {
     );
     call(
         &d.handle,
-        EndpointCall::DecodeAllocated(decode_start("dup-1", vec![1])),
+        EndpointCall::DecodeAllocated(decode_start("dup-1", "prefill", vec![1])),
     )
     .await
     .unwrap();
     assert!(matches!(
         call(
             &d.handle,
-            EndpointCall::DecodeAllocated(decode_start("dup-1", vec![2]))
+            EndpointCall::DecodeAllocated(decode_start("dup-1", "prefill", vec![2]))
         )
         .await,
         Err(Rejected::DuplicateRequest(_))
@@ -200,11 +171,11 @@ async fn d_fails_with_a_typed_outcome_when_p_is_missing() {
     // No P rank exists: the handshake fails and D hands its blocks back at once.
     call(
         &d.handle,
-        EndpointCall::DecodeAllocated(decode_start("lonely-1", vec![1, 2])),
+        EndpointCall::DecodeAllocated(decode_start("lonely-1", "prefill", vec![1, 2])),
     )
     .await
     .unwrap();
-    let event = next_event(&mut d.handle).await;
+    let event = next_event(&mut d.handle, EVENT_WITHIN).await;
     assert!(
         matches!(
             event,
