@@ -493,6 +493,30 @@ fn check_location<T: AdoptMemory>(index: usize, region: &KvRegion) -> Result<(),
 
 /// Adopts and registers `regions` on `transport`, in order; `block_len(i)` is region `i`'s
 /// kernel-block stride in the handshake's region table.
+/// The endpoint (its configuration checked before anything is registered), the engine's
+/// `regions` adopted and registered (`block_len` as in [`adopt_all`]), and the rank's handshake.
+fn adopt_and_describe<T: AdoptMemory>(
+    transport: &mut T,
+    engine: &EngineId,
+    geometry: &KvGeometry,
+    model: &ModelIdentity,
+    regions: Vec<KvRegion>,
+    config: Config,
+    block_len: impl Fn(usize, u64) -> u64,
+) -> Result<(Endpoint, PeerInfo, Vec<RoutedRegion>), BuildError> {
+    let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
+    let (descs, registered) = adopt_all(transport, regions, block_len)?;
+    let info = own_info(
+        &*transport,
+        engine,
+        geometry,
+        model,
+        descs,
+        endpoint.config(),
+    )?;
+    Ok((endpoint, info, registered))
+}
+
 fn adopt_all<T: AdoptMemory>(
     transport: &mut T,
     regions: Vec<KvRegion>,
@@ -548,16 +572,14 @@ pub fn build_rank_on_regions<T: AdoptMemory>(
     geometry.validate()?;
     let specs = geometry.regions()?;
     let logical_blocks = check_regions::<T>(&geometry, &specs, &regions)?;
-    // Checked before anything is registered.
-    let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
-    let (descs, registered) = adopt_all(&mut transport, regions, |i, _| specs[i].block_len)?;
-    let info = own_info(
-        &transport,
+    let (endpoint, info, registered) = adopt_and_describe(
+        &mut transport,
         engine,
         &geometry,
         model,
-        descs,
-        endpoint.config(),
+        regions,
+        config,
+        |i, _| specs[i].block_len,
     )?;
     let pool = KvPool {
         geometry,
@@ -614,15 +636,14 @@ pub fn build_routed_rank_on_regions<T: AdoptMemory>(
         check_location::<T>(index, region)?;
     }
     refuse_routed_integrity(&config)?;
-    let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
-    let (descs, registered) = adopt_all(&mut transport, regions, |_, len| len)?;
-    let info = own_info(
-        &transport,
+    let (endpoint, info, registered) = adopt_and_describe(
+        &mut transport,
         engine,
         &geometry,
         model,
-        descs,
-        endpoint.config(),
+        regions,
+        config,
+        |_, len| len,
     )?;
     Ok((
         RankSetup {
