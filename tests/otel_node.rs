@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use nodes::{finish_all, require_runtime, Node, ONE_AT_A_TIME};
+use nodes::{require_runtime, run_d_then_p, ONE_AT_A_TIME};
 
 const REQUESTS: usize = 16;
 const WAIT: Duration = Duration::from_secs(90);
@@ -168,12 +168,11 @@ fn both_sides_export_every_requests_spans_under_its_trace_id() {
         ]
     };
     let (d_args, p_args) = (args(&d_collector), args(&p_collector));
-    let d = Node::spawn("D", "decode", d_addr, p_addr, &as_strs(&d_args));
-    thread::sleep(Duration::from_millis(300));
-    let p = Node::spawn("P", "prefill", p_addr, d_addr, &as_strs(&p_args));
-    let mut done = finish_all(vec![d, p], Instant::now() + WAIT).into_iter();
-    let (d, p) = (done.next().expect("D"), done.next().expect("P"));
-    let all = format!("{}\n{}", d.show(), p.show());
+    let (d, p, all) = run_d_then_p(
+        (d_addr, &as_strs(&d_args)),
+        (p_addr, &as_strs(&p_args)),
+        Instant::now() + WAIT,
+    );
     assert!(
         d.status.is_some_and(|s| s.success()) && p.status.is_some_and(|s| s.success()),
         "{all}"

@@ -10,10 +10,9 @@
 mod nodes;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::thread;
 use std::time::{Duration, Instant};
 
-use nodes::{finish_all, require_runtime, three_ports, Finished, Node, ONE_AT_A_TIME};
+use nodes::{require_runtime, run_d_then_p, three_ports, Finished, ONE_AT_A_TIME};
 use serde_json::Value;
 
 const REQUESTS: usize = 24;
@@ -104,12 +103,7 @@ fn run_traced(mode: &str) {
         "--log-level",
         "info,kvhandoff_protocol=debug",
     ];
-    let d = Node::spawn("D", "decode", d_addr, p_addr, &args);
-    thread::sleep(Duration::from_millis(300));
-    let p = Node::spawn("P", "prefill", p_addr, d_addr, &args);
-    let mut done = finish_all(vec![d, p], Instant::now() + WAIT).into_iter();
-    let (d, p) = (done.next().expect("D"), done.next().expect("P"));
-    let all = format!("{}\n{}", d.show(), p.show());
+    let (d, p, all) = run_d_then_p((d_addr, &args), (p_addr, &args), Instant::now() + WAIT);
     assert!(
         d.status.is_some_and(|s| s.success()) && p.status.is_some_and(|s| s.success()),
         "{all}"

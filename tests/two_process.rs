@@ -16,7 +16,9 @@ mod nodes;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use nodes::{finish_all, require_runtime, three_ports, two_ports, Node, ONE_AT_A_TIME};
+use nodes::{
+    finish_all, require_runtime, run_d_then_p, three_ports, two_ports, Node, ONE_AT_A_TIME,
+};
 
 const REQUESTS: u64 = 200;
 
@@ -160,12 +162,7 @@ fn run_mode(mode: &str) -> (serde_json::Value, serde_json::Value) {
         &router,
     ];
     let started = Instant::now();
-    let d = Node::spawn("D", "decode", d_addr, p_addr, &args);
-    thread::sleep(Duration::from_millis(300));
-    let p = Node::spawn("P", "prefill", p_addr, d_addr, &args);
-    let mut done = finish_all(vec![d, p], Instant::now() + WAIT).into_iter();
-    let (d, p) = (done.next().expect("D"), done.next().expect("P"));
-    let both = format!("{}\n{}", d.show(), p.show());
+    let (d, p, both) = run_d_then_p((d_addr, &args), (p_addr, &args), Instant::now() + WAIT);
     println!("{mode}: both done in {:?}\n{both}", started.elapsed());
     assert!(
         d.status.is_some() && p.status.is_some(),

@@ -329,6 +329,23 @@ pub fn finish_all(nodes: Vec<Node>, deadline: Instant) -> Vec<Finished> {
         .collect()
 }
 
+/// Starts D (`d_args`, listening on `d_addr`), then P 300 ms later (`p_args`, on `p_addr`),
+/// and waits for both until `deadline`: D and P as they ended, and both outputs as one text
+/// for assertion messages.
+pub fn run_d_then_p(
+    (d_addr, d_args): (SocketAddr, &[&str]),
+    (p_addr, p_args): (SocketAddr, &[&str]),
+    deadline: Instant,
+) -> (Finished, Finished, String) {
+    let d = Node::spawn("D", "decode", d_addr, p_addr, d_args);
+    thread::sleep(Duration::from_millis(300));
+    let p = Node::spawn("P", "prefill", p_addr, d_addr, p_args);
+    let mut done = finish_all(vec![d, p], deadline).into_iter();
+    let (d, p) = (done.next().expect("D"), done.next().expect("P"));
+    let both = format!("{}\n{}", d.show(), p.show());
+    (d, p, both)
+}
+
 pub fn require_runtime() {
     if let Err(e) = kvhandoff_actors::transport::nixl::nixl_runtime_available() {
         panic!("the kill tests need the NIXL runtime (source scripts/nixl-env.sh): {e}");
