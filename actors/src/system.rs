@@ -96,7 +96,11 @@ impl Directory {
 pub struct ShellConfig {
     /// How often the transport actor polls its transport for completions and notifications.
     pub poll_interval: std::time::Duration,
-    /// How long a handshake may take before it is reported failed.
+    /// How long a handshake may take before it is reported failed: in process, the peer's
+    /// answer; over TCP, each side's whole part (the initiator's from its dial to its rank's
+    /// load of the peer, the listener's from the accept to its answer), so a peer that stalls
+    /// for less than this is waited for. The endpoint's own deadline for a peer connection is
+    /// `Config::connect_timeout`: keep it at least this long, or it gives up first.
     pub handshake_timeout: std::time::Duration,
 }
 
@@ -230,7 +234,8 @@ where
             start_transport,
         )),
         Handshaker::Tcp(config) => {
-            side_channel::Local::new(setup.info.clone(), config.clone()).check_own()?;
+            let budget = setup.shell.handshake_timeout;
+            side_channel::Local::new(setup.info.clone(), config.clone(), budget).check_own()?;
             let (listener, addr) = side_channel::bind(config.listen)?;
             let mode = link::LinkMode::Tcp {
                 listener: Some(listener),

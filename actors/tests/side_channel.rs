@@ -42,14 +42,21 @@ fn accepting(names: &[&str]) -> AcceptPolicy {
     AcceptPolicy::Known(names.iter().map(|n| engine(n)).collect())
 }
 
-/// Short real timeouts, so hostile peers are cut quickly; takes `decode` and `raw-d`.
+/// The handshake budget of a [`start_quick`] rank, so hostile peers are cut quickly.
+const QUICK_HANDSHAKE: Duration = Duration::from_millis(300);
+
+/// Short real timeouts; takes `decode` and `raw-d`.
 fn quick() -> SideChannelConfig {
     SideChannelConfig {
         connect_timeout: Duration::from_millis(300),
-        io_timeout: Duration::from_millis(300),
         accept: accepting(&["decode", "raw-d"]),
         ..SideChannelConfig::new(loopback())
     }
+}
+
+/// A rank on [`quick`] with the [`QUICK_HANDSHAKE`] budget.
+fn start_quick(fabric: &MemFabric, name: &str) -> Rank {
+    start_with(fabric, name, quick(), QUICK_HANDSHAKE)
 }
 
 struct Rank {
@@ -63,6 +70,25 @@ fn engine(name: &str) -> EngineId {
 }
 
 fn start(fabric: &MemFabric, name: &str, config: SideChannelConfig) -> Rank {
+    start_with(
+        fabric,
+        name,
+        config,
+        ShellConfig::default().handshake_timeout,
+    )
+}
+
+/// A rank whose handshakes (each side's part) may take `handshake`.
+fn start_with(
+    fabric: &MemFabric,
+    name: &str,
+    config: SideChannelConfig,
+    handshake: Duration,
+) -> Rank {
+    let shell = ShellConfig {
+        handshake_timeout: handshake,
+        ..ShellConfig::default()
+    };
     let (setup, pool) = build_mem_rank(
         fabric,
         &engine(name),
@@ -70,7 +96,7 @@ fn start(fabric: &MemFabric, name: &str, config: SideChannelConfig) -> Rank {
         &model(),
         32,
         Config::fast(),
-        ShellConfig::default(),
+        shell,
     )
     .unwrap();
     let handle = start_rank(setup, Handshaker::Tcp(config), None).unwrap();
@@ -241,7 +267,7 @@ fn frame_of(handshake: Handshake) -> Vec<u8> {
 #[actix_rt::test]
 async fn hostile_peers_are_rejected_counted_and_survived() {
     let fabric = MemFabric::new();
-    let mut p = start(&fabric, "prefill", quick());
+    let mut p = start_quick(&fabric, "prefill");
     let raw = unstarted_info(&fabric, "raw-d");
     let good = raw.handshake(vec![TransferMode::Push], 7, TraceId::random());
     let good_frame = frame_of(good.clone());
@@ -396,7 +422,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
             RejectReason::NotAccepted,
         ),
     ];
-    let timeout = quick().io_timeout;
+    let timeout = QUICK_HANDSHAKE;
     for (i, (what, bytes, half_close, reason)) in cases.iter().enumerate() {
         let before = stats(&p).await;
         let published = kvhandoff_actors::metrics::transfer_snapshot().side_channel_rejections;
@@ -448,7 +474,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
     assert!(after.clocks.contains_key(&engine("raw-d")), "{after:?}");
 
     // ... and a well-behaved rank completes a push.
-    let mut d = start(&fabric, "decode", quick());
+    let mut d = start_quick(&fabric, "decode");
     add_peer(&d, "prefill", p.addr).await;
     push_d_first(&mut p, &mut d, "after-hostile", vec![2, 3], vec![4, 5]).await;
     let after = stats(&p).await;
@@ -461,11 +487,10 @@ async fn a_full_listener_closes_new_connections_at_once() {
     let fabric = MemFabric::new();
     let config = SideChannelConfig {
         max_concurrent: 2,
-        io_timeout: Duration::from_millis(1_500),
         accept: accepting(&["decode"]),
         ..SideChannelConfig::new(loopback())
     };
-    let mut p = start(&fabric, "prefill", config);
+    let mut p = start_with(&fabric, "prefill", config, Duration::from_millis(1_500));
     // Two silent connections hold both slots.
     let idle_a = TcpStream::connect(p.addr).await.unwrap();
     let idle_b = TcpStream::connect(p.addr).await.unwrap();
@@ -528,7 +553,7 @@ async fn fake_listener(answer: Option<fn(Handshake) -> Handshake>) -> SocketAddr
 #[actix_rt::test]
 async fn initiator_failures_are_typed() {
     let fabric = MemFabric::new();
-    let mut d = start(&fabric, "decode", quick());
+    let mut d = start_quick(&fabric, "decode");
     // A port nothing listens on once the other listeners are up: held until then, so that the
     // system cannot hand the same port to one of them (which turned "refused" into "echo").
     let refused_holder = std::net::TcpListener::bind(loopback()).unwrap();
@@ -681,7 +706,7 @@ async fn counters(rank: &Rank) -> Counters {
 #[actix_rt::test]
 async fn a_repeated_handshake_changes_nothing_and_a_new_incarnation_is_a_restart() {
     let fabric = MemFabric::new();
-    let p = start(&fabric, "prefill", quick());
+    let p = start_quick(&fabric, "prefill");
     let raw = unstarted_info(&fabric, "raw-d");
     // The first handshake connects; copies of it (a late concurrent dial, a replay by anyone
     // who can reach the port) are answered and change nothing: no restart, no death.

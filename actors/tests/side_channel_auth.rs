@@ -44,11 +44,11 @@ fn engine(name: &str) -> EngineId {
     EngineId::new(name).unwrap()
 }
 
-/// Short real timeouts; takes `decode`, `decode-2` and `raw-d`; authenticated with `psk`.
+/// Short real timeouts (with [`quick_shell`]); takes `decode`, `decode-2` and `raw-d`;
+/// authenticated with `psk`.
 fn keyed(psk: Option<Psk>) -> SideChannelConfig {
     SideChannelConfig {
         connect_timeout: Duration::from_millis(300),
-        io_timeout: Duration::from_millis(300),
         accept: AcceptPolicy::Known(
             ["decode", "decode-2", "raw-d"]
                 .iter()
@@ -66,6 +66,14 @@ struct Rank {
     addr: SocketAddr,
 }
 
+/// The shells of the test's ranks: a short handshake budget, so hostile peers are cut quickly.
+fn quick_shell() -> ShellConfig {
+    ShellConfig {
+        handshake_timeout: Duration::from_millis(300),
+        ..ShellConfig::default()
+    }
+}
+
 fn start(fabric: &MemFabric, name: &str, config: SideChannelConfig) -> Rank {
     let (setup, pool) = build_mem_rank(
         fabric,
@@ -74,7 +82,7 @@ fn start(fabric: &MemFabric, name: &str, config: SideChannelConfig) -> Rank {
         &model(),
         32,
         Config::fast(),
-        ShellConfig::default(),
+        quick_shell(),
     )
     .unwrap();
     let handle = start_rank(setup, Handshaker::Tcp(config), None).unwrap();

@@ -492,7 +492,9 @@ impl RankSettings {
 
     /// The protocol's configuration, checked. A lease shorter than the default extension (or
     /// an extension no longer than the default heartbeat) pulls those along unless they were
-    /// set too: the defaults would otherwise contradict it.
+    /// set too: the defaults would otherwise contradict it. Likewise a `handshake_timeout_ms`
+    /// set without `connect_timeout_ms` is the endpoint's connect deadline too (and the other
+    /// way round, see [`RankSettings::shell`]): one key sets how long a handshake may take.
     pub fn config(&self) -> Result<Config, SettingsError> {
         let mut config = self.config.clone();
         if !self.is_set("lease_extension_ms") && config.lease_extension > config.lease_duration {
@@ -503,13 +505,23 @@ impl RankSettings {
         {
             config.heartbeat_interval = config.lease_extension / 4;
         }
+        // The endpoint gives up on a peer connection at `connect_timeout`: a longer handshake
+        // budget alone would be cut short by it.
+        if self.is_set("handshake_timeout_ms") && !self.is_set("connect_timeout_ms") {
+            config.connect_timeout = self.shell.handshake_timeout;
+        }
         config.validate()?;
         Ok(config)
     }
 
-    /// The shells' tuning (the handshake timeout, the transport's poll interval).
+    /// The shells' tuning (the handshake timeout, the transport's poll interval). A
+    /// `connect_timeout_ms` set without `handshake_timeout_ms` is the handshake's budget too.
     pub fn shell(&self) -> ShellConfig {
-        self.shell.clone()
+        let mut shell = self.shell.clone();
+        if self.is_set("connect_timeout_ms") && !self.is_set("handshake_timeout_ms") {
+            shell.handshake_timeout = self.config.connect_timeout;
+        }
+        shell
     }
 
     /// The connector's settings for a rank of `geometry` running `config` (from

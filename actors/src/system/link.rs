@@ -72,7 +72,7 @@ impl LinkActor {
         };
         let limit = config.max_peer_addresses;
         LinkActor {
-            local: Arc::new(Local::new(own, config)),
+            local: Arc::new(Local::new(own, config, timeout)),
             mode,
             book: PeerBook::new(limit),
             shared: Arc::new(side_channel::Shared::new(listen, limit)),
@@ -154,8 +154,9 @@ impl LinkActor {
         let clocks = self.clocks.clone();
         let handshake = async move {
             let started = std::time::Instant::now();
+            let deadline = local.handshake_deadline();
             let shaken = match addr {
-                Some(addr) => side_channel::initiate(&local, addr, &peer).await,
+                Some(addr) => side_channel::initiate(&local, addr, &peer, deadline).await,
                 None => Err(HandshakeError::NoAddress),
             };
             let (info, clock, trace_id) = match shaken {
@@ -170,8 +171,7 @@ impl LinkActor {
             };
             // The rank loads the peer and feeds `PeerConnected`, or `PeerConnectFailed` if the
             // load fails.
-            let limit = local.config.io_timeout;
-            match side_channel::link_up(&up, info, limit).await {
+            match side_channel::link_up(&up, info, side_channel::remaining(deadline)).await {
                 Ok(()) => {
                     crate::metrics::observe_handshake(started.elapsed());
                     tracing::info!(peer = %peer, ?clock, %trace_id, "side channel handshake completed");

@@ -11,8 +11,9 @@
 //! 2. The listener reads one frame: the 12-byte header first (the magic is checked byte by byte
 //!    as it arrives; then [`wire::decode_header`] rejects a bad version, kind, flags or a length
 //!    above [`MAX_PAYLOAD_LEN`](wire::MAX_PAYLOAD_LEN), and a kind other than `Handshake`, before any payload is read),
-//!    then exactly `payload_len` bytes, all under one deadline of
-//!    [`SideChannelConfig::io_timeout`]. It decodes and validates the handshake, hands the peer
+//!    then exactly `payload_len` bytes, under one deadline for its whole part of the exchange:
+//!    the rank's handshake timeout ([`ShellConfig::handshake_timeout`](super::ShellConfig::handshake_timeout)),
+//!    the same budget the initiator has from its dial to its rank's load of the peer. It decodes and validates the handshake, hands the peer
 //!    to its rank ([`LinkUp`]: the rank loads it into its transport and feeds
 //!    `NetEvent::PeerConnected`, atomically), then answers with its own handshake frame and closes.
 //! 3. The initiator reads and validates the answer the same way and hands the peer to its rank
@@ -108,7 +109,9 @@ pub use auth::{AuthFailure, MAC_LEN, NONCE_LEN};
 pub use error::HandshakeError;
 pub(crate) use handshake::layout_mismatch;
 pub use psk::{Psk, PskError, PSK_MAX_LEN, PSK_MIN_LEN};
-pub(crate) use tasks::{accept_loop, bind, initiate, link_up, outgoing_ok, Local, Shared};
+pub(crate) use tasks::{
+    accept_loop, bind, initiate, link_up, outgoing_ok, remaining, Local, Shared,
+};
 
 /// Settings of one rank's TCP side channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,9 +120,6 @@ pub struct SideChannelConfig {
     pub listen: SocketAddr,
     /// How long a TCP connect to a peer may take.
     pub connect_timeout: Duration,
-    /// How long reading one frame (header and payload together) or writing one may take; a peer
-    /// that stalls longer is cut off.
-    pub io_timeout: Duration,
     /// Most incoming handshakes served at once; beyond it new connections are closed at once.
     pub max_concurrent: usize,
     /// Most engines the [`PeerBook`] (and the clock table) holds.
@@ -177,14 +177,13 @@ impl AcceptPolicy {
 }
 
 impl SideChannelConfig {
-    /// Defaults (5 s timeouts as vLLM's side channel, 64 concurrent handshakes, 4096 engines,
+    /// Defaults (a 5 s connect timeout as vLLM's side channel, 64 concurrent handshakes, 4096 engines,
     /// push, pull and bidirectional modes, handshakes taken from known engines only) listening
     /// on `listen`.
     pub fn new(listen: SocketAddr) -> Self {
         SideChannelConfig {
             listen,
             connect_timeout: Duration::from_secs(5),
-            io_timeout: Duration::from_secs(5),
             max_concurrent: 64,
             max_peer_addresses: 4096,
             modes: vec![

@@ -118,6 +118,38 @@ fn a_short_lease_pulls_the_unset_extension_and_heartbeat_along() {
 }
 
 #[test]
+fn one_key_sets_how_long_a_handshake_may_take() {
+    let defaults = RankSettings::default();
+    let default_connect = defaults.config().unwrap().connect_timeout;
+    assert_eq!(defaults.shell().handshake_timeout, default_connect);
+    let thirty = Duration::from_secs(30);
+
+    // The shell's budget alone: the endpoint's connect deadline follows, or it would give up
+    // on a slow handshake first.
+    let mut settings = RankSettings::default();
+    settings
+        .set("handshake_timeout_ms", SettingValue::Int(30_000), "test")
+        .unwrap();
+    assert_eq!(settings.shell().handshake_timeout, thirty);
+    assert_eq!(settings.config().unwrap().connect_timeout, thirty);
+
+    // The endpoint's deadline alone: the handshake's budget follows.
+    let mut settings = RankSettings::default();
+    settings
+        .set("connect_timeout_ms", SettingValue::Int(30_000), "test")
+        .unwrap();
+    assert_eq!(settings.shell().handshake_timeout, thirty);
+    assert_eq!(settings.config().unwrap().connect_timeout, thirty);
+
+    // Both set: each as given.
+    settings
+        .set("handshake_timeout_ms", SettingValue::Int(2_000), "test")
+        .unwrap();
+    assert_eq!(settings.shell().handshake_timeout, Duration::from_secs(2));
+    assert_eq!(settings.config().unwrap().connect_timeout, thirty);
+}
+
+#[test]
 fn bad_values_name_their_key_and_origin() {
     let cases: &[(&str, SettingValue, &str)] = &[
         ("lease_ms", SettingValue::Int(0), "positive"),

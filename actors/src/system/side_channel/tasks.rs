@@ -31,11 +31,28 @@ use kvhandoff_protocol::PeerAddr;
 pub(crate) struct Local {
     pub(crate) info: PeerInfo,
     pub(crate) config: SideChannelConfig,
+    /// The rank's budget for one handshake, each side's part whole: the listener's from the
+    /// accept to its answer, the initiator's from the dial to its rank's load of the peer
+    /// ([`ShellConfig::handshake_timeout`](crate::system::ShellConfig::handshake_timeout)).
+    pub(crate) handshake_timeout: Duration,
 }
 
 impl Local {
-    pub(crate) fn new(info: PeerInfo, config: SideChannelConfig) -> Self {
-        Local { info, config }
+    pub(crate) fn new(
+        info: PeerInfo,
+        config: SideChannelConfig,
+        handshake_timeout: Duration,
+    ) -> Self {
+        Local {
+            info,
+            config,
+            handshake_timeout,
+        }
+    }
+
+    /// When a handshake begun now must be done.
+    pub(crate) fn handshake_deadline(&self) -> Instant {
+        Instant::now() + self.handshake_timeout
     }
 
     fn now_us(&self) -> u64 {
@@ -206,7 +223,7 @@ async fn serve(
     stream: &mut TcpStream,
     up: &Recipient<LinkUp>,
 ) -> Result<(PeerInfo, ClockEstimate, TraceId), HandshakeError> {
-    let deadline = Instant::now() + local.config.io_timeout;
+    let deadline = local.handshake_deadline();
     let (handshake, auth) = match &local.config.psk {
         None => (read_handshake(stream, deadline).await?, None),
         Some(key) => {
@@ -223,13 +240,12 @@ async fn serve(
     }
     let clock = ClockEstimate::one_way(handshake.clock_sample_us, t_recv);
     let info = PeerInfo::from_handshake(handshake);
-    link_up(up, info.clone(), local.config.io_timeout).await?;
+    link_up(up, info.clone(), remaining(deadline)).await?;
     let (mut answer, _) = local.frame(trace_id);
     if let Some((key, theirs, nonces)) = auth {
         let tag = auth::listener_tag(key, &nonces, &theirs, &answer);
         answer.extend_from_slice(&auth::frame(Step::Tag, &[&tag]));
     }
-    let deadline = Instant::now() + local.config.io_timeout;
     write_frame(stream, &answer, deadline).await?;
     Ok((info, clock, trace_id))
 }
@@ -292,28 +308,34 @@ pub(crate) async fn link_up(
     }
 }
 
-/// The initiator's half: connect, send ours (under a new trace id for the connection), read
+/// What is left of the time to `deadline` (zero once it passed).
+pub(crate) fn remaining(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+/// The initiator's half, all by `deadline` (the TCP connect by the side channel's
+/// `connect_timeout` too): connect, send ours (under a new trace id for the connection), read
 /// and validate theirs. Loading is the caller's.
 pub(crate) async fn initiate(
     local: &Local,
     addr: SocketAddr,
     expected: &PeerAddr,
+    deadline: Instant,
 ) -> Result<(PeerInfo, ClockEstimate, TraceId), HandshakeError> {
-    let mut stream =
-        match tokio::time::timeout(local.config.connect_timeout, TcpStream::connect(addr)).await {
-            Err(_) => return Err(HandshakeError::ConnectTimedOut(addr)),
-            Ok(Err(error)) if error.kind() == io::ErrorKind::TimedOut => {
-                return Err(HandshakeError::ConnectTimedOut(addr))
-            }
-            Ok(Err(error)) => {
-                return Err(HandshakeError::Connect {
-                    addr,
-                    detail: error.to_string(),
-                })
-            }
-            Ok(Ok(stream)) => stream,
-        };
-    let deadline = Instant::now() + local.config.io_timeout;
+    let connect_by = deadline.min(Instant::now() + local.config.connect_timeout);
+    let mut stream = match tokio::time::timeout_at(connect_by, TcpStream::connect(addr)).await {
+        Err(_) => return Err(HandshakeError::ConnectTimedOut(addr)),
+        Ok(Err(error)) if error.kind() == io::ErrorKind::TimedOut => {
+            return Err(HandshakeError::ConnectTimedOut(addr))
+        }
+        Ok(Err(error)) => {
+            return Err(HandshakeError::Connect {
+                addr,
+                detail: error.to_string(),
+            })
+        }
+        Ok(Ok(stream)) => stream,
+    };
     let trace_id = TraceId::random();
     let (handshake, t_send) = match &local.config.psk {
         None => {
