@@ -31,6 +31,16 @@ pub(crate) struct NodeArgs {
     /// The other role's side channel, HOST:PORT.
     #[arg(long, value_parser = parse_addr)]
     peer: std::net::SocketAddr,
+    /// TP ranks of each engine (give every node the same): the demo model's 8 KV heads split
+    /// over this many ranks, each its own process; rank R of D pairs with rank R of P. 1, 2,
+    /// 4 or 8.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    tp: u32,
+    /// This process's rank in its engine, below `--tp`. `--listen`, `--peer` and `--router`
+    /// name rank 0's ports: rank R listens on `--listen`'s port + R and finds the other
+    /// engine's rank R at `--peer`'s port + R (vLLM's side-channel convention).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=7))]
+    rank: u32,
     /// Requests to hand off (both processes must agree, as on every schedule option).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     requests: u32,
@@ -220,6 +230,8 @@ fn run_schedule(args: NodeArgs, psk: Option<Psk>) -> ExitCode {
     };
     options.router = args.router;
     options.psk = psk;
+    options.tp = args.tp;
+    options.rank = args.rank;
     let ms = std::time::Duration::from_millis;
     #[cfg(feature = "test-hooks")]
     {

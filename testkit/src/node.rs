@@ -161,6 +161,14 @@ pub struct NodeOptions {
     /// and refused without it (default: none). A handshake that fails authentication is not
     /// retried: D gives up at once, P reports it when its wait ends.
     pub psk: Option<kvhandoff::Psk>,
+    /// TP ranks of each engine (default 1): both engines run the demo geometry split over this
+    /// many ranks, each rank a process of its own, and rank `r` of D pairs with rank `r` of P.
+    /// Every node of a run must be given the same.
+    pub tp: u32,
+    /// This process's rank in its engine, below [`NodeOptions::tp`] (default 0). Rank `r` adds
+    /// `r` to the port of `listen`, `peer` and `router` (the engine's rank-0 addresses), as
+    /// vLLM's side channel does: one address list serves every rank of an engine.
+    pub rank: u32,
     /// TEST HOOK of the kill tests: right after this node's last engine call for request `K`
     /// of the plan (P: `request_finished`; D: `keep_for_next_turn` for a turn it keeps,
     /// `request_allocated` otherwise) the node waits 2 ms and stops itself with SIGSTOP, so
@@ -284,11 +292,56 @@ impl NodeOptions {
             expect_peer_loss: false,
             router: None,
             psk: None,
+            tp: 1,
+            rank: 0,
             #[cfg(feature = "test-hooks")]
             stop_self_after: None,
             #[cfg(feature = "test-hooks")]
             repeat_handshake_after: None,
         }
+    }
+}
+
+impl NodeOptions {
+    /// These options as rank [`NodeOptions::rank`] runs them: `listen`, `peer` and `router` moved
+    /// by the rank (a port 0 stays 0: the system picks one).
+    ///
+    /// # Errors
+    /// A rank not below `tp`, a `tp` the demo geometry's heads do not divide, or a port past
+    /// 65535.
+    pub fn for_rank(&self) -> Result<NodeOptions, DemoError> {
+        let heads = crate::pattern::demo_geometry().total_kv_heads;
+        if self.tp == 0 || heads % self.tp != 0 {
+            return Err(DemoError::Options(format!(
+                "--tp {} does not divide the demo model's {heads} KV heads",
+                self.tp
+            )));
+        }
+        if self.rank >= self.tp {
+            return Err(DemoError::Options(format!(
+                "--rank {} is not below --tp {}",
+                self.rank, self.tp
+            )));
+        }
+        let moved = |addr: SocketAddr, what: &str| -> Result<SocketAddr, DemoError> {
+            if addr.port() == 0 {
+                return Ok(addr);
+            }
+            let port = u16::try_from(u32::from(addr.port()) + self.rank).map_err(|_| {
+                DemoError::Options(format!(
+                    "{what} port {} + rank {} is past 65535",
+                    addr.port(),
+                    self.rank
+                ))
+            })?;
+            Ok(SocketAddr::new(addr.ip(), port))
+        };
+        Ok(NodeOptions {
+            listen: moved(self.listen, "--listen")?,
+            peer: moved(self.peer, "--peer")?,
+            router: self.router.map(|r| moved(r, "--router")).transpose()?,
+            ..self.clone()
+        })
     }
 }
 

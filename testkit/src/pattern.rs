@@ -175,7 +175,8 @@ pub fn block_byte_offset(
 
 /// Fills `out` (one kernel block of an attention region: `heads * block_size * head_dim *
 /// dtype_bytes` bytes) with the pattern of the block whose first token is `first_token`. Every
-/// slot is written, padding tokens past the prompt's end included (with their token index).
+/// slot is written, padding tokens past the prompt's end included (with their token index);
+/// each of the rank's heads is seeded by its head index in the model (so TP ranks differ).
 pub fn fill_kernel_block(
     geometry: &KvGeometry,
     key: u64,
@@ -194,9 +195,22 @@ pub fn fill_kernel_block(
         KvLayout::Hnd => (tokens as usize * row, row),
         KvLayout::Nhd => (row, heads as usize * row),
     };
+    // The model's head, so that each TP rank's bytes differ (a rank paired with the wrong
+    // peer rank fails the check).
+    let first_head = if geometry.mla {
+        0
+    } else {
+        (geometry.tp_rank * heads) % geometry.total_kv_heads.max(1)
+    };
     for head in 0..heads {
         for t in 0..tokens {
-            let seed = row_seed(key, layer, part, head, first_token + u64::from(t));
+            let seed = row_seed(
+                key,
+                layer,
+                part,
+                first_head + head,
+                first_token + u64::from(t),
+            );
             let start = head as usize * head_stride + t as usize * token_stride;
             fill_row(seed, &mut out[start..start + row]);
         }
@@ -254,6 +268,29 @@ pub fn pattern_block(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each TP rank holds other heads of the model, so its pattern differs: bytes a rank got
+    /// from the wrong peer rank fail the check.
+    #[test]
+    fn tp_ranks_hold_different_bytes() {
+        let block = |tp_rank| {
+            let g = KvGeometry {
+                tp_size: 2,
+                tp_rank,
+                ..demo_geometry()
+            };
+            let len = g.attention_block_len().unwrap() as usize;
+            let mut out = vec![0u8; len];
+            fill_kernel_block(&g, 7, 0, RegionKind::Key, 0, &mut out);
+            out
+        };
+        assert_ne!(block(0), block(1));
+        let whole = demo_geometry();
+        let mut rank0_of_one = vec![0u8; whole.attention_block_len().unwrap() as usize];
+        fill_kernel_block(&whole, 7, 0, RegionKind::Key, 0, &mut rank0_of_one);
+        // At TP 1 the pattern is what it always was (rank 0's heads lead it in HND).
+        assert_eq!(&rank0_of_one[..block(0).len()], &block(0)[..]);
+    }
 
     #[test]
     fn every_coordinate_changes_the_row() {

@@ -327,7 +327,10 @@ pub struct ConnectorIdentity {
     pub tp_size: u32,
     /// The side-channel address advertised to the router.
     pub host: String,
-    /// The side-channel port advertised to the router.
+    /// This rank's side-channel port. Ranks of one engine listen on consecutive ports, rank
+    /// `r` on a base + `r` (vLLM's convention): the answers to the router advertise the base
+    /// (this port − `rank`), and a rank reaches rank `r` of another engine at the base that
+    /// engine's parameters name + `r`. At TP 1 the base is the port.
     pub port: u16,
 }
 

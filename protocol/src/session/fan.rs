@@ -264,7 +264,8 @@ impl Session {
             });
         }
         let engine = super::prepare::remote_engine(params)?;
-        let address = self.context().peer_address(&engine, params)?;
+        // One address per engine: the side channel of P's rank 0 (in process, none is used).
+        let address = self.context().peer_address(&engine, params, 0)?;
         let key = pairing_key(request, params)?;
         let epoch = epoch(params)?;
         let d = links.rank;

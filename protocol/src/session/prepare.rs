@@ -201,17 +201,19 @@ impl CallContext<'_> {
                 "P and D with different TP sizes (heterogeneous TP comes later)",
             ));
         }
-        let address = self.peer_address(&engine, params)?;
+        let address = self.peer_address(&engine, params, self.identity.rank)?;
         Ok((PeerAddr::new(engine, self.identity.rank), address))
     }
 
-    /// Where `engine`'s side channel listens, from `remote_host` and `remote_port`, for a rank
-    /// that reaches its peers over a side channel (the shell resolves it); `None` for one that
-    /// finds its peers by itself.
+    /// Where rank `peer_rank` of `engine` listens, from `remote_host` and `remote_port`, for a
+    /// rank that reaches its peers over a side channel (the shell resolves it); `None` for one
+    /// that finds its peers by itself. `remote_port` is the engine's base port: its rank `r`
+    /// listens on the base + `r`, as vLLM's side channel does (see [`ConnectorIdentity::port`](super::ConnectorIdentity::port)).
     pub(super) fn peer_address(
         &self,
         engine: &EngineId,
         params: &KvTransferParams,
+        peer_rank: u32,
     ) -> Result<Option<PeerAddress>, ConnectorError> {
         if !self.peer_addresses {
             return Ok(None);
@@ -233,6 +235,12 @@ impl CallContext<'_> {
                 why: "empty".into(),
             });
         }
+        let port = u16::try_from(u32::from(port) + peer_rank).map_err(|_| {
+            ConnectorError::InvalidParam {
+                name: "remote_port",
+                why: format!("{port} + rank {peer_rank} is past 65535"),
+            }
+        })?;
         Ok(Some(PeerAddress {
             engine: engine.clone(),
             host: host.to_owned(),

@@ -83,7 +83,12 @@ impl CallContext<'_> {
         KvTransferParams {
             remote_engine_id: Some(self.identity.engine.to_string()),
             remote_host: Some(self.identity.host.clone()),
-            remote_port: Some(self.identity.port),
+            // The engine's base port: rank r listens on base + r.
+            remote_port: Some(
+                self.identity
+                    .port
+                    .saturating_sub(u16::try_from(self.identity.rank).unwrap_or(u16::MAX)),
+            ),
             remote_request_id: Some(request.to_string()),
             tp_size: Some(self.identity.tp_size),
             ..KvTransferParams::default()

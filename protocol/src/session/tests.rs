@@ -153,6 +153,74 @@ fn a_side_channel_address_comes_before_the_handshake_that_needs_it() {
     assert_eq!(drain(&mut d), (vec![], 0), "a refused call queues nothing");
 }
 
+/// Ranks of one engine listen on consecutive ports (vLLM's convention): rank 1 of a TP 2 P
+/// advertises its engine's base port, and rank 1 of a TP 2 D dials that base + 1.
+#[test]
+fn ranks_reach_each_other_at_the_base_port_plus_the_rank() {
+    let rank_one = |engine: &str, port| {
+        let engine = EngineId::new(engine).unwrap();
+        let endpoint = Endpoint::new(engine.clone(), 1, Config::default()).unwrap();
+        let identity = ConnectorIdentity {
+            engine,
+            rank: 1,
+            tp_size: 2,
+            host: "10.0.0.7".into(),
+            port,
+        };
+        let mut session = Session::new(endpoint, identity, ConnectorSettings::default());
+        session.set_peer_addresses(true);
+        session
+    };
+    let mut p = rank_one("prefill", 5601);
+    let finished = ConnectorCall::RequestFinished {
+        request: id("p-1"),
+        blocks: blocks(),
+        num_tokens: 32,
+        params: KvTransferParams {
+            do_remote_decode: true,
+            ..KvTransferParams::default()
+        },
+    };
+    let Ok(ConnectorReply::DecodeParams(answer)) = p.handle_call(Time::ZERO, finished) else {
+        panic!("P answers with the parameters for D");
+    };
+    assert_eq!(answer.remote_port, Some(5600), "the engine's base port");
+
+    let mut d = rank_one("decode", 6601);
+    let mut call = allocated(&id("d-1"), 2);
+    if let ConnectorCall::RequestAllocated { params, .. } = &mut call {
+        params.remote_host = answer.remote_host.clone();
+        params.remote_port = answer.remote_port;
+    }
+    d.handle_call(Time::ZERO, call).unwrap();
+    let address = d.poll_output();
+    assert!(
+        matches!(
+            &address,
+            Some(SessionOutput::PeerAddress(PeerAddress { port: 5601, .. }))
+        ),
+        "P's rank 1 at the base + 1: {address:?}"
+    );
+    assert!(matches!(
+        d.poll_output(),
+        Some(SessionOutput::Connect(peer)) if peer.rank == 1
+    ));
+
+    // A base so high that the rank's port would not exist is a typed refusal.
+    let mut past = allocated(&id("d-2"), 2);
+    if let ConnectorCall::RequestAllocated { params, .. } = &mut past {
+        params.remote_host = Some("10.0.0.7".into());
+        params.remote_port = Some(u16::MAX);
+    }
+    assert!(matches!(
+        d.handle_call(Time::ZERO, past),
+        Err(ConnectorError::InvalidParam {
+            name: "remote_port",
+            ..
+        })
+    ));
+}
+
 /// D rank 0 fed by P ranks 0 and 1; both die. The engine hears one `DecodeFenced` for its
 /// request (at the first pair fenced), and one `Failed` once both pairs handed back.
 #[test]

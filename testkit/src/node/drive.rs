@@ -5,7 +5,6 @@ use std::time::{Duration, Instant};
 use kvhandoff_actors::system::{blocking::ask, ShellConfig};
 use kvhandoff_protocol::machine::Config;
 use kvhandoff_protocol::EngineId;
-#[cfg(feature = "test-hooks")]
 use kvhandoff_protocol::PeerAddr;
 
 use super::facts::{
@@ -114,9 +113,14 @@ struct Live {
 pub fn run_full_on(options: &NodeOptions, kind: TransportKind) -> Result<NodeRun, DemoError> {
     let wall = Instant::now();
     let clock = UnixClock::now();
+    let ranked = options.for_rank()?;
+    let options = &ranked;
     let opts = &options.schedule;
     let deadline = wall + opts.timeout;
-    let workload = check_options(opts)?;
+    let mut workload = check_options(opts)?;
+    workload.geometry.tp_size = options.tp;
+    workload.geometry.tp_rank = options.rank;
+    workload.block_bytes /= u64::from(options.tp);
     let router = router_addr(options)?;
     let whole = schedule(opts, workload.block_tokens)?;
     if options.start_at >= whole.len() {
@@ -169,7 +173,12 @@ pub fn run_full_on(options: &NodeOptions, kind: TransportKind) -> Result<NodeRun
     }
     let mut errors = Vec::new();
     let met = match options.role {
-        NodeRole::Decode => await_prefill(&node.link, options.peer, &other, deadline),
+        NodeRole::Decode => await_prefill(
+            &node.link,
+            options.peer,
+            &PeerAddr::new(other.clone(), options.rank),
+            deadline,
+        ),
         NodeRole::Prefill => await_decode(&node.link, deadline),
     };
     // The schedule's time zero: when P saw the handshake complete (D's estimate of it on D).
@@ -305,7 +314,7 @@ fn repeater(
         return Repeater::start(
             node.link.clone().recipient(),
             node.info.clone(),
-            PeerAddr::new(other.clone(), 0),
+            PeerAddr::new(other.clone(), options.rank),
             options.peer,
             (start + after).min(deadline),
         );
@@ -339,8 +348,14 @@ fn run_decode_role(mut run: Run<'_>, live: Live) -> NodeRun {
                 do_remote_prefill: true,
                 remote_engine_id: Some(PREFILL_ENGINE.into()),
                 remote_host: Some(options.peer.ip().to_string()),
-                remote_port: Some(options.peer.port()),
-                tp_size: Some(1),
+                // P's base (rank 0) port: the session adds the rank it pairs with.
+                remote_port: Some(
+                    options
+                        .peer
+                        .port()
+                        .saturating_sub(u16::try_from(options.rank).unwrap_or(u16::MAX)),
+                ),
+                tp_size: Some(options.tp),
                 ..KvTransferParams::default()
             },
         },

@@ -1,8 +1,40 @@
-//! Unit tests of a node: the timing flags and the part of the plan a restarted node runs.
+//! Unit tests of a node: the timing flags, the part of the plan a restarted node runs, and the
+//! addresses of a rank of a multi-rank engine.
 
 use super::drive::part_of;
 use super::*;
 use crate::demo::schedule;
+
+/// A rank of a TP engine listens on, and finds its peer rank at, its engine's base port + its
+/// rank; a rank past the TP size, a TP the heads do not divide or a port past 65535 is refused.
+#[test]
+fn a_rank_moves_every_address_by_its_rank() {
+    let at = |port| SocketAddr::from(([127, 0, 0, 1], port));
+    let mut options = NodeOptions::new(NodeRole::Decode, at(5600), at(5500));
+    options.router = Some(at(5700));
+    options.tp = 4;
+    options.rank = 3;
+    let ranked = options.for_rank().unwrap();
+    assert_eq!(
+        (ranked.listen, ranked.peer, ranked.router),
+        (at(5603), at(5503), Some(at(5703)))
+    );
+    // Port 0 (any port) stays 0.
+    options.listen = at(0);
+    assert_eq!(options.for_rank().unwrap().listen, at(0));
+    let refused = |tp, rank, peer: u16| {
+        let mut o = NodeOptions::new(NodeRole::Prefill, at(5600), at(peer));
+        (o.tp, o.rank) = (tp, rank);
+        o.for_rank().unwrap_err().to_string()
+    };
+    assert!(refused(2, 2, 5500).contains("--rank 2 is not below --tp 2"));
+    assert!(refused(3, 0, 5500).contains("--tp 3 does not divide"));
+    assert!(refused(0, 0, 5500).contains("--tp 0"));
+    assert!(refused(2, 1, u16::MAX).contains("past 65535"));
+    // TP 1, rank 0: the addresses as given.
+    let one = NodeOptions::new(NodeRole::Prefill, at(5600), at(5500));
+    assert_eq!(one.for_rank().unwrap(), one);
+}
 
 #[test]
 fn timing_flags_give_a_valid_config() {

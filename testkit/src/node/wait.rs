@@ -8,7 +8,6 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kvhandoff_actors::system::{LinkActor, QuerySideChannel, RankActor, RejectReason};
-use kvhandoff_protocol::EngineId;
 use kvhandoff_protocol::PeerAddr;
 
 use super::{Connect, SideChannelStats};
@@ -36,7 +35,7 @@ fn accepts(addr: SocketAddr) -> bool {
 pub(super) fn await_prefill(
     link: &actix::Addr<LinkActor>,
     peer: SocketAddr,
-    prefill: &EngineId,
+    prefill: &PeerAddr,
     deadline: Instant,
 ) -> Result<Instant, String> {
     let never = || format!("P's side channel at {peer} never completed a handshake");
@@ -53,7 +52,7 @@ pub(super) fn await_prefill(
             .map_or(0, |s| s.outgoing_failed.values().sum());
         let auth_before = before.map_or(0, |s| s.failures(RejectReason::AuthenticationFailed));
         let sent = Instant::now();
-        link.do_send(Connect(PeerAddr::new(prefill.clone(), 0)));
+        link.do_send(Connect(prefill.clone()));
         loop {
             let Some(s) = side_channel(link) else {
                 return Err("the link did not answer".into());
