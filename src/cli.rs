@@ -3,6 +3,7 @@
 //! how a run's report and verdict become the output and the exit code.
 
 pub(crate) mod bench;
+pub(crate) mod cluster;
 pub(crate) mod config;
 pub(crate) mod demo;
 pub(crate) mod logging;

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use cli::bench::{run_bench, BenchCommand};
+use cli::cluster::{run_cluster, ClusterArgs};
 use cli::demo::{run_demo, DemoArgs};
 use cli::matrix::{run_matrix_command, MatrixArgs};
 use cli::model::{run_model_command, ModelArgs};
@@ -41,6 +42,10 @@ enum Command {
     /// One engine role (P or D) of the demo as its own process, over NIXL and a TCP side
     /// channel; run one of each (either first). Needs a build with `--features nixl`.
     Node(Box<NodeArgs>),
+    /// Every TP rank of a P and a D engine as a process of its own on this host (`node --tp N
+    /// --rank R` each, over NIXL), run to the end and reported together; every process it
+    /// started is stopped on failure, at its deadline and on Ctrl-C.
+    Cluster(ClusterArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -142,6 +147,7 @@ fn main() -> ExitCode {
         }
         Command::Demo(args) => run_demo(args),
         Command::Node(args) => run_node(*args),
+        Command::Cluster(args) => run_cluster(args),
         Command::Bench(command) => run_bench(command),
         Command::Sim(args) => run_sim(args),
         Command::Plan(args) => run_plan(args),
@@ -188,7 +194,15 @@ mod tests {
             let mut out = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "kvhandoff", &mut out);
             let script = String::from_utf8(out).expect("UTF-8");
-            for name in ["demo", "node", "bench", "sim", "layerwise", "completions"] {
+            for name in [
+                "demo",
+                "node",
+                "cluster",
+                "bench",
+                "sim",
+                "layerwise",
+                "completions",
+            ] {
                 assert!(script.contains(name), "{shell}: {name} missing");
             }
         }

@@ -49,8 +49,11 @@ def start(model: str, port: int, role: str | None, log_dir: str) -> subprocess.P
     if role:
         cmd += ["--kv-transfer-config", connector_config(role)]
     log = open(os.path.join(log_dir, f"server-{port}.log"), "wb")
-    # A process group of its own: the server's EngineCore and worker go with it.
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # A process group of its own (the server's EngineCore and worker go with it), but not a
+    # session of its own: with the kernel's autogroup scheduling every session is a group the
+    # scheduler shares CPU between, and on this 2-core VM a server in its own session went
+    # unscheduled for 5-30 s at a time while another spun (docs/python.md, "Results").
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, process_group=0)
 
 
 def post(port: int, body: dict) -> dict:

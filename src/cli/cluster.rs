@@ -1,0 +1,360 @@
+//! `kvhandoff cluster`: every rank of a P and a D engine as a process of its own on this host
+//! (`kvhandoff node --tp N --rank R`), run to the end and reported together.
+//!
+//! The ranks find each other as vLLM's do: each engine's rank `R` listens on its engine's base
+//! port + `R` (`docs/compatibility.md`, "Across processes"). Every process this command starts
+//! is killed and reaped when the run ends, fails, passes its deadline, or on Ctrl-C / SIGTERM.
+
+use std::io::Read;
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde::Serialize;
+use serde_json::Value;
+
+use super::{print_json, ModeArg};
+
+/// Most TP ranks per engine: the demo model's 8 KV heads.
+const MAX_TP: u32 = 8;
+/// How often the run looks at its children.
+const POLL: Duration = Duration::from_millis(50);
+/// How much longer than the nodes' own limit the command waits before killing them.
+const GRACE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Args)]
+pub(crate) struct ClusterArgs {
+    /// TP ranks of each engine (both engines run the demo model at this TP): 1, 2, 4 or 8.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8))]
+    tp: u32,
+    /// Requests every rank pair hands off.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    requests: u32,
+    /// How the requests move their KV: `push`, `pull`, `mixed` or `bidir` (the last three use
+    /// a router link per rank pair).
+    #[arg(long, value_enum, default_value_t = ModeArg::Push)]
+    mode: ModeArg,
+    /// Seed of the schedule every rank follows.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Longest prompt, in tokens.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(16..=1_000_000))]
+    max_prompt_tokens: u32,
+    /// Each node's limit, waiting for its peer included; the command kills what still runs
+    /// 30 s after it.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    timeout_secs: u64,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One rank's process and what it reported.
+#[derive(Debug, Serialize)]
+struct RankLine {
+    engine: &'static str,
+    rank: u32,
+    listen: String,
+    /// The process id (reaped by the time the report is printed).
+    pid: u32,
+    /// The exit code (`null`: killed or ended by a signal).
+    exit_code: Option<i32>,
+    /// The node's verdict.
+    ok: bool,
+    /// D: requests whose every byte checked out; P: requests sent.
+    done: u64,
+    byte_errors: u64,
+    /// Blocks not back in the rank's pool at its end.
+    leaked_blocks: u64,
+    /// Why the line is not ok, when it is not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct ClusterReport {
+    transport: &'static str,
+    mode: String,
+    tp: u32,
+    processes: usize,
+    requests: u64,
+    /// Requests verified on every D rank.
+    verified: u64,
+    byte_errors: u64,
+    leaked_blocks: u64,
+    /// Whether every process this command started has exited (none left running).
+    all_exited: bool,
+    /// Set when the run was interrupted (Ctrl-C, SIGTERM) or passed its deadline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stopped: Option<String>,
+    wall_s: f64,
+    ok: bool,
+    ranks: Vec<RankLine>,
+}
+
+/// The children, killed and reaped when dropped (a panic or an early return included).
+struct Children(Vec<(RankSpec, Child, thread::JoinHandle<String>)>);
+
+#[derive(Debug, Clone, Copy)]
+struct RankSpec {
+    engine: &'static str,
+    rank: u32,
+    listen: SocketAddr,
+    pid: u32,
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for (_, child, _) in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
+    if MAX_TP % args.tp != 0 {
+        eprintln!(
+            "error: --tp {} does not divide the demo model's {MAX_TP} KV heads",
+            args.tp
+        );
+        return ExitCode::from(2);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    if let Err(error) = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)) {
+        eprintln!("error: cannot watch for Ctrl-C: {error}");
+        return ExitCode::from(2);
+    }
+    match run(&args, &stop) {
+        Ok(report) => {
+            let printed = if args.json {
+                print_json(&report)
+            } else {
+                print!("{}", render(&report));
+                true
+            };
+            if printed && report.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => {
+            eprintln!("error: the cluster could not start: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &ClusterArgs, stop: &AtomicBool) -> Result<ClusterReport, String> {
+    let wall = Instant::now();
+    let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+    // Three blocks of consecutive ports (P's, D's, the router links'), each `tp` long.
+    let ports: [SocketAddr; 3 * MAX_TP as usize] = kvhandoff_testkit::ports::loopback_ports();
+    let base = |block: usize| ports[block * MAX_TP as usize];
+    let (p_base, d_base, router) = (base(0), base(1), base(2));
+    let mode = mode_name(args.mode);
+    let mut children = Children(Vec::new());
+    // D first (it listens on the router links), then P.
+    for (engine, listen, peer) in [("decode", d_base, p_base), ("prefill", p_base, d_base)] {
+        for rank in 0..args.tp {
+            let listen_at = SocketAddr::new(listen.ip(), listen.port() + rank as u16);
+            let mut command = Command::new(&exe);
+            command
+                .args(["node", "--role", engine, "--json"])
+                .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
+                .args(["--tp", &args.tp.to_string(), "--rank", &rank.to_string()])
+                .args(["--requests", &args.requests.to_string()])
+                .args(["--seed", &args.seed.to_string(), "--mode", mode])
+                .args(["--max-prompt-tokens", &args.max_prompt_tokens.to_string()])
+                .args(["--timeout-secs", &args.timeout_secs.to_string()])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit());
+            if mode != "push" {
+                command.args(["--router", &router.to_string()]);
+            }
+            let mut child = command
+                .spawn()
+                .map_err(|e| format!("cannot start {engine} rank {rank}: {e}"))?;
+            let mut out = child
+                .stdout
+                .take()
+                .ok_or_else(|| format!("{engine} rank {rank}: no stdout"))?;
+            let spec = RankSpec {
+                engine,
+                rank,
+                listen: listen_at,
+                pid: child.id(),
+            };
+            let reader = thread::spawn(move || {
+                let mut text = String::new();
+                let _ = out.read_to_string(&mut text);
+                text
+            });
+            children.0.push((spec, child, reader));
+        }
+        thread::sleep(Duration::from_millis(300));
+    }
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_secs) + GRACE;
+    let mut statuses: Vec<Option<ExitStatus>> = vec![None; children.0.len()];
+    let mut stopped = None;
+    while statuses.iter().any(Option::is_none) {
+        for (i, (_, child, _)) in children.0.iter_mut().enumerate() {
+            if statuses[i].is_none() {
+                statuses[i] = child.try_wait().map_err(|e| format!("waiting: {e}"))?;
+            }
+        }
+        if stop.load(Ordering::SeqCst) {
+            stopped = Some("interrupted".to_string());
+        } else if Instant::now() >= deadline {
+            stopped = Some(format!(
+                "past the deadline ({} s + {} s)",
+                args.timeout_secs,
+                GRACE.as_secs()
+            ));
+        }
+        if stopped.is_some() {
+            for (i, (_, child, _)) in children.0.iter_mut().enumerate() {
+                if statuses[i].is_none() {
+                    let _ = child.kill();
+                    statuses[i] = child.wait().ok();
+                }
+            }
+            break;
+        }
+        thread::sleep(POLL);
+    }
+    let all_exited = statuses.iter().all(Option::is_some);
+    let mut ranks = Vec::new();
+    for ((spec, _, reader), status) in std::mem::take(&mut children.0).into_iter().zip(&statuses) {
+        let text = reader.join().unwrap_or_default();
+        ranks.push(rank_line(spec, status.as_ref(), &text));
+    }
+    let requests = u64::from(args.requests);
+    let verified = ranks
+        .iter()
+        .filter(|r| r.engine == "decode")
+        .map(|r| r.done)
+        .min()
+        .unwrap_or(0);
+    let byte_errors = ranks.iter().map(|r| r.byte_errors).sum();
+    let leaked_blocks = ranks.iter().map(|r| r.leaked_blocks).sum();
+    let ok = stopped.is_none()
+        && all_exited
+        && verified == requests
+        && byte_errors == 0
+        && leaked_blocks == 0
+        && ranks.iter().all(|r| r.ok);
+    Ok(ClusterReport {
+        transport: "nixl",
+        mode: mode.to_string(),
+        tp: args.tp,
+        processes: ranks.len(),
+        requests,
+        verified,
+        byte_errors,
+        leaked_blocks,
+        all_exited,
+        stopped,
+        wall_s: wall.elapsed().as_secs_f64(),
+        ok,
+        ranks,
+    })
+}
+
+/// One rank's line from its exit status and the JSON report it printed.
+fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLine {
+    let mut line = RankLine {
+        engine: spec.engine,
+        rank: spec.rank,
+        listen: spec.listen.to_string(),
+        pid: spec.pid,
+        exit_code: status.and_then(ExitStatus::code),
+        ok: false,
+        done: 0,
+        byte_errors: 0,
+        leaked_blocks: 0,
+        error: None,
+    };
+    let report: Value = match serde_json::from_str(text) {
+        Ok(report) => report,
+        Err(e) => {
+            line.error = Some(format!("no report ({e})"));
+            return line;
+        }
+    };
+    let count = |v: &Value| v.as_u64().unwrap_or(0);
+    line.done = match spec.engine {
+        "decode" => count(&report["verified"]),
+        _ => count(&report["prefill_outcomes"]["sent"]),
+    };
+    line.byte_errors = count(&report["byte_errors"]);
+    let pool = &report["node"]["pool"];
+    line.leaked_blocks = count(&pool["blocks"]).saturating_sub(count(&pool["free_at_end"]));
+    line.ok = report["ok"] == true && line.exit_code == Some(0);
+    if !line.ok {
+        line.error = report["verdict"].as_str().map(str::to_string);
+    }
+    line
+}
+
+fn mode_name(mode: ModeArg) -> &'static str {
+    match mode {
+        ModeArg::Push => "push",
+        ModeArg::Pull => "pull",
+        ModeArg::Mixed => "mixed",
+        ModeArg::Bidir => "bidir",
+    }
+}
+
+fn render(report: &ClusterReport) -> String {
+    let mut out = format!(
+        "kvhandoff cluster: {} ranks per engine, {} processes, {} over {}, {} requests per rank pair\n",
+        report.tp, report.processes, report.mode, report.transport, report.requests
+    );
+    for r in &report.ranks {
+        out.push_str(&format!(
+            "  {:<7} rank {} on {:<21} exit {:<4} {} {:>6}  byte errors {}  leaked blocks {}{}\n",
+            r.engine,
+            r.rank,
+            r.listen,
+            r.exit_code.map_or("-".to_string(), |c| c.to_string()),
+            if r.engine == "decode" {
+                "verified"
+            } else {
+                "sent    "
+            },
+            r.done,
+            r.byte_errors,
+            r.leaked_blocks,
+            r.error
+                .as_deref()
+                .map_or(String::new(), |e| format!("  ({e})")),
+        ));
+    }
+    out.push_str(&format!(
+        "verdict: {} — {}/{} requests verified on every D rank, {} byte errors, {} leaked blocks, \
+         {} in {:.1} s{}\n",
+        if report.ok { "OK" } else { "FAILED" },
+        report.verified,
+        report.requests,
+        report.byte_errors,
+        report.leaked_blocks,
+        if report.all_exited {
+            "every process exited"
+        } else {
+            "processes left running"
+        },
+        report.wall_s,
+        report
+            .stopped
+            .as_deref()
+            .map_or(String::new(), |s| format!(" ({s})")),
+    ));
+    out
+}
