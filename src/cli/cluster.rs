@@ -117,6 +117,10 @@ impl Drop for Children {
 }
 
 pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
+    if !cfg!(feature = "nixl") {
+        eprintln!("error: kvhandoff cluster runs its ranks over NIXL: build with --features nixl");
+        return ExitCode::from(2);
+    }
     if MAX_TP % args.tp != 0 {
         eprintln!(
             "error: --tp {} does not divide the demo model's {MAX_TP} KV heads",
