@@ -74,7 +74,7 @@ fn the_same_key_file_on_both_nodes_verifies_the_run() {
         "{all}"
     );
     assert!(
-        done[1].stderr.contains("handshake with prefill-0 took"),
+        done[1].stderr.contains("handshake with prefill-0/0 took"),
         "{all}"
     );
 }
