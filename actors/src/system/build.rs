@@ -491,8 +491,6 @@ fn check_location<T: AdoptMemory>(index: usize, region: &KvRegion) -> Result<(),
     })
 }
 
-/// Adopts and registers `regions` on `transport`, in order; `block_len(i)` is region `i`'s
-/// kernel-block stride in the handshake's region table.
 /// The endpoint (its configuration checked before anything is registered), the engine's
 /// `regions` adopted and registered (`block_len` as in [`adopt_all`]), and the rank's handshake.
 fn adopt_and_describe<T: AdoptMemory>(
@@ -517,6 +515,8 @@ fn adopt_and_describe<T: AdoptMemory>(
     Ok((endpoint, info, registered))
 }
 
+/// Adopts and registers `regions` on `transport`, in order; `block_len(i)` is region `i`'s
+/// kernel-block stride in the handshake's region table.
 fn adopt_all<T: AdoptMemory>(
     transport: &mut T,
     regions: Vec<KvRegion>,

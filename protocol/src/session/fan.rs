@@ -264,8 +264,16 @@ impl Session {
             });
         }
         let engine = super::prepare::remote_engine(params)?;
-        // One address per engine: the side channel of P's rank 0 (in process, none is used).
-        let address = self.context().peer_address(&engine, params, 0)?;
+        // A side channel keeps one address per engine: one P rank can be reached at its own
+        // (the engine's base port + its rank), several cannot (in process, none is used).
+        let address =
+            match links.peers.as_slice() {
+                [p] => self.context().peer_address(&engine, params, *p)?,
+                _ if self.peer_addresses => return Err(ConnectorError::Unsupported(
+                    "several P ranks for one D rank over a side channel (one address per engine)",
+                )),
+                _ => None,
+            };
         let key = pairing_key(request, params)?;
         let epoch = epoch(params)?;
         let d = links.rank;

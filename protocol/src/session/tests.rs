@@ -221,6 +221,44 @@ fn ranks_reach_each_other_at_the_base_port_plus_the_rank() {
     ));
 }
 
+/// Over a side channel (one address per engine) a D rank fed by one P rank dials that rank
+/// at the base + its rank; one fed by several is refused, typed, before anything starts.
+#[test]
+fn a_multi_rank_request_over_a_side_channel_reaches_one_p_rank_or_is_refused() {
+    let with_address = |request: &str| {
+        let mut call = allocated(&id(request), 2);
+        if let ConnectorCall::RequestAllocated { params, .. } = &mut call {
+            params.remote_host = Some("10.0.0.7".into());
+            params.remote_port = Some(5600);
+        }
+        call
+    };
+    let mut one = session("decode", Some(decode_links(vec![1])));
+    one.set_peer_addresses(true);
+    one.handle_call(Time::ZERO, with_address("d-1")).unwrap();
+    let outputs: Vec<SessionOutput> = std::iter::from_fn(|| one.poll_output()).collect();
+    assert!(
+        outputs.iter().any(|o| matches!(
+            o,
+            SessionOutput::PeerAddress(PeerAddress { port: 5601, .. })
+        )),
+        "P's rank 1 at the base + 1: {outputs:?}"
+    );
+
+    let mut two = session("decode", Some(decode_links(vec![0, 1])));
+    two.set_peer_addresses(true);
+    assert!(matches!(
+        two.handle_call(Time::ZERO, with_address("d-2")),
+        Err(ConnectorError::Unsupported(_))
+    ));
+    assert_eq!(two.fans_in_progress(), 0, "nothing started");
+    assert_eq!(
+        drain(&mut two),
+        (vec![], 0),
+        "a refused call queues nothing"
+    );
+}
+
 /// D rank 0 fed by P ranks 0 and 1; both die. The engine hears one `DecodeFenced` for its
 /// request (at the first pair fenced), and one `Failed` once both pairs handed back.
 #[test]

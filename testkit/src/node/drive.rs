@@ -120,7 +120,10 @@ pub fn run_full_on(options: &NodeOptions, kind: TransportKind) -> Result<NodeRun
     let mut workload = check_options(opts)?;
     workload.geometry.tp_size = options.tp;
     workload.geometry.tp_rank = options.rank;
-    workload.block_bytes /= u64::from(options.tp);
+    workload.block_bytes = workload
+        .geometry
+        .logical_block_bytes(0)
+        .map_err(|e| DemoError::Options(e.to_string()))?;
     let router = router_addr(options)?;
     let whole = schedule(opts, workload.block_tokens)?;
     if options.start_at >= whole.len() {
