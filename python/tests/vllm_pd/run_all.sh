@@ -33,9 +33,9 @@ part pd-main 420 "$VPY" "$HERE/run_pd.py" --part main --model "$MODEL" --ref "$R
 # vLLM's real process layout: API process, EngineCore (scheduler) process, worker process.
 part pd-mp-layout 420 env KVH_MP_ENGINE_CORE=1 "$VPY" "$HERE/run_pd.py" --part mp --model "$MODEL" --ref "$REF"
 # vLLM's OpenAI server, started as docs/python.md says, with an HTTP proxy: push, pull, a decode
-# leg from a missing P. Opt-in (KVH_PD_SERVE=1) until the open bug it found is fixed: in about
-# half of the runs the first decode request's side-channel handshake to P hangs until its
-# timeout (docs/python.md, "Results"); the in-process and multiprocess parts above never hit it.
+# leg from a missing P. Opt-in (KVH_PD_SERVE=1): three servers take ~75 s more than CI's time
+# budget leaves. Its intermittent failures were the kernel's autogroup scheduling starving a
+# server started in a session of its own; the servers now share one (docs/python.md, "Results").
 if [ "${KVH_PD_SERVE:-0}" = "1" ]; then
     part serve 480 "$VPY" "$HERE/serve_pd.py" --model "$MODEL" --log-dir "$WORK"
 fi
