@@ -444,3 +444,52 @@ fn staging_runs_when_the_registration_comes_and_is_checked() {
     assert_eq!(report.verified, report.requests - 1);
     assert!(report.byte_errors > 0);
 }
+
+/// The wire a pair across processes uses, in one process: every rank over its own TCP side
+/// channel (rank `R` at its engine's base port + `R`), a routed rank's handshake accepted by the
+/// peer's route, D naming its request's buffers in its registration (`Register::memory`) and P
+/// placing each link's pieces there at post time. Pairs where each D rank has one P writer
+/// (TP up on D, block size, layout, a hybrid cache, MLA replicas) and where it has several.
+#[test]
+fn pairs_hand_off_over_side_channels_with_the_memory_d_names() {
+    let cells = [
+        (
+            "gqa8",
+            "tp=1,block=16,layout=NHD",
+            "tp=2,block=32,layout=HND",
+        ),
+        (
+            "gqa8",
+            "tp=2,block=16,layout=HND",
+            "tp=2,block=64,layout=HND",
+        ),
+        (
+            "gqa8",
+            "tp=2,block=64,layout=NHD",
+            "tp=2,block=16,layout=HND",
+        ),
+        (
+            "swa",
+            "tp=1,block=16,layout=NHD",
+            "tp=4,block=32,layout=HND",
+        ),
+        (
+            "mamba",
+            "tp=1,block=16,layout=HND",
+            "tp=2,block=16,layout=NHD",
+        ),
+        (
+            "mla",
+            "tp=2,block=16,layout=NHD",
+            "tp=2,block=64,layout=NHD",
+        ),
+    ];
+    for (model, p, d) in cells {
+        let options = HeteroDemoOptions {
+            side_channels: true,
+            ..options(model, p, d, 12)
+        };
+        let report = run(&options).unwrap_or_else(|e| panic!("{model} {p} → {d}: {e}"));
+        ok(&report);
+    }
+}

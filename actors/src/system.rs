@@ -235,7 +235,8 @@ where
         )),
         Handshaker::Tcp(config) => {
             let budget = setup.shell.handshake_timeout;
-            side_channel::Local::new(setup.info.clone(), config.clone(), budget).check_own()?;
+            side_channel::Local::new(setup.info.clone(), config.clone(), budget, None)
+                .check_own()?;
             let (listener, addr) = side_channel::bind(config.listen)?;
             let mode = link::LinkMode::Tcp {
                 listener: Some(listener),

@@ -59,6 +59,7 @@ fn order(write: u64, to: &PeerAddr) -> WriteOrder {
             digests: Vec::new(),
         }),
         stream: None,
+        remote_memory: Vec::new(),
     }
 }
 

@@ -215,6 +215,7 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
         geometry: geometry(),
         compat: p.info.compat,
         incarnation: kvhandoff_protocol::Incarnation::random(),
+        routed: false,
     };
     for rank in [&p, &d] {
         let loaded = rank.handle.rank.send(LinkUp(hostile_info.clone())).await;
@@ -251,6 +252,7 @@ async fn hostile_notifications_are_dropped_typed_and_counted_while_requests_carr
             blocks: BlockIds::single_group(blocks),
             num_tokens: 8,
             trace_id: kvhandoff_protocol::TraceId::random(),
+            memory: Vec::new(),
         }))
     };
     let valid = wire::encode(&register("hostile", 0, vec![1], "cmpl-h1-0-aaaaaaaa"));

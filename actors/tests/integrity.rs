@@ -279,6 +279,7 @@ mod layerwise {
             blocks: BlockIds::single_group(vec![3, 4]),
             num_tokens: 8,
             trace_id: kvhandoff_protocol::TraceId::from_u128(11),
+            memory: Vec::new(),
         }));
         let to_p = p.info.peer.clone();
         perform(
@@ -306,6 +307,7 @@ mod layerwise {
                 layers: 2,
                 posted: 1,
             }),
+            remote_memory: Vec::new(),
         };
         assert!(perform(p, TransportOp::PostWrite(Box::new(order))).is_empty());
     }

@@ -297,6 +297,7 @@ async fn hostile_peers_are_rejected_counted_and_survived() {
         blocks: BlockIds::single_group(vec![1]),
         num_tokens: 4,
         trace_id: TraceId::random(),
+        memory: Vec::new(),
     })));
     let mut malformed = header(1, 20);
     malformed.extend_from_slice(&[0xff; 20]);

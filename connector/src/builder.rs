@@ -120,10 +120,6 @@ pub enum StartError {
     /// The heterogeneous pairing does not fit this rank.
     #[error("pairing: {0}")]
     Pairing(String),
-    /// The heterogeneous pairing's routes work in process only (the TCP side channel demands
-    /// equal layouts).
-    #[error("a heterogeneous pairing needs the in-process side channel")]
-    PairingNeedsInProcess,
     /// The rank's link did not take a peer's address (its book is full, or it did not answer).
     #[error("the rank did not take the address of {engine}")]
     Peer {
@@ -309,7 +305,11 @@ impl RankBuilder {
     /// staging memory, each any length), accepts exactly the plan's peers, pairs blocks as
     /// given ([`BlockPairing::AsGiven`]), runs each request as one sub-request per link
     /// ([`RankLinks`]), and places P's writes by what the engine files with its route
-    /// ([`EngineRank::route`]). In process only.
+    /// ([`EngineRank::route`]). In process or over a TCP side channel: a routed rank's
+    /// handshake says so, and only a peer whose own route accepts its geometry pairs with it;
+    /// across processes P's engine places each write in the memory D's registration names
+    /// ([`PlannedRoute::file_planner`](crate::route::PlannedRoute::file_planner),
+    /// [`PlannedRoute::file_memory`](crate::route::PlannedRoute::file_memory)).
     pub fn pairing(mut self, plan: PairPlan, side: SideName) -> RankBuilder {
         self.pairing = Some(Pairing { plan, side });
         self
@@ -337,9 +337,6 @@ impl RankBuilder {
     pub fn start_on(mut self, runtime: &mut Runtime) -> Result<EngineRank, StartError> {
         let transport = self.transport.take().ok_or(StartError::NoTransport)?;
         if let Some(pairing) = &self.pairing {
-            if matches!(self.side_channel, SideChannel::Tcp(_)) {
-                return Err(StartError::PairingNeedsInProcess);
-            }
             check_pairing(&pairing.plan, pairing.side, &self.geometry)?;
         }
         match transport {

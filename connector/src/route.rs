@@ -1,19 +1,25 @@
 //! [`PlannedRoute`]: the [`TransferRoute`] of one rank of a heterogeneous pair (engines of
-//! different TP, kernel block size or layout) in one process.
+//! different TP, kernel block size or layout), in one process or across processes.
 //!
 //! It accepts exactly the other engine's rank geometries of its [`PairPlan`], and places each
-//! write by its pairing key: the owner (P's engine) files the descriptors of a sub-request's
-//! link before it calls `request_finished`, together with the block ids they were planned for;
-//! the route hands them to the driver only for a write whose own and registered block ids are
-//! exactly those. Whatever else comes (an unknown key, D's registration naming other blocks, a
-//! read) is refused, and the protocol fails the write (`PostFailed`).
+//! write by its pairing key. The owner (P's engine) files, before it calls `request_finished`,
+//! either
+//! - the descriptors of a sub-request's link, together with the block ids they were planned
+//!   for ([`PlannedRoute::file`]): the route hands them to the driver only for a write whose own
+//!   and registered block ids are exactly those. An in-process pair does this: P's engine knows
+//!   D's memory.
+//! - or a planner ([`PlannedRoute::file_planner`]) that the route runs at post time with D's
+//!   registration: its block ids and the memory it named ([`Register::memory`](kvhandoff_protocol::Register::memory)),
+//!   which D's route filed ([`PlannedRoute::file_memory`]) and D's shell put on the wire. A
+//!   pair across processes does this. Every piece the planner returns must land inside the
+//!   memory D named, and that memory inside the buffers D's handshake advertised: a peer that
+//!   names other memory gets no write.
 //!
-//! Why filed ahead rather than planned at post time: the link's pieces need D's staging
-//! addresses, which an in-process pair knows but a registration does not carry yet (the
-//! cross-process route is the next step, see `docs/compatibility.md`). A rank gets its route
-//! from [`RankBuilder::pairing`](crate::RankBuilder::pairing) ([`EngineRank::route`](crate::EngineRank::route));
+//! Whatever else comes (an unknown key, D's registration naming other blocks, a read) is
+//! refused, and the protocol fails the write (`PostFailed`). A rank gets its route from
+//! [`RankBuilder::pairing`](crate::RankBuilder::pairing) ([`EngineRank::route`](crate::EngineRank::route));
 //! the per-request plan comes from `kvhandoff_protocol::hetero` (what `kvhandoff demo --model`
-//! runs, `src/hetero/demo.rs`).
+//! and `kvhandoff node --model` run).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -21,7 +27,7 @@ use std::sync::Mutex;
 use kvhandoff_protocol::driver::{RouteDirection, RouteError, RouteRequest, TransferRoute};
 use kvhandoff_protocol::hetero::{PairPlan, SideName};
 use kvhandoff_protocol::planner::Descriptor;
-use kvhandoff_protocol::{BlockIds, KvGeometry, PairingKey};
+use kvhandoff_protocol::{BlockIds, KvGeometry, MemorySpan, PairingKey, MAX_REGISTER_SPANS};
 
 /// Most writes filed and not yet posted on one rank.
 pub const MAX_FILED: usize = 4096;
@@ -29,22 +35,44 @@ pub const MAX_FILED: usize = 4096;
 /// The staging work of one link, run by the route right before the link's write.
 pub type Staging = Box<dyn FnOnce() -> Result<(), String> + Send>;
 
+/// Plans one write at post time from D's registration (see the module documentation): the
+/// descriptors, or why not. It runs P's staging for the write first, if the plan has any.
+pub type Planner = Box<dyn FnOnce(&RouteRequest<'_>) -> Result<Vec<Descriptor>, String> + Send>;
+
+/// How a filed write is placed.
+enum Placement {
+    /// Planned ahead for D's `remote` blocks.
+    Ahead {
+        remote: BlockIds,
+        descriptors: Vec<Descriptor>,
+        staging: Option<Staging>,
+    },
+    /// Planned at post time.
+    AtPost(Planner),
+}
+
 /// One write filed ahead of its post.
 struct Filed {
     local: BlockIds,
-    remote: BlockIds,
-    descriptors: Vec<Descriptor>,
-    staging: Option<Staging>,
+    placement: Placement,
 }
 
 impl std::fmt::Debug for Filed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Filed")
-            .field("local", &self.local)
-            .field("remote", &self.remote)
-            .field("descriptors", &self.descriptors.len())
-            .field("staging", &self.staging.is_some())
-            .finish()
+        let mut out = f.debug_struct("Filed");
+        out.field("local", &self.local);
+        match &self.placement {
+            Placement::Ahead {
+                remote,
+                descriptors,
+                staging,
+            } => out
+                .field("remote", remote)
+                .field("descriptors", &descriptors.len())
+                .field("staging", &staging.is_some()),
+            Placement::AtPost(_) => out.field("planner", &true),
+        }
+        .finish()
     }
 }
 
@@ -55,6 +83,8 @@ pub struct PlannedRoute {
     peers: Vec<KvGeometry>,
     side: SideName,
     filed: Mutex<BTreeMap<PairingKey, Filed>>,
+    /// D: the memory each registration names.
+    memory: Mutex<BTreeMap<PairingKey, Vec<MemorySpan>>>,
 }
 
 impl PlannedRoute {
@@ -68,6 +98,7 @@ impl PlannedRoute {
             peers: other.ranks.iter().map(|r| r.geometry.clone()).collect(),
             side,
             filed: Mutex::new(BTreeMap::new()),
+            memory: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -84,6 +115,56 @@ impl PlannedRoute {
         descriptors: Vec<Descriptor>,
         staging: Option<Staging>,
     ) -> Result<(), RouteError> {
+        let placement = Placement::Ahead {
+            remote,
+            descriptors,
+            staging,
+        };
+        self.insert(key, Filed { local, placement })
+    }
+
+    /// Files a planner for the write under `key` from P's `local` block ids: it runs when D's
+    /// registration has come, with its block ids and the memory it named.
+    ///
+    /// # Errors
+    /// A key filed already, or [`MAX_FILED`] writes waiting.
+    pub fn file_planner(
+        &self,
+        key: PairingKey,
+        local: BlockIds,
+        planner: Planner,
+    ) -> Result<(), RouteError> {
+        let placement = Placement::AtPost(planner);
+        self.insert(key, Filed { local, placement })
+    }
+
+    /// D: files the memory D's registration of `key` names (its request's buffers, in the
+    /// order the pair's plan names them).
+    ///
+    /// # Errors
+    /// A key filed already, more than [`MAX_REGISTER_SPANS`] spans or an empty one, or
+    /// [`MAX_FILED`] keys waiting.
+    pub fn file_memory(&self, key: PairingKey, spans: Vec<MemorySpan>) -> Result<(), RouteError> {
+        if spans.len() > MAX_REGISTER_SPANS || spans.iter().any(|s| s.len == 0) {
+            return Err(RouteError(format!(
+                "{key}: a registration names 1 to {MAX_REGISTER_SPANS} non-empty spans"
+            )));
+        }
+        let mut memory = self
+            .memory
+            .lock()
+            .map_err(|_| RouteError("the route's table is poisoned".into()))?;
+        if memory.len() >= MAX_FILED {
+            return Err(RouteError(format!("{MAX_FILED} registrations filed")));
+        }
+        if memory.contains_key(&key) {
+            return Err(RouteError(format!("{key} is filed already")));
+        }
+        memory.insert(key, spans);
+        Ok(())
+    }
+
+    fn insert(&self, key: PairingKey, entry: Filed) -> Result<(), RouteError> {
         let mut filed = self.lock()?;
         if filed.len() >= MAX_FILED {
             return Err(RouteError(format!(
@@ -93,28 +174,24 @@ impl PlannedRoute {
         if filed.contains_key(&key) {
             return Err(RouteError(format!("{key} is filed already")));
         }
-        filed.insert(
-            key,
-            Filed {
-                local,
-                remote,
-                descriptors,
-                staging,
-            },
-        );
+        filed.insert(key, entry);
         Ok(())
     }
 
-    /// Drops what is filed under `key` (a request that ended without its write).
+    /// Drops what is filed under `key`: a request that ended without its write (P), or that
+    /// ended (D: its registration is not sent again).
     pub fn withdraw(&self, key: &PairingKey) {
         if let Ok(mut filed) = self.filed.lock() {
             filed.remove(key);
         }
+        if let Ok(mut memory) = self.memory.lock() {
+            memory.remove(key);
+        }
     }
 
-    /// Writes filed and not posted.
+    /// Writes filed and not posted, and registrations' memory filed and not withdrawn.
     pub fn pending(&self) -> usize {
-        self.filed.lock().map_or(0, |f| f.len())
+        self.filed.lock().map_or(0, |f| f.len()) + self.memory.lock().map_or(0, |m| m.len())
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, BTreeMap<PairingKey, Filed>>, RouteError> {
@@ -156,7 +233,12 @@ impl TransferRoute for PlannedRoute {
         let Some(entry) = filed.get(request.key) else {
             return Err(RouteError(format!("nothing is filed for {}", request.key)));
         };
-        if &entry.local != request.local || &entry.remote != request.remote {
+        let same_blocks = &entry.local == request.local
+            && match &entry.placement {
+                Placement::Ahead { remote, .. } => remote == request.remote,
+                Placement::AtPost(_) => true,
+            };
+        if !same_blocks {
             return Err(RouteError(format!(
                 "{}: the write names other blocks than were planned",
                 request.key
@@ -165,15 +247,77 @@ impl TransferRoute for PlannedRoute {
         let Some(entry) = filed.remove(request.key) else {
             return Ok(());
         };
-        // P's transforms for this link, now that D's registration named the planned blocks.
         drop(filed);
-        if let Some(staging) = entry.staging {
-            staging()
-                .map_err(|why| RouteError(format!("{}: P's staging failed: {why}", request.key)))?;
+        match entry.placement {
+            Placement::Ahead {
+                descriptors,
+                staging,
+                ..
+            } => {
+                // P's transforms for this link, now that D's registration named the planned
+                // blocks.
+                if let Some(staging) = staging {
+                    staging().map_err(|why| {
+                        RouteError(format!("{}: P's staging failed: {why}", request.key))
+                    })?;
+                }
+                out.extend_from_slice(&descriptors);
+            }
+            Placement::AtPost(planner) => {
+                check_named_memory(request)?;
+                let descriptors = planner(request)
+                    .map_err(|why| RouteError(format!("{}: {why}", request.key)))?;
+                if let Some(bad) = descriptors.iter().find(|d| {
+                    !request
+                        .remote_memory
+                        .iter()
+                        .any(|span| span.contains(d.remote_addr, d.len))
+                }) {
+                    return Err(RouteError(format!(
+                        "{}: a piece to {:#x}+{} lies outside the memory D named",
+                        request.key, bad.remote_addr, bad.len
+                    )));
+                }
+                out.extend_from_slice(&descriptors);
+            }
         }
-        out.extend_from_slice(&entry.descriptors);
         Ok(())
     }
+
+    fn register_memory(&self, key: &PairingKey) -> Vec<MemorySpan> {
+        self.memory
+            .lock()
+            .ok()
+            .and_then(|memory| memory.get(key).cloned())
+            .unwrap_or_default()
+    }
+}
+
+/// A write planned at post time needs D to have named its memory, inside the buffers its
+/// handshake advertised.
+fn check_named_memory(request: &RouteRequest<'_>) -> Result<(), RouteError> {
+    if request.remote_memory.is_empty() {
+        return Err(RouteError(format!(
+            "{}: D's registration names no memory to place the pieces in",
+            request.key
+        )));
+    }
+    for span in request.remote_memory {
+        let advertised = request.peer.regions.iter().any(|r| {
+            MemorySpan {
+                addr: r.base,
+                len: r.len,
+            }
+            .contains(span.addr, span.len)
+        });
+        if !advertised {
+            return Err(RouteError(format!(
+                "{}: D names {:#x}+{}, outside every buffer its handshake advertised",
+                request.key, span.addr, span.len
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -201,6 +345,7 @@ mod tests {
             geometry,
             compat: CompatHash([0; 32]),
             incarnation: Incarnation::random(),
+            routed: false,
         }
     }
 
@@ -259,6 +404,7 @@ mod tests {
                     epoch: Epoch::FIRST,
                     local,
                     remote,
+                    remote_memory: &[],
                 },
                 out,
             )
@@ -317,6 +463,7 @@ mod staging_tests {
             geometry: pair.decode.ranks[0].geometry.clone(),
             compat: CompatHash([0; 32]),
             incarnation: Incarnation::random(),
+            routed: false,
         };
         let mut out = Vec::new();
         let error = route
@@ -328,6 +475,7 @@ mod staging_tests {
                     epoch: Epoch::FIRST,
                     local: &blocks,
                     remote: &blocks,
+                    remote_memory: &[],
                 },
                 &mut out,
             )

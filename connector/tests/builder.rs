@@ -460,11 +460,17 @@ fn a_heterogeneous_pairing_starts_routed_ranks_in_process_only() {
         Err(KvCacheError::NotBlocks)
     ));
     drop(rank);
-    let tcp = routed(d0.clone())
+    // Over a TCP side channel too: its handshake says it is routed, and a peer's route decides.
+    let tcp = RankBuilder::new(engine("decode"), d0.clone(), model())
+        .regions([KvRegion::zeroed(4096), KvRegion::zeroed(1024)])
+        .transport(TransportKind::Mem(MemFabric::new()))
+        .pairing(plan.clone(), SideName::Decode)
         .side_channel(SideChannel::tcp("127.0.0.1:0".parse().unwrap()))
         .start_on(&mut runtime)
-        .unwrap_err();
-    assert!(matches!(tcp, StartError::PairingNeedsInProcess));
+        .unwrap();
+    assert!(tcp.side_channel().is_some());
+    assert!(tcp.peer_info().routed);
+    drop(tcp);
     let mut other = d0;
     other.tp_rank = 7;
     let wrong = routed(other).start_on(&mut runtime).unwrap_err();

@@ -48,8 +48,10 @@ pub struct PeerInfo {
     pub agent: AgentName,
     /// Its transport metadata, for `load_remote`.
     pub metadata: Vec<u8>,
-    /// Its registered regions, in `KvGeometry::regions` order.
+    /// Its registered regions, in `KvGeometry::regions` order (a routed rank: its buffers).
     pub regions: Vec<RegionDesc>,
+    /// Its transfers are placed by a route ([`Handshake::routed`]).
+    pub routed: bool,
     /// Its geometry.
     pub geometry: KvGeometry,
     /// Its compatibility hash.
@@ -74,6 +76,7 @@ impl PeerInfo {
             agent_name: self.agent.clone(),
             agent_metadata: self.metadata.clone(),
             regions: self.regions.clone(),
+            routed: self.routed,
             geometry: self.geometry.clone(),
             compat_hash: self.compat,
             modes,
@@ -90,6 +93,7 @@ impl PeerInfo {
             agent: handshake.agent_name,
             metadata: handshake.agent_metadata,
             regions: handshake.regions,
+            routed: handshake.routed,
             geometry: handshake.geometry,
             compat: handshake.compat_hash,
             incarnation: handshake.incarnation,
@@ -113,6 +117,9 @@ pub struct RouteRequest<'a> {
     pub local: &'a crate::BlockIds,
     /// The peer's logical block ids.
     pub remote: &'a crate::BlockIds,
+    /// Where the peer's registration said the pieces may land (a write to a routed D: its
+    /// [`Register::memory`](crate::Register::memory)); empty otherwise.
+    pub remote_memory: &'a [crate::MemorySpan],
 }
 
 /// Which way a routed transfer moves its bytes.
@@ -176,6 +183,15 @@ pub trait TransferRoute: Send + Sync {
         request: &RouteRequest<'_>,
         out: &mut Vec<Descriptor>,
     ) -> Result<(), RouteError>;
+
+    /// The memory this rank (as D) names in its registration of `key`
+    /// ([`Register::memory`](crate::Register::memory)): where a writer of another process may
+    /// place the request's pieces. Asked each time the registration is sent (a repeat names the
+    /// same); the default names none, for a writer that knows D's memory by itself.
+    fn register_memory(&self, key: &crate::PairingKey) -> Vec<crate::MemorySpan> {
+        let _ = key;
+        Vec::new()
+    }
 }
 
 /// A shared [`TransferRoute`]: the link and the transport of one rank hold the same one.
@@ -344,7 +360,11 @@ impl<T: Transport> TransportDriver<T> {
     /// Performs one operation; what it means for the endpoint goes to `feed`.
     pub fn perform(&mut self, op: TransportOp, feed: &mut Vec<NetEvent>) {
         match op {
-            TransportOp::Send { to, message } => {
+            TransportOp::Send { to, mut message } => {
+                if let (Message::Register(register), Some(route)) = (&mut message, &self.route) {
+                    // The machine leaves the memory out: only the route knows where it is.
+                    register.memory = route.register_memory(&register.key);
+                }
                 if let Some(integrity) = self.integrity.as_mut() {
                     integrity.sending(&to, &message);
                 }
@@ -509,6 +529,7 @@ impl<T: Transport> TransportDriver<T> {
             epoch: order.epoch,
             local: &order.local,
             remote: &order.remote,
+            remote_memory: &[],
         };
         self.plan_and_post(&transfer, |transport, descriptors| {
             transport.post_read(order.read, &order.from, descriptors, None)
@@ -565,6 +586,7 @@ impl<T: Transport> TransportDriver<T> {
                     epoch: transfer.epoch,
                     local: transfer.local,
                     remote: transfer.remote,
+                    remote_memory: transfer.remote_memory,
                 };
                 match route.descriptors(&request, &mut self.descriptors) {
                     Ok(()) => (
@@ -667,6 +689,7 @@ struct Transfer<'a> {
     epoch: crate::Epoch,
     local: &'a crate::BlockIds,
     remote: &'a crate::BlockIds,
+    remote_memory: &'a [crate::MemorySpan],
 }
 
 impl<'a> Transfer<'a> {
@@ -680,6 +703,7 @@ impl<'a> Transfer<'a> {
             epoch: order.epoch,
             local: &order.local,
             remote: &order.remote,
+            remote_memory: &order.remote_memory,
         }
     }
 }

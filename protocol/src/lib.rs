@@ -45,10 +45,11 @@ pub use ids::{
 };
 pub use message::{
     BlockIds, Cancel, CancelAck, CancelReason, CompatHash, FieldError, Handshake, Heartbeat,
-    LeaseRef, Message, MessageKind, ReadAsk, ReadGrant, ReadRefusal, ReadRefused, Register,
-    Release, ReleaseReason, TransferMode, WriteDone, WriteFailed, WriteFailure, WritePartDone,
-    MAX_AGENT_METADATA, MAX_BLOCKS_PER_GROUP, MAX_BLOCKS_PER_REQUEST, MAX_HEARTBEAT_LEASES,
-    MAX_REGIONS, MAX_TRANSFER_MODES, MAX_WRITE_LAYERS,
+    LeaseRef, MemorySpan, Message, MessageKind, ReadAsk, ReadGrant, ReadRefusal, ReadRefused,
+    Register, Release, ReleaseReason, TransferMode, WriteDone, WriteFailed, WriteFailure,
+    WritePartDone, MAX_AGENT_METADATA, MAX_BLOCKS_PER_GROUP, MAX_BLOCKS_PER_REQUEST,
+    MAX_HEARTBEAT_LEASES, MAX_REGIONS, MAX_REGISTER_SPANS, MAX_ROUTED_BUFFERS, MAX_TRANSFER_MODES,
+    MAX_WRITE_LAYERS,
 };
 pub use trace::{TraceId, TraceIdError, TraceIds};
 pub use wire::{WireError, PROTOCOL_VERSION};

@@ -145,8 +145,13 @@ pub struct Handshake {
     pub agent_name: AgentName,
     /// NIXL agent metadata, for `load_remote_md` on the receiver.
     pub agent_metadata: Vec<u8>,
-    /// Registered regions in [`KvGeometry::regions`] order.
+    /// Registered regions in [`KvGeometry::regions`] order; for a `routed` rank, the buffers
+    /// its route places pieces in (each one block of its whole length).
     pub regions: Vec<RegionDesc>,
+    /// The sending rank's transfers are placed by a route (a rank of a heterogeneous pair): its
+    /// region table lists its buffers (at most [`MAX_ROUTED_BUFFERS`]), not its geometry's
+    /// regions, and only a peer whose own route accepts this rank's geometry pairs with it.
+    pub routed: bool,
     /// The sending rank's geometry.
     pub geometry: KvGeometry,
     /// The sender's compatibility hash.
@@ -181,7 +186,45 @@ pub struct Register {
     pub num_tokens: u64,
     /// The attempt's trace id, made by D when the attempt started; P's records of it carry it.
     pub trace_id: TraceId,
+    /// Where in D's registered memory a routed writer may place this request's pieces (a
+    /// heterogeneous pair: the request's KV and staging buffers, in the order the pair's plan
+    /// names them); empty for ranks that plan from the region tables. At most
+    /// [`MAX_REGISTER_SPANS`]. The machines carry it untouched: D's shell fills it from its
+    /// route as it sends the registration, P's route reads it as it plans the write.
+    pub memory: Vec<MemorySpan>,
 }
+
+/// A range of a rank's registered memory, in its transport's address space.
+///
+/// ```
+/// use kvhandoff_protocol::MemorySpan;
+/// let span = MemorySpan { addr: 4096, len: 512 };
+/// assert!(span.contains(4096 + 100, 412));
+/// assert!(!span.contains(4096 + 100, 413));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MemorySpan {
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl MemorySpan {
+    /// Whether `addr .. addr + len` lies inside the span.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        let (Some(end), Some(own_end)) = (addr.checked_add(len), self.addr.checked_add(self.len))
+        else {
+            return false;
+        };
+        addr >= self.addr && end <= own_end
+    }
+}
+
+/// Most spans one [`Register`] may name.
+pub const MAX_REGISTER_SPANS: usize = 16;
+/// Most buffers a routed rank's handshake may list ([`Handshake::routed`]).
+pub const MAX_ROUTED_BUFFERS: usize = 64;
 
 /// P → D: every write of `epoch` from `prefill_rank` for `key` has landed (sent as the
 /// notification of the last write, so it arrives after the data).
@@ -458,6 +501,9 @@ pub enum FieldError {
     /// The handshake's geometry is invalid.
     #[error("geometry: {0}")]
     Geometry(#[from] crate::GeometryError),
+    /// A [`Register`] names an empty memory span, or one past the end of the address space.
+    #[error("a registration names an empty memory span or one past the address space")]
+    EmptySpan,
     /// The handshake's region table does not match its geometry.
     #[error("region table has {regions} entries but the geometry defines {expected}")]
     RegionCount {
@@ -551,7 +597,18 @@ impl Message {
                 check_len("regions", h.regions.len(), MAX_REGIONS)?;
                 check_len("transfer modes", h.modes.len(), MAX_TRANSFER_MODES)?;
                 h.geometry.validate()?;
-                let expected = h.geometry.regions()?.len();
+                let expected = if h.routed {
+                    if h.regions.is_empty() {
+                        return Err(FieldError::RegionCount {
+                            regions: 0,
+                            expected: 1,
+                        });
+                    }
+                    check_len("routed buffers", h.regions.len(), MAX_ROUTED_BUFFERS)?;
+                    h.regions.len()
+                } else {
+                    h.geometry.regions()?.len()
+                };
                 if h.regions.len() != expected {
                     return Err(FieldError::RegionCount {
                         regions: h.regions.len(),
@@ -567,6 +624,13 @@ impl Message {
                 m.decode_engine.validate()?;
                 m.decode_request.validate()?;
                 m.trace_id.validate()?;
+                check_len("register spans", m.memory.len(), MAX_REGISTER_SPANS)?;
+                if m.memory
+                    .iter()
+                    .any(|s| s.len == 0 || s.addr.checked_add(s.len).is_none())
+                {
+                    return Err(FieldError::EmptySpan);
+                }
                 m.blocks.validate()
             }
             Message::Heartbeat(m) => {

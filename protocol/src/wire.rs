@@ -37,7 +37,7 @@ use crate::message::{FieldError, Message, MessageKind};
 
 /// The protocol version this build speaks. Any change to the wire format or the meaning of a
 /// message changes it.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"KVHO";
 /// Bytes in a frame header.
@@ -305,7 +305,7 @@ mod tests {
 
     #[test]
     fn constants_are_the_documented_ones() {
-        assert_eq!(PROTOCOL_VERSION, 6);
+        assert_eq!(PROTOCOL_VERSION, 7);
         assert_eq!(&MAGIC, b"KVHO");
         assert_eq!(HEADER_LEN, 12);
         assert_eq!(MAX_PAYLOAD_LEN, 2 * 1024 * 1024);
@@ -381,6 +381,7 @@ mod tests {
             modes: vec![],
             clock_sample_us: 0,
             trace_id: crate::TraceId::from_u128(0x7ace),
+            routed: false,
         };
         let _ = encode(&Message::Handshake(Box::new(h)));
     }

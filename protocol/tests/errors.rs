@@ -285,6 +285,7 @@ fn invalid_field_control_character() {
             blocks: BlockIds::single_group(vec![1]),
             num_tokens: 16,
             trace_id: kvhandoff_protocol::TraceId::from_u128(0x7ace),
+            memory: Vec::new(),
         }));
         assert_eq!(
             field_error(&m),
@@ -307,6 +308,7 @@ fn register_with(blocks: BlockIds) -> Message {
         blocks,
         num_tokens: 1,
         trace_id: kvhandoff_protocol::TraceId::from_u128(0x7ace),
+        memory: Vec::new(),
     }))
 }
 
@@ -502,6 +504,7 @@ fn small_handshake() -> Handshake {
         modes: vec![TransferMode::Push],
         clock_sample_us: 1,
         trace_id: kvhandoff_protocol::TraceId::from_u128(0x7ace),
+        routed: false,
     }
 }
 

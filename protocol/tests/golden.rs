@@ -26,16 +26,16 @@ use common::{from_hex, to_hex};
 use kvhandoff_protocol::wire::{self, HEADER_LEN};
 use kvhandoff_protocol::{
     compatibility_hash, AgentName, BlockIds, CacheGroup, CacheGroupKind, Cancel, CancelAck,
-    CancelReason, EngineId, Epoch, Handshake, Heartbeat, KvGeometry, KvLayout, LeaseRef, Message,
-    MessageKind, ModelIdentity, PairingKey, ReadAsk, ReadGrant, ReadRefusal, ReadRefused,
-    RegionDesc, Register, Release, ReleaseReason, RequestId, TraceId, TransferMode, WriteDone,
-    WriteFailed, WriteFailure, WritePartDone, PROTOCOL_VERSION,
+    CancelReason, EngineId, Epoch, Handshake, Heartbeat, KvGeometry, KvLayout, LeaseRef,
+    MemorySpan, Message, MessageKind, ModelIdentity, PairingKey, ReadAsk, ReadGrant, ReadRefusal,
+    ReadRefused, RegionDesc, Register, Release, ReleaseReason, RequestId, TraceId, TransferMode,
+    WriteDone, WriteFailed, WriteFailure, WritePartDone, PROTOCOL_VERSION,
 };
 
 /// The protocol version the golden files were made with. If this test fails because
 /// `PROTOCOL_VERSION` changed, bless the files and update this constant in the same change; if
 /// the files changed, `PROTOCOL_VERSION` must change too.
-const GOLDEN_PROTOCOL_VERSION: u16 = 6;
+const GOLDEN_PROTOCOL_VERSION: u16 = 7;
 
 #[test]
 fn goldens_pin_the_protocol_version() {
@@ -119,6 +119,7 @@ fn handshake() -> Message {
         modes: vec![TransferMode::Push, TransferMode::LayerwisePush],
         clock_sample_us: 1_700_000_000_123_456,
         trace_id: TraceId::from_u128(0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736),
+        routed: false,
     }))
 }
 
@@ -135,6 +136,16 @@ fn register() -> Message {
         },
         num_tokens: 130,
         trace_id: TraceId::from_u128(0x0af7_6519_16cd_43dd_8448_eb21_1c80_319c),
+        memory: vec![
+            MemorySpan {
+                addr: 0x7f00_0000_1000,
+                len: 1 << 20,
+            },
+            MemorySpan {
+                addr: 0x7f00_8000_0000,
+                len: 4096,
+            },
+        ],
     }))
 }
 
@@ -412,7 +423,7 @@ fn the_release_vector_reads_as_documented() {
     let bytes = wire::encode(&release());
     let expected: Vec<u8> = [
         &b"KVHO"[..],     // magic
-        &[0x06, 0x00],    // version 6, little endian
+        &[0x07, 0x00],    // version 7, little endian
         &[0x08],          // kind: Release
         &[0x00],          // flags
         &[0x0a, 0, 0, 0], // payload length 10, little endian

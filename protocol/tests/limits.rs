@@ -42,6 +42,7 @@ fn register(groups: Vec<Vec<u32>>) -> Message {
         blocks: BlockIds { groups },
         num_tokens: u64::MAX,
         trace_id: kvhandoff_protocol::TraceId::from_u128(u128::MAX),
+        memory: Vec::new(),
     }))
 }
 
@@ -135,6 +136,7 @@ fn the_largest_handshake_fits() {
         modes: vec![TransferMode::Bidirectional; MAX_TRANSFER_MODES],
         clock_sample_us: u64::MAX,
         trace_id: kvhandoff_protocol::TraceId::from_u128(u128::MAX),
+        routed: false,
     }));
     let len = fits_and_round_trips(&message);
     println!("largest handshake frame: {len} bytes");

@@ -88,6 +88,7 @@ pub(crate) fn peer_info(
         compat: compatibility_hash(&model, &geometry),
         geometry,
         incarnation,
+        routed: false,
     }
 }
 
@@ -465,6 +466,7 @@ impl crate::world::World {
             remote: BlockIds::single_group(remote),
             notification,
             stream: None,
+            remote_memory: Vec::new(),
         };
         self.post_write(node, order, layers);
     }

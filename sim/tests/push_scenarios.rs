@@ -225,6 +225,7 @@ fn register(n: u32, ids: &[u32]) -> Register {
         blocks: blocks(ids),
         num_tokens: 16,
         trace_id: kvhandoff_protocol::TraceId::from_u128(0x7ace + u128::from(n)),
+        memory: Vec::new(),
     }
 }
 

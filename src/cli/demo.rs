@@ -64,6 +64,11 @@ pub(crate) struct DemoArgs {
     /// landing). The verdict is then FAILED by design; the report's accounting must still hold.
     #[arg(long, requires = "model", default_value_t = 0.0)]
     chaos: f64,
+    /// With `--model`: every rank pairs over its own TCP side channel on loopback (rank R at
+    /// its engine's base port + R) and D names its request's buffers in its registration, where
+    /// P places the pieces: the wire of a pair across processes, in one process.
+    #[arg(long, requires = "model")]
+    side_channels: bool,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -171,6 +176,7 @@ fn run_hetero(args: &DemoArgs, model: &str, prefill: &str, decode: &str) -> Exit
         window: args.window as usize,
         chaos: args.chaos,
         seed: args.seed,
+        side_channels: args.side_channels,
         ..HeteroDemoOptions::new(model, p, d)
     };
     match hetero::run(&options) {

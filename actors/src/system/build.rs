@@ -299,6 +299,7 @@ fn own_info<T: Transport>(
         compat: with_integrity(compatibility_hash(model, geometry), config.integrity_digest),
         geometry: geometry.clone(),
         incarnation: Incarnation::random(),
+        routed: false,
     })
 }
 
@@ -335,15 +336,16 @@ impl std::fmt::Debug for RoutedRegion {
 }
 
 /// Most buffers one routed rank registers.
-pub const MAX_ROUTED_REGIONS: usize = 64;
+pub const MAX_ROUTED_REGIONS: usize = kvhandoff_protocol::MAX_ROUTED_BUFFERS;
 
 /// Builds a rank whose registered memory is `region_lens` buffers laid out by its owner (a
 /// heterogeneous rank's KV tensors and staging memory), with `route` placing every transfer and
 /// accepting peers of other geometries (see
 /// [`TransferRoute`](kvhandoff_protocol::driver::TransferRoute)). `geometry` is the rank's
 /// own, as its handshake advertises it; the handshake's region table lists the buffers (each
-/// one block of its whole length), so only in-process peers, which do not plan from it, can
-/// pair with the rank.
+/// one block of its whole length) and says the rank is routed
+/// ([`Handshake::routed`](kvhandoff_protocol::Handshake::routed)), so only a peer whose own
+/// route accepts this geometry pairs with it, in process or over the side channel.
 ///
 /// # Errors
 /// [`BuildError`] for an invalid geometry or configuration, no buffers, more than
@@ -386,7 +388,9 @@ pub fn build_routed_rank<T: RankMemory>(
         });
         regions.push(RoutedRegion { base, len, bytes });
     }
-    let info = own_info(&transport, engine, &geometry, model, descs, &config)?;
+    let mut info = own_info(&transport, engine, &geometry, model, descs, &config)?;
+    // Its table lists its buffers, not its geometry's regions: the handshake says so.
+    info.routed = true;
     let endpoint = Endpoint::new(engine.clone(), geometry.rank_index(), config)?;
     Ok((
         RankSetup {
@@ -636,7 +640,7 @@ pub fn build_routed_rank_on_regions<T: AdoptMemory>(
         check_location::<T>(index, region)?;
     }
     refuse_routed_integrity(&config)?;
-    let (endpoint, info, registered) = adopt_and_describe(
+    let (endpoint, mut info, registered) = adopt_and_describe(
         &mut transport,
         engine,
         &geometry,
@@ -645,6 +649,7 @@ pub fn build_routed_rank_on_regions<T: AdoptMemory>(
         config,
         |_, len| len,
     )?;
+    info.routed = true;
     Ok((
         RankSetup {
             endpoint,

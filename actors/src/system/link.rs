@@ -72,7 +72,7 @@ impl LinkActor {
         };
         let limit = config.max_peer_addresses;
         LinkActor {
-            local: Arc::new(Local::new(own, config, timeout)),
+            local: Arc::new(Local::new(own, config, timeout, route.clone())),
             mode,
             book: PeerBook::new(limit),
             shared: Arc::new(side_channel::Shared::new(listen, limit)),

@@ -219,6 +219,8 @@ impl DecodeCommon {
             blocks: self.blocks.clone(),
             num_tokens: self.num_tokens,
             trace_id: self.trace,
+            // D's shell names its memory from its route as it sends (`TransportDriver::perform`).
+            memory: Vec::new(),
         }))
     }
 

@@ -385,6 +385,7 @@ impl Held {
             epoch: register.epoch,
             local,
             remote: register.blocks,
+            remote_memory: register.memory,
             notification: Message::WriteDone(WriteDone {
                 key: register.key,
                 epoch: register.epoch,

@@ -269,6 +269,8 @@ pub struct WriteOrder {
     pub local: BlockIds,
     /// Remote logical blocks, per group.
     pub remote: BlockIds,
+    /// Where D's registration said a routed writer may place the pieces ([`Register::memory`](crate::Register::memory)).
+    pub remote_memory: Vec<crate::MemorySpan>,
     /// Sent to `to` after the data has landed.
     pub notification: Message,
     /// A layer-wise write: its layers and the layers to post now (`0 .. stream.posted`); later

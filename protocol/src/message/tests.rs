@@ -44,6 +44,7 @@ fn one_of_each() -> Vec<Message> {
             modes: vec![],
             clock_sample_us: 0,
             trace_id: crate::TraceId::from_u128(0x7ace),
+            routed: false,
         })),
         Message::Register(Box::new(Register {
             key: key(),
@@ -54,6 +55,7 @@ fn one_of_each() -> Vec<Message> {
             blocks: BlockIds::default(),
             num_tokens: 0,
             trace_id: crate::TraceId::from_u128(0x7ace),
+            memory: Vec::new(),
         })),
         Message::WriteDone(WriteDone {
             key: key(),
@@ -268,6 +270,7 @@ fn the_first_broken_rule_is_reported() {
         blocks: BlockIds::single_group(vec![1, 1]),
         num_tokens: 0,
         trace_id: crate::TraceId::from_u128(0x7ace),
+        memory: Vec::new(),
     }));
     assert_eq!(m.validate(), Err(FieldError::ZeroEpoch));
 }

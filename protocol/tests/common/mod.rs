@@ -217,6 +217,7 @@ pub fn handshake() -> impl Strategy<Value = Handshake> {
                     modes,
                     clock_sample_us: clock,
                     trace_id,
+                    routed: false,
                 }
             },
         )
@@ -268,6 +269,7 @@ pub fn register() -> impl Strategy<Value = Register> {
                     blocks,
                     num_tokens,
                     trace_id,
+                    memory: Vec::new(),
                 }
             },
         )

@@ -464,12 +464,24 @@ impl Handoff {
     /// # Errors
     /// A [`HandoffError`] when a job or a range fails.
     pub fn run_decode_side(&mut self) -> Result<RunStats, HandoffError> {
+        self.run_decode_side_of(None)
+    }
+
+    /// D's half for the D ranks (indices in the pair's D side) in `only`, or for every one:
+    /// what a process that holds some of D's ranks runs.
+    ///
+    /// # Errors
+    /// As [`Handoff::run_decode_side`].
+    pub fn run_decode_side_of(&mut self, only: Option<&[usize]>) -> Result<RunStats, HandoffError> {
         let plan = self.plan.clone();
+        let mine = |rank: usize| only.is_none_or(|ranks| ranks.contains(&rank));
         for (i, job) in plan.decode_jobs.iter().enumerate() {
-            self.decode_job(i, job)?;
+            if mine(job.rank) {
+                self.decode_job(i, job)?;
+            }
         }
         let mut zeroed = 0;
-        for z in &plan.zero {
+        for z in plan.zero.iter().filter(|z| mine(z.rank)) {
             let arena = self.arena(SideName::Decode, z.rank, Space::Kv);
             slice_mut(&mut self.arenas[arena], "a tail to zero", z.addr, z.len)?.fill(0);
             zeroed += z.len;
@@ -502,7 +514,16 @@ impl Handoff {
     /// # Errors
     /// The first wrong byte, located and explained, with the count of wrong bytes.
     pub fn verify(&self) -> Result<(), verify::Mismatch> {
-        verify::verify(self)
+        verify::verify(self, None)
+    }
+
+    /// As [`Handoff::verify`], for the ranks in `only` (side, index in its side): what a
+    /// process that holds those ranks can check.
+    ///
+    /// # Errors
+    /// As [`Handoff::verify`].
+    pub fn verify_ranks(&self, only: &[(SideName, usize)]) -> Result<(), verify::Mismatch> {
+        verify::verify(self, Some(only))
     }
 }
 

@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 #[cfg(doc)]
 use kvhandoff::{KvCache, KvConnector, RankLinks};
-use kvhandoff::{KvRegion, RankBuilder, Runtime, TransportKind};
+use kvhandoff::{KvRegion, RankBuilder, Runtime, SideChannel, TransportKind};
 use kvhandoff_actors::system::{agent_name, MAX_ROUTED_REGIONS};
 use kvhandoff_protocol::hetero::{
     model, plan_pair, HeteroError, PairPlan, SideName, SideSpec, Space,
@@ -91,6 +91,11 @@ pub struct HeteroDemoOptions {
     /// the accounting (one event per request and side, nothing leaked, every ready request
     /// verified).
     pub chaos: f64,
+    /// Every rank pairs over its own TCP side channel on loopback (each engine's rank `R` at
+    /// its base port + `R`), and P places its pieces in the memory D's registration names
+    /// (`Register::memory`): the wire a pair across processes uses, in one process. Default
+    /// false: in process, P's engine files each link's pieces knowing D's memory.
+    pub side_channels: bool,
     /// TEST ONLY: a deliberate fault in the middle request, which the run must report.
     #[doc(hidden)]
     pub fault: Option<HeteroFault>,
@@ -125,6 +130,7 @@ impl HeteroDemoOptions {
             max_prompt_tokens: 600,
             timeout: Duration::from_secs(60),
             chaos: 0.0,
+            side_channels: false,
             fault: None,
         }
     }
@@ -150,6 +156,11 @@ pub fn run(options: &HeteroDemoOptions) -> Result<DemoReport, DemoError> {
     if !(0.0..=1.0).contains(&options.chaos) {
         return Err(DemoError::Options(
             "chaos is a share of requests, 0 to 1".into(),
+        ));
+    }
+    if options.side_channels && options.fault.is_some() {
+        return Err(DemoError::Options(
+            "the deliberate faults tamper with pieces filed ahead: not with side channels".into(),
         ));
     }
     if options.chaos > 0.0 && options.transport != DemoTransport::Mem {
@@ -347,6 +358,28 @@ fn agent_names(run: &Prepared) -> Result<Vec<AgentName>, DemoError> {
         .collect()
 }
 
+/// A rank's TCP side channel on `listen`: P's takes the handshakes of D's engine, which dials
+/// it first.
+fn side_channel(side: SideName, listen: std::net::SocketAddr) -> Result<SideChannel, DemoError> {
+    let mut config = kvhandoff::SideChannelConfig::new(listen);
+    if side == SideName::Prefill {
+        let decode = EngineId::new(DECODE).map_err(|e| DemoError::Options(e.to_string()))?;
+        config.accept = kvhandoff::AcceptPolicy::Known([decode].into());
+    }
+    Ok(SideChannel::Tcp(config))
+}
+
+/// Where a rank listens: its engine's base port + its rank index (vLLM's convention).
+fn rank_port(
+    base: std::net::SocketAddr,
+    geometry: &kvhandoff_protocol::KvGeometry,
+) -> Result<std::net::SocketAddr, DemoError> {
+    let port = u32::from(base.port()) + geometry.rank_index();
+    let port = u16::try_from(port)
+        .map_err(|_| DemoError::Options(format!("rank port {port} is past 65535")))?;
+    Ok(std::net::SocketAddr::new(base.ip(), port))
+}
+
 /// A rank's memory, allocated by its engine: per slot of the window, a zeroed KV buffer and a
 /// zeroed staging buffer of `lens` bytes (region `2 × slot` and `2 × slot + 1`).
 fn slot_memory(lens: [u64; 2], window: usize) -> Result<Vec<KvRegion>, DemoError> {
@@ -391,17 +424,32 @@ fn drive(
     let identity = model_identity(&run.pair);
     let mut runtime = Runtime::start()?;
     let mut ranks = Vec::new();
+    // Each engine's base port, its ranks above it (at most 8 TP × PP ranks here).
+    let bases = options.side_channels.then(|| {
+        let ports = crate::ports::loopback_ports::<32>();
+        (ports[0], ports[16])
+    });
     for (rank, &((side, index), lens)) in ranks_of(&run).zip(&run.lens) {
         let (engine, geometry) = rank?;
         // The builder pairs blocks as given: P hands its whole block list to the route, whose
         // plan aligns the sides by tokens.
-        let started = RankBuilder::new(engine, geometry.clone(), identity.clone())
+        let mut builder = RankBuilder::new(engine, geometry.clone(), identity.clone())
             .regions(slot_memory(lens, options.window)?)
             .transport(kind.clone())
             .config(config.clone())
-            .pairing(run.pair.clone(), side)
-            .start_on(&mut runtime)
-            .map_err(start_error)?;
+            .pairing(run.pair.clone(), side);
+        let mut remote = None;
+        if let Some((p_base, d_base)) = bases {
+            let base = match side {
+                SideName::Prefill => p_base,
+                SideName::Decode => {
+                    remote = Some(p_base);
+                    d_base
+                }
+            };
+            builder = builder.side_channel(side_channel(side, rank_port(base, geometry)?)?);
+        }
+        let started = builder.start_on(&mut runtime).map_err(start_error)?;
         let route = started
             .route()
             .cloned()
@@ -414,6 +462,7 @@ fn drive(
             conn,
             kv,
             route,
+            remote,
         });
     }
     let Prepared { pair, handoffs, .. } = run;
@@ -432,6 +481,11 @@ fn drive(
         options.window,
         options.seed ^ 0x5eed_ca11,
         fault,
+        if options.side_channels {
+            flight::Placing::AtPost
+        } else {
+            flight::Placing::Ahead
+        },
         hooks.chaos,
         deadline,
         &mut tally,

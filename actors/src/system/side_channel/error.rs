@@ -53,6 +53,10 @@ pub enum HandshakeError {
     /// The geometry does not fit ours.
     #[error("incompatible geometry: {0} differs")]
     Incompatible(&'static str),
+    /// The peer's geometry differs from ours and this rank's transfer route cannot place a
+    /// pair with it (a heterogeneous pair that is not the planned one).
+    #[error("heterogeneous peer refused by the route: {0}")]
+    RouteRefused(String),
     /// No transfer mode in common.
     #[error("no transfer mode in common (peer {peer:?}, ours {ours:?})")]
     NoCommonMode {
@@ -118,7 +122,9 @@ impl HandshakeError {
             HandshakeError::WrongKind(_) => RejectReason::WrongKind,
             HandshakeError::CompatMismatch => RejectReason::CompatMismatch,
             HandshakeError::RegionTable(_) => RejectReason::RegionTable,
-            HandshakeError::Incompatible(_) => RejectReason::Incompatible,
+            HandshakeError::Incompatible(_) | HandshakeError::RouteRefused(_) => {
+                RejectReason::Incompatible
+            }
             HandshakeError::NoCommonMode { .. } => RejectReason::NoCommonMode,
             HandshakeError::OwnEngine(_) => RejectReason::OwnEngine,
             HandshakeError::UnexpectedEngine { .. } => RejectReason::UnexpectedEngine,
@@ -222,6 +228,7 @@ fn wire_reason(error: &WireError) -> RejectReason {
             | FieldError::TooMany { .. }
             | FieldError::DuplicateBlock { .. }
             | FieldError::BadPart { .. }
+            | FieldError::EmptySpan
             | FieldError::ZeroEpoch => RejectReason::InvalidField,
         },
     }

@@ -9,7 +9,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::auth::{read_header, AuthFailure, AUTH_MAGIC};
 use super::{wire, HandshakeError, Message, HEADER_LEN, MAGIC};
-use kvhandoff_protocol::driver::PeerInfo;
+use kvhandoff_protocol::driver::{PeerInfo, SharedRoute};
 
 /// The geometry rules both sides apply until heterogeneous transfers exist: the same per-rank
 /// layout. Returns the first field that differs.
@@ -54,6 +54,7 @@ pub(crate) fn validate_handshake(
     own_modes: &[TransferMode],
     handshake: &Handshake,
     expected: Option<&PeerAddr>,
+    route: Option<&SharedRoute>,
 ) -> Result<(), HandshakeError> {
     if handshake.protocol_version != PROTOCOL_VERSION {
         return Err(HandshakeError::Wire(WireError::InvalidField {
@@ -84,46 +85,7 @@ pub(crate) fn validate_handshake(
     if handshake.compat_hash != own.compat {
         return Err(HandshakeError::CompatMismatch);
     }
-    // Decoding checked the geometry, the table's length and each region on its own; the block
-    // lengths must also be the geometry's.
-    let specs = handshake
-        .geometry
-        .regions()
-        .map_err(|e| HandshakeError::RegionTable(e.to_string()))?;
-    if specs.len() != handshake.regions.len() {
-        return Err(HandshakeError::RegionTable(format!(
-            "{} regions for a geometry of {}",
-            handshake.regions.len(),
-            specs.len()
-        )));
-    }
-    if let Some(i) = specs
-        .iter()
-        .zip(&handshake.regions)
-        .position(|(spec, desc)| spec.block_len != desc.block_len)
-    {
-        return Err(HandshakeError::RegionTable(format!(
-            "region {i}: block_len {} but the geometry says {}",
-            handshake.regions[i].block_len, specs[i].block_len
-        )));
-    }
-    for (i, region) in handshake.regions.iter().enumerate() {
-        region
-            .validate()
-            .map_err(|e| HandshakeError::RegionTable(format!("region {i}: {e}")))?;
-    }
-    let as_peer = PeerInfo {
-        peer: PeerAddr::new(handshake.engine_id.clone(), handshake.geometry.rank_index()),
-        agent: handshake.agent_name.clone(),
-        metadata: Vec::new(),
-        regions: handshake.regions.clone(),
-        geometry: handshake.geometry.clone(),
-        compat: handshake.compat_hash,
-        incarnation: handshake.incarnation,
-    };
-    if let Some(field) = layout_mismatch(own, &as_peer) {
-        return Err(HandshakeError::Incompatible(field));
-    }
+    check_pairing(own, handshake, route)?;
     if !own_modes.is_empty()
         && !handshake.modes.is_empty()
         && !handshake.modes.iter().any(|m| own_modes.contains(m))
@@ -211,4 +173,71 @@ where
     .await
     .map_err(|_| HandshakeError::TimedOut)?
     .map_err(HandshakeError::io)
+}
+
+/// Whether this rank can place transfers with the rank `handshake` describes. Two ranks that
+/// plan from their region tables need the same per-rank layout, and the peer's table must be
+/// its geometry's (the block lengths included). A routed rank on either side (a heterogeneous
+/// pair: its table lists buffers, [`Handshake::routed`]) pairs only when this rank's route
+/// accepts the peer's geometry; its table is then the buffers the route's pieces may use,
+/// bounded and checked one by one when the frame was decoded.
+fn check_pairing(
+    own: &PeerInfo,
+    handshake: &Handshake,
+    route: Option<&SharedRoute>,
+) -> Result<(), HandshakeError> {
+    for (i, region) in handshake.regions.iter().enumerate() {
+        region
+            .validate()
+            .map_err(|e| HandshakeError::RegionTable(format!("region {i}: {e}")))?;
+    }
+    if !handshake.routed {
+        // Decoding checked the geometry and the table's length; the block lengths must also be
+        // the geometry's.
+        let specs = handshake
+            .geometry
+            .regions()
+            .map_err(|e| HandshakeError::RegionTable(e.to_string()))?;
+        if specs.len() != handshake.regions.len() {
+            return Err(HandshakeError::RegionTable(format!(
+                "{} regions for a geometry of {}",
+                handshake.regions.len(),
+                specs.len()
+            )));
+        }
+        if let Some(i) = specs
+            .iter()
+            .zip(&handshake.regions)
+            .position(|(spec, desc)| spec.block_len != desc.block_len)
+        {
+            return Err(HandshakeError::RegionTable(format!(
+                "region {i}: block_len {} but the geometry says {}",
+                handshake.regions[i].block_len, specs[i].block_len
+            )));
+        }
+    }
+    let as_peer = PeerInfo {
+        peer: PeerAddr::new(handshake.engine_id.clone(), handshake.geometry.rank_index()),
+        agent: handshake.agent_name.clone(),
+        metadata: Vec::new(),
+        regions: handshake.regions.clone(),
+        geometry: handshake.geometry.clone(),
+        compat: handshake.compat_hash,
+        incarnation: handshake.incarnation,
+        routed: handshake.routed,
+    };
+    let mismatch = if own.routed || handshake.routed {
+        Some("routed")
+    } else {
+        layout_mismatch(own, &as_peer)
+    };
+    let Some(field) = mismatch else {
+        return Ok(());
+    };
+    match route {
+        Some(route) => route
+            .accepts(&own.geometry, &handshake.geometry)
+            .map_err(|refused| HandshakeError::RouteRefused(refused.0)),
+        None => Err(HandshakeError::Incompatible(field)),
+    }
 }

@@ -23,7 +23,7 @@ use super::{
     wire, AcceptPolicy, ClockEstimate, HandshakeError, LinkUp, Message, RejectReason,
     SideChannelConfig, SideChannelStats,
 };
-use kvhandoff_protocol::driver::PeerInfo;
+use kvhandoff_protocol::driver::{PeerInfo, SharedRoute};
 use kvhandoff_protocol::Handshake;
 use kvhandoff_protocol::PeerAddr;
 
@@ -35,6 +35,8 @@ pub(crate) struct Local {
     /// accept to its answer, the initiator's from the dial to its rank's load of the peer
     /// ([`ShellConfig::handshake_timeout`](crate::system::ShellConfig::handshake_timeout)).
     pub(crate) handshake_timeout: Duration,
+    /// The rank's transfer route, which decides on peers of another geometry.
+    pub(crate) route: Option<SharedRoute>,
 }
 
 impl Local {
@@ -42,11 +44,13 @@ impl Local {
         info: PeerInfo,
         config: SideChannelConfig,
         handshake_timeout: Duration,
+        route: Option<SharedRoute>,
     ) -> Self {
         Local {
             info,
             config,
             handshake_timeout,
+            route,
         }
     }
 
@@ -234,7 +238,13 @@ async fn serve(
     // The dialler made the connection's trace id; the answer repeats it.
     let trace_id = handshake.trace_id;
     let t_recv = local.now_us();
-    validate_handshake(&local.info, &local.config.modes, &handshake, None)?;
+    validate_handshake(
+        &local.info,
+        &local.config.modes,
+        &handshake,
+        None,
+        local.route.as_ref(),
+    )?;
     if !shared.accepts(&local.config.accept, &handshake.engine_id) {
         return Err(HandshakeError::NotAccepted(handshake.engine_id));
     }
@@ -346,7 +356,13 @@ pub(crate) async fn initiate(
         Some(key) => initiate_auth(local, key, trace_id, &mut stream, deadline).await?,
     };
     let t_recv = local.now_us();
-    validate_handshake(&local.info, &local.config.modes, &handshake, Some(expected))?;
+    validate_handshake(
+        &local.info,
+        &local.config.modes,
+        &handshake,
+        Some(expected),
+        local.route.as_ref(),
+    )?;
     if handshake.trace_id != trace_id {
         // Not a reason to refuse the peer (the trace id only joins logs), but worth knowing.
         tracing::debug!(%trace_id, answer = %handshake.trace_id, "peer answered under another trace id");

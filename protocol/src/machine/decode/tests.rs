@@ -219,6 +219,7 @@ fn register_sent() -> Output {
             blocks: BlockIds::single_group(vec![500, 501]),
             num_tokens: 40,
             trace_id: crate::TraceId::from_u128(0x7ace),
+            memory: Vec::new(),
         })),
     }
 }

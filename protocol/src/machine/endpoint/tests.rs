@@ -34,6 +34,7 @@ fn register() -> Message {
         blocks: BlockIds::single_group(vec![40, 41]),
         num_tokens: 32,
         trace_id: crate::TraceId::from_u128(0x7ace),
+        memory: Vec::new(),
     }))
 }
 

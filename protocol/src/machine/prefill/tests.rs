@@ -90,6 +90,7 @@ fn register_from(from: &PeerAddr, epoch: Epoch, blocks: BlockIds) -> PrefillInpu
             blocks,
             num_tokens: 40,
             trace_id: crate::TraceId::from_u128(0x7ace),
+            memory: Vec::new(),
         }),
     }
 }
@@ -248,6 +249,7 @@ fn post(to: &PeerAddr, local: BlockIds, remote: BlockIds) -> Output {
             digests: Vec::new(),
         }),
         stream: None,
+        remote_memory: Vec::new(),
     }))
 }
 

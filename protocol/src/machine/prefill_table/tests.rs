@@ -84,6 +84,7 @@ fn registration(from: &PeerAddr, epoch: Epoch) -> Box<Register> {
         blocks: d_blocks(),
         num_tokens: 40,
         trace_id: crate::TraceId::from_u128(0x7ace),
+        memory: Vec::new(),
     })
 }
 
@@ -423,6 +424,7 @@ fn post(epoch: Epoch) -> Output {
             digests: Vec::new(),
         }),
         stream: None,
+        remote_memory: Vec::new(),
     }))
 }
 
@@ -2411,6 +2413,7 @@ fn post_to(write: WriteId, to: &PeerAddr, epoch: Epoch) -> Output {
             digests: Vec::new(),
         }),
         stream: None,
+        remote_memory: Vec::new(),
     }))
 }
 

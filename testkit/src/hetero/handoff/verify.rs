@@ -65,13 +65,20 @@ impl fmt::Display for Mismatch {
 }
 
 /// Checks every KV arena of `h` (see [`Handoff::verify`]).
-pub(crate) fn verify(h: &Handoff) -> Result<(), Mismatch> {
+pub(crate) fn verify(h: &Handoff, only: Option<&[(SideName, usize)]>) -> Result<(), Mismatch> {
+    let mine = |side: SideName, rank: usize| only.is_none_or(|o| o.contains(&(side, rank)));
     for (ri, _) in h.pair.prefill.ranks.iter().enumerate() {
+        if !mine(SideName::Prefill, ri) {
+            continue;
+        }
         let arena = h.arena(SideName::Prefill, ri, Space::Kv);
         let before = &h.before[arena / 2];
         compare(h, arena, before, before, &[], None)?;
     }
     for (ri, rank) in h.pair.decode.ranks.iter().enumerate() {
+        if !mine(SideName::Decode, ri) {
+            continue;
+        }
         let arena = h.arena(SideName::Decode, ri, Space::Kv);
         let before = &h.before[arena / 2];
         let (want, classes) = expected_decode(h, ri, rank, before);

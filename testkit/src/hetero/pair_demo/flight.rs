@@ -8,14 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvhandoff::{ConnectorEvent, KvCache, KvConnector, KvTransferParams};
+use kvhandoff_protocol::driver::RouteRequest;
 use kvhandoff_protocol::hetero::{PairPlan, SideName, Space};
 use kvhandoff_protocol::planner::Descriptor;
-use kvhandoff_protocol::{PairingKey, RequestId};
+use kvhandoff_protocol::{MemorySpan, PairingKey, RequestId};
 use rand::seq::SliceRandom;
 
 use super::{HeteroFault, Tally, PREFILL};
 use crate::hetero::handoff::Handoff;
-use kvhandoff::route::{PlannedRoute, Staging};
+use kvhandoff::route::{PlannedRoute, Planner, Staging};
 
 /// A request's plan and arenas, shared by the flight loop and the P routes that stage for it.
 pub(super) type Shared = Arc<Mutex<Handoff>>;
@@ -36,6 +37,18 @@ pub(super) struct Rank {
     /// The engine's memory: per slot, its KV tensors, then its staging ([`region`]).
     pub(super) kv: KvCache,
     pub(super) route: Arc<PlannedRoute>,
+    /// D over side channels: where P's engine listens (its base port: rank `p` at + `p`).
+    pub(super) remote: Option<std::net::SocketAddr>,
+}
+
+/// How P's route learns where D's memory is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Placing {
+    /// P's engine knows D's memory (one process) and files each link's pieces ahead.
+    Ahead,
+    /// D's route names its request's buffers in its registration (`Register::memory`) and P's
+    /// route places the pieces there at post time: what a pair across processes needs.
+    AtPost,
 }
 
 /// The region of `slot`'s KV tensors (`space` 0) or staging (`space` 1) in a rank's
@@ -82,6 +95,7 @@ pub(super) fn run_all(
     window: usize,
     seed: u64,
     fault: Option<(usize, HeteroFault)>,
+    placing: Placing,
     chaos: &mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
     deadline: Instant,
     tally: &mut Tally,
@@ -99,7 +113,8 @@ pub(super) fn run_all(
             next += 1;
             let fault = fault.filter(|(at, _)| *at == r).map(|(_, f)| f);
             tally.faults_injected += u64::from(chaos(&mut chaos_rng));
-            match start(r, slot, &handoffs[r], pair, ranks, &mut rng, fault, tally) {
+            let call = Call { fault, placing };
+            match start(r, slot, &handoffs[r], pair, ranks, &mut rng, call, tally) {
                 Ok((request, ended)) => {
                     flights.insert(
                         request,
@@ -157,6 +172,13 @@ pub(super) fn run_all(
     }
 }
 
+/// How one request is started: its deliberate fault, and how P's routes place its pieces.
+#[derive(Debug, Clone, Copy)]
+struct Call {
+    fault: Option<HeteroFault>,
+    placing: Placing,
+}
+
 /// Starts request `r` in `slot`: every arena into the slot's memory, P's pieces and staging
 /// work filed with its routes, every rank's call in a seeded order. Returns the request's id, and per rank
 /// its end if its call was refused (the rank never exposed its blocks: D failed, P released).
@@ -168,7 +190,7 @@ fn start(
     pair: &PairPlan,
     ranks: &mut [Rank],
     rng: &mut rand_chacha::ChaCha8Rng,
-    fault: Option<HeteroFault>,
+    Call { fault, placing }: Call,
     tally: &mut Tally,
 ) -> Result<(RequestId, Vec<Option<Ended>>), String> {
     let request = RequestId::new(format!("req-{r}")).map_err(|e| e.to_string())?;
@@ -185,7 +207,10 @@ fn start(
                     .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.id))?;
             }
         }
-        file_routes(&h, shared, pair, ranks, slot, &key, fault)?;
+        match placing {
+            Placing::Ahead => file_routes(&h, shared, pair, ranks, slot, &key, fault)?,
+            Placing::AtPost => file_at_post(&h, shared, pair, ranks, slot, &key)?,
+        }
         tally.descriptors += h.plan.descriptors() as u64;
         (
             h.shape.tokens,
@@ -237,6 +262,8 @@ fn start(
                     do_remote_prefill: true,
                     remote_engine_id: Some(PREFILL.into()),
                     tp_size: Some(pair.prefill.spec.tp),
+                    remote_host: rank.remote.map(|a| a.ip().to_string()),
+                    remote_port: rank.remote.map(|a| a.port()),
                     ..KvTransferParams::default()
                 },
             ),
@@ -396,11 +423,19 @@ fn finish(
                 .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.id))?;
         }
     }
-    let stats = h.run_decode_side().map_err(|e| e.to_string())?;
+    let d_ranks: Vec<usize> = ranks
+        .iter()
+        .filter(|r| r.side == SideName::Decode)
+        .map(|r| r.index)
+        .collect();
+    let held: Vec<(SideName, usize)> = ranks.iter().map(|r| (r.side, r.index)).collect();
+    let stats = h
+        .run_decode_side_of(Some(&d_ranks))
+        .map_err(|e| e.to_string())?;
     tally.prefill_jobs += stats.prefill_jobs as u64;
     tally.decode_jobs += stats.decode_jobs as u64;
     tally.zeroed += stats.zeroed_bytes;
-    match h.verify() {
+    match h.verify_ranks(&held) {
         Ok(()) => tally.verified += 1,
         Err(mismatch) => {
             tally.byte_errors += mismatch.wrong_bytes.max(1);
@@ -410,7 +445,8 @@ fn finish(
     Ok(())
 }
 
-/// Drops what request `r`'s links left filed with the P routes.
+/// Drops what request `r`'s links left filed with the routes of the ranks held here (P: a
+/// sub-request that ended without its write; D: the memory its registration named).
 fn withdraw(r: usize, pair: &PairPlan, ranks: &[Rank]) {
     let Ok(request) = RequestId::new(format!("req-{r}")) else {
         return;
@@ -419,15 +455,15 @@ fn withdraw(r: usize, pair: &PairPlan, ranks: &[Rank]) {
     for link in &pair.links {
         let p = pair.prefill.ranks[link.prefill].geometry.rank_index();
         let d = pair.decode.ranks[link.decode].geometry.rank_index();
-        let (Ok(pair_key), Some(rank)) = (
-            key.for_pair(p, d),
-            ranks
-                .iter()
-                .find(|r| r.side == SideName::Prefill && r.index == link.prefill),
-        ) else {
+        let Ok(pair_key) = key.for_pair(p, d) else {
             continue;
         };
-        rank.route.withdraw(&pair_key);
+        for rank in ranks.iter().filter(|r| {
+            (r.side == SideName::Prefill && r.index == link.prefill)
+                || (r.side == SideName::Decode && r.index == link.decode)
+        }) {
+            rank.route.withdraw(&pair_key);
+        }
     }
 }
 
@@ -536,4 +572,96 @@ fn file_routes(
             .map_err(|e| e.to_string())?;
     }
     Ok(())
+}
+
+/// Files request `key`'s links with the routes of the ranks held here, for placement at post
+/// time: each D rank names its slot's buffers (KV, then staging) for every link that writes to
+/// it; each P rank files a planner per link that places the link's pieces in the buffers D's
+/// registration names, once it checked that D registered the blocks this request's plan was
+/// made for, and runs the link's staging right before.
+fn file_at_post(
+    h: &Handoff,
+    shared: &Shared,
+    pair: &PairPlan,
+    ranks: &[Rank],
+    slot: usize,
+    key: &PairingKey,
+) -> Result<(), String> {
+    for (l, link) in pair.links.iter().enumerate() {
+        let p_id = pair.prefill.ranks[link.prefill].geometry.rank_index();
+        let d_id = pair.decode.ranks[link.decode].geometry.rank_index();
+        let pair_key = key.for_pair(p_id, d_id).map_err(|e| e.to_string())?;
+        for rank in ranks {
+            match rank.side {
+                SideName::Decode if rank.index == link.decode => {
+                    let mut spans = Vec::with_capacity(2);
+                    for space in 0..2 {
+                        let at = region(slot, space);
+                        let span = MemorySpan {
+                            addr: rank.base(slot, space)?,
+                            len: rank.kv.region_len(at).map_err(|e| e.to_string())?,
+                        };
+                        spans.push(span);
+                    }
+                    rank.route
+                        .file_memory(pair_key.clone(), spans)
+                        .map_err(|e| e.to_string())?;
+                }
+                SideName::Prefill if rank.index == link.prefill => {
+                    let planner = planner_of(h, shared, l, rank, slot)?;
+                    rank.route
+                        .file_planner(pair_key.clone(), h.prefill_blocks.clone(), planner)
+                        .map_err(|e| e.to_string())?;
+                }
+                SideName::Decode | SideName::Prefill => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The planner of link `l` of request `shared` on P rank `p` (see [`file_at_post`]).
+fn planner_of(
+    h: &Handoff,
+    shared: &Shared,
+    l: usize,
+    p: &Rank,
+    slot: usize,
+) -> Result<Planner, String> {
+    let own = [p.base(slot, 0)?, p.base(slot, 1)?];
+    let staging = staging_of(h, shared, l, &p.kv, region(slot, 1));
+    let shared = Arc::clone(shared);
+    Ok(Box::new(move |request: &RouteRequest<'_>| {
+        let [kv, staging_buffer, ..] = request.remote_memory else {
+            return Err(format!(
+                "D named {} buffers; the plan places pieces in its KV and its staging buffer",
+                request.remote_memory.len()
+            ));
+        };
+        let descriptors = {
+            let h = lock(&shared)?;
+            if request.remote != &h.decode_blocks {
+                return Err("D registered other blocks than this request's plan".into());
+            }
+            let mut out = Vec::new();
+            for t in h.plan.transfers.iter().filter(|t| t.link == l) {
+                let src = own[usize::from(t.src_space == Space::Staging)];
+                let dst = match t.dst_space {
+                    Space::Kv => kv.addr,
+                    Space::Staging => staging_buffer.addr,
+                };
+                out.extend(t.pieces.iter().map(|piece| Descriptor {
+                    local_addr: src + piece.src,
+                    remote_addr: dst + piece.dst,
+                    len: piece.len,
+                }));
+            }
+            out
+        };
+        // Released first: the staging work locks the request's arenas itself.
+        if let Some(staging) = staging {
+            staging().map_err(|why| format!("P's staging failed: {why}"))?;
+        }
+        Ok(descriptors)
+    }))
 }
