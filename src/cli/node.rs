@@ -36,11 +36,28 @@ pub(crate) struct NodeArgs {
     /// 4 or 8.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
     tp: u32,
-    /// This process's rank in its engine, below `--tp`. `--listen`, `--peer` and `--router`
-    /// name rank 0's ports: rank R listens on `--listen`'s port + R and finds the other
-    /// engine's rank R at `--peer`'s port + R (vLLM's side-channel convention).
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=7))]
+    /// This process's rank in its engine, below `--tp` (with `--model`: its rank index in its
+    /// side's spec, `pp_rank × tp + tp_rank`). `--listen`, `--peer` and `--router` name rank
+    /// 0's ports: rank R listens on `--listen`'s port + R and finds the other engine's rank R
+    /// at `--peer`'s port + R (vLLM's side-channel convention).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=63))]
     rank: u32,
+    /// A heterogeneous pair: a model of the catalog (gqa8, gqa2, mla, swa, mamba) with
+    /// `--prefill` and `--decode`; this process runs rank `--rank` of `--role`'s side, over
+    /// NIXL, and pairs with the other side's ranks over their side channels (push). Every
+    /// process of the pair must be given the same pair, `--requests`, `--seed`, `--window` and
+    /// `--max-prompt-tokens`.
+    #[arg(long, requires_all = ["prefill", "decode"], conflicts_with_all = ["tp", "router", "start_at"])]
+    model: Option<String>,
+    /// P's geometry: `tp=N,block=N,layout=NHD|HND[,pp=N][,kbpl=N]` (with `--model`).
+    #[arg(long, requires = "model")]
+    prefill: Option<String>,
+    /// D's geometry, the same way (with `--model`).
+    #[arg(long, requires = "model")]
+    decode: Option<String>,
+    /// With `--model`: requests in flight at once on this rank, each in its own memory slot.
+    #[arg(long, requires = "model", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=32))]
+    window: u32,
     /// Requests to hand off (both processes must agree, as on every schedule option).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     requests: u32,
@@ -211,6 +228,13 @@ pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
 }
 
 fn run_schedule(args: NodeArgs, psk: Option<Psk>) -> ExitCode {
+    if let Some(model) = args.model.clone() {
+        if psk.is_some() {
+            eprintln!("error: --psk-file is not supported with --model yet");
+            return ExitCode::from(2);
+        }
+        return run_pair_rank(&args, &model);
+    }
     let role = match args.role {
         RoleArg::Prefill => NodeRole::Prefill,
         RoleArg::Decode => NodeRole::Decode,
@@ -256,6 +280,66 @@ fn run_schedule(args: NodeArgs, psk: Option<Psk>) -> ExitCode {
         |r| r.render_table(),
         |r| r.verdict_ok(),
     )
+}
+
+/// One rank of a heterogeneous pair (`--model`), as a process of its own.
+fn run_pair_rank(args: &NodeArgs, model: &str) -> ExitCode {
+    use kvhandoff_protocol::hetero::{SideName, SideSpec};
+    use kvhandoff_testkit::demo::{DemoError, DemoTransport};
+    use kvhandoff_testkit::hetero::pair_demo::{run_rank, HeteroDemoOptions, RankProcess};
+    let refuse = |error: String| {
+        if args.json {
+            super::print_json(&serde_json::json!({ "error": error }));
+        } else {
+            eprintln!("error: {error}");
+        }
+        ExitCode::from(2)
+    };
+    let parse = |what: &str, text: Option<&String>| {
+        text.ok_or_else(|| format!("--{what} is needed with --model"))?
+            .parse::<SideSpec>()
+            .map_err(|e| format!("--{what}: {e}"))
+    };
+    let (p, d) = match (
+        parse("prefill", args.prefill.as_ref()),
+        parse("decode", args.decode.as_ref()),
+    ) {
+        (Ok(p), Ok(d)) => (p, d),
+        (Err(e), _) | (_, Err(e)) => return refuse(e),
+    };
+    if !matches!(args.mode, ModeArg::Push) {
+        return refuse("a heterogeneous pair runs push only (--mode push)".into());
+    }
+    let options = HeteroDemoOptions {
+        transport: DemoTransport::Nixl,
+        requests: args.requests as usize,
+        window: args.window as usize,
+        seed: args.seed,
+        max_prompt_tokens: u64::from(args.max_prompt_tokens),
+        timeout: std::time::Duration::from_secs(args.timeout_secs),
+        ..HeteroDemoOptions::new(model, p, d)
+    };
+    let (side, prefill_base, decode_base) = match args.role {
+        RoleArg::Prefill => (SideName::Prefill, args.listen, args.peer),
+        RoleArg::Decode => (SideName::Decode, args.peer, args.listen),
+    };
+    let process = RankProcess {
+        side,
+        rank: args.rank,
+        prefill_base,
+        decode_base,
+        linger: std::time::Duration::from_millis(args.linger_ms.min(2_000)),
+    };
+    match run_rank(&options, &process) {
+        Err(DemoError::Options(why)) => refuse(why),
+        result => conclude(
+            result,
+            args.json,
+            "the node",
+            |r| r.render_table(),
+            |r| r.ok,
+        ),
+    }
 }
 
 #[cfg(test)]

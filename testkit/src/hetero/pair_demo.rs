@@ -32,6 +32,7 @@
 //! with D's registration, which is not built yet.
 
 mod flight;
+mod process;
 mod summary;
 
 use std::sync::Arc;
@@ -51,6 +52,7 @@ use rand::{Rng, SeedableRng};
 use super::handoff::{Handoff, RequestShape};
 use crate::demo::{start_error, DemoError, DemoReport, DemoTransport, Leaks, Races};
 use flight::Rank;
+pub use process::{run_rank, RankProcess, RankReport};
 
 /// P's engine id in the heterogeneous demo.
 pub const PREFILL: &str = "prefill";
@@ -145,6 +147,15 @@ impl HeteroDemoOptions {
 /// returns a FAILED report.
 pub fn run(options: &HeteroDemoOptions) -> Result<DemoReport, DemoError> {
     let wall = Instant::now();
+    let run = planned(options)?;
+    match options.transport {
+        DemoTransport::Mem => mem_run(options, run, wall),
+        DemoTransport::Nixl => nixl_run(options, run, wall),
+    }
+}
+
+/// The options checked, the pair planned and every request prepared.
+fn planned(options: &HeteroDemoOptions) -> Result<Prepared, DemoError> {
     let opt = |e: HeteroError| DemoError::Options(e.to_string());
     let model = model(&options.model).map_err(opt)?;
     let pair = plan_pair(model, options.prefill, options.decode).map_err(opt)?;
@@ -184,15 +195,11 @@ pub fn run(options: &HeteroDemoOptions) -> Result<DemoReport, DemoError> {
     }
     let handoffs = prepare(&pair, options)?;
     let lens = region_lens(&pair, &handoffs);
-    let run = Prepared {
+    Ok(Prepared {
         pair,
         handoffs,
         lens,
-    };
-    match options.transport {
-        DemoTransport::Mem => mem_run(options, run, wall),
-        DemoTransport::Nixl => nixl_run(options, run, wall),
-    }
+    })
 }
 
 /// Every request's plan and arenas, drawn from the seed.
