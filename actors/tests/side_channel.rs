@@ -27,7 +27,7 @@ use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::wire::{self, HEADER_LEN, MAX_PAYLOAD_LEN};
 use kvhandoff_protocol::{
     BlockIds, CompatHash, EngineId, Epoch, Handshake, Incarnation, KvLayout, Message, PairingKey,
-    Register, RequestId, TraceId, TransferMode, PROTOCOL_VERSION,
+    PeerAddr, Register, RequestId, TraceId, TransferMode, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -124,7 +124,7 @@ async fn add_peer(rank: &Rank, name: &str, addr: SocketAddr) {
     rank.handle
         .link
         .send(AddPeerAddress {
-            engine: engine(name),
+            peer: PeerAddr::new(engine(name), 0),
             addr,
         })
         .await
@@ -656,7 +656,7 @@ async fn the_peer_book_is_bounded_and_a_restart_reconnects() {
         .handle
         .link
         .send(AddPeerAddress {
-            engine: engine("d-2"),
+            peer: PeerAddr::new(engine("d-2"), 0),
             addr: p.addr,
         })
         .await

@@ -24,7 +24,9 @@ use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::driver::PeerInfo;
 use kvhandoff_protocol::machine::{Config, DecodeFailure, EndpointCall, FreeProof, PrefillStart};
 use kvhandoff_protocol::session::ConnectorEvent;
-use kvhandoff_protocol::{wire, BlockIds, EngineId, Message, PairingKey, RequestId, TransferMode};
+use kvhandoff_protocol::{
+    wire, BlockIds, EngineId, Message, PairingKey, PeerAddr, RequestId, TransferMode,
+};
 use sha2::Sha256;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -94,7 +96,7 @@ async fn add_peer(rank: &Rank, name: &str, addr: SocketAddr) {
     rank.handle
         .link
         .send(AddPeerAddress {
-            engine: engine(name),
+            peer: PeerAddr::new(engine(name), 0),
             addr,
         })
         .await

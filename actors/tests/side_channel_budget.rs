@@ -16,7 +16,7 @@ use kvhandoff_actors::system::{
 };
 use kvhandoff_actors::transport::mem::MemFabric;
 use kvhandoff_protocol::machine::{Config, EndpointCall};
-use kvhandoff_protocol::EngineId;
+use kvhandoff_protocol::{EngineId, PeerAddr};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -100,7 +100,7 @@ async fn dial(
 ) -> (Result<(), RejectReason>, Duration) {
     d.link
         .send(AddPeerAddress {
-            engine: engine(prefill),
+            peer: PeerAddr::new(engine(prefill), 0),
             addr,
         })
         .await

@@ -283,8 +283,9 @@ impl RankBuilder {
         Ok(self)
     }
 
-    /// Where `engine`'s side channel listens (TCP only; the rank then takes its handshakes).
-    /// More can be added once started ([`EngineRank::add_peer`]).
+    /// Where `engine`'s rank of this rank's index listens (TCP only; the rank then takes
+    /// `engine`'s handshakes). More can be added once started ([`EngineRank::add_peer`],
+    /// [`EngineRank::add_peer_rank`] for a rank of another index).
     pub fn peer(mut self, engine: EngineId, addr: SocketAddr) -> RankBuilder {
         self.peers.push((engine, addr));
         self
@@ -570,16 +571,28 @@ impl EngineRank {
         &self.info
     }
 
-    /// Tells the rank where `engine`'s side channel listens (TCP), and so to take its
-    /// handshakes. Blocks for the rank's answer (a few seconds at most).
+    /// Tells the rank where `engine`'s rank of this rank's index listens (TCP), and so to take
+    /// `engine`'s handshakes. Blocks for the rank's answer (a few seconds at most). For a peer
+    /// rank of another index (a heterogeneous pair), see [`add_peer_rank`](Self::add_peer_rank).
     ///
     /// # Errors
     /// [`StartError::Peer`] if the rank's book of addresses is full or it did not answer.
     pub fn add_peer(&self, engine: &EngineId, addr: SocketAddr) -> Result<(), StartError> {
+        let peer = PeerAddr::new(engine.clone(), self.info.peer.rank);
+        self.add_peer_rank(&peer, addr)
+    }
+
+    /// Tells the rank where `peer`'s side channel listens (TCP; each rank of an engine has its
+    /// own), and so to take its engine's handshakes. Blocks for the rank's answer (a few seconds
+    /// at most).
+    ///
+    /// # Errors
+    /// [`StartError::Peer`] if the rank's book of addresses is full or it did not answer.
+    pub fn add_peer_rank(&self, peer: &PeerAddr, addr: SocketAddr) -> Result<(), StartError> {
         let added = blocking::ask(
             &self.connector.rank().link,
             AddPeerAddress {
-                engine: engine.clone(),
+                peer: peer.clone(),
                 addr,
             },
             PEER_TIMEOUT,
@@ -587,7 +600,7 @@ impl EngineRank {
         match added {
             Some(Ok(())) => Ok(()),
             _ => Err(StartError::Peer {
-                engine: engine.clone(),
+                engine: peer.engine.clone(),
             }),
         }
     }

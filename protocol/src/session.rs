@@ -70,14 +70,17 @@ use crate::machine::Mutation;
 use crate::machine::{Endpoint, EndpointEvent, NetEvent, Time};
 use crate::{EngineId, PeerAddr};
 
-/// Where another engine's side channel listens, as the router's parameters name it
-/// (`remote_host`, `remote_port`): the shell resolves it and hands it to its link before the
-/// handshake that needs it. Only for a session whose peers are reached over a side channel
+/// Where one rank of another engine has its side channel, as the router's parameters name it
+/// (`remote_host`, and `remote_port` the engine's base port): the shell resolves it and hands
+/// it to its link before the handshake that needs it. Only for a session whose peers are reached over a side channel
 /// ([`Session::set_peer_addresses`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerAddress {
     /// The other engine.
     pub engine: EngineId,
+    /// The rank of the other engine that listens here: each rank has its own port (the
+    /// engine's base `remote_port` + this rank).
+    pub rank: u32,
     /// Its side channel's host (a name or an IP address).
     pub host: String,
     /// Its side channel's port.
@@ -91,7 +94,7 @@ pub enum SessionOutput {
     Transport(TransportOp),
     /// Start a handshake with a peer (answer with `PeerConnected` or `PeerConnectFailed`).
     Connect(PeerAddr),
-    /// Where an engine's side channel listens; comes before the [`SessionOutput::Connect`]
+    /// Where a peer rank's side channel listens; comes before the [`SessionOutput::Connect`]
     /// that needs it.
     PeerAddress(PeerAddress),
     /// For the engine.

@@ -146,7 +146,7 @@ impl LinkActor {
     }
 
     fn connect_tcp(&mut self, peer: PeerAddr) -> ResponseActFuture<Self, ()> {
-        let addr = self.book.get(&peer.engine);
+        let addr = self.book.get(&peer);
         let local = self.local.clone();
         let shared = self.shared.clone();
         let up = self.up.clone();
@@ -247,12 +247,13 @@ impl Handler<AddPeerAddress> for LinkActor {
     type Result = Result<(), PeerBookFull>;
 
     fn handle(&mut self, msg: AddPeerAddress, _: &mut Context<Self>) -> Self::Result {
-        let AddPeerAddress { engine, addr } = msg;
-        let old = self.book.insert(engine.clone(), addr)?;
-        self.shared.know(&engine);
+        let AddPeerAddress { peer, addr } = msg;
+        let old = self.book.insert(peer.clone(), addr)?;
+        // The listener admits by engine: any rank of an engine we reach may dial us.
+        self.shared.know(&peer.engine);
         if let Some(old) = old {
             if old != addr {
-                tracing::info!(%engine, %old, new = %addr, "peer side channel moved");
+                tracing::info!(%peer, %old, new = %addr, "peer side channel moved");
             }
         }
         Ok(())

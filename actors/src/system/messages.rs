@@ -136,14 +136,15 @@ pub struct Connect(pub PeerAddr);
 #[rtype(result = "Result<(), ConnectFailure>")]
 pub struct Hello(pub PeerInfo);
 
-/// Tells a rank's link where `engine`'s side channel listens (from the connector's
-/// `kv_transfer_params` `remote_host`/`remote_port`, or `kvhandoff node --peer`). Send it to
+/// Tells a rank's link where one rank of another engine listens (from the connector's
+/// `kv_transfer_params` `remote_host`/`remote_port` plus the peer's rank, or `kvhandoff node
+/// --peer`), and so to take that engine's handshakes. Send it to
 /// [`RankHandle::link`](super::RankHandle::link).
 #[derive(Message, Debug, Clone, PartialEq, Eq)]
 #[rtype(result = "Result<(), PeerBookFull>")]
 pub struct AddPeerAddress {
-    /// The remote engine.
-    pub engine: EngineId,
+    /// The remote rank (engine and rank index): each rank of an engine has its own address.
+    pub peer: PeerAddr,
     /// Its side channel.
     pub addr: SocketAddr,
 }

@@ -15,6 +15,7 @@ use kvhandoff_protocol::machine::{ConnectFailure, Time};
 use kvhandoff_protocol::session::{
     ConnectorError, ConnectorEvent, PeerAddress, Session, SessionOutput,
 };
+use kvhandoff_protocol::PeerAddr;
 
 /// How often a rank publishes its gauges (blocks in quarantine, peers by state): what a scrape
 /// shows of them is at most this old.
@@ -123,14 +124,20 @@ impl RankActor {
     /// wait on DNS; one that does not resolve fails only the handshake that needs it (a typed
     /// `ConnectFailed` outcome of its requests), as a full book does.
     fn learn_address(&self, address: PeerAddress) {
-        let PeerAddress { engine, host, port } = address;
+        let PeerAddress {
+            engine,
+            rank,
+            host,
+            port,
+        } = address;
+        let peer = PeerAddr::new(engine, rank);
         match (host.as_str(), port)
             .to_socket_addrs()
             .map(|mut a| a.next())
         {
-            Ok(Some(addr)) => self.book.do_send(AddPeerAddress { engine, addr }),
-            Ok(None) => tracing::warn!(%engine, %host, "peer side channel resolves to no address"),
-            Err(error) => tracing::warn!(%engine, %host, %error, "peer side channel unresolved"),
+            Ok(Some(addr)) => self.book.do_send(AddPeerAddress { peer, addr }),
+            Ok(None) => tracing::warn!(%peer, %host, "peer side channel resolves to no address"),
+            Err(error) => tracing::warn!(%peer, %host, %error, "peer side channel unresolved"),
         }
     }
 

@@ -77,8 +77,8 @@
 //!   the bytes that actually arrive, not with what a header announces.
 //! - At most [`SideChannelConfig::max_concurrent`] incoming handshakes are served at once; a
 //!   connection beyond that is closed at once and counted as [`RejectReason::Busy`].
-//! - The [`PeerBook`] (engine → socket address) and the clock table hold at most
-//!   [`SideChannelConfig::max_peer_addresses`] engines.
+//! - The [`PeerBook`] (peer rank → socket address) holds at most
+//!   [`SideChannelConfig::max_peer_addresses`] peer ranks, the clock table as many engines.
 //!
 //! # Clock offset
 //! The initiator estimates the listener's clock offset as `remote - (t_send + t_recv) / 2`,
@@ -98,7 +98,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvhandoff_protocol::{wire, EngineId, Message, TransferMode};
+use kvhandoff_protocol::{wire, EngineId, Message, PeerAddr, TransferMode};
 
 use super::messages::LinkUp;
 use kvhandoff_protocol::machine::ConnectFailure;
@@ -122,7 +122,7 @@ pub struct SideChannelConfig {
     pub connect_timeout: Duration,
     /// Most incoming handshakes served at once; beyond it new connections are closed at once.
     pub max_concurrent: usize,
-    /// Most engines the [`PeerBook`] (and the clock table) holds.
+    /// Most peer ranks the [`PeerBook`] holds (and engines the clock table holds).
     pub max_peer_addresses: usize,
     /// Transfer modes this rank advertises. A peer that advertises modes none of which are ours
     /// is rejected; an empty list on either side accepts any.
@@ -204,23 +204,37 @@ impl Default for SideChannelConfig {
     }
 }
 
-/// The book is full and does not know the engine.
+/// The book is full and does not know the peer rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the peer book is full ({limit} engines)")]
+#[error("the peer book is full ({limit} peer ranks)")]
 pub struct PeerBookFull {
     /// The book's bound.
     pub limit: usize,
 }
 
-/// Where to reach each remote engine's side channel: a bounded map engine id → socket address.
+/// Where to reach each remote rank's side channel: a bounded map peer rank (engine and rank
+/// index) → socket address. Keyed by rank, not by engine, because every rank of an engine
+/// listens on its own port (vLLM's base port + rank): a D rank fed by several P ranks of one
+/// engine (heterogeneous TP) needs each one's address.
+///
+/// ```
+/// use kvhandoff_actors::system::PeerBook;
+/// use kvhandoff_protocol::{EngineId, PeerAddr};
+/// let prefill = EngineId::new("prefill").unwrap();
+/// let mut book = PeerBook::new(2);
+/// book.insert(PeerAddr::new(prefill.clone(), 0), "10.0.0.7:5600".parse().unwrap()).unwrap();
+/// book.insert(PeerAddr::new(prefill.clone(), 1), "10.0.0.7:5601".parse().unwrap()).unwrap();
+/// assert_eq!(book.get(&PeerAddr::new(prefill.clone(), 1)), Some("10.0.0.7:5601".parse().unwrap()));
+/// assert_eq!(book.get(&PeerAddr::new(prefill, 2)), None);
+/// ```
 #[derive(Debug, Clone)]
 pub struct PeerBook {
     limit: usize,
-    entries: BTreeMap<EngineId, SocketAddr>,
+    entries: BTreeMap<PeerAddr, SocketAddr>,
 }
 
 impl PeerBook {
-    /// An empty book of at most `limit` engines.
+    /// An empty book of at most `limit` peer ranks.
     pub fn new(limit: usize) -> Self {
         PeerBook {
             limit,
@@ -228,37 +242,37 @@ impl PeerBook {
         }
     }
 
-    /// Records (or replaces) the address of `engine`; returns the address it replaced.
+    /// Records (or replaces) the address of `peer`; returns the address it replaced.
     ///
     /// # Errors
-    /// [`PeerBookFull`] if `engine` is new and the book is full.
+    /// [`PeerBookFull`] if `peer` is new and the book is full.
     pub fn insert(
         &mut self,
-        engine: EngineId,
+        peer: PeerAddr,
         addr: SocketAddr,
     ) -> Result<Option<SocketAddr>, PeerBookFull> {
-        if !self.entries.contains_key(&engine) && self.entries.len() >= self.limit {
+        if !self.entries.contains_key(&peer) && self.entries.len() >= self.limit {
             return Err(PeerBookFull { limit: self.limit });
         }
-        Ok(self.entries.insert(engine, addr))
+        Ok(self.entries.insert(peer, addr))
     }
 
-    /// The address of `engine`, if known.
-    pub fn get(&self, engine: &EngineId) -> Option<SocketAddr> {
-        self.entries.get(engine).copied()
+    /// The address of `peer`, if known.
+    pub fn get(&self, peer: &PeerAddr) -> Option<SocketAddr> {
+        self.entries.get(peer).copied()
     }
 
-    /// Forgets `engine`; returns its address.
-    pub fn remove(&mut self, engine: &EngineId) -> Option<SocketAddr> {
-        self.entries.remove(engine)
+    /// Forgets `peer`; returns its address.
+    pub fn remove(&mut self, peer: &PeerAddr) -> Option<SocketAddr> {
+        self.entries.remove(peer)
     }
 
-    /// Engines known.
+    /// Peer ranks known.
     pub fn len(&self) -> usize {
         self.entries.len()
     }
 
-    /// True when no engine is known.
+    /// True when no peer rank is known.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }

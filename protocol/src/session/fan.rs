@@ -264,16 +264,13 @@ impl Session {
             });
         }
         let engine = super::prepare::remote_engine(params)?;
-        // A side channel keeps one address per engine: one P rank can be reached at its own
-        // (the engine's base port + its rank), several cannot (in process, none is used).
-        let address =
-            match links.peers.as_slice() {
-                [p] => self.context().peer_address(&engine, params, *p)?,
-                _ if self.peer_addresses => return Err(ConnectorError::Unsupported(
-                    "several P ranks for one D rank over a side channel (one address per engine)",
-                )),
-                _ => None,
-            };
+        // Each P rank listens at its own address (the engine's base port + its rank): every
+        // sub-request's handshake needs its own. Checked before anything starts, so a bad
+        // port refuses the whole request (in process, there are none).
+        let mut addresses = Vec::with_capacity(links.peers.len());
+        for &p in &links.peers {
+            addresses.extend(self.context().peer_address(&engine, params, p)?);
+        }
         let key = pairing_key(request, params)?;
         let epoch = epoch(params)?;
         let d = links.rank;
@@ -296,10 +293,9 @@ impl Session {
             subs.push(sub);
         }
         self.start_fan(now, FanSide::Decode, request, blocks, subs, calls)?;
-        // As for a single request: only once a pair started, ahead of its `Connect`.
-        if let Some(address) = address {
-            self.ready.push_back(SessionOutput::PeerAddress(address));
-        }
+        // As for a single request: only once the pairs started, ahead of their `Connect`s.
+        self.ready
+            .extend(addresses.into_iter().map(SessionOutput::PeerAddress));
         Ok(())
     }
 

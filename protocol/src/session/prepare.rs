@@ -243,6 +243,7 @@ impl CallContext<'_> {
         })?;
         Ok(Some(PeerAddress {
             engine: engine.clone(),
+            rank: peer_rank,
             host: host.to_owned(),
             port,
         }))

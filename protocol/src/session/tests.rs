@@ -221,39 +221,76 @@ fn ranks_reach_each_other_at_the_base_port_plus_the_rank() {
     ));
 }
 
-/// Over a side channel (one address per engine) a D rank fed by one P rank dials that rank
-/// at the base + its rank; one fed by several is refused, typed, before anything starts.
+/// Over a side channel every P rank listens at its own port (the base + its rank): a D rank
+/// fed by several P ranks of one engine gives each sub-request its own P rank's address, ahead
+/// of that rank's handshake (this was refused while the side channel kept one address per
+/// engine). A base port that puts one of them past 65535 refuses the whole request, typed.
 #[test]
-fn a_multi_rank_request_over_a_side_channel_reaches_one_p_rank_or_is_refused() {
-    let with_address = |request: &str| {
+fn each_p_rank_of_a_multi_rank_request_gets_its_own_side_channel_address() {
+    let with_port = |request: &str, port| {
         let mut call = allocated(&id(request), 2);
         if let ConnectorCall::RequestAllocated { params, .. } = &mut call {
             params.remote_host = Some("10.0.0.7".into());
-            params.remote_port = Some(5600);
+            params.remote_port = Some(port);
         }
         call
     };
+    // (rank, port) of each address, and the ranks dialled, in output order.
+    let addresses_and_connects = |session: &mut Session| {
+        let mut addresses = Vec::new();
+        let mut connects = Vec::new();
+        while let Some(output) = session.poll_output() {
+            match output {
+                SessionOutput::PeerAddress(PeerAddress {
+                    engine, rank, port, ..
+                }) => {
+                    assert_eq!(engine.as_str(), "prefill");
+                    addresses.push((rank, port));
+                }
+                SessionOutput::Connect(peer) => {
+                    assert!(
+                        addresses.iter().any(|&(rank, _)| rank == peer.rank),
+                        "{peer}'s address comes before its handshake"
+                    );
+                    connects.push(peer.rank);
+                }
+                _ => {}
+            }
+        }
+        (addresses, connects)
+    };
     let mut one = session("decode", Some(decode_links(vec![1])));
     one.set_peer_addresses(true);
-    one.handle_call(Time::ZERO, with_address("d-1")).unwrap();
-    let outputs: Vec<SessionOutput> = std::iter::from_fn(|| one.poll_output()).collect();
-    assert!(
-        outputs.iter().any(|o| matches!(
-            o,
-            SessionOutput::PeerAddress(PeerAddress { port: 5601, .. })
-        )),
-        "P's rank 1 at the base + 1: {outputs:?}"
+    one.handle_call(Time::ZERO, with_port("d-1", 5600)).unwrap();
+    assert_eq!(
+        addresses_and_connects(&mut one),
+        (vec![(1, 5601)], vec![1]),
+        "P's rank 1 at the base + 1"
     );
 
     let mut two = session("decode", Some(decode_links(vec![0, 1])));
     two.set_peer_addresses(true);
-    assert!(matches!(
-        two.handle_call(Time::ZERO, with_address("d-2")),
-        Err(ConnectorError::Unsupported(_))
-    ));
-    assert_eq!(two.fans_in_progress(), 0, "nothing started");
+    two.handle_call(Time::ZERO, with_port("d-2", 5600)).unwrap();
+    assert_eq!(two.fans_in_progress(), 1);
     assert_eq!(
-        drain(&mut two),
+        addresses_and_connects(&mut two),
+        (vec![(0, 5600), (1, 5601)], vec![0, 1]),
+        "each P rank at its own port"
+    );
+
+    // Rank 0 would fit at 65535, rank 1 would not: nothing starts, nothing is queued.
+    let mut past = session("decode", Some(decode_links(vec![0, 1])));
+    past.set_peer_addresses(true);
+    assert!(matches!(
+        past.handle_call(Time::ZERO, with_port("d-3", u16::MAX)),
+        Err(ConnectorError::InvalidParam {
+            name: "remote_port",
+            ..
+        })
+    ));
+    assert_eq!(past.fans_in_progress(), 0, "nothing started");
+    assert_eq!(
+        drain(&mut past),
         (vec![], 0),
         "a refused call queues nothing"
     );

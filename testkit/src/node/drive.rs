@@ -163,7 +163,7 @@ pub fn run_full_on(options: &NodeOptions, kind: TransportKind) -> Result<NodeRun
     let added = ask(
         &node.link,
         AddPeerAddress {
-            engine: other.clone(),
+            peer: PeerAddr::new(other.clone(), options.rank),
             addr: options.peer,
         },
         Duration::from_secs(5),

@@ -56,17 +56,42 @@ fn lower_rtt_wins_unless_the_clock_moved() {
 #[test]
 fn the_book_is_bounded() {
     let e = |s: &str| EngineId::new(s).unwrap();
+    let at = |s: &str, rank| PeerAddr::new(e(s), rank);
     let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
     let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
     let mut book = PeerBook::new(1);
     assert!(book.is_empty());
-    assert_eq!(book.insert(e("p"), a), Ok(None));
-    assert_eq!(book.insert(e("p"), b), Ok(Some(a)));
-    assert_eq!(book.insert(e("q"), a), Err(PeerBookFull { limit: 1 }));
-    assert_eq!(book.get(&e("p")), Some(b));
+    assert_eq!(book.insert(at("p", 0), a), Ok(None));
+    assert_eq!(book.insert(at("p", 0), b), Ok(Some(a)));
+    assert_eq!(book.insert(at("q", 0), a), Err(PeerBookFull { limit: 1 }));
+    // Another rank of a known engine is another entry: the bound counts ranks.
+    assert_eq!(book.insert(at("p", 1), a), Err(PeerBookFull { limit: 1 }));
+    assert_eq!(book.get(&at("p", 0)), Some(b));
     assert_eq!(book.len(), 1);
-    assert_eq!(book.remove(&e("p")), Some(b));
-    assert_eq!(book.get(&e("p")), None);
+    assert_eq!(book.remove(&at("p", 0)), Some(b));
+    assert_eq!(book.get(&at("p", 0)), None);
+}
+
+/// Each rank of an engine listens on its own port (a D rank fed by P ranks 0 and 1 dials
+/// both): the second rank's address neither replaces the first nor stands in for a third.
+#[test]
+fn two_ranks_of_one_engine_keep_two_addresses() {
+    let prefill = EngineId::new("prefill").unwrap();
+    let at = |rank| PeerAddr::new(prefill.clone(), rank);
+    let r0: SocketAddr = "127.0.0.1:5600".parse().unwrap();
+    let r1: SocketAddr = "127.0.0.1:5601".parse().unwrap();
+    let mut book = PeerBook::new(2);
+    assert_eq!(book.insert(at(0), r0), Ok(None));
+    assert_eq!(book.insert(at(1), r1), Ok(None), "a new entry, not a move");
+    assert_eq!(book.get(&at(0)), Some(r0));
+    assert_eq!(book.get(&at(1)), Some(r1));
+    assert_eq!(book.get(&at(2)), None, "an unknown rank has no address");
+    assert_eq!(book.len(), 2);
+    assert_eq!(
+        book.insert(at(2), r1),
+        Err(PeerBookFull { limit: 2 }),
+        "still bounded"
+    );
 }
 
 #[tokio::test]
