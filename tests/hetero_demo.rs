@@ -449,7 +449,8 @@ fn staging_runs_when_the_registration_comes_and_is_checked() {
 /// channel (rank `R` at its engine's base port + `R`), a routed rank's handshake accepted by the
 /// peer's route, D naming its request's buffers in its registration (`Register::memory`) and P
 /// placing each link's pieces there at post time. Pairs where each D rank has one P writer
-/// (TP up on D, block size, layout, a hybrid cache, MLA replicas) and where it has several.
+/// (more TP on D, block size, layout, a hybrid cache, MLA replicas) and where it has several
+/// (less TP on D, and P's pipeline stages), each P rank then reached at its own port.
 #[test]
 fn pairs_hand_off_over_side_channels_with_the_memory_d_names() {
     let cells = [
@@ -482,6 +483,16 @@ fn pairs_hand_off_over_side_channels_with_the_memory_d_names() {
             "mla",
             "tp=2,block=16,layout=NHD",
             "tp=2,block=64,layout=NHD",
+        ),
+        (
+            "gqa8",
+            "tp=4,block=16,layout=NHD",
+            "tp=1,block=32,layout=HND",
+        ),
+        (
+            "gqa8",
+            "tp=2,block=16,layout=NHD,pp=2",
+            "tp=2,block=16,layout=HND",
         ),
     ];
     for (model, p, d) in cells {

@@ -184,14 +184,14 @@ pub struct Register {
     pub blocks: BlockIds,
     /// Tokens D expects to receive.
     pub num_tokens: u64,
-    /// The attempt's trace id, made by D when the attempt started; P's records of it carry it.
-    pub trace_id: TraceId,
     /// Where in D's registered memory a routed writer may place this request's pieces (a
     /// heterogeneous pair: the request's KV and staging buffers, in the order the pair's plan
     /// names them); empty for ranks that plan from the region tables. At most
     /// [`MAX_REGISTER_SPANS`]. The machines carry it untouched: D's shell fills it from its
     /// route as it sends the registration, P's route reads it as it plans the write.
     pub memory: Vec<MemorySpan>,
+    /// The attempt's trace id, made by D when the attempt started; P's records of it carry it.
+    pub trace_id: TraceId,
 }
 
 /// A range of a rank's registered memory, in its transport's address space.

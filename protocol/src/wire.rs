@@ -315,7 +315,7 @@ mod tests {
     fn header_layout() {
         let bytes = encode(&ack());
         assert_eq!(&bytes[0..4], b"KVHO");
-        assert_eq!(&bytes[4..6], &[6, 0]);
+        assert_eq!(&bytes[4..6], &[7, 0]);
         assert_eq!(bytes[6], MessageKind::CancelAck as u8);
         assert_eq!(bytes[7], 0);
         assert_eq!(
@@ -390,7 +390,7 @@ mod tests {
     fn errors_display() {
         assert_eq!(
             WireError::UnsupportedVersion { found: 1 }.to_string(),
-            "protocol version 1 is not supported (this build speaks 6)"
+            "protocol version 1 is not supported (this build speaks 7)"
         );
         assert_eq!(
             WireError::BadMagic { found: *b"GET " }.to_string(),

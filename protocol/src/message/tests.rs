@@ -433,3 +433,65 @@ fn write_digests_are_bounded_and_fit_a_frame() {
     });
     assert!(matches!(part.validate(), Err(FieldError::TooMany { .. })));
 }
+
+/// A routed rank's table lists 1 to `MAX_ROUTED_BUFFERS` buffers of any count (not the
+/// geometry's); an unrouted one's must be the geometry's.
+#[test]
+fn a_routed_handshake_lists_its_buffers() {
+    let Message::Handshake(base) = one_of_each().swap_remove(0) else {
+        unreachable!("the first message is the handshake")
+    };
+    let buffer = base.regions[0];
+    let with = |routed: bool, count: usize| {
+        let mut h = base.clone();
+        h.routed = routed;
+        h.regions = vec![buffer; count];
+        Message::Handshake(h).validate()
+    };
+    assert!(with(false, 1).is_ok(), "the geometry's one region");
+    assert!(matches!(
+        with(false, 3),
+        Err(FieldError::RegionCount { regions: 3, .. })
+    ));
+    assert!(with(true, 3).is_ok());
+    assert!(with(true, MAX_ROUTED_BUFFERS).is_ok());
+    assert!(matches!(
+        with(true, 0),
+        Err(FieldError::RegionCount { regions: 0, .. })
+    ));
+    assert!(matches!(
+        with(true, MAX_ROUTED_BUFFERS + 1),
+        Err(FieldError::TooMany { .. })
+    ));
+}
+
+/// A registration names at most `MAX_REGISTER_SPANS` non-empty spans inside the address space.
+#[test]
+fn a_registration_names_bounded_non_empty_spans() {
+    let Message::Register(base) = one_of_each().swap_remove(1) else {
+        unreachable!("the second message is the registration")
+    };
+    let with = |memory: Vec<MemorySpan>| {
+        let mut r = base.clone();
+        r.memory = memory;
+        Message::Register(r).validate()
+    };
+    let span = MemorySpan { addr: 64, len: 64 };
+    assert!(with(vec![span; MAX_REGISTER_SPANS]).is_ok());
+    assert!(matches!(
+        with(vec![span; MAX_REGISTER_SPANS + 1]),
+        Err(FieldError::TooMany { .. })
+    ));
+    assert_eq!(
+        with(vec![MemorySpan { addr: 64, len: 0 }]),
+        Err(FieldError::EmptySpan)
+    );
+    assert_eq!(
+        with(vec![MemorySpan {
+            addr: u64::MAX - 8,
+            len: 64
+        }]),
+        Err(FieldError::EmptySpan)
+    );
+    assert!(!span.contains(u64::MAX, 2), "no overflow in the check");
+}

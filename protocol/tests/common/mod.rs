@@ -248,6 +248,7 @@ pub fn register() -> impl Strategy<Value = Register> {
         block_ids(),
         any::<u64>(),
         trace_id(),
+        vec(memory_span(), 0..=kvhandoff_protocol::MAX_REGISTER_SPANS),
     )
         .prop_map(
             |(
@@ -259,6 +260,7 @@ pub fn register() -> impl Strategy<Value = Register> {
                 blocks,
                 num_tokens,
                 trace_id,
+                memory,
             )| {
                 Register {
                     key,
@@ -269,10 +271,18 @@ pub fn register() -> impl Strategy<Value = Register> {
                     blocks,
                     num_tokens,
                     trace_id,
-                    memory: Vec::new(),
+                    memory,
                 }
             },
         )
+}
+
+/// A non-empty span that does not pass the end of the address space.
+pub fn memory_span() -> impl Strategy<Value = kvhandoff_protocol::MemorySpan> {
+    (any::<u64>(), 1..=u64::MAX).prop_map(|(addr, len)| kvhandoff_protocol::MemorySpan {
+        addr: addr.min(u64::MAX - len),
+        len,
+    })
 }
 
 pub fn write_done() -> impl Strategy<Value = WriteDone> {

@@ -257,10 +257,12 @@ fn meet_prefill(
     deadline: Instant,
 ) -> Result<(), String> {
     let prefill = EngineId::new(PREFILL).map_err(|e| e.to_string())?;
-    rank.add_peer(&prefill, p_base).map_err(|e| e.to_string())?;
     for link in pair.links.iter().filter(|l| l.decode == index) {
         let p = pair.prefill.ranks[link.prefill].geometry.rank_index();
         let peer = PeerAddr::new(prefill.clone(), p);
+        let at = rank_port(p_base, &pair.prefill.ranks[link.prefill].geometry)
+            .map_err(|e| e.to_string())?;
+        rank.add_peer_rank(&peer, at).map_err(|e| e.to_string())?;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match rank.warm_up(&peer, left.min(Duration::from_secs(5))) {
