@@ -261,7 +261,9 @@ fn a_planner_that_refuses_refuses_the_write() {
     let key = PairingKey::new("k#p0d1").unwrap();
     let blocks = BlockIds::single_group(vec![3]);
     let planner: Planner = Box::new(|_| Err("D registered other blocks".into()));
-    route.file_planner(key.clone(), blocks.clone(), planner).unwrap();
+    route
+        .file_planner(key.clone(), blocks.clone(), planner)
+        .unwrap();
     let memory = [MemorySpan {
         addr: 0x10000,
         len: 0x100,
@@ -284,7 +286,11 @@ fn d_names_the_memory_filed_for_the_key_until_withdrawn() {
     route.file_memory(key.clone(), spans.clone()).unwrap();
     assert!(route.file_memory(key.clone(), spans.clone()).is_err());
     assert_eq!(route.register_memory(&key), spans);
-    assert_eq!(route.register_memory(&key), spans, "a repeat names the same");
+    assert_eq!(
+        route.register_memory(&key),
+        spans,
+        "a repeat names the same"
+    );
     assert_eq!(route.pending(), 1);
     route.withdraw(&key);
     assert!(route.register_memory(&key).is_empty());

@@ -152,3 +152,132 @@ fn all_holds_every_reject_reason_once() {
     let labels: BTreeSet<&str> = RejectReason::ALL.iter().map(|r| r.label()).collect();
     assert_eq!(labels.len(), RejectReason::ALL.len(), "labels must differ");
 }
+
+/// A route that accepts peers of TP 2 only.
+struct TpTwo;
+
+impl kvhandoff_protocol::driver::TransferRoute for TpTwo {
+    fn accepts(
+        &self,
+        _own: &kvhandoff_protocol::KvGeometry,
+        peer: &kvhandoff_protocol::KvGeometry,
+    ) -> Result<(), kvhandoff_protocol::driver::RouteError> {
+        if peer.tp_size == 2 {
+            Ok(())
+        } else {
+            Err(kvhandoff_protocol::driver::RouteError(format!(
+                "TP {} is not planned",
+                peer.tp_size
+            )))
+        }
+    }
+
+    fn descriptors(
+        &self,
+        _: &kvhandoff_protocol::driver::RouteRequest<'_>,
+        _: &mut Vec<kvhandoff_protocol::planner::Descriptor>,
+    ) -> Result<(), kvhandoff_protocol::driver::RouteError> {
+        Err(kvhandoff_protocol::driver::RouteError("not here".into()))
+    }
+}
+
+/// A rank's handshake and the peer's, `routed` or not, at TP `own_tp` and `peer_tp`.
+fn pair_of_infos(
+    own_tp: u32,
+    peer_tp: u32,
+    peer_routed: bool,
+) -> (
+    kvhandoff_protocol::driver::PeerInfo,
+    kvhandoff_protocol::Handshake,
+) {
+    use kvhandoff_protocol::driver::PeerInfo;
+    use kvhandoff_protocol::{
+        AgentName, CompatHash, EngineId, Incarnation, KvGeometry, KvLayout, PeerAddr, RegionDesc,
+        TraceId,
+    };
+    let geometry = |tp: u32| {
+        let mut g = KvGeometry::dense(2, 8, 64, 2, 16, KvLayout::Hnd);
+        g.tp_size = tp;
+        g
+    };
+    let regions = |g: &KvGeometry| {
+        g.regions()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, s)| RegionDesc {
+                base: 0x10_0000 * (i as u64 + 1),
+                len: 4 * s.block_len,
+                num_blocks: 4,
+                block_len: s.block_len,
+            })
+            .collect::<Vec<_>>()
+    };
+    let own_geometry = geometry(own_tp);
+    let own = PeerInfo {
+        peer: PeerAddr::new(EngineId::new("prefill").unwrap(), 0),
+        agent: AgentName::new("prefill-rank0").unwrap(),
+        metadata: Vec::new(),
+        regions: regions(&own_geometry),
+        routed: false,
+        geometry: own_geometry,
+        compat: CompatHash([3; 32]),
+        incarnation: Incarnation(1),
+    };
+    let peer_geometry = geometry(peer_tp);
+    let peer = PeerInfo {
+        peer: PeerAddr::new(EngineId::new("decode").unwrap(), 0),
+        agent: AgentName::new("decode-rank0").unwrap(),
+        metadata: Vec::new(),
+        regions: if peer_routed {
+            vec![RegionDesc {
+                base: 0x4000,
+                len: 1 << 20,
+                num_blocks: 1,
+                block_len: 1 << 20,
+            }]
+        } else {
+            regions(&peer_geometry)
+        },
+        routed: peer_routed,
+        geometry: peer_geometry,
+        compat: CompatHash([3; 32]),
+        incarnation: Incarnation(2),
+    };
+    let handshake = peer.handshake(Vec::new(), 0, TraceId::from_u128(7));
+    (own, handshake)
+}
+
+/// Over the side channel, a peer of another layout or a routed peer pairs only when this
+/// rank's route accepts its geometry; refusals name the field or carry the route's reason.
+#[test]
+fn a_routed_or_different_peer_needs_the_routes_consent() {
+    use super::handshake::validate_handshake;
+    let route: kvhandoff_protocol::driver::SharedRoute = std::sync::Arc::new(TpTwo);
+    let check =
+        |own_tp, peer_tp, routed, route: Option<&kvhandoff_protocol::driver::SharedRoute>| {
+            let (own, handshake) = pair_of_infos(own_tp, peer_tp, routed);
+            validate_handshake(&own, &[], &handshake, None, route)
+        };
+    // The same layout, neither routed: no route needed.
+    assert_eq!(check(1, 1, false, None), Ok(()));
+    // Another TP without a route: refused, naming the field.
+    assert_eq!(
+        check(1, 2, false, None),
+        Err(HandshakeError::Incompatible("tp_size"))
+    );
+    // A routed peer without a route: refused, even at the same TP.
+    assert_eq!(
+        check(2, 2, true, None),
+        Err(HandshakeError::Incompatible("routed"))
+    );
+    // With a route: what it accepts pairs; what it refuses is refused with its reason.
+    assert_eq!(check(1, 2, true, Some(&route)), Ok(()));
+    assert_eq!(check(1, 2, false, Some(&route)), Ok(()));
+    let refused = check(1, 4, true, Some(&route)).unwrap_err();
+    assert!(
+        matches!(&refused, HandshakeError::RouteRefused(why) if why.contains("TP 4")),
+        "{refused}"
+    );
+    assert_eq!(refused.reason(), RejectReason::Incompatible);
+}

@@ -217,7 +217,11 @@ pub fn run_rank(
     }
     if process.side == SideName::Prefill {
         // D may still be taking the last notifications: P's agent stays up a while.
-        std::thread::sleep(process.linger.min(deadline.saturating_duration_since(Instant::now())));
+        std::thread::sleep(
+            process
+                .linger
+                .min(deadline.saturating_duration_since(Instant::now())),
+        );
     }
     for rank in &mut ranks {
         if rank.route.pending() > 0 {
@@ -232,7 +236,14 @@ pub fn run_rank(
     }
     drop(ranks);
     runtime.shutdown();
-    Ok(report(options, &run.pair, process, shared.len() as u64, tally, wall))
+    Ok(report(
+        options,
+        &run.pair,
+        process,
+        shared.len() as u64,
+        tally,
+        wall,
+    ))
 }
 
 #[cfg(feature = "nixl")]
