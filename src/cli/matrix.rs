@@ -26,6 +26,11 @@ pub(crate) struct MatrixArgs {
     /// With `--runtime`: requests per cell.
     #[arg(long, requires = "runtime", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
     requests: u32,
+    /// With `--runtime`: every rank over its own TCP side channel on loopback, D naming its
+    /// request's buffers in its registration and P placing its pieces there (the wire of a
+    /// pair across processes).
+    #[arg(long, requires = "runtime")]
+    side_channels: bool,
 }
 
 pub(crate) fn run_matrix_command(args: MatrixArgs) -> ExitCode {
@@ -33,7 +38,7 @@ pub(crate) fn run_matrix_command(args: MatrixArgs) -> ExitCode {
         use kvhandoff_testkit::hetero::matrix::runtime::{
             render_runtime_summary, run_runtime_matrix,
         };
-        let report = run_runtime_matrix(args.requests as usize, 2);
+        let report = run_runtime_matrix(args.requests as usize, 2, args.side_channels);
         let printed = if args.json {
             print_json(&report)
         } else {

@@ -62,6 +62,8 @@ pub const DECODE: &str = "decode";
 pub const MAX_REQUESTS: usize = 4096;
 /// Most requests in flight at once: each takes a KV and a staging buffer of every rank.
 pub const MAX_WINDOW: usize = MAX_ROUTED_REGIONS / 2;
+/// Most ranks of one engine with side channels in one process (each its own port).
+const MAX_SIDE_RANKS: usize = 64;
 /// Most errors a report keeps.
 const MAX_ERRORS: usize = 32;
 
@@ -431,11 +433,20 @@ fn drive(
     let identity = model_identity(&run.pair);
     let mut runtime = Runtime::start()?;
     let mut ranks = Vec::new();
-    // Each engine's base port, its ranks above it (at most 8 TP × PP ranks here).
+    // Each engine's base port, its ranks above it (TP × PP ranks: 32 at most in the catalog's
+    // specs, 64 checked by `rank_port`'s caller below).
     let bases = options.side_channels.then(|| {
-        let ports = crate::ports::loopback_ports::<32>();
-        (ports[0], ports[16])
+        let ports = crate::ports::loopback_ports::<{ 2 * MAX_SIDE_RANKS }>();
+        (ports[0], ports[MAX_SIDE_RANKS])
     });
+    if bases.is_some()
+        && (run.pair.prefill.ranks.len() > MAX_SIDE_RANKS
+            || run.pair.decode.ranks.len() > MAX_SIDE_RANKS)
+    {
+        return Err(DemoError::Options(format!(
+            "side channels here hold {MAX_SIDE_RANKS} ranks per engine"
+        )));
+    }
     for (rank, &((side, index), lens)) in ranks_of(&run).zip(&run.lens) {
         let (engine, geometry) = rank?;
         // The builder pairs blocks as given: P hands its whole block list to the route, whose

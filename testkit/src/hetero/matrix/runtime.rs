@@ -50,8 +50,14 @@ fn name(cell: &Cell) -> String {
 
 /// Runs every cell of [`matrix_cells`] and the [`edge_cells`] (pipeline stages, kernel blocks
 /// per logical block, pairs the planner refuses) through the runtime, `requests` each,
-/// `window` at once, the seed differing per cell.
-pub fn run_runtime_matrix(requests: usize, window: usize) -> RuntimeMatrixReport {
+/// `window` at once, the seed differing per cell; with `side_channels`, every rank over its own
+/// TCP side channel and P placing its pieces where D's registration says (the wire of a pair
+/// across processes, `HeteroDemoOptions::side_channels`).
+pub fn run_runtime_matrix(
+    requests: usize,
+    window: usize,
+    side_channels: bool,
+) -> RuntimeMatrixReport {
     let start = Instant::now();
     let mut cells = matrix_cells();
     cells.extend(edge_cells());
@@ -71,6 +77,7 @@ pub fn run_runtime_matrix(requests: usize, window: usize) -> RuntimeMatrixReport
             requests,
             window,
             seed: i as u64 + 1,
+            side_channels,
             ..HeteroDemoOptions::new(cell.model.name, cell.prefill, cell.decode)
         };
         match run(&options) {
