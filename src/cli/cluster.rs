@@ -419,18 +419,19 @@ fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLin
 /// The JSON report in a node's stdout. UCX logs to stdout as well (a warning at teardown after
 /// a peer died comes after the report), so the report is the first value from the line that
 /// opens it, whatever surrounds it.
-fn report_of(text: &str) -> Result<Value, serde_json::Error> {
-    let start = match text.strip_prefix('{') {
-        Some(_) => 0,
-        None => text.find("\n{").map_or(0, |i| i + 1),
+fn report_of(text: &str) -> Result<Value, String> {
+    let start = if text.starts_with('{') {
+        Some(0)
+    } else {
+        text.find("\n{").map(|i| i + 1)
     };
+    let start = start.ok_or_else(|| "nothing on stdout opens one".to_string())?;
     match serde_json::Deserializer::from_str(&text[start..])
         .into_iter::<Value>()
         .next()
     {
-        Some(report) => report,
-        // Nothing but whitespace: the same end-of-input error as an empty report.
-        None => serde_json::from_str(""),
+        Some(report) => report.map_err(|e| e.to_string()),
+        None => Err("nothing on stdout opens one".to_string()),
     }
 }
 
