@@ -1,5 +1,6 @@
 //! `kvhandoff cluster` end to end: every TP rank of both engines a process of its own over NIXL,
-//! reported together; and every process it started gone after a Ctrl-C. Needs the NIXL runtime:
+//! reported together; every process it started gone after a Ctrl-C; and `--kill` of a P rank
+//! and of a D rank (killed mid-run, restarted, its peer surviving). Needs the NIXL runtime:
 //! `source scripts/nixl-env.sh && cargo test --features nixl --test cluster`.
 #![cfg(feature = "nixl")]
 
@@ -121,4 +122,141 @@ fn ctrl_c_stops_every_process_the_cluster_started() {
         let pid = r["pid"].as_u64().expect("pid");
         assert!(gone(pid), "rank process {pid} left behind\n{text}");
     }
+}
+
+/// `cluster --tp 2 --kill ENGINE:R@60` over 240 requests, checked from its JSON: the kill
+/// landed mid-plan with requests left for the restart (the precondition), the survivor failed
+/// the requests that needed the dead rank with outcomes a death explains (`allowed`) and no
+/// byte error or leak, the other rank pair verified everything, the restarted process served
+/// requests `K..`, and every process is gone. Returns the report for the test's own checks.
+fn kill_run(victim: &str, rank: u64, allowed: &[&str]) -> Value {
+    let at = 60;
+    let requests = 240;
+    let spec = format!("{victim}:{rank}@{at}");
+    let started = Instant::now();
+    let out = cluster(&[
+        "--tp",
+        "2",
+        "--requests",
+        &requests.to_string(),
+        "--kill",
+        &spec,
+        "--timeout-secs",
+        "60",
+    ])
+    .output()
+    .expect("kvhandoff runs");
+    let took = started.elapsed();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let all = format!("{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{all}"));
+    let kill = &report["kill"];
+    assert_eq!(kill["engine"], victim, "{all}");
+    assert_eq!(kill["rank"], rank, "{all}");
+
+    // Precondition: killed at request N or just after (before its plan ended), with requests
+    // between the kill and K that needed the dead rank, and requests K.. for the restart.
+    let killed_at = kill["request_at_kill"].as_u64().expect("killed");
+    let k = kill["restart_at"].as_u64().expect("restarted");
+    assert!(
+        (at..requests - 1).contains(&killed_at),
+        "killed at {killed_at}\n{all}"
+    );
+    assert!(killed_at + 1 < k && k < requests, "K = {k}\n{all}");
+
+    assert_eq!(report["ok"], true, "{all}");
+    assert_eq!(kill["ok"], true, "{all}");
+    assert_eq!(report["all_exited"], true, "{all}");
+    assert_eq!(report["processes"], 5, "{all}");
+    assert_eq!(report["byte_errors"], 0, "{all}");
+    assert_eq!(report["leaked_blocks"], 0, "{all}");
+
+    let survivor = &kill["survivor"];
+    assert_eq!(survivor["rank"], rank, "{all}");
+    assert_eq!(survivor["exit_code"], 0, "{all}");
+    assert_eq!(survivor["byte_errors"], 0, "{all}");
+    assert_eq!(survivor["leaked_blocks"], 0, "{all}");
+    assert!(survivor["peer_deaths"].as_u64() >= Some(1), "{all}");
+    assert!(survivor["failed"].as_u64() > Some(0), "{all}");
+    let outcomes = survivor["outcomes"].as_object().expect("outcomes");
+    assert_eq!(
+        outcomes.values().filter_map(Value::as_u64).sum::<u64>(),
+        requests,
+        "{all}"
+    );
+    for outcome in outcomes.keys() {
+        assert!(
+            allowed.iter().any(|a| outcome.starts_with(a)),
+            "the survivor's {outcome}\n{all}"
+        );
+    }
+
+    let part = requests - k;
+    assert_eq!(kill["restarted"]["exit_code"], 0, "{all}");
+    assert_eq!(kill["restarted"]["done"], part, "{all}");
+    assert_eq!(kill["served_after_restart"], part, "{all}");
+
+    let ranks = report["ranks"].as_array().expect("ranks");
+    for r in ranks {
+        let pid = r["pid"].as_u64().expect("pid");
+        assert!(gone(pid), "rank process {pid} left behind\n{all}");
+        match r["life"].as_str() {
+            Some("killed") => {
+                assert_eq!(r["engine"], victim, "{all}");
+                assert_eq!(r["signal"], 9, "{all}");
+                assert_eq!(Some(pid), kill["killed_pid"].as_u64(), "{all}");
+            }
+            Some("restarted" | "survivor") => assert_eq!(r["rank"], rank, "{all}"),
+            other => {
+                assert_eq!(other, None, "{all}");
+                assert_ne!(r["rank"], rank, "{all}");
+                assert_eq!(r["ok"], true, "{all}");
+                assert_eq!(r["exit_code"], 0, "{all}");
+                assert_eq!(r["done"], requests, "{all}");
+            }
+        }
+    }
+    assert!(out.status.success(), "{all}");
+    println!(
+        "--kill {spec}: killed at request {killed_at}, restarted at {k}; survivor {:?}; {took:?}",
+        survivor["outcomes"]
+    );
+    report
+}
+
+#[test]
+fn a_killed_prefill_rank_fails_only_its_requests_and_is_served_after_restart() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    // D's outcomes when its P dies: in flight (PeerDead, WriteFailed), allocated while no P
+    // listened (HandshakeFailed), or before K from the restarted P (Deadline).
+    kill_run(
+        "prefill",
+        1,
+        &[
+            "Ready",
+            "Failed(PeerDead)",
+            "Failed(HandshakeFailed)",
+            "Failed(Deadline)",
+            "Failed(WriteFailed(",
+        ],
+    );
+}
+
+#[test]
+fn a_killed_decode_rank_fails_only_its_requests_and_is_served_after_restart() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    // P's outcomes when its D dies: bound to it (PeerDead, WriteFailed) or finished with no D
+    // to register them (LeaseExpired).
+    kill_run(
+        "decode",
+        0,
+        &[
+            "Sent",
+            "Released(PeerDead)",
+            "Released(WriteFailed(",
+            "Released(LeaseExpired)",
+        ],
+    );
 }

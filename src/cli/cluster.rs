@@ -4,9 +4,14 @@
 //! The ranks find each other as vLLM's do: each engine's rank `R` listens on its engine's base
 //! port + `R` (`docs/compatibility.md`, "Across processes"). Every process this command starts
 //! is killed and reaped when the run ends, fails, passes its deadline, or on Ctrl-C / SIGTERM.
+//! `--kill ENGINE:R@N` kills one rank mid-run and restarts it ([`kill`]).
+
+mod kill;
 
 use std::io::Read;
 use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,6 +23,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::{print_json, ModeArg};
+use kill::{KillReport, KillSpec, Killer};
 
 /// Most TP ranks per engine: the demo model's 8 KV heads.
 const MAX_TP: u32 = 8;
@@ -48,6 +54,11 @@ pub(crate) struct ClusterArgs {
     /// 30 s after it.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     timeout_secs: u64,
+    /// Kill one rank mid-run and restart it (push mode): `prefill:R@N` or `decode:R@N` sends
+    /// SIGKILL to rank R of that engine when request N arrives on its schedule, then starts
+    /// it again with the rest of the plan; rank R of the other engine survives it.
+    #[arg(long, value_name = "ENGINE:R@N", value_parser = kill::parse_kill)]
+    kill: Option<KillSpec>,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -63,6 +74,12 @@ struct RankLine {
     pid: u32,
     /// The exit code (`null`: killed or ended by a signal).
     exit_code: Option<i32>,
+    /// The signal that ended the process, if one did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    signal: Option<i32>,
+    /// With `--kill`: `"killed"`, `"restarted"` or `"survivor"` (the killed rank's peer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    life: Option<&'static str>,
     /// The node's verdict.
     ok: bool,
     /// D: requests whose every byte checked out; P: requests sent.
@@ -82,7 +99,8 @@ struct ClusterReport {
     tp: u32,
     processes: usize,
     requests: u64,
-    /// Requests verified on every D rank.
+    /// Requests verified on every D rank (a killed and restarted rank: what its processes
+    /// reported, together).
     verified: u64,
     byte_errors: u64,
     leaked_blocks: u64,
@@ -94,6 +112,9 @@ struct ClusterReport {
     wall_s: f64,
     ok: bool,
     ranks: Vec<RankLine>,
+    /// With `--kill`: the kill, the restart and what the survivor saw.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kill: Option<KillReport>,
 }
 
 /// The children, killed and reaped when dropped (a panic or an early return included).
@@ -105,6 +126,79 @@ struct RankSpec {
     rank: u32,
     listen: SocketAddr,
     pid: u32,
+    /// With `--kill`: the process's part in it ([`RankLine::life`]).
+    life: Option<&'static str>,
+}
+
+/// What every rank's command line shares.
+struct Launch<'a> {
+    exe: PathBuf,
+    args: &'a ClusterArgs,
+    mode: &'static str,
+    p_base: SocketAddr,
+    d_base: SocketAddr,
+    router: SocketAddr,
+}
+
+impl Launch<'_> {
+    /// Starts rank `rank` of `engine` with `extra` flags, its JSON report read on a thread;
+    /// with `tap`, its stderr goes through [`kill::tap`] (which forwards it) instead of ours.
+    fn spawn(
+        &self,
+        engine: &'static str,
+        rank: u32,
+        extra: &[String],
+        tap: Option<Arc<kill::Marks>>,
+    ) -> Result<(RankSpec, Child, thread::JoinHandle<String>), String> {
+        let (listen, peer) = match engine {
+            "decode" => (self.d_base, self.p_base),
+            _ => (self.p_base, self.d_base),
+        };
+        let args = self.args;
+        let listen_at = SocketAddr::new(listen.ip(), listen.port() + rank as u16);
+        let mut command = Command::new(&self.exe);
+        command
+            .args(["node", "--role", engine, "--json"])
+            .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
+            .args(["--tp", &args.tp.to_string(), "--rank", &rank.to_string()])
+            .args(["--requests", &args.requests.to_string()])
+            .args(["--seed", &args.seed.to_string(), "--mode", self.mode])
+            .args(["--max-prompt-tokens", &args.max_prompt_tokens.to_string()])
+            .args(["--timeout-secs", &args.timeout_secs.to_string()])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(if tap.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            });
+        if self.mode != "push" {
+            command.args(["--router", &self.router.to_string()]);
+        }
+        let mut child = command
+            .spawn()
+            .map_err(|e| format!("cannot start {engine} rank {rank}: {e}"))?;
+        let mut out = child
+            .stdout
+            .take()
+            .ok_or_else(|| format!("{engine} rank {rank}: no stdout"))?;
+        if let (Some(marks), Some(err)) = (tap, child.stderr.take()) {
+            kill::tap(err, marks);
+        }
+        let spec = RankSpec {
+            engine,
+            rank,
+            listen: listen_at,
+            pid: child.id(),
+            life: None,
+        };
+        let reader = thread::spawn(move || {
+            let mut text = String::new();
+            let _ = out.read_to_string(&mut text);
+            text
+        });
+        Ok((spec, child, reader))
+    }
 }
 
 impl Drop for Children {
@@ -128,13 +222,20 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    let killer = match args.kill.map(|spec| Killer::new(spec, &args)).transpose() {
+        Ok(killer) => killer,
+        Err(error) => {
+            eprintln!("error: --kill: {error}");
+            return ExitCode::from(2);
+        }
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     if let Err(error) = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)) {
         eprintln!("error: cannot watch for Ctrl-C: {error}");
         return ExitCode::from(2);
     }
-    match run(&args, &stop) {
+    match run(&args, killer, &stop) {
         Ok(report) => {
             let printed = if args.json {
                 print_json(&report)
@@ -155,51 +256,35 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
     }
 }
 
-fn run(args: &ClusterArgs, stop: &AtomicBool) -> Result<ClusterReport, String> {
+fn run(
+    args: &ClusterArgs,
+    mut killer: Option<Killer>,
+    stop: &AtomicBool,
+) -> Result<ClusterReport, String> {
     let wall = Instant::now();
     let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
     // Three blocks of consecutive ports (P's, D's, the router links'), each `tp` long.
     let ports: [SocketAddr; 3 * MAX_TP as usize] = kvhandoff_testkit::ports::loopback_ports();
     let base = |block: usize| ports[block * MAX_TP as usize];
-    let (p_base, d_base, router) = (base(0), base(1), base(2));
     let mode = mode_name(args.mode);
+    let launch = Launch {
+        exe,
+        args,
+        mode,
+        p_base: base(0),
+        d_base: base(1),
+        router: base(2),
+    };
     let mut children = Children(Vec::new());
     // D first (it listens on the router links), then P.
-    for (engine, listen, peer) in [("decode", d_base, p_base), ("prefill", p_base, d_base)] {
+    for engine in ["decode", "prefill"] {
         for rank in 0..args.tp {
-            let listen_at = SocketAddr::new(listen.ip(), listen.port() + rank as u16);
-            let mut command = Command::new(&exe);
-            command
-                .args(["node", "--role", engine, "--json"])
-                .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
-                .args(["--tp", &args.tp.to_string(), "--rank", &rank.to_string()])
-                .args(["--requests", &args.requests.to_string()])
-                .args(["--seed", &args.seed.to_string(), "--mode", mode])
-                .args(["--max-prompt-tokens", &args.max_prompt_tokens.to_string()])
-                .args(["--timeout-secs", &args.timeout_secs.to_string()])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit());
-            if mode != "push" {
-                command.args(["--router", &router.to_string()]);
-            }
-            let mut child = command
-                .spawn()
-                .map_err(|e| format!("cannot start {engine} rank {rank}: {e}"))?;
-            let mut out = child
-                .stdout
-                .take()
-                .ok_or_else(|| format!("{engine} rank {rank}: no stdout"))?;
-            let spec = RankSpec {
-                engine,
-                rank,
-                listen: listen_at,
-                pid: child.id(),
+            let (extra, tap, life) = match killer.as_mut() {
+                Some(k) => k.launch(engine, rank),
+                None => (Vec::new(), None, None),
             };
-            let reader = thread::spawn(move || {
-                let mut text = String::new();
-                let _ = out.read_to_string(&mut text);
-                text
-            });
+            let (mut spec, child, reader) = launch.spawn(engine, rank, &extra, tap)?;
+            spec.life = life;
             children.0.push((spec, child, reader));
         }
         thread::sleep(Duration::from_millis(300));
@@ -212,6 +297,9 @@ fn run(args: &ClusterArgs, stop: &AtomicBool) -> Result<ClusterReport, String> {
             if statuses[i].is_none() {
                 statuses[i] = child.try_wait().map_err(|e| format!("waiting: {e}"))?;
             }
+        }
+        if let Some(killer) = &mut killer {
+            killer.step(&launch, &mut children, &mut statuses, wall)?;
         }
         if stop.load(Ordering::SeqCst) {
             stopped = Some("interrupted".to_string());
@@ -231,29 +319,36 @@ fn run(args: &ClusterArgs, stop: &AtomicBool) -> Result<ClusterReport, String> {
             }
             break;
         }
-        thread::sleep(POLL);
+        thread::sleep(killer.as_ref().map_or(POLL, |k| k.nap(POLL)));
     }
     let all_exited = statuses.iter().all(Option::is_some);
     let mut ranks = Vec::new();
+    let mut texts = Vec::new();
     for ((spec, _, reader), status) in std::mem::take(&mut children.0).into_iter().zip(&statuses) {
         let text = reader.join().unwrap_or_default();
         ranks.push(rank_line(spec, status.as_ref(), &text));
+        texts.push(text);
     }
     let requests = u64::from(args.requests);
-    let verified = ranks
-        .iter()
-        .filter(|r| r.engine == "decode")
-        .map(|r| r.done)
+    // Per rank, what its D processes verified together (more than one after a restart).
+    let verified = (0..args.tp)
+        .map(|rank| {
+            ranks
+                .iter()
+                .filter(|r| r.engine == "decode" && r.rank == rank)
+                .map(|r| r.done)
+                .sum::<u64>()
+        })
         .min()
         .unwrap_or(0);
     let byte_errors = ranks.iter().map(|r| r.byte_errors).sum();
     let leaked_blocks = ranks.iter().map(|r| r.leaked_blocks).sum();
-    let ok = stopped.is_none()
-        && all_exited
-        && verified == requests
-        && byte_errors == 0
-        && leaked_blocks == 0
-        && ranks.iter().all(|r| r.ok);
+    let kill = killer.map(|k| k.report(&ranks, &texts));
+    let ranks_ok = match &kill {
+        Some(kill) => kill.ok,
+        None => verified == requests && ranks.iter().all(|r| r.ok),
+    };
+    let ok = stopped.is_none() && all_exited && byte_errors == 0 && leaked_blocks == 0 && ranks_ok;
     Ok(ClusterReport {
         transport: "nixl",
         mode: mode.to_string(),
@@ -268,6 +363,7 @@ fn run(args: &ClusterArgs, stop: &AtomicBool) -> Result<ClusterReport, String> {
         wall_s: wall.elapsed().as_secs_f64(),
         ok,
         ranks,
+        kill,
     })
 }
 
@@ -279,13 +375,19 @@ fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLin
         listen: spec.listen.to_string(),
         pid: spec.pid,
         exit_code: status.and_then(ExitStatus::code),
+        signal: status.and_then(ExitStatus::signal),
+        life: spec.life,
         ok: false,
         done: 0,
         byte_errors: 0,
         leaked_blocks: 0,
         error: None,
     };
-    let report: Value = match serde_json::from_str(text) {
+    if spec.life == Some(kill::KILLED) {
+        line.error = Some("killed by --kill".to_string());
+        return line;
+    }
+    let report = match report_of(text) {
         Ok(report) => report,
         Err(e) => {
             line.error = Some(format!("no report ({e})"));
@@ -300,11 +402,37 @@ fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLin
     line.byte_errors = count(&report["byte_errors"]);
     let pool = &report["node"]["pool"];
     line.leaked_blocks = count(&pool["blocks"]).saturating_sub(count(&pool["free_at_end"]));
-    line.ok = report["ok"] == true && line.exit_code == Some(0);
+    // A survivor (`--expect-peer-loss`) is judged on its node verdict: every request typed,
+    // every block back; its role's strict verdict fails by design.
+    let verdict = if report["node"]["expect_peer_loss"] == true {
+        &report["node"]
+    } else {
+        &report
+    };
+    line.ok = verdict["ok"] == true && line.exit_code == Some(0);
     if !line.ok {
-        line.error = report["verdict"].as_str().map(str::to_string);
+        line.error = verdict["verdict"].as_str().map(str::to_string);
     }
     line
+}
+
+/// The JSON report in a node's stdout. UCX logs to stdout as well (a warning at teardown after
+/// a peer died comes after the report), so the report is the first value from the line that
+/// opens it, whatever surrounds it.
+fn report_of(text: &str) -> Result<Value, String> {
+    let start = if text.starts_with('{') {
+        Some(0)
+    } else {
+        text.find("\n{").map(|i| i + 1)
+    };
+    let start = start.ok_or_else(|| "nothing on stdout opens one".to_string())?;
+    match serde_json::Deserializer::from_str(&text[start..])
+        .into_iter::<Value>()
+        .next()
+    {
+        Some(report) => report.map_err(|e| e.to_string()),
+        None => Err("nothing on stdout opens one".to_string()),
+    }
 }
 
 fn mode_name(mode: ModeArg) -> &'static str {
@@ -323,11 +451,15 @@ fn render(report: &ClusterReport) -> String {
     );
     for r in &report.ranks {
         out.push_str(&format!(
-            "  {:<7} rank {} on {:<21} exit {:<4} {} {:>6}  byte errors {}  leaked blocks {}{}\n",
+            "  {:<7} rank {} on {:<21} exit {:<5} {} {:>6}  byte errors {}  leaked blocks {}{}{}\n",
             r.engine,
             r.rank,
             r.listen,
-            r.exit_code.map_or("-".to_string(), |c| c.to_string()),
+            match (r.exit_code, r.signal) {
+                (Some(code), _) => code.to_string(),
+                (None, Some(signal)) => format!("sig{signal}"),
+                (None, None) => "-".to_string(),
+            },
             if r.engine == "decode" {
                 "verified"
             } else {
@@ -336,17 +468,25 @@ fn render(report: &ClusterReport) -> String {
             r.done,
             r.byte_errors,
             r.leaked_blocks,
+            r.life.map_or(String::new(), |life| format!("  [{life}]")),
             r.error
                 .as_deref()
                 .map_or(String::new(), |e| format!("  ({e})")),
         ));
     }
+    if let Some(kill) = &report.kill {
+        out.push_str(&kill.render());
+    }
     out.push_str(&format!(
-        "verdict: {} — {}/{} requests verified on every D rank, {} byte errors, {} leaked blocks, \
-         {} in {:.1} s{}\n",
+        "verdict: {} — {}, {} byte errors, {} leaked blocks, {} in {:.1} s{}\n",
         if report.ok { "OK" } else { "FAILED" },
-        report.verified,
-        report.requests,
+        match &report.kill {
+            Some(kill) => kill.verdict_head(report.requests),
+            None => format!(
+                "{}/{} requests verified on every D rank",
+                report.verified, report.requests
+            ),
+        },
         report.byte_errors,
         report.leaked_blocks,
         if report.all_exited {
@@ -361,4 +501,18 @@ fn render(report: &ClusterReport) -> String {
             .map_or(String::new(), |s| format!(" ({s})")),
     ));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::report_of;
+
+    #[test]
+    fn a_report_is_found_among_ucx_lines_on_stdout() {
+        let text = "[1.0] [vm:1:0] UCX WARN before\n{\n  \"ok\": true\n}\n[2.0] UCX WARN after\n";
+        assert_eq!(report_of(text).expect("a report")["ok"], true);
+        assert_eq!(report_of("{\"ok\": false}").expect("a report")["ok"], false);
+        assert!(report_of("").is_err());
+        assert!(report_of("[1.0] UCX WARN only\n").is_err());
+    }
 }

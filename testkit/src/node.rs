@@ -120,6 +120,18 @@ pub use node_report::{
 };
 pub use rank::NodeMemory;
 
+/// When each request of the seeded plan of `schedule` arrives, from the schedule's time zero:
+/// what every node given these schedule options follows (`kvhandoff cluster --kill` times its
+/// kill and picks the restart's `--start-at` on it).
+///
+/// # Errors
+/// [`DemoError::Options`] for options a node would refuse.
+pub fn arrivals(schedule: &DemoOptions) -> Result<Vec<Duration>, DemoError> {
+    let workload = crate::demo::check_options(schedule)?;
+    let plan = crate::demo::schedule(schedule, workload.block_tokens)?;
+    Ok(plan.into_iter().map(|q| q.arrival).collect())
+}
+
 /// Which engine a node runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
