@@ -4,9 +4,11 @@
 //! The ranks find each other as vLLM's do: each engine's rank `R` listens on its engine's base
 //! port + `R` (`docs/compatibility.md`, "Across processes"). Every process this command starts
 //! is killed and reaped when the run ends, fails, passes its deadline, or on Ctrl-C / SIGTERM.
-//! `--kill ENGINE:R@N` kills one rank mid-run and restarts it ([`kill`]).
+//! `--kill ENGINE:R@N` kills one rank mid-run and restarts it ([`kill`]); `--model M --prefill
+//! SPEC --decode SPEC` runs the ranks of a heterogeneous pair instead ([`pair`]).
 
 mod kill;
+mod pair;
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -27,6 +29,9 @@ use kill::{KillReport, KillSpec, Killer};
 
 /// Most TP ranks per engine: the demo model's 8 KV heads.
 const MAX_TP: u32 = 8;
+/// Most ranks (TP × PP) of one engine of a heterogeneous pair: each takes a port above its
+/// engine's base.
+const MAX_SIDE_RANKS: usize = 64;
 /// How often the run looks at its children.
 const POLL: Duration = Duration::from_millis(50);
 /// How much longer than the nodes' own limit the command waits before killing them.
@@ -59,6 +64,20 @@ pub(crate) struct ClusterArgs {
     /// it again with the rest of the plan; rank R of the other engine survives it.
     #[arg(long, value_name = "ENGINE:R@N", value_parser = kill::parse_kill)]
     kill: Option<KillSpec>,
+    /// A heterogeneous pair: a model of the catalog (gqa8, gqa2, mla, swa, mamba), with
+    /// `--prefill` and `--decode`; every rank of both engines (TP × PP each) runs as its own
+    /// `kvhandoff node --model …` process, push.
+    #[arg(long, requires_all = ["prefill", "decode"], conflicts_with_all = ["tp", "kill"])]
+    model: Option<String>,
+    /// P's geometry: `tp=N,block=N,layout=NHD|HND[,pp=N][,kbpl=N]` (with `--model`).
+    #[arg(long, requires = "model")]
+    prefill: Option<String>,
+    /// D's geometry, the same way (with `--model`).
+    #[arg(long, requires = "model")]
+    decode: Option<String>,
+    /// With `--model`: requests in flight at once on each rank.
+    #[arg(long, requires = "model", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=32))]
+    window: u32,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -97,6 +116,9 @@ struct ClusterReport {
     transport: &'static str,
     mode: String,
     tp: u32,
+    /// With `--model`: the pair (model, P's spec, D's spec).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pair: Option<String>,
     processes: usize,
     requests: u64,
     /// Requests verified on every D rank (a killed and restarted rank: what its processes
@@ -138,6 +160,8 @@ struct Launch<'a> {
     p_base: SocketAddr,
     d_base: SocketAddr,
     router: SocketAddr,
+    /// With `--model`: the pair every rank belongs to.
+    pair: Option<pair::PairRun>,
 }
 
 impl Launch<'_> {
@@ -160,7 +184,12 @@ impl Launch<'_> {
         command
             .args(["node", "--role", engine, "--json"])
             .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
-            .args(["--tp", &args.tp.to_string(), "--rank", &rank.to_string()])
+            .args(["--rank", &rank.to_string()]);
+        match &self.pair {
+            Some(pair) => command.args(pair.node_args()),
+            None => command.args(["--tp", &args.tp.to_string()]),
+        };
+        command
             .args(["--requests", &args.requests.to_string()])
             .args(["--seed", &args.seed.to_string(), "--mode", self.mode])
             .args(["--max-prompt-tokens", &args.max_prompt_tokens.to_string()])
@@ -215,6 +244,20 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
         eprintln!("error: kvhandoff cluster runs its ranks over NIXL: build with --features nixl");
         return ExitCode::from(2);
     }
+    let pair = match (&args.model, &args.prefill, &args.decode) {
+        (Some(model), Some(p), Some(d)) => match pair::PairRun::new(model, p, d, args.window) {
+            Ok(pair) => Some(pair),
+            Err(error) => {
+                eprintln!("error: {error}");
+                return ExitCode::from(2);
+            }
+        },
+        _ => None,
+    };
+    if pair.is_some() && !matches!(args.mode, ModeArg::Push) {
+        eprintln!("error: a heterogeneous pair runs push only (--mode push)");
+        return ExitCode::from(2);
+    }
     if MAX_TP % args.tp != 0 {
         eprintln!(
             "error: --tp {} does not divide the demo model's {MAX_TP} KV heads",
@@ -235,7 +278,7 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
         eprintln!("error: cannot watch for Ctrl-C: {error}");
         return ExitCode::from(2);
     }
-    match run(&args, killer, &stop) {
+    match run(&args, pair, killer, &stop) {
         Ok(report) => {
             let printed = if args.json {
                 print_json(&report)
@@ -258,14 +301,17 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
 
 fn run(
     args: &ClusterArgs,
+    pair: Option<pair::PairRun>,
     mut killer: Option<Killer>,
     stop: &AtomicBool,
 ) -> Result<ClusterReport, String> {
     let wall = Instant::now();
     let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
-    // Three blocks of consecutive ports (P's, D's, the router links'), each `tp` long.
-    let ports: [SocketAddr; 3 * MAX_TP as usize] = kvhandoff_testkit::ports::loopback_ports();
-    let base = |block: usize| ports[block * MAX_TP as usize];
+    // Three blocks of consecutive ports (P's, D's, the router links'), one per rank of an
+    // engine each.
+    let ports: [SocketAddr; 3 * MAX_SIDE_RANKS] = kvhandoff_testkit::ports::loopback_ports();
+    let base = |block: usize| ports[block * MAX_SIDE_RANKS];
+    let ranks_of = |engine: &str| pair.as_ref().map_or(args.tp, |p| p.ranks(engine));
     let mode = mode_name(args.mode);
     let launch = Launch {
         exe,
@@ -274,11 +320,12 @@ fn run(
         p_base: base(0),
         d_base: base(1),
         router: base(2),
+        pair: pair.clone(),
     };
     let mut children = Children(Vec::new());
     // D first (it listens on the router links), then P.
     for engine in ["decode", "prefill"] {
-        for rank in 0..args.tp {
+        for rank in 0..ranks_of(engine) {
             let (extra, tap, life) = match killer.as_mut() {
                 Some(k) => k.launch(engine, rank),
                 None => (Vec::new(), None, None),
@@ -331,7 +378,7 @@ fn run(
     }
     let requests = u64::from(args.requests);
     // Per rank, what its D processes verified together (more than one after a restart).
-    let verified = (0..args.tp)
+    let verified = (0..ranks_of("decode"))
         .map(|rank| {
             ranks
                 .iter()
@@ -352,7 +399,8 @@ fn run(
     Ok(ClusterReport {
         transport: "nixl",
         mode: mode.to_string(),
-        tp: args.tp,
+        tp: if pair.is_some() { 0 } else { args.tp },
+        pair: pair.as_ref().map(pair::PairRun::describe),
         processes: ranks.len(),
         requests,
         verified,
@@ -394,6 +442,18 @@ fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLin
             return line;
         }
     };
+    if report.get("done").is_some() {
+        // A heterogeneous pair's rank (`node --model`).
+        let (done, byte_errors, leaked, ok, verdict) = pair::rank_counts(&report);
+        line.done = done;
+        line.byte_errors = byte_errors;
+        line.leaked_blocks = leaked;
+        line.ok = ok && line.exit_code == Some(0);
+        if !line.ok {
+            line.error = verdict;
+        }
+        return line;
+    }
     let count = |v: &Value| v.as_u64().unwrap_or(0);
     line.done = match spec.engine {
         "decode" => count(&report["verified"]),
@@ -445,10 +505,16 @@ fn mode_name(mode: ModeArg) -> &'static str {
 }
 
 fn render(report: &ClusterReport) -> String {
-    let mut out = format!(
-        "kvhandoff cluster: {} ranks per engine, {} processes, {} over {}, {} requests per rank pair\n",
-        report.tp, report.processes, report.mode, report.transport, report.requests
-    );
+    let mut out = match &report.pair {
+        Some(pair) => format!(
+            "kvhandoff cluster: {pair}, {} processes, {} over {}, {} requests\n",
+            report.processes, report.mode, report.transport, report.requests
+        ),
+        None => format!(
+            "kvhandoff cluster: {} ranks per engine, {} processes, {} over {}, {} requests per rank pair\n",
+            report.tp, report.processes, report.mode, report.transport, report.requests
+        ),
+    };
     for r in &report.ranks {
         out.push_str(&format!(
             "  {:<7} rank {} on {:<21} exit {:<5} {} {:>6}  byte errors {}  leaked blocks {}{}{}\n",

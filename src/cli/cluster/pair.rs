@@ -1,0 +1,128 @@
+//! `kvhandoff cluster --model M --prefill SPEC --decode SPEC`: the ranks of a heterogeneous pair
+//! (engines of different TP, PP, block size, layout or cache kind), each its own
+//! `kvhandoff node --model … --rank R` process over NIXL.
+
+use kvhandoff_protocol::hetero::{model, plan_pair, SideSpec};
+use serde_json::Value;
+
+/// A heterogeneous pair to run, checked: the planner accepts it.
+#[derive(Debug, Clone)]
+pub(super) struct PairRun {
+    model: String,
+    prefill: SideSpec,
+    decode: SideSpec,
+    /// Ranks of P's engine and of D's (`TP × PP` each).
+    pub(super) prefill_ranks: u32,
+    pub(super) decode_ranks: u32,
+    window: u32,
+}
+
+impl PairRun {
+    /// The pair `model`, `prefill`, `decode`, refused with the planner's reason when it cannot
+    /// run.
+    pub(super) fn new(
+        model_name: &str,
+        prefill: &str,
+        decode: &str,
+        window: u32,
+    ) -> Result<PairRun, String> {
+        let parse = |what: &str, text: &str| {
+            text.parse::<SideSpec>()
+                .map_err(|e| format!("--{what}: {e}"))
+        };
+        let (p, d) = (parse("prefill", prefill)?, parse("decode", decode)?);
+        let found = model(model_name).map_err(|e| e.to_string())?;
+        let pair = plan_pair(found, p, d).map_err(|e| e.to_string())?;
+        let count = |n: usize| {
+            u32::try_from(n)
+                .ok()
+                .filter(|&n| n as usize <= super::MAX_SIDE_RANKS)
+                .ok_or_else(|| format!("{n} ranks: at most {} per engine", super::MAX_SIDE_RANKS))
+        };
+        Ok(PairRun {
+            model: model_name.to_string(),
+            prefill: p,
+            decode: d,
+            prefill_ranks: count(pair.prefill.ranks.len())?,
+            decode_ranks: count(pair.decode.ranks.len())?,
+            window,
+        })
+    }
+
+    /// Ranks of `engine`.
+    pub(super) fn ranks(&self, engine: &str) -> u32 {
+        match engine {
+            "decode" => self.decode_ranks,
+            _ => self.prefill_ranks,
+        }
+    }
+
+    /// The node flags that make a rank of this pair.
+    pub(super) fn node_args(&self) -> Vec<String> {
+        vec![
+            "--model".into(),
+            self.model.clone(),
+            "--prefill".into(),
+            self.prefill.to_string(),
+            "--decode".into(),
+            self.decode.to_string(),
+            "--window".into(),
+            self.window.to_string(),
+        ]
+    }
+
+    /// The pair in words.
+    pub(super) fn describe(&self) -> String {
+        format!("{}: P {} -> D {}", self.model, self.prefill, self.decode)
+    }
+}
+
+/// What a pair rank's report (`node --model … --json`) says: requests done (D: verified, P:
+/// sent), byte errors, leaked blocks, whether it is ok, and its verdict.
+pub(super) fn rank_counts(report: &Value) -> (u64, u64, u64, bool, Option<String>) {
+    let count = |v: &Value| v.as_u64().unwrap_or(0);
+    (
+        count(&report["done"]),
+        count(&report["byte_errors"]),
+        count(&report["leaked_blocks"]),
+        report["ok"] == true,
+        report["verdict"].as_str().map(str::to_string),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pair_is_planned_or_refused_with_the_planners_reason() {
+        let pair = PairRun::new(
+            "gqa8",
+            "tp=2,block=16,layout=NHD,pp=2",
+            "tp=1,block=32,layout=HND",
+            4,
+        )
+        .unwrap();
+        assert_eq!((pair.prefill_ranks, pair.decode_ranks), (4, 1));
+        assert_eq!(pair.ranks("decode"), 1);
+        assert!(pair
+            .node_args()
+            .contains(&"tp=1,block=32,layout=HND".to_string()));
+        assert!(PairRun::new(
+            "nope",
+            "tp=1,block=16,layout=NHD",
+            "tp=1,block=16,layout=NHD",
+            4
+        )
+        .is_err());
+        let bad = PairRun::new(
+            "gqa8",
+            "tp=3,block=16,layout=NHD",
+            "tp=1,block=16,layout=NHD",
+            4,
+        )
+        .unwrap_err();
+        assert!(bad.contains("3"), "{bad}");
+        assert!(PairRun::new("gqa8", "tp=1,block=16", "x", 4).is_err());
+    }
+}
