@@ -230,6 +230,12 @@ cargo run --release --quiet -- matrix
 banner "cargo run --release -- matrix --runtime (every cell through the lease protocol)"
 cargo run --release --quiet -- matrix --runtime
 
+# The same cells over the wire a pair across processes uses: every rank its own TCP side
+# channel (rank R at its engine's base port + R), routed handshakes, D naming each request's
+# buffers in its registration and P placing its pieces there; about 30 s in release.
+banner "cargo run --release -- matrix --runtime --side-channels (the cross-process wire)"
+cargo run --release --quiet -- matrix --runtime --side-channels
+
 # The simulator's swarm at 300 seeds x 40 requests on seeds picked by the day: clean with every
 # coverage mark hit, and every deliberate bug it reaches caught; about a minute in release.
 banner "scripts/swarm-check.sh (the swarm: clean, every mark hit, its mutations caught)"

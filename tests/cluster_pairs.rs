@@ -119,3 +119,57 @@ fn a_mamba_hybrid_across_tp_and_block_size() {
         32,
     );
 }
+
+/// Two engines started with different pairs cannot pair: P's route refuses D's handshake (a
+/// geometry its plan does not have), counted by reason on P; D starts no request and both end
+/// at their limit, FAILED, with nothing written.
+#[test]
+fn ranks_of_different_pairs_refuse_each_other() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    let (p_addr, d_addr) = nodes::two_ports();
+    let node = |role: &str, listen: std::net::SocketAddr, peer: std::net::SocketAddr, d: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
+            .args(["node", "--json", "--role", role, "--rank", "0"])
+            .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
+            .args(["--model", "gqa8", "--prefill", "tp=1,block=16,layout=NHD"])
+            .args(["--decode", d, "--requests", "4", "--timeout-secs", "4"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("kvhandoff starts")
+    };
+    let p = node("prefill", p_addr, d_addr, "tp=1,block=32,layout=HND");
+    let d = node("decode", d_addr, p_addr, "tp=1,block=64,layout=HND");
+    let (p, d) = (
+        p.wait_with_output().expect("P ends"),
+        d.wait_with_output().expect("D ends"),
+    );
+    let all = format!(
+        "P:\n{}\n{}\nD:\n{}\n{}",
+        String::from_utf8_lossy(&p.stdout),
+        String::from_utf8_lossy(&p.stderr),
+        String::from_utf8_lossy(&d.stdout),
+        String::from_utf8_lossy(&d.stderr)
+    );
+    let json = |out: &std::process::Output| -> Value {
+        let text = String::from_utf8_lossy(&out.stdout);
+        let start = text.find('{').unwrap_or_else(|| panic!("no report\n{all}"));
+        serde_json::Deserializer::from_str(&text[start..])
+            .into_iter::<Value>()
+            .next()
+            .and_then(Result::ok)
+            .unwrap_or_else(|| panic!("no report\n{all}"))
+    };
+    let (pr, dr) = (json(&p), json(&d));
+    assert!(
+        pr["handshakes_refused"]["incompatible"].as_u64() >= Some(1),
+        "P refused D's handshake as incompatible\n{all}"
+    );
+    assert_eq!(pr["ok"], false, "{all}");
+    assert_eq!(pr["done"], 0, "{all}");
+    assert_eq!(dr["ok"], false, "{all}");
+    assert_eq!(dr["done"], 0, "{all}");
+    assert_eq!(dr["missing"], 4, "D started nothing\n{all}");
+    assert!(!p.status.success() && !d.status.success(), "{all}");
+}

@@ -76,6 +76,11 @@ pub struct RankReport {
     pub byte_errors: u64,
     /// Blocks of requests that never had their event on this rank.
     pub leaked_blocks: u64,
+    /// Handshakes this rank's side channel refused, by reason (a peer of a geometry the pair's
+    /// plan does not have: `incompatible`), and its own that failed.
+    pub handshakes_refused: std::collections::BTreeMap<String, u64>,
+    /// Its own handshakes that failed, by reason.
+    pub handshakes_failed: std::collections::BTreeMap<String, u64>,
     /// Whether the run passed its limit.
     pub timed_out: bool,
     /// The first errors.
@@ -106,6 +111,9 @@ impl RankReport {
             self.leaked_blocks,
             self.wall_ms
         );
+        for (reason, n) in &self.handshakes_refused {
+            out.push_str(&format!("  handshakes refused: {n} {reason}\n"));
+        }
         for error in &self.errors {
             out.push_str(&format!("  error: {error}\n"));
         }
@@ -201,7 +209,8 @@ pub fn run_rank(
         .into_iter()
         .map(|h| Arc::new(std::sync::Mutex::new(h)))
         .collect();
-    if tally.errors.is_empty() {
+    let met = tally.errors.is_empty();
+    if met {
         flight::run_all(
             &shared,
             &run.pair,
@@ -223,6 +232,11 @@ pub fn run_rank(
                 .min(deadline.saturating_duration_since(Instant::now())),
         );
     }
+    if !met {
+        // No request started: each is one without an event here.
+        tally.decode_missing = shared.len() as u64;
+    }
+    let stats = side_channel_stats(&ranks);
     for rank in &mut ranks {
         if rank.route.pending() > 0 {
             tally.error(format!(
@@ -236,14 +250,36 @@ pub fn run_rank(
     }
     drop(ranks);
     runtime.shutdown();
-    Ok(report(
+    let mut report = report(
         options,
         &run.pair,
         process,
         shared.len() as u64,
         tally,
         wall,
-    ))
+    );
+    if let Some(stats) = stats {
+        let named =
+            |counts: &std::collections::BTreeMap<kvhandoff_actors::system::RejectReason, u64>| {
+                counts
+                    .iter()
+                    .map(|(reason, n)| (reason.label().to_string(), *n))
+                    .collect()
+            };
+        report.handshakes_refused = named(&stats.rejected);
+        report.handshakes_failed = named(&stats.outgoing_failed);
+    }
+    Ok(report)
+}
+
+/// The side channel's counts of the rank held here.
+fn side_channel_stats(ranks: &[Rank]) -> Option<kvhandoff::SideChannelStats> {
+    let rank = ranks.first()?;
+    kvhandoff_actors::system::blocking::ask(
+        &rank.conn.rank().link,
+        kvhandoff_actors::system::QuerySideChannel,
+        Duration::from_secs(5),
+    )
 }
 
 #[cfg(feature = "nixl")]
@@ -353,6 +389,8 @@ fn report(
         missing,
         byte_errors: t.byte_errors,
         leaked_blocks: leaked,
+        handshakes_refused: std::collections::BTreeMap::new(),
+        handshakes_failed: std::collections::BTreeMap::new(),
         timed_out: t.timed_out,
         errors: t.errors,
         wall_ms: wall.elapsed().as_secs_f64() * 1e3,
