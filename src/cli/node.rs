@@ -47,7 +47,7 @@ pub(crate) struct NodeArgs {
     /// NIXL, and pairs with the other side's ranks over their side channels (push). Every
     /// process of the pair must be given the same pair, `--requests`, `--seed`, `--window` and
     /// `--max-prompt-tokens`.
-    #[arg(long, requires_all = ["prefill", "decode"], conflicts_with_all = ["tp", "router", "start_at"])]
+    #[arg(long, requires_all = ["prefill", "decode"], conflicts_with_all = ["tp", "router"])]
     model: Option<String>,
     /// P's geometry: `tp=N,block=N,layout=NHD|HND[,pp=N][,kbpl=N]` (with `--model`).
     #[arg(long, requires = "model")]
@@ -71,7 +71,8 @@ pub(crate) struct NodeArgs {
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pool_blocks: u32,
     /// Mean gap between prompt arrivals at P, ms (exponential). P's fills must keep up with
-    /// the arrivals for both races to happen (P's report counts late finishes).
+    /// the arrivals for both races to happen (P's report counts late finishes). With
+    /// `--model`: the fixed gap between this rank's request starts, from when it met its peers.
     #[arg(long, default_value_t = 20.0, value_parser = parse_gap_ms)]
     mean_arrival_gap_ms: f64,
     /// The most P's `request_finished` and D's `request_allocated` of a request are drawn
@@ -323,12 +324,35 @@ fn run_pair_rank(args: &NodeArgs, model: &str) -> ExitCode {
         RoleArg::Prefill => (SideName::Prefill, args.listen, args.peer),
         RoleArg::Decode => (SideName::Decode, args.peer, args.listen),
     };
+    if args.start_at >= args.requests {
+        return refuse(format!(
+            "--start-at {} is not below --requests {}",
+            args.start_at, args.requests
+        ));
+    }
+    let ms = std::time::Duration::from_millis;
+    let timing = node::NodeTiming {
+        heartbeat: args.heartbeat_ms.map(ms),
+        lease: args.lease_ms.map(ms),
+        decode_deadline: args.decode_deadline_ms.map(ms),
+        registration_ttl: args.registration_ttl_ms.map(ms),
+        max_write_life: args.max_write_life_ms.map(ms),
+        max_message_delay: args.max_message_delay_ms.map(ms),
+    };
+    let config = match timing.config() {
+        Ok(config) => config,
+        Err(why) => return refuse(why),
+    };
     let process = RankProcess {
         side,
         rank: args.rank,
         prefill_base,
         decode_base,
-        linger: std::time::Duration::from_millis(args.linger_ms.min(2_000)),
+        linger: ms(args.linger_ms.min(2_000)),
+        start_at: args.start_at as usize,
+        gap: std::time::Duration::from_secs_f64(args.mean_arrival_gap_ms / 1e3),
+        expect_peer_loss: args.expect_peer_loss,
+        config,
     };
     match run_rank(&options, &process) {
         Err(DemoError::Options(why)) => refuse(why),

@@ -504,6 +504,7 @@ fn drive(
         } else {
             flight::Placing::Ahead
         },
+        flight::Pace::default(),
         hooks.chaos,
         deadline,
         &mut tally,
@@ -577,9 +578,15 @@ pub(super) struct Tally {
     latencies_us: Vec<f64>,
     timed_out: bool,
     errors: Vec<String>,
+    /// Each rank's events by typed outcome (`Ready`, `Failed(PeerDead)`, `Sent`, …).
+    outcomes: std::collections::BTreeMap<String, u64>,
 }
 
 impl Tally {
+    pub(super) fn outcome(&mut self, outcome: String) {
+        *self.outcomes.entry(outcome).or_default() += 1;
+    }
+
     pub(super) fn error(&mut self, error: String) {
         if self.errors.len() < MAX_ERRORS {
             self.errors.push(error);

@@ -96,6 +96,7 @@ pub(super) fn run_all(
     seed: u64,
     fault: Option<(usize, HeteroFault)>,
     placing: Placing,
+    pace: Pace,
     chaos: &mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
     deadline: Instant,
     tally: &mut Tally,
@@ -105,9 +106,17 @@ pub(super) fn run_all(
         <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed ^ 0xc4a0_5000);
     let mut free: Vec<usize> = (0..window).rev().collect();
     let mut flights: BTreeMap<RequestId, Flight> = BTreeMap::new();
-    let mut next = 0;
+    let mut next = pace.first;
+    let started = Instant::now();
     while (next < handoffs.len() || !flights.is_empty()) && Instant::now() < deadline {
         while next < handoffs.len() {
+            let due = u32::try_from(next - pace.first)
+                .ok()
+                .and_then(|n| pace.gap.checked_mul(n))
+                .map(|after| started + after);
+            if due.is_some_and(|due| Instant::now() < due) {
+                break;
+            }
             let Some(slot) = free.pop() else { break };
             let r = next;
             next += 1;
@@ -170,6 +179,14 @@ pub(super) fn run_all(
             flight.r
         ));
     }
+}
+
+/// Which requests a run starts, and how fast: requests `first..` of the plan, request
+/// `first + n` no earlier than `n × gap` after the run began (a gap of zero: as slots free up).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Pace {
+    pub(super) first: usize,
+    pub(super) gap: Duration,
 }
 
 /// How one request is started: its deliberate fault, and how P's routes place its pieces.
@@ -307,7 +324,10 @@ fn gather(
         for event in rank.conn.poll_events() {
             any = true;
             let (request, end) = match &event {
-                ConnectorEvent::BlocksReady { request, .. } => (request, Ended::Ready),
+                ConnectorEvent::BlocksReady { request, .. } => {
+                    tally.outcome("Ready".into());
+                    (request, Ended::Ready)
+                }
                 ConnectorEvent::DecodeFenced { request, reason } => {
                     // Not an end: the request's `Failed` follows with its blocks.
                     tally.error(format!(
@@ -320,13 +340,18 @@ fn gather(
                     request, reason, ..
                 } => {
                     tally.error(format!("{request}: D rank {} failed: {reason:?}", rank.id));
+                    tally.outcome(format!("Failed({reason:?})"));
                     (request, Ended::Failed)
                 }
                 ConnectorEvent::BlocksFree {
                     request, released, ..
                 } => match released {
-                    None => (request, Ended::Sent),
+                    None => {
+                        tally.outcome("Sent".into());
+                        (request, Ended::Sent)
+                    }
                     Some(cause) => {
+                        tally.outcome(format!("Released({cause:?})"));
                         tally.error(format!(
                             "{request}: P rank {} released unsent: {cause:?}",
                             rank.id

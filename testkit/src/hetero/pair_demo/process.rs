@@ -24,7 +24,7 @@ use kvhandoff_protocol::machine::Config;
 use kvhandoff_protocol::{EngineId, PeerAddr};
 use serde::Serialize;
 
-use super::flight::{self, Placing, Rank};
+use super::flight::{self, Pace, Placing, Rank};
 use super::{
     model_identity, planned, rank_port, side_channel, slot_memory, HeteroDemoOptions, Tally,
     DECODE, PREFILL,
@@ -35,7 +35,7 @@ use crate::demo::{start_error, DemoError, DemoTransport, Leaks};
 const WARM_RETRY: Duration = Duration::from_millis(100);
 
 /// Which rank this process is, and where both engines listen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RankProcess {
     /// Its engine.
     pub side: SideName,
@@ -48,6 +48,16 @@ pub struct RankProcess {
     /// How long P stays after its last request ended, so that D hears every notification
     /// before P's agent goes away.
     pub linger: Duration,
+    /// Run requests `start_at..` of the plan (a restarted rank continues its predecessor's).
+    pub start_at: usize,
+    /// Request `start_at + n` starts no earlier than `n × gap` after this rank met its peers.
+    pub gap: Duration,
+    /// A peer may die during the run (a survivor of a kill): the rank is ok when every request
+    /// it started had exactly one typed outcome, no byte is wrong and every block is back,
+    /// even if requests failed.
+    pub expect_peer_loss: bool,
+    /// The protocol's configuration (timing: heartbeat, lease, D's deadline).
+    pub config: Config,
 }
 
 /// What one rank's process did.
@@ -72,6 +82,13 @@ pub struct RankReport {
     pub failed: u64,
     /// Requests without an event on this rank at the end.
     pub missing: u64,
+    /// The first request this rank ran (`--start-at`).
+    pub start_at: u64,
+    /// Its events by typed outcome.
+    pub outcomes: std::collections::BTreeMap<String, u64>,
+    /// Whether a peer was expected to die (the verdict then asks for typed outcomes, not for
+    /// every request done).
+    pub expect_peer_loss: bool,
     /// Bytes this rank's memory holds wrongly.
     pub byte_errors: u64,
     /// Blocks of requests that never had their event on this rank.
@@ -178,7 +195,7 @@ pub fn run_rank(
     let started = RankBuilder::new(engine, geometry.clone(), model_identity(&run.pair))
         .regions(slot_memory(lens, options.window)?)
         .transport(kind)
-        .config(Config::default())
+        .config(process.config.clone())
         .pairing(run.pair.clone(), process.side)
         .side_channel(side_channel(process.side, rank_port(own_base, &geometry)?)?)
         .start_on(&mut runtime)
@@ -210,6 +227,18 @@ pub fn run_rank(
         .map(|h| Arc::new(std::sync::Mutex::new(h)))
         .collect();
     let met = tally.errors.is_empty();
+    eprintln!(
+        "kvhandoff node: {} rank {} {}; running the schedule (requests {}..{})",
+        process.side,
+        process.rank,
+        if met {
+            "is up"
+        } else {
+            "did not meet its peers"
+        },
+        process.start_at,
+        shared.len()
+    );
     if met {
         flight::run_all(
             &shared,
@@ -219,6 +248,10 @@ pub fn run_rank(
             options.seed ^ 0x5eed_ca11,
             None,
             Placing::AtPost,
+            Pace {
+                first: process.start_at,
+                gap: process.gap,
+            },
             &mut |_| false,
             deadline,
             &mut tally,
@@ -232,9 +265,10 @@ pub fn run_rank(
                 .min(deadline.saturating_duration_since(Instant::now())),
         );
     }
+    let requests = shared.len().saturating_sub(process.start_at) as u64;
     if !met {
         // No request started: each is one without an event here.
-        tally.decode_missing = shared.len() as u64;
+        tally.decode_missing = requests;
     }
     let stats = side_channel_stats(&ranks);
     for rank in &mut ranks {
@@ -250,14 +284,7 @@ pub fn run_rank(
     }
     drop(ranks);
     runtime.shutdown();
-    let mut report = report(
-        options,
-        &run.pair,
-        process,
-        shared.len() as u64,
-        tally,
-        wall,
-    );
+    let mut report = report(options, &run.pair, process, requests, tally, wall);
     if let Some(stats) = stats {
         let named =
             |counts: &std::collections::BTreeMap<kvhandoff_actors::system::RejectReason, u64>| {
@@ -342,12 +369,16 @@ fn report(
         ),
         SideName::Prefill => (t.sent, 0, t.released, t.prefill_missing, t.leaks.prefill),
     };
-    let ok = !t.timed_out
-        && t.errors.is_empty()
-        && done == requests
-        && t.byte_errors == 0
+    // Every request has its one event here, nothing wrong, nothing leaked; and unless a peer
+    // was expected to die, every request done without an error.
+    let accounted = !t.timed_out
         && missing == 0
+        && done + failed == requests
+        && t.byte_errors == 0
+        && t.duplicates == 0
+        && t.unknown == 0
         && t.leaks == Leaks::default();
+    let ok = accounted && (process.expect_peer_loss || (t.errors.is_empty() && done == requests));
     let engine = match process.side {
         SideName::Prefill => PREFILL,
         SideName::Decode => DECODE,
@@ -387,6 +418,9 @@ fn report(
         ready,
         failed,
         missing,
+        start_at: process.start_at as u64,
+        outcomes: t.outcomes.clone(),
+        expect_peer_loss: process.expect_peer_loss,
         byte_errors: t.byte_errors,
         leaked_blocks: leaked,
         handshakes_refused: std::collections::BTreeMap::new(),
