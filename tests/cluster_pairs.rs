@@ -203,6 +203,7 @@ impl Rank {
             ])
             .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
             .args(KILL_PAIR)
+            .args(["--mean-arrival-gap-ms", &GAP_MS.to_string()])
             .args(extra)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
@@ -265,8 +266,9 @@ impl Rank {
 /// The pair of the kill test and the flags every rank of it gets: less TP on D (its one rank
 /// gathers both P ranks' heads, so every request needs the victim), a fixed gap between
 /// request starts ([`GAP_MS`]), 16 in flight, and the timings a kill needs within the run (a 500 ms
-/// heartbeat, fabric bounds that make D's fence about 4 s, D's deadline 2 s, P's lease 3 s).
-const KILL_PAIR: [&str; 26] = [
+/// heartbeat, fabric bounds that make D's fence about 4 s, D's deadline 2 s; the surviving P's
+/// lease 3 s, for requests D gave up on before registering with it).
+const KILL_PAIR: [&str; 22] = [
     "--model",
     "gqa8",
     "--prefill",
@@ -277,8 +279,6 @@ const KILL_PAIR: [&str; 26] = [
     "240",
     "--window",
     "16",
-    "--mean-arrival-gap-ms",
-    "20",
     "--timeout-secs",
     "40",
     "--heartbeat-ms",
@@ -291,12 +291,10 @@ const KILL_PAIR: [&str; 26] = [
     "500",
     "--decode-deadline-ms",
     "2000",
-    "--lease-ms",
-    "3000",
 ];
 
 /// The gap between request starts in [`KILL_PAIR`], ms.
-const GAP_MS: u64 = 30;
+const GAP_MS: u64 = 40;
 
 /// kill -9 of one P rank of a pair whose D rank gathers from both P ranks, in the middle of the
 /// run, and its restart with the rest of the plan: every rank ends every request it started
@@ -313,12 +311,17 @@ fn a_killed_prefill_rank_of_a_pair_fails_typed_and_is_served_after_restart() {
     let ports = (p_base, d_base);
     let survivor = ["--expect-peer-loss".to_string()];
     let d = Rank::start("decode", 0, ports, &survivor);
-    let p0 = Rank::start("prefill", 0, ports, &survivor);
+    let p_survivor = [
+        "--expect-peer-loss".to_string(),
+        "--lease-ms".to_string(),
+        "3000".to_string(),
+    ];
+    let p0 = Rank::start("prefill", 0, ports, &p_survivor);
     let mut p1 = Rank::start("prefill", 1, ports, &[]);
     let d_zero = d.await_up(deadline);
     let p1_zero = p1.await_up(deadline);
     let startup = p1_zero.saturating_duration_since(p1.spawned);
-    // Request 40 is due on the victim's schedule 1.2 s in.
+    // Request 40 is due on the victim's schedule 1.6 s in.
     let kill_at = p1_zero + std::time::Duration::from_millis(40 * GAP_MS);
     std::thread::sleep(kill_at.saturating_duration_since(std::time::Instant::now()));
     p1.child.kill().expect("kill -9");
@@ -415,4 +418,8 @@ fn a_killed_prefill_rank_of_a_pair_fails_typed_and_is_served_after_restart() {
             "P1 restarted: {outcome}\n{all}"
         );
     }
+    eprintln!(
+        "killed P rank 1 at its request {into}, restarted at K = {k}; D {}; P0 {}; P1 restarted {}",
+        dr["outcomes"], p0r["outcomes"], p1r["outcomes"]
+    );
 }
