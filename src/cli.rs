@@ -10,6 +10,7 @@ pub(crate) mod logging;
 pub(crate) mod matrix;
 pub(crate) mod model;
 pub(crate) mod node;
+pub(crate) mod pair_args;
 pub(crate) mod plan;
 pub(crate) mod progress;
 pub(crate) mod sim;

@@ -40,7 +40,7 @@ const GRACE: Duration = Duration::from_secs(30);
 #[derive(Debug, Args)]
 pub(crate) struct ClusterArgs {
     /// TP ranks of each engine (both engines run the demo model at this TP): 1, 2, 4 or 8.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8))]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8), conflicts_with = "model")]
     tp: u32,
     /// Requests every rank pair hands off.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -62,22 +62,10 @@ pub(crate) struct ClusterArgs {
     /// Kill one rank mid-run and restart it (push mode): `prefill:R@N` or `decode:R@N` sends
     /// SIGKILL to rank R of that engine when request N arrives on its schedule, then starts
     /// it again with the rest of the plan; rank R of the other engine survives it.
-    #[arg(long, value_name = "ENGINE:R@N", value_parser = kill::parse_kill)]
+    #[arg(long, value_name = "ENGINE:R@N", value_parser = kill::parse_kill, conflicts_with = "model")]
     kill: Option<KillSpec>,
-    /// A heterogeneous pair: a model of the catalog (gqa8, gqa2, mla, swa, mamba), with
-    /// `--prefill` and `--decode`; every rank of both engines (TP × PP each) runs as its own
-    /// `kvhandoff node --model …` process, push.
-    #[arg(long, requires_all = ["prefill", "decode"], conflicts_with_all = ["tp", "kill"])]
-    model: Option<String>,
-    /// P's geometry: `tp=N,block=N,layout=NHD|HND[,pp=N][,kbpl=N]` (with `--model`).
-    #[arg(long, requires = "model")]
-    prefill: Option<String>,
-    /// D's geometry, the same way (with `--model`).
-    #[arg(long, requires = "model")]
-    decode: Option<String>,
-    /// With `--model`: requests in flight at once on each rank.
-    #[arg(long, requires = "model", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=32))]
-    window: u32,
+    #[command(flatten)]
+    pair: super::pair_args::PairArgs,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -244,15 +232,19 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
         eprintln!("error: kvhandoff cluster runs its ranks over NIXL: build with --features nixl");
         return ExitCode::from(2);
     }
-    let pair = match (&args.model, &args.prefill, &args.decode) {
-        (Some(model), Some(p), Some(d)) => match pair::PairRun::new(model, p, d, args.window) {
+    let pair = match args.pair.specs() {
+        Ok(None) => None,
+        Ok(Some(specs)) => match pair::PairRun::new(specs, args.pair.window) {
             Ok(pair) => Some(pair),
             Err(error) => {
                 eprintln!("error: {error}");
                 return ExitCode::from(2);
             }
         },
-        _ => None,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::from(2);
+        }
     };
     if pair.is_some() && !matches!(args.mode, ModeArg::Push) {
         eprintln!("error: a heterogeneous pair runs push only (--mode push)");

@@ -46,19 +46,8 @@ pub(crate) struct DemoArgs {
     /// NIXL cannot read its registered memory, and the ranks refuse to start).
     #[arg(long)]
     integrity_digest: bool,
-    /// A heterogeneous pair: a model of the catalog (gqa8, gqa2, mla, swa, mamba), with
-    /// `--prefill` and `--decode`. Every rank of both sides runs in this process (push only).
-    #[arg(long, requires_all = ["prefill", "decode"])]
-    model: Option<String>,
-    /// P's geometry: `tp=N,block=N,layout=NHD|HND[,pp=N][,kbpl=N]` (with `--model`).
-    #[arg(long, requires = "model")]
-    prefill: Option<String>,
-    /// D's geometry, the same way (with `--model`).
-    #[arg(long, requires = "model")]
-    decode: Option<String>,
-    /// With `--model`: requests in flight at once (each in its own memory slot of every rank).
-    #[arg(long, requires = "model", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=32))]
-    window: u32,
+    #[command(flatten)]
+    pair: super::pair_args::PairArgs,
     /// With `--model` (mem only): share of requests, 0 to 1, that arm one transport fault on a
     /// random P rank as they start (a refused post, a failed or half-landed write, a late
     /// landing). The verdict is then FAILED by design; the report's accounting must still hold.
@@ -87,8 +76,8 @@ pub(crate) fn run_demo(args: DemoArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let (Some(model), Some(prefill), Some(decode)) = (&args.model, &args.prefill, &args.decode) {
-        return run_hetero(&args, model, prefill, decode);
+    if args.pair.model.is_some() {
+        return run_hetero(&args);
     }
     let options = DemoOptions {
         transport: match args.transport {
@@ -146,26 +135,16 @@ fn with_progress<R>(options: &DemoOptions, run: impl FnOnce() -> R) -> R {
 
 /// `demo --model M --prefill SPEC --decode SPEC`: a pair the planner refuses, or a spec that
 /// does not parse, is exit 2 with the reason (`{"error": …}` with `--json`), as `plan`'s.
-fn run_hetero(args: &DemoArgs, model: &str, prefill: &str, decode: &str) -> ExitCode {
+fn run_hetero(args: &DemoArgs) -> ExitCode {
     use kvhandoff_testkit::hetero::pair_demo::{self as hetero, HeteroDemoOptions};
-    let refuse = |error: String| {
-        if args.json {
-            super::print_json(&serde_json::json!({ "error": error }));
-        } else {
-            eprintln!("error: {error}");
-        }
-        ExitCode::from(2)
-    };
+    let refuse = |error: String| super::pair_args::refuse(args.json, &error);
     if !matches!(args.mode, ModeArg::Push) {
         return refuse("a heterogeneous pair runs push only (--mode push)".into());
     }
-    let parse = |what: &str, text: &str| {
-        text.parse::<kvhandoff_protocol::hetero::SideSpec>()
-            .map_err(|e| format!("--{what}: {e}"))
-    };
-    let (p, d) = match (parse("prefill", prefill), parse("decode", decode)) {
-        (Ok(p), Ok(d)) => (p, d),
-        (Err(e), _) | (_, Err(e)) => return refuse(e),
+    let pair = match args.pair.specs() {
+        Ok(Some(pair)) => pair,
+        Ok(None) => return refuse("--model names the pair".into()),
+        Err(e) => return refuse(e),
     };
     let options = HeteroDemoOptions {
         transport: match args.transport {
@@ -173,11 +152,11 @@ fn run_hetero(args: &DemoArgs, model: &str, prefill: &str, decode: &str) -> Exit
             TransportArg::Nixl => DemoTransport::Nixl,
         },
         requests: args.requests as usize,
-        window: args.window as usize,
+        window: args.pair.window as usize,
         chaos: args.chaos,
         seed: args.seed,
         side_channels: args.side_channels,
-        ..HeteroDemoOptions::new(model, p, d)
+        ..HeteroDemoOptions::new(&pair.model, pair.prefill, pair.decode)
     };
     match hetero::run(&options) {
         Err(kvhandoff_testkit::demo::DemoError::Options(why)) => refuse(why),

@@ -34,7 +34,7 @@ pub(crate) struct NodeArgs {
     /// TP ranks of each engine (give every node the same): the demo model's 8 KV heads split
     /// over this many ranks, each its own process; rank R of D pairs with rank R of P. 1, 2,
     /// 4 or 8.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8), conflicts_with = "model")]
     tp: u32,
     /// This process's rank in its engine, below `--tp` (with `--model`: its rank index in its
     /// side's spec, `pp_rank × tp + tp_rank`). `--listen`, `--peer` and `--router` name rank
@@ -42,22 +42,11 @@ pub(crate) struct NodeArgs {
     /// at `--peer`'s port + R (vLLM's side-channel convention).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=63))]
     rank: u32,
-    /// A heterogeneous pair: a model of the catalog (gqa8, gqa2, mla, swa, mamba) with
-    /// `--prefill` and `--decode`; this process runs rank `--rank` of `--role`'s side, over
-    /// NIXL, and pairs with the other side's ranks over their side channels (push). Every
-    /// process of the pair must be given the same pair, `--requests`, `--seed`, `--window` and
-    /// `--max-prompt-tokens`.
-    #[arg(long, requires_all = ["prefill", "decode"], conflicts_with_all = ["tp", "router"])]
-    model: Option<String>,
-    /// P's geometry: `tp=N,block=N,layout=NHD|HND[,pp=N][,kbpl=N]` (with `--model`).
-    #[arg(long, requires = "model")]
-    prefill: Option<String>,
-    /// D's geometry, the same way (with `--model`).
-    #[arg(long, requires = "model")]
-    decode: Option<String>,
-    /// With `--model`: requests in flight at once on this rank, each in its own memory slot.
-    #[arg(long, requires = "model", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=32))]
-    window: u32,
+    /// With `--model`: every process of the pair must be given the same pair, `--requests`,
+    /// `--seed`, `--window` and `--max-prompt-tokens`; this one runs rank `--rank` of `--role`'s
+    /// side over NIXL and pairs with the other side's ranks over their side channels.
+    #[command(flatten)]
+    pair: super::pair_args::PairArgs,
     /// Requests to hand off (both processes must agree, as on every schedule option).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     requests: u32,
@@ -126,7 +115,7 @@ pub(crate) struct NodeArgs {
     /// The router link, HOST:PORT (D listens, P connects; give both the same): P's answers
     /// (a pulled request's block ids) reach D over it, and D's answers for a conversation's
     /// next turn reach P.
-    #[arg(long, value_parser = parse_addr)]
+    #[arg(long, value_parser = parse_addr, conflicts_with = "model")]
     router: Option<std::net::SocketAddr>,
     /// TEST HOOK of the kill tests: right after this node's last engine call for request K of
     /// the plan (P: request_finished; D: keep_for_next_turn for a turn it keeps,
@@ -229,12 +218,12 @@ pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
 }
 
 fn run_schedule(args: NodeArgs, psk: Option<Psk>) -> ExitCode {
-    if let Some(model) = args.model.clone() {
+    if args.pair.model.is_some() {
         if psk.is_some() {
             eprintln!("error: --psk-file is not supported with --model yet");
             return ExitCode::from(2);
         }
-        return run_pair_rank(&args, &model);
+        return run_pair_rank(&args);
     }
     let role = match args.role {
         RoleArg::Prefill => NodeRole::Prefill,
@@ -266,14 +255,7 @@ fn run_schedule(args: NodeArgs, psk: Option<Psk>) -> ExitCode {
     options.start_at = args.start_at as usize;
     options.linger = ms(args.linger_ms);
     options.expect_peer_loss = args.expect_peer_loss;
-    options.timing = node::NodeTiming {
-        heartbeat: args.heartbeat_ms.map(ms),
-        lease: args.lease_ms.map(ms),
-        decode_deadline: args.decode_deadline_ms.map(ms),
-        registration_ttl: args.registration_ttl_ms.map(ms),
-        max_write_life: args.max_write_life_ms.map(ms),
-        max_message_delay: args.max_message_delay_ms.map(ms),
-    };
+    options.timing = timing(&args);
     conclude(
         node::run_full(&options),
         args.json,
@@ -283,30 +265,29 @@ fn run_schedule(args: NodeArgs, psk: Option<Psk>) -> ExitCode {
     )
 }
 
+/// The protocol's timing the flags set.
+fn timing(args: &NodeArgs) -> node::NodeTiming {
+    let ms = std::time::Duration::from_millis;
+    node::NodeTiming {
+        heartbeat: args.heartbeat_ms.map(ms),
+        lease: args.lease_ms.map(ms),
+        decode_deadline: args.decode_deadline_ms.map(ms),
+        registration_ttl: args.registration_ttl_ms.map(ms),
+        max_write_life: args.max_write_life_ms.map(ms),
+        max_message_delay: args.max_message_delay_ms.map(ms),
+    }
+}
+
 /// One rank of a heterogeneous pair (`--model`), as a process of its own.
-fn run_pair_rank(args: &NodeArgs, model: &str) -> ExitCode {
-    use kvhandoff_protocol::hetero::{SideName, SideSpec};
+fn run_pair_rank(args: &NodeArgs) -> ExitCode {
+    use kvhandoff_protocol::hetero::SideName;
     use kvhandoff_testkit::demo::{DemoError, DemoTransport};
     use kvhandoff_testkit::hetero::pair_demo::{run_rank, HeteroDemoOptions, RankProcess};
-    let refuse = |error: String| {
-        if args.json {
-            super::print_json(&serde_json::json!({ "error": error }));
-        } else {
-            eprintln!("error: {error}");
-        }
-        ExitCode::from(2)
-    };
-    let parse = |what: &str, text: Option<&String>| {
-        text.ok_or_else(|| format!("--{what} is needed with --model"))?
-            .parse::<SideSpec>()
-            .map_err(|e| format!("--{what}: {e}"))
-    };
-    let (p, d) = match (
-        parse("prefill", args.prefill.as_ref()),
-        parse("decode", args.decode.as_ref()),
-    ) {
-        (Ok(p), Ok(d)) => (p, d),
-        (Err(e), _) | (_, Err(e)) => return refuse(e),
+    let refuse = |error: String| super::pair_args::refuse(args.json, &error);
+    let pair = match args.pair.specs() {
+        Ok(Some(pair)) => pair,
+        Ok(None) => return refuse("--model names the pair".into()),
+        Err(e) => return refuse(e),
     };
     if !matches!(args.mode, ModeArg::Push) {
         return refuse("a heterogeneous pair runs push only (--mode push)".into());
@@ -314,11 +295,11 @@ fn run_pair_rank(args: &NodeArgs, model: &str) -> ExitCode {
     let options = HeteroDemoOptions {
         transport: DemoTransport::Nixl,
         requests: args.requests as usize,
-        window: args.window as usize,
+        window: args.pair.window as usize,
         seed: args.seed,
         max_prompt_tokens: u64::from(args.max_prompt_tokens),
         timeout: std::time::Duration::from_secs(args.timeout_secs),
-        ..HeteroDemoOptions::new(model, p, d)
+        ..HeteroDemoOptions::new(&pair.model, pair.prefill, pair.decode)
     };
     let (side, prefill_base, decode_base) = match args.role {
         RoleArg::Prefill => (SideName::Prefill, args.listen, args.peer),
@@ -331,15 +312,7 @@ fn run_pair_rank(args: &NodeArgs, model: &str) -> ExitCode {
         ));
     }
     let ms = std::time::Duration::from_millis;
-    let timing = node::NodeTiming {
-        heartbeat: args.heartbeat_ms.map(ms),
-        lease: args.lease_ms.map(ms),
-        decode_deadline: args.decode_deadline_ms.map(ms),
-        registration_ttl: args.registration_ttl_ms.map(ms),
-        max_write_life: args.max_write_life_ms.map(ms),
-        max_message_delay: args.max_message_delay_ms.map(ms),
-    };
-    let config = match timing.config() {
+    let config = match timing(args).config() {
         Ok(config) => config,
         Err(why) => return refuse(why),
     };

@@ -3,6 +3,8 @@
 //! `kvhandoff node --model … --rank R` process over NIXL.
 
 use kvhandoff_protocol::hetero::{model, plan_pair, SideSpec};
+
+use crate::cli::pair_args::PairSpecs;
 use serde_json::Value;
 
 /// A heterogeneous pair to run, checked: the planner accepts it.
@@ -18,21 +20,10 @@ pub(super) struct PairRun {
 }
 
 impl PairRun {
-    /// The pair `model`, `prefill`, `decode`, refused with the planner's reason when it cannot
-    /// run.
-    pub(super) fn new(
-        model_name: &str,
-        prefill: &str,
-        decode: &str,
-        window: u32,
-    ) -> Result<PairRun, String> {
-        let parse = |what: &str, text: &str| {
-            text.parse::<SideSpec>()
-                .map_err(|e| format!("--{what}: {e}"))
-        };
-        let (p, d) = (parse("prefill", prefill)?, parse("decode", decode)?);
-        let found = model(model_name).map_err(|e| e.to_string())?;
-        let pair = plan_pair(found, p, d).map_err(|e| e.to_string())?;
+    /// The pair `specs`, refused with the planner's reason when it cannot run.
+    pub(super) fn new(specs: PairSpecs, window: u32) -> Result<PairRun, String> {
+        let found = model(&specs.model).map_err(|e| e.to_string())?;
+        let pair = plan_pair(found, specs.prefill, specs.decode).map_err(|e| e.to_string())?;
         let count = |n: usize| {
             u32::try_from(n)
                 .ok()
@@ -40,9 +31,9 @@ impl PairRun {
                 .ok_or_else(|| format!("{n} ranks: at most {} per engine", super::MAX_SIDE_RANKS))
         };
         Ok(PairRun {
-            model: model_name.to_string(),
-            prefill: p,
-            decode: d,
+            model: specs.model,
+            prefill: specs.prefill,
+            decode: specs.decode,
             prefill_ranks: count(pair.prefill.ranks.len())?,
             decode_ranks: count(pair.decode.ranks.len())?,
             window,
@@ -94,12 +85,23 @@ pub(super) fn rank_counts(report: &Value) -> (u64, u64, u64, bool, Option<String
 mod tests {
     use super::*;
 
+    fn specs(model: &str, prefill: &str, decode: &str) -> Result<PairSpecs, String> {
+        Ok(PairSpecs {
+            model: model.into(),
+            prefill: prefill.parse().map_err(|e| format!("{e}"))?,
+            decode: decode.parse().map_err(|e| format!("{e}"))?,
+        })
+    }
+
     #[test]
     fn a_pair_is_planned_or_refused_with_the_planners_reason() {
         let pair = PairRun::new(
-            "gqa8",
-            "tp=2,block=16,layout=NHD,pp=2",
-            "tp=1,block=32,layout=HND",
+            specs(
+                "gqa8",
+                "tp=2,block=16,layout=NHD,pp=2",
+                "tp=1,block=32,layout=HND",
+            )
+            .unwrap(),
             4,
         )
         .unwrap();
@@ -108,21 +110,18 @@ mod tests {
         assert!(pair
             .node_args()
             .contains(&"tp=1,block=32,layout=HND".to_string()));
-        assert!(PairRun::new(
+        let unknown = specs(
             "nope",
             "tp=1,block=16,layout=NHD",
             "tp=1,block=16,layout=NHD",
-            4
-        )
-        .is_err());
-        let bad = PairRun::new(
+        );
+        assert!(PairRun::new(unknown.unwrap(), 4).is_err());
+        let three = specs(
             "gqa8",
             "tp=3,block=16,layout=NHD",
             "tp=1,block=16,layout=NHD",
-            4,
-        )
-        .unwrap_err();
-        assert!(bad.contains("3"), "{bad}");
-        assert!(PairRun::new("gqa8", "tp=1,block=16", "x", 4).is_err());
+        );
+        let bad = PairRun::new(three.unwrap(), 4).unwrap_err();
+        assert!(bad.contains('3'), "{bad}");
     }
 }
