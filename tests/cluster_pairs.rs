@@ -423,3 +423,52 @@ fn a_killed_prefill_rank_of_a_pair_fails_typed_and_is_served_after_restart() {
         dr["outcomes"], p0r["outcomes"], p1r["outcomes"]
     );
 }
+
+/// `cluster --kill` of a D rank of a pair whose one P rank writes to both D ranks: every
+/// survivor accounts for every request (typed, nothing wrong, nothing leaked), the restarted D
+/// rank is served again, and every process is gone.
+#[test]
+fn cluster_kills_and_restarts_a_decode_rank_of_a_pair() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
+        .args(["cluster", "--json", "--model", "gqa8"])
+        .args(["--prefill", "tp=1,block=16,layout=NHD"])
+        .args(["--decode", "tp=2,block=32,layout=HND"])
+        .args([
+            "--requests",
+            "240",
+            "--window",
+            "16",
+            "--kill",
+            "decode:1@40",
+        ])
+        .args(["--timeout-secs", "60"])
+        .output()
+        .expect("kvhandoff runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let all = format!("{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{all}"));
+    let kill = &report["kill"];
+    // The precondition: the victim died mid-run and was restarted before the plan ended.
+    let at_kill = kill["request_at_kill"].as_u64().expect("killed");
+    let k = kill["restart_at"].as_u64().expect("restarted");
+    assert!(at_kill >= 40 && k > at_kill && k < 240, "{all}");
+    assert_eq!(report["ok"], true, "{all}");
+    assert_eq!(report["all_exited"], true, "{all}");
+    assert_eq!(report["byte_errors"], 0, "{all}");
+    assert_eq!(report["leaked_blocks"], 0, "{all}");
+    assert!(
+        kill["survivor"]["failed"].as_u64() > Some(0),
+        "the death failed requests on P\n{all}"
+    );
+    let restarted = kill["restarted"]["done"].as_u64().unwrap_or(0);
+    assert!(restarted > 0 && restarted * 2 >= 240 - k, "{all}");
+    for r in report["ranks"].as_array().expect("ranks") {
+        assert!(gone(r["pid"].as_u64().expect("pid")), "{all}");
+        match r["life"].as_str() {
+            Some("killed") => assert_eq!(r["signal"], 9, "{all}"),
+            _ => assert_eq!(r["exit_code"], 0, "{all}"),
+        }
+    }
+}

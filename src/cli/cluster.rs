@@ -61,8 +61,9 @@ pub(crate) struct ClusterArgs {
     timeout_secs: u64,
     /// Kill one rank mid-run and restart it (push mode): `prefill:R@N` or `decode:R@N` sends
     /// SIGKILL to rank R of that engine when request N arrives on its schedule, then starts
-    /// it again with the rest of the plan; rank R of the other engine survives it.
-    #[arg(long, value_name = "ENGINE:R@N", value_parser = kill::parse_kill, conflicts_with = "model")]
+    /// it again with the rest of the plan; rank R of the other engine survives it (with
+    /// `--model`, every other rank: a pair's fan spreads the death).
+    #[arg(long, value_name = "ENGINE:R@N", value_parser = kill::parse_kill)]
     kill: Option<KillSpec>,
     #[command(flatten)]
     pair: super::pair_args::PairArgs,
@@ -257,7 +258,11 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    let killer = match args.kill.map(|spec| Killer::new(spec, &args)).transpose() {
+    let killer = args.kill.map(|spec| match &pair {
+        Some(pair) => Killer::for_pair(spec, &args, pair),
+        None => Killer::new(spec, &args),
+    });
+    let killer = match killer.transpose() {
         Ok(killer) => killer,
         Err(error) => {
             eprintln!("error: --kill: {error}");

@@ -66,6 +66,10 @@ const MIN_LEAD: Duration = Duration::from_millis(1500);
 /// ...and at most this (the plan must leave requests for the restart).
 const MAX_LEAD: Duration = Duration::from_millis(3000);
 
+/// The gap between a pair rank's request starts: `kvhandoff node`'s default
+/// `--mean-arrival-gap-ms`, which `node --model` takes as a fixed gap.
+const PAIR_GAP: Duration = Duration::from_millis(20);
+
 /// An engine of the cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Engine {
@@ -180,6 +184,10 @@ struct Kill {
 pub(super) struct Killer {
     spec: KillSpec,
     requests: u32,
+    /// A heterogeneous pair (`--model`): every rank but the victim is a survivor (a fan
+    /// spreads a death over every rank linked to the dead one and their siblings), and the
+    /// restart is judged on what it served rather than on all of its part.
+    pair: bool,
     /// Request `i` arrives `arrivals[i]` into the schedule.
     arrivals: Vec<Duration>,
     marks: Option<Arc<Marks>>,
@@ -213,6 +221,39 @@ impl Killer {
         Ok(Killer {
             spec,
             requests: args.requests,
+            pair: false,
+            arrivals,
+            marks: None,
+            phase: Phase::Armed,
+        })
+    }
+
+    /// As [`Killer::new`], for the ranks of a heterogeneous pair (`kvhandoff node --model`): a
+    /// rank starts its requests a fixed [`PAIR_GAP`] apart from when it met its peers.
+    pub(super) fn for_pair(
+        spec: KillSpec,
+        args: &ClusterArgs,
+        pair: &super::pair::PairRun,
+    ) -> Result<Killer, String> {
+        let ranks = pair.ranks(spec.engine.name());
+        if spec.rank >= ranks {
+            return Err(format!(
+                "rank {} is not below the {ranks} ranks of {}",
+                spec.rank,
+                spec.engine.name()
+            ));
+        }
+        if spec.at >= args.requests {
+            return Err(format!(
+                "request {} is not below --requests {}",
+                spec.at, args.requests
+            ));
+        }
+        let arrivals = (0..args.requests).map(|r| PAIR_GAP * r).collect();
+        Ok(Killer {
+            spec,
+            requests: args.requests,
+            pair: true,
             arrivals,
             marks: None,
             phase: Phase::Armed,
@@ -233,11 +274,11 @@ impl Killer {
         engine: &str,
         rank: u32,
     ) -> (Vec<String>, Option<Arc<Marks>>, Option<&'static str>) {
-        if rank != self.spec.rank {
+        if rank != self.spec.rank && !self.pair {
             return (Vec::new(), None, None);
         }
         let mut flags = Killer::pair_flags();
-        if engine == self.spec.engine.name() {
+        if engine == self.spec.engine.name() && rank == self.spec.rank {
             let marks = Arc::new(Marks {
                 spawned: Instant::now(),
                 listening: OnceLock::new(),
@@ -247,9 +288,12 @@ impl Killer {
             return (flags, Some(marks), Some(VICTIM));
         }
         flags.push("--expect-peer-loss".into());
-        flags.extend(match self.spec.engine {
-            Engine::Prefill => ["--decode-deadline-ms".into(), DECODE_DEADLINE_MS.into()],
-            Engine::Decode => ["--lease-ms".into(), LEASE_MS.into()],
+        // A survivor of the other engine ends what the death left it: D what no P will write,
+        // P what no D will register (in a pair, a rank of the victim's own engine is a sibling
+        // in the fan, and its requests end by a cancel from D).
+        flags.extend(match engine {
+            "decode" => ["--decode-deadline-ms".into(), DECODE_DEADLINE_MS.into()],
+            _ => ["--lease-ms".into(), LEASE_MS.into()],
         });
         (flags, None, Some(SURVIVOR))
     }
@@ -348,6 +392,11 @@ impl Killer {
         if let Some(k) = k {
             let mut flags = Killer::pair_flags();
             flags.extend(["--start-at".to_string(), k.to_string()]);
+            if self.pair {
+                // Its first requests may have been given up on by its peers before it met
+                // them (a start-up slower than the lead): typed, not a failure of the restart.
+                flags.push("--expect-peer-loss".into());
+            }
             let (mut spec, child, reader) = launch.spawn(engine, self.spec.rank, &flags, None)?;
             spec.life = Some(RESTARTED);
             eprintln!(

@@ -63,17 +63,45 @@ impl Killer {
             });
         let part = k.map_or(0, |k| requests - k);
         if let Some(r) = &restarted {
-            if !r.ok || r.done != part {
+            // A pair's restart is typed throughout (its first requests may have been given up
+            // on before it met its peers) and must have served at least half of its part.
+            let served_enough = if self.pair {
+                r.done * 2 >= part && r.done > 0
+            } else {
+                r.done == part
+            };
+            if !r.ok || !served_enough {
                 why.push(format!(
                     "the restarted rank: {}/{part} done, exit {:?}",
                     r.done, r.exit_code
                 ));
             }
         }
+        if self.pair {
+            // Every rank but the victim survived it: each must account for every request.
+            for r in ranks.iter().filter(|r| r.life == Some(SURVIVOR)) {
+                if !r.ok || r.byte_errors > 0 || r.leaked_blocks > 0 {
+                    why.push(format!(
+                        "survivor {} rank {}: exit {:?}, {} byte errors, {} leaked blocks{}",
+                        r.engine,
+                        r.rank,
+                        r.exit_code,
+                        r.byte_errors,
+                        r.leaked_blocks,
+                        r.error
+                            .as_deref()
+                            .map_or(String::new(), |e| format!(" ({e})"))
+                    ));
+                }
+            }
+        }
+        // The survivor reported on: the victim's peer rank (in a pair, the first rank of the
+        // other engine).
+        let victim_engine = self.spec.engine.name();
         let survivor = ranks
             .iter()
             .zip(texts)
-            .find(|(r, _)| r.life == Some(SURVIVOR))
+            .find(|(r, _)| r.life == Some(SURVIVOR) && r.engine != victim_engine)
             .map(|(r, text)| survivor(r, text, k));
         let mut served = 0;
         match &survivor {
@@ -89,8 +117,13 @@ impl Killer {
                             .map_or(String::new(), |e| format!(" ({e})"))
                     ));
                 }
-                served = (*after).min(restarted.as_ref().map_or(0, |r| r.done));
-                if k.is_some() && served != part {
+                let restarted_done = restarted.as_ref().map_or(0, |r| r.done);
+                served = if self.pair {
+                    restarted_done
+                } else {
+                    (*after).min(restarted_done)
+                };
+                if k.is_some() && !self.pair && served != part {
                     why.push(format!("{served}/{part} requests served after the restart"));
                 }
             }
@@ -120,7 +153,12 @@ impl Killer {
 /// The survivor's section from its line and JSON, and how many of requests `k..` it completed.
 fn survivor(line: &RankLine, text: &str, k: Option<u64>) -> (Survivor, u64) {
     let report = crate::cli::cluster::report_of(text).unwrap_or(Value::Null);
-    let node = &report["node"];
+    // A pair rank's report (`node --model`) has its outcomes at the top.
+    let node = if report["node"].is_null() {
+        &report
+    } else {
+        &report["node"]
+    };
     let outcomes: BTreeMap<String, u64> = node["outcomes"]
         .as_object()
         .map(|o| {

@@ -98,6 +98,8 @@ pub struct RankReport {
     pub handshakes_refused: std::collections::BTreeMap<String, u64>,
     /// Its own handshakes that failed, by reason.
     pub handshakes_failed: std::collections::BTreeMap<String, u64>,
+    /// Peers this rank's endpoint declared dead (silence, loss, or a restart).
+    pub peer_deaths: u64,
     /// Whether the run passed its limit.
     pub timed_out: bool,
     /// The first errors.
@@ -271,6 +273,10 @@ pub fn run_rank(
         tally.decode_missing = requests;
     }
     let stats = side_channel_stats(&ranks);
+    let peer_deaths = ranks
+        .first()
+        .and_then(|r| crate::demo::query_counters(&r.conn.rank().rank))
+        .map_or(0, |c| c.peers_declared_dead);
     for rank in &mut ranks {
         if rank.route.pending() > 0 {
             tally.error(format!(
@@ -285,6 +291,7 @@ pub fn run_rank(
     drop(ranks);
     runtime.shutdown();
     let mut report = report(options, &run.pair, process, requests, tally, wall);
+    report.peer_deaths = peer_deaths;
     if let Some(stats) = stats {
         let named =
             |counts: &std::collections::BTreeMap<kvhandoff_actors::system::RejectReason, u64>| {
@@ -425,6 +432,7 @@ fn report(
         leaked_blocks: leaked,
         handshakes_refused: std::collections::BTreeMap::new(),
         handshakes_failed: std::collections::BTreeMap::new(),
+        peer_deaths: 0,
         timed_out: t.timed_out,
         errors: t.errors,
         wall_ms: wall.elapsed().as_secs_f64() * 1e3,
