@@ -472,3 +472,70 @@ fn cluster_kills_and_restarts_a_decode_rank_of_a_pair() {
         }
     }
 }
+
+/// Ranks of a pair authenticate their handshakes with a pre-shared key (`--psk-file`): with the
+/// same key they hand off every request; with another key P refuses D's handshakes as failed
+/// authentication and D starts nothing.
+#[test]
+fn a_pair_authenticates_its_handshakes_with_a_pre_shared_key() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    let dir = std::env::temp_dir().join(format!("kvh-pair-psk-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temp dir");
+    let key = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).expect("a key file");
+        path.to_string_lossy().to_string()
+    };
+    let (one, other) = (
+        key("one", "0123456789abcdef0123456789abcdef"),
+        key("other", "fedcba9876543210fedcba9876543210"),
+    );
+    let run = |p_key: &str, d_key: &str| {
+        let (p_addr, d_addr) = nodes::two_ports();
+        let node =
+            |role: &str, listen: std::net::SocketAddr, peer: std::net::SocketAddr, k: &str| {
+                Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
+                    .args(["node", "--json", "--role", role, "--rank", "0"])
+                    .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
+                    .args(["--model", "gqa8", "--prefill", "tp=1,block=16,layout=NHD"])
+                    .args(["--decode", "tp=1,block=32,layout=HND", "--requests", "8"])
+                    .args(["--timeout-secs", "4", "--psk-file", k])
+                    .output()
+            };
+        let d = std::thread::scope(|scope| {
+            let d = scope.spawn(|| node("decode", d_addr, p_addr, d_key));
+            let p = node("prefill", p_addr, d_addr, p_key).expect("P runs");
+            (d.join().expect("D's thread").expect("D runs"), p)
+        });
+        let json = |out: &std::process::Output| -> Value {
+            let text = String::from_utf8_lossy(&out.stdout);
+            let start = text.find('{').unwrap_or(0);
+            serde_json::Deserializer::from_str(&text[start..])
+                .into_iter::<Value>()
+                .next()
+                .and_then(Result::ok)
+                .unwrap_or(Value::Null)
+        };
+        let all = format!(
+            "D:\n{}\n{}\nP:\n{}\n{}",
+            String::from_utf8_lossy(&d.0.stdout),
+            String::from_utf8_lossy(&d.0.stderr),
+            String::from_utf8_lossy(&d.1.stdout),
+            String::from_utf8_lossy(&d.1.stderr)
+        );
+        (json(&d.0), json(&d.1), all)
+    };
+    let (d, p, all) = run(&one, &one);
+    assert_eq!(d["ok"], true, "the same key\n{all}");
+    assert_eq!(d["done"], 8, "{all}");
+    assert_eq!(p["ok"], true, "{all}");
+    let (d, p, all) = run(&one, &other);
+    assert_eq!(d["ok"], false, "another key\n{all}");
+    assert_eq!(d["done"], 0, "{all}");
+    assert!(
+        p["handshakes_refused"]["authentication_failed"].as_u64() >= Some(1),
+        "P refused D's handshakes as failed authentication\n{all}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

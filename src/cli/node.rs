@@ -219,11 +219,7 @@ pub(crate) fn run_node(args: NodeArgs) -> ExitCode {
 
 fn run_schedule(args: NodeArgs, psk: Option<Psk>) -> ExitCode {
     if args.pair.model.is_some() {
-        if psk.is_some() {
-            eprintln!("error: --psk-file is not supported with --model yet");
-            return ExitCode::from(2);
-        }
-        return run_pair_rank(&args);
+        return run_pair_rank(&args, psk);
     }
     let role = match args.role {
         RoleArg::Prefill => NodeRole::Prefill,
@@ -279,7 +275,7 @@ fn timing(args: &NodeArgs) -> node::NodeTiming {
 }
 
 /// One rank of a heterogeneous pair (`--model`), as a process of its own.
-fn run_pair_rank(args: &NodeArgs) -> ExitCode {
+fn run_pair_rank(args: &NodeArgs, psk: Option<Psk>) -> ExitCode {
     use kvhandoff_protocol::hetero::SideName;
     use kvhandoff_testkit::demo::{DemoError, DemoTransport};
     use kvhandoff_testkit::hetero::pair_demo::{run_rank, HeteroDemoOptions, RankProcess};
@@ -326,6 +322,7 @@ fn run_pair_rank(args: &NodeArgs) -> ExitCode {
         gap: std::time::Duration::from_secs_f64(args.mean_arrival_gap_ms / 1e3),
         expect_peer_loss: args.expect_peer_loss,
         config,
+        psk,
     };
     match run_rank(&options, &process) {
         Err(DemoError::Options(why)) => refuse(why),

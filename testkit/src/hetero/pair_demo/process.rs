@@ -58,6 +58,9 @@ pub struct RankProcess {
     pub expect_peer_loss: bool,
     /// The protocol's configuration (timing: heartbeat, lease, D's deadline).
     pub config: Config,
+    /// The side channel's pre-shared key: every handshake authenticated with it, and refused
+    /// by a peer with another key or none.
+    pub psk: Option<kvhandoff::Psk>,
 }
 
 /// What one rank's process did.
@@ -199,7 +202,10 @@ pub fn run_rank(
         .transport(kind)
         .config(process.config.clone())
         .pairing(run.pair.clone(), process.side)
-        .side_channel(side_channel(process.side, rank_port(own_base, &geometry)?)?)
+        .side_channel(match process.psk.clone() {
+            Some(psk) => side_channel(process.side, rank_port(own_base, &geometry)?)?.with_psk(psk),
+            None => side_channel(process.side, rank_port(own_base, &geometry)?)?,
+        })
         .start_on(&mut runtime)
         .map_err(start_error)?;
     let deadline = Instant::now() + options.timeout;
