@@ -407,6 +407,7 @@ fn blocks_past_the_registered_regions_never_reach_the_transport() {
         epoch: Epoch::FIRST,
         local: BlockIds::single_group(vec![1]),
         remote: BlockIds::single_group(vec![16]),
+        remote_memory: Vec::new(),
     };
     assert_eq!(
         perform(&mut p, TransportOp::PostRead(Box::new(read))),

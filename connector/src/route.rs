@@ -284,7 +284,7 @@ impl TransferRoute for PlannedRoute {
         Ok(())
     }
 
-    fn register_memory(&self, key: &PairingKey) -> Vec<MemorySpan> {
+    fn named_memory(&self, key: &PairingKey) -> Vec<MemorySpan> {
         self.memory
             .lock()
             .ok()

@@ -117,8 +117,10 @@ pub struct RouteRequest<'a> {
     pub local: &'a crate::BlockIds,
     /// The peer's logical block ids.
     pub remote: &'a crate::BlockIds,
-    /// Where the peer's registration said the pieces may land (a write to a routed D: its
-    /// [`Register::memory`](crate::Register::memory)); empty otherwise.
+    /// Where the peer said the bytes are: for a write to a routed D, where its registration
+    /// said the pieces may land ([`Register::memory`](crate::Register::memory)); for a read
+    /// from a routed holder, where its grant said the blocks are
+    /// ([`ReadGrant::memory`](crate::ReadGrant::memory)); empty otherwise.
     pub remote_memory: &'a [crate::MemorySpan],
 }
 
@@ -184,11 +186,13 @@ pub trait TransferRoute: Send + Sync {
         out: &mut Vec<Descriptor>,
     ) -> Result<(), RouteError>;
 
-    /// The memory this rank (as D) names in its registration of `key`
-    /// ([`Register::memory`](crate::Register::memory)): where a writer of another process may
-    /// place the request's pieces. Asked each time the registration is sent (a repeat names the
-    /// same); the default names none, for a writer that knows D's memory by itself.
-    fn register_memory(&self, key: &crate::PairingKey) -> Vec<crate::MemorySpan> {
+    /// The memory this rank names for `key`: as D, in its registration
+    /// ([`Register::memory`](crate::Register::memory)), where a writer of another process may
+    /// place the request's pieces; as a holder, in its grant
+    /// ([`ReadGrant::memory`](crate::ReadGrant::memory)), where a reader of another process
+    /// finds the blocks' bytes. Asked each time such a message is sent (a repeat names the
+    /// same); the default names none, for a peer that knows this rank's memory by itself.
+    fn named_memory(&self, key: &crate::PairingKey) -> Vec<crate::MemorySpan> {
         let _ = key;
         Vec::new()
     }
@@ -361,9 +365,15 @@ impl<T: Transport> TransportDriver<T> {
     pub fn perform(&mut self, op: TransportOp, feed: &mut Vec<NetEvent>) {
         match op {
             TransportOp::Send { to, mut message } => {
-                if let (Message::Register(register), Some(route)) = (&mut message, &self.route) {
-                    // The machine leaves the memory out: only the route knows where it is.
-                    register.memory = route.register_memory(&register.key);
+                // The machines leave the memory out: only the route knows where it is.
+                match (&mut message, &self.route) {
+                    (Message::Register(register), Some(route)) => {
+                        register.memory = route.named_memory(&register.key);
+                    }
+                    (Message::ReadGrant(grant), Some(route)) => {
+                        grant.memory = route.named_memory(&grant.key);
+                    }
+                    _ => {}
                 }
                 if let Some(integrity) = self.integrity.as_mut() {
                     integrity.sending(&to, &message);
@@ -529,7 +539,7 @@ impl<T: Transport> TransportDriver<T> {
             epoch: order.epoch,
             local: &order.local,
             remote: &order.remote,
-            remote_memory: &[],
+            remote_memory: &order.remote_memory,
         };
         self.plan_and_post(&transfer, |transport, descriptors| {
             transport.post_read(order.read, &order.from, descriptors, None)

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::geometry::{KvGeometry, RegionDesc, MAX_CACHE_GROUPS};
 use crate::ids::{AgentName, EngineId, Epoch, IdError, Incarnation, PairingKey, RequestId};
 use crate::trace::{TraceId, TraceIdError};
-use rules::{check_digests, check_epoch, check_len, check_part};
+use rules::{check_digests, check_epoch, check_len, check_part, check_spans};
 
 /// Most logical blocks one cache group of one request may list.
 pub const MAX_BLOCKS_PER_GROUP: usize = 1 << 16;
@@ -501,8 +501,9 @@ pub enum FieldError {
     /// The handshake's geometry is invalid.
     #[error("geometry: {0}")]
     Geometry(#[from] crate::GeometryError),
-    /// A [`Register`] names an empty memory span, or one past the end of the address space.
-    #[error("a registration names an empty memory span or one past the address space")]
+    /// A [`Register`] or a [`ReadGrant`] names an empty memory span, or one past the end of
+    /// the address space.
+    #[error("a registration or grant names an empty memory span or one past the address space")]
     EmptySpan,
     /// The handshake's region table does not match its geometry.
     #[error("region table has {regions} entries but the geometry defines {expected}")]
@@ -624,13 +625,7 @@ impl Message {
                 m.decode_engine.validate()?;
                 m.decode_request.validate()?;
                 m.trace_id.validate()?;
-                check_len("register spans", m.memory.len(), MAX_REGISTER_SPANS)?;
-                if m.memory
-                    .iter()
-                    .any(|s| s.len == 0 || s.addr.checked_add(s.len).is_none())
-                {
-                    return Err(FieldError::EmptySpan);
-                }
+                check_spans("register spans", &m.memory)?;
                 m.blocks.validate()
             }
             Message::Heartbeat(m) => {
@@ -646,7 +641,10 @@ impl Message {
                 m.reader_request.validate()?;
                 Ok(m.trace_id.validate()?)
             }
-            Message::ReadGrant(m) => m.blocks.validate(),
+            Message::ReadGrant(m) => {
+                check_spans("grant spans", &m.memory)?;
+                m.blocks.validate()
+            }
             Message::WritePartDone(m) => {
                 check_part(m)?;
                 check_digests(&m.digests)

@@ -51,6 +51,7 @@
 mod calls;
 mod engine_events;
 mod fan;
+mod fan_reads;
 mod params;
 mod prepare;
 mod read_inputs;
@@ -402,7 +403,7 @@ impl Session {
         Ok(reply)
     }
 
-    /// One call on a rank with links: push requests split into pair sub-requests, aborts of
+    /// One call on a rank with links: push and pull requests split into pair sub-requests, aborts of
     /// multi-rank requests abort every sub-request; everything else as without links.
     fn linked_call(
         &mut self,
@@ -423,8 +424,11 @@ impl Session {
                 (crate::machine::EndpointCall::PrefillFinished(start), _, reply) => {
                     self.fan_finished(now, links, start).map(|()| reply)
                 }
+                (crate::machine::EndpointCall::Export(start), _, reply) => {
+                    self.fan_exported(now, links, start).map(|()| reply)
+                }
                 _ => Err(ConnectorError::Unsupported(
-                    "pull between engines of different geometries",
+                    "this call between engines of different geometries",
                 )),
             },
             ConnectorCall::KeepForNextTurn { .. }

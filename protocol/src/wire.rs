@@ -37,7 +37,7 @@ use crate::message::{FieldError, Message, MessageKind};
 
 /// The protocol version this build speaks. Any change to the wire format or the meaning of a
 /// message changes it.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"KVHO";
 /// Bytes in a frame header.
@@ -305,7 +305,7 @@ mod tests {
 
     #[test]
     fn constants_are_the_documented_ones() {
-        assert_eq!(PROTOCOL_VERSION, 7);
+        assert_eq!(PROTOCOL_VERSION, 8);
         assert_eq!(&MAGIC, b"KVHO");
         assert_eq!(HEADER_LEN, 12);
         assert_eq!(MAX_PAYLOAD_LEN, 2 * 1024 * 1024);
@@ -315,7 +315,7 @@ mod tests {
     fn header_layout() {
         let bytes = encode(&ack());
         assert_eq!(&bytes[0..4], b"KVHO");
-        assert_eq!(&bytes[4..6], &[7, 0]);
+        assert_eq!(&bytes[4..6], &[8, 0]);
         assert_eq!(bytes[6], MessageKind::CancelAck as u8);
         assert_eq!(bytes[7], 0);
         assert_eq!(
@@ -390,7 +390,7 @@ mod tests {
     fn errors_display() {
         assert_eq!(
             WireError::UnsupportedVersion { found: 1 }.to_string(),
-            "protocol version 1 is not supported (this build speaks 7)"
+            "protocol version 1 is not supported (this build speaks 8)"
         );
         assert_eq!(
             WireError::BadMagic { found: *b"GET " }.to_string(),

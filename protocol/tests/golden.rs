@@ -35,7 +35,7 @@ use kvhandoff_protocol::{
 /// The protocol version the golden files were made with. If this test fails because
 /// `PROTOCOL_VERSION` changed, bless the files and update this constant in the same change; if
 /// the files changed, `PROTOCOL_VERSION` must change too.
-const GOLDEN_PROTOCOL_VERSION: u16 = 7;
+const GOLDEN_PROTOCOL_VERSION: u16 = 8;
 
 #[test]
 fn goldens_pin_the_protocol_version() {
@@ -241,6 +241,10 @@ fn read_grant() -> Message {
         },
         num_tokens: 61,
         ask: 1,
+        memory: vec![MemorySpan {
+            addr: 0x7f00_2000_0000,
+            len: 1 << 20,
+        }],
     }))
 }
 
@@ -423,7 +427,7 @@ fn the_release_vector_reads_as_documented() {
     let bytes = wire::encode(&release());
     let expected: Vec<u8> = [
         &b"KVHO"[..],     // magic
-        &[0x07, 0x00],    // version 7, little endian
+        &[0x08, 0x00],    // version 8, little endian
         &[0x08],          // kind: Release
         &[0x00],          // flags
         &[0x0a, 0, 0, 0], // payload length 10, little endian

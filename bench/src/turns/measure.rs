@@ -145,6 +145,7 @@ impl<T: RankMemory> Pair<T> {
             epoch: Epoch::FIRST,
             local: table.local.clone(),
             remote: table.remote.clone(),
+            remote_memory: Vec::new(),
         };
         let before = self.p.driver.stats().descriptors;
         self.feed.clear();

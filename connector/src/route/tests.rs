@@ -282,18 +282,14 @@ fn d_names_the_memory_filed_for_the_key_until_withdrawn() {
         MemorySpan { addr: 8, len: 8 },
         MemorySpan { addr: 64, len: 32 },
     ];
-    assert!(route.register_memory(&key).is_empty());
+    assert!(route.named_memory(&key).is_empty());
     route.file_memory(key.clone(), spans.clone()).unwrap();
     assert!(route.file_memory(key.clone(), spans.clone()).is_err());
-    assert_eq!(route.register_memory(&key), spans);
-    assert_eq!(
-        route.register_memory(&key),
-        spans,
-        "a repeat names the same"
-    );
+    assert_eq!(route.named_memory(&key), spans);
+    assert_eq!(route.named_memory(&key), spans, "a repeat names the same");
     assert_eq!(route.pending(), 1);
     route.withdraw(&key);
-    assert!(route.register_memory(&key).is_empty());
+    assert!(route.named_memory(&key).is_empty());
     assert_eq!(route.pending(), 0);
     let empty = vec![MemorySpan { addr: 8, len: 0 }];
     assert!(route.file_memory(key.clone(), empty).is_err());

@@ -78,7 +78,8 @@ pub struct Config {
     pub integrity_digest: bool,
 }
 
-/// How P pairs its finished blocks with the blocks D registered before it writes.
+/// How P pairs its finished blocks with the blocks D registered before it writes, and a
+/// reader its blocks with the ones the holder granted.
 ///
 /// ```
 /// use kvhandoff_protocol::machine::{BlockPairing, Config};
@@ -94,7 +95,9 @@ pub enum BlockPairing {
     /// The sides' blocks differ in size (a heterogeneous pair): the counts say nothing about
     /// each other, so P hands its whole list and D's to the transfer route, whose plan of the
     /// pair aligns them by tokens. P still refuses a registration whose group count differs
-    /// from its own, or with no blocks.
+    /// from its own, or with no blocks. A reader likewise reads both whole lists in one read
+    /// (no tail alignment, no chunks), and fails a grant whose group count differs
+    /// (`PlanMismatch`).
     AsGiven,
 }
 

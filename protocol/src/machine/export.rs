@@ -176,6 +176,8 @@ impl ExportCommon {
             blocks: self.blocks.clone(),
             num_tokens: self.num_tokens,
             ask,
+            // The machine leaves the memory out: only the holder's route knows where it is.
+            memory: Vec::new(),
         }))
     }
 

@@ -30,6 +30,7 @@ use std::collections::BTreeMap;
 
 use crate::{BlockIds, PairingKey, ReleaseReason, RequestId};
 
+use super::read_types::{ExportEnd, ExportOutcome, ImportFailure, ImportOutcome};
 use super::types::{DecodeOutcome, EndpointEvent, PrefillOutcome, ReleaseCause};
 use super::{ActiveMutation, DecodeFailure, Mutation};
 
@@ -50,6 +51,12 @@ pub enum FanSide {
     /// A P rank writing to several D ranks: the sub-requests are P requests sharing the rank's
     /// source blocks.
     Prefill,
+    /// A reader (pull: a D rank) reading from several holder ranks: the sub-requests are
+    /// imports sharing the rank's target blocks.
+    Reader,
+    /// A holder (pull: a P rank) read by several reader ranks: the sub-requests are exports
+    /// sharing the rank's source blocks.
+    Holder,
 }
 
 /// One sub-request of a multi-rank request, as the engine started it on this rank.
@@ -68,6 +75,11 @@ pub enum SubFailure {
     Decode(DecodeFailure),
     /// A P sub-request let its blocks go without delivering anything its D rank needed.
     Prefill(ReleaseCause),
+    /// An import ended without every block (its policy's `Recompute` included: a part of a
+    /// multi-rank read is no prefix of the request).
+    Import(ImportFailure),
+    /// An export let its blocks go without its reader reading them.
+    Export(ExportEnd),
     /// The endpoint refused to start it: nothing of it was ever exposed to its peer rank.
     NotStarted,
 }
@@ -407,6 +419,34 @@ impl FanIn {
                     blocks,
                 },
             ) => (request, key, blocks, prefill_result(*outcome)),
+            (
+                FanSide::Reader,
+                EndpointEvent::Import {
+                    request,
+                    key,
+                    outcome,
+                    blocks,
+                    ..
+                },
+            ) => {
+                let result = match outcome {
+                    ImportOutcome::Loaded => SubState::Succeeded,
+                    ImportOutcome::Recompute { failure, .. } | ImportOutcome::Failed(failure) => {
+                        SubState::Failed(SubFailure::Import(*failure))
+                    }
+                };
+                (request, key, blocks, result)
+            }
+            (
+                FanSide::Holder,
+                EndpointEvent::Export {
+                    request,
+                    key,
+                    outcome,
+                    blocks,
+                    ..
+                },
+            ) => (request, key, blocks, export_result(*outcome)),
             (expected, EndpointEvent::Decode { .. }) => {
                 return Err(FanInError::WrongSide {
                     expected,
@@ -549,6 +589,25 @@ impl FanIn {
                 "a request told fenced has failed, and never becomes Ready"
             );
         }
+    }
+}
+
+/// What an export's end means to the request: read, or not needed (the reader's own prefix
+/// cache held it all, or there was nothing to read), is a success.
+fn export_result(outcome: ExportOutcome) -> SubState {
+    match outcome {
+        ExportOutcome::Read
+        | ExportOutcome::Released(ExportEnd::FullPrefixHit | ExportEnd::Empty) => {
+            SubState::Succeeded
+        }
+        ExportOutcome::Released(
+            end @ (ExportEnd::LeaseExpired
+            | ExportEnd::Declined
+            | ExportEnd::ReaderFailed
+            | ExportEnd::ReaderAborted
+            | ExportEnd::Aborted
+            | ExportEnd::GrantFenced),
+        ) => SubState::Failed(SubFailure::Export(end)),
     }
 }
 

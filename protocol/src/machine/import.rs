@@ -19,7 +19,7 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 
 use crate::{BlockIds, Epoch, Message, PairingKey, ReadAsk, ReadRefusal, Release, ReleaseReason};
-use crate::{RequestId, WriteId};
+use crate::{MemorySpan, RequestId, WriteId};
 
 use super::effects::{Outbox, Step};
 use super::read_types::{
@@ -27,7 +27,7 @@ use super::read_types::{
 };
 use super::shape::Machine;
 use super::types::{DropReason, Output, Time};
-use super::{ActiveMutation, Config, Mutation};
+use super::{ActiveMutation, BlockPairing, Config, Mutation};
 use crate::PeerAddr;
 
 /// What every state of an import knows.
@@ -119,10 +119,21 @@ pub(crate) enum ImportInput {
     PeerConnected,
     PeerConnectFailed,
     PeerDead,
-    Grant { blocks: BlockIds, ask: u32 },
-    Refused { reason: ReadRefusal },
-    ReadDone { read: WriteId },
-    ReadFailed { read: WriteId },
+    Grant {
+        blocks: BlockIds,
+        ask: u32,
+        /// The memory the grant named (a routed holder's), carried untouched into the reads.
+        memory: Vec<MemorySpan>,
+    },
+    Refused {
+        reason: ReadRefusal,
+    },
+    ReadDone {
+        read: WriteId,
+    },
+    ReadFailed {
+        read: WriteId,
+    },
     Abort,
     Shutdown,
     Timeout,
@@ -309,7 +320,11 @@ impl Asking {
                 self.common
                     .fail(ImportFailure::StaleGrant, Some(ReleaseReason::Declined))
             }
-            ImportInput::Grant { blocks, ask } => self.granted(ctx, blocks, ask, fx),
+            ImportInput::Grant {
+                blocks,
+                ask,
+                memory,
+            } => self.granted(ctx, blocks, ask, memory, fx),
             ImportInput::Refused { reason } => {
                 self.common.fail(ImportFailure::Refused(reason), None)
             }
@@ -355,6 +370,7 @@ impl Asking {
         ctx: &ImportCtx<'_>,
         remote: BlockIds,
         ask: u32,
+        memory: Vec<MemorySpan>,
         fx: &mut Outbox,
     ) -> ImportStep {
         // An unknown ask reaches here only under the stale-grant mutation: the latest stands in.
@@ -364,24 +380,32 @@ impl Asking {
         };
         let trusted_until = asked + read_span(ctx.config);
         let common = self.common;
+        // As given (a heterogeneous pair): the route pairs the two lists, whose block sizes
+        // differ, so they need only name the same cache groups, and one read carries them.
+        let as_given = ctx.config.block_pairing == BlockPairing::AsGiven;
         let fits = remote.groups.len() == common.blocks.groups.len()
-            && remote
-                .groups
-                .iter()
-                .zip(&common.blocks.groups)
-                .all(|(theirs, ours)| ours.len() <= theirs.len());
+            && (as_given
+                || remote
+                    .groups
+                    .iter()
+                    .zip(&common.blocks.groups)
+                    .all(|(theirs, ours)| ours.len() <= theirs.len()));
         if !fits {
             tracing::warn!(key = %common.key, epoch = %common.epoch, "granted blocks do not fit ours");
             return common.fail(ImportFailure::PlanMismatch, Some(ReleaseReason::ReadFailed));
         }
-        let tail: Vec<Vec<u32>> = remote
-            .groups
-            .iter()
-            .zip(&common.blocks.groups)
-            .map(|(theirs, ours)| theirs[theirs.len() - ours.len()..].to_vec())
-            .collect();
         let mut pending = BTreeMap::new();
-        let chunks = chunks(&common.blocks, &tail, ctx.config.read_chunk_blocks);
+        let chunks = if as_given {
+            vec![(0, common.blocks.clone(), remote)]
+        } else {
+            let tail: Vec<Vec<u32>> = remote
+                .groups
+                .iter()
+                .zip(&common.blocks.groups)
+                .map(|(theirs, ours)| theirs[theirs.len() - ours.len()..].to_vec())
+                .collect();
+            chunks(&common.blocks, &tail, ctx.config.read_chunk_blocks)
+        };
         let last = chunks.len().saturating_sub(1);
         for (i, (first, local, remote)) in chunks.into_iter().enumerate() {
             let read = WriteId(ctx.next_read.get());
@@ -401,6 +425,7 @@ impl Asking {
                 epoch: common.epoch,
                 local,
                 remote,
+                remote_memory: memory.clone(),
             })));
         }
         Step::Live(ImportRequest::Reading(Reading {

@@ -179,6 +179,9 @@ pub struct ReadOrder {
     pub local: BlockIds,
     /// The holder's logical blocks, per group.
     pub remote: BlockIds,
+    /// Where the holder's grant said the blocks' bytes are (a routed holder's
+    /// [`ReadGrant::memory`](crate::ReadGrant::memory)); empty otherwise.
+    pub remote_memory: Vec<crate::MemorySpan>,
 }
 
 /// The longest lease an export may have (a day): a kept conversation turn waits minutes, not

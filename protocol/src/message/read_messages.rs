@@ -44,6 +44,11 @@ pub struct ReadGrant {
     pub num_tokens: u64,
     /// The ask this grant answers (`ReadAsk::ask`).
     pub ask: u32,
+    /// Where in the holder's registered memory a routed reader finds the blocks' bytes (a
+    /// holder of a heterogeneous pair, whose reader plans its pieces from them and from the
+    /// buffers the holder's handshake advertised); empty otherwise. At most
+    /// [`MAX_REGISTER_SPANS`](crate::MAX_REGISTER_SPANS).
+    pub memory: Vec<super::MemorySpan>,
 }
 
 /// Why a holder will not let a reader read.

@@ -1,7 +1,7 @@
 //! The field rules [`Message::validate`](super::Message::validate) applies that are not a
 //! type's own: epochs, list lengths, layer-wise parts.
 
-use super::{FieldError, WritePartDone, MAX_WRITE_LAYERS};
+use super::{FieldError, MemorySpan, WritePartDone, MAX_REGISTER_SPANS, MAX_WRITE_LAYERS};
 use crate::ids::Epoch;
 
 pub(super) fn check_epoch(epoch: Epoch) -> Result<(), FieldError> {
@@ -34,6 +34,19 @@ pub(super) fn check_digests(digests: &[u64]) -> Result<(), FieldError> {
 pub(super) fn check_len(field: &'static str, len: usize, limit: usize) -> Result<(), FieldError> {
     if len > limit {
         return Err(FieldError::TooMany { field, len, limit });
+    }
+    Ok(())
+}
+
+/// The memory a registration or a grant names: at most [`MAX_REGISTER_SPANS`] spans, each
+/// non-empty and inside the address space.
+pub(super) fn check_spans(field: &'static str, spans: &[MemorySpan]) -> Result<(), FieldError> {
+    check_len(field, spans.len(), MAX_REGISTER_SPANS)?;
+    if spans
+        .iter()
+        .any(|s| s.len == 0 || s.addr.checked_add(s.len).is_none())
+    {
+        return Err(FieldError::EmptySpan);
     }
     Ok(())
 }

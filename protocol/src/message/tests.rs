@@ -103,6 +103,7 @@ fn one_of_each() -> Vec<Message> {
             blocks: BlockIds::default(),
             num_tokens: 0,
             ask: 2,
+            memory: Vec::new(),
         })),
         Message::ReadRefused(ReadRefused {
             key: key(),

@@ -14,14 +14,16 @@
 //!   `BlocksFree` once every pair let the blocks go. A P rank that writes to no D rank (a
 //!   replica under GQA replication) gets `BlocksFree` at once.
 //!
-//! Push only: a pull or bidirectional call with links set is refused as unsupported.
+//! Pull (`fan_reads`) splits the same way into imports and exports. Bidirectional turns and
+//! layer-wise push with links set are refused as unsupported.
 
 use std::collections::BTreeMap;
 
 use crate::hetero::{PairPlan, SideName};
 use crate::machine::{
-    DecodeFailure, DecodeStart, EndpointCall, EndpointEvent, FanIn, FanInStep, FanOutcome, FanSide,
-    FreeProof, Mutation, PrefillStart, Rejected, ReleaseCause, SubFailure, SubRequest, Time,
+    DecodeFailure, DecodeStart, EndpointCall, EndpointEvent, ExportEnd, ExportOutcome, FanIn,
+    FanInStep, FanOutcome, FanSide, FreeProof, ImportFailure, ImportOutcome, LoadFailurePolicy,
+    Mutation, PrefillStart, ReadProof, Rejected, ReleaseCause, SubFailure, SubRequest, Time,
 };
 use crate::{BlockIds, PairingKey, PeerAddr, RequestId};
 
@@ -169,6 +171,8 @@ struct Fan {
     fan: FanIn,
     /// The most cautious proof among the sub-requests handed back so far (D).
     proof: FreeProof,
+    /// The same for a holder's exports.
+    read_proof: ReadProof,
 }
 
 /// Most multi-rank requests one session tracks at once (the endpoint's default request table
@@ -245,10 +249,8 @@ impl Session {
                 "request_allocated on a rank linked as P",
             ));
         }
-        if params.transfer_mode()? != TransferMode::Push {
-            return Err(ConnectorError::Unsupported(
-                "pull between engines of different geometries",
-            ));
+        if params.transfer_mode()? == TransferMode::Pull {
+            return self.fan_imported(now, links, request, blocks, num_tokens, params);
         }
         self.context().check_remote_prefill(params)?;
         let tp = params
@@ -318,19 +320,7 @@ impl Session {
         } = start;
         let p = links.rank;
         if links.peers.is_empty() {
-            // A replica: its D ranks get every byte from other P ranks.
-            if self.fans.is_fan(&request) {
-                return Err(ConnectorError::Rejected(Rejected::DuplicateRequest(
-                    request,
-                )));
-            }
-            self.ready
-                .push_back(SessionOutput::Event(ConnectorEvent::BlocksFree {
-                    request,
-                    released: None,
-                    blocks,
-                }));
-            return Ok(());
+            return self.replica_ended(request, blocks, false);
         }
         let mut subs = Vec::with_capacity(links.peers.len());
         let mut calls = Vec::with_capacity(links.peers.len());
@@ -349,11 +339,42 @@ impl Session {
         self.start_fan(now, FanSide::Prefill, &request, blocks, subs, calls)
     }
 
+    /// A P rank no D rank needs (a replica: its D ranks get every byte from other P ranks):
+    /// the request ends at once, as sent (push) or as an export nobody needed to read (pull).
+    pub(super) fn replica_ended(
+        &mut self,
+        request: RequestId,
+        blocks: BlockIds,
+        pull: bool,
+    ) -> Result<(), ConnectorError> {
+        if self.fans.is_fan(&request) {
+            return Err(ConnectorError::Rejected(Rejected::DuplicateRequest(
+                request,
+            )));
+        }
+        let event = if pull {
+            ConnectorEvent::ExportEnded {
+                request,
+                outcome: ExportOutcome::Released(ExportEnd::FullPrefixHit),
+                proof: ReadProof::NeverGranted,
+                blocks,
+            }
+        } else {
+            ConnectorEvent::BlocksFree {
+                request,
+                released: None,
+                blocks,
+            }
+        };
+        self.ready.push_back(SessionOutput::Event(event));
+        Ok(())
+    }
+
     /// Starts the sub-requests in order. None accepted: the call is refused with the first
     /// refusal and the engine keeps its blocks. Some refused after others started: the fan-in
     /// counts them failed (the request cannot be `Ready`; the started ones are aborted) and
     /// the engine gets the request's one event when every started one handed the blocks back.
-    fn start_fan(
+    pub(super) fn start_fan(
         &mut self,
         now: Time,
         side: FanSide,
@@ -408,6 +429,7 @@ impl Session {
             Fan {
                 fan,
                 proof: FreeProof::NeverExposed,
+                read_proof: ReadProof::NeverGranted,
             },
         );
         for step in steps {
@@ -422,8 +444,9 @@ impl Session {
         let sub = match &event {
             EndpointEvent::Decode { request, .. }
             | EndpointEvent::DecodeFenced { request, .. }
-            | EndpointEvent::Prefill { request, .. } => request,
-            EndpointEvent::Export { .. } | EndpointEvent::Import { .. } => return Some(event),
+            | EndpointEvent::Prefill { request, .. }
+            | EndpointEvent::Export { request, .. }
+            | EndpointEvent::Import { request, .. } => request,
         };
         let Some(parent) = self.fans.parents.get(sub).cloned() else {
             return Some(event);
@@ -438,6 +461,9 @@ impl Session {
             } else {
                 fan.proof.max(*proof)
             };
+        }
+        if let EndpointEvent::Export { proof, .. } = &event {
+            fan.read_proof = fan.read_proof.max(*proof);
         }
         match fan.fan.on_event(&event) {
             Ok(step) => self.apply_step(self.now, &parent, step),
@@ -518,6 +544,24 @@ impl Session {
                 },
                 blocks,
             },
+            (FanSide::Reader, outcome) => ConnectorEvent::Imported {
+                request,
+                outcome: import_outcome(outcome, self.settings.load_failure_policy),
+                blocks,
+            },
+            (FanSide::Holder, outcome) => ConnectorEvent::ExportEnded {
+                request,
+                outcome: match outcome {
+                    Some(FanOutcome::Ready) => ExportOutcome::Read,
+                    Some(FanOutcome::Failed {
+                        failure: SubFailure::Export(end),
+                        ..
+                    }) => ExportOutcome::Released(*end),
+                    _ => ExportOutcome::Released(ExportEnd::Aborted),
+                },
+                proof: fan.read_proof,
+                blocks,
+            },
         };
         self.ready.push_back(SessionOutput::Event(event));
     }
@@ -556,7 +600,11 @@ fn decode_reason(outcome: Option<&FanOutcome>) -> DecodeFailure {
             ..
         }) => *reason,
         Some(FanOutcome::Failed {
-            failure: SubFailure::Prefill(_) | SubFailure::NotStarted,
+            failure:
+                SubFailure::Prefill(_)
+                | SubFailure::Import(_)
+                | SubFailure::Export(_)
+                | SubFailure::NotStarted,
             ..
         })
         | Some(FanOutcome::Ready)
@@ -564,7 +612,36 @@ fn decode_reason(outcome: Option<&FanOutcome>) -> DecodeFailure {
     }
 }
 
-fn pair_key(key: &PairingKey, p: u32, d: u32) -> Result<PairingKey, ConnectorError> {
+/// What a multi-rank read brought: everything, or nothing usable. A sibling's bytes are no
+/// prefix of the request (each holder rank sends other heads or layers), so a failure keeps
+/// no token: `Recompute` from the start under that policy, `Failed` otherwise.
+fn import_outcome(outcome: Option<&FanOutcome>, policy: LoadFailurePolicy) -> ImportOutcome {
+    let failure = match outcome {
+        Some(FanOutcome::Ready) => return ImportOutcome::Loaded,
+        Some(FanOutcome::Failed {
+            failure: SubFailure::Import(failure),
+            ..
+        }) => *failure,
+        Some(FanOutcome::Failed {
+            failure: SubFailure::Decode(_) | SubFailure::Prefill(_) | SubFailure::Export(_),
+            ..
+        })
+        | Some(FanOutcome::Failed {
+            failure: SubFailure::NotStarted,
+            ..
+        })
+        | None => ImportFailure::Aborted,
+    };
+    match policy {
+        LoadFailurePolicy::Fail => ImportOutcome::Failed(failure),
+        LoadFailurePolicy::Recompute => ImportOutcome::Recompute {
+            valid_tokens: 0,
+            failure,
+        },
+    }
+}
+
+pub(super) fn pair_key(key: &PairingKey, p: u32, d: u32) -> Result<PairingKey, ConnectorError> {
     key.for_pair(p, d)
         .map_err(|e| ConnectorError::invalid("transfer_id", e))
 }

@@ -138,7 +138,7 @@ impl CallContext<'_> {
     /// `remote_secs` on `engine`'s clock as a time of this session's clock, with the offset the
     /// side channel measured ([`Session::clock_measured`]); `None` if it has none (no handshake
     /// yet: the holder's own refusal of a read that could outlive its export is then the guard).
-    fn local_time_of(&self, engine: &EngineId, remote_secs: f64) -> Option<Time> {
+    pub(super) fn local_time_of(&self, engine: &EngineId, remote_secs: f64) -> Option<Time> {
         let offset_us = *self.clock_offsets.get(engine)?;
         remote_to_local(remote_secs, offset_us)
     }

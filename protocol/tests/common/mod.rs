@@ -462,15 +462,17 @@ pub fn read_grant() -> impl Strategy<Value = ReadGrant> {
         block_ids(),
         any::<u64>(),
         any::<u32>(),
+        vec(memory_span(), 0..=kvhandoff_protocol::MAX_REGISTER_SPANS),
     )
         .prop_map(
-            |(key, epoch, holder_rank, blocks, num_tokens, ask)| ReadGrant {
+            |(key, epoch, holder_rank, blocks, num_tokens, ask, memory)| ReadGrant {
                 key,
                 epoch,
                 holder_rank,
                 blocks,
                 num_tokens,
                 ask,
+                memory,
             },
         )
 }

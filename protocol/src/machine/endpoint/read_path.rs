@@ -244,6 +244,7 @@ impl Endpoint {
                 let input = ImportInput::Grant {
                     blocks: grant.blocks,
                     ask: grant.ask,
+                    memory: grant.memory,
                 };
                 if !self.route_to_import(now, &from, &key, epoch, input) {
                     // Not for a live attempt (late, duplicated, or ours ended): nothing was or

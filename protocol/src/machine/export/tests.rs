@@ -188,6 +188,7 @@ fn grant_sent(to: PeerAddr, epoch: Epoch) -> Output {
             blocks: blocks(),
             num_tokens: 40,
             ask: 0,
+            memory: Vec::new(),
         })),
     }
 }

@@ -307,6 +307,7 @@ fn read_posted(n: u64, local: BlockIds, remote: BlockIds) -> Output {
         epoch: EPOCH,
         local,
         remote,
+        remote_memory: Vec::new(),
     }))
 }
 
@@ -393,7 +394,11 @@ fn grant(blocks: BlockIds) -> ImportInput {
 
 /// A grant answering the attempt's `ask`th ask.
 fn grant_of_ask(blocks: BlockIds, ask: u32) -> ImportInput {
-    ImportInput::Grant { blocks, ask }
+    ImportInput::Grant {
+        blocks,
+        ask,
+        memory: Vec::new(),
+    }
 }
 
 fn refused(reason: ReadRefusal) -> ImportInput {
