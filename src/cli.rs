@@ -13,6 +13,7 @@ pub(crate) mod node;
 pub(crate) mod pair_args;
 pub(crate) mod plan;
 pub(crate) mod progress;
+pub(crate) mod router;
 pub(crate) mod sim;
 
 use std::process::ExitCode;

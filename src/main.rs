@@ -14,6 +14,7 @@ use cli::matrix::{run_matrix_command, MatrixArgs};
 use cli::model::{run_model_command, ModelArgs};
 use cli::node::{run_node, NodeArgs};
 use cli::plan::{run_plan, PlanArgs};
+use cli::router::{run_router, RouterArgs};
 use cli::sim::{run_sim, SimArgs};
 
 /// kvhandoff: hands KV cache from prefill to decode engines over NIXL.
@@ -46,6 +47,9 @@ enum Command {
     /// --rank R` each, over NIXL), run to the end and reported together; every process it
     /// started is stopped on failure, at its deadline and on Ctrl-C.
     Cluster(ClusterArgs),
+    /// The router of a heterogeneous pair's processes (what `cluster --model … --mode pull`
+    /// starts): P's ranks tell it their answers, D's ranks get P's answer from it.
+    Router(RouterArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -148,6 +152,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => run_demo(args),
         Command::Node(args) => run_node(*args),
         Command::Cluster(args) => run_cluster(args),
+        Command::Router(args) => run_router(args),
         Command::Bench(command) => run_bench(command),
         Command::Sim(args) => run_sim(args),
         Command::Plan(args) => run_plan(args),

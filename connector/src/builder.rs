@@ -305,8 +305,8 @@ impl RankBuilder {
     /// The rank then registers its regions as buffers laid out by the engine (KV tensors and
     /// staging memory, each any length), accepts exactly the plan's peers, pairs blocks as
     /// given ([`BlockPairing::AsGiven`]), runs each request as one sub-request per link
-    /// ([`RankLinks`]), and places P's writes by what the engine files with its route
-    /// ([`EngineRank::route`]). In process or over a TCP side channel: a routed rank's
+    /// ([`RankLinks`]; push and pull), and places P's writes and D's reads by what the
+    /// engine files with its route ([`EngineRank::route`]). In process or over a TCP side channel: a routed rank's
     /// handshake says so, and only a peer whose own route accepts its geometry pairs with it;
     /// across processes P's engine places each write in the memory D's registration names
     /// ([`PlannedRoute::file_planner`](crate::route::PlannedRoute::file_planner),
@@ -418,7 +418,8 @@ impl RankBuilder {
             Some(Pairing { plan, side }) => {
                 let links = RankLinks::for_rank(&plan, side, rank_index)?;
                 let route = Arc::new(PlannedRoute::new(&plan, side));
-                // P hands its whole block list to the route, whose plan aligns the sides.
+                // P hands its whole block list to the route, whose plan aligns the sides (and a
+                // reader reads both whole lists in one read).
                 let config = Config {
                     block_pairing: BlockPairing::AsGiven,
                     ..config.clone()

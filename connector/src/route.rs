@@ -2,8 +2,9 @@
 //! different TP, kernel block size or layout), in one process or across processes.
 //!
 //! It accepts exactly the other engine's rank geometries of its [`PairPlan`], and places each
-//! write by its pairing key. The owner (P's engine) files, before it calls `request_finished`,
-//! either
+//! transfer by its pairing key: P's writes (push) and D's reads (pull). The owner (P's engine
+//! for a write, D's for a read) files, before it calls `request_finished` (or
+//! `request_allocated`), either
 //! - the descriptors of a sub-request's link, together with the block ids they were planned
 //!   for ([`PlannedRoute::file`]): the route hands them to the driver only for a write whose own
 //!   and registered block ids are exactly those. An in-process pair does this: P's engine knows
@@ -15,8 +16,12 @@
 //!   memory D named, and that memory inside the buffers D's handshake advertised: a peer that
 //!   names other memory gets no write.
 //!
-//! Whatever else comes (an unknown key, D's registration naming other blocks, a read) is
-//! refused, and the protocol fails the write (`PostFailed`). A rank gets its route from
+//! A read is placed the same way, with the roles swapped: D files the pieces (or a planner),
+//! and P's route files the memory its grant names ([`ReadGrant::memory`](kvhandoff_protocol::ReadGrant::memory)):
+//! where the request's blocks are.
+//!
+//! Whatever else comes (an unknown key, the peer naming other blocks, a read on P or a write
+//! on D) is refused, and the protocol fails the transfer (`PostFailed`). A rank gets its route from
 //! [`RankBuilder::pairing`](crate::RankBuilder::pairing) ([`EngineRank::route`](crate::EngineRank::route));
 //! the per-request plan comes from `kvhandoff_protocol::hetero` (what `kvhandoff demo --model`
 //! and `kvhandoff node --model` run).
@@ -224,10 +229,15 @@ impl TransferRoute for PlannedRoute {
         request: &RouteRequest<'_>,
         out: &mut Vec<Descriptor>,
     ) -> Result<(), RouteError> {
-        if request.direction != RouteDirection::Write || self.side != SideName::Prefill {
-            return Err(RouteError(
-                "only P's writes are routed between different geometries".into(),
-            ));
+        match (request.direction, self.side) {
+            (RouteDirection::Write, SideName::Prefill)
+            | (RouteDirection::Read, SideName::Decode) => {}
+            (RouteDirection::Write, SideName::Decode)
+            | (RouteDirection::Read, SideName::Prefill) => {
+                return Err(RouteError(
+                    "between different geometries P writes (push) and D reads (pull)".into(),
+                ))
+            }
         }
         let mut filed = self.lock()?;
         let Some(entry) = filed.get(request.key) else {
@@ -274,7 +284,7 @@ impl TransferRoute for PlannedRoute {
                         .any(|span| span.contains(d.remote_addr, d.len))
                 }) {
                     return Err(RouteError(format!(
-                        "{}: a piece to {:#x}+{} lies outside the memory D named",
+                        "{}: a piece at the peer's {:#x}+{} lies outside the memory it named",
                         request.key, bad.remote_addr, bad.len
                     )));
                 }
@@ -293,12 +303,12 @@ impl TransferRoute for PlannedRoute {
     }
 }
 
-/// A write planned at post time needs D to have named its memory, inside the buffers its
-/// handshake advertised.
+/// A transfer planned at post time needs the peer to have named its memory (D in its
+/// registration, a holder in its grant), inside the buffers its handshake advertised.
 fn check_named_memory(request: &RouteRequest<'_>) -> Result<(), RouteError> {
     if request.remote_memory.is_empty() {
         return Err(RouteError(format!(
-            "{}: D's registration names no memory to place the pieces in",
+            "{}: the peer names no memory for the pieces",
             request.key
         )));
     }
@@ -312,7 +322,7 @@ fn check_named_memory(request: &RouteRequest<'_>) -> Result<(), RouteError> {
         });
         if !advertised {
             return Err(RouteError(format!(
-                "{}: D names {:#x}+{}, outside every buffer its handshake advertised",
+                "{}: the peer names {:#x}+{}, outside every buffer its handshake advertised",
                 request.key, span.addr, span.len
             )));
         }

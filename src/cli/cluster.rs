@@ -219,6 +219,40 @@ impl Launch<'_> {
     }
 }
 
+impl Launch<'_> {
+    /// Starts the pair's router (`kvhandoff router`) on the router address, its JSON report
+    /// read on a thread.
+    fn spawn_router(&self) -> Result<(RankSpec, Child, thread::JoinHandle<String>), String> {
+        let ranks = self.pair.as_ref().map_or(1, |p| p.prefill_ranks);
+        let mut child = Command::new(&self.exe)
+            .args(["router", "--json", "--listen", &self.router.to_string()])
+            .args(["--prefill-ranks", &ranks.to_string()])
+            .args(["--requests", &self.args.requests.to_string()])
+            .args([
+                "--timeout-secs",
+                &(self.args.timeout_secs + GRACE.as_secs()).to_string(),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("cannot start the router: {e}"))?;
+        let mut out = child.stdout.take().ok_or("the router: no stdout")?;
+        let spec = RankSpec {
+            engine: "router",
+            rank: 0,
+            listen: self.router,
+            pid: child.id(),
+            life: None,
+        };
+        let reader = thread::spawn(move || {
+            let mut text = String::new();
+            let _ = out.read_to_string(&mut text);
+            text
+        });
+        Ok((spec, child, reader))
+    }
+}
+
 impl Drop for Children {
     fn drop(&mut self) {
         for (_, child, _) in &mut self.0 {
@@ -247,8 +281,12 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if pair.is_some() && !matches!(args.mode, ModeArg::Push) {
-        eprintln!("error: a heterogeneous pair runs push only (--mode push)");
+    if pair.is_some() && !matches!(args.mode, ModeArg::Push | ModeArg::Pull) {
+        eprintln!("error: a heterogeneous pair runs --mode push or pull");
+        return ExitCode::from(2);
+    }
+    if pair.is_some() && args.kill.is_some() && !matches!(args.mode, ModeArg::Push) {
+        eprintln!("error: --kill of a heterogeneous pair's rank runs push (--mode push)");
         return ExitCode::from(2);
     }
     if MAX_TP % args.tp != 0 {
@@ -320,6 +358,10 @@ fn run(
         pair: pair.clone(),
     };
     let mut children = Children(Vec::new());
+    if pair.is_some() && mode == "pull" {
+        // A pair's pull goes through its router, as vLLM's proxy hands P's answer to D.
+        children.0.push(launch.spawn_router()?);
+    }
     // D first (it listens on the router links), then P.
     for engine in ["decode", "prefill"] {
         for rank in 0..ranks_of(engine) {
@@ -439,6 +481,15 @@ fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLin
             return line;
         }
     };
+    if let Some(forwarded) = report.get("forwarded") {
+        // A pair's router: every request decided.
+        line.done = forwarded.as_u64().unwrap_or(0);
+        line.ok = report["ok"] == true && line.exit_code == Some(0);
+        if !line.ok {
+            line.error = Some(format!("{} requests undecided", report["undecided"]));
+        }
+        return line;
+    }
     if report.get("done").is_some() {
         // A heterogeneous pair's rank (`node --model`).
         let (done, byte_errors, leaked, ok, verdict) = pair::rank_counts(&report);

@@ -138,9 +138,13 @@ fn with_progress<R>(options: &DemoOptions, run: impl FnOnce() -> R) -> R {
 fn run_hetero(args: &DemoArgs) -> ExitCode {
     use kvhandoff_testkit::hetero::pair_demo::{self as hetero, HeteroDemoOptions};
     let refuse = |error: String| super::pair_args::refuse(args.json, &error);
-    if !matches!(args.mode, ModeArg::Push) {
-        return refuse("a heterogeneous pair runs push only (--mode push)".into());
-    }
+    let pull = match args.mode {
+        ModeArg::Push => false,
+        ModeArg::Pull => true,
+        ModeArg::Mixed | ModeArg::Bidir => {
+            return refuse("a heterogeneous pair runs --mode push or pull".into())
+        }
+    };
     let pair = match args.pair.specs() {
         Ok(Some(pair)) => pair,
         Ok(None) => return refuse("--model names the pair".into()),
@@ -156,6 +160,7 @@ fn run_hetero(args: &DemoArgs) -> ExitCode {
         chaos: args.chaos,
         seed: args.seed,
         side_channels: args.side_channels,
+        pull,
         ..HeteroDemoOptions::new(&pair.model, pair.prefill, pair.decode)
     };
     match hetero::run(&options) {

@@ -112,10 +112,11 @@ pub(crate) struct NodeArgs {
     /// `bidir`. Every mode but push needs `--router`.
     #[arg(long, value_enum, default_value_t = ModeArg::Push)]
     mode: ModeArg,
-    /// The router link, HOST:PORT (D listens, P connects; give both the same): P's answers
-    /// (a pulled request's block ids) reach D over it, and D's answers for a conversation's
-    /// next turn reach P.
-    #[arg(long, value_parser = parse_addr, conflicts_with = "model")]
+    /// The router link, HOST:PORT. Without `--model` (D listens, P connects; give both the
+    /// same): P's answers (a pulled request's block ids) reach D over it, and D's answers for a
+    /// conversation's next turn reach P. With `--model --mode pull`: the pair's router
+    /// (`kvhandoff router`), which P's ranks tell their answers and D's ranks get P's from.
+    #[arg(long, value_parser = parse_addr)]
     router: Option<std::net::SocketAddr>,
     /// TEST HOOK of the kill tests: right after this node's last engine call for request K of
     /// the plan (P: request_finished; D: keep_for_next_turn for a turn it keeps,
@@ -285,11 +286,16 @@ fn run_pair_rank(args: &NodeArgs, psk: Option<Psk>) -> ExitCode {
         Ok(None) => return refuse("--model names the pair".into()),
         Err(e) => return refuse(e),
     };
-    if !matches!(args.mode, ModeArg::Push) {
-        return refuse("a heterogeneous pair runs push only (--mode push)".into());
-    }
+    let pull = match args.mode {
+        ModeArg::Push => false,
+        ModeArg::Pull => true,
+        ModeArg::Mixed | ModeArg::Bidir => {
+            return refuse("a heterogeneous pair runs --mode push or pull".into())
+        }
+    };
     let options = HeteroDemoOptions {
         transport: DemoTransport::Nixl,
+        pull,
         requests: args.requests as usize,
         window: args.pair.window as usize,
         seed: args.seed,
@@ -323,6 +329,7 @@ fn run_pair_rank(args: &NodeArgs, psk: Option<Psk>) -> ExitCode {
         expect_peer_loss: args.expect_peer_loss,
         config,
         psk,
+        router: args.router,
     };
     match run_rank(&options, &process) {
         Err(DemoError::Options(why)) => refuse(why),

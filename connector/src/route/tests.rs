@@ -296,3 +296,63 @@ fn d_names_the_memory_filed_for_the_key_until_withdrawn() {
     let many = vec![MemorySpan { addr: 8, len: 8 }; MAX_REGISTER_SPANS + 1];
     assert!(route.file_memory(key, many).is_err());
 }
+
+/// Pull: D's route places a read planned at post time inside the memory P's grant named (and
+/// the buffers P's handshake advertised); a read on P's route and a write on D's are refused,
+/// with nothing appended.
+#[test]
+fn a_read_planned_at_post_reads_only_where_the_holder_said() {
+    let pair = pair();
+    let mut holder = routed_peer(&pair);
+    holder.peer =
+        kvhandoff_protocol::PeerAddr::new(kvhandoff_protocol::EngineId::new("prefill").unwrap(), 0);
+    holder.geometry = pair.prefill.ranks[0].geometry.clone();
+    let blocks = BlockIds::single_group(vec![3]);
+    let inside = [MemorySpan {
+        addr: 0x12000,
+        len: 0x1000,
+    }];
+    let read = |route: &PlannedRoute, key: &PairingKey, direction, memory: &[MemorySpan]| {
+        let mut out = Vec::new();
+        route
+            .descriptors(
+                &RouteRequest {
+                    direction,
+                    peer: &holder,
+                    key,
+                    epoch: Epoch::FIRST,
+                    local: &blocks,
+                    remote: &blocks,
+                    remote_memory: memory,
+                },
+                &mut out,
+            )
+            .map(|()| out)
+    };
+    let key = PairingKey::new("k#p0d0").unwrap();
+    let d = PlannedRoute::new(&pair, SideName::Decode);
+    d.file_planner(key.clone(), blocks.clone(), one_piece(0x100))
+        .unwrap();
+    assert!(
+        read(&d, &key, RouteDirection::Write, &inside).is_err(),
+        "D never writes a pair's KV"
+    );
+    let out = read(&d, &key, RouteDirection::Read, &inside).unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].remote_addr, 0x12100);
+
+    let d = PlannedRoute::new(&pair, SideName::Decode);
+    d.file_planner(key.clone(), blocks.clone(), one_piece(0x0f80))
+        .unwrap();
+    assert!(
+        read(&d, &key, RouteDirection::Read, &inside).is_err(),
+        "a piece past the span P named"
+    );
+    let p = PlannedRoute::new(&pair, SideName::Prefill);
+    p.file_planner(key.clone(), blocks.clone(), one_piece(0))
+        .unwrap();
+    assert!(
+        read(&p, &key, RouteDirection::Read, &inside).is_err(),
+        "P never reads a pair's KV"
+    );
+}

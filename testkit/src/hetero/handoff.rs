@@ -26,8 +26,11 @@ use serde::Serialize;
 use super::wire::{Arena, Piece, Transfer, Wire, WireError};
 use crate::pattern::{junk, reference_row, Part};
 
+mod pull;
 mod stage;
 pub mod verify;
+
+pub use pull::{PullLink, ReadPiece};
 
 /// What one request looks like.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -33,6 +33,8 @@
 
 mod flight;
 mod process;
+mod pull;
+mod router;
 mod summary;
 
 use std::sync::Arc;
@@ -53,6 +55,7 @@ use super::handoff::{Handoff, RequestShape};
 use crate::demo::{start_error, DemoError, DemoReport, DemoTransport, Leaks, Races};
 use flight::Rank;
 pub use process::{run_rank, RankProcess, RankReport};
+pub use router::{run_router, RouterReport};
 
 /// P's engine id in the heterogeneous demo.
 pub const PREFILL: &str = "prefill";
@@ -100,6 +103,10 @@ pub struct HeteroDemoOptions {
     /// (`Register::memory`): the wire a pair across processes uses, in one process. Default
     /// false: in process, P's engine files each link's pieces knowing D's memory.
     pub side_channels: bool,
+    /// D reads (pull) instead of P writing (push): P's ranks export, the router hands P's
+    /// answer to D's ranks, each D rank reads every link into it, and runs every transform of
+    /// the pair on its side (see `pair_demo/pull.rs`). Default false.
+    pub pull: bool,
     /// TEST ONLY: a deliberate fault in the middle request, which the run must report.
     #[doc(hidden)]
     pub fault: Option<HeteroFault>,
@@ -135,6 +142,7 @@ impl HeteroDemoOptions {
             timeout: Duration::from_secs(60),
             chaos: 0.0,
             side_channels: false,
+            pull: false,
             fault: None,
         }
     }
@@ -171,6 +179,11 @@ fn planned(options: &HeteroDemoOptions) -> Result<Prepared, DemoError> {
             "chaos is a share of requests, 0 to 1".into(),
         ));
     }
+    if options.pull && options.fault.is_some() {
+        return Err(DemoError::Options(
+            "the deliberate faults tamper with P's writes: not with pull".into(),
+        ));
+    }
     if options.side_channels && options.fault.is_some() {
         return Err(DemoError::Options(
             "the deliberate faults tamper with pieces filed ahead: not with side channels".into(),
@@ -196,7 +209,7 @@ fn planned(options: &HeteroDemoOptions) -> Result<Prepared, DemoError> {
         )));
     }
     let handoffs = prepare(&pair, options)?;
-    let lens = region_lens(&pair, &handoffs);
+    let lens = region_lens(&pair, &handoffs, options.pull);
     Ok(Prepared {
         pair,
         handoffs,
@@ -267,9 +280,11 @@ fn mem_run(
         if options.chaos <= 0.0 || !rng.gen_bool(options.chaos) {
             return false;
         }
+        // The side that posts the transfers: P's writes, or D's reads.
+        let poster = if options.pull { DECODE } else { PREFILL };
         let writers: Vec<_> = agents
             .iter()
-            .filter(|a| a.as_str().starts_with(PREFILL))
+            .filter(|a| a.as_str().starts_with(poster))
             .collect();
         let Some(agent) = writers.get(rng.gen_range(0..writers.len().max(1))) else {
             return false;
@@ -321,8 +336,12 @@ fn nixl_run(_: &HeteroDemoOptions, _: Prepared, _: Instant) -> Result<DemoReport
 }
 
 /// Per rank (side, index): the lengths of its KV and staging memory, the largest any request
-/// needs.
-fn region_lens(pair: &PairPlan, handoffs: &[Handoff]) -> Vec<((SideName, usize), [u64; 2])> {
+/// needs (with `pull`, D's staging holds the mirrors of P's blocks too).
+fn region_lens(
+    pair: &PairPlan,
+    handoffs: &[Handoff],
+    pull: bool,
+) -> Vec<((SideName, usize), [u64; 2])> {
     let mut out = Vec::new();
     for (side, layout) in [
         (SideName::Prefill, &pair.prefill),
@@ -332,7 +351,10 @@ fn region_lens(pair: &PairPlan, handoffs: &[Handoff]) -> Vec<((SideName, usize),
             let mut lens = [1u64, 1u64];
             for h in handoffs {
                 for (slot, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
-                    let len = h.arenas[h.arena(side, index, space)].bytes.len() as u64;
+                    let len = match (pull, side, space) {
+                        (true, SideName::Decode, Space::Staging) => h.pull_staging_len(index),
+                        _ => h.arenas[h.arena(side, index, space)].bytes.len() as u64,
+                    };
                     lens[slot] = lens[slot].max(len);
                 }
             }
@@ -485,7 +507,10 @@ fn drive(
     }
     let Prepared { pair, handoffs, .. } = run;
     let deadline = Instant::now() + options.timeout;
-    let mut tally = Tally::default();
+    let mut tally = Tally {
+        pull: options.pull,
+        ..Tally::default()
+    };
     let start = Instant::now();
     let fault = options.fault.map(|f| (options.requests / 2, f));
     let shared: Vec<flight::Shared> = handoffs
@@ -504,6 +529,8 @@ fn drive(
         } else {
             flight::Placing::Ahead
         },
+        options.pull,
+        None,
         flight::Pace::default(),
         hooks.chaos,
         deadline,
@@ -553,6 +580,8 @@ fn drive(
 /// What the run saw.
 #[derive(Default)]
 pub(super) struct Tally {
+    /// The run pulls: D reads what P would have written.
+    pull: bool,
     ready: u64,
     failed: u64,
     decode_missing: u64,

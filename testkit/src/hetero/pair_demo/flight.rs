@@ -10,10 +10,12 @@ use std::time::{Duration, Instant};
 use kvhandoff::{ConnectorEvent, KvCache, KvConnector, KvTransferParams};
 use kvhandoff_protocol::driver::RouteRequest;
 use kvhandoff_protocol::hetero::{PairPlan, SideName, Space};
+use kvhandoff_protocol::machine::{ExportEnd, ExportOutcome, ImportOutcome};
 use kvhandoff_protocol::planner::Descriptor;
 use kvhandoff_protocol::{MemorySpan, PairingKey, RequestId};
 use rand::seq::SliceRandom;
 
+use super::router::{Decision, RouterClient};
 use super::{HeteroFault, Tally, PREFILL};
 use crate::hetero::handoff::Handoff;
 use kvhandoff::route::{PlannedRoute, Planner, Staging};
@@ -21,7 +23,7 @@ use kvhandoff::route::{PlannedRoute, Planner, Staging};
 /// A request's plan and arenas, shared by the flight loop and the P routes that stage for it.
 pub(super) type Shared = Arc<Mutex<Handoff>>;
 
-fn lock(h: &Shared) -> Result<std::sync::MutexGuard<'_, Handoff>, String> {
+pub(super) fn lock(h: &Shared) -> Result<std::sync::MutexGuard<'_, Handoff>, String> {
     h.lock()
         .map_err(|_| "a request's arenas are poisoned".to_string())
 }
@@ -53,13 +55,13 @@ pub(super) enum Placing {
 
 /// The region of `slot`'s KV tensors (`space` 0) or staging (`space` 1) in a rank's
 /// [`KvCache`].
-fn region(slot: usize, space: usize) -> usize {
+pub(super) fn region(slot: usize, space: usize) -> usize {
     2 * slot + space
 }
 
 impl Rank {
     /// Where `slot`'s `space` (0: KV, 1: staging) starts in the transport's address space.
-    fn base(&self, slot: usize, space: usize) -> Result<u64, String> {
+    pub(super) fn base(&self, slot: usize, space: usize) -> Result<u64, String> {
         self.kv
             .region_addr(region(slot, space))
             .map_err(|e| format!("{} rank {}: {e}", self.side, self.id))
@@ -96,6 +98,8 @@ pub(super) fn run_all(
     seed: u64,
     fault: Option<(usize, HeteroFault)>,
     placing: Placing,
+    pull: bool,
+    router: Option<&RouterClient>,
     pace: Pace,
     chaos: &mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
     deadline: Instant,
@@ -117,12 +121,34 @@ pub(super) fn run_all(
             if due.is_some_and(|due| Instant::now() < due) {
                 break;
             }
+            // Across processes a D rank reads only what the router handed it.
+            let holds_decode = ranks.iter().all(|rank| rank.side == SideName::Decode);
+            let decided = match router.filter(|_| pull && holds_decode) {
+                None => None,
+                Some(router) => match router.decision(next) {
+                    None => break,
+                    Some(Decision::Read(params)) => Some(params),
+                    Some(Decision::Abandoned) => {
+                        tally.outcome("Abandoned".into());
+                        tally.failed += 1;
+                        tally.error(format!("request {next}: a P rank refused it; not read"));
+                        next += 1;
+                        continue;
+                    }
+                },
+            };
             let Some(slot) = free.pop() else { break };
             let r = next;
             next += 1;
             let fault = fault.filter(|(at, _)| *at == r).map(|(_, f)| f);
             tally.faults_injected += u64::from(chaos(&mut chaos_rng));
-            let call = Call { fault, placing };
+            let call = Call {
+                fault,
+                placing,
+                pull,
+                router,
+                decided,
+            };
             match start(r, slot, &handoffs[r], pair, ranks, &mut rng, call, tally) {
                 Ok((request, ended)) => {
                     flights.insert(
@@ -150,7 +176,7 @@ pub(super) fn run_all(
         for id in done {
             if let Some(flight) = flights.remove(&id) {
                 let r = flight.r;
-                if let Err(error) = finish(&flight, &handoffs[r], pair, ranks, tally) {
+                if let Err(error) = finish(&flight, &handoffs[r], pair, ranks, pull, tally) {
                     tally.error(format!("request {r}: {error}"));
                 }
                 free.push(flight.slot);
@@ -189,11 +215,15 @@ pub(super) struct Pace {
     pub(super) gap: Duration,
 }
 
-/// How one request is started: its deliberate fault, and how P's routes place its pieces.
-#[derive(Debug, Clone, Copy)]
-struct Call {
+/// How one request is started: its deliberate fault, how the routes place its pieces, and
+/// whether D reads them (pull) instead of P writing them (push); across processes, the router
+/// P's answers go to and what it handed D.
+struct Call<'a> {
     fault: Option<HeteroFault>,
     placing: Placing,
+    pull: bool,
+    router: Option<&'a RouterClient>,
+    decided: Option<KvTransferParams>,
 }
 
 /// Starts request `r` in `slot`: every arena into the slot's memory, P's pieces and staging
@@ -207,7 +237,13 @@ fn start(
     pair: &PairPlan,
     ranks: &mut [Rank],
     rng: &mut rand_chacha::ChaCha8Rng,
-    Call { fault, placing }: Call,
+    Call {
+        fault,
+        placing,
+        pull,
+        router,
+        decided,
+    }: Call<'_>,
     tally: &mut Tally,
 ) -> Result<(RequestId, Vec<Option<Ended>>), String> {
     let request = RequestId::new(format!("req-{r}")).map_err(|e| e.to_string())?;
@@ -224,9 +260,10 @@ fn start(
                     .map_err(|e| format!("{} rank {}: {e}", rank.side, rank.id))?;
             }
         }
-        match placing {
-            Placing::Ahead => file_routes(&h, shared, pair, ranks, slot, &key, fault)?,
-            Placing::AtPost => file_at_post(&h, shared, pair, ranks, slot, &key)?,
+        match (pull, placing) {
+            (true, _) => super::pull::file_reads(&h, shared, pair, ranks, slot, &key, placing)?,
+            (false, Placing::Ahead) => file_routes(&h, shared, pair, ranks, slot, &key, fault)?,
+            (false, Placing::AtPost) => file_at_post(&h, shared, pair, ranks, slot, &key)?,
         }
         tally.descriptors += h.plan.descriptors() as u64;
         (
@@ -240,6 +277,11 @@ fn start(
     let mut order: Vec<usize> = (0..ranks.len()).collect();
     order.shuffle(rng);
     let abort = fault == Some(HeteroFault::DecodeAborts);
+    if pull {
+        // The router hands P's answer to D: every P rank exported before any D rank reads.
+        order.sort_by_key(|&i| ranks[i].side == SideName::Decode);
+    }
+    let mut answer: Option<KvTransferParams> = None;
     if abort {
         // Every D rank registers first, so that the abort below comes before any write.
         order.sort_by_key(|&i| ranks[i].side == SideName::Prefill);
@@ -259,6 +301,31 @@ fn start(
         }
         let rank = &mut ranks[i];
         let result = match rank.side {
+            SideName::Prefill if pull => {
+                let reply = rank.conn.request_finished(
+                    &request,
+                    prefill_blocks.clone(),
+                    tokens,
+                    &super::pull::prefill_params(),
+                );
+                if let Some(router) = router {
+                    if let Err(error) = router.answered(r, reply.as_ref().ok()) {
+                        tally.error(format!("request {r}: {error}"));
+                    }
+                }
+                reply.map(|reply| {
+                    answer.get_or_insert(reply);
+                })
+            }
+            SideName::Decode if pull => {
+                let params = {
+                    let h = lock(shared)?;
+                    let from_p = decided.as_ref().or(answer.as_ref());
+                    super::pull::decode_params(from_p, &h, pair, rank.remote)
+                };
+                rank.conn
+                    .request_allocated(&request, decode_blocks.clone(), tokens, &params)
+            }
             SideName::Prefill => rank
                 .conn
                 .request_finished(
@@ -343,6 +410,39 @@ fn gather(
                     tally.outcome(format!("Failed({reason:?})"));
                     (request, Ended::Failed)
                 }
+                ConnectorEvent::Imported {
+                    request, outcome, ..
+                } => match outcome {
+                    ImportOutcome::Loaded => {
+                        tally.outcome("Loaded".into());
+                        (request, Ended::Ready)
+                    }
+                    ImportOutcome::Recompute { failure, .. } | ImportOutcome::Failed(failure) => {
+                        tally.error(format!(
+                            "{request}: D rank {} read failed: {failure:?}",
+                            rank.id
+                        ));
+                        tally.outcome(format!("Failed({failure:?})"));
+                        (request, Ended::Failed)
+                    }
+                },
+                ConnectorEvent::ExportEnded {
+                    request, outcome, ..
+                } => match outcome {
+                    // A replica's blocks were needed by no D rank: as sent.
+                    ExportOutcome::Read | ExportOutcome::Released(ExportEnd::FullPrefixHit) => {
+                        tally.outcome(format!("{outcome:?}"));
+                        (request, Ended::Sent)
+                    }
+                    ExportOutcome::Released(end) => {
+                        tally.outcome(format!("Released({end:?})"));
+                        tally.error(format!(
+                            "{request}: P rank {} export unread: {end:?}",
+                            rank.id
+                        ));
+                        (request, Ended::Released)
+                    }
+                },
                 ConnectorEvent::BlocksFree {
                     request, released, ..
                 } => match released {
@@ -414,7 +514,11 @@ fn settle(flight: &Flight, h: &Handoff, ranks: &[Rank], tally: &mut Tally) -> bo
         tally.prefill_missing += 1;
     } else if all_sent {
         tally.sent += 1;
-        tally.sent_bytes += h.plan.bytes();
+        tally.sent_bytes += if tally.pull {
+            h.pull_bytes()
+        } else {
+            h.plan.bytes()
+        };
     } else {
         tally.released += 1;
     }
@@ -428,6 +532,7 @@ fn finish(
     shared: &Shared,
     pair: &PairPlan,
     ranks: &[Rank],
+    pull: bool,
     tally: &mut Tally,
 ) -> Result<(), String> {
     tally
@@ -454,6 +559,9 @@ fn finish(
         .map(|r| r.index)
         .collect();
     let held: Vec<(SideName, usize)> = ranks.iter().map(|r| (r.side, r.index)).collect();
+    if pull {
+        super::pull::land(&mut h, ranks, flight.slot)?;
+    }
     let stats = h
         .run_decode_side_of(Some(&d_ranks))
         .map_err(|e| e.to_string())?;

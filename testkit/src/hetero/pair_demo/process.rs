@@ -25,6 +25,7 @@ use kvhandoff_protocol::{EngineId, PeerAddr};
 use serde::Serialize;
 
 use super::flight::{self, Pace, Placing, Rank};
+use super::router::RouterClient;
 use super::{
     model_identity, planned, rank_port, side_channel, slot_memory, HeteroDemoOptions, Tally,
     DECODE, PREFILL,
@@ -61,6 +62,9 @@ pub struct RankProcess {
     /// The side channel's pre-shared key: every handshake authenticated with it, and refused
     /// by a peer with another key or none.
     pub psk: Option<kvhandoff::Psk>,
+    /// The pair's router (`kvhandoff router`), which pull needs: P tells it each answer, D
+    /// reads a request only once the router handed it P's.
+    pub router: Option<SocketAddr>,
 }
 
 /// What one rank's process did.
@@ -209,7 +213,24 @@ pub fn run_rank(
         .start_on(&mut runtime)
         .map_err(start_error)?;
     let deadline = Instant::now() + options.timeout;
-    let mut tally = Tally::default();
+    let mut tally = Tally {
+        pull: options.pull,
+        ..Tally::default()
+    };
+    let router = match (options.pull, process.router) {
+        (true, Some(addr)) => Some(RouterClient::connect(
+            addr,
+            own_engine,
+            process.rank,
+            deadline,
+        )?),
+        (true, None) => {
+            return Err(DemoError::Options(
+                "a pair's ranks pull across processes through a router: --router".into(),
+            ))
+        }
+        (false, _) => None,
+    };
     if process.side == SideName::Decode {
         if let Err(why) = meet_prefill(&started, &run.pair, index, p_base, deadline) {
             tally.error(why);
@@ -256,6 +277,8 @@ pub fn run_rank(
             options.seed ^ 0x5eed_ca11,
             None,
             Placing::AtPost,
+            options.pull,
+            router.as_ref(),
             Pace {
                 first: process.start_at,
                 gap: process.gap,

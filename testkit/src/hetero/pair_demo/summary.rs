@@ -43,13 +43,25 @@ pub(super) fn report(
             .pipeline
             .transforms
             .iter()
-            .map(|x| format!("{} {}: {}", x.kind.label(), x.runs_on.label(), x.reason))
+            .map(|x| match (options.pull, x.runs_on) {
+                // In pull P does nothing for the read: D runs P's part over its mirror.
+                (true, kvhandoff_protocol::hetero::RunsOn::Prefill) => format!(
+                    "{} on D (pull: P's part, run over D's copy of P's blocks): {}",
+                    x.kind.label(),
+                    x.reason
+                ),
+                _ => format!("{} {}: {}", x.kind.label(), x.runs_on.label(), x.reason),
+            })
             .collect(),
     };
     let mut report = DemoReport {
         transport: transport.into(),
-        mode: "push".into(),
-        pulled: 0,
+        mode: if options.pull { "pull" } else { "push" }.into(),
+        pulled: if options.pull {
+            handoffs.len() as u64
+        } else {
+            0
+        },
         role: ReportRole::Both,
         seed: options.seed,
         requests: handoffs.len() as u64,
@@ -71,7 +83,13 @@ pub(super) fn report(
         expected_bytes: handoffs
             .iter()
             .filter_map(|h| h.lock().ok())
-            .map(|h| h.plan.bytes())
+            .map(|h| {
+                if options.pull {
+                    h.pull_bytes()
+                } else {
+                    h.plan.bytes()
+                }
+            })
             .sum(),
         tokens: handoffs
             .iter()

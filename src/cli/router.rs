@@ -1,0 +1,55 @@
+//! `kvhandoff router`: the router of a heterogeneous pair whose ranks run as processes of their
+//! own (what `cluster --model … --mode pull` starts beside the ranks): every P rank tells it its
+//! answer to each request, and it hands P's answer to every D rank once all P ranks answered.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use super::print_json;
+
+/// Arguments of `kvhandoff router`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct RouterArgs {
+    /// Where the ranks connect, HOST:PORT.
+    #[arg(long)]
+    listen: SocketAddr,
+    /// Ranks of P's engine (every one answers each request).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    prefill_ranks: u32,
+    /// Requests of the run: the router stops once it decided every one.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    requests: u64,
+    /// The longest the router runs.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    timeout_secs: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) fn run_router(args: RouterArgs) -> ExitCode {
+    use kvhandoff_testkit::hetero::pair_demo::run_router;
+    let timeout = std::time::Duration::from_secs(args.timeout_secs);
+    match run_router(args.listen, args.prefill_ranks, args.requests, timeout) {
+        Ok(report) => {
+            let printed = if args.json {
+                print_json(&report)
+            } else {
+                println!(
+                    "kvhandoff router: {} forwarded, {} abandoned, {} undecided",
+                    report.forwarded, report.abandoned, report.undecided
+                );
+                true
+            };
+            if printed && report.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::from(2)
+        }
+    }
+}

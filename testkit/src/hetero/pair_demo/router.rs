@@ -1,0 +1,294 @@
+//! The router of a heterogeneous pair whose ranks run as processes of their own
+//! (`kvhandoff router`, started by `kvhandoff cluster --model … --mode pull`): what vLLM's proxy
+//! does between the engines. Every P rank tells it its answer to each request's prefill leg
+//! (the `kv_transfer_params` its `request_finished` returned, or that it refused); once every P
+//! rank answered, the router hands the decode leg's parameters — P rank 0's answer, as the proxy
+//! takes the engine's one response — to every D rank, which only then calls
+//! `request_allocated`. A request some P rank refused is abandoned: D's ranks are told so and
+//! never start it.
+//!
+//! One TCP connection per rank, one line of JSON per message: the rank's `hello` first, then P's
+//! `answer`s one way and the router's `params` or `abandoned` the other. A D rank that connects
+//! late (a restart) gets every decision made so far.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvhandoff::KvTransferParams;
+use serde::{Deserialize, Serialize};
+
+use crate::demo::DemoError;
+
+/// How often the router and its clients look at their clocks and connections.
+const POLL: Duration = Duration::from_millis(5);
+/// Longest line a peer may send (a request's parameters are well under it).
+const MAX_LINE: usize = 1 << 20;
+
+/// One message between a rank and the router.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum Line {
+    /// A rank introduces itself.
+    Hello { side: String, rank: u32 },
+    /// P rank → router: its answer to request `index` (`None`: it refused the call).
+    Answer {
+        index: u64,
+        params: Option<KvTransferParams>,
+    },
+    /// Router → D ranks: request `index`'s decode leg.
+    Params {
+        index: u64,
+        params: KvTransferParams,
+    },
+    /// Router → D ranks: request `index` will not be read (a P rank refused it).
+    Abandoned { index: u64 },
+}
+
+/// What the router did, for its report.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RouterReport {
+    /// Requests handed to D's ranks.
+    pub forwarded: u64,
+    /// Requests abandoned because a P rank refused them.
+    pub abandoned: u64,
+    /// Requests with no decision when the router stopped.
+    pub undecided: u64,
+    /// P ranks and D ranks that connected (restarts counted again).
+    pub prefill_connections: u64,
+    /// D connections.
+    pub decode_connections: u64,
+    /// Lines refused (not JSON, too long, out of place).
+    pub bad_lines: u64,
+    /// Whether every request was decided.
+    pub ok: bool,
+}
+
+enum Event {
+    Connected(TcpStream),
+    Line(u64, Line),
+    Bad,
+}
+
+/// Runs the router on `listen` until every one of `requests` was decided and handed to every
+/// D rank connected, or `timeout`.
+///
+/// # Errors
+/// [`DemoError::Options`] when it cannot listen.
+pub fn run_router(
+    listen: SocketAddr,
+    prefill_ranks: u32,
+    requests: u64,
+    timeout: Duration,
+) -> Result<RouterReport, DemoError> {
+    let listener = TcpListener::bind(listen)
+        .map_err(|e| DemoError::Options(format!("the router cannot listen on {listen}: {e}")))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| DemoError::Options(e.to_string()))?;
+    let deadline = Instant::now() + timeout;
+    let (tx, rx) = mpsc::channel::<Event>();
+    let mut report = RouterReport::default();
+    // Per request: the answers of the P ranks so far.
+    let mut answers: BTreeMap<u64, BTreeMap<u32, Option<KvTransferParams>>> = BTreeMap::new();
+    let mut decided: Vec<Line> = Vec::new();
+    // Every connection, with how many decisions it was sent.
+    let mut clients: Vec<(TcpStream, usize)> = Vec::new();
+    let mut who: BTreeMap<u64, (String, u32)> = BTreeMap::new();
+    let mut next_id = 0u64;
+    while Instant::now() < deadline && (decided.len() as u64) < requests {
+        while let Ok((stream, _)) = listener.accept() {
+            let _ = tx.send(Event::Connected(stream));
+        }
+        let Ok(event) = rx.recv_timeout(POLL) else {
+            continue;
+        };
+        match event {
+            Event::Connected(stream) => {
+                next_id += 1;
+                spawn_reader(next_id, &stream, tx.clone());
+                who.insert(next_id, (String::new(), 0));
+                clients.push((stream, 0));
+            }
+            Event::Bad => report.bad_lines += 1,
+            Event::Line(id, Line::Hello { side, rank }) => {
+                match side.as_str() {
+                    "prefill" => report.prefill_connections += 1,
+                    "decode" => report.decode_connections += 1,
+                    _ => report.bad_lines += 1,
+                }
+                who.insert(id, (side, rank));
+            }
+            Event::Line(id, Line::Answer { index, params }) => {
+                let Some((side, rank)) = who.get(&id).cloned() else {
+                    report.bad_lines += 1;
+                    continue;
+                };
+                if side != "prefill" || index >= requests || rank >= prefill_ranks {
+                    report.bad_lines += 1;
+                    continue;
+                }
+                let entry = answers.entry(index).or_default();
+                entry.insert(rank, params);
+                if entry.len() == prefill_ranks as usize {
+                    let all = answers.remove(&index).unwrap_or_default();
+                    let line = match all.get(&0).cloned().flatten() {
+                        Some(params) if all.values().all(Option::is_some) => {
+                            report.forwarded += 1;
+                            Line::Params { index, params }
+                        }
+                        _ => {
+                            report.abandoned += 1;
+                            Line::Abandoned { index }
+                        }
+                    };
+                    decided.push(line);
+                }
+            }
+            Event::Line(_, Line::Params { .. } | Line::Abandoned { .. }) => report.bad_lines += 1,
+        }
+        // Every connection gets every decision (P's ignore them); a late one gets the history.
+        clients.retain_mut(|(stream, sent)| send_new(stream, sent, &decided).is_ok());
+    }
+    report.undecided = requests.saturating_sub(decided.len() as u64);
+    report.ok = report.undecided == 0;
+    // The D ranks read the last decisions before the connections close.
+    thread::sleep(Duration::from_millis(200));
+    Ok(report)
+}
+
+/// Sends the decisions of `all` past the `sent` this stream had.
+fn send_new(stream: &mut TcpStream, sent: &mut usize, all: &[Line]) -> std::io::Result<()> {
+    for line in &all[(*sent).min(all.len())..] {
+        let text = serde_json::to_string(line).map_err(std::io::Error::other)?;
+        stream.write_all(text.as_bytes())?;
+        stream.write_all(b"\n")?;
+    }
+    *sent = all.len();
+    Ok(())
+}
+
+fn spawn_reader(id: u64, stream: &TcpStream, tx: mpsc::Sender<Event>) {
+    let Ok(stream) = stream.try_clone() else {
+        return;
+    };
+    thread::spawn(move || {
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        loop {
+            line.clear();
+            match (&mut reader).take(MAX_LINE as u64).read_line(&mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    let event = serde_json::from_str::<Line>(line.trim())
+                        .map_or(Event::Bad, |l| Event::Line(id, l));
+                    if tx.send(event).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// What a rank learns from the router about request `index`.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Decision {
+    /// The decode leg's parameters.
+    Read(KvTransferParams),
+    /// A P rank refused the request: D does not start it.
+    Abandoned,
+}
+
+/// A rank's connection to the router.
+pub(super) struct RouterClient {
+    stream: Mutex<TcpStream>,
+    decisions: Arc<Mutex<BTreeMap<u64, Decision>>>,
+}
+
+impl RouterClient {
+    /// Connects to the router at `addr` (retrying until `deadline`) as rank `rank` of `side`.
+    pub(super) fn connect(
+        addr: SocketAddr,
+        side: &str,
+        rank: u32,
+        deadline: Instant,
+    ) -> Result<RouterClient, DemoError> {
+        let stream = loop {
+            match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                Ok(stream) => break stream,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(DemoError::Options(format!("the router at {addr}: {e}")))
+                }
+                Err(_) => thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        let hello = Line::Hello {
+            side: side.into(),
+            rank,
+        };
+        let client = RouterClient {
+            stream: Mutex::new(
+                stream
+                    .try_clone()
+                    .map_err(|e| DemoError::Options(e.to_string()))?,
+            ),
+            decisions: Arc::new(Mutex::new(BTreeMap::new())),
+        };
+        client.send(&hello)?;
+        let decisions = Arc::clone(&client.decisions);
+        thread::spawn(move || {
+            let mut reader = BufReader::new(stream);
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match (&mut reader).take(MAX_LINE as u64).read_line(&mut line) {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {
+                        let decision = match serde_json::from_str::<Line>(line.trim()) {
+                            Ok(Line::Params { index, params }) => (index, Decision::Read(params)),
+                            Ok(Line::Abandoned { index }) => (index, Decision::Abandoned),
+                            _ => continue,
+                        };
+                        if let Ok(mut d) = decisions.lock() {
+                            d.insert(decision.0, decision.1);
+                        }
+                    }
+                }
+            }
+        });
+        Ok(client)
+    }
+
+    fn send(&self, line: &Line) -> Result<(), DemoError> {
+        let text = serde_json::to_string(line).map_err(|e| DemoError::Options(e.to_string()))?;
+        let mut stream = self
+            .stream
+            .lock()
+            .map_err(|_| DemoError::Options("the router link is poisoned".into()))?;
+        stream
+            .write_all(format!("{text}\n").as_bytes())
+            .map_err(|e| DemoError::Options(format!("the router link: {e}")))
+    }
+
+    /// P: its answer to request `index` (`None`: its call was refused).
+    pub(super) fn answered(
+        &self,
+        index: usize,
+        params: Option<&KvTransferParams>,
+    ) -> Result<(), String> {
+        self.send(&Line::Answer {
+            index: index as u64,
+            params: params.cloned(),
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    /// D: what the router decided for request `index`, if it did yet.
+    pub(super) fn decision(&self, index: usize) -> Option<Decision> {
+        self.decisions.lock().ok()?.get(&(index as u64)).cloned()
+    }
+}
