@@ -236,6 +236,12 @@ cargo run --release --quiet -- matrix --runtime
 banner "cargo run --release -- matrix --runtime --side-channels (the cross-process wire)"
 cargo run --release --quiet -- matrix --runtime --side-channels
 
+# The same cells pulled over that wire: P's ranks export, each D rank reads every link into it
+# from the KV buffer P's grant names (protocol v8), runs P's transforms over its copy of P's
+# blocks where P would have staged, then its own; about 60 s in release.
+banner "cargo run --release -- matrix --runtime --pull --side-channels (pull across the wire)"
+cargo run --release --quiet -- matrix --runtime --pull --side-channels
+
 # The simulator's swarm at 300 seeds x 40 requests on seeds picked by the day: clean with every
 # coverage mark hit, and every deliberate bug it reaches caught; about a minute in release.
 banner "scripts/swarm-check.sh (the swarm: clean, every mark hit, its mutations caught)"

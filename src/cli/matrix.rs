@@ -31,6 +31,9 @@ pub(crate) struct MatrixArgs {
     /// pair across processes).
     #[arg(long, requires = "runtime")]
     side_channels: bool,
+    /// With `--runtime`: D reads each cell's requests (pull) instead of P writing them.
+    #[arg(long, requires = "runtime")]
+    pull: bool,
 }
 
 pub(crate) fn run_matrix_command(args: MatrixArgs) -> ExitCode {
@@ -38,7 +41,7 @@ pub(crate) fn run_matrix_command(args: MatrixArgs) -> ExitCode {
         use kvhandoff_testkit::hetero::matrix::runtime::{
             render_runtime_summary, run_runtime_matrix,
         };
-        let report = run_runtime_matrix(args.requests as usize, 2, args.side_channels);
+        let report = run_runtime_matrix(args.requests as usize, 2, args.side_channels, args.pull);
         let printed = if args.json {
             print_json(&report)
         } else {

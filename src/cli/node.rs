@@ -293,6 +293,12 @@ fn run_pair_rank(args: &NodeArgs, psk: Option<Psk>) -> ExitCode {
             return refuse("a heterogeneous pair runs --mode push or pull".into())
         }
     };
+    if pull && args.router.is_none() {
+        return refuse(
+            "a pair's ranks pull across processes through its router (`kvhandoff router`): --router"
+                .into(),
+        );
+    }
     let options = HeteroDemoOptions {
         transport: DemoTransport::Nixl,
         pull,

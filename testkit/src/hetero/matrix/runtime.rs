@@ -28,6 +28,8 @@ pub struct RuntimeMatrixReport {
     pub requests_per_cell: usize,
     /// Requests in flight at once per cell.
     pub window: usize,
+    /// `"push"` or `"pull"`.
+    pub mode: String,
     /// Cells run.
     pub cells: usize,
     /// Cells whose every request verified.
@@ -52,11 +54,13 @@ fn name(cell: &Cell) -> String {
 /// per logical block, pairs the planner refuses) through the runtime, `requests` each,
 /// `window` at once, the seed differing per cell; with `side_channels`, every rank over its own
 /// TCP side channel and P placing its pieces where D's registration says (the wire of a pair
-/// across processes, `HeteroDemoOptions::side_channels`).
+/// across processes, `HeteroDemoOptions::side_channels`); with `pull`, D reads every cell's
+/// requests instead (`HeteroDemoOptions::pull`).
 pub fn run_runtime_matrix(
     requests: usize,
     window: usize,
     side_channels: bool,
+    pull: bool,
 ) -> RuntimeMatrixReport {
     let start = Instant::now();
     let mut cells = matrix_cells();
@@ -64,6 +68,7 @@ pub fn run_runtime_matrix(
     let mut report = RuntimeMatrixReport {
         requests_per_cell: requests,
         window,
+        mode: if pull { "pull" } else { "push" }.into(),
         cells: cells.len(),
         verified: 0,
         rejected: 0,
@@ -78,6 +83,7 @@ pub fn run_runtime_matrix(
             window,
             seed: i as u64 + 1,
             side_channels,
+            pull,
             ..HeteroDemoOptions::new(cell.model.name, cell.prefill, cell.decode)
         };
         match run(&options) {
@@ -109,9 +115,10 @@ pub fn run_runtime_matrix(
 /// A short summary for a terminal.
 pub fn render_runtime_summary(report: &RuntimeMatrixReport) -> String {
     let mut out = format!(
-        "heterogeneous matrix through the runtime (mem transport, {} requests per cell, {} in \
+        "heterogeneous matrix through the runtime ({}, mem transport, {} requests per cell, {} in \
          flight)\n  cells {}   verified {}   rejected {}   failed {}\n  requests {}   \
          sub-requests {}   {:.1} s\n",
+        report.mode,
         report.requests_per_cell,
         report.window,
         report.cells,
