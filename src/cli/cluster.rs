@@ -574,10 +574,11 @@ fn render(report: &ClusterReport) -> String {
                 (None, Some(signal)) => format!("sig{signal}"),
                 (None, None) => "-".to_string(),
             },
-            if r.engine == "decode" {
-                "verified"
-            } else {
-                "sent    "
+            match (r.engine, report.mode.as_str()) {
+                ("decode", _) => "verified ",
+                ("router", _) => "forwarded",
+                (_, "pull") => "read     ",
+                _ => "sent     ",
             },
             r.done,
             r.byte_errors,
