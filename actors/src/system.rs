@@ -41,7 +41,7 @@ pub use link::LinkActor;
 pub use messages::{
     AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Expecting, Feed, Hello,
     LinkUp, LoadPeer, QueryCounters, QuerySideChannel, QueryStats, QueryTransportStats, SetLinks,
-    TransportOps, Verdict, Verdicts,
+    SetTurnLinks, TransportOps, Verdict, Verdicts,
 };
 pub use rank::RankActor;
 pub use regions::{AdoptError, AdoptMemory, KvRegion, MemoryLocation};

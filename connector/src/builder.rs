@@ -417,6 +417,19 @@ impl RankBuilder {
             }
             Some(Pairing { plan, side }) => {
                 let links = RankLinks::for_rank(&plan, side, rank_index)?;
+                // A conversation's later turns read D's kept blocks back into P: the pair
+                // planned the other way, when the planner can (else turns stay unsupported).
+                let other = match side {
+                    SideName::Prefill => SideName::Decode,
+                    SideName::Decode => SideName::Prefill,
+                };
+                let turn_links = kvhandoff_protocol::hetero::plan_pair(
+                    &plan.model,
+                    plan.decode.spec,
+                    plan.prefill.spec,
+                )
+                .ok()
+                .and_then(|reversed| RankLinks::for_rank(&reversed, other, rank_index).ok());
                 let route = Arc::new(PlannedRoute::new(&plan, side));
                 // P hands its whole block list to the route, whose plan aligns the sides (and a
                 // reader reads both whole lists in one read).
@@ -436,7 +449,7 @@ impl RankBuilder {
                         route.clone(),
                     )?;
                 let cache = KvCache::new(geometry.clone(), registered, None, 0);
-                (setup, cache, Some(route), Some(links))
+                (setup, cache, Some(route), Some((links, turn_links)))
             }
         };
         let handshaker = match side_channel {
@@ -467,8 +480,11 @@ impl RankBuilder {
         };
         let settings = settings.unwrap_or_else(|| ConnectorSettings::new(&config, &geometry));
         let mut connector = KvConnector::with_settings(identity, handle, settings);
-        if let Some(links) = links {
+        if let Some((links, turn_links)) = links {
             connector.set_links(links)?;
+            if let Some(turn_links) = turn_links {
+                connector.set_turn_links(turn_links)?;
+            }
         }
         let rank = EngineRank {
             connector,

@@ -40,7 +40,7 @@ mod submit;
 
 use std::time::Duration;
 
-use kvhandoff_actors::system::{blocking, ConfigureSession, RankHandle, SetLinks};
+use kvhandoff_actors::system::{blocking, ConfigureSession, RankHandle, SetLinks, SetTurnLinks};
 use kvhandoff_protocol::{BlockIds, RequestId};
 
 #[cfg(doc)]
@@ -146,6 +146,29 @@ impl KvConnector {
             .ok_or(ConnectorError::Unavailable)??;
         self.links = Some(links);
         Ok(())
+    }
+
+    /// Gives the rank its links for a conversation's later turns: the pair planned the other
+    /// way, D's engine the holder of the kept blocks (see
+    /// [`Session::set_turn_links`](kvhandoff_protocol::session::Session::set_turn_links)).
+    /// [`RankBuilder::pairing`](crate::RankBuilder::pairing) sets them when the pair plans
+    /// both ways.
+    ///
+    /// # Errors
+    /// As [`KvConnector::set_links`].
+    pub fn set_turn_links(&mut self, links: RankLinks) -> Result<(), ConnectorError> {
+        links.validate()?;
+        if links.rank != self.identity.rank {
+            return Err(ConnectorError::InvalidParam {
+                name: "turn links",
+                why: format!(
+                    "links of rank {}, for the connector of rank {}",
+                    links.rank, self.identity.rank
+                ),
+            });
+        }
+        blocking::ask(&self.rank.rank, SetTurnLinks(links), self.call_timeout)
+            .ok_or(ConnectorError::Unavailable)?
     }
 
     /// The links set with [`KvConnector::set_links`].

@@ -20,8 +20,11 @@
 //! and P's route files the memory its grant names ([`ReadGrant::memory`](kvhandoff_protocol::ReadGrant::memory)):
 //! where the request's blocks are.
 //!
-//! Whatever else comes (an unknown key, the peer naming other blocks, a read on P or a write
-//! on D) is refused, and the protocol fails the transfer (`PostFailed`). A rank gets its route from
+//! A later turn's read-back (P reading D's kept blocks) is placed the same way, with the pair
+//! planned the other way.
+//!
+//! Whatever else comes (an unknown key, the peer naming other blocks, a write on D) is refused,
+//! and the protocol fails the transfer (`PostFailed`). A rank gets its route from
 //! [`RankBuilder::pairing`](crate::RankBuilder::pairing) ([`EngineRank::route`](crate::EngineRank::route));
 //! the per-request plan comes from `kvhandoff_protocol::hetero` (what `kvhandoff demo --model`
 //! and `kvhandoff node --model` run).
@@ -230,12 +233,11 @@ impl TransferRoute for PlannedRoute {
         out: &mut Vec<Descriptor>,
     ) -> Result<(), RouteError> {
         match (request.direction, self.side) {
-            (RouteDirection::Write, SideName::Prefill)
-            | (RouteDirection::Read, SideName::Decode) => {}
-            (RouteDirection::Write, SideName::Decode)
-            | (RouteDirection::Read, SideName::Prefill) => {
+            // P writes (push), D reads (pull), P reads D's kept blocks back (a later turn).
+            (RouteDirection::Write, SideName::Prefill) | (RouteDirection::Read, _) => {}
+            (RouteDirection::Write, SideName::Decode) => {
                 return Err(RouteError(
-                    "between different geometries P writes (push) and D reads (pull)".into(),
+                    "between different geometries D never writes into P".into(),
                 ))
             }
         }

@@ -127,6 +127,9 @@ pub struct Session {
     peer_addresses: bool,
     /// The other engine's ranks this rank pairs with, when the geometries differ.
     links: Option<RankLinks>,
+    /// The same for a conversation's later turns, which read D's kept blocks back into P: the
+    /// pair planned the other way (D's engine as the holder).
+    turn_links: Option<RankLinks>,
     /// Multi-rank requests in progress.
     fans: fan::Fans,
     /// Clock offsets (peer minus ours, µs) of the engines the side channel measured.
@@ -171,6 +174,7 @@ impl Session {
             settings,
             peer_addresses: false,
             links: None,
+            turn_links: None,
             fans: fan::Fans::default(),
             clock_offsets: BTreeMap::new(),
             ready: VecDeque::new(),
@@ -241,6 +245,21 @@ impl Session {
     /// The links set with [`Session::set_links`].
     pub fn links(&self) -> Option<&RankLinks> {
         self.links.as_ref()
+    }
+
+    /// Makes this rank split a conversation's turn calls (`keep_for_next_turn` on D,
+    /// `next_turn_allocated` on P) into one export or import per pair of ranks in `links`: the
+    /// pair planned the other way, D's engine the holder (`plan_pair` with the sides swapped;
+    /// this rank's links in it, [`RankLinks::for_rank`] of the other side). Without them a
+    /// linked rank refuses turn calls as unsupported.
+    ///
+    /// # Errors
+    /// [`ConnectorError::InvalidParam`] for links that are not distinct ranks of the other
+    /// engine ([`RankLinks::validate`]).
+    pub fn set_turn_links(&mut self, links: RankLinks) -> Result<(), ConnectorError> {
+        links.validate()?;
+        self.turn_links = Some(links);
+        Ok(())
     }
 
     /// Lowers the bound on multi-rank requests in progress (default [`MAX_FANS`]), for tests
@@ -431,10 +450,15 @@ impl Session {
                     "this call between engines of different geometries",
                 )),
             },
-            ConnectorCall::KeepForNextTurn { .. }
-            | ConnectorCall::NextTurnAllocated { .. }
-            | ConnectorCall::DeclineExport { .. } => Err(ConnectorError::Unsupported(
-                "bidirectional turns between engines of different geometries",
+            call @ (ConnectorCall::KeepForNextTurn { .. }
+            | ConnectorCall::NextTurnAllocated { .. }) => match self.turn_links.clone() {
+                Some(turn) => self.turn_call(now, call, &turn),
+                None => Err(ConnectorError::Unsupported(
+                    "bidirectional turns between engines of different geometries without turn links",
+                )),
+            },
+            ConnectorCall::DeclineExport { .. } => Err(ConnectorError::Unsupported(
+                "declining a multi-rank export",
             )),
             ConnectorCall::PrefillStarted { .. } | ConnectorCall::LayersReady { .. } => {
                 Err(ConnectorError::Unsupported(

@@ -138,11 +138,13 @@ fn with_progress<R>(options: &DemoOptions, run: impl FnOnce() -> R) -> R {
 fn run_hetero(args: &DemoArgs) -> ExitCode {
     use kvhandoff_testkit::hetero::pair_demo::{self as hetero, HeteroDemoOptions};
     let refuse = |error: String| super::pair_args::refuse(args.json, &error);
-    let pull = match args.mode {
-        ModeArg::Push => false,
-        ModeArg::Pull => true,
-        ModeArg::Mixed | ModeArg::Bidir => {
-            return refuse("a heterogeneous pair runs --mode push or pull".into())
+    let (pull, bidir) = match args.mode {
+        ModeArg::Push => (false, false),
+        ModeArg::Pull => (true, false),
+        // Each request's first turn pushed, its next turn read back from D.
+        ModeArg::Bidir => (false, true),
+        ModeArg::Mixed => {
+            return refuse("a heterogeneous pair runs --mode push, pull or bidir".into())
         }
     };
     let pair = match args.pair.specs() {
@@ -161,6 +163,7 @@ fn run_hetero(args: &DemoArgs) -> ExitCode {
         seed: args.seed,
         side_channels: args.side_channels,
         pull,
+        bidir,
         ..HeteroDemoOptions::new(&pair.model, pair.prefill, pair.decode)
     };
     match hetero::run(&options) {

@@ -71,6 +71,12 @@ pub struct ConfigureSession {
 #[rtype(result = "Result<(), ConnectorError>")]
 pub struct SetLinks(pub RankLinks);
 
+/// Gives the rank's session its links for a conversation's later turns, the pair planned the
+/// other way ([`Session::set_turn_links`](kvhandoff_protocol::session::Session::set_turn_links)).
+#[derive(Message, Debug, Clone)]
+#[rtype(result = "Result<(), ConnectorError>")]
+pub struct SetTurnLinks(pub RankLinks);
+
 /// The side channel measured a peer engine's clock (peer minus ours, µs) at a handshake.
 #[derive(Message, Debug, Clone)]
 #[rtype(result = "()")]

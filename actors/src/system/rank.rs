@@ -8,7 +8,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::messages::{
     AddPeerAddress, Call, Calls, ClockMeasured, ConfigureSession, Connect, Expecting, Feed, LinkUp,
-    LoadPeer, QueryCounters, QueryStats, SetLinks, TransportOps,
+    LoadPeer, QueryCounters, QueryStats, SetLinks, SetTurnLinks, TransportOps,
 };
 use kvhandoff_protocol::driver::{connected_input, handshake_step, HandshakeStep};
 use kvhandoff_protocol::machine::{ConnectFailure, Time};
@@ -287,6 +287,14 @@ impl Handler<SetLinks> for RankActor {
 
     fn handle(&mut self, SetLinks(links): SetLinks, _: &mut Context<Self>) -> Self::Result {
         self.session.set_links(links)
+    }
+}
+
+impl Handler<SetTurnLinks> for RankActor {
+    type Result = Result<(), ConnectorError>;
+
+    fn handle(&mut self, SetTurnLinks(links): SetTurnLinks, _: &mut Context<Self>) -> Self::Result {
+        self.session.set_turn_links(links)
     }
 }
 

@@ -17,7 +17,11 @@ use crate::{BlockIds, PeerAddr, RequestId};
 use super::fan::{pair_key, sub_request_id};
 use super::params::{epoch, pairing_key};
 use super::prepare::remote_engine;
-use super::{ConnectorError, KvTransferParams, RankLinks, Session, SessionOutput};
+use super::{
+    ConnectorCall, ConnectorError, ConnectorReply, KvTransferParams, RankLinks, Session,
+    SessionOutput,
+};
+use crate::TransferMode;
 
 impl Session {
     /// D's pull request as one import per P rank it reads from.
@@ -32,6 +36,75 @@ impl Session {
         params: &KvTransferParams,
     ) -> Result<(), ConnectorError> {
         self.context().check_remote_prefill(params)?;
+        self.fan_read(now, links, request, blocks, num_tokens, params)
+    }
+
+    /// A conversation's turn calls on a linked rank, with the turn links (the pair planned the
+    /// other way): D keeps its blocks as one export per P rank that reads them back; P's next
+    /// turn reads them as one import per D rank it needs.
+    pub(super) fn turn_call(
+        &mut self,
+        now: Time,
+        call: ConnectorCall,
+        links: &RankLinks,
+    ) -> Result<ConnectorReply, ConnectorError> {
+        match call {
+            ConnectorCall::KeepForNextTurn {
+                request,
+                blocks,
+                num_tokens,
+                ttl,
+                params,
+            } => {
+                let (input, reply) = self
+                    .context()
+                    .keep_input(now, request, blocks, num_tokens, ttl, &params)?;
+                let EndpointCall::Export(start) = input else {
+                    return Err(ConnectorError::Unsupported("a kept turn that is no export"));
+                };
+                self.fan_exported(now, links, start)
+                    .map(|()| ConnectorReply::NextTurnParams(reply))
+            }
+            ConnectorCall::NextTurnAllocated {
+                request,
+                blocks,
+                num_tokens,
+                params,
+            } => {
+                if params.transfer_mode()? == TransferMode::Push {
+                    return Err(ConnectorError::InvalidParam {
+                        name: "transfer_mode",
+                        why: "a later turn reads the previous turns' KV: \"pull\" or absent".into(),
+                    });
+                }
+                if links.side != SideName::Decode {
+                    return Err(ConnectorError::Unsupported(
+                        "next_turn_allocated on a rank whose turn links hold the blocks",
+                    ));
+                }
+                self.fan_read(now, links, &request, blocks, num_tokens, &params)
+                    .map(|()| ConnectorReply::Accepted)
+            }
+            ConnectorCall::RequestAllocated { .. }
+            | ConnectorCall::RequestFinished { .. }
+            | ConnectorCall::PrefillStarted { .. }
+            | ConnectorCall::LayersReady { .. }
+            | ConnectorCall::DeclineExport { .. }
+            | ConnectorCall::Abort { .. }
+            | ConnectorCall::Shutdown => Err(ConnectorError::Unsupported("not a turn call")),
+        }
+    }
+
+    /// One import per rank in `links` (the reader's side of a multi-rank read).
+    fn fan_read(
+        &mut self,
+        now: Time,
+        links: &RankLinks,
+        request: &RequestId,
+        blocks: BlockIds,
+        num_tokens: u64,
+        params: &KvTransferParams,
+    ) -> Result<(), ConnectorError> {
         let tp = params
             .tp_size
             .ok_or(ConnectorError::MissingParam("tp_size"))?;

@@ -107,6 +107,11 @@ pub struct HeteroDemoOptions {
     /// answer to D's ranks, each D rank reads every link into it, and runs every transform of
     /// the pair on its side (see `pair_demo/pull.rs`). Default false.
     pub pull: bool,
+    /// A conversation's next turn after each request: once every request's first turn
+    /// ended, D keeps each request's blocks (`keep_for_next_turn`) and P reads them back into
+    /// its own geometry (`next_turn_allocated`), the pair planned the other way (D's engine the
+    /// holder); every byte of the read-back checked in P's geometry. Default false.
+    pub bidir: bool,
     /// TEST ONLY: a deliberate fault in the middle request, which the run must report.
     #[doc(hidden)]
     pub fault: Option<HeteroFault>,
@@ -143,6 +148,7 @@ impl HeteroDemoOptions {
             chaos: 0.0,
             side_channels: false,
             pull: false,
+            bidir: false,
             fault: None,
         }
     }
@@ -209,11 +215,41 @@ fn planned(options: &HeteroDemoOptions) -> Result<Prepared, DemoError> {
         )));
     }
     let handoffs = prepare(&pair, options)?;
-    let lens = region_lens(&pair, &handoffs, options.pull);
+    let mut lens = region_lens(&pair, &handoffs, options.pull);
+    let read_back = if options.bidir {
+        if options.fault.is_some() || options.chaos > 0.0 {
+            return Err(DemoError::Options(
+                "a read-back runs without deliberate faults or chaos".into(),
+            ));
+        }
+        let reversed = plan_pair(model, options.decode, options.prefill).map_err(|e| {
+            DemoError::Options(format!("the pair cannot be planned the other way: {e}"))
+        })?;
+        let back = prepare(&reversed, options)?;
+        // The read-back's holders are D's ranks and its readers P's: each rank's memory must
+        // hold both turns' needs.
+        for ((side, index), back_lens) in region_lens(&reversed, &back, true) {
+            let engine_side = match side {
+                SideName::Prefill => SideName::Decode,
+                SideName::Decode => SideName::Prefill,
+            };
+            if let Some((_, lens)) = lens
+                .iter_mut()
+                .find(|(key, _)| *key == (engine_side, index))
+            {
+                lens[0] = lens[0].max(back_lens[0]);
+                lens[1] = lens[1].max(back_lens[1]);
+            }
+        }
+        Some((reversed, back))
+    } else {
+        None
+    };
     Ok(Prepared {
         pair,
         handoffs,
         lens,
+        read_back,
     })
 }
 
@@ -247,6 +283,8 @@ struct Prepared {
     pair: PairPlan,
     handoffs: Vec<Handoff>,
     lens: Vec<((SideName, usize), [u64; 2])>,
+    /// With `bidir`: the pair planned the other way, and each request's read-back.
+    read_back: Option<(PairPlan, Vec<Handoff>)>,
 }
 
 fn mem_run(
@@ -505,7 +543,12 @@ fn drive(
             remote,
         });
     }
-    let Prepared { pair, handoffs, .. } = run;
+    let Prepared {
+        pair,
+        handoffs,
+        read_back,
+        ..
+    } = run;
     let deadline = Instant::now() + options.timeout;
     let mut tally = Tally {
         pull: options.pull,
@@ -530,12 +573,19 @@ fn drive(
             flight::Placing::Ahead
         },
         options.pull,
+        false,
         None,
         flight::Pace::default(),
         hooks.chaos,
         deadline,
         &mut tally,
     );
+    let turns = match read_back {
+        Some((reversed, back)) => Some(read_back_turns(
+            options, &reversed, back, &mut ranks, deadline, &mut tally,
+        )),
+        None => None,
+    };
     let window = start.elapsed();
     for rank in &mut ranks {
         if let Some(c) = rank.conn.rank().counters(Duration::from_secs(5)) {
@@ -559,13 +609,14 @@ fn drive(
         }
         let _ = rank.conn.shutdown();
     }
+    let read_back_bytes = turns.as_ref().map_or(0, |t| t.read_back_bytes);
     let bytes = match hooks.landed {
         Some(landed) => landed(),
-        None => tally.sent_bytes,
+        None => tally.sent_bytes + read_back_bytes,
     };
     drop(ranks);
     runtime.shutdown();
-    Ok(summary::report(
+    let mut report = summary::report(
         options,
         &pair,
         &shared,
@@ -574,7 +625,84 @@ fn drive(
         window,
         wall,
         hooks.transport,
-    ))
+    );
+    if let Some(turns) = turns {
+        report.mode = "bidir".into();
+        report.expected_bytes += turns.read_back_bytes;
+        report.turns = turns;
+        report.ok = report.verdict_ok();
+        report.verdict = report.verdict_line();
+    }
+    Ok(report)
+}
+
+/// Every request's next turn, once every first turn ended: the ranks play the pair planned the
+/// other way (D's engine holds, P's reads), D keeps each request's blocks and P reads them
+/// back into its own geometry, every byte checked. Its errors join the run's.
+fn read_back_turns(
+    options: &HeteroDemoOptions,
+    reversed: &PairPlan,
+    back: Vec<Handoff>,
+    ranks: &mut [Rank],
+    deadline: Instant,
+    tally: &mut Tally,
+) -> crate::demo::TurnCounts {
+    let swap = |ranks: &mut [Rank]| {
+        for rank in ranks.iter_mut() {
+            rank.side = match rank.side {
+                SideName::Prefill => SideName::Decode,
+                SideName::Decode => SideName::Prefill,
+            };
+        }
+    };
+    let shared: Vec<flight::Shared> = back
+        .into_iter()
+        .map(|h| Arc::new(std::sync::Mutex::new(h)))
+        .collect();
+    let mut turn = Tally {
+        pull: true,
+        ..Tally::default()
+    };
+    swap(ranks);
+    flight::run_all(
+        &shared,
+        reversed,
+        ranks,
+        options.window,
+        options.seed ^ 0x7e57_ba11,
+        None,
+        if options.side_channels {
+            flight::Placing::AtPost
+        } else {
+            flight::Placing::Ahead
+        },
+        true,
+        true,
+        None,
+        flight::Pace::default(),
+        &mut |_| false,
+        deadline,
+        &mut turn,
+    );
+    swap(ranks);
+    for error in std::mem::take(&mut turn.errors) {
+        tally.error(format!("read-back: {error}"));
+    }
+    tally.timed_out |= turn.timed_out;
+    let n = shared.len() as u64;
+    crate::demo::TurnCounts {
+        conversations: n,
+        later_turns: n,
+        pulled_from_decode: turn.ready,
+        recomputed: turn.failed + turn.decode_missing,
+        read_back_verified: turn.verified,
+        read_back_bytes: turn.sent_bytes,
+        kept: n,
+        kept_read: turn.sent,
+        kept_unread: turn.released + turn.prefill_missing,
+        keep_ttl_ms: pull::KEEP_TTL.as_secs_f64() * 1e3,
+        ..crate::demo::TurnCounts::default()
+    }
 }
 
 /// What the run saw.

@@ -28,6 +28,9 @@ pub(super) fn lock(h: &Shared) -> Result<std::sync::MutexGuard<'_, Handoff>, Str
         .map_err(|_| "a request's arenas are poisoned".to_string())
 }
 
+/// What a read-back's reader adds to the request's id: the conversation's next turn.
+const TURN_SUFFIX: &str = "-turn-2";
+
 /// One rank as the demo drives it.
 pub(super) struct Rank {
     pub(super) side: SideName,
@@ -99,6 +102,7 @@ pub(super) fn run_all(
     fault: Option<(usize, HeteroFault)>,
     placing: Placing,
     pull: bool,
+    turn: bool,
     router: Option<&RouterClient>,
     pace: Pace,
     chaos: &mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
@@ -145,7 +149,8 @@ pub(super) fn run_all(
             let call = Call {
                 fault,
                 placing,
-                pull,
+                pull: pull || turn,
+                turn,
                 router,
                 decided,
             };
@@ -176,7 +181,8 @@ pub(super) fn run_all(
         for id in done {
             if let Some(flight) = flights.remove(&id) {
                 let r = flight.r;
-                if let Err(error) = finish(&flight, &handoffs[r], pair, ranks, pull, tally) {
+                if let Err(error) = finish(&flight, &handoffs[r], pair, ranks, pull || turn, tally)
+                {
                     tally.error(format!("request {r}: {error}"));
                 }
                 free.push(flight.slot);
@@ -222,6 +228,9 @@ struct Call<'a> {
     fault: Option<HeteroFault>,
     placing: Placing,
     pull: bool,
+    /// A later turn's read-back: the ranks' sides are swapped (D's engine holds, P's reads),
+    /// the holders keep their blocks for the next turn and the readers read them back.
+    turn: bool,
     router: Option<&'a RouterClient>,
     decided: Option<KvTransferParams>,
 }
@@ -241,6 +250,7 @@ fn start(
         fault,
         placing,
         pull,
+        turn: read_back,
         router,
         decided,
     }: Call<'_>,
@@ -248,6 +258,13 @@ fn start(
 ) -> Result<(RequestId, Vec<Option<Ended>>), String> {
     let request = RequestId::new(format!("req-{r}")).map_err(|e| e.to_string())?;
     let key = PairingKey::from_request_id(&request);
+    // A read-back is the conversation's next turn: another request on the readers, pairing by
+    // the kept turn's key.
+    let reader_request = if read_back {
+        RequestId::new(format!("req-{r}{TURN_SUFFIX}")).map_err(|e| e.to_string())?
+    } else {
+        request.clone()
+    };
     // Released before any call: a P route locks the arenas to stage when a registration comes.
     let (tokens, prefill_blocks, decode_blocks) = {
         let h = lock(shared)?;
@@ -301,6 +318,30 @@ fn start(
         }
         let rank = &mut ranks[i];
         let result = match rank.side {
+            SideName::Prefill if read_back => rank
+                .conn
+                .keep_for_next_turn(
+                    &request,
+                    prefill_blocks.clone(),
+                    tokens,
+                    super::pull::KEEP_TTL,
+                    &KvTransferParams::default(),
+                )
+                .map(|reply| {
+                    answer.get_or_insert(reply);
+                }),
+            SideName::Decode if read_back => {
+                let params = {
+                    let h = lock(shared)?;
+                    super::pull::decode_params(answer.as_ref(), &h, pair, None)
+                };
+                rank.conn.next_turn_allocated(
+                    &reader_request,
+                    decode_blocks.clone(),
+                    tokens,
+                    &params,
+                )
+            }
             SideName::Prefill if pull => {
                 let reply = rank.conn.request_finished(
                     &request,
@@ -468,6 +509,12 @@ fn gather(
                     continue;
                 }
             };
+            // A read-back's reader runs the conversation's next turn under its own id.
+            let turn_of = request
+                .as_str()
+                .strip_suffix(TURN_SUFFIX)
+                .and_then(|first| RequestId::new(first).ok());
+            let request = turn_of.as_ref().unwrap_or(request);
             match flights.get_mut(request) {
                 None => tally.unknown += 1,
                 Some(flight) if flight.ended[i].is_some() => tally.duplicates += 1,

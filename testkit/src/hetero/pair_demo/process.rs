@@ -278,6 +278,7 @@ pub fn run_rank(
             None,
             Placing::AtPost,
             options.pull,
+            false,
             router.as_ref(),
             Pace {
                 first: process.start_at,

@@ -17,6 +17,9 @@ use kvhandoff_protocol::{MemorySpan, PairingKey};
 use super::flight::{lock, region, Placing, Rank, Shared};
 use crate::hetero::handoff::{Handoff, PullLink};
 
+/// How long D keeps a turn's blocks for the next turn's read-back.
+pub(super) const KEEP_TTL: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// What P's ranks are called with for a pull.
 pub(super) fn prefill_params() -> KvTransferParams {
     KvTransferParams {
