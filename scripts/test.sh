@@ -242,6 +242,12 @@ cargo run --release --quiet -- matrix --runtime --side-channels
 banner "cargo run --release -- matrix --runtime --pull --side-channels (pull across the wire)"
 cargo run --release --quiet -- matrix --runtime --pull --side-channels
 
+# Every cell's conversation goes on over that wire: each request pushed, then D keeps its blocks
+# and P reads them back into its own geometry (the pair planned the other way), every byte of
+# the read-back checked in P's geometry; about 100 s in release.
+banner "cargo run --release -- matrix --runtime --bidir --side-channels (next turns read back)"
+cargo run --release --quiet -- matrix --runtime --bidir --side-channels
+
 # The simulator's swarm at 300 seeds x 40 requests on seeds picked by the day: clean with every
 # coverage mark hit, and every deliberate bug it reaches caught; about a minute in release.
 banner "scripts/swarm-check.sh (the swarm: clean, every mark hit, its mutations caught)"

@@ -22,8 +22,21 @@ fn gone(pid: u64) -> bool {
 
 /// Runs the pair's pull through `cluster`, checks the report and returns it.
 fn pull(model: &str, prefill: &str, decode: &str, ranks: (u64, u64), requests: u32) -> Value {
+    run_mode("pull", model, prefill, decode, ranks, requests)
+}
+
+/// Runs the pair through `cluster` in `mode` (pull, or bidir: each request pushed, then its
+/// next turn read back from D), checks the report and returns it.
+fn run_mode(
+    mode: &str,
+    model: &str,
+    prefill: &str,
+    decode: &str,
+    ranks: (u64, u64),
+    requests: u32,
+) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
-        .args(["cluster", "--json", "--mode", "pull", "--model", model])
+        .args(["cluster", "--json", "--mode", mode, "--model", model])
         .args(["--prefill", prefill, "--decode", decode])
         .args(["--requests", &requests.to_string(), "--seed", "11"])
         .args(["--timeout-secs", "60"])
@@ -36,7 +49,7 @@ fn pull(model: &str, prefill: &str, decode: &str, ranks: (u64, u64), requests: u
     );
     let report: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{all}"));
     let (p, d) = ranks;
-    assert_eq!(report["mode"], "pull", "{all}");
+    assert_eq!(report["mode"], mode, "{all}");
     // Every rank of both engines, and the router, ran as a process of its own.
     assert_eq!(report["processes"], p + d + 1, "{all}");
     let lines = report["ranks"].as_array().expect("ranks");
@@ -56,8 +69,13 @@ fn pull(model: &str, prefill: &str, decode: &str, ranks: (u64, u64), requests: u
     assert_eq!(report["all_exited"], true, "{all}");
     for r in lines {
         assert_eq!(r["exit_code"], 0, "{all}");
-        // D: verified; P: every export read; the router: every request handed to D.
+        // D: verified; P: every export read (or write landed); the router: every request
+        // handed to its readers.
         assert_eq!(r["done"], u64::from(requests), "{all}");
+        if mode == "bidir" && r["engine"] != "router" {
+            // P read every next turn back and checked it; D's every keep was read.
+            assert_eq!(r["read_back"], u64::from(requests), "{all}");
+        }
         assert!(gone(r["pid"].as_u64().expect("pid")), "{all}");
     }
     assert!(out.status.success(), "{all}");
@@ -123,9 +141,34 @@ fn a_mamba_hybrid_pulls_across_tp_and_block_size() {
     );
 }
 
-/// What a pair's pull across processes refuses, typed (exit 2): a conversation's turns
-/// (bidirectional, not between different geometries yet), a kill (push only), and a rank
-/// started to pull without the router that hands it P's answers.
+/// A conversation's next turn across processes: each request pushed from two P processes into
+/// one D process, then D keeps its blocks (one export per P rank that reads them back) and each
+/// P process reads its part back into its own geometry once the router handed it D's answer,
+/// the pair planned the other way.
+#[test]
+fn a_next_turn_reads_the_kept_blocks_back_into_p() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    run_mode(
+        "bidir",
+        "gqa8",
+        "tp=2,block=16,layout=NHD",
+        "tp=1,block=32,layout=HND",
+        (2, 1),
+        24,
+    );
+    run_mode(
+        "bidir",
+        "mamba",
+        "tp=2,block=16,layout=HND",
+        "tp=1,block=64,layout=HND",
+        (2, 1),
+        24,
+    );
+}
+
+/// What a pair across processes refuses, typed (exit 2): mixed modes, a kill outside push, and
+/// a rank started to pull or read back without the router that hands it its answers.
 #[test]
 fn what_a_pairs_pull_refuses_is_said() {
     let run = |args: &[&str]| {
@@ -149,20 +192,22 @@ fn what_a_pairs_pull_refuses_is_said() {
         run(&args)
     };
     for extra in [
-        &["--mode", "bidir"][..],
+        &["--mode", "mixed"][..],
         &["--mode", "pull", "--kill", "prefill:1@4"],
     ] {
         let out = cluster(extra);
         assert_eq!(out.status.code(), Some(2), "{extra:?}");
         assert!(!out.stderr.is_empty(), "{extra:?}: the reason is said");
     }
-    let mut args = vec![
-        "node", "--json", "--role", "decode", "--rank", "0", "--mode", "pull",
-    ];
-    args.extend(pair);
-    args.extend(["--listen", "127.0.0.1:1", "--peer", "127.0.0.1:2"]);
-    let out = run(&args);
-    assert_eq!(out.status.code(), Some(2));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("--router"), "{text}");
+    for mode in ["pull", "bidir"] {
+        let mut args = vec![
+            "node", "--json", "--role", "decode", "--rank", "0", "--mode", mode,
+        ];
+        args.extend(pair);
+        args.extend(["--listen", "127.0.0.1:1", "--peer", "127.0.0.1:2"]);
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(2), "{mode}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("--router"), "{mode}: {text}");
+    }
 }

@@ -286,7 +286,7 @@ fn the_cli_runs_a_pair_and_refuses_bad_ones_with_exit_2() {
         "--decode",
         "tp=2,block=16,layout=NHD",
         "--mode",
-        "bidir",
+        "mixed",
     ]);
     assert_eq!(code, Some(2), "{json}");
 }

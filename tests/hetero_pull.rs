@@ -191,6 +191,39 @@ fn chaos_fails_reads_but_never_the_accounting() {
     }
 }
 
+/// A conversation's next turn between different geometries, in one process: each request
+/// pushed, then D keeps its blocks and P reads them back into its own geometry (the pair
+/// planned the other way: one export per P rank on each D rank, one import per D rank on each
+/// P rank), every byte of the read-back checked in P's geometry; in process and over side
+/// channels.
+#[test]
+fn a_next_turn_reads_d_s_blocks_back_into_p_s_geometry() {
+    for (model, p, d) in [CELLS[1], CELLS[2], CELLS[4], CELLS[5], CELLS[7], CELLS[9]] {
+        for side_channels in [false, true] {
+            let cell = format!("{model} {p} -> {d} (side channels {side_channels})");
+            let options = HeteroDemoOptions {
+                requests: 12,
+                bidir: true,
+                side_channels,
+                ..HeteroDemoOptions::new(model, p.parse().unwrap(), d.parse().unwrap())
+            };
+            let r = run(&options).unwrap_or_else(|e| panic!("{cell}: {e}"));
+            assert!(r.ok, "{cell}: {}\n{:?}", r.verdict, r.errors.first());
+            assert_eq!(r.mode, "bidir", "{cell}");
+            let t = &r.turns;
+            // Every next turn read back, every byte checked; every keep read.
+            assert_eq!(
+                (t.later_turns, t.pulled_from_decode, t.read_back_verified),
+                (r.requests, r.requests, r.requests),
+                "{cell}"
+            );
+            assert_eq!((t.kept, t.kept_read), (r.requests, r.requests), "{cell}");
+            assert!(t.read_back_bytes > 0, "{cell}");
+            assert_eq!(r.bytes, r.expected_bytes, "{cell}");
+        }
+    }
+}
+
 #[test]
 fn the_cli_pulls_a_pair() {
     let (code, json) = cli_json::run_json(

@@ -95,6 +95,10 @@ struct RankLine {
     byte_errors: u64,
     /// Blocks not back in the rank's pool at its end.
     leaked_blocks: u64,
+    /// A pair's `--mode bidir`: P, the next turns read back and checked in its geometry; D,
+    /// its keeps that P read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    read_back: Option<u64>,
     /// Why the line is not ok, when it is not.
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
@@ -223,10 +227,14 @@ impl Launch<'_> {
     /// Starts the pair's router (`kvhandoff router`) on the router address, its JSON report
     /// read on a thread.
     fn spawn_router(&self) -> Result<(RankSpec, Child, thread::JoinHandle<String>), String> {
-        let ranks = self.pair.as_ref().map_or(1, |p| p.prefill_ranks);
+        let (p, d) = self
+            .pair
+            .as_ref()
+            .map_or((1, 1), |p| (p.prefill_ranks, p.decode_ranks));
         let mut child = Command::new(&self.exe)
             .args(["router", "--json", "--listen", &self.router.to_string()])
-            .args(["--prefill-ranks", &ranks.to_string()])
+            .args(["--prefill-ranks", &p.to_string()])
+            .args(["--decode-ranks", &d.to_string()])
             .args(["--requests", &self.args.requests.to_string()])
             .args([
                 "--timeout-secs",
@@ -281,8 +289,8 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if pair.is_some() && !matches!(args.mode, ModeArg::Push | ModeArg::Pull) {
-        eprintln!("error: a heterogeneous pair runs --mode push or pull");
+    if pair.is_some() && matches!(args.mode, ModeArg::Mixed) {
+        eprintln!("error: a heterogeneous pair runs --mode push, pull or bidir");
         return ExitCode::from(2);
     }
     if pair.is_some() && args.kill.is_some() && !matches!(args.mode, ModeArg::Push) {
@@ -358,8 +366,9 @@ fn run(
         pair: pair.clone(),
     };
     let mut children = Children(Vec::new());
-    if pair.is_some() && mode == "pull" {
-        // A pair's pull goes through its router, as vLLM's proxy hands P's answer to D.
+    if pair.is_some() && mode != "push" {
+        // A pair's pull and read-back go through its router, as vLLM's proxy hands P's answer
+        // to D and D's to P's next turn.
         children.0.push(launch.spawn_router()?);
     }
     // D first (it listens on the router links), then P.
@@ -468,6 +477,7 @@ fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLin
         done: 0,
         byte_errors: 0,
         leaked_blocks: 0,
+        read_back: None,
         error: None,
     };
     if spec.life == Some(kill::KILLED) {
@@ -496,6 +506,11 @@ fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLin
         line.done = done;
         line.byte_errors = byte_errors;
         line.leaked_blocks = leaked;
+        let turns = &report["read_back"];
+        line.read_back = match spec.engine {
+            "decode" => turns["kept_read"].as_u64(),
+            _ => turns["read_back_verified"].as_u64(),
+        };
         line.ok = ok && line.exit_code == Some(0);
         if !line.ok {
             line.error = verdict;

@@ -34,6 +34,10 @@ pub(crate) struct MatrixArgs {
     /// With `--runtime`: D reads each cell's requests (pull) instead of P writing them.
     #[arg(long, requires = "runtime")]
     pull: bool,
+    /// With `--runtime`: after each request, its next turn reads D's kept blocks back into P
+    /// (the pair planned the other way).
+    #[arg(long, requires = "runtime", conflicts_with = "pull")]
+    bidir: bool,
 }
 
 pub(crate) fn run_matrix_command(args: MatrixArgs) -> ExitCode {
@@ -41,7 +45,13 @@ pub(crate) fn run_matrix_command(args: MatrixArgs) -> ExitCode {
         use kvhandoff_testkit::hetero::matrix::runtime::{
             render_runtime_summary, run_runtime_matrix,
         };
-        let report = run_runtime_matrix(args.requests as usize, 2, args.side_channels, args.pull);
+        let report = run_runtime_matrix(
+            args.requests as usize,
+            2,
+            args.side_channels,
+            args.pull,
+            args.bidir,
+        );
         let printed = if args.json {
             print_json(&report)
         } else {

@@ -286,22 +286,26 @@ fn run_pair_rank(args: &NodeArgs, psk: Option<Psk>) -> ExitCode {
         Ok(None) => return refuse("--model names the pair".into()),
         Err(e) => return refuse(e),
     };
-    let pull = match args.mode {
-        ModeArg::Push => false,
-        ModeArg::Pull => true,
-        ModeArg::Mixed | ModeArg::Bidir => {
-            return refuse("a heterogeneous pair runs --mode push or pull".into())
+    let (pull, bidir) = match args.mode {
+        ModeArg::Push => (false, false),
+        ModeArg::Pull => (true, false),
+        // Each request's first turn pushed, its next turn read back from D.
+        ModeArg::Bidir => (false, true),
+        ModeArg::Mixed => {
+            return refuse("a heterogeneous pair runs --mode push, pull or bidir".into())
         }
     };
-    if pull && args.router.is_none() {
+    if (pull || bidir) && args.router.is_none() {
         return refuse(
-            "a pair's ranks pull across processes through its router (`kvhandoff router`): --router"
+            "a pair's ranks pull or read back across processes through its router \
+             (`kvhandoff router`): --router"
                 .into(),
         );
     }
     let options = HeteroDemoOptions {
         transport: DemoTransport::Nixl,
         pull,
+        bidir,
         requests: args.requests as usize,
         window: args.pair.window as usize,
         seed: args.seed,

@@ -1,6 +1,7 @@
 //! `kvhandoff router`: the router of a heterogeneous pair whose ranks run as processes of their
-//! own (what `cluster --model … --mode pull` starts beside the ranks): every P rank tells it its
-//! answer to each request, and it hands P's answer to every D rank once all P ranks answered.
+//! own (what `cluster --model … --mode pull|bidir` starts beside the ranks): every holder rank
+//! tells it its answer to each request (P's for a pull, D's for a kept turn), and it hands rank
+//! 0's answer to every reader rank once all the holder's ranks answered.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -13,10 +14,14 @@ pub(crate) struct RouterArgs {
     /// Where the ranks connect, HOST:PORT.
     #[arg(long)]
     listen: SocketAddr,
-    /// Ranks of P's engine (every one answers each request).
+    /// Ranks of P's engine (every one answers each request it holds: a pull's).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
     prefill_ranks: u32,
-    /// Requests of the run: the router stops once it decided every one.
+    /// Ranks of D's engine (every one answers each request it holds: a kept turn's).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    decode_ranks: u32,
+    /// Requests the router decides (pulls and read-backs together); it stops once it decided
+    /// every one.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096))]
     requests: u64,
     /// The longest the router runs.
@@ -30,7 +35,13 @@ pub(crate) struct RouterArgs {
 pub(crate) fn run_router(args: RouterArgs) -> ExitCode {
     use kvhandoff_testkit::hetero::pair_demo::run_router;
     let timeout = std::time::Duration::from_secs(args.timeout_secs);
-    match run_router(args.listen, args.prefill_ranks, args.requests, timeout) {
+    match run_router(
+        args.listen,
+        args.prefill_ranks,
+        args.decode_ranks,
+        args.requests,
+        timeout,
+    ) {
         Ok(report) => {
             let printed = if args.json {
                 print_json(&report)

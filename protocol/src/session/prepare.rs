@@ -108,7 +108,8 @@ impl CallContext<'_> {
                 num_tokens,
                 params,
             } => {
-                if params.transfer_mode()? == TransferMode::Push {
+                // Absent means the read this call is: only an explicit "push" is refused.
+                if params.transfer_mode.is_some() && params.transfer_mode()? == TransferMode::Push {
                     return Err(ConnectorError::InvalidParam {
                         name: "transfer_mode",
                         why: "a later turn reads the previous turns' KV: \"pull\" or absent".into(),

@@ -581,9 +581,23 @@ fn drive(
         &mut tally,
     );
     let turns = match read_back {
-        Some((reversed, back)) => Some(read_back_turns(
-            options, &reversed, back, &mut ranks, deadline, &mut tally,
-        )),
+        Some((reversed, back)) => {
+            let placing = if options.side_channels {
+                flight::Placing::AtPost
+            } else {
+                flight::Placing::Ahead
+            };
+            let turn = ReadBack {
+                reversed: &reversed,
+                back,
+                placing,
+                router: None,
+                first: 0,
+            };
+            Some(read_back_turns(
+                options, turn, &mut ranks, deadline, &mut tally,
+            ))
+        }
         None => None,
     };
     let window = start.elapsed();
@@ -636,13 +650,30 @@ fn drive(
     Ok(report)
 }
 
+/// What a run's read-back turns run on: the pair planned the other way, each request's
+/// read-back, how the readers' routes place their pieces, the router (across processes) and
+/// the first request this process runs.
+struct ReadBack<'a> {
+    reversed: &'a PairPlan,
+    back: Vec<Handoff>,
+    placing: flight::Placing,
+    router: Option<&'a router::RouterClient>,
+    first: usize,
+}
+
 /// Every request's next turn, once every first turn ended: the ranks play the pair planned the
 /// other way (D's engine holds, P's reads), D keeps each request's blocks and P reads them
-/// back into its own geometry, every byte checked. Its errors join the run's.
+/// back into its own geometry, every byte checked. Its errors, leaks and byte errors join the
+/// run's.
 fn read_back_turns(
     options: &HeteroDemoOptions,
-    reversed: &PairPlan,
-    back: Vec<Handoff>,
+    ReadBack {
+        reversed,
+        back,
+        placing,
+        router,
+        first,
+    }: ReadBack<'_>,
     ranks: &mut [Rank],
     deadline: Instant,
     tally: &mut Tally,
@@ -671,15 +702,14 @@ fn read_back_turns(
         options.window,
         options.seed ^ 0x7e57_ba11,
         None,
-        if options.side_channels {
-            flight::Placing::AtPost
-        } else {
-            flight::Placing::Ahead
+        placing,
+        true,
+        true,
+        router,
+        flight::Pace {
+            first,
+            gap: Duration::ZERO,
         },
-        true,
-        true,
-        None,
-        flight::Pace::default(),
         &mut |_| false,
         deadline,
         &mut turn,
@@ -689,7 +719,11 @@ fn read_back_turns(
         tally.error(format!("read-back: {error}"));
     }
     tally.timed_out |= turn.timed_out;
-    let n = shared.len() as u64;
+    tally.byte_errors += turn.byte_errors;
+    // The read-back's sides are the engines' swapped: its holders are D's ranks.
+    tally.leaks.prefill += turn.leaks.decode;
+    tally.leaks.decode += turn.leaks.prefill;
+    let n = shared.len().saturating_sub(first) as u64;
     crate::demo::TurnCounts {
         conversations: n,
         later_turns: n,

@@ -304,3 +304,93 @@ fn a_multi_rank_read_checks_what_the_router_passed() {
     ));
     assert_eq!(d.fans_in_progress(), 0, "nothing started");
 }
+
+/// A conversation's next turn on linked ranks: D keeps its blocks as one export per P rank of
+/// its turn links (the pair planned the other way) and answers the router; P's next turn reads
+/// them as one import per D rank; each folds into its one event. Without turn links, refused.
+#[test]
+fn turn_links_split_a_kept_turn_and_its_read_back() {
+    let keep = |request: &RequestId| ConnectorCall::KeepForNextTurn {
+        request: request.clone(),
+        blocks: d_blocks(),
+        num_tokens: 64,
+        ttl: std::time::Duration::from_secs(30),
+        params: KvTransferParams::default(),
+    };
+    // D rank 0 holds for P ranks 0 and 1 (the turn links' side is the holder's: Prefill).
+    let mut d = session(
+        "decode",
+        SideName::Decode,
+        vec![0, 1],
+        LoadFailurePolicy::Fail,
+    );
+    let request = id("conv-1");
+    assert!(matches!(
+        d.handle_call(Time::ZERO, keep(&request)),
+        Err(ConnectorError::Unsupported(_))
+    ));
+    d.set_turn_links(RankLinks {
+        side: SideName::Prefill,
+        rank: 0,
+        remote_tp: 2,
+        remote_ranks: 2,
+        peers: vec![0, 1],
+    })
+    .unwrap();
+    let reply = d.handle_call(Time::ZERO, keep(&request)).unwrap();
+    let crate::session::ConnectorReply::NextTurnParams(params) = reply else {
+        panic!("a kept turn answers with the next turn's parameters: {reply:?}");
+    };
+    assert_eq!(params.transfer_id.as_deref(), Some("conv-1"));
+    assert_eq!(d.fans_in_progress(), 1);
+
+    // P rank 0 reads D ranks 0 and 1 back (its turn links' side is the reader's: Decode).
+    let mut p = session(
+        "prefill",
+        SideName::Prefill,
+        vec![0],
+        LoadFailurePolicy::Fail,
+    );
+    p.set_turn_links(RankLinks {
+        side: SideName::Decode,
+        rank: 0,
+        remote_tp: 2,
+        remote_ranks: 2,
+        peers: vec![0, 1],
+    })
+    .unwrap();
+    let next = id("conv-1-turn-2");
+    let read_back = ConnectorCall::NextTurnAllocated {
+        request: next.clone(),
+        blocks: p_blocks(),
+        num_tokens: 64,
+        params: KvTransferParams {
+            remote_engine_id: Some("decode".into()),
+            tp_size: Some(2),
+            transfer_id: Some("conv-1".into()),
+            remote_block_ids: Some(d_blocks().groups),
+            ..KvTransferParams::default()
+        },
+    };
+    p.handle_call(Time::ZERO, read_back).unwrap();
+    assert_eq!(p.fans_in_progress(), 1);
+    let _ = events(&mut p);
+    let key = PairingKey::new("conv-1").unwrap();
+    for holder in [0, 1] {
+        p.engine_event(EndpointEvent::Import {
+            request: sub_request_id(&next, holder, 0).unwrap(),
+            key: key.for_pair(holder, 0).unwrap(),
+            epoch: crate::Epoch::FIRST,
+            outcome: ImportOutcome::Loaded,
+            blocks: p_blocks(),
+        });
+    }
+    assert_eq!(
+        events(&mut p),
+        vec![ConnectorEvent::Imported {
+            request: next,
+            outcome: ImportOutcome::Loaded,
+            blocks: p_blocks(),
+        }]
+    );
+}

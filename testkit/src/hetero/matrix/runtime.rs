@@ -55,12 +55,15 @@ fn name(cell: &Cell) -> String {
 /// `window` at once, the seed differing per cell; with `side_channels`, every rank over its own
 /// TCP side channel and P placing its pieces where D's registration says (the wire of a pair
 /// across processes, `HeteroDemoOptions::side_channels`); with `pull`, D reads every cell's
-/// requests instead (`HeteroDemoOptions::pull`).
+/// requests instead (`HeteroDemoOptions::pull`); with `bidir`, each request's next turn reads
+/// D's kept blocks back into P (`HeteroDemoOptions::bidir`; a cell the planner cannot plan the
+/// other way counts as rejected).
 pub fn run_runtime_matrix(
     requests: usize,
     window: usize,
     side_channels: bool,
     pull: bool,
+    bidir: bool,
 ) -> RuntimeMatrixReport {
     let start = Instant::now();
     let mut cells = matrix_cells();
@@ -68,7 +71,12 @@ pub fn run_runtime_matrix(
     let mut report = RuntimeMatrixReport {
         requests_per_cell: requests,
         window,
-        mode: if pull { "pull" } else { "push" }.into(),
+        mode: match (pull, bidir) {
+            (_, true) => "bidir",
+            (true, false) => "pull",
+            (false, false) => "push",
+        }
+        .into(),
         cells: cells.len(),
         verified: 0,
         rejected: 0,
@@ -84,6 +92,7 @@ pub fn run_runtime_matrix(
             seed: i as u64 + 1,
             side_channels,
             pull,
+            bidir,
             ..HeteroDemoOptions::new(cell.model.name, cell.prefill, cell.decode)
         };
         match run(&options) {

@@ -318,22 +318,27 @@ fn start(
         }
         let rank = &mut ranks[i];
         let result = match rank.side {
-            SideName::Prefill if read_back => rank
-                .conn
-                .keep_for_next_turn(
+            SideName::Prefill if read_back => {
+                let reply = rank.conn.keep_for_next_turn(
                     &request,
                     prefill_blocks.clone(),
                     tokens,
                     super::pull::KEEP_TTL,
                     &KvTransferParams::default(),
-                )
-                .map(|reply| {
+                );
+                if let Some(router) = router {
+                    if let Err(error) = router.answered(r, reply.as_ref().ok()) {
+                        tally.error(format!("request {r}: {error}"));
+                    }
+                }
+                reply.map(|reply| {
                     answer.get_or_insert(reply);
-                }),
+                })
+            }
             SideName::Decode if read_back => {
                 let params = {
                     let h = lock(shared)?;
-                    super::pull::decode_params(answer.as_ref(), &h, pair, None)
+                    super::pull::decode_params(decided.as_ref().or(answer.as_ref()), &h, pair, None)
                 };
                 rank.conn.next_turn_allocated(
                     &reader_request,

@@ -107,6 +107,8 @@ pub struct RankReport {
     pub handshakes_failed: std::collections::BTreeMap<String, u64>,
     /// Peers this rank's endpoint declared dead (silence, loss, or a restart).
     pub peer_deaths: u64,
+    /// With `bidir`: the next turns' read-back (P: read back and checked; D: keeps read).
+    pub read_back: Option<crate::demo::TurnCounts>,
     /// Whether the run passed its limit.
     pub timed_out: bool,
     /// The first errors.
@@ -217,7 +219,8 @@ pub fn run_rank(
         pull: options.pull,
         ..Tally::default()
     };
-    let router = match (options.pull, process.router) {
+    let routed = options.pull || options.bidir;
+    let router = match (routed, process.router) {
         (true, Some(addr)) => Some(RouterClient::connect(
             addr,
             own_engine,
@@ -226,7 +229,8 @@ pub fn run_rank(
         )?),
         (true, None) => {
             return Err(DemoError::Options(
-                "a pair's ranks pull across processes through a router: --router".into(),
+                "a pair's ranks pull and read back across processes through a router: --router"
+                    .into(),
             ))
         }
         (false, _) => None,
@@ -289,6 +293,26 @@ pub fn run_rank(
             &mut tally,
         );
     }
+    let requests_of_run = shared.len() as u64;
+    let read_back = match (met, run.read_back) {
+        (true, Some((reversed, back))) => {
+            if let Some(router) = &router {
+                // The next turns are the router's requests after the first turns'.
+                router.set_offset(requests_of_run);
+            }
+            let turn = super::ReadBack {
+                reversed: &reversed,
+                back,
+                placing: Placing::AtPost,
+                router: router.as_ref(),
+                first: process.start_at,
+            };
+            Some(super::read_back_turns(
+                options, turn, &mut ranks, deadline, &mut tally,
+            ))
+        }
+        (_, _) => None,
+    };
     if process.side == SideName::Prefill {
         // D may still be taking the last notifications: P's agent stays up a while.
         std::thread::sleep(
@@ -322,6 +346,21 @@ pub fn run_rank(
     runtime.shutdown();
     let mut report = report(options, &run.pair, process, requests, tally, wall);
     report.peer_deaths = peer_deaths;
+    if let Some(turns) = read_back {
+        // P reads every request back and checks it; D's every keep is read.
+        let all = match process.side {
+            SideName::Prefill => turns.read_back_verified == requests,
+            SideName::Decode => turns.kept_read == requests,
+        };
+        if report.ok && !all && !process.expect_peer_loss {
+            report.ok = false;
+            report.verdict = format!(
+                "verdict: FAILED — {} rank {}: read-back {} of {requests} ({} kept read)",
+                report.engine, process.rank, turns.read_back_verified, turns.kept_read
+            );
+        }
+        report.read_back = Some(turns);
+    }
     if let Some(stats) = stats {
         let named =
             |counts: &std::collections::BTreeMap<kvhandoff_actors::system::RejectReason, u64>| {
@@ -463,6 +502,7 @@ fn report(
         handshakes_refused: std::collections::BTreeMap::new(),
         handshakes_failed: std::collections::BTreeMap::new(),
         peer_deaths: 0,
+        read_back: None,
         timed_out: t.timed_out,
         errors: t.errors,
         wall_ms: wall.elapsed().as_secs_f64() * 1e3,

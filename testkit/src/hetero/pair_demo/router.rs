@@ -7,9 +7,14 @@
 //! `request_allocated`. A request some P rank refused is abandoned: D's ranks are told so and
 //! never start it.
 //!
-//! One TCP connection per rank, one line of JSON per message: the rank's `hello` first, then P's
-//! `answer`s one way and the router's `params` or `abandoned` the other. A D rank that connects
-//! late (a restart) gets every decision made so far.
+//! A conversation's next turn goes the other way: D's ranks keep their blocks and answer
+//! (`keep_for_next_turn`'s parameters), and the router hands D rank 0's answer to every P rank
+//! once every D rank answered. Whichever side answers a request is its holder; the router
+//! waits for all of that side's ranks.
+//!
+//! One TCP connection per rank, one line of JSON per message: the rank's `hello` first, then the
+//! holders' `answer`s one way and the router's `params` or `abandoned` the other. A rank that
+//! connects late (a restart) gets every decision made so far.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -73,14 +78,16 @@ enum Event {
     Bad,
 }
 
-/// Runs the router on `listen` until every one of `requests` was decided and handed to every
-/// D rank connected, or `timeout`.
+/// Runs the router on `listen` until `requests` requests were decided and handed to every rank
+/// connected, or `timeout`. A request answered by P's ranks waits for all `prefill_ranks` of
+/// them, one answered by D's ranks (a kept turn) for all `decode_ranks`.
 ///
 /// # Errors
 /// [`DemoError::Options`] when it cannot listen.
 pub fn run_router(
     listen: SocketAddr,
     prefill_ranks: u32,
+    decode_ranks: u32,
     requests: u64,
     timeout: Duration,
 ) -> Result<RouterReport, DemoError> {
@@ -92,8 +99,9 @@ pub fn run_router(
     let deadline = Instant::now() + timeout;
     let (tx, rx) = mpsc::channel::<Event>();
     let mut report = RouterReport::default();
-    // Per request: the answers of the P ranks so far.
-    let mut answers: BTreeMap<u64, BTreeMap<u32, Option<KvTransferParams>>> = BTreeMap::new();
+    // Per request: its holders' side, and their answers so far.
+    type Answers = (String, BTreeMap<u32, Option<KvTransferParams>>);
+    let mut answers: BTreeMap<u64, Answers> = BTreeMap::new();
     let mut decided: Vec<Line> = Vec::new();
     // Every connection, with how many decisions it was sent.
     let mut clients: Vec<(TcpStream, usize)> = Vec::new();
@@ -127,14 +135,24 @@ pub fn run_router(
                     report.bad_lines += 1;
                     continue;
                 };
-                if side != "prefill" || index >= requests || rank >= prefill_ranks {
+                let holders = match side.as_str() {
+                    "prefill" => prefill_ranks,
+                    "decode" => decode_ranks,
+                    _ => 0,
+                };
+                let entry = answers
+                    .entry(index)
+                    .or_insert_with(|| (side.clone(), BTreeMap::new()));
+                if entry.0 != side || rank >= holders {
                     report.bad_lines += 1;
                     continue;
                 }
-                let entry = answers.entry(index).or_default();
-                entry.insert(rank, params);
-                if entry.len() == prefill_ranks as usize {
-                    let all = answers.remove(&index).unwrap_or_default();
+                entry.1.insert(rank, params);
+                if entry.1.len() == holders as usize {
+                    let all = answers
+                        .remove(&index)
+                        .map(|(_, all)| all)
+                        .unwrap_or_default();
                     let line = match all.get(&0).cloned().flatten() {
                         Some(params) if all.values().all(Option::is_some) => {
                             report.forwarded += 1;
@@ -207,6 +225,9 @@ pub(super) enum Decision {
 pub(super) struct RouterClient {
     stream: Mutex<TcpStream>,
     decisions: Arc<Mutex<BTreeMap<u64, Decision>>>,
+    /// Added to every request index: a conversation's next turns are numbered after the
+    /// first turns' (`requests + r`).
+    offset: std::sync::atomic::AtomicU64,
 }
 
 impl RouterClient {
@@ -237,6 +258,7 @@ impl RouterClient {
                     .map_err(|e| DemoError::Options(e.to_string()))?,
             ),
             decisions: Arc::new(Mutex::new(BTreeMap::new())),
+            offset: std::sync::atomic::AtomicU64::new(0),
         };
         client.send(&hello)?;
         let decisions = Arc::clone(&client.decisions);
@@ -274,21 +296,32 @@ impl RouterClient {
             .map_err(|e| DemoError::Options(format!("the router link: {e}")))
     }
 
-    /// P: its answer to request `index` (`None`: its call was refused).
+    /// From now on, request `r` is the router's `offset + r` (a conversation's next turns).
+    pub(super) fn set_offset(&self, offset: u64) {
+        self.offset
+            .store(offset, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn index(&self, index: usize) -> u64 {
+        self.offset.load(std::sync::atomic::Ordering::Relaxed) + index as u64
+    }
+
+    /// A holder: its answer to request `index` (`None`: its call was refused).
     pub(super) fn answered(
         &self,
         index: usize,
         params: Option<&KvTransferParams>,
     ) -> Result<(), String> {
         self.send(&Line::Answer {
-            index: index as u64,
+            index: self.index(index),
             params: params.cloned(),
         })
         .map_err(|e| e.to_string())
     }
 
-    /// D: what the router decided for request `index`, if it did yet.
+    /// A reader: what the router decided for request `index`, if it did yet.
     pub(super) fn decision(&self, index: usize) -> Option<Decision> {
-        self.decisions.lock().ok()?.get(&(index as u64)).cloned()
+        let index = self.index(index);
+        self.decisions.lock().ok()?.get(&index).cloned()
     }
 }
