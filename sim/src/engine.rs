@@ -6,8 +6,10 @@ mod calls;
 mod events;
 mod fenced;
 mod layerwise;
+mod leases;
 pub(crate) use events::PendingHandBack;
 pub(crate) use fenced::FencedWatch;
+pub(crate) use leases::{quiet_stall_budget, LeaseKey, PLease};
 mod multi;
 mod read_path;
 mod report;
@@ -331,7 +333,11 @@ impl World {
             started: self.now,
             fenced: None,
         };
-        if r.transfer.layerwise {
+        let (pull, layerwise) = (r.transfer.pull, r.transfer.layerwise);
+        if !pull {
+            self.lease_started(0, request, a.epoch);
+        }
+        if layerwise {
             self.next_layer(request, attempt, inc, 0);
         }
         self.last_progress = self.now;

@@ -114,6 +114,10 @@ impl SimOptions {
             // Routers that know nothing of epochs, after a D's crash (drawn per seed).
             marks.push("router_retry_at_epoch_one");
         }
+        if swarmed && self.stalls > 0.0 && self.mode.pushes() && self.stall_messages_first > 0.0 {
+            // Routers late to D at P's lease end, with P stopped across it (drawn per seed).
+            marks.push("register_after_lease_end");
+        }
         marks
     }
 

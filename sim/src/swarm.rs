@@ -12,7 +12,7 @@
 //! peer timeout, `Config::max_handling_delay`; such a configuration is now refused.) Likewise
 //! small tombstone tables, registration resends, stall counts, which stalls freeze transfers,
 //! which resumes hand over messages first, stalls aimed at P or right after a post, storms of
-//! late messages and retries, and hostile peers.
+//! late messages and retries, hostile peers, and routers late to D at P's lease end.
 //!
 //! The draws come from streams of their own, seeded by the seed alone: a seed's load is drawn
 //! as without the swarm, and a seed replays with the same options. [`SimOptions::new`] leaves
@@ -101,6 +101,12 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
     }
     if cfg.layerwise > 0.0 && cfg.faults == Faults::Chaos && layers.gen_ratio(1, 2) {
         cfg.abort_mid_layers = 0.1;
+    }
+    // Its own stream too: one stalling seed in three has routers that hand some pushed
+    // requests to D about when P's lease ends, each met by a stall of P across that end.
+    let mut late = ChaCha8Rng::seed_from_u64(seed ^ 0x6c61_7465_5f72_6567);
+    if cfg.may_stall() && cfg.mode.pushes() && late.gen_ratio(1, 3) {
+        cfg.late_register = 0.2;
     }
     debug_assert!(opts.faults == cfg.faults);
     if let Err(e) = cfg.machine.validate() {

@@ -387,9 +387,10 @@ impl crate::world::World {
         // NIXL may refuse a post outright (`post_xfer_req` failing): the transport says so
         // and the shell makes it `WriteFailed(PostFailed)`.
         let refuse = post && self.chance(self.rates.post_fail);
-        if matches!(op, TransportOp::PostWrite(_)) {
+        if let TransportOp::PostWrite(order) = &op {
             // Every post the endpoint asked for reaches the shell (S8's accounting).
             self.nodes[node].posts_seen += 1;
+            self.check_lease_at_post(node, order);
         }
         if read_order.is_some() {
             self.nodes[node].reads_seen += 1;

@@ -137,6 +137,11 @@ pub struct World {
     pub(crate) parents_fenced: BTreeSet<(NodeId, RequestId)>,
     /// Attempts the router sent again after their D's crash, without an epoch.
     pub(crate) router_retry_epochs: BTreeSet<(usize, RequestId)>,
+    /// P's push leases as the checker computes them (L5, `engine/leases.rs`).
+    pub(crate) p_leases: BTreeMap<crate::engine::LeaseKey, crate::engine::PLease>,
+    /// Requests whose D the router hands the request about when P's lease ends, not yet met by
+    /// their aimed stall (`WorldConfig::late_register`).
+    pub(crate) late_registers: BTreeSet<usize>,
     /// The hostile peers' streams and what the checks saw of them (`world/hostile.rs`).
     pub(crate) hostile: hostile::Hostile,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
@@ -245,6 +250,8 @@ impl World {
             fan_parents: BTreeMap::new(),
             parents_fenced: BTreeSet::new(),
             router_retry_epochs: BTreeSet::new(),
+            p_leases: BTreeMap::new(),
+            late_registers: BTreeSet::new(),
             stall_frozen: 0,
             hostile,
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),

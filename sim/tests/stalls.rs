@@ -2,8 +2,8 @@
 //! to past the quarantine and resume (timers first, then what they held).
 
 use kvhandoff_sim::{
-    run_seeds, run_world, seed_world, Faults, Mode, SimOptions, DEFAULT_STALLS,
-    DEFAULT_STALL_FREEZE, STALL_MARKS,
+    run_seeds, run_world, seed_world, Faults, Mode, Mutation, SimOptions, DEFAULT_LAYERWISE,
+    DEFAULT_STALLS, DEFAULT_STALL_FREEZE, DEFAULT_STALL_MESSAGES_FIRST, STALL_MARKS,
 };
 
 fn stalling(seeds: std::ops::Range<u64>, mode: Mode, freeze: f64) -> SimOptions {
@@ -147,5 +147,66 @@ fn the_machines_alone_refuse_what_sat_out_a_stall() {
     assert!(
         !mutated.violations.is_empty(),
         "accept_from_overdue_peer not caught by 300 seeds with the machines alone"
+    );
+}
+
+/// What `kvhandoff sim --requests 40` runs: mixed, chaos, the default stalls and layer-wise
+/// share, each seed's configuration drawn by the swarm.
+fn cli_swarm(seeds: std::ops::Range<u64>) -> SimOptions {
+    SimOptions {
+        mode: Mode::Mixed,
+        layerwise: DEFAULT_LAYERWISE,
+        stalls: DEFAULT_STALLS,
+        stall_messages_first: DEFAULT_STALL_MESSAGES_FIRST,
+        swarm: true,
+        ..SimOptions::new(seeds, 40, Faults::Chaos)
+    }
+}
+
+/// A registration that reaches P's held blocks after their lease ended, its timer not run (P
+/// stopped across the lease's end with the `Register` queued, the resume handing it over
+/// first), is refused; under `write_on_expired_lease` P writes it, and L5 (no write posted
+/// after its lease) catches it. Seed 9807601 of the swarm's range 9807580..9807880: a router
+/// late to D (`WorldConfig::late_register`) has D's `Register(k0)` reach P at 2.624 s, 503 ms
+/// before the lease P took at 0.127 s ends; the aimed stall stops P for 570 ms from there, and
+/// the resume hands the registration over before the lease's timer runs.
+#[test]
+fn seed_9807601_a_registration_after_the_lease_is_refused_and_writing_it_is_caught() {
+    let seed = 9_807_601;
+    let options = cli_swarm(seed..seed + 1);
+    let clean = run_world(seed_world(&options, seed), seed);
+    // The precondition: the lease check was asked about a registration past the lease.
+    assert!(
+        clean
+            .coverage
+            .get("register_after_lease_end")
+            .is_some_and(|&n| n > 0),
+        "precondition not reached: {:?}",
+        clean.coverage
+    );
+    assert!(clean.counters["expired_leases_refused"] > 0);
+    assert!(clean.violations.is_empty(), "{:#?}", clean.violations);
+    assert_eq!(clean.leaked_blocks, 0, "{:?}", clean.leaks);
+
+    let mutated = SimOptions {
+        mutation: Some(Mutation::WriteOnExpiredLease),
+        ..options
+    };
+    let caught = run_world(seed_world(&mutated, seed), seed);
+    assert!(
+        caught
+            .coverage
+            .get("register_after_lease_end")
+            .is_some_and(|&n| n > 0),
+        "precondition not reached under the mutation: {:?}",
+        caught.coverage
+    );
+    assert!(
+        caught
+            .violations
+            .iter()
+            .any(|v| v.message.starts_with("L5:")),
+        "write_on_expired_lease not caught: {:#?}",
+        caught.violations
     );
 }

@@ -35,7 +35,12 @@ impl World {
             return;
         }
         let a = &self.requests[request].p[attempt];
-        let (id, live) = (a.id.clone(), matches!(a.status, Status::Live { .. }));
+        let (id, live, epoch) = (
+            a.id.clone(),
+            matches!(a.status, Status::Live { .. }),
+            a.epoch,
+        );
+        self.lease_layers(request, epoch);
         let call = ConnectorCall::LayersReady {
             request: id.clone(),
             ready,

@@ -311,6 +311,9 @@ impl World {
                 fenced: None,
             };
         }
+        if !decode {
+            self.lease_started(node, request, epoch);
+        }
         self.last_progress = self.now;
         let multi = self.requests[request].multi.as_mut().expect("multi-rank");
         multi.tally.insert(node, Tally::default());

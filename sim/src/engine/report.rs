@@ -29,6 +29,10 @@ impl World {
         self.counters.grant_fence_frees += c.grant_fence_frees;
         self.counters.reads_posted += c.reads_posted;
         self.counters.reads_failed += c.reads_failed;
+        self.counters.stale_messages_refused += c.stale_messages_refused;
+        self.counters.expired_leases_refused += c.expired_leases_refused;
+        self.counters.stale_grants_refused += c.stale_grants_refused;
+        self.counters.late_reads_distrusted += c.late_reads_distrusted;
         self.tombstones_evicted += endpoint.tombstones_evicted();
         for (reason, n) in &c.dropped {
             *self.counters.dropped.entry(*reason).or_insert(0) += n;

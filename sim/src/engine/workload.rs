@@ -98,6 +98,8 @@ impl World {
         let mut srng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x7369_626c_696e_6773);
         // Layer-wise hand-overs: a stream of their own too.
         let mut lrng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6c61_7965_7277_6973);
+        // Routers late to D at P's lease end (`WorldConfig::late_register`): one more.
+        let mut late = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6c61_7465_5f64_5f31);
         let sibling_rate = if self.cfg.mode.reads() && self.cfg.faults == Faults::Chaos {
             [0.0, 0.1, 0.3][srng.gen_range(0..3)]
         } else {
@@ -194,6 +196,24 @@ impl World {
                 self.heal = self
                     .heal
                     .max(Time::ZERO + p_at + Duration::from_millis(500));
+            }
+            let late_register = self.cfg.late_register > 0.0
+                && !self.cfg.explore
+                && !drawn_pull
+                && multi.is_none()
+                && !self.requests[i].transfer.layerwise
+                && late.gen_bool(self.cfg.late_register.min(1.0));
+            if late_register {
+                // D registers a little before P's lease ends (if P finishes at once), within
+                // what P may stop for with D still looking alive: the aimed stall
+                // (`engine/leases.rs`) then spans the lease's end.
+                let m = &self.cfg.machine;
+                let budget = crate::engine::quiet_stall_budget(m).as_micros() as u64;
+                let early = micros(&mut late, 0, budget * 4 / 5);
+                d_at = p_at + m.lease_duration.saturating_sub(early);
+                self.late_registers.insert(i);
+                let after = d_at + m.peer_timeout + Duration::from_millis(500);
+                self.heal = self.heal.max(Time::ZERO + after);
             }
             match multi {
                 None => {

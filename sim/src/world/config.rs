@@ -107,6 +107,12 @@ pub struct WorldConfig {
     /// (a pause that follows a post), at most three per world: transfers in
     /// flight meet stalls often, and their reports come late (swarm).
     pub stall_after_post: f64,
+    /// The share of single-source push requests (not layer-wise) whose D the router hands the
+    /// request about when P's lease on its blocks ends, P stopping from the registration's
+    /// arrival until just past that end (swarm, `engine/leases.rs`): without it a
+    /// registration reaches a lease that ended while its timer could not run in a few seeds of
+    /// 300 only. 0 in the constructors.
+    pub late_register: f64,
 }
 
 /// Most stalls per world that start right after a post.
@@ -185,6 +191,7 @@ impl WorldConfig {
             flood_peer: false,
             misname_rank: 0.0,
             stall_after_post: 0.0,
+            late_register: 0.0,
         }
     }
 
@@ -275,6 +282,7 @@ impl WorldConfig {
             flood_peer: false,
             misname_rank: 0.0,
             stall_after_post: 0.0,
+            late_register: 0.0,
         }
     }
 }

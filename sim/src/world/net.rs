@@ -293,6 +293,7 @@ impl World {
             self.mark("message_lost_with_connection");
             return;
         }
+        self.maybe_stall_at_lease_end(&msg);
         if self.stalled(msg.to) {
             // In the stopped process's receive queue: it stays there, whatever happens to the
             // connection meanwhile, until the process runs again.
@@ -325,6 +326,8 @@ impl World {
         let renewals_before = self.exports_renewed(msg.to);
         let refused_before = self.stale_messages_refused(msg.to);
         let hostile = self.hostile_before(&msg);
+        self.lease_heartbeat(msg.to, &msg.message);
+        let past_lease = self.register_past_lease(&msg);
         self.shell_notification(msg.to, msg.from, msg.from_inc, &msg.message);
         // A message handled after its sender's deadline (a stall handed it over before the
         // timers) declares the sender dead instead: that death, not the message, changes the
@@ -332,6 +335,9 @@ impl World {
         let sender_declared_dead = self.stale_messages_refused(msg.to) > refused_before;
         if let Some(before) = hostile {
             self.hostile_after(&msg, before, sender_declared_dead);
+        }
+        if let Some(past) = past_lease.filter(|_| !sender_declared_dead) {
+            self.note_register_past_lease(msg.to, past);
         }
         if let Message::Heartbeat(heartbeat) = &msg.message {
             if self.exports_renewed(msg.to) > renewals_before {

@@ -51,6 +51,9 @@ pub(crate) struct Stall {
     /// Transfers whose bytes stopped with the process: their sequence number and how long
     /// their landing still had to go.
     pub frozen: Vec<(u64, Duration)>,
+    /// The resume hands over what was held before the due timers run, whatever the world's
+    /// share of such resumes draws (an aimed stall, `engine/leases.rs`).
+    pub messages_first: bool,
 }
 
 impl World {
@@ -245,6 +248,7 @@ impl World {
             connected,
             held: VecDeque::new(),
             frozen,
+            messages_first: false,
         });
         self.schedule(length, Ev::Resume { node, since });
     }
@@ -348,7 +352,7 @@ impl World {
         }
         let share = self.cfg.stall_messages_first.clamp(0.0, 1.0);
         // Drawn only where asked for, so that other worlds keep their streams.
-        let messages_first = share > 0.0 && self.rng.gen_bool(share);
+        let messages_first = stall.messages_first || (share > 0.0 && self.rng.gen_bool(share));
         if messages_first {
             self.record("held events first".to_string());
             self.hand_over(node, stall.held);
