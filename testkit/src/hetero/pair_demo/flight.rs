@@ -131,7 +131,7 @@ pub(super) fn run_all(
                 None => None,
                 Some(router) => match router.decision(next) {
                     None => break,
-                    Some(Decision::Read(params)) => Some(params),
+                    Some(Decision::Read(params)) => Some(*params),
                     Some(Decision::Abandoned) => {
                         tally.outcome("Abandoned".into());
                         tally.failed += 1;

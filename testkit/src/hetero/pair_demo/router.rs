@@ -74,7 +74,7 @@ pub struct RouterReport {
 
 enum Event {
     Connected(TcpStream),
-    Line(u64, Line),
+    Line(u64, Box<Line>),
     Bad,
 }
 
@@ -122,51 +122,53 @@ pub fn run_router(
                 clients.push((stream, 0));
             }
             Event::Bad => report.bad_lines += 1,
-            Event::Line(id, Line::Hello { side, rank }) => {
-                match side.as_str() {
-                    "prefill" => report.prefill_connections += 1,
-                    "decode" => report.decode_connections += 1,
-                    _ => report.bad_lines += 1,
+            Event::Line(id, line) => match *line {
+                Line::Hello { side, rank } => {
+                    match side.as_str() {
+                        "prefill" => report.prefill_connections += 1,
+                        "decode" => report.decode_connections += 1,
+                        _ => report.bad_lines += 1,
+                    }
+                    who.insert(id, (side, rank));
                 }
-                who.insert(id, (side, rank));
-            }
-            Event::Line(id, Line::Answer { index, params }) => {
-                let Some((side, rank)) = who.get(&id).cloned() else {
-                    report.bad_lines += 1;
-                    continue;
-                };
-                let holders = match side.as_str() {
-                    "prefill" => prefill_ranks,
-                    "decode" => decode_ranks,
-                    _ => 0,
-                };
-                let entry = answers
-                    .entry(index)
-                    .or_insert_with(|| (side.clone(), BTreeMap::new()));
-                if entry.0 != side || rank >= holders {
-                    report.bad_lines += 1;
-                    continue;
-                }
-                entry.1.insert(rank, params);
-                if entry.1.len() == holders as usize {
-                    let all = answers
-                        .remove(&index)
-                        .map(|(_, all)| all)
-                        .unwrap_or_default();
-                    let line = match all.get(&0).cloned().flatten() {
-                        Some(params) if all.values().all(Option::is_some) => {
-                            report.forwarded += 1;
-                            Line::Params { index, params }
-                        }
-                        _ => {
-                            report.abandoned += 1;
-                            Line::Abandoned { index }
-                        }
+                Line::Answer { index, params } => {
+                    let Some((side, rank)) = who.get(&id).cloned() else {
+                        report.bad_lines += 1;
+                        continue;
                     };
-                    decided.push(line);
+                    let holders = match side.as_str() {
+                        "prefill" => prefill_ranks,
+                        "decode" => decode_ranks,
+                        _ => 0,
+                    };
+                    let entry = answers
+                        .entry(index)
+                        .or_insert_with(|| (side.clone(), BTreeMap::new()));
+                    if entry.0 != side || rank >= holders {
+                        report.bad_lines += 1;
+                        continue;
+                    }
+                    entry.1.insert(rank, params);
+                    if entry.1.len() == holders as usize {
+                        let all = answers
+                            .remove(&index)
+                            .map(|(_, all)| all)
+                            .unwrap_or_default();
+                        let line = match all.get(&0).cloned().flatten() {
+                            Some(params) if all.values().all(Option::is_some) => {
+                                report.forwarded += 1;
+                                Line::Params { index, params }
+                            }
+                            _ => {
+                                report.abandoned += 1;
+                                Line::Abandoned { index }
+                            }
+                        };
+                        decided.push(line);
+                    }
                 }
-            }
-            Event::Line(_, Line::Params { .. } | Line::Abandoned { .. }) => report.bad_lines += 1,
+                Line::Params { .. } | Line::Abandoned { .. } => report.bad_lines += 1,
+            },
         }
         // Every connection gets every decision (P's ignore them); a late one gets the history.
         clients.retain_mut(|(stream, sent)| send_new(stream, sent, &decided).is_ok());
@@ -202,7 +204,7 @@ fn spawn_reader(id: u64, stream: &TcpStream, tx: mpsc::Sender<Event>) {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {
                     let event = serde_json::from_str::<Line>(line.trim())
-                        .map_or(Event::Bad, |l| Event::Line(id, l));
+                        .map_or(Event::Bad, |l| Event::Line(id, Box::new(l)));
                     if tx.send(event).is_err() {
                         return;
                     }
@@ -215,8 +217,8 @@ fn spawn_reader(id: u64, stream: &TcpStream, tx: mpsc::Sender<Event>) {
 /// What a rank learns from the router about request `index`.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Decision {
-    /// The decode leg's parameters.
-    Read(KvTransferParams),
+    /// The reader's parameters.
+    Read(Box<KvTransferParams>),
     /// A P rank refused the request: D does not start it.
     Abandoned,
 }
@@ -271,7 +273,9 @@ impl RouterClient {
                     Ok(0) | Err(_) => return,
                     Ok(_) => {
                         let decision = match serde_json::from_str::<Line>(line.trim()) {
-                            Ok(Line::Params { index, params }) => (index, Decision::Read(params)),
+                            Ok(Line::Params { index, params }) => {
+                                (index, Decision::Read(Box::new(params)))
+                            }
                             Ok(Line::Abandoned { index }) => (index, Decision::Abandoned),
                             _ => continue,
                         };
