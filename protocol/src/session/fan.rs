@@ -200,6 +200,25 @@ impl Default for Fans {
     }
 }
 
+impl RankLinks {
+    /// The router's `tp_size` names the other engine this rank is linked to.
+    pub(super) fn check_remote_tp(&self, params: &KvTransferParams) -> Result<(), ConnectorError> {
+        let tp = params
+            .tp_size
+            .ok_or(ConnectorError::MissingParam("tp_size"))?;
+        if tp != self.remote_tp {
+            return Err(ConnectorError::InvalidParam {
+                name: "tp_size",
+                why: format!(
+                    "the other engine runs TP {tp}, this rank is linked to TP {}",
+                    self.remote_tp
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Fans {
     /// Whether `request` is a multi-rank request in progress.
     pub(super) fn is_fan(&self, request: &RequestId) -> bool {
@@ -253,18 +272,7 @@ impl Session {
             return self.fan_imported(now, links, request, blocks, num_tokens, params);
         }
         self.context().check_remote_prefill(params)?;
-        let tp = params
-            .tp_size
-            .ok_or(ConnectorError::MissingParam("tp_size"))?;
-        if tp != links.remote_tp {
-            return Err(ConnectorError::InvalidParam {
-                name: "tp_size",
-                why: format!(
-                    "P runs TP {tp}, this rank is linked to TP {}",
-                    links.remote_tp
-                ),
-            });
-        }
+        links.check_remote_tp(params)?;
         let engine = super::prepare::remote_engine(params)?;
         // Each P rank listens at its own address (the engine's base port + its rank): every
         // sub-request's handshake needs its own. Checked before anything starts, so a bad

@@ -15,13 +15,12 @@ use crate::machine::{
 use crate::{BlockIds, PeerAddr, RequestId};
 
 use super::fan::{pair_key, sub_request_id};
-use super::params::{epoch, pairing_key};
+use super::params::{check_next_turn_mode, epoch, pairing_key};
 use super::prepare::remote_engine;
 use super::{
     ConnectorCall, ConnectorError, ConnectorReply, KvTransferParams, RankLinks, Session,
     SessionOutput,
 };
-use crate::TransferMode;
 
 impl Session {
     /// D's pull request as one import per P rank it reads from.
@@ -71,13 +70,7 @@ impl Session {
                 num_tokens,
                 params,
             } => {
-                // Absent means the read this call is: only an explicit "push" is refused.
-                if params.transfer_mode.is_some() && params.transfer_mode()? == TransferMode::Push {
-                    return Err(ConnectorError::InvalidParam {
-                        name: "transfer_mode",
-                        why: "a later turn reads the previous turns' KV: \"pull\" or absent".into(),
-                    });
-                }
+                check_next_turn_mode(&params)?;
                 if links.side != SideName::Decode {
                     return Err(ConnectorError::Unsupported(
                         "next_turn_allocated on a rank whose turn links hold the blocks",
@@ -106,18 +99,7 @@ impl Session {
         num_tokens: u64,
         params: &KvTransferParams,
     ) -> Result<(), ConnectorError> {
-        let tp = params
-            .tp_size
-            .ok_or(ConnectorError::MissingParam("tp_size"))?;
-        if tp != links.remote_tp {
-            return Err(ConnectorError::InvalidParam {
-                name: "tp_size",
-                why: format!(
-                    "P runs TP {tp}, this rank is linked to TP {}",
-                    links.remote_tp
-                ),
-            });
-        }
+        links.check_remote_tp(params)?;
         let engine = remote_engine(params)?;
         let remote_blocks = remote_groups(params, &blocks)?;
         let block_tokens = self

@@ -99,6 +99,18 @@ impl KvTransferParams {
     }
 }
 
+/// A later turn reads the previous turns' KV: its `transfer_mode` is `"pull"` or absent (the
+/// read this call is); only an explicit `"push"` is refused.
+pub(crate) fn check_next_turn_mode(params: &KvTransferParams) -> Result<(), ConnectorError> {
+    if params.transfer_mode.is_some() && params.transfer_mode()? == TransferMode::Push {
+        return Err(ConnectorError::InvalidParam {
+            name: "transfer_mode",
+            why: "a later turn reads the previous turns' KV: \"pull\" or absent".into(),
+        });
+    }
+    Ok(())
+}
+
 /// How `transfer_mode` spells `mode` (`"push"` or `"pull"`; the handshake-only modes by their
 /// own names).
 pub(crate) fn mode_name(mode: TransferMode) -> &'static str {

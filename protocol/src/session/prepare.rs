@@ -5,7 +5,7 @@
 use crate::machine::{DecodeStart, EndpointCall, PrefillStart, Time};
 use crate::{BlockIds, EngineId, PeerAddr, RequestId, TransferMode};
 
-use super::params::{epoch, mode_name, pairing_key};
+use super::params::{check_next_turn_mode, epoch, mode_name, pairing_key};
 use super::{
     CallContext, ConnectorCall, ConnectorError, ConnectorReply, KvTransferParams, PeerAddress,
 };
@@ -108,13 +108,7 @@ impl CallContext<'_> {
                 num_tokens,
                 params,
             } => {
-                // Absent means the read this call is: only an explicit "push" is refused.
-                if params.transfer_mode.is_some() && params.transfer_mode()? == TransferMode::Push {
-                    return Err(ConnectorError::InvalidParam {
-                        name: "transfer_mode",
-                        why: "a later turn reads the previous turns' KV: \"pull\" or absent".into(),
-                    });
-                }
+                check_next_turn_mode(&params)?;
                 let (input, address) = self.import_input(request, blocks, num_tokens, &params)?;
                 Ok((input, address, ConnectorReply::Accepted))
             }

@@ -191,10 +191,13 @@ fn send_new(stream: &mut TcpStream, sent: &mut usize, all: &[Line]) -> std::io::
     Ok(())
 }
 
-fn spawn_reader(id: u64, stream: &TcpStream, tx: mpsc::Sender<Event>) {
-    let Ok(stream) = stream.try_clone() else {
-        return;
-    };
+/// Reads `stream` line by line on a thread of its own, each line parsed (`None`: not a message
+/// of ours, or past [`MAX_LINE`]) and handed to `each`, until the stream ends or `each` says
+/// stop.
+fn spawn_line_reader(
+    stream: TcpStream,
+    mut each: impl FnMut(Option<Line>) -> bool + Send + 'static,
+) {
     thread::spawn(move || {
         let mut reader = BufReader::new(stream);
         let mut line = String::new();
@@ -203,14 +206,22 @@ fn spawn_reader(id: u64, stream: &TcpStream, tx: mpsc::Sender<Event>) {
             match (&mut reader).take(MAX_LINE as u64).read_line(&mut line) {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {
-                    let event = serde_json::from_str::<Line>(line.trim())
-                        .map_or(Event::Bad, |l| Event::Line(id, Box::new(l)));
-                    if tx.send(event).is_err() {
+                    if !each(serde_json::from_str::<Line>(line.trim()).ok()) {
                         return;
                     }
                 }
             }
         }
+    });
+}
+
+fn spawn_reader(id: u64, stream: &TcpStream, tx: mpsc::Sender<Event>) {
+    let Ok(stream) = stream.try_clone() else {
+        return;
+    };
+    spawn_line_reader(stream, move |line| {
+        let event = line.map_or(Event::Bad, |l| Event::Line(id, Box::new(l)));
+        tx.send(event).is_ok()
     });
 }
 
@@ -264,27 +275,16 @@ impl RouterClient {
         };
         client.send(&hello)?;
         let decisions = Arc::clone(&client.decisions);
-        thread::spawn(move || {
-            let mut reader = BufReader::new(stream);
-            let mut line = String::new();
-            loop {
-                line.clear();
-                match (&mut reader).take(MAX_LINE as u64).read_line(&mut line) {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {
-                        let decision = match serde_json::from_str::<Line>(line.trim()) {
-                            Ok(Line::Params { index, params }) => {
-                                (index, Decision::Read(Box::new(params)))
-                            }
-                            Ok(Line::Abandoned { index }) => (index, Decision::Abandoned),
-                            _ => continue,
-                        };
-                        if let Ok(mut d) = decisions.lock() {
-                            d.insert(decision.0, decision.1);
-                        }
-                    }
-                }
+        spawn_line_reader(stream, move |line| {
+            let decision = match line {
+                Some(Line::Params { index, params }) => (index, Decision::Read(Box::new(params))),
+                Some(Line::Abandoned { index }) => (index, Decision::Abandoned),
+                Some(Line::Hello { .. } | Line::Answer { .. }) | None => return true,
+            };
+            if let Ok(mut d) = decisions.lock() {
+                d.insert(decision.0, decision.1);
             }
+            true
         });
         Ok(client)
     }
