@@ -358,8 +358,9 @@ fn a_late_verdict_still_ends_in_the_requests_one_event() {
     runtime.shutdown();
 }
 
-/// The links must be the plan's: a D rank linked to TP 2 refuses a router saying TP 4, and pull
-/// between different geometries is refused as unsupported.
+/// The links must be the plan's: a D rank linked to TP 2 refuses a router saying TP 4, a pull
+/// whose holder's list has another number of cache groups is refused, and declining a
+/// multi-rank export is refused as unsupported.
 #[test]
 fn calls_that_do_not_fit_the_links_are_refused() {
     let (runtime, _p, mut d) = build(&pair(
@@ -374,16 +375,25 @@ fn calls_that_do_not_fit_the_links_are_refused() {
             ..
         })
     ));
+    // A pull whose holder's list names another number of cache groups than D's blocks.
     let pull = KvTransferParams {
         do_remote_prefill: true,
         remote_engine_id: Some("prefill".into()),
         tp_size: Some(2),
         transfer_mode: Some("pull".into()),
-        remote_block_ids: Some(vec![vec![1, 2]]),
+        remote_block_ids: Some(vec![vec![1, 2], vec![3]]),
         ..KvTransferParams::default()
     };
     assert!(matches!(
         d[0].conn.request_allocated(&request, blocks(), 32, &pull),
+        Err(ConnectorError::InvalidParam {
+            name: "remote_block_ids",
+            ..
+        })
+    ));
+    // Declining a multi-rank export is not built.
+    assert!(matches!(
+        d[0].conn.decline_export(&request, &pull),
         Err(ConnectorError::Unsupported(_))
     ));
     assert!(!d[0].conn.has_pending_work());
