@@ -26,7 +26,7 @@ CAUGHT=(
     accept_prior_incarnation trust_named_rank return_blocks_at_read_bound
     serve_rejoined_session_at_once wait_out_rejoined_peers_fence tell_fenced_twice
     fan_hand_back_at_failure fan_proof_of_last_pair ready_on_first_part ack_partial_write_at_once
-    extend_lapsed_registration write_on_expired_lease
+    extend_lapsed_registration write_on_expired_lease reader_ready_on_first_part
 )
 
 report="$(mktemp)"

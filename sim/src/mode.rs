@@ -48,14 +48,28 @@ impl Mode {
     }
 
     /// The share of requests that are multi-rank (several P ranks per D rank, or the reverse)
-    /// unless the options say otherwise ([`crate::SimOptions::multi_source`]). Only `mixed`,
-    /// the command line's default, has them by default: `push` replays the worlds (and the
-    /// regression seeds) as they were found, and `pull` and `bidir` keep their shapes.
+    /// unless the options say otherwise ([`crate::SimOptions::multi_source`]). `mixed`, the
+    /// command line's default, and `pull` (issue 23: multi-rank pulls) have them by default:
+    /// `push` replays the worlds (and the regression seeds) as they were found, and `bidir`
+    /// keeps its shape.
     pub fn multi_source_share(self) -> f64 {
         match self {
-            Mode::Mixed => 0.1,
-            Mode::Push | Mode::Pull | Mode::Bidir => 0.0,
+            Mode::Mixed | Mode::Pull => 0.1,
+            Mode::Push | Mode::Bidir => 0.0,
         }
+    }
+
+    /// The marks of multi-rank requests in this mode, when it has any: pushed ones where it
+    /// pushes, pulled ones (heterogeneous reads) where it pulls first turns.
+    pub fn multi_rank_marks(self) -> Vec<&'static str> {
+        let mut marks = Vec::new();
+        if self.pushes() {
+            marks.extend_from_slice(MULTI_SOURCE_MARKS);
+        }
+        if self.pull_share() > 0.0 {
+            marks.extend_from_slice(HETERO_READ_MARKS);
+        }
+        marks
     }
 
     /// The marks a sweep of this mode must hit.
@@ -68,7 +82,7 @@ impl Mode {
             marks.extend_from_slice(READ_MARKS);
         }
         if self.multi_source_share() > 0.0 {
-            marks.extend_from_slice(MULTI_SOURCE_MARKS);
+            marks.extend(self.multi_rank_marks());
         }
         if !self.pushes() {
             // A pull-only world has no second turns either.
@@ -126,4 +140,17 @@ pub const MULTI_SOURCE_MARKS: &[&str] = &[
     "multi_source_fenced_early",
     "multi_source_sub_refused",
     "multi_source_failed_after_a_write",
+];
+
+/// The marks of multi-rank pulls (heterogeneous reads; required where the mode pulls and has
+/// multi-rank requests, reported whenever hit): `hetero_read` (a D rank reading from two or
+/// more P ranks was `Loaded`: every part's read landed its slice of every block),
+/// `hetero_read_sibling_aborted` (a failed part aborted a live sibling part of the same read
+/// or export), `hetero_read_replica_holder` (a P rank no D rank reads from, a replica, ended its
+/// export at once, unread: `FullPrefixHit`, `NeverGranted`). Each decided by the session's
+/// fan-ins of side `Reader`/`Holder`.
+pub const HETERO_READ_MARKS: &[&str] = &[
+    "hetero_read",
+    "hetero_read_sibling_aborted",
+    "hetero_read_replica_holder",
 ];

@@ -7,7 +7,7 @@ use crate::WorldConfig;
 
 use crate::{
     Faults, Mode, Mutation, DEFAULT_POOL_BLOCKS, DEFAULT_STALL_FREEZE, FLOOD_MARKS,
-    LAYERWISE_MARKS, MISNAME_MARKS, MULTI_SOURCE_MARKS, STALL_MARKS,
+    LAYERWISE_MARKS, MISNAME_MARKS, STALL_MARKS,
 };
 
 /// What to run.
@@ -90,7 +90,7 @@ impl SimOptions {
     pub fn required_marks(&self) -> Vec<&'static str> {
         let mut marks = self.mode.required_marks();
         if self.multi_source_share() > 0.0 && self.mode.multi_source_share() == 0.0 {
-            marks.extend_from_slice(MULTI_SOURCE_MARKS);
+            marks.extend(self.mode.multi_rank_marks());
         }
         let chaos = self.faults == Faults::Chaos;
         if chaos && self.stalls > 0.0 {
@@ -100,7 +100,12 @@ impl SimOptions {
         if self.mode.pushes() && (self.flood_peer || swarmed) {
             marks.extend_from_slice(FLOOD_MARKS);
         }
-        if self.multi_source_share() > 0.0 && (self.misname_rank > 0.0 || swarmed) {
+        // P ranks misname themselves in push answers (`WriteDone` and its kin): a world that
+        // only pulls has none.
+        if self.multi_source_share() > 0.0
+            && self.mode.pushes()
+            && (self.misname_rank > 0.0 || swarmed)
+        {
             marks.extend_from_slice(MISNAME_MARKS);
         }
         if chaos && self.layerwise > 0.0 && self.mode.pushes() {

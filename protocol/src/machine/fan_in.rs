@@ -523,6 +523,16 @@ impl FanIn {
             .expect("checked live by the caller");
         slot.1 = result;
         let mut step = FanInStep::default();
+        // The deliberate bug: a reader decides `Ready` at its first loaded part, so a later
+        // failure of another holder rank's part neither fails the read nor aborts a sibling.
+        if self.side == FanSide::Reader
+            && result == SubState::Succeeded
+            && self.outcome.is_none()
+            && self.mutation.is(Mutation::ReaderReadyOnFirstPart)
+        {
+            self.outcome = Some(FanOutcome::Ready);
+            step.outcome = Some(FanOutcome::Ready);
+        }
         if let SubState::Failed(failure) = result {
             if self.outcome.is_none() {
                 let outcome = FanOutcome::Failed {
@@ -570,7 +580,10 @@ impl FanIn {
                 !all_ended,
                 "a request whose sub-requests all ended has an outcome"
             ),
-            Some(FanOutcome::Ready) => assert!(all_succeeded, "Ready needs every sub-request"),
+            Some(FanOutcome::Ready) => assert!(
+                all_succeeded || self.mutation.is(Mutation::ReaderReadyOnFirstPart),
+                "Ready needs every sub-request"
+            ),
             Some(FanOutcome::Failed { request, failure }) => assert!(
                 matches!(
                     self.subs.get(request).map(|(_, state)| *state),

@@ -167,6 +167,25 @@ impl ImportCommon {
         }
     }
 
+    /// The number of this attempt's first ask (its later asks follow it): the low bits of its
+    /// trace id, not 0. A reader's record of an ended attempt (the tombstone that lifts the
+    /// next attempt's epoch) lives a bounded time, but a grant may sit in a stopped process's
+    /// queue for longer: an attempt at the same key and epoch started after the record went
+    /// (a router retrying with the very parameters, epoch 1) would take that grant, naming the
+    /// ask numbers every attempt used, for an answer to its own ask, and read blocks the holder
+    /// freed long ago. With asks numbered from the trace id an earlier attempt's grant names no
+    /// ask of this one (but for a 2^-32 coincidence) and is refused as stale. The holder echoes
+    /// the number, whatever it is, so the wire is unchanged.
+    pub(crate) fn first_ask(&self) -> u32 {
+        // Truncation intended: any 32 bits of the (hashed) trace id do.
+        self.trace.as_u128() as u32
+    }
+
+    /// Which ask of this attempt (0: the first) the ask number `ask` is.
+    fn ask_index(&self, ask: u32) -> usize {
+        ask.wrapping_sub(self.first_ask()) as usize
+    }
+
     /// Ends the import: with nothing read, `failure` means the same under either policy,
     /// except that `Recompute` keeps the request alive with nothing valid.
     fn fail(self, failure: ImportFailure, release: Option<ReleaseReason>) -> ImportStep {
@@ -278,7 +297,8 @@ impl Connecting {
         let aborted = Some(ReleaseReason::Aborted);
         match input {
             ImportInput::PeerConnected => {
-                fx.send(&self.common.holder, self.common.ask_message(ctx.own, 0));
+                let first = self.common.first_ask();
+                fx.send(&self.common.holder, self.common.ask_message(ctx.own, first));
                 Step::Live(ImportRequest::Asking(Asking {
                     next_ask: ctx.now + ctx.config.register_retry_interval,
                     asks_left: ctx.config.max_register_retries,
@@ -336,7 +356,10 @@ impl Asking {
             }
             ImportInput::Timeout => {
                 if self.asks_left > 0 && ctx.now >= self.next_ask {
-                    let ask = self.asked_at.len() as u32;
+                    let ask = self
+                        .common
+                        .first_ask()
+                        .wrapping_add(self.asked_at.len() as u32);
                     fx.send(&self.common.holder, self.common.ask_message(ctx.own, ask));
                     self.asks_left -= 1;
                     self.asked_at.push(ctx.now);
@@ -357,11 +380,13 @@ impl Asking {
     /// The grant came: check that the holder's blocks fit ours and post the reads. The reader
     /// may hold fewer blocks than the holder (its own prefix cache had the start): it reads the
     /// holder's last blocks of each group.
-    /// Whether a grant naming `ask` cannot be read under: the ask is unknown (a peer's bug), or
-    /// the grant is handled later than `max_message_delay` after that ask was sent.
+    /// Whether a grant naming `ask` cannot be read under: the ask is unknown (a peer's bug, or
+    /// the grant of an earlier attempt at this key and epoch, see
+    /// [`ImportCommon::first_ask`]), or the grant is handled later than `max_message_delay`
+    /// after that ask was sent.
     fn stale(&self, ctx: &ImportCtx<'_>, ask: u32) -> bool {
         self.asked_at
-            .get(ask as usize)
+            .get(self.common.ask_index(ask))
             .is_none_or(|&sent| ctx.now > sent + ctx.config.max_message_delay)
     }
 
@@ -374,7 +399,10 @@ impl Asking {
         fx: &mut Outbox,
     ) -> ImportStep {
         // An unknown ask reaches here only under the stale-grant mutation: the latest stands in.
-        let asked = self.asked_at.get(ask as usize).or(self.asked_at.last());
+        let asked = self
+            .asked_at
+            .get(self.common.ask_index(ask))
+            .or(self.asked_at.last());
         let Some(&asked) = asked else {
             unreachable!("an import asks before it waits for a grant");
         };

@@ -107,11 +107,15 @@ pub enum Mutation {
     /// P posts the next part of a layer-wise write after D's registration lapsed (this
     /// process stalled past D's heartbeats): D may have fenced and reused its blocks.
     ExtendLapsedRegistration,
+    /// A multi-rank read's fan-in takes its first loaded part for the whole read: the request
+    /// is `Loaded` though another holder rank's part may still fail (its slice of every block
+    /// never arrives), and a later failure aborts no sibling.
+    ReaderReadyOnFirstPart,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 31] = [
+    pub const ALL: [Mutation; 32] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -143,6 +147,7 @@ impl Mutation {
         Mutation::ReadyOnFirstPart,
         Mutation::AckPartialWriteAtOnce,
         Mutation::ExtendLapsedRegistration,
+        Mutation::ReaderReadyOnFirstPart,
     ];
 
     /// The mutation's name on the command line.
@@ -185,6 +190,7 @@ impl Mutation {
             Mutation::ReadyOnFirstPart => "ready_on_first_part",
             Mutation::AckPartialWriteAtOnce => "ack_partial_write_at_once",
             Mutation::ExtendLapsedRegistration => "extend_lapsed_registration",
+            Mutation::ReaderReadyOnFirstPart => "reader_ready_on_first_part",
         }
     }
 }

@@ -173,6 +173,10 @@ struct Fan {
     proof: FreeProof,
     /// The same for a holder's exports.
     read_proof: ReadProof,
+    /// A reader's load-failure policy when the request started: a single import keeps the
+    /// one it started with (`ImportStart::policy`), and so does a multi-rank read, whatever
+    /// the settings say by the time its last part ends.
+    policy: LoadFailurePolicy,
 }
 
 /// Most multi-rank requests one session tracks at once (the endpoint's default request table
@@ -438,6 +442,7 @@ impl Session {
                 fan,
                 proof: FreeProof::NeverExposed,
                 read_proof: ReadProof::NeverGranted,
+                policy: self.settings.load_failure_policy,
             },
         );
         for step in steps {
@@ -554,7 +559,7 @@ impl Session {
             },
             (FanSide::Reader, outcome) => ConnectorEvent::Imported {
                 request,
-                outcome: import_outcome(outcome, self.settings.load_failure_policy),
+                outcome: import_outcome(outcome, fan.policy),
                 blocks,
             },
             (FanSide::Holder, outcome) => ConnectorEvent::ExportEnded {

@@ -112,7 +112,12 @@ impl World {
                 key,
                 blocks,
                 ..
-            } => (request.clone(), key.clone(), blocks.clone(), node != 0),
+            } => (
+                request.clone(),
+                key.clone(),
+                blocks.clone(),
+                !self.is_prefill(node),
+            ),
         };
         let Some(&request) = self.keys.get(&key) else {
             self.violate(format!("event for unknown key {key}"));

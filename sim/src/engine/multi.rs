@@ -4,8 +4,11 @@
 //! into one 1:1 sub-request per pair under the pair's key (`PairingKey::for_pair`), decides
 //! which siblings to abort, the request's outcome and when the shared blocks go back — the
 //! code an engine's connector runs. This file draws the shapes and makes the calls;
-//! `multi/settle.rs` judges each pair's end and the request's one event per rank.
+//! `multi/settle.rs` judges each pair's end and the request's one event per rank, and
+//! `multi/pull.rs` what is particular to pulled ones (the router's answer, replicas, reads).
+//! A multi-rank request is pushed or pulled as its transfer draws.
 
+mod pull;
 mod settle;
 
 use std::collections::BTreeMap;
@@ -13,7 +16,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use kvhandoff_protocol::hetero::SideName;
-use kvhandoff_protocol::machine::{FreeProof, Rejected};
+use kvhandoff_protocol::machine::{FreeProof, ReadProof, Rejected, SubFailure, Time};
 use kvhandoff_protocol::session::{sub_request_id, ConnectorCall, RankLinks};
 use kvhandoff_protocol::{BlockIds, PairingKey, RequestId};
 use rand::seq::SliceRandom;
@@ -53,6 +56,13 @@ pub(crate) struct Multi {
     /// `Sent`) and how many did not, as the checker reads their endpoint events, and the most
     /// cautious proof of D's (checked against the session's one event for the rank).
     pub tally: BTreeMap<NodeId, Tally>,
+    /// Pulled (`multi/pull.rs`): P ranks that take part in the request with no D rank reading
+    /// from them (replicas: their export ends at once). P rank 0 is always in a pulled request,
+    /// as a source or a replica, since the router forwards its answer.
+    pub replicas: Vec<NodeId>,
+    /// Pulled: D's try of the request (1, then the router's retries); its engine request id on
+    /// D's ranks is `d{request}a{round}` and D's blocks are leased to epoch `round`.
+    pub round: u64,
 }
 
 /// What one rank's sub-requests of a multi-rank request ended with.
@@ -61,6 +71,13 @@ pub(crate) struct Tally {
     pub delivered: usize,
     pub failed: usize,
     pub proof: Option<FreeProof>,
+    /// Pulled: the first part that failed, in the order the session's fan-in saw the parts end
+    /// (a part the endpoint refused to start counts first, as `NotStarted`).
+    pub first_failure: Option<SubFailure>,
+    /// Pulled, a holder rank: the most cautious proof among its parts.
+    pub read_proof: Option<ReadProof>,
+    /// When the rank's call started its share.
+    pub started: Option<Time>,
 }
 
 impl Multi {
@@ -143,6 +160,8 @@ impl World {
             pairs,
             abort_p,
             tally: BTreeMap::new(),
+            replicas: Vec::new(),
+            round: 1,
         })
     }
 
@@ -186,6 +205,10 @@ impl World {
         let mut p_nodes: Vec<NodeId> = multi.pairs.iter().map(|pair| pair.p).collect();
         d_nodes.sort_unstable();
         d_nodes.dedup();
+        for &replica in &multi.replicas {
+            self.fan_parents.insert((replica, parent_id("p", i)), i);
+            p_nodes.push(replica);
+        }
         p_nodes.sort_unstable();
         p_nodes.dedup();
         let d_node = self.requests[i].d_node;
@@ -224,6 +247,7 @@ impl World {
             Ev::SubPrefillStart { request, node }
         };
         let r = &self.requests[request];
+        let pull = r.transfer.pull;
         let attempts = if decode { &r.d } else { &r.p };
         let pending: Vec<usize> = attempts
             .iter()
@@ -231,11 +255,22 @@ impl World {
             .filter(|(_, a)| a.node == node && a.status == Status::Pending)
             .map(|(ai, _)| ai)
             .collect();
-        let Some(epoch) = pending.first().map(|&ai| attempts[ai].epoch) else {
+        let epoch = pending
+            .first()
+            .map(|&ai| attempts[ai].epoch)
+            .or_else(|| (!decode && self.replica_pending(request, node)).then_some(1));
+        let Some(epoch) = epoch else {
             // Nothing to start (a duplicate start): pass the wake-up on.
             self.wake_waiters(node, 1);
             return;
         };
+        if decode && pull && self.pull_answer(request).is_none() {
+            // The router has not had P rank 0's answer yet: D's ranks wait for it.
+            let later = micros(&mut self.rng, 2_000, 20_000);
+            self.schedule(later, again);
+            return;
+        }
+        let r = &self.requests[request];
         let key = r.key.clone();
         let (n, d_blocks) = (if decode { r.d_blocks } else { r.p_blocks }, r.d_blocks);
         let side_name = if decode { "D" } else { "P" };
@@ -255,7 +290,9 @@ impl World {
         }
         let links = self.links_of(request, node, decode);
         let shared = BlockIds::single_group(blocks.clone());
-        let call = if decode {
+        let call = if pull {
+            self.pull_call(request, node, decode, shared, &links)
+        } else if decode {
             let mut params = self.router_params(&key, epoch, 0);
             params.tp_size = Some(links.remote_tp);
             ConnectorCall::RequestAllocated {
@@ -272,11 +309,18 @@ impl World {
                 params: self.router_params(&key, epoch, 1),
             }
         };
-        if let Err(error) = self.call_linked(node, call, &links) {
-            // Nothing started: the blocks go back and the engine calls again later (a full
-            // table), as for a single request.
-            self.start_refused(node, error, &blocks, owner, Some(again));
-            return;
+        let reply = match self.call_linked(node, call, &links) {
+            Ok(reply) => reply,
+            Err(error) => {
+                // Nothing started: the blocks go back and the engine calls again later (a
+                // full table), as for a single request.
+                self.start_refused(node, error, &blocks, owner, Some(again));
+                return;
+            }
+        };
+        if pull && !decode && node == 0 {
+            // The router forwards P rank 0's answer to every D rank (as vLLM's proxy does).
+            self.keep_answer(&parent_id("p", request), reply);
         }
         let refused: Vec<(RequestId, Rejected)> = self.nodes[node]
             .session
@@ -311,12 +355,23 @@ impl World {
                 fenced: None,
             };
         }
-        if !decode {
+        if pull {
+            self.pull_kinds(request, node, decode);
+        } else if !decode {
+            // A pushing P part holds D's blocks under its lease (L5).
             self.lease_started(node, request, epoch);
         }
         self.last_progress = self.now;
         let multi = self.requests[request].multi.as_mut().expect("multi-rank");
-        multi.tally.insert(node, Tally::default());
+        // Parts the endpoint refused count as failed, and first: the session's fan-in took
+        // them so before any part could end.
+        let tally = Tally {
+            started: Some(now),
+            failed: if pull { refused.len() } else { 0 },
+            first_failure: refused.first().map(|_| SubFailure::NotStarted),
+            ..Tally::default()
+        };
+        multi.tally.insert(node, tally);
         self.drain(node);
     }
 
@@ -373,9 +428,13 @@ impl World {
         };
         nodes.sort_unstable();
         nodes.dedup();
+        let id = if decode {
+            rid("d", request, multi.round)
+        } else {
+            parent_id("p", request)
+        };
         let side = if decode { "D" } else { "P" };
         self.record(format!("engine: {side} aborts {} on {nodes:?}", r.key));
-        let id = parent_id(if decode { "d" } else { "p" }, request);
         for node in nodes {
             let started = self.requests[request]
                 .multi

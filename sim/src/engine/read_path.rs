@@ -107,7 +107,11 @@ impl World {
     }
 
     /// The reader's engine's load-failure policy for its next read (drawn per request).
-    fn set_policy(&mut self, node: NodeId, policy: kvhandoff_protocol::machine::LoadFailurePolicy) {
+    pub(super) fn set_policy(
+        &mut self,
+        node: NodeId,
+        policy: kvhandoff_protocol::machine::LoadFailurePolicy,
+    ) {
         if let Some(session) = self.nodes[node].session.as_mut() {
             let mut settings = *session.settings();
             settings.load_failure_policy = policy;
@@ -345,22 +349,7 @@ impl World {
         let p_blocks = self.requests[request].p_blocks;
         match event {
             EndpointEvent::Export { outcome, proof, .. } => {
-                if let AttemptKind::Export { hard_end, .. } = a.kind {
-                    // A holder stalled past its hard end ends the export when it runs again
-                    // (late, so safe for the reader): the bound moves by the stall.
-                    let stalled = match a.status {
-                        Status::Live { started, .. } => self.stalled_since(node, started),
-                        Status::Pending | Status::Done | Status::Lost | Status::Skipped => {
-                            std::time::Duration::ZERO
-                        }
-                    };
-                    if self.now > hard_end + stalled {
-                        self.violate(format!(
-                            "L3: export {} ended at {} after its hard end {hard_end}",
-                            a.id, self.now
-                        ));
-                    }
-                }
+                self.check_hard_end(node, a);
                 *self
                     .outcomes
                     .entry(format!("read_proof.{proof:?}"))
@@ -449,6 +438,27 @@ impl World {
         }
     }
 
+    /// L3: export `a` on `node` ended by its hard end (computed at its start from its lease,
+    /// not the machine's own record).
+    pub(super) fn check_hard_end(&mut self, node: NodeId, a: &Attempt) {
+        if let AttemptKind::Export { hard_end, .. } = a.kind {
+            // A holder stalled past its hard end ends the export when it runs again (late, so
+            // safe for the reader): the bound moves by the stall.
+            let stalled = match a.status {
+                Status::Live { started, .. } => self.stalled_since(node, started),
+                Status::Pending | Status::Done | Status::Lost | Status::Skipped => {
+                    std::time::Duration::ZERO
+                }
+            };
+            if self.now > hard_end + stalled {
+                self.violate(format!(
+                    "L3: export {} ended at {} after its hard end {hard_end}",
+                    a.id, self.now
+                ));
+            }
+        }
+    }
+
     /// A heartbeat `node` took renewed exports it holds (its counter moved): note which, for
     /// the coverage marks.
     pub(crate) fn note_renewals(&mut self, node: NodeId, keys: &[kvhandoff_protocol::PairingKey]) {
@@ -456,7 +466,8 @@ impl World {
             let Some(&request) = self.keys.get(key) else {
                 continue;
             };
-            let holder_d = node != 0;
+            // A multi-rank pull's P ranks other than rank 0 are nodes after the D engines.
+            let holder_d = !self.is_prefill(node);
             let r = &mut self.requests[request];
             let attempts = if holder_d { &mut r.d } else { &mut r.p };
             for a in attempts.iter_mut().filter(|a| a.node == node) {

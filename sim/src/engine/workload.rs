@@ -124,12 +124,17 @@ impl World {
             if srng.gen_bool(sibling_rate) {
                 transfer.sibling_decline = Some(micros(&mut srng, 0, 20_000));
             }
-            // Drawn as for any request (the stream stays aligned), then kept to one push turn:
-            // a multi-rank request is pushed.
+            // Drawn as for any request (the stream stays aligned), then kept to one turn: the
+            // session refuses bidirectional turns and declines between geometries
+            // (`Unsupported`). A multi-rank request is pushed or pulled as drawn.
             let drawn_pull = transfer.pull;
-            if multi.is_some() {
-                transfer.pull = false;
+            let mut multi = multi;
+            if let Some(multi) = multi.as_mut() {
                 transfer.second = None;
+                transfer.sibling_decline = None;
+                if drawn_pull {
+                    self.draw_replicas(&mut mrng, multi);
+                }
             }
             transfer.layerwise = self.cfg.layerwise > 0.0
                 && lrng.gen_bool(self.cfg.layerwise)

@@ -63,6 +63,12 @@ impl World {
             self.nodes[target].pool.pin(&remote, 1);
         }
         self.nodes[node].pool.pin(&local, 1);
+        // A D rank reading from several P ranks reads each one's slice of every block (its
+        // heads): the blocks are whole only when every pair's read landed.
+        let slice = self.requests[request]
+            .multi
+            .as_ref()
+            .map_or(0..BLOCK_BYTES, |m| m.slice(target, node));
         let seq = self.next_seq;
         let mut read = SimWrite {
             poster: node,
@@ -76,7 +82,7 @@ impl World {
             p_owner: None,
             local,
             remote,
-            slice: 0..BLOCK_BYTES,
+            slice,
             notification: kvhandoff_protocol::Message::Heartbeat(kvhandoff_protocol::Heartbeat {
                 engine: self.nodes[node].addr.engine.clone(),
                 leases: Vec::new(),
@@ -130,14 +136,20 @@ impl World {
         let holder_gone = !self.alive(r.target) || self.nodes[r.target].incarnation != r.target_inc;
         let fail = fail || holder_gone || self.chance(self.rates.fail_later);
         if !fail {
-            self.copy_read(&r, BLOCK_BYTES);
+            self.copy_read(&r, true);
             *self
                 .landed
                 .entry((r.poster, r.poster_inc, r.request, r.epoch))
                 .or_insert(0) += 1;
+            if self.requests[r.request].multi.is_some() {
+                *self
+                    .landed_pairs
+                    .entry((r.poster, r.poster_inc, r.request, r.epoch, r.target))
+                    .or_insert(0) += 1;
+            }
         } else if !holder_gone && self.chance(0.5) {
             self.mark("partial_landing");
-            self.copy_read(&r, BLOCK_BYTES / 2);
+            self.copy_read(&r, false);
         }
         let mut r = self.writes.remove(&seq).expect("present");
         self.unpin_target(&mut r);
@@ -150,14 +162,20 @@ impl World {
         self.schedule_report(seq, failure, 50, 1_000);
     }
 
-    /// Copies `bytes` of every block the read covers from the holder into the reader.
-    fn copy_read(&mut self, r: &SimWrite, bytes: usize) {
+    /// Copies the read's slice of every block it covers from the holder into the reader
+    /// (`whole`), or the first half of it (a partial landing).
+    fn copy_read(&mut self, r: &SimWrite, whole: bool) {
         let Some(owner) = r.read else {
             return;
         };
         if self.nodes[r.poster].incarnation != r.poster_inc || !self.alive(r.poster) {
             return;
         }
+        let range = if whole {
+            r.slice.clone()
+        } else {
+            r.slice.start..r.slice.start + r.slice.len() / 2
+        };
         for (&local, &remote) in r.local.iter().zip(&r.remote) {
             let Some(&data) = self.nodes[r.target].pool.bytes(remote) else {
                 continue;
@@ -165,7 +183,7 @@ impl World {
             if let Err(e) =
                 self.nodes[r.poster]
                     .pool
-                    .land(local, &data, 0..bytes, bytes == BLOCK_BYTES, owner)
+                    .land(local, &data, range.clone(), whole, owner)
             {
                 self.stale_writes += 1;
                 self.violate(format!("{e} (read {} of node {})", r.id, r.poster));

@@ -210,7 +210,8 @@ impl WorldConfig {
         if self.floods() {
             marks.extend_from_slice(FLOOD_MARKS);
         }
-        if self.misnames() {
+        // Ranks misname themselves in push answers only: a world that only pulls has none.
+        if self.misnames() && self.mode.pushes() {
             marks.extend_from_slice(MISNAME_MARKS);
         }
         marks

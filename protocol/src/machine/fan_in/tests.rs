@@ -416,6 +416,59 @@ fn the_mutation_hands_back_at_the_first_failure() {
     assert_eq!(step.hand_back, None, "handed back once");
 }
 
+fn import_event(n: u32, outcome: crate::machine::ImportOutcome) -> EndpointEvent {
+    EndpointEvent::Import {
+        request: id(n),
+        key: sub(n).key,
+        epoch: Epoch::FIRST,
+        outcome,
+        blocks: shared(),
+    }
+}
+
+/// A reader's fan-in: one loaded part is not the read. Without the deliberate bug the read
+/// fails at the sibling's failure; with `reader_ready_on_first_part` it is `Ready` at the first
+/// loaded part, and the later failure neither fails it nor aborts anything.
+#[test]
+fn a_reader_is_ready_only_when_every_part_loaded() {
+    use crate::machine::{ImportFailure, ImportOutcome};
+    let failed = ImportOutcome::Failed(ImportFailure::ReadFailed);
+    let mut reader = fan(FanSide::Reader, 3);
+    let step = reader
+        .on_event(&import_event(0, ImportOutcome::Loaded))
+        .unwrap();
+    assert_eq!(step, FanInStep::default(), "one part is not the read");
+    let step = reader.on_event(&import_event(1, failed)).unwrap();
+    assert_eq!(step.abort, vec![id(2)]);
+    assert_eq!(
+        step.outcome,
+        Some(FanOutcome::Failed {
+            request: id(1),
+            failure: SubFailure::Import(ImportFailure::ReadFailed),
+        })
+    );
+    #[cfg(feature = "mutations")]
+    {
+        let mut reader = fan(FanSide::Reader, 3);
+        reader.set_mutation(Some(crate::machine::Mutation::ReaderReadyOnFirstPart));
+        let step = reader
+            .on_event(&import_event(0, ImportOutcome::Loaded))
+            .unwrap();
+        assert_eq!(
+            step.outcome,
+            Some(FanOutcome::Ready),
+            "the bug: ready at once"
+        );
+        let step = reader.on_event(&import_event(1, failed)).unwrap();
+        assert_eq!((step.abort, step.outcome), (vec![], None));
+        let step = reader
+            .on_event(&import_event(2, ImportOutcome::Loaded))
+            .unwrap();
+        assert_eq!(step.hand_back, Some(shared()));
+        assert_eq!(reader.outcome(), Some(&FanOutcome::Ready));
+    }
+}
+
 fn fenced_event(n: u32, failure: DecodeFailure) -> EndpointEvent {
     EndpointEvent::DecodeFenced {
         request: id(n),

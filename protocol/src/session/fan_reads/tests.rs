@@ -394,3 +394,45 @@ fn turn_links_split_a_kept_turn_and_its_read_back() {
         }]
     );
 }
+
+/// The engine's policy may change between a multi-rank read's start and its end (another
+/// request's settings, or a reconfiguration): the read fails by the policy it started under,
+/// as a single import does (`ImportStart::policy`). Found by the simulator (issue 23: seed 4 of
+/// `sim --mode mixed --seeds 1..101 --requests 40`, a read started under `Recompute` ended
+/// `Failed` after a later read on the rank set `Fail`).
+#[test]
+fn a_multi_rank_read_fails_by_the_policy_it_started_under() {
+    for (start, later) in [
+        (LoadFailurePolicy::Recompute, LoadFailurePolicy::Fail),
+        (LoadFailurePolicy::Fail, LoadFailurePolicy::Recompute),
+    ] {
+        let mut d = session("decode", SideName::Decode, vec![0, 1], start);
+        let request = id("req-7");
+        d.handle_call(Time::ZERO, pull_allocated(&request)).unwrap();
+        let _ = events(&mut d);
+        let mut settings = *d.settings();
+        settings.load_failure_policy = later;
+        d.set_settings(settings);
+        d.engine_event(imported(
+            &request,
+            1,
+            ImportOutcome::Failed(ImportFailure::PeerDead),
+        ));
+        let want = match start {
+            LoadFailurePolicy::Fail => ImportOutcome::Failed(ImportFailure::PeerDead),
+            LoadFailurePolicy::Recompute => ImportOutcome::Recompute {
+                valid_tokens: 0,
+                failure: ImportFailure::PeerDead,
+            },
+        };
+        assert_eq!(
+            events(&mut d),
+            vec![ConnectorEvent::Imported {
+                request,
+                outcome: want,
+                blocks: d_blocks(),
+            }],
+            "started under {start:?}, ended under {later:?}"
+        );
+    }
+}

@@ -27,6 +27,12 @@ impl World {
     ) {
         let id = event.request().clone();
         let (decode, label) = match event {
+            EndpointEvent::Prefill { .. } | EndpointEvent::Decode { .. }
+                if self.requests[request].transfer.pull =>
+            {
+                self.violate(format!("S4: a push event for the pulled sub-request {id}"));
+                return;
+            }
             EndpointEvent::Decode {
                 epoch,
                 outcome,
@@ -90,8 +96,11 @@ impl World {
                 (false, format!("sub.prefill.{outcome:?}"))
             }
             EndpointEvent::Export { .. } | EndpointEvent::Import { .. } => {
-                self.violate(format!("S4: a read event for the push sub-request {id}"));
-                return;
+                if !self.requests[request].transfer.pull {
+                    self.violate(format!("S4: a read event for the push sub-request {id}"));
+                    return;
+                }
+                self.read_part_event(node, request, ai, event)
             }
         };
         self.check_life(node, decode, &id, started);
@@ -155,8 +164,14 @@ impl World {
         let inc = self.nodes[node].incarnation;
         let decode = !self.is_prefill(node);
         let r = &self.requests[request];
+        let pull = r.transfer.pull;
         let attempts = if decode { &r.d } else { &r.p };
-        let mine: Vec<_> = attempts.iter().filter(|a| a.node == node).collect();
+        // This call's parts (a pulled request's retry is another engine request on the rank).
+        let prefix = format!("{}#", event.request());
+        let mine: Vec<_> = attempts
+            .iter()
+            .filter(|a| a.node == node && a.id.as_str().starts_with(&prefix))
+            .collect();
         let epoch = mine.first().map_or(1, |a| a.epoch);
         let unsettled: Vec<String> = mine
             .iter()
@@ -177,14 +192,21 @@ impl World {
                 }
             })
             .count();
-        let sound = unsettled.is_empty() && in_flight == 0;
+        let owner = Owner { request, epoch };
+        let reads = self.reads_touching(node, request, owner);
+        let sound = unsettled.is_empty() && in_flight == 0 && reads == 0;
         if !sound {
             self.violate(format!(
                 "S10: rank {node} handed back the shared blocks {flat:?} of request {request} \
-                 before sub-request(s) {unsettled:?} handed them back ({in_flight} write(s) may \
-                 still {} them)",
+                 before sub-request(s) {unsettled:?} handed them back ({in_flight} write(s) and \
+                 {reads} read(s) may still {} them)",
                 if decode { "land in" } else { "read" }
             ));
+        }
+        if pull {
+            self.judge_read_parent(node, request, event, sound, &flat);
+            self.free_shared(node, request, &flat, owner, event);
+            return;
         }
         let multi = self.requests[request].multi.as_ref().expect("multi-rank");
         let ready = matches!(
@@ -192,7 +214,6 @@ impl World {
             ConnectorEvent::BlocksReady { .. } | ConnectorEvent::BlocksFree { released: None, .. }
         );
         let side = if decode { "decode" } else { "prefill" };
-        let key = self.requests[request].key.clone();
         let sources = multi.sources_of(node);
         let tally = multi.tally.get(&node).copied().unwrap_or_default();
         let (ok, failed) = (tally.delivered, tally.failed);
@@ -244,14 +265,38 @@ impl World {
             .outcomes
             .entry(format!("multi.{side}.{verdict}"))
             .or_insert(0) += 1;
+        self.free_shared(node, request, &flat, owner, event);
+    }
+
+    /// The engine frees the shared blocks its session handed back.
+    fn free_shared(
+        &mut self,
+        node: NodeId,
+        request: usize,
+        flat: &[u32],
+        owner: Owner,
+        event: &ConnectorEvent,
+    ) {
+        if self.requests[request].transfer.pull {
+            let label = match event {
+                ConnectorEvent::Imported { outcome, .. } => format!("multi.import.{outcome:?}"),
+                ConnectorEvent::ExportEnded { outcome, .. } => format!("multi.export.{outcome:?}"),
+                other => format!("multi.pull.{}", parent_label(other)),
+            };
+            *self.outcomes.entry(label).or_insert(0) += 1;
+        }
+        let key = self.requests[request].key.clone();
         self.record(format!(
             "engine: rank {node} hands back the shared blocks of {key}"
         ));
-        let frozen = super::super::events::frozen_note(self.frozen_touching(node, &flat));
-        for e in self.nodes[node].pool.free(&flat, Owner { request, epoch }) {
+        let frozen = super::super::events::frozen_note(self.frozen_touching(node, flat));
+        for e in self.nodes[node].pool.free(flat, owner) {
             self.violate(format!("node {node}: {e}{frozen}"));
         }
         self.wake_waiters(node, flat.len());
+        if self.requests[request].transfer.pull {
+            self.maybe_retry_pull(node, request, event);
+        }
     }
 
     /// S8 for one pair: a write of P rank `p` for the epoch really landed in this incarnation's
@@ -276,7 +321,7 @@ impl World {
 
     /// S7/S8 for one sub-request: its P rank's write landed, and its slice of every block holds
     /// P's pattern.
-    fn check_pair_ready(
+    pub(super) fn check_pair_ready(
         &mut self,
         node: NodeId,
         request: usize,
