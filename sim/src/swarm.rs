@@ -160,4 +160,10 @@ pub(crate) fn draw_rates(seed: u64, faults: Faults, rates: &mut Rates) {
     if faults == Faults::Chaos && router.gen_ratio(1, 2) {
         rates.router_retry = 0.8;
     }
+    // Its own stream too: in a storm of retries, completions that take the slowest a message
+    // may take meet the attempt that replaced theirs.
+    let mut late = ChaCha8Rng::seed_from_u64(seed ^ 0x6c61_7465_5f77_6431);
+    if faults == Faults::Chaos && rates.retry >= 0.9 && late.gen_ratio(1, 2) {
+        rates.slow_write_done = 0.5;
+    }
 }

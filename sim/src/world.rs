@@ -164,6 +164,9 @@ impl World {
             let mut rates = crate::engine::draw_rates(&mut rng, cfg.faults);
             if cfg.swarm {
                 crate::swarm::draw_rates(seed, cfg.faults, &mut rates);
+                if !cfg.late_completions {
+                    rates.slow_write_done = 0.0;
+                }
             }
             rates
         };

@@ -110,6 +110,9 @@ impl World {
             let slowest = self.cfg.slow_message_max.as_micros() as u64;
             delay = micros(&mut self.rng, 20_000, slowest.max(20_001));
         }
+        if matches!(msg.message, Message::WriteDone(_)) && self.chance(self.rates.slow_write_done) {
+            delay = delay.max(self.cfg.slow_message_max);
+        }
         if let Some(until) = self.partitioned(from, to, self.now) {
             delay = delay.max(until.saturating_since(self.now));
         }

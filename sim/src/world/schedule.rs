@@ -137,4 +137,8 @@ pub(crate) struct Rates {
     /// back: a new request id, the same `transfer_id`, and no epoch (as a router that knows
     /// nothing of epochs retries: epoch 1). Drawn by the swarm only.
     pub router_retry: f64,
+    /// Chance that a `WriteDone` takes the slowest a message may take: a retried request's new
+    /// attempt may then be registered when its old attempt's completion lands (the stale-epoch
+    /// guard on D). Drawn by the swarm only.
+    pub slow_write_done: f64,
 }
