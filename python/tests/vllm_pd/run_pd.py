@@ -232,19 +232,30 @@ def part_main(model, env, ref_path):
               not any(same), str([o[1] for o in d_out]))
 
         # Negative control 2: P drops (aborts) the hand-over: D's loads fail (policy "fail").
-        before = d.metrics()
-        p_out = p_leg(p, "drop", ps[:3], {"kvhandoff_fault": "drop"})
-        d_out = d_leg(d, "drop", ps[:3], p_out)
-        after = d.metrics()
         # P aborts right after handing over; a write that completed before the abort (D had
         # registered first) is a real, intact load: then D's tokens must equal the reference.
-        failed = [o[1] == "error" and not o[0] for o in d_out]
-        intact = [o[0] == r for o, r in zip(d_out, ref)]
-        check(f"drop: every D request failed (FINISHED_ERROR, no tokens: {sum(failed)}/3) or loaded intact "
-              f"KV ({sum(intact)}/3), never a wrong success; at least one failed",
-              all(f or i for f, i in zip(failed, intact)) and any(failed), str([(o[0], o[1]) for o in d_out]))
-        check(f"drop: D counted the failures (requests_failed +{after['requests_failed'] - before['requests_failed']})",
-              after["requests_failed"] - before["requests_failed"] == sum(failed))
+        # Which side wins is timing, so the control runs again (up to three rounds) until a
+        # load failed: the precondition it exists for. Every round must be failed-or-intact.
+        failed, intact, rounds, wrong, counted = [], [], 0, [], True
+        while rounds < 3 and not any(failed):
+            before = d.metrics()
+            tag = "drop" if rounds == 0 else f"drop-r{rounds}"
+            p_out = p_leg(p, tag, ps[:3], {"kvhandoff_fault": "drop"})
+            d_out = d_leg(d, tag, ps[:3], p_out)
+            after = d.metrics()
+            round_failed = [o[1] == "error" and not o[0] for o in d_out]
+            round_intact = [o[0] == r for o, r in zip(d_out, ref)]
+            wrong += [(o[0], o[1]) for o, f, i in zip(d_out, round_failed, round_intact)
+                      if not (f or i)]
+            counted &= after["requests_failed"] - before["requests_failed"] == sum(round_failed)
+            failed += round_failed
+            intact += round_intact
+            rounds += 1
+        check(f"drop: every D request failed (FINISHED_ERROR, no tokens: {sum(failed)}/{len(failed)}) or "
+              f"loaded intact KV ({sum(intact)}/{len(intact)}), never a wrong success; at least one "
+              f"failed ({rounds} round(s))",
+              not wrong and any(failed), str(wrong))
+        check("drop: D counted the failures (requests_failed up by each round's failures)", counted)
         check("drop: D handed every block back", not d.wait_idle()["scheduler_busy"])
         check("drop: P handed every block back", not p.wait_idle()["scheduler_busy"])
 
