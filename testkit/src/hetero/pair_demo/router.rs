@@ -141,6 +141,16 @@ pub fn run_router(
                         "decode" => decode_ranks,
                         _ => 0,
                     };
+                    // A peer's index past the run (first turns, then their next turns), or
+                    // a request beyond the run's count still undecided, is refused: the
+                    // table of answers stays bounded.
+                    let fresh = !answers.contains_key(&index);
+                    if index >= requests.saturating_mul(2)
+                        || (fresh && answers.len() as u64 >= requests)
+                    {
+                        report.bad_lines += 1;
+                        continue;
+                    }
                     let entry = answers
                         .entry(index)
                         .or_insert_with(|| (side.clone(), BTreeMap::new()));
