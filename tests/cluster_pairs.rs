@@ -11,54 +11,13 @@ mod nodes;
 
 use std::process::Command;
 
+use nodes::pair_cluster::{kill, run_mode};
 use nodes::{require_runtime, ONE_AT_A_TIME};
 use serde_json::Value;
 
-fn gone(pid: u64) -> bool {
-    !std::path::Path::new(&format!("/proc/{pid}")).exists()
-}
-
-/// Runs the pair through `cluster`, checks the report and returns it.
+/// Runs the pair's push through `cluster` (and its router), checks the report and returns it.
 fn pair(model: &str, prefill: &str, decode: &str, ranks: (u64, u64), requests: u32) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
-        .args(["cluster", "--json", "--model", model])
-        .args(["--prefill", prefill, "--decode", decode])
-        .args(["--requests", &requests.to_string(), "--seed", "7"])
-        .args(["--timeout-secs", "60"])
-        .output()
-        .expect("kvhandoff runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let all = format!(
-        "{model} {prefill} -> {decode}\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{all}"));
-    // The pair really differs, and every rank of both engines ran as its own process.
-    let (p, d) = ranks;
-    assert_ne!(prefill, decode, "{all}");
-    assert_eq!(report["processes"], p + d, "{all}");
-    let lines = report["ranks"].as_array().expect("ranks");
-    for (engine, count) in [("prefill", p), ("decode", d)] {
-        let mut seen: Vec<u64> = lines
-            .iter()
-            .filter(|r| r["engine"] == engine)
-            .map(|r| r["rank"].as_u64().expect("rank"))
-            .collect();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..count).collect::<Vec<_>>(), "{engine}: {all}");
-    }
-    assert_eq!(report["ok"], true, "{all}");
-    assert_eq!(report["verified"], u64::from(requests), "{all}");
-    assert_eq!(report["byte_errors"], 0, "{all}");
-    assert_eq!(report["leaked_blocks"], 0, "{all}");
-    assert_eq!(report["all_exited"], true, "{all}");
-    for r in lines {
-        assert_eq!(r["exit_code"], 0, "{all}");
-        assert_eq!(r["done"], u64::from(requests), "{all}");
-        assert!(gone(r["pid"].as_u64().expect("pid")), "{all}");
-    }
-    assert!(out.status.success(), "{all}");
-    report
+    run_mode("push", model, prefill, decode, ranks, requests, 7)
 }
 
 /// Less TP on D (each D rank gathers the heads of two P processes), larger blocks, another
@@ -424,53 +383,21 @@ fn a_killed_prefill_rank_of_a_pair_fails_typed_and_is_served_after_restart() {
     );
 }
 
-/// `cluster --kill` of a D rank of a pair whose one P rank writes to both D ranks: every
-/// survivor accounts for every request (typed, nothing wrong, nothing leaked), the restarted D
-/// rank is served again, and every process is gone.
+/// `cluster --kill` of a D rank of a pair whose one P rank writes to both D ranks: the router
+/// abandons the requests the restart skips (P holds none of them for it), every survivor
+/// accounts for every request (typed, nothing wrong, nothing leaked), the restarted D rank is
+/// served again, and every process is gone.
 #[test]
 fn cluster_kills_and_restarts_a_decode_rank_of_a_pair() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     require_runtime();
-    let out = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
-        .args(["cluster", "--json", "--model", "gqa8"])
-        .args(["--prefill", "tp=1,block=16,layout=NHD"])
-        .args(["--decode", "tp=2,block=32,layout=HND"])
-        .args([
-            "--requests",
-            "240",
-            "--window",
-            "16",
-            "--kill",
-            "decode:1@40",
-        ])
-        .args(["--timeout-secs", "60"])
-        .output()
-        .expect("kvhandoff runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let all = format!("{text}\n{}", String::from_utf8_lossy(&out.stderr));
-    let report: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{all}"));
-    let kill = &report["kill"];
-    // The precondition: the victim died mid-run and was restarted before the plan ended.
-    let at_kill = kill["request_at_kill"].as_u64().expect("killed");
-    let k = kill["restart_at"].as_u64().expect("restarted");
-    assert!(at_kill >= 40 && k > at_kill && k < 240, "{all}");
-    assert_eq!(report["ok"], true, "{all}");
-    assert_eq!(report["all_exited"], true, "{all}");
-    assert_eq!(report["byte_errors"], 0, "{all}");
-    assert_eq!(report["leaked_blocks"], 0, "{all}");
-    assert!(
-        kill["survivor"]["failed"].as_u64() > Some(0),
-        "the death failed requests on P\n{all}"
+    let (report, all) = kill(
+        "push",
+        "decode",
+        "tp=1,block=16,layout=NHD",
+        "tp=2,block=32,layout=HND",
     );
-    let restarted = kill["restarted"]["done"].as_u64().unwrap_or(0);
-    assert!(restarted > 0 && restarted * 2 >= 240 - k, "{all}");
-    for r in report["ranks"].as_array().expect("ranks") {
-        assert!(gone(r["pid"].as_u64().expect("pid")), "{all}");
-        match r["life"].as_str() {
-            Some("killed") => assert_eq!(r["signal"], 9, "{all}"),
-            _ => assert_eq!(r["exit_code"], 0, "{all}"),
-        }
-    }
+    assert_eq!(report["kill"]["survivor"]["engine"], "prefill", "{all}");
 }
 
 /// Ranks of a pair authenticate their handshakes with a pre-shared key (`--psk-file`): with the

@@ -13,73 +13,13 @@ mod nodes;
 
 use std::process::Command;
 
+use nodes::pair_cluster::{kill, run_mode};
 use nodes::{require_runtime, ONE_AT_A_TIME};
 use serde_json::Value;
 
-fn gone(pid: u64) -> bool {
-    !std::path::Path::new(&format!("/proc/{pid}")).exists()
-}
-
 /// Runs the pair's pull through `cluster`, checks the report and returns it.
 fn pull(model: &str, prefill: &str, decode: &str, ranks: (u64, u64), requests: u32) -> Value {
-    run_mode("pull", model, prefill, decode, ranks, requests)
-}
-
-/// Runs the pair through `cluster` in `mode` (pull, or bidir: each request pushed, then its
-/// next turn read back from D), checks the report and returns it.
-fn run_mode(
-    mode: &str,
-    model: &str,
-    prefill: &str,
-    decode: &str,
-    ranks: (u64, u64),
-    requests: u32,
-) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
-        .args(["cluster", "--json", "--mode", mode, "--model", model])
-        .args(["--prefill", prefill, "--decode", decode])
-        .args(["--requests", &requests.to_string(), "--seed", "11"])
-        .args(["--timeout-secs", "60"])
-        .output()
-        .expect("kvhandoff runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let all = format!(
-        "{model} {prefill} -> {decode}\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{all}"));
-    let (p, d) = ranks;
-    assert_eq!(report["mode"], mode, "{all}");
-    // Every rank of both engines, and the router, ran as a process of its own.
-    assert_eq!(report["processes"], p + d + 1, "{all}");
-    let lines = report["ranks"].as_array().expect("ranks");
-    for (engine, count) in [("prefill", p), ("decode", d), ("router", 1)] {
-        let mut seen: Vec<u64> = lines
-            .iter()
-            .filter(|r| r["engine"] == engine)
-            .map(|r| r["rank"].as_u64().expect("rank"))
-            .collect();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..count).collect::<Vec<_>>(), "{engine}: {all}");
-    }
-    assert_eq!(report["ok"], true, "{all}");
-    assert_eq!(report["verified"], u64::from(requests), "{all}");
-    assert_eq!(report["byte_errors"], 0, "{all}");
-    assert_eq!(report["leaked_blocks"], 0, "{all}");
-    assert_eq!(report["all_exited"], true, "{all}");
-    for r in lines {
-        assert_eq!(r["exit_code"], 0, "{all}");
-        // D: verified; P: every export read (or write landed); the router: every request
-        // handed to its readers.
-        assert_eq!(r["done"], u64::from(requests), "{all}");
-        if mode == "bidir" && r["engine"] != "router" {
-            // P read every next turn back and checked it; D's every keep was read.
-            assert_eq!(r["read_back"], u64::from(requests), "{all}");
-        }
-        assert!(gone(r["pid"].as_u64().expect("pid")), "{all}");
-    }
-    assert!(out.status.success(), "{all}");
-    report
+    run_mode("pull", model, prefill, decode, ranks, requests, 11)
 }
 
 /// Less TP on D (each D rank reads two P processes), larger blocks, another layout: P's
@@ -156,6 +96,7 @@ fn a_next_turn_reads_the_kept_blocks_back_into_p() {
         "tp=1,block=32,layout=HND",
         (2, 1),
         24,
+        11,
     );
     run_mode(
         "bidir",
@@ -164,11 +105,13 @@ fn a_next_turn_reads_the_kept_blocks_back_into_p() {
         "tp=1,block=64,layout=HND",
         (2, 1),
         24,
+        11,
     );
 }
 
-/// What a pair across processes refuses, typed (exit 2): mixed modes, a kill outside push, and
-/// a rank started to pull or read back without the router that hands it its answers.
+/// What a pair across processes refuses, typed (exit 2): mixed modes, the in-memory transport
+/// (one process's fabric), and a rank started to pull or read back without the router that
+/// hands it its answers.
 #[test]
 fn what_a_pairs_pull_refuses_is_said() {
     let run = |args: &[&str]| {
@@ -191,13 +134,14 @@ fn what_a_pairs_pull_refuses_is_said() {
         args.extend(extra);
         run(&args)
     };
-    for extra in [
-        &["--mode", "mixed"][..],
-        &["--mode", "pull", "--kill", "prefill:1@4"],
+    for (extra, reason) in [
+        (&["--mode", "mixed"][..], "push, pull or bidir"),
+        (&["--mode", "pull", "--transport", "mem"], "one process"),
     ] {
         let out = cluster(extra);
         assert_eq!(out.status.code(), Some(2), "{extra:?}");
-        assert!(!out.stderr.is_empty(), "{extra:?}: the reason is said");
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(text.contains(reason), "{extra:?}: {text}");
     }
     for mode in ["pull", "bidir"] {
         let mut args = vec![
@@ -210,4 +154,56 @@ fn what_a_pairs_pull_refuses_is_said() {
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("--router"), "{mode}: {text}");
     }
+}
+
+/// kill -9 of a P rank of a pulling pair whose D rank reads from both P ranks: the router
+/// abandons what the dead rank will never serve (D never starts it), the reads in flight from
+/// the dead rank fail typed on D, and the restarted rank's exports are read again.
+#[test]
+fn a_killed_prefill_rank_of_a_pulling_pair_fails_typed_and_is_read_after_restart() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    let (report, all) = kill(
+        "pull",
+        "prefill",
+        "tp=2,block=16,layout=NHD",
+        "tp=1,block=32,layout=HND",
+    );
+    let outcomes = &report["kill"]["survivor"]["outcomes"];
+    assert_eq!(report["kill"]["survivor"]["engine"], "decode", "{all}");
+    assert!(outcomes["Loaded"].as_u64() > Some(0), "{all}");
+    assert!(outcomes["Abandoned"].as_u64() > Some(0), "{all}");
+    let router = report["ranks"]
+        .as_array()
+        .and_then(|r| r.iter().find(|r| r["engine"] == "router"))
+        .expect("the router's line");
+    assert_eq!(router["ok"], true, "{all}");
+}
+
+/// kill -9 of a D rank of a bidirectional pair whose one P rank pushes to and reads back from
+/// both D ranks: the turns the restart skipped are abandoned on both engines, and the restarted
+/// rank's turns are pushed and read back again, every byte checked in P's geometry.
+#[test]
+fn a_killed_decode_rank_of_a_bidirectional_pair_is_read_back_after_restart() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    let (report, all) = kill(
+        "bidir",
+        "decode",
+        "tp=1,block=16,layout=NHD",
+        "tp=2,block=32,layout=HND",
+    );
+    let k = report["kill"]["restart_at"].as_u64().expect("restarted");
+    let lines = report["ranks"].as_array().expect("ranks");
+    let restarted = lines
+        .iter()
+        .find(|r| r["life"] == "restarted")
+        .expect("the restart's line");
+    let prefill = lines
+        .iter()
+        .find(|r| r["engine"] == "prefill")
+        .expect("P's line");
+    // Every next turn of the restart's part was kept by it and read back by P.
+    assert_eq!(restarted["read_back"], 240 - k, "{all}");
+    assert!(prefill["read_back"].as_u64() >= Some(240 - k), "{all}");
 }

@@ -59,17 +59,29 @@ pub(crate) struct ClusterArgs {
     /// 30 s after it.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     timeout_secs: u64,
-    /// Kill one rank mid-run and restart it (push mode): `prefill:R@N` or `decode:R@N` sends
+    /// Kill one rank mid-run and restart it (push mode; with `--model`, every mode but mixed):
+    /// `prefill:R@N` or `decode:R@N` sends
     /// SIGKILL to rank R of that engine when request N arrives on its schedule, then starts
     /// it again with the rest of the plan; rank R of the other engine survives it (with
     /// `--model`, every other rank: a pair's fan spreads the death).
     #[arg(long, value_name = "ENGINE:R@N", value_parser = kill::parse_kill)]
     kill: Option<KillSpec>,
+    /// How the ranks' KV moves: `nixl` (one NIXL agent per process over UCX). `mem` is refused
+    /// with the reason: the in-memory fabric cannot join processes.
+    #[arg(long, value_enum, default_value_t = TransportArg::Nixl)]
+    transport: TransportArg,
     #[command(flatten)]
     pair: super::pair_args::PairArgs,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// `--transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TransportArg {
+    Mem,
+    Nixl,
 }
 
 /// One rank's process and what it reported.
@@ -194,7 +206,9 @@ impl Launch<'_> {
             } else {
                 Stdio::inherit()
             });
-        if self.mode != "push" {
+        if self.mode != "push" || self.pair.is_some() {
+            // A pair's ranks all go through its router; a TP cluster's ranks use a router link
+            // per rank pair where they pull or read back.
             command.args(["--router", &self.router.to_string()]);
         }
         let mut child = command
@@ -236,6 +250,11 @@ impl Launch<'_> {
             .args(["--prefill-ranks", &p.to_string()])
             .args(["--decode-ranks", &d.to_string()])
             .args(["--requests", &self.args.requests.to_string()])
+            .args(if self.mode == "bidir" {
+                &["--turns"][..]
+            } else {
+                &[]
+            })
             .args([
                 "--timeout-secs",
                 &(self.args.timeout_secs + GRACE.as_secs()).to_string(),
@@ -293,8 +312,12 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
         eprintln!("error: a heterogeneous pair runs --mode push, pull or bidir");
         return ExitCode::from(2);
     }
-    if pair.is_some() && args.kill.is_some() && !matches!(args.mode, ModeArg::Push) {
-        eprintln!("error: --kill of a heterogeneous pair's rank runs push (--mode push)");
+    if args.transport == TransportArg::Mem {
+        eprintln!(
+            "error: --transport mem: the in-memory fabric is one process's and cannot join \
+             ranks in processes of their own; run every rank in one process with `kvhandoff \
+             demo --transport mem` (add --model … for a pair), or use --transport nixl"
+        );
         return ExitCode::from(2);
     }
     if MAX_TP % args.tp != 0 {
@@ -366,9 +389,9 @@ fn run(
         pair: pair.clone(),
     };
     let mut children = Children(Vec::new());
-    if pair.is_some() && mode != "push" {
-        // A pair's pull and read-back go through its router, as vLLM's proxy hands P's answer
-        // to D and D's to P's next turn.
+    if pair.is_some() {
+        // A pair's requests go through its router, as vLLM's proxy hands P's answer to D (a
+        // push's or a pull's) and D's to P's next turn.
         children.0.push(launch.spawn_router()?);
     }
     // D first (it listens on the router links), then P.

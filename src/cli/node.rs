@@ -103,6 +103,10 @@ pub(crate) struct NodeArgs {
     /// How long P stays after its last event waiting for D to exit, ms.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     linger_ms: u64,
+    /// With `--model --mode bidir`: how long D's ranks keep each turn for P's read-back, ms
+    /// (default 30 s).
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    keep_ttl_ms: u64,
     /// The peer may die during the run (a kill test's survivor): exit 0 when every request has
     /// exactly one typed outcome, no ready request has a wrong byte and every block is back,
     /// even if requests failed.
@@ -114,8 +118,9 @@ pub(crate) struct NodeArgs {
     mode: ModeArg,
     /// The router link, HOST:PORT. Without `--model` (D listens, P connects; give both the
     /// same): P's answers (a pulled request's block ids) reach D over it, and D's answers for a
-    /// conversation's next turn reach P. With `--model --mode pull`: the pair's router
-    /// (`kvhandoff router`), which P's ranks tell their answers and D's ranks get P's from.
+    /// conversation's next turn reach P. With `--model`: the pair's router (`kvhandoff
+    /// router`), which holder ranks tell their answers and readers get them from (needed by
+    /// pull and bidir; a push without it derives P's parameters from the plan).
     #[arg(long, value_parser = parse_addr)]
     router: Option<std::net::SocketAddr>,
     /// TEST HOOK of the kill tests: right after this node's last engine call for request K of
@@ -340,6 +345,7 @@ fn run_pair_rank(args: &NodeArgs, psk: Option<Psk>) -> ExitCode {
         config,
         psk,
         router: args.router,
+        keep_ttl: ms(args.keep_ttl_ms),
     };
     match run_rank(&options, &process) {
         Err(DemoError::Options(why)) => refuse(why),

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 
+pub mod pair_cluster;
+
 /// The heartbeat interval the nodes run with, ms.
 pub const H_MS: f64 = 200.0;
 /// Scheduling slack on top of two heartbeat intervals, ms.

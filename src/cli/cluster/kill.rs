@@ -58,6 +58,10 @@ const DECODE_DEADLINE_MS: &str = "2000";
 /// registered come back after it instead of 30 s; the restarted D, if it starts late, still
 /// registers its first requests within it.
 const LEASE_MS: &str = "3000";
+/// How long a pair's D survivor keeps a turn for its read-back (`--mode bidir`), ms: the parts a
+/// dead P rank would have read end this long after the keep instead of 30 s, which would hold
+/// the window's slots for minutes.
+const KEEP_TTL_MS: &str = "3000";
 /// The restart's lead (how long after the kill its first request arrives) is twice the
 /// victim's own start-up to listening (which ran alongside every other rank's; a restart also
 /// has to meet its peer), at least this: a restart took up to 0.9 s on a loaded 2-core host
@@ -295,6 +299,10 @@ impl Killer {
             "decode" => ["--decode-deadline-ms".into(), DECODE_DEADLINE_MS.into()],
             _ => ["--lease-ms".into(), LEASE_MS.into()],
         });
+        if self.pair && engine == "decode" {
+            // In bidir, the turns a dead P rank never reads back end within the run.
+            flags.extend(["--keep-ttl-ms".into(), KEEP_TTL_MS.into()]);
+        }
         (flags, None, Some(SURVIVOR))
     }
 

@@ -55,7 +55,7 @@ use super::handoff::{Handoff, RequestShape};
 use crate::demo::{start_error, DemoError, DemoReport, DemoTransport, Leaks, Races};
 use flight::Rank;
 pub use process::{run_rank, RankProcess, RankReport};
-pub use router::{run_router, RouterReport};
+pub use router::{run_router, RouterPlan, RouterReport};
 
 /// P's engine id in the heterogeneous demo.
 pub const PREFILL: &str = "prefill";
@@ -573,7 +573,7 @@ fn drive(
             flight::Placing::Ahead
         },
         options.pull,
-        false,
+        None,
         None,
         flight::Pace::default(),
         hooks.chaos,
@@ -593,6 +593,7 @@ fn drive(
                 placing,
                 router: None,
                 first: 0,
+                keep: pull::KEEP_TTL,
             };
             Some(read_back_turns(
                 options, turn, &mut ranks, deadline, &mut tally,
@@ -659,6 +660,8 @@ struct ReadBack<'a> {
     placing: flight::Placing,
     router: Option<&'a router::RouterClient>,
     first: usize,
+    /// How long the holders keep each turn for its read-back.
+    keep: Duration,
 }
 
 /// Every request's next turn, once every first turn ended: the ranks play the pair planned the
@@ -673,6 +676,7 @@ fn read_back_turns(
         placing,
         router,
         first,
+        keep,
     }: ReadBack<'_>,
     ranks: &mut [Rank],
     deadline: Instant,
@@ -704,7 +708,7 @@ fn read_back_turns(
         None,
         placing,
         true,
-        true,
+        Some(keep),
         router,
         flight::Pace {
             first,
@@ -734,7 +738,7 @@ fn read_back_turns(
         kept: n,
         kept_read: turn.sent,
         kept_unread: turn.released + turn.prefill_missing,
-        keep_ttl_ms: pull::KEEP_TTL.as_secs_f64() * 1e3,
+        keep_ttl_ms: keep.as_secs_f64() * 1e3,
         ..crate::demo::TurnCounts::default()
     }
 }

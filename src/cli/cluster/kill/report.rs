@@ -15,6 +15,16 @@ impl Killer {
         let startup = self.startup();
         let mut why = Vec::new();
         for r in ranks.iter().filter(|r| r.life.is_none()) {
+            if r.engine == "router" {
+                // A pair's router: every request decided (forwarded or abandoned).
+                if !r.ok {
+                    why.push(format!(
+                        "the router: {}",
+                        r.error.as_deref().unwrap_or("not ok")
+                    ));
+                }
+                continue;
+            }
             if !r.ok || r.done != requests {
                 why.push(format!(
                     "{} rank {}: {}/{requests} done{}",
@@ -167,14 +177,20 @@ fn survivor(line: &RankLine, text: &str, k: Option<u64>) -> (Survivor, u64) {
                 .collect()
         })
         .unwrap_or_default();
-    // What a request that went through is called on the survivor's side.
-    let success = if line.engine == "decode" {
-        "Ready"
+    // What a request that went through is called on the survivor's side: a push's, then a
+    // pull's (a replica's export, which no D rank needed, as read).
+    let successes: &[&str] = if line.engine == "decode" {
+        &["Ready", "Loaded"]
     } else {
-        "Sent"
+        &["Sent", "Read", "Released(FullPrefixHit)"]
     };
+    let success = successes[0];
     let total: u64 = outcomes.values().sum();
-    let failed = total - outcomes.get(success).copied().unwrap_or(0);
+    let through: u64 = successes
+        .iter()
+        .map(|s| outcomes.get(*s).copied().unwrap_or(0))
+        .sum();
+    let failed = total - through.min(total);
     let after = k.map_or(0, |k| {
         node["requests"].as_array().map_or(0, |list| {
             list.iter()
@@ -219,9 +235,10 @@ pub(super) struct Survivor {
     exit_code: Option<i32>,
     /// Its node verdict: every request one typed outcome, every block back.
     ok: bool,
-    /// Its requests by typed outcome (`Ready` / `Sent` for those that went through).
+    /// Its requests by typed outcome (`Ready` / `Sent` for pushes that went through, `Loaded`
+    /// / `Read` for pulls).
     outcomes: BTreeMap<String, u64>,
-    /// Requests that did not go through (every outcome but `Ready` / `Sent`).
+    /// Requests that did not go through (every outcome but the successes above).
     failed: u64,
     byte_errors: u64,
     leaked_blocks: u64,

@@ -102,7 +102,7 @@ pub(super) fn run_all(
     fault: Option<(usize, HeteroFault)>,
     placing: Placing,
     pull: bool,
-    turn: bool,
+    turn: Option<Duration>,
     router: Option<&RouterClient>,
     pace: Pace,
     chaos: &mut dyn FnMut(&mut rand_chacha::ChaCha8Rng) -> bool,
@@ -125,21 +125,29 @@ pub(super) fn run_all(
             if due.is_some_and(|due| Instant::now() < due) {
                 break;
             }
-            // Across processes a D rank reads only what the router handed it.
-            let holds_decode = ranks.iter().all(|rank| rank.side == SideName::Decode);
-            let decided = match router.filter(|_| pull && holds_decode) {
-                None => None,
-                Some(router) => match router.decision(next) {
-                    None => break,
-                    Some(Decision::Read(params)) => Some(*params),
-                    Some(Decision::Abandoned) => {
-                        tally.outcome("Abandoned".into());
+            // Across processes a reader (D, or P's ranks reading a turn back) starts a request
+            // only once the router handed it the holders' answer; no rank starts one the
+            // router abandoned (a holder refused it or will never serve it).
+            let reads = ranks.iter().all(|rank| rank.side == SideName::Decode);
+            let decided = match (router, router.and_then(|router| router.decision(next))) {
+                (None, _) => None,
+                (Some(_), Some(Decision::Abandoned)) => {
+                    tally.outcome("Abandoned".into());
+                    if reads {
                         tally.failed += 1;
-                        tally.error(format!("request {next}: a P rank refused it; not read"));
-                        next += 1;
-                        continue;
+                    } else {
+                        tally.released += 1;
                     }
-                },
+                    tally.error(format!(
+                        "request {next}: abandoned by the router (a holder rank refused it, \
+                         restarted past it or went away)"
+                    ));
+                    next += 1;
+                    continue;
+                }
+                (Some(_), Some(Decision::Read(params))) => reads.then_some(*params),
+                (Some(_), None) if reads => break,
+                (Some(_), None) => None,
             };
             let Some(slot) = free.pop() else { break };
             let r = next;
@@ -149,7 +157,7 @@ pub(super) fn run_all(
             let call = Call {
                 fault,
                 placing,
-                pull: pull || turn,
+                pull: pull || turn.is_some(),
                 turn,
                 router,
                 decided,
@@ -181,8 +189,14 @@ pub(super) fn run_all(
         for id in done {
             if let Some(flight) = flights.remove(&id) {
                 let r = flight.r;
-                if let Err(error) = finish(&flight, &handoffs[r], pair, ranks, pull || turn, tally)
-                {
+                if let Err(error) = finish(
+                    &flight,
+                    &handoffs[r],
+                    pair,
+                    ranks,
+                    pull || turn.is_some(),
+                    tally,
+                ) {
                     tally.error(format!("request {r}: {error}"));
                 }
                 free.push(flight.slot);
@@ -229,8 +243,9 @@ struct Call<'a> {
     placing: Placing,
     pull: bool,
     /// A later turn's read-back: the ranks' sides are swapped (D's engine holds, P's reads),
-    /// the holders keep their blocks for the next turn and the readers read them back.
-    turn: bool,
+    /// the holders keep their blocks for the next turn, for this long, and the readers read
+    /// them back.
+    turn: Option<Duration>,
     router: Option<&'a RouterClient>,
     decided: Option<KvTransferParams>,
 }
@@ -250,7 +265,7 @@ fn start(
         fault,
         placing,
         pull,
-        turn: read_back,
+        turn: keep,
         router,
         decided,
     }: Call<'_>,
@@ -260,6 +275,7 @@ fn start(
     let key = PairingKey::from_request_id(&request);
     // A read-back is the conversation's next turn: another request on the readers, pairing by
     // the kept turn's key.
+    let read_back = keep.is_some();
     let reader_request = if read_back {
         RequestId::new(format!("req-{r}{TURN_SUFFIX}")).map_err(|e| e.to_string())?
     } else {
@@ -323,7 +339,7 @@ fn start(
                     &request,
                     prefill_blocks.clone(),
                     tokens,
-                    super::pull::KEEP_TTL,
+                    keep.unwrap_or(super::pull::KEEP_TTL),
                     &KvTransferParams::default(),
                 );
                 if let Some(router) = router {
@@ -347,13 +363,18 @@ fn start(
                     &params,
                 )
             }
-            SideName::Prefill if pull => {
-                let reply = rank.conn.request_finished(
-                    &request,
-                    prefill_blocks.clone(),
-                    tokens,
-                    &super::pull::prefill_params(),
-                );
+            SideName::Prefill => {
+                let params = if pull {
+                    super::pull::prefill_params()
+                } else {
+                    KvTransferParams {
+                        do_remote_decode: true,
+                        ..KvTransferParams::default()
+                    }
+                };
+                let reply =
+                    rank.conn
+                        .request_finished(&request, prefill_blocks.clone(), tokens, &params);
                 if let Some(router) = router {
                     if let Err(error) = router.answered(r, reply.as_ref().ok()) {
                         tally.error(format!("request {r}: {error}"));
@@ -363,7 +384,8 @@ fn start(
                     answer.get_or_insert(reply);
                 })
             }
-            SideName::Decode if pull => {
+            SideName::Decode if pull || decided.is_some() => {
+                // Pull, or a push through the router: P's answer, as vLLM's proxy hands it.
                 let params = {
                     let h = lock(shared)?;
                     let from_p = decided.as_ref().or(answer.as_ref());
@@ -372,18 +394,7 @@ fn start(
                 rank.conn
                     .request_allocated(&request, decode_blocks.clone(), tokens, &params)
             }
-            SideName::Prefill => rank
-                .conn
-                .request_finished(
-                    &request,
-                    prefill_blocks.clone(),
-                    tokens,
-                    &KvTransferParams {
-                        do_remote_decode: true,
-                        ..KvTransferParams::default()
-                    },
-                )
-                .map(|_| ()),
+            // A push without a router: D knows P from the plan.
             SideName::Decode => rank.conn.request_allocated(
                 &request,
                 decode_blocks.clone(),

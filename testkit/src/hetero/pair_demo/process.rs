@@ -62,9 +62,13 @@ pub struct RankProcess {
     /// The side channel's pre-shared key: every handshake authenticated with it, and refused
     /// by a peer with another key or none.
     pub psk: Option<kvhandoff::Psk>,
-    /// The pair's router (`kvhandoff router`), which pull needs: P tells it each answer, D
-    /// reads a request only once the router handed it P's.
+    /// The pair's router (`kvhandoff router`), which pull and read-backs need and push may use:
+    /// P tells it each answer, D starts a request only once the router handed it P's (and the
+    /// other way for a read-back).
     pub router: Option<SocketAddr>,
+    /// With `bidir`, how long D's ranks keep each turn for its read-back (a survivor of a kill
+    /// gets a short one: the turns a dead P rank never reads end within the run).
+    pub keep_ttl: Duration,
 }
 
 /// What one rank's process did.
@@ -219,21 +223,22 @@ pub fn run_rank(
         pull: options.pull,
         ..Tally::default()
     };
-    let routed = options.pull || options.bidir;
-    let router = match (routed, process.router) {
-        (true, Some(addr)) => Some(RouterClient::connect(
+    let router = match process.router {
+        Some(addr) => Some(RouterClient::connect(
             addr,
             own_engine,
             process.rank,
+            process.start_at,
             deadline,
         )?),
-        (true, None) => {
+        None if options.pull || options.bidir => {
             return Err(DemoError::Options(
                 "a pair's ranks pull and read back across processes through a router: --router"
                     .into(),
             ))
         }
-        (false, _) => None,
+        // A push without a router: each side derives the other's parameters from the plan.
+        None => None,
     };
     if process.side == SideName::Decode {
         if let Err(why) = meet_prefill(&started, &run.pair, index, p_base, deadline) {
@@ -282,7 +287,7 @@ pub fn run_rank(
             None,
             Placing::AtPost,
             options.pull,
-            false,
+            None,
             router.as_ref(),
             Pace {
                 first: process.start_at,
@@ -306,6 +311,7 @@ pub fn run_rank(
                 placing: Placing::AtPost,
                 router: router.as_ref(),
                 first: process.start_at,
+                keep: process.keep_ttl,
             };
             Some(super::read_back_turns(
                 options, turn, &mut ranks, deadline, &mut tally,

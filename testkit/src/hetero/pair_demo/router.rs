@@ -1,16 +1,19 @@
 //! The router of a heterogeneous pair whose ranks run as processes of their own
-//! (`kvhandoff router`, started by `kvhandoff cluster --model … --mode pull`): what vLLM's proxy
-//! does between the engines. Every P rank tells it its answer to each request's prefill leg
-//! (the `kv_transfer_params` its `request_finished` returned, or that it refused); once every P
-//! rank answered, the router hands the decode leg's parameters — P rank 0's answer, as the proxy
-//! takes the engine's one response — to every D rank, which only then calls
-//! `request_allocated`. A request some P rank refused is abandoned: D's ranks are told so and
-//! never start it.
+//! (`kvhandoff router`, started by `kvhandoff cluster --model …`): what vLLM's proxy does
+//! between the engines. Every P rank tells it its answer to each request's prefill leg (the
+//! `kv_transfer_params` its `request_finished` returned, push or pull, or that it refused);
+//! once every P rank answered, the router hands the decode leg's parameters — P rank 0's
+//! answer, as the proxy takes the engine's one response — to every D rank, which only then
+//! calls `request_allocated`. So across processes a push is always P-finishes-first, as behind
+//! vLLM's proxy; both races run in one process (`demo --model`) and in the simulator.
 //!
 //! A conversation's next turn goes the other way: D's ranks keep their blocks and answer
 //! (`keep_for_next_turn`'s parameters), and the router hands D rank 0's answer to every P rank
-//! once every D rank answered. Whichever side answers a request is its holder; the router
-//! waits for all of that side's ranks.
+//! once every D rank answered.
+//!
+//! A request a holder rank refused, skipped (a restarted rank runs from its `--start-at`) or
+//! will never answer (its connection closed and it did not come back in time) is abandoned:
+//! the readers are told so and never start it ([`table`]).
 //!
 //! One TCP connection per rank, one line of JSON per message: the rank's `hello` first, then the
 //! holders' `answer`s one way and the router's `params` or `abandoned` the other. A rank that
@@ -27,6 +30,9 @@ use kvhandoff::KvTransferParams;
 use serde::{Deserialize, Serialize};
 
 use crate::demo::DemoError;
+use table::{Refused, Side, Table, Verdict};
+
+mod table;
 
 /// How often the router and its clients look at their clocks and connections.
 const POLL: Duration = Duration::from_millis(5);
@@ -37,35 +43,48 @@ const MAX_LINE: usize = 1 << 20;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum Line {
-    /// A rank introduces itself.
-    Hello { side: String, rank: u32 },
-    /// P rank → router: its answer to request `index` (`None`: it refused the call).
+    /// A rank introduces itself; its process runs requests `start_at..` of each turn (a
+    /// restart's `--start-at`).
+    Hello {
+        side: String,
+        rank: u32,
+        #[serde(default)]
+        start_at: u64,
+    },
+    /// Holder rank → router: its answer to request `index` (`None`: it refused the call).
     Answer {
         index: u64,
         params: Option<KvTransferParams>,
     },
-    /// Router → D ranks: request `index`'s decode leg.
+    /// Router → readers: request `index`'s reader leg.
     Params {
         index: u64,
         params: KvTransferParams,
     },
-    /// Router → D ranks: request `index` will not be read (a P rank refused it).
+    /// Router → readers: request `index` will not be read (a holder rank refused it, restarted
+    /// past it or went away).
     Abandoned { index: u64 },
 }
 
 /// What the router did, for its report.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct RouterReport {
-    /// Requests handed to D's ranks.
+    /// Requests handed to the readers.
     pub forwarded: u64,
-    /// Requests abandoned because a P rank refused them.
+    /// Requests abandoned because a holder rank refused them, restarted past them or went away.
     pub abandoned: u64,
     /// Requests with no decision when the router stopped.
     pub undecided: u64,
-    /// P ranks and D ranks that connected (restarts counted again).
+    /// P ranks that connected (restarts counted again).
     pub prefill_connections: u64,
-    /// D connections.
+    /// D ranks that connected (restarts counted again).
     pub decode_connections: u64,
+    /// Connections of ranks that came back past requests (`start_at` above 0).
+    pub restarts: u64,
+    /// Holder ranks whose connection closed and that did not come back within the grace.
+    pub gone: u64,
+    /// Answers to requests decided already (a rank that came back after it was given up on).
+    pub late_answers: u64,
     /// Lines refused (not JSON, too long, out of place).
     pub bad_lines: u64,
     /// Whether every request was decided.
@@ -75,20 +94,34 @@ pub struct RouterReport {
 enum Event {
     Connected(TcpStream),
     Line(u64, Box<Line>),
+    Closed(u64),
     Bad,
 }
 
-/// Runs the router on `listen` until `requests` requests were decided and handed to every rank
-/// connected, or `timeout`. A request answered by P's ranks waits for all `prefill_ranks` of
-/// them, one answered by D's ranks (a kept turn) for all `decode_ranks`.
+/// What the router decides: `requests` first turns, held by P's `prefill_ranks` (a push's or a
+/// pull's prefill leg), and with `turns` their next turns too, held by D's `decode_ranks`
+/// (numbered `requests + r`).
+#[derive(Debug, Clone, Copy)]
+pub struct RouterPlan {
+    /// Ranks of P's engine.
+    pub prefill_ranks: u32,
+    /// Ranks of D's engine.
+    pub decode_ranks: u32,
+    /// First turns.
+    pub requests: u64,
+    /// Whether every first turn has a next turn read back.
+    pub turns: bool,
+}
+
+/// Runs the router on `listen` until every request of `plan` was decided and handed to every
+/// rank connected, or `timeout`. A request waits for every rank of the side that holds it
+/// (see [`table`]).
 ///
 /// # Errors
 /// [`DemoError::Options`] when it cannot listen.
 pub fn run_router(
     listen: SocketAddr,
-    prefill_ranks: u32,
-    decode_ranks: u32,
-    requests: u64,
+    plan: RouterPlan,
     timeout: Duration,
 ) -> Result<RouterReport, DemoError> {
     let listener = TcpListener::bind(listen)
@@ -99,93 +132,110 @@ pub fn run_router(
     let deadline = Instant::now() + timeout;
     let (tx, rx) = mpsc::channel::<Event>();
     let mut report = RouterReport::default();
-    // Per request: its holders' side, and their answers so far.
-    type Answers = (String, BTreeMap<u32, Option<KvTransferParams>>);
-    let mut answers: BTreeMap<u64, Answers> = BTreeMap::new();
+    let mut table = Table::new(
+        plan.requests,
+        plan.turns,
+        plan.prefill_ranks,
+        plan.decode_ranks,
+    );
     let mut decided: Vec<Line> = Vec::new();
     // Every connection, with how many decisions it was sent.
     let mut clients: Vec<(TcpStream, usize)> = Vec::new();
-    let mut who: BTreeMap<u64, (String, u32)> = BTreeMap::new();
+    // Who each connection is, and each rank's latest connection.
+    let mut who: BTreeMap<u64, (Side, u32)> = BTreeMap::new();
+    let mut latest: BTreeMap<(Side, u32), u64> = BTreeMap::new();
     let mut next_id = 0u64;
-    while Instant::now() < deadline && (decided.len() as u64) < requests {
+    while Instant::now() < deadline && table.decided() < table.decisions() {
         while let Ok((stream, _)) = listener.accept() {
             let _ = tx.send(Event::Connected(stream));
         }
-        let Ok(event) = rx.recv_timeout(POLL) else {
-            continue;
-        };
-        match event {
-            Event::Connected(stream) => {
+        let made = match rx.recv_timeout(POLL) {
+            Err(_) => Vec::new(),
+            Ok(Event::Connected(stream)) => {
                 next_id += 1;
                 spawn_reader(next_id, &stream, tx.clone());
-                who.insert(next_id, (String::new(), 0));
                 clients.push((stream, 0));
+                Vec::new()
             }
-            Event::Bad => report.bad_lines += 1,
-            Event::Line(id, line) => match *line {
-                Line::Hello { side, rank } => {
-                    match side.as_str() {
-                        "prefill" => report.prefill_connections += 1,
-                        "decode" => report.decode_connections += 1,
-                        _ => report.bad_lines += 1,
+            Ok(Event::Bad) => {
+                report.bad_lines += 1;
+                Vec::new()
+            }
+            Ok(Event::Closed(id)) => {
+                if let Some(&(side, rank)) = who.get(&id) {
+                    if latest.get(&(side, rank)) == Some(&id) {
+                        table.lost(side, rank, Instant::now());
                     }
-                    who.insert(id, (side, rank));
                 }
+                Vec::new()
+            }
+            Ok(Event::Line(id, line)) => match *line {
+                Line::Hello {
+                    side,
+                    rank,
+                    start_at,
+                } => match Side::parse(&side) {
+                    Some(side) if !who.contains_key(&id) => {
+                        match side {
+                            Side::Prefill => report.prefill_connections += 1,
+                            Side::Decode => report.decode_connections += 1,
+                        }
+                        report.restarts += u64::from(start_at > 0);
+                        who.insert(id, (side, rank));
+                        latest.insert((side, rank), id);
+                        table.hello(side, rank, start_at)
+                    }
+                    _ => {
+                        report.bad_lines += 1;
+                        Vec::new()
+                    }
+                },
                 Line::Answer { index, params } => {
-                    let Some((side, rank)) = who.get(&id).cloned() else {
+                    let Some(&(side, rank)) = who.get(&id) else {
                         report.bad_lines += 1;
                         continue;
                     };
-                    let holders = match side.as_str() {
-                        "prefill" => prefill_ranks,
-                        "decode" => decode_ranks,
-                        _ => 0,
-                    };
-                    // A peer's index past the run (first turns, then their next turns), or
-                    // a request beyond the run's count still undecided, is refused: the
-                    // table of answers stays bounded.
-                    let fresh = !answers.contains_key(&index);
-                    if index >= requests.saturating_mul(2)
-                        || (fresh && answers.len() as u64 >= requests)
-                    {
-                        report.bad_lines += 1;
-                        continue;
-                    }
-                    let entry = answers
-                        .entry(index)
-                        .or_insert_with(|| (side.clone(), BTreeMap::new()));
-                    if entry.0 != side || rank >= holders {
-                        report.bad_lines += 1;
-                        continue;
-                    }
-                    entry.1.insert(rank, params);
-                    if entry.1.len() == holders as usize {
-                        let all = answers
-                            .remove(&index)
-                            .map(|(_, all)| all)
-                            .unwrap_or_default();
-                        let line = match all.get(&0).cloned().flatten() {
-                            Some(params) if all.values().all(Option::is_some) => {
-                                report.forwarded += 1;
-                                Line::Params { index, params }
-                            }
-                            _ => {
-                                report.abandoned += 1;
-                                Line::Abandoned { index }
-                            }
-                        };
-                        decided.push(line);
+                    match table.answer(side, rank, index, params) {
+                        Ok(made) => made,
+                        Err(Refused::Bad) => {
+                            report.bad_lines += 1;
+                            Vec::new()
+                        }
+                        Err(Refused::Late) => {
+                            report.late_answers += 1;
+                            Vec::new()
+                        }
                     }
                 }
-                Line::Params { .. } | Line::Abandoned { .. } => report.bad_lines += 1,
+                Line::Params { .. } | Line::Abandoned { .. } => {
+                    report.bad_lines += 1;
+                    Vec::new()
+                }
             },
+        };
+        for (index, verdict) in made.into_iter().chain(table.tick(Instant::now())) {
+            decided.push(match verdict {
+                Verdict::Forward(params) => {
+                    report.forwarded += 1;
+                    Line::Params {
+                        index,
+                        params: *params,
+                    }
+                }
+                Verdict::Abandon => {
+                    report.abandoned += 1;
+                    Line::Abandoned { index }
+                }
+            });
         }
-        // Every connection gets every decision (P's ignore them); a late one gets the history.
+        // Every connection gets every decision (holders ignore them); a late one gets the
+        // history.
         clients.retain_mut(|(stream, sent)| send_new(stream, sent, &decided).is_ok());
     }
-    report.undecided = requests.saturating_sub(decided.len() as u64);
+    report.gone = table.gone();
+    report.undecided = table.decisions().saturating_sub(table.decided());
     report.ok = report.undecided == 0;
-    // The D ranks read the last decisions before the connections close.
+    // The readers read the last decisions before the connections close.
     thread::sleep(Duration::from_millis(200));
     Ok(report)
 }
@@ -203,10 +253,11 @@ fn send_new(stream: &mut TcpStream, sent: &mut usize, all: &[Line]) -> std::io::
 
 /// Reads `stream` line by line on a thread of its own, each line parsed (`None`: not a message
 /// of ours, or past [`MAX_LINE`]) and handed to `each`, until the stream ends or `each` says
-/// stop.
+/// stop; then calls `closed`.
 fn spawn_line_reader(
     stream: TcpStream,
     mut each: impl FnMut(Option<Line>) -> bool + Send + 'static,
+    closed: impl FnOnce() + Send + 'static,
 ) {
     thread::spawn(move || {
         let mut reader = BufReader::new(stream);
@@ -214,14 +265,15 @@ fn spawn_line_reader(
         loop {
             line.clear();
             match (&mut reader).take(MAX_LINE as u64).read_line(&mut line) {
-                Ok(0) | Err(_) => return,
+                Ok(0) | Err(_) => break,
                 Ok(_) => {
                     if !each(serde_json::from_str::<Line>(line.trim()).ok()) {
-                        return;
+                        break;
                     }
                 }
             }
         }
+        closed();
     });
 }
 
@@ -229,10 +281,17 @@ fn spawn_reader(id: u64, stream: &TcpStream, tx: mpsc::Sender<Event>) {
     let Ok(stream) = stream.try_clone() else {
         return;
     };
-    spawn_line_reader(stream, move |line| {
-        let event = line.map_or(Event::Bad, |l| Event::Line(id, Box::new(l)));
-        tx.send(event).is_ok()
-    });
+    let closed = tx.clone();
+    spawn_line_reader(
+        stream,
+        move |line| {
+            let event = line.map_or(Event::Bad, |l| Event::Line(id, Box::new(l)));
+            tx.send(event).is_ok()
+        },
+        move || {
+            let _ = closed.send(Event::Closed(id));
+        },
+    );
 }
 
 /// What a rank learns from the router about request `index`.
@@ -240,7 +299,8 @@ fn spawn_reader(id: u64, stream: &TcpStream, tx: mpsc::Sender<Event>) {
 pub(super) enum Decision {
     /// The reader's parameters.
     Read(Box<KvTransferParams>),
-    /// A P rank refused the request: D does not start it.
+    /// A holder rank refused the request, restarted past it or went away: the readers do not
+    /// start it.
     Abandoned,
 }
 
@@ -254,11 +314,13 @@ pub(super) struct RouterClient {
 }
 
 impl RouterClient {
-    /// Connects to the router at `addr` (retrying until `deadline`) as rank `rank` of `side`.
+    /// Connects to the router at `addr` (retrying until `deadline`) as rank `rank` of `side`,
+    /// whose process runs requests `start_at..` of each turn.
     pub(super) fn connect(
         addr: SocketAddr,
         side: &str,
         rank: u32,
+        start_at: usize,
         deadline: Instant,
     ) -> Result<RouterClient, DemoError> {
         let stream = loop {
@@ -273,6 +335,7 @@ impl RouterClient {
         let hello = Line::Hello {
             side: side.into(),
             rank,
+            start_at: start_at as u64,
         };
         let client = RouterClient {
             stream: Mutex::new(
@@ -285,17 +348,23 @@ impl RouterClient {
         };
         client.send(&hello)?;
         let decisions = Arc::clone(&client.decisions);
-        spawn_line_reader(stream, move |line| {
-            let decision = match line {
-                Some(Line::Params { index, params }) => (index, Decision::Read(Box::new(params))),
-                Some(Line::Abandoned { index }) => (index, Decision::Abandoned),
-                Some(Line::Hello { .. } | Line::Answer { .. }) | None => return true,
-            };
-            if let Ok(mut d) = decisions.lock() {
-                d.insert(decision.0, decision.1);
-            }
-            true
-        });
+        spawn_line_reader(
+            stream,
+            move |line| {
+                let decision = match line {
+                    Some(Line::Params { index, params }) => {
+                        (index, Decision::Read(Box::new(params)))
+                    }
+                    Some(Line::Abandoned { index }) => (index, Decision::Abandoned),
+                    Some(Line::Hello { .. } | Line::Answer { .. }) | None => return true,
+                };
+                if let Ok(mut d) = decisions.lock() {
+                    d.insert(decision.0, decision.1);
+                }
+                true
+            },
+            || {},
+        );
         Ok(client)
     }
 
