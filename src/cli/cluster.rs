@@ -5,7 +5,9 @@
 //! port + `R` (`docs/compatibility.md`, "Across processes"). Every process this command starts
 //! is killed and reaped when the run ends, fails, passes its deadline, or on Ctrl-C / SIGTERM.
 //! `--kill ENGINE:R@N` kills one rank mid-run and restarts it ([`kill`]); `--model M --prefill
-//! SPEC --decode SPEC` runs the ranks of a heterogeneous pair instead ([`pair`]).
+//! SPEC --decode SPEC` runs the ranks of a heterogeneous pair instead ([`pair`]), with a router
+//! process (`kvhandoff router`) through which every request's parameters go, as through vLLM's
+//! proxy. `--transport mem` is refused: one process's fabric cannot join processes.
 
 mod kill;
 mod pair;
