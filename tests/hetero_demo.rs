@@ -285,10 +285,18 @@ fn the_cli_runs_a_pair_and_refuses_bad_ones_with_exit_2() {
         "tp=1,block=16,layout=NHD",
         "--decode",
         "tp=2,block=16,layout=NHD",
-        "--mode",
-        "mixed",
+        "--chaos",
+        "0.5",
+        "--transport",
+        "nixl",
     ]);
     assert_eq!(code, Some(2), "{json}");
+    assert!(
+        json["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("--transport mem")),
+        "{json}"
+    );
 }
 
 /// D aborts a multi-rank request after registering and before any P rank finished: its

@@ -224,6 +224,74 @@ fn a_next_turn_reads_d_s_blocks_back_into_p_s_geometry() {
     }
 }
 
+/// Mixed: each request pushed or pulled by the seed, both paths interleaved on the same ranks
+/// and endpoints, in process and over side channels; every byte checked in D's geometry either
+/// way. A chaos run on the in-memory fabric arms faults on writers and readers alike and must
+/// keep the accounting.
+#[test]
+fn a_mixed_run_pushes_and_pulls_on_the_same_ranks() {
+    for (model, p, d) in [CELLS[1], CELLS[2], CELLS[5], CELLS[8]] {
+        for side_channels in [false, true] {
+            let cell = format!("{model} {p} -> {d} (side channels {side_channels})");
+            let options = HeteroDemoOptions {
+                requests: 16,
+                mixed: true,
+                side_channels,
+                window: 6,
+                ..HeteroDemoOptions::new(model, p.parse().unwrap(), d.parse().unwrap())
+            };
+            let r = run(&options).unwrap_or_else(|e| panic!("{cell}: {e}"));
+            // The precondition: both paths ran.
+            assert!(
+                r.pulled > 0 && r.pulled < r.requests,
+                "{cell}: {}",
+                r.pulled
+            );
+            assert!(r.ok, "{cell}: {}\n{:?}", r.verdict, r.errors.first());
+            assert_eq!(r.mode, "mixed", "{cell}");
+            assert_eq!(r.verified, r.requests, "{cell}");
+            assert_eq!(r.bytes, r.expected_bytes, "{cell}");
+        }
+    }
+    let chaos = HeteroDemoOptions {
+        requests: 24,
+        mixed: true,
+        chaos: 0.3,
+        window: 8,
+        ..HeteroDemoOptions::new(
+            "gqa8",
+            CELLS[1].1.parse().unwrap(),
+            CELLS[1].2.parse().unwrap(),
+        )
+    };
+    let r = run(&chaos).expect("the chaos run");
+    assert!(
+        r.hetero.as_ref().is_some_and(|h| h.faults_injected > 0),
+        "{}",
+        r.verdict
+    );
+    assert_eq!(
+        r.outcomes.ready + r.outcomes.failed,
+        r.requests,
+        "{}",
+        r.verdict
+    );
+    assert_eq!(
+        r.outcomes.missing + r.prefill_outcomes.missing,
+        0,
+        "{}",
+        r.verdict
+    );
+    assert_eq!(r.byte_errors, 0, "{}", r.verdict);
+    assert_eq!(
+        r.leaked_blocks.prefill + r.leaked_blocks.decode,
+        0,
+        "{}",
+        r.verdict
+    );
+    assert_eq!(r.verified, r.outcomes.ready, "{}", r.verdict);
+}
+
 #[test]
 fn the_cli_pulls_a_pair() {
     let (code, json) = cli_json::run_json(

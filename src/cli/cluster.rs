@@ -61,7 +61,7 @@ pub(crate) struct ClusterArgs {
     /// 30 s after it.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     timeout_secs: u64,
-    /// Kill one rank mid-run and restart it (push mode; with `--model`, every mode but mixed):
+    /// Kill one rank mid-run and restart it (push mode; with `--model`, every mode):
     /// `prefill:R@N` or `decode:R@N` sends
     /// SIGKILL to rank R of that engine when request N arrives on its schedule, then starts
     /// it again with the rest of the plan; rank R of the other engine survives it (with
@@ -113,6 +113,9 @@ struct RankLine {
     /// its keeps that P read.
     #[serde(skip_serializing_if = "Option::is_none")]
     read_back: Option<u64>,
+    /// A pair's rank: its requests by typed outcome (D: `Ready` pushed, `Loaded` pulled, …).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    outcomes: std::collections::BTreeMap<String, u64>,
     /// Why the line is not ok, when it is not.
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
@@ -310,10 +313,6 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if pair.is_some() && matches!(args.mode, ModeArg::Mixed) {
-        eprintln!("error: a heterogeneous pair runs --mode push, pull or bidir");
-        return ExitCode::from(2);
-    }
     if args.transport == TransportArg::Mem {
         eprintln!(
             "error: --transport mem: the in-memory fabric is one process's and cannot join \
@@ -503,6 +502,7 @@ fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLin
         byte_errors: 0,
         leaked_blocks: 0,
         read_back: None,
+        outcomes: std::collections::BTreeMap::new(),
         error: None,
     };
     if spec.life == Some(kill::KILLED) {
@@ -531,6 +531,12 @@ fn rank_line(spec: RankSpec, status: Option<&ExitStatus>, text: &str) -> RankLin
         line.done = done;
         line.byte_errors = byte_errors;
         line.leaked_blocks = leaked;
+        if let Some(outcomes) = report["outcomes"].as_object() {
+            line.outcomes = outcomes
+                .iter()
+                .map(|(name, n)| (name.clone(), n.as_u64().unwrap_or(0)))
+                .collect();
+        }
         let turns = &report["read_back"];
         line.read_back = match spec.engine {
             "decode" => turns["kept_read"].as_u64(),

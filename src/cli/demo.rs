@@ -138,15 +138,7 @@ fn with_progress<R>(options: &DemoOptions, run: impl FnOnce() -> R) -> R {
 fn run_hetero(args: &DemoArgs) -> ExitCode {
     use kvhandoff_testkit::hetero::pair_demo::{self as hetero, HeteroDemoOptions};
     let refuse = |error: String| super::pair_args::refuse(args.json, &error);
-    let (pull, bidir) = match args.mode {
-        ModeArg::Push => (false, false),
-        ModeArg::Pull => (true, false),
-        // Each request's first turn pushed, its next turn read back from D.
-        ModeArg::Bidir => (false, true),
-        ModeArg::Mixed => {
-            return refuse("a heterogeneous pair runs --mode push, pull or bidir".into())
-        }
-    };
+    let mode = super::pair_args::PairMode::of(args.mode);
     let pair = match args.pair.specs() {
         Ok(Some(pair)) => pair,
         Ok(None) => return refuse("--model names the pair".into()),
@@ -162,8 +154,9 @@ fn run_hetero(args: &DemoArgs) -> ExitCode {
         chaos: args.chaos,
         seed: args.seed,
         side_channels: args.side_channels,
-        pull,
-        bidir,
+        pull: mode.pull,
+        mixed: mode.mixed,
+        bidir: mode.bidir,
         ..HeteroDemoOptions::new(&pair.model, pair.prefill, pair.decode)
     };
     match hetero::run(&options) {

@@ -291,16 +291,8 @@ fn run_pair_rank(args: &NodeArgs, psk: Option<Psk>) -> ExitCode {
         Ok(None) => return refuse("--model names the pair".into()),
         Err(e) => return refuse(e),
     };
-    let (pull, bidir) = match args.mode {
-        ModeArg::Push => (false, false),
-        ModeArg::Pull => (true, false),
-        // Each request's first turn pushed, its next turn read back from D.
-        ModeArg::Bidir => (false, true),
-        ModeArg::Mixed => {
-            return refuse("a heterogeneous pair runs --mode push, pull or bidir".into())
-        }
-    };
-    if (pull || bidir) && args.router.is_none() {
+    let mode = super::pair_args::PairMode::of(args.mode);
+    if mode.needs_router() && args.router.is_none() {
         return refuse(
             "a pair's ranks pull or read back across processes through its router \
              (`kvhandoff router`): --router"
@@ -309,8 +301,9 @@ fn run_pair_rank(args: &NodeArgs, psk: Option<Psk>) -> ExitCode {
     }
     let options = HeteroDemoOptions {
         transport: DemoTransport::Nixl,
-        pull,
-        bidir,
+        pull: mode.pull,
+        mixed: mode.mixed,
+        bidir: mode.bidir,
         requests: args.requests as usize,
         window: args.pair.window as usize,
         seed: args.seed,

@@ -59,3 +59,33 @@ pub(crate) fn refuse(json: bool, error: &str) -> std::process::ExitCode {
     }
     std::process::ExitCode::from(2)
 }
+
+/// How a pair's requests move, from `--mode`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct PairMode {
+    /// Every request pulled.
+    pub(crate) pull: bool,
+    /// Each request pushed or pulled, drawn from the seed.
+    pub(crate) mixed: bool,
+    /// Each request's first turn pushed, its next turn read back from D.
+    pub(crate) bidir: bool,
+}
+
+impl PairMode {
+    /// The pair's mode for `--mode`.
+    pub(crate) fn of(mode: super::ModeArg) -> PairMode {
+        use super::ModeArg;
+        let (pull, mixed, bidir) = match mode {
+            ModeArg::Push => (false, false, false),
+            ModeArg::Pull => (true, false, false),
+            ModeArg::Mixed => (false, true, false),
+            ModeArg::Bidir => (false, false, true),
+        };
+        PairMode { pull, mixed, bidir }
+    }
+
+    /// Whether a rank across processes needs the pair's router (anything D reads).
+    pub(crate) fn needs_router(self) -> bool {
+        self.pull || self.mixed || self.bidir
+    }
+}

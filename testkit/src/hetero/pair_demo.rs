@@ -107,6 +107,10 @@ pub struct HeteroDemoOptions {
     /// answer to D's ranks, each D rank reads every link into it, and runs every transform of
     /// the pair on its side (see `pair_demo/pull.rs`). Default false.
     pub pull: bool,
+    /// Each request pushed or pulled, drawn from the seed (about half each; every process of a
+    /// pair draws the same): both paths interleave on the same ranks and endpoints, and each
+    /// rank's memory holds what either needs. Not with `pull` or `bidir`. Default false.
+    pub mixed: bool,
     /// A conversation's next turn after each request: once every request's first turn
     /// ended, D keeps each request's blocks (`keep_for_next_turn`) and P reads them back into
     /// its own geometry (`next_turn_allocated`), the pair planned the other way (D's engine the
@@ -148,6 +152,7 @@ impl HeteroDemoOptions {
             chaos: 0.0,
             side_channels: false,
             pull: false,
+            mixed: false,
             bidir: false,
             fault: None,
         }
@@ -185,9 +190,16 @@ fn planned(options: &HeteroDemoOptions) -> Result<Prepared, DemoError> {
             "chaos is a share of requests, 0 to 1".into(),
         ));
     }
-    if options.pull && options.fault.is_some() {
+    if (options.pull || options.mixed) && options.fault.is_some() {
         return Err(DemoError::Options(
-            "the deliberate faults tamper with P's writes: not with pull".into(),
+            "the deliberate faults tamper with P's writes: not with pull or mixed".into(),
+        ));
+    }
+    if options.mixed && (options.pull || options.bidir) {
+        return Err(DemoError::Options(
+            "mixed draws push or pull per request: not with pull, nor with bidir (whose first \
+             turns are pushed)"
+                .into(),
         ));
     }
     if options.side_channels && options.fault.is_some() {
@@ -215,7 +227,8 @@ fn planned(options: &HeteroDemoOptions) -> Result<Prepared, DemoError> {
         )));
     }
     let handoffs = prepare(&pair, options)?;
-    let mut lens = region_lens(&pair, &handoffs, options.pull);
+    let pulled = pulled_requests(options);
+    let mut lens = region_lens(&pair, &handoffs, &pulled);
     let read_back = if options.bidir {
         if options.fault.is_some() || options.chaos > 0.0 {
             return Err(DemoError::Options(
@@ -228,7 +241,7 @@ fn planned(options: &HeteroDemoOptions) -> Result<Prepared, DemoError> {
         let back = prepare(&reversed, options)?;
         // The read-back's holders are D's ranks and its readers P's: each rank's memory must
         // hold both turns' needs.
-        for ((side, index), back_lens) in region_lens(&reversed, &back, true) {
+        for ((side, index), back_lens) in region_lens(&reversed, &back, &vec![true; back.len()]) {
             let engine_side = match side {
                 SideName::Prefill => SideName::Decode,
                 SideName::Decode => SideName::Prefill,
@@ -248,9 +261,19 @@ fn planned(options: &HeteroDemoOptions) -> Result<Prepared, DemoError> {
     Ok(Prepared {
         pair,
         handoffs,
+        pulled,
         lens,
         read_back,
     })
+}
+
+/// Per request, whether it is pulled: all with `pull`, none in push, and with `mixed` a seeded
+/// draw every process of the pair makes alike.
+fn pulled_requests(options: &HeteroDemoOptions) -> Vec<bool> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(options.seed ^ 0x6d69_7865_6400);
+    (0..options.requests)
+        .map(|_| options.pull || (options.mixed && rng.gen_bool(0.5)))
+        .collect()
 }
 
 /// Every request's plan and arenas, drawn from the seed.
@@ -282,6 +305,8 @@ fn prepare(pair: &PairPlan, options: &HeteroDemoOptions) -> Result<Vec<Handoff>,
 struct Prepared {
     pair: PairPlan,
     handoffs: Vec<Handoff>,
+    /// Per request, whether it is pulled ([`pulled_requests`]).
+    pulled: Vec<bool>,
     lens: Vec<((SideName, usize), [u64; 2])>,
     /// With `bidir`: the pair planned the other way, and each request's read-back.
     read_back: Option<(PairPlan, Vec<Handoff>)>,
@@ -318,8 +343,12 @@ fn mem_run(
         if options.chaos <= 0.0 || !rng.gen_bool(options.chaos) {
             return false;
         }
-        // The side that posts the transfers: P's writes, or D's reads.
-        let poster = if options.pull { DECODE } else { PREFILL };
+        // The side that posts the transfers: P's writes, or D's reads (mixed: either).
+        let poster = if options.pull || (options.mixed && rng.gen_bool(0.5)) {
+            DECODE
+        } else {
+            PREFILL
+        };
         let writers: Vec<_> = agents
             .iter()
             .filter(|a| a.as_str().starts_with(poster))
@@ -374,11 +403,11 @@ fn nixl_run(_: &HeteroDemoOptions, _: Prepared, _: Instant) -> Result<DemoReport
 }
 
 /// Per rank (side, index): the lengths of its KV and staging memory, the largest any request
-/// needs (with `pull`, D's staging holds the mirrors of P's blocks too).
+/// needs (a pulled request's D staging holds the mirrors of P's blocks too).
 fn region_lens(
     pair: &PairPlan,
     handoffs: &[Handoff],
-    pull: bool,
+    pulled: &[bool],
 ) -> Vec<((SideName, usize), [u64; 2])> {
     let mut out = Vec::new();
     for (side, layout) in [
@@ -387,7 +416,7 @@ fn region_lens(
     ] {
         for index in 0..layout.ranks.len() {
             let mut lens = [1u64, 1u64];
-            for h in handoffs {
+            for (h, &pull) in handoffs.iter().zip(pulled) {
                 for (slot, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
                     let len = match (pull, side, space) {
                         (true, SideName::Decode, Space::Staging) => h.pull_staging_len(index),
@@ -546,14 +575,12 @@ fn drive(
     let Prepared {
         pair,
         handoffs,
+        pulled,
         read_back,
         ..
     } = run;
     let deadline = Instant::now() + options.timeout;
-    let mut tally = Tally {
-        pull: options.pull,
-        ..Tally::default()
-    };
+    let mut tally = Tally::default();
     let start = Instant::now();
     let fault = options.fault.map(|f| (options.requests / 2, f));
     let shared: Vec<flight::Shared> = handoffs
@@ -572,7 +599,7 @@ fn drive(
         } else {
             flight::Placing::Ahead
         },
-        options.pull,
+        &pulled,
         None,
         None,
         flight::Pace::default(),
@@ -635,6 +662,7 @@ fn drive(
         options,
         &pair,
         &shared,
+        &pulled,
         tally,
         bytes,
         window,
@@ -694,10 +722,8 @@ fn read_back_turns(
         .into_iter()
         .map(|h| Arc::new(std::sync::Mutex::new(h)))
         .collect();
-    let mut turn = Tally {
-        pull: true,
-        ..Tally::default()
-    };
+    let mut turn = Tally::default();
+    let pulled = vec![true; shared.len()];
     swap(ranks);
     flight::run_all(
         &shared,
@@ -707,7 +733,7 @@ fn read_back_turns(
         options.seed ^ 0x7e57_ba11,
         None,
         placing,
-        true,
+        &pulled,
         Some(keep),
         router,
         flight::Pace {
@@ -746,8 +772,6 @@ fn read_back_turns(
 /// What the run saw.
 #[derive(Default)]
 pub(super) struct Tally {
-    /// The run pulls: D reads what P would have written.
-    pull: bool,
     ready: u64,
     failed: u64,
     decode_missing: u64,

@@ -85,6 +85,8 @@ struct Flight {
     /// Its index in the run.
     r: usize,
     slot: usize,
+    /// D reads it (a pull or a read-back) instead of P writing it.
+    pull: bool,
     /// Per rank, its event.
     ended: Vec<Option<Ended>>,
     /// When the last rank called.
@@ -101,7 +103,7 @@ pub(super) fn run_all(
     seed: u64,
     fault: Option<(usize, HeteroFault)>,
     placing: Placing,
-    pull: bool,
+    pulled: &[bool],
     turn: Option<Duration>,
     router: Option<&RouterClient>,
     pace: Pace,
@@ -154,10 +156,11 @@ pub(super) fn run_all(
             next += 1;
             let fault = fault.filter(|(at, _)| *at == r).map(|(_, f)| f);
             tally.faults_injected += u64::from(chaos(&mut chaos_rng));
+            let pull = pulled.get(r).copied().unwrap_or(false) || turn.is_some();
             let call = Call {
                 fault,
                 placing,
-                pull: pull || turn.is_some(),
+                pull,
                 turn,
                 router,
                 decided,
@@ -169,6 +172,7 @@ pub(super) fn run_all(
                         Flight {
                             r,
                             slot,
+                            pull,
                             ended,
                             called: Instant::now(),
                         },
@@ -189,14 +193,7 @@ pub(super) fn run_all(
         for id in done {
             if let Some(flight) = flights.remove(&id) {
                 let r = flight.r;
-                if let Err(error) = finish(
-                    &flight,
-                    &handoffs[r],
-                    pair,
-                    ranks,
-                    pull || turn.is_some(),
-                    tally,
-                ) {
+                if let Err(error) = finish(&flight, &handoffs[r], pair, ranks, tally) {
                     tally.error(format!("request {r}: {error}"));
                 }
                 free.push(flight.slot);
@@ -577,7 +574,7 @@ fn settle(flight: &Flight, h: &Handoff, ranks: &[Rank], tally: &mut Tally) -> bo
         tally.prefill_missing += 1;
     } else if all_sent {
         tally.sent += 1;
-        tally.sent_bytes += if tally.pull {
+        tally.sent_bytes += if flight.pull {
             h.pull_bytes()
         } else {
             h.plan.bytes()
@@ -595,7 +592,6 @@ fn finish(
     shared: &Shared,
     pair: &PairPlan,
     ranks: &[Rank],
-    pull: bool,
     tally: &mut Tally,
 ) -> Result<(), String> {
     tally
@@ -622,7 +618,7 @@ fn finish(
         .map(|r| r.index)
         .collect();
     let held: Vec<(SideName, usize)> = ranks.iter().map(|r| (r.side, r.index)).collect();
-    if pull {
+    if flight.pull {
         super::pull::land(&mut h, ranks, flight.slot)?;
     }
     let stats = h

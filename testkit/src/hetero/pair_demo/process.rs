@@ -219,10 +219,7 @@ pub fn run_rank(
         .start_on(&mut runtime)
         .map_err(start_error)?;
     let deadline = Instant::now() + options.timeout;
-    let mut tally = Tally {
-        pull: options.pull,
-        ..Tally::default()
-    };
+    let mut tally = Tally::default();
     let router = match process.router {
         Some(addr) => Some(RouterClient::connect(
             addr,
@@ -231,7 +228,7 @@ pub fn run_rank(
             process.start_at,
             deadline,
         )?),
-        None if options.pull || options.bidir => {
+        None if options.pull || options.mixed || options.bidir => {
             return Err(DemoError::Options(
                 "a pair's ranks pull and read back across processes through a router: --router"
                     .into(),
@@ -286,7 +283,7 @@ pub fn run_rank(
             options.seed ^ 0x5eed_ca11,
             None,
             Placing::AtPost,
-            options.pull,
+            &run.pulled,
             None,
             router.as_ref(),
             Pace {

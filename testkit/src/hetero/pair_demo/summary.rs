@@ -17,6 +17,7 @@ pub(super) fn report(
     options: &HeteroDemoOptions,
     pair: &PairPlan,
     handoffs: &[Shared],
+    pulled: &[bool],
     t: Tally,
     bytes: u64,
     window: Duration,
@@ -56,12 +57,13 @@ pub(super) fn report(
     };
     let mut report = DemoReport {
         transport: transport.into(),
-        mode: if options.pull { "pull" } else { "push" }.into(),
-        pulled: if options.pull {
-            handoffs.len() as u64
-        } else {
-            0
-        },
+        mode: match (options.pull, options.mixed) {
+            (true, _) => "pull",
+            (false, true) => "mixed",
+            (false, false) => "push",
+        }
+        .into(),
+        pulled: pulled.iter().filter(|p| **p).count() as u64,
         role: ReportRole::Both,
         seed: options.seed,
         requests: handoffs.len() as u64,
@@ -82,9 +84,10 @@ pub(super) fn report(
         bytes,
         expected_bytes: handoffs
             .iter()
-            .filter_map(|h| h.lock().ok())
-            .map(|h| {
-                if options.pull {
+            .zip(pulled)
+            .filter_map(|(h, pull)| h.lock().ok().map(|h| (h, pull)))
+            .map(|(h, pull)| {
+                if *pull {
                     h.pull_bytes()
                 } else {
                     h.plan.bytes()
