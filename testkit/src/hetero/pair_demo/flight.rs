@@ -712,25 +712,15 @@ fn file_routes(
             .find(|r| r.side == side && r.index == index)
             .ok_or_else(|| format!("no {side} rank {index}"))
     };
-    let space = |space: Space| usize::from(space == Space::Staging);
-    let mut by_link: BTreeMap<usize, Vec<Descriptor>> =
-        (0..pair.links.len()).map(|l| (l, Vec::new())).collect();
-    for t in &h.plan.transfers {
-        let link = &pair.links[t.link];
+    let mut by_link: BTreeMap<usize, Vec<Descriptor>> = BTreeMap::new();
+    for (l, link) in pair.links.iter().enumerate() {
         let (p, d) = (
             find(SideName::Prefill, link.prefill)?,
             find(SideName::Decode, link.decode)?,
         );
-        let src = p.base(slot, space(t.src_space))?;
-        let dst = d.base(slot, space(t.dst_space))?;
-        let out = by_link.entry(t.link).or_default();
-        for piece in &t.pieces {
-            out.push(Descriptor {
-                local_addr: src + piece.src,
-                remote_addr: dst + piece.dst,
-                len: piece.len,
-            });
-        }
+        let own = [p.base(slot, 0)?, p.base(slot, 1)?];
+        let theirs = [d.base(slot, 0)?, d.base(slot, 1)?];
+        by_link.insert(l, link_descriptors(h, l, own, theirs));
     }
     match fault {
         Some(HeteroFault::UnfiledLink) => {
@@ -812,6 +802,22 @@ fn file_at_post(
     Ok(())
 }
 
+/// Link `l`'s writes as descriptors: from P's slot memory (`own`: its KV, then its staging
+/// base) into D's (`theirs`, the same way).
+fn link_descriptors(h: &Handoff, l: usize, own: [u64; 2], theirs: [u64; 2]) -> Vec<Descriptor> {
+    let at = |space: Space| usize::from(space == Space::Staging);
+    let mut out = Vec::new();
+    for t in h.plan.transfers.iter().filter(|t| t.link == l) {
+        let (src, dst) = (own[at(t.src_space)], theirs[at(t.dst_space)]);
+        out.extend(t.pieces.iter().map(|piece| Descriptor {
+            local_addr: src + piece.src,
+            remote_addr: dst + piece.dst,
+            len: piece.len,
+        }));
+    }
+    out
+}
+
 /// The planner of link `l` of request `shared` on P rank `p` (see [`file_at_post`]).
 fn planner_of(
     h: &Handoff,
@@ -835,20 +841,7 @@ fn planner_of(
             if request.remote != &h.decode_blocks {
                 return Err("D registered other blocks than this request's plan".into());
             }
-            let mut out = Vec::new();
-            for t in h.plan.transfers.iter().filter(|t| t.link == l) {
-                let src = own[usize::from(t.src_space == Space::Staging)];
-                let dst = match t.dst_space {
-                    Space::Kv => kv.addr,
-                    Space::Staging => staging_buffer.addr,
-                };
-                out.extend(t.pieces.iter().map(|piece| Descriptor {
-                    local_addr: src + piece.src,
-                    remote_addr: dst + piece.dst,
-                    len: piece.len,
-                }));
-            }
-            out
+            link_descriptors(&h, l, own, [kv.addr, staging_buffer.addr])
         };
         // Released first: the staging work locks the request's arenas itself.
         if let Some(staging) = staging {

@@ -15,7 +15,7 @@ use kvhandoff_protocol::planner::Descriptor;
 use kvhandoff_protocol::{MemorySpan, PairingKey};
 
 use super::flight::{lock, region, Placing, Rank, Shared};
-use crate::hetero::handoff::{Handoff, PullLink};
+use crate::hetero::handoff::{Handoff, PullLink, ReadPiece};
 
 /// How long D keeps a turn's blocks for the next turn's read-back.
 pub(super) const KEEP_TTL: std::time::Duration = std::time::Duration::from_secs(30);
@@ -136,15 +136,20 @@ fn read_descriptors(
     p_kv: u64,
 ) -> Result<Vec<Descriptor>, String> {
     let own = [d.base(slot, 0)?, d.base(slot, 1)?];
-    Ok(pulled
-        .pieces
+    Ok(piece_descriptors(&pulled.pieces, own, p_kv))
+}
+
+/// A pulled link's pieces as descriptors: into D's slot memory (`own`: its KV, then its
+/// staging base), from P's KV at `p_kv`.
+fn piece_descriptors(pieces: &[ReadPiece], own: [u64; 2], p_kv: u64) -> Vec<Descriptor> {
+    pieces
         .iter()
         .map(|piece| Descriptor {
             local_addr: own[usize::from(piece.dst_space == Space::Staging)] + piece.dst,
             remote_addr: p_kv + piece.src,
             len: piece.len,
         })
-        .collect())
+        .collect()
 }
 
 /// The planner of one pulled link on D rank `d`: once P's grant named its KV buffer, and
@@ -167,15 +172,7 @@ fn read_planner(
                 return Err("P granted other blocks than this request's plan".into());
             }
         }
-        Ok(pulled
-            .pieces
-            .iter()
-            .map(|piece| Descriptor {
-                local_addr: own[usize::from(piece.dst_space == Space::Staging)] + piece.dst,
-                remote_addr: kv.addr + piece.src,
-                len: piece.len,
-            })
-            .collect())
+        Ok(piece_descriptors(&pulled.pieces, own, kv.addr))
     }))
 }
 
