@@ -98,8 +98,9 @@ fn a_next_turn_reads_the_kept_blocks_back_into_p() {
         24,
         11,
     );
+    // The first turns pulled, as vLLM's NIXL connector moves them.
     run_mode(
-        "bidir",
+        "bidir --first-turn pull",
         "mamba",
         "tp=2,block=16,layout=HND",
         "tp=1,block=64,layout=HND",

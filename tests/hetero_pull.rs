@@ -292,6 +292,30 @@ fn a_mixed_run_pushes_and_pulls_on_the_same_ranks() {
     assert_eq!(r.verified, r.outcomes.ready, "{}", r.verdict);
 }
 
+/// A conversation whose first turn is pulled (as vLLM's NIXL connector moves it) or mixed, then
+/// read back: both directions of reads on the same ranks.
+#[test]
+fn a_pulled_first_turn_is_read_back_too() {
+    for ((model, p, d), (pull, mixed)) in [(CELLS[1], (true, false)), (CELLS[5], (false, true))] {
+        let cell = format!("{model} {p} -> {d} (pull {pull}, mixed {mixed})");
+        let options = HeteroDemoOptions {
+            requests: 12,
+            bidir: true,
+            pull,
+            mixed,
+            side_channels: true,
+            ..HeteroDemoOptions::new(model, p.parse().unwrap(), d.parse().unwrap())
+        };
+        let r = run(&options).unwrap_or_else(|e| panic!("{cell}: {e}"));
+        assert!(r.pulled > 0, "{cell}: the precondition, first turns pulled");
+        assert!(r.ok, "{cell}: {}\n{:?}", r.verdict, r.errors.first());
+        assert_eq!(r.mode, "bidir", "{cell}");
+        assert_eq!(r.verified, r.requests, "{cell}");
+        assert_eq!(r.turns.read_back_verified, r.requests, "{cell}");
+        assert_eq!(r.bytes, r.expected_bytes, "{cell}");
+    }
+}
+
 #[test]
 fn the_cli_pulls_a_pair() {
     let (code, json) = cli_json::run_json(

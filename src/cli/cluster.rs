@@ -196,7 +196,9 @@ impl Launch<'_> {
             .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
             .args(["--rank", &rank.to_string()]);
         match &self.pair {
-            Some(pair) => command.args(pair.node_args()),
+            Some(pair) => command
+                .args(pair.node_args())
+                .args(["--first-turn", args.pair.first_turn.name()]),
             None => command.args(["--tp", &args.tp.to_string()]),
         };
         command
@@ -313,6 +315,10 @@ pub(crate) fn run_cluster(args: ClusterArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Err(why) = super::pair_args::PairMode::of(args.mode, args.pair.first_turn) {
+        eprintln!("error: {why}");
+        return ExitCode::from(2);
+    }
     if args.transport == TransportArg::Mem {
         eprintln!(
             "error: --transport mem: the in-memory fabric is one process's and cannot join \

@@ -138,7 +138,10 @@ fn with_progress<R>(options: &DemoOptions, run: impl FnOnce() -> R) -> R {
 fn run_hetero(args: &DemoArgs) -> ExitCode {
     use kvhandoff_testkit::hetero::pair_demo::{self as hetero, HeteroDemoOptions};
     let refuse = |error: String| super::pair_args::refuse(args.json, &error);
-    let mode = super::pair_args::PairMode::of(args.mode);
+    let mode = match super::pair_args::PairMode::of(args.mode, args.pair.first_turn) {
+        Ok(mode) => mode,
+        Err(why) => return refuse(why),
+    };
     let pair = match args.pair.specs() {
         Ok(Some(pair)) => pair,
         Ok(None) => return refuse("--model names the pair".into()),

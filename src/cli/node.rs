@@ -291,7 +291,10 @@ fn run_pair_rank(args: &NodeArgs, psk: Option<Psk>) -> ExitCode {
         Ok(None) => return refuse("--model names the pair".into()),
         Err(e) => return refuse(e),
     };
-    let mode = super::pair_args::PairMode::of(args.mode);
+    let mode = match super::pair_args::PairMode::of(args.mode, args.pair.first_turn) {
+        Ok(mode) => mode,
+        Err(why) => return refuse(why),
+    };
     if mode.needs_router() && args.router.is_none() {
         return refuse(
             "a pair's ranks pull or read back across processes through its router \

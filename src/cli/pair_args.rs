@@ -21,6 +21,30 @@ pub(crate) struct PairArgs {
     /// With `--model`: requests in flight at once on each rank, each in its own memory slot.
     #[arg(long, requires = "model", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=32))]
     pub(crate) window: u32,
+    /// With `--model --mode bidir`: how each request's first turn reaches D before its next
+    /// turn is read back: `push` (P writes), `pull` (D reads, as vLLM's NIXL connector does) or
+    /// `mixed` (drawn per request).
+    #[arg(long, value_enum, requires = "model", default_value_t = FirstTurn::Push)]
+    pub(crate) first_turn: FirstTurn,
+}
+
+/// `--first-turn`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum FirstTurn {
+    Push,
+    Pull,
+    Mixed,
+}
+
+impl FirstTurn {
+    /// Its name on the command line.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            FirstTurn::Push => "push",
+            FirstTurn::Pull => "pull",
+            FirstTurn::Mixed => "mixed",
+        }
+    }
 }
 
 /// A pair the flags name, its specs parsed.
@@ -72,16 +96,28 @@ pub(crate) struct PairMode {
 }
 
 impl PairMode {
-    /// The pair's mode for `--mode`.
-    pub(crate) fn of(mode: super::ModeArg) -> PairMode {
+    /// The pair's mode for `--mode` and `--first-turn` (which only a bidirectional run takes).
+    pub(crate) fn of(mode: super::ModeArg, first: FirstTurn) -> Result<PairMode, String> {
         use super::ModeArg;
-        let (pull, mixed, bidir) = match mode {
-            ModeArg::Push => (false, false, false),
-            ModeArg::Pull => (true, false, false),
-            ModeArg::Mixed => (false, true, false),
-            ModeArg::Bidir => (false, false, true),
+        let (pull, mixed, bidir) = match (mode, first) {
+            (ModeArg::Push, FirstTurn::Push) => (false, false, false),
+            (ModeArg::Pull, FirstTurn::Push) => (true, false, false),
+            (ModeArg::Mixed, FirstTurn::Push) => (false, true, false),
+            (ModeArg::Bidir, FirstTurn::Push) => (false, false, true),
+            (ModeArg::Bidir, FirstTurn::Pull) => (true, false, true),
+            (ModeArg::Bidir, FirstTurn::Mixed) => (false, true, true),
+            (
+                ModeArg::Push | ModeArg::Pull | ModeArg::Mixed,
+                FirstTurn::Pull | FirstTurn::Mixed,
+            ) => {
+                return Err(format!(
+                    "--first-turn {} is for --mode bidir (the other modes say how every request \
+                     moves)",
+                    first.name()
+                ))
+            }
         };
-        PairMode { pull, mixed, bidir }
+        Ok(PairMode { pull, mixed, bidir })
     }
 
     /// Whether a rank across processes needs the pair's router (anything D reads).

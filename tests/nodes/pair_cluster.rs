@@ -10,8 +10,9 @@ pub fn gone(pid: u64) -> bool {
     !std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
-/// Runs the pair through `cluster` in `mode` (push, pull, or bidir: each request pushed, then
-/// its next turn read back from D), checks the report and returns it.
+/// Runs the pair through `cluster` in `mode` (push, pull, mixed, or bidir: each request's first
+/// turn handed to D, then its next turn read back from D; flags may follow the mode, as in
+/// `"bidir --first-turn pull"`), checks the report and returns it.
 pub fn run_mode(
     mode: &str,
     model: &str,
@@ -21,8 +22,11 @@ pub fn run_mode(
     requests: u32,
     seed: u64,
 ) -> Value {
+    let mut words = mode.split_whitespace();
+    let mode = words.next().unwrap_or("push");
     let out = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
         .args(["cluster", "--json", "--mode", mode, "--model", model])
+        .args(words)
         .args(["--prefill", prefill, "--decode", decode])
         .args(["--requests", &requests.to_string()])
         .args(["--seed", &seed.to_string()])

@@ -109,10 +109,11 @@ pub struct HeteroDemoOptions {
     pub pull: bool,
     /// Each request pushed or pulled, drawn from the seed (about half each; every process of a
     /// pair draws the same): both paths interleave on the same ranks and endpoints, and each
-    /// rank's memory holds what either needs. Not with `pull` or `bidir`. Default false.
+    /// rank's memory holds what either needs. Not with `pull`. Default false.
     pub mixed: bool,
-    /// A conversation's next turn after each request: once every request's first turn
-    /// ended, D keeps each request's blocks (`keep_for_next_turn`) and P reads them back into
+    /// A conversation's next turn after each request (whose first turn is pushed, pulled or
+    /// mixed as `pull` and `mixed` say): once every request's first turn ended, D keeps each
+    /// request's blocks (`keep_for_next_turn`) and P reads them back into
     /// its own geometry (`next_turn_allocated`), the pair planned the other way (D's engine the
     /// holder); every byte of the read-back checked in P's geometry. Default false.
     pub bidir: bool,
@@ -195,11 +196,9 @@ fn planned(options: &HeteroDemoOptions) -> Result<Prepared, DemoError> {
             "the deliberate faults tamper with P's writes: not with pull or mixed".into(),
         ));
     }
-    if options.mixed && (options.pull || options.bidir) {
+    if options.mixed && options.pull {
         return Err(DemoError::Options(
-            "mixed draws push or pull per request: not with pull, nor with bidir (whose first \
-             turns are pushed)"
-                .into(),
+            "mixed draws push or pull per request: not with pull".into(),
         ));
     }
     if options.side_channels && options.fault.is_some() {
