@@ -68,7 +68,40 @@ fn a_tp2_cluster_verifies_every_byte_in_mixed_mode() {
 fn ctrl_c_stops_every_process_the_cluster_started() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     require_runtime();
-    let mut child = cluster(&["--tp", "2", "--requests", "100000", "--timeout-secs", "300"])
+    ctrl_c_stops(&["--tp", "2", "--requests", "100000"], 4, 4);
+}
+
+/// The same for a heterogeneous pair pulling through its router: the router process is gone
+/// too.
+#[test]
+fn ctrl_c_stops_a_pairs_ranks_and_its_router() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    let args = [
+        "--model",
+        "gqa8",
+        "--prefill",
+        "tp=2,block=16,layout=NHD",
+        "--decode",
+        "tp=1,block=32,layout=HND",
+        "--mode",
+        "pull",
+        "--requests",
+        "600",
+    ];
+    let report = ctrl_c_stops(&args, 3, 4);
+    let router = report["ranks"]
+        .as_array()
+        .and_then(|r| r.iter().find(|r| r["engine"] == "router"));
+    assert!(router.is_some(), "{report}");
+}
+
+/// Starts `cluster` with `args`, interrupts it (SIGINT) once `running` ranks run their schedule,
+/// and checks that it stops within 10 s with every one of its `processes` gone. Returns the
+/// report.
+fn ctrl_c_stops(args: &[&str], running: usize, processes: usize) -> Value {
+    let mut child = cluster(args)
+        .args(["--timeout-secs", "300"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -76,15 +109,15 @@ fn ctrl_c_stops_every_process_the_cluster_started() {
     // Precondition: every rank is running its schedule (each D rank says so once it met P).
     let stderr = child.stderr.take().expect("stderr");
     let mut lines = BufReader::new(stderr).lines();
-    let mut running = 0;
+    let mut seen = 0;
     let started = Instant::now();
-    while running < 4 {
+    while seen < running {
         let line = lines
             .next()
             .expect("the ranks start")
             .expect("stderr is text");
         if line.contains("running the schedule") {
-            running += 1;
+            seen += 1;
         }
         assert!(
             started.elapsed() < Duration::from_secs(60),
@@ -118,10 +151,13 @@ fn ctrl_c_stops_every_process_the_cluster_started() {
         took < Duration::from_secs(10),
         "stopped in {took:?}\n{text}"
     );
-    for r in report["ranks"].as_array().expect("ranks") {
+    let ranks = report["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), processes, "{text}");
+    for r in ranks {
         let pid = r["pid"].as_u64().expect("pid");
-        assert!(gone(pid), "rank process {pid} left behind\n{text}");
+        assert!(gone(pid), "process {pid} left behind\n{text}");
     }
+    report
 }
 
 /// `cluster --tp 2 --kill ENGINE:R@60` over 240 requests, checked from its JSON: the kill
