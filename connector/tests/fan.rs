@@ -13,24 +13,28 @@ use kvhandoff::{
     ConnectorError, ConnectorEvent, ConnectorIdentity, ConnectorSettings, KvConnector,
     KvTransferParams, RankLinks, Runtime,
 };
+use kvhandoff_actors::system::agent_name;
 use kvhandoff_actors::system::{build_routed_rank, RankOptions, RoutedRegion, ShellConfig};
-use kvhandoff_actors::transport::mem::MemFabric;
+use kvhandoff_actors::transport::mem::{MemFabric, MemFaults};
 use kvhandoff_protocol::driver::{RouteError, RouteRequest, TransferRoute};
 use kvhandoff_protocol::hetero::{model, plan_pair, PairPlan, SideName};
-use kvhandoff_protocol::machine::{BlockPairing, Config, DecodeFailure, ReleaseCause};
+use kvhandoff_protocol::machine::{BlockPairing, Config, DecodeFailure, Rejected, ReleaseCause};
 use kvhandoff_protocol::planner::Descriptor;
 use kvhandoff_protocol::{BlockIds, EngineId, KvGeometry, ModelIdentity, RequestId};
 
 const PART: u64 = 4096;
 
-/// P rank `p` writes its buffer's first `PART` bytes to D's buffer at `p × PART`; D's buffer
-/// addresses are filled in once every rank is built.
+/// P rank `p` writes its buffer's first `PART` bytes to D's buffer at `p × PART`, or D reads
+/// them there (pull); the buffers' addresses are filled in once every rank is built.
 struct TestRoute {
     peers: Vec<KvGeometry>,
     /// Known once the buffer is registered.
     own_base: Arc<Mutex<u64>>,
     own_tp: u32,
-    decode_bases: Arc<Mutex<BTreeMap<u32, u64>>>,
+    /// This rank is D's (it reads in pull).
+    decode: bool,
+    /// Each rank's buffer, by (D's, TP rank).
+    bases: Arc<Mutex<BTreeMap<(bool, u32), u64>>>,
 }
 
 impl TransferRoute for TestRoute {
@@ -47,14 +51,24 @@ impl TransferRoute for TestRoute {
         request: &RouteRequest<'_>,
         out: &mut Vec<Descriptor>,
     ) -> Result<(), RouteError> {
-        let bases = self.decode_bases.lock().unwrap();
-        let Some(&base) = bases.get(&request.peer.geometry.tp_rank) else {
-            return Err(RouteError("unknown D rank".into()));
+        let bases = self.bases.lock().unwrap();
+        let peer_tp = request.peer.geometry.tp_rank;
+        let Some(&base) = bases.get(&(!self.decode, peer_tp)) else {
+            return Err(RouteError("unknown peer rank".into()));
         };
-        out.push(Descriptor {
-            local_addr: *self.own_base.lock().unwrap(),
-            remote_addr: base + u64::from(self.own_tp) * PART,
-            len: PART,
+        let own = *self.own_base.lock().unwrap();
+        out.push(if self.decode {
+            Descriptor {
+                local_addr: own + u64::from(peer_tp) * PART,
+                remote_addr: base,
+                len: PART,
+            }
+        } else {
+            Descriptor {
+                local_addr: own,
+                remote_addr: base + u64::from(self.own_tp) * PART,
+                len: PART,
+            }
         });
         Ok(())
     }
@@ -73,6 +87,12 @@ fn build(pair: &PairPlan) -> (Runtime, Vec<Rank>, Vec<Rank>) {
 
 /// [`build`], D's routes accepting P's geometries only if `decode_accepts`.
 fn build_with(pair: &PairPlan, decode_accepts: bool) -> (Runtime, Vec<Rank>, Vec<Rank>) {
+    let (runtime, p, d, _) = build_on(pair, decode_accepts);
+    (runtime, p, d)
+}
+
+/// [`build_with`], and the fabric every rank's transport is on.
+fn build_on(pair: &PairPlan, decode_accepts: bool) -> (Runtime, Vec<Rank>, Vec<Rank>, MemFabric) {
     let mut runtime = Runtime::start().unwrap();
     let fabric = MemFabric::new();
     let model_id = ModelIdentity {
@@ -102,7 +122,8 @@ fn build_with(pair: &PairPlan, decode_accepts: bool) -> (Runtime, Vec<Rank>, Vec
                 },
                 own_base: own_base.clone(),
                 own_tp: tp,
-                decode_bases: bases.clone(),
+                decode: side == SideName::Decode,
+                bases: bases.clone(),
             });
             let config = Config {
                 block_pairing: BlockPairing::AsGiven,
@@ -121,15 +142,16 @@ fn build_with(pair: &PairPlan, decode_accepts: bool) -> (Runtime, Vec<Rank>, Vec
             .unwrap();
             let buffer = regions.remove(0);
             *own_base.lock().unwrap() = buffer.base;
-            match side {
-                SideName::Prefill => buffer
+            if side == SideName::Prefill {
+                buffer
                     .bytes
                     .write(0, &[tp as u8 + 1; PART as usize])
-                    .unwrap(),
-                SideName::Decode => {
-                    bases.lock().unwrap().insert(tp, buffer.base);
-                }
+                    .unwrap();
             }
+            bases
+                .lock()
+                .unwrap()
+                .insert((side == SideName::Decode, tp), buffer.base);
             let handle = runtime.add_rank(setup, RankOptions::default()).unwrap();
             let mut conn = KvConnector::with_settings(
                 ConnectorIdentity {
@@ -150,7 +172,7 @@ fn build_with(pair: &PairPlan, decode_accepts: bool) -> (Runtime, Vec<Rank>, Vec
     }
     let d = sides.pop().unwrap();
     let p = sides.pop().unwrap();
-    (runtime, p, d)
+    (runtime, p, d, fabric)
 }
 
 fn pair(p: &str, d: &str) -> PairPlan {
@@ -358,9 +380,8 @@ fn a_late_verdict_still_ends_in_the_requests_one_event() {
     runtime.shutdown();
 }
 
-/// The links must be the plan's: a D rank linked to TP 2 refuses a router saying TP 4, a pull
-/// whose holder's list has another number of cache groups is refused, and declining a
-/// multi-rank export is refused as unsupported.
+/// The links must be the plan's: a D rank linked to TP 2 refuses a router saying TP 4, and a
+/// pull whose holder's list has another number of cache groups is refused.
 #[test]
 fn calls_that_do_not_fit_the_links_are_refused() {
     let (runtime, _p, mut d) = build(&pair(
@@ -391,13 +412,130 @@ fn calls_that_do_not_fit_the_links_are_refused() {
             ..
         })
     ));
-    // Declining a multi-rank export is not built.
-    assert!(matches!(
-        d[0].conn.decline_export(&request, &pull),
-        Err(ConnectorError::Unsupported(_))
-    ));
     assert!(!d[0].conn.has_pending_work());
     drop(d);
+    runtime.shutdown();
+}
+
+/// D at TP 1 declines the export of P at TP 2 (it will recompute): each P rank's part is let go
+/// at once, `Released(Declined)` (not at its lease's end), its blocks back; D owes no event. A
+/// decline of an export D is reading at that moment is refused whole, and the read completes.
+#[test]
+fn a_reader_declines_a_multi_rank_export_at_every_holder() {
+    let (runtime, mut p, mut d, fabric) = build_on(
+        &pair("tp=2,block=16,layout=NHD", "tp=1,block=16,layout=NHD"),
+        true,
+    );
+    let pull = KvTransferParams {
+        do_remote_decode: true,
+        transfer_mode: Some("pull".into()),
+        ..KvTransferParams::default()
+    };
+    let request = id("req-decline");
+    let mut answer = None;
+    for rank in &mut p {
+        answer = Some(
+            rank.conn
+                .request_finished(&request, blocks(), 32, &pull)
+                .unwrap(),
+        );
+    }
+    let mut params = answer.unwrap();
+    params.do_remote_prefill = true;
+    params.do_remote_decode = false;
+    d[0].conn.decline_export(&request, &params).unwrap();
+    assert!(!d[0].conn.has_pending_work());
+    for rank in &mut p {
+        match one_event(rank) {
+            ConnectorEvent::ExportEnded {
+                request: ended,
+                outcome,
+                blocks: back,
+                ..
+            } => {
+                assert_eq!(ended, request, "P rank {}", rank.tp);
+                assert_eq!(
+                    outcome,
+                    kvhandoff_protocol::machine::ExportOutcome::Released(
+                        kvhandoff_protocol::machine::ExportEnd::Declined
+                    ),
+                    "P rank {}",
+                    rank.tp
+                );
+                assert_eq!(back, blocks(), "P rank {}", rank.tp);
+            }
+            other => panic!("P rank {}: {other:?}", rank.tp),
+        }
+    }
+    assert!(d[0].conn.poll_events().is_empty());
+
+    // A second export, which D reads (its reads stalled in flight) while a sibling request
+    // with the same parameters declines it: refused whole, and the read loads.
+    let reading = id("req-read");
+    let mut answer = None;
+    for rank in &mut p {
+        answer = Some(
+            rank.conn
+                .request_finished(&reading, blocks(), 32, &pull)
+                .unwrap(),
+        );
+    }
+    let mut params = answer.unwrap();
+    params.do_remote_prefill = true;
+    params.do_remote_decode = false;
+    let d_agent = agent_name(&EngineId::new("decode").unwrap(), 0).unwrap();
+    let stalled = MemFaults {
+        stall: true,
+        ..MemFaults::default()
+    };
+    fabric.set_faults(&d_agent, stalled).unwrap();
+    d[0].conn
+        .request_allocated(&reading, blocks(), 32, &params)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d[0]
+        .conn
+        .rank()
+        .counters(Duration::from_secs(1))
+        .is_none_or(|c| c.reads_posted < 2)
+    {
+        assert!(Instant::now() < deadline, "D never posted both reads");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let declined = d[0].conn.decline_export(&reading, &params);
+    assert!(
+        matches!(
+            declined,
+            Err(ConnectorError::Rejected(Rejected::ImportInProgress(_)))
+        ),
+        "{declined:?}"
+    );
+    fabric.set_faults(&d_agent, MemFaults::default()).unwrap();
+    match one_event(&mut d[0]) {
+        ConnectorEvent::Imported { outcome, .. } => {
+            assert_eq!(outcome, kvhandoff_protocol::machine::ImportOutcome::Loaded)
+        }
+        other => panic!("D: {other:?}"),
+    }
+    // Both P ranks' parts landed, untouched by the refused decline.
+    let mut got = vec![0u8; 2 * PART as usize];
+    d[0].buffer.bytes.read(0, &mut got).unwrap();
+    assert!(got[..PART as usize].iter().all(|&b| b == 1));
+    assert!(got[PART as usize..].iter().all(|&b| b == 2));
+    for rank in &mut p {
+        assert!(
+            matches!(
+                one_event(rank),
+                ConnectorEvent::ExportEnded {
+                    outcome: kvhandoff_protocol::machine::ExportOutcome::Read,
+                    ..
+                }
+            ),
+            "P rank {}",
+            rank.tp
+        );
+    }
+    drop((p, d));
     runtime.shutdown();
 }
 

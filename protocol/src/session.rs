@@ -51,6 +51,7 @@
 mod calls;
 mod engine_events;
 mod fan;
+mod fan_declines;
 mod fan_reads;
 mod params;
 mod prepare;
@@ -457,9 +458,9 @@ impl Session {
                     "bidirectional turns between engines of different geometries without turn links",
                 )),
             },
-            ConnectorCall::DeclineExport { .. } => Err(ConnectorError::Unsupported(
-                "declining a multi-rank export",
-            )),
+            ConnectorCall::DeclineExport { request, params } => self
+                .fan_declined(now, &request, &params)
+                .map(|()| ConnectorReply::Accepted),
             ConnectorCall::PrefillStarted { .. } | ConnectorCall::LayersReady { .. } => {
                 Err(ConnectorError::Unsupported(
                     "layer-wise push between engines of different geometries",

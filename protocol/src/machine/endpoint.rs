@@ -560,6 +560,14 @@ impl Endpoint {
         }
     }
 
+    /// Whether this rank is reading the export `key` of `holder` (an import of it is live): a
+    /// decline of that export is refused ([`Rejected::ImportInProgress`]).
+    pub fn is_reading(&self, key: &PairingKey, holder: &PeerAddr) -> bool {
+        self.imports
+            .get(key)
+            .is_some_and(|import| import.common().holder == *holder)
+    }
+
     /// The state of the live D request of `key`, as text (for the simulator's check that a
     /// stale message changes nothing).
     #[doc(hidden)]

@@ -111,11 +111,7 @@ impl Endpoint {
         // error) declines an export this rank is reading: the holder would end the export and
         // reuse the blocks while our reads still land from them. Whatever the epochs, the
         // import's own release lets the holder go once no read of it is in flight.
-        let reading = self
-            .imports
-            .get(&key)
-            .is_some_and(|import| import.common().holder == holder);
-        if reading && !self.mutation.is(Mutation::DeclineDuringRead) {
+        if self.is_reading(&key, &holder) && !self.mutation.is(Mutation::DeclineDuringRead) {
             self.outbox.counters.declines_refused_while_reading += 1;
             return Err(Rejected::ImportInProgress(key));
         }
