@@ -85,8 +85,10 @@ pub struct RouterReport {
     pub gone: u64,
     /// Answers to requests decided already (a rank that came back after it was given up on).
     pub late_answers: u64,
-    /// Lines refused (not JSON, too long, out of place).
+    /// Lines refused (not JSON, too long, out of place; a `hello` of a rank the engine lacks).
     pub bad_lines: u64,
+    /// Connections dropped past the bound (four per rank of both engines, and 16).
+    pub refused_connections: u64,
     /// Whether every request was decided.
     pub ok: bool,
 }
@@ -152,9 +154,15 @@ pub fn run_router(
         let made = match rx.recv_timeout(POLL) {
             Err(_) => Vec::new(),
             Ok(Event::Connected(stream)) => {
-                next_id += 1;
-                spawn_reader(next_id, &stream, tx.clone());
-                clients.push((stream, 0));
+                // Every rank and a few restarts each; past that a connection is dropped.
+                let most = 4 * (plan.prefill_ranks + plan.decode_ranks) as usize + 16;
+                if clients.len() < most {
+                    next_id += 1;
+                    spawn_reader(next_id, &stream, tx.clone());
+                    clients.push((stream, 0));
+                } else {
+                    report.refused_connections += 1;
+                }
                 Vec::new()
             }
             Ok(Event::Bad) => {
@@ -175,7 +183,7 @@ pub fn run_router(
                     rank,
                     start_at,
                 } => match Side::parse(&side) {
-                    Some(side) if !who.contains_key(&id) => {
+                    Some(side) if !who.contains_key(&id) && table.has_rank(side, rank) => {
                         match side {
                             Side::Prefill => report.prefill_connections += 1,
                             Side::Decode => report.decode_connections += 1,
@@ -408,3 +416,6 @@ impl RouterClient {
         self.decisions.lock().ok()?.get(&index).cloned()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -98,6 +98,14 @@ impl Table {
         }
     }
 
+    /// Whether `side` has a rank `rank`.
+    pub(super) fn has_rank(&self, side: Side, rank: u32) -> bool {
+        rank < match side {
+            Side::Prefill => self.prefill_ranks,
+            Side::Decode => self.decode_ranks,
+        }
+    }
+
     /// Requests to decide in all.
     pub(super) fn decisions(&self) -> u64 {
         self.decisions
