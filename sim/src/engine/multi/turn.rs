@@ -6,8 +6,8 @@
 //! `next_turn_allocated` with its turn links: it reads its slices back from every D rank that
 //! holds them, under each holder's grant fence. The session splits both calls into one export
 //! or import per pair (`FanSide::Holder` on D, `Reader` on P) and folds their ends into each
-//! rank's one event; this file makes the calls as an engine's connector gets them, and judges
-//! every part's end and each rank's one event against the ledger.
+//! rank's one event; this file makes the calls as an engine's connector gets them, and
+//! `turn/judge.rs` judges every part's end and each rank's one event against the ledger.
 
 use std::collections::BTreeMap;
 
@@ -33,8 +33,8 @@ const TURN_EPOCH: u64 = 100;
 /// What the checker follows of a multi-rank request's second turn.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub(crate) struct TurnBack {
-    /// D ranks that kept their blocks: the blocks, and the owner they stay leased to.
-    pub kept: BTreeMap<NodeId, (Owner, Vec<u32>)>,
+    /// D ranks that kept their blocks, and the owner those stay leased to (their first turn's).
+    pub kept: BTreeMap<NodeId, Owner>,
     /// Per rank that started its share of the turn: its parts' ends, as for the first turn.
     pub tally: BTreeMap<NodeId, Tally>,
 }
@@ -201,7 +201,7 @@ impl World {
         };
         self.turn_parts_started(request, node, &parent, flat, owner.epoch, kind);
         if let Some(multi) = self.requests[request].multi.as_mut() {
-            multi.turn.kept.insert(node, (owner, flat.to_vec()));
+            multi.turn.kept.insert(node, owner);
         }
         true
     }

@@ -198,7 +198,7 @@ impl World {
         let (subs, policy, p_blocks) = (mine.len(), r.transfer.policy, r.p_blocks);
         let tally = multi.turn.tally.get(&node).copied().unwrap_or_default();
         let owner = match multi.turn.kept.get(&node) {
-            Some((owner, _)) if decode => *owner,
+            Some(owner) if decode => *owner,
             _ => Owner {
                 request,
                 epoch: TURN_EPOCH,
