@@ -70,6 +70,9 @@ pub(crate) struct Sub {
     pub key: PairingKey,
     /// The rank on the other side of the pair (D's sub-request: its P rank; P's: its D rank).
     pub peer: NodeId,
+    /// A part of the request's second turn read back across the pair (`multi/turn.rs`): D's
+    /// export of its kept blocks, or P's import of them.
+    pub turn: bool,
 }
 
 /// What an attempt does.

@@ -39,7 +39,7 @@ pub use exhaustive_report::{
 pub use explore::{exhaustive, Action, Exhaustive, Kind};
 pub use kvhandoff_protocol::machine::Mutation;
 pub use ledger::{pattern, BLOCK_BYTES};
-pub use mode::{Mode, HETERO_READ_MARKS, MULTI_SOURCE_MARKS, READ_MARKS};
+pub use mode::{Mode, HETERO_READ_MARKS, HETERO_TURN_MARKS, MULTI_SOURCE_MARKS, READ_MARKS};
 pub use options::SimOptions;
 pub use world::{
     NodeId, Violation, World, WorldConfig, DEFAULT_LAYERWISE, DEFAULT_STALLS, DEFAULT_STALL_FREEZE,
@@ -166,6 +166,7 @@ pub fn seed_world(opts: &SimOptions, seed: u64) -> WorldConfig {
         // so their traces.
         cfg.multi_source = share;
         cfg.prefill_ranks = MULTI_SOURCE_PREFILL_RANKS;
+        cfg.multi_rank_turns = opts.multi_rank_turns;
     }
     if opts.long {
         cfg.span *= 4;

@@ -49,13 +49,13 @@ impl Mode {
 
     /// The share of requests that are multi-rank (several P ranks per D rank, or the reverse)
     /// unless the options say otherwise ([`crate::SimOptions::multi_source`]). `mixed`, the
-    /// command line's default, and `pull` (issue 23: multi-rank pulls) have them by default:
-    /// `push` replays the worlds (and the regression seeds) as they were found, and `bidir`
-    /// keeps its shape.
+    /// command line's default, `pull` (issue 23: multi-rank pulls) and `bidir` (issue 23,
+    /// item 4: second turns read back across a multi-rank pair) have them by default: `push`
+    /// replays the worlds (and the regression seeds) as they were found.
     pub fn multi_source_share(self) -> f64 {
         match self {
-            Mode::Mixed | Mode::Pull => 0.1,
-            Mode::Push | Mode::Bidir => 0.0,
+            Mode::Mixed | Mode::Pull | Mode::Bidir => 0.1,
+            Mode::Push => 0.0,
         }
     }
 
@@ -153,4 +153,18 @@ pub const HETERO_READ_MARKS: &[&str] = &[
     "hetero_read",
     "hetero_read_sibling_aborted",
     "hetero_read_replica_holder",
+];
+
+/// The marks of second turns read back across a multi-rank pair (issue 23, item 4; required
+/// where the mode has second turns and multi-rank requests and the options read turns back
+/// across ranks, [`crate::SimOptions::multi_rank_turns`]; reported whenever hit):
+/// `hetero_turn2_read_back` (a P rank that read its next turn back from two or more D ranks
+/// ended `Loaded`, every part's slice of every block landed and judged byte for byte against
+/// what D held), `hetero_turn2_read_back_part_failed` (such a read back had a part fail: the
+/// whole read failed, typed by its first failed part and the engine's policy, and every D
+/// rank's kept blocks came back). Each decided by the session's fan-ins of side
+/// `Reader` (P, `next_turn_allocated` with turn links) and `Holder` (D, `keep_for_next_turn`).
+pub const HETERO_TURN_MARKS: &[&str] = &[
+    "hetero_turn2_read_back",
+    "hetero_turn2_read_back_part_failed",
 ];

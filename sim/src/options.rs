@@ -7,7 +7,7 @@ use crate::WorldConfig;
 
 use crate::{
     Faults, Mode, Mutation, DEFAULT_POOL_BLOCKS, DEFAULT_STALL_FREEZE, FLOOD_MARKS,
-    LAYERWISE_MARKS, MISNAME_MARKS, STALL_MARKS,
+    HETERO_TURN_MARKS, LAYERWISE_MARKS, MISNAME_MARKS, STALL_MARKS,
 };
 
 /// What to run.
@@ -33,6 +33,10 @@ pub struct SimOptions {
     /// The share of requests that are multi-rank (see [`WorldConfig::multi_source`]); `None`:
     /// the mode's ([`Mode::multi_source_share`]).
     pub multi_source: Option<f64>,
+    /// Multi-rank requests keep their drawn second turn, read back across the pair (see
+    /// [`WorldConfig::multi_rank_turns`]); off in [`SimOptions::new`], so that every
+    /// regression seed replays as found, on in `kvhandoff sim` unless `--no-multi-rank-turns`.
+    pub multi_rank_turns: bool,
     /// The share of push requests handed over layer-wise (see [`WorldConfig::layerwise`]); 0
     /// in [`SimOptions::new`].
     pub layerwise: f64,
@@ -73,6 +77,7 @@ impl SimOptions {
             poll_allocations: false,
             mode: Mode::Push,
             multi_source: None,
+            multi_rank_turns: false,
             layerwise: 0.0,
             stalls: 0.0,
             stall_freeze: DEFAULT_STALL_FREEZE,
@@ -91,6 +96,12 @@ impl SimOptions {
         let mut marks = self.mode.required_marks();
         if self.multi_source_share() > 0.0 && self.mode.multi_source_share() == 0.0 {
             marks.extend(self.mode.multi_rank_marks());
+        }
+        if self.multi_rank_turns
+            && self.multi_source_share() > 0.0
+            && self.mode.second_turn_share() > 0.0
+        {
+            marks.extend_from_slice(HETERO_TURN_MARKS);
         }
         let chaos = self.faults == Faults::Chaos;
         if chaos && self.stalls > 0.0 {

@@ -34,7 +34,8 @@ pub(crate) use schedule::{Ev, NetMsg, Rates};
 pub(crate) use stall::Stall;
 
 /// Index of an engine rank in the world: 0 is P's rank 0, `1..=decode_engines` are the D
-/// engines, and any further nodes are P's ranks 1.. (multi-rank worlds only).
+/// engines, any further nodes are P's ranks 1.. (multi-rank worlds only), and then D's rank 1
+/// where multi-rank turns are read back (`WorldConfig::multi_rank_turns`).
 pub type NodeId = usize;
 
 /// How many steps of trace a violation keeps.
@@ -173,13 +174,17 @@ impl World {
         let mut nodes = Vec::new();
         let mut by_addr = BTreeMap::new();
         let p_ranks = cfg.prefill_ranks.max(1);
-        for i in 0..cfg.decode_engines + p_ranks {
+        let d_rank_1 = usize::from(cfg.reads_turns_back_across_ranks());
+        for i in 0..cfg.decode_engines + p_ranks + d_rank_1 {
             let (name, rank) = if i == 0 {
                 ("prefill-0".to_string(), 0)
             } else if i <= cfg.decode_engines {
                 (format!("decode-{}", i - 1), 0)
-            } else {
+            } else if i < cfg.decode_engines + p_ranks {
                 ("prefill-0".to_string(), (i - cfg.decode_engines) as u32)
+            } else {
+                // D's rank 1 for multi-rank requests read back across the pair.
+                ("decode-0".to_string(), 1)
             };
             let addr = PeerAddr::new(EngineId::new(name).expect("valid engine id"), rank);
             by_addr.insert(addr.clone(), i);
@@ -346,14 +351,26 @@ impl World {
 
     /// Whether `node` is one of P's ranks.
     pub(crate) fn is_prefill(&self, node: NodeId) -> bool {
-        node == 0 || node > self.cfg.decode_engines
+        let d = self.cfg.decode_engines;
+        node == 0 || (node > d && node < d + self.cfg.prefill_ranks.max(1))
     }
 
     /// P's ranks, in rank order.
     pub(crate) fn prefill_nodes(&self) -> Vec<NodeId> {
+        let d = self.cfg.decode_engines;
         std::iter::once(0)
-            .chain(self.cfg.decode_engines + 1..self.nodes.len())
+            .chain(d + 1..d + self.cfg.prefill_ranks.max(1))
             .collect()
+    }
+
+    /// The D ranks of multi-rank requests, in rank order: the D engines, or, where turns are
+    /// read back across the pair, `decode-0`'s ranks 0 and 1 (its own last node).
+    pub(crate) fn decode_rank_nodes(&self) -> Vec<NodeId> {
+        if self.cfg.reads_turns_back_across_ranks() {
+            vec![1, self.nodes.len() - 1]
+        } else {
+            (1..=self.cfg.decode_engines).collect()
+        }
     }
 
     pub(crate) fn alive(&self, node: NodeId) -> bool {
@@ -524,6 +541,7 @@ impl World {
             Ev::Restart { node } => self.restart(node),
             Ev::SecondDecode { request } => self.second_decode(request),
             Ev::SecondTurn { request } => self.second_turn(request),
+            Ev::TurnBack { request, node } => self.turn_back(request, node),
             Ev::SiblingDecline {
                 request,
                 node,

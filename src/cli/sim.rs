@@ -31,9 +31,14 @@ pub(crate) struct SimArgs {
     #[arg(long, default_value = "mixed", value_parser = parse_mode)]
     mode: kvhandoff_sim::Mode,
     /// The share of requests that are multi-rank (several P ranks per D rank, or one P rank per
-    /// several D ranks), 0 to 1 [default: the mode's: 0.1 in mixed, 0 elsewhere].
+    /// several D ranks), 0 to 1 [default: the mode's: 0.1 in mixed, pull and bidir, 0 in push].
     #[arg(long, value_parser = parse_share)]
     multi_source: Option<f64>,
+    /// Give multi-rank requests no second turn (by default they keep the one they draw in
+    /// mixed and bidir: D's ranks keep their blocks and P's ranks read them back across the
+    /// pair, each from every D rank that holds its slices).
+    #[arg(long)]
+    no_multi_rank_turns: bool,
     /// The share of single-source push requests that P hands over layer-wise (its engine
     /// reports each layer as it is produced; each part is written once D registered), 0 to 1.
     #[arg(long, value_parser = parse_share, default_value_t = kvhandoff_sim::DEFAULT_LAYERWISE)]
@@ -199,6 +204,7 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
     options.poll_allocations = args.poll_allocations;
     options.mode = args.mode;
     options.multi_source = args.multi_source;
+    options.multi_rank_turns = !args.no_multi_rank_turns;
     options.layerwise = args.layerwise;
     options.stalls = args.stalls;
     options.stall_freeze = args.stall_freeze;
@@ -229,7 +235,7 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
             false => format!("{}..{}", options.requests.start(), options.requests.end()),
         };
         eprintln!(
-            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {} --layerwise {} --stalls {} --stall-freeze {} --stall-messages-first {}{}{}{}{}{}",
+            "replay one seed with: kvhandoff sim --seed S --requests {requests} --pool-blocks {}..{} --faults {} --mode {} --layerwise {} --stalls {} --stall-freeze {} --stall-messages-first {}{}{}{}{}{}{}",
             options.pool_blocks.start(),
             options.pool_blocks.end(),
             args.faults,
@@ -244,6 +250,7 @@ pub(crate) fn run_sim(args: SimArgs) -> ExitCode {
                 .unwrap_or_default(),
             if args.long { " --long" } else { "" },
             if args.no_swarm { " --no-swarm" } else { "" },
+            if args.no_multi_rank_turns { " --no-multi-rank-turns" } else { "" },
             hostile_flags(&args),
         );
         ExitCode::FAILURE

@@ -111,11 +111,15 @@ pub enum Mutation {
     /// is `Loaded` though another holder rank's part may still fail (its slice of every block
     /// never arrives), and a later failure aborts no sibling.
     ReaderReadyOnFirstPart,
+    /// P's next turn on a linked rank reads back only from the first D rank its turn links
+    /// name, as if the pair were 1:1: the slices the other D ranks hold never arrive, though
+    /// the read ends `Loaded`, and their exports are never read.
+    ReadBackFromFirstRank,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 32] = [
+    pub const ALL: [Mutation; 33] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -148,6 +152,7 @@ impl Mutation {
         Mutation::AckPartialWriteAtOnce,
         Mutation::ExtendLapsedRegistration,
         Mutation::ReaderReadyOnFirstPart,
+        Mutation::ReadBackFromFirstRank,
     ];
 
     /// The mutation's name on the command line.
@@ -191,6 +196,7 @@ impl Mutation {
             Mutation::AckPartialWriteAtOnce => "ack_partial_write_at_once",
             Mutation::ExtendLapsedRegistration => "extend_lapsed_registration",
             Mutation::ReaderReadyOnFirstPart => "reader_ready_on_first_part",
+            Mutation::ReadBackFromFirstRank => "read_back_from_first_rank",
         }
     }
 }

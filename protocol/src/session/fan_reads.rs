@@ -10,7 +10,7 @@
 
 use crate::hetero::SideName;
 use crate::machine::{
-    EndpointCall, ExportStart, FanSide, ImportStart, LoadFailurePolicy, SubRequest, Time,
+    EndpointCall, ExportStart, FanSide, ImportStart, LoadFailurePolicy, Mutation, SubRequest, Time,
 };
 use crate::{BlockIds, PeerAddr, RequestId};
 
@@ -76,7 +76,11 @@ impl Session {
                         "next_turn_allocated on a rank whose turn links hold the blocks",
                     ));
                 }
-                self.fan_read(now, links, &request, blocks, num_tokens, &params)
+                let mut links = links.clone();
+                if self.mutation.is(Mutation::ReadBackFromFirstRank) {
+                    links.peers.truncate(1);
+                }
+                self.fan_read(now, &links, &request, blocks, num_tokens, &params)
                     .map(|()| ConnectorReply::Accepted)
             }
             ConnectorCall::RequestAllocated { .. }

@@ -10,6 +10,9 @@
 
 mod pull;
 mod settle;
+mod turn;
+
+pub(crate) use turn::TurnBack;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -63,6 +66,8 @@ pub(crate) struct Multi {
     /// Pulled: D's try of the request (1, then the router's retries); its engine request id on
     /// D's ranks is `d{request}a{round}` and D's blocks are leased to epoch `round`.
     pub round: u64,
+    /// The second turn read back across the pair, if the request has one (`multi/turn.rs`).
+    pub turn: TurnBack,
 }
 
 /// What one rank's sub-requests of a multi-rank request ended with.
@@ -87,6 +92,23 @@ impl Multi {
             .iter()
             .find(|pair| pair.p == p && pair.d == d)
             .map_or(0..BLOCK_BYTES, |pair| pair.slice.clone())
+    }
+
+    /// The slice of every block that P rank `p` reads back from D rank `d` in a second turn:
+    /// with several D ranks serving `p`, each holds its share of `p`'s heads, so P's blocks
+    /// are whole only when every D rank's part landed (everything for a pair not listed).
+    pub fn turn_slice(&self, d: NodeId, p: NodeId) -> Range<usize> {
+        let holders: Vec<NodeId> = self
+            .pairs
+            .iter()
+            .filter(|pair| pair.p == p)
+            .map(|pair| pair.d)
+            .collect();
+        let n = holders.len();
+        match holders.iter().position(|&x| x == d) {
+            Some(j) => j * BLOCK_BYTES / n..(j + 1) * BLOCK_BYTES / n,
+            None => 0..BLOCK_BYTES,
+        }
     }
 
     /// The P ranks that write into `d`.
@@ -114,6 +136,21 @@ impl World {
         }
     }
 
+    /// The rank number of D's node `d` in a multi-rank request (node 1 is rank 0).
+    fn decode_rank(&self, d: NodeId) -> u32 {
+        let nodes = self.decode_rank_nodes();
+        nodes.iter().position(|&n| n == d).unwrap_or(d - 1) as u32
+    }
+
+    /// The D node that serves as the D rank of a multi-rank request drawn for D engine node
+    /// `d_node` (itself, unless turns are read back across ranks: then `decode-0`'s rank).
+    pub(super) fn multi_decode_node(&self, d_node: NodeId) -> NodeId {
+        self.decode_rank_nodes()
+            .get(d_node.saturating_sub(1))
+            .copied()
+            .unwrap_or(d_node)
+    }
+
     /// Whether request `i` is multi-rank, and its pairs: a D rank fed by 2–4 P ranks (most),
     /// one P rank feeding every D rank, or two P ranks each feeding every D rank.
     pub(super) fn draw_multi(
@@ -129,7 +166,7 @@ impl World {
             return None;
         }
         let mut p_nodes = self.prefill_nodes();
-        let d_nodes: Vec<NodeId> = (1..=self.cfg.decode_engines).collect();
+        let d_nodes = self.decode_rank_nodes();
         p_nodes.shuffle(mrng);
         let (sources, targets) = match mrng.gen_range(0..10) {
             0..=5 => {
@@ -149,7 +186,7 @@ impl World {
                     p,
                     d,
                     key: key
-                        .for_pair(self.prefill_rank(p), (d - 1) as u32)
+                        .for_pair(self.prefill_rank(p), self.decode_rank(d))
                         .expect("the simulator's keys are short"),
                     slice: j * BLOCK_BYTES / n..(j + 1) * BLOCK_BYTES / n,
                 });
@@ -162,6 +199,7 @@ impl World {
             tally: BTreeMap::new(),
             replicas: Vec::new(),
             round: 1,
+            turn: TurnBack::default(),
         })
     }
 
@@ -185,13 +223,26 @@ impl World {
             sub: Some(Sub {
                 key: key.clone(),
                 peer,
+                turn: false,
             }),
         };
         let mut d = Vec::new();
         let mut p = Vec::new();
+        let turn_key = self.requests[i]
+            .transfer
+            .second
+            .as_ref()
+            .map(|s| s.key.clone());
         for pair in &multi.pairs {
             self.keys.insert(pair.key.clone(), i);
-            let (p_rank, d_rank) = (self.prefill_rank(pair.p), decode_rank(pair.d));
+            if let Some(key) = &turn_key {
+                // The turn's pair, planned the other way: D's rank holds, P's rank reads.
+                let key = key
+                    .for_pair(self.decode_rank(pair.d), self.prefill_rank(pair.p))
+                    .expect("the simulator's keys are short");
+                self.keys.insert(key, i);
+            }
+            let (p_rank, d_rank) = (self.prefill_rank(pair.p), self.decode_rank(pair.d));
             let sub = |side| {
                 sub_request_id(&parent_id(side, i), p_rank, d_rank)
                     .expect("the simulator's ids are short")
@@ -392,7 +443,7 @@ impl World {
                 if decode {
                     self.prefill_rank(pair.p)
                 } else {
-                    decode_rank(pair.d)
+                    self.decode_rank(pair.d)
                 }
             })
             .collect();
@@ -400,9 +451,9 @@ impl World {
         peers.dedup();
         let (side, rank, remote) = if decode {
             let ranks = self.prefill_nodes().len() as u32;
-            (SideName::Decode, decode_rank(node), ranks)
+            (SideName::Decode, self.decode_rank(node), ranks)
         } else {
-            let ranks = self.cfg.decode_engines as u32;
+            let ranks = self.decode_rank_nodes().len() as u32;
             (SideName::Prefill, self.prefill_rank(node), ranks)
         };
         RankLinks {
@@ -465,9 +516,4 @@ impl World {
             self.mark("multi_source_sibling_aborted");
         }
     }
-}
-
-/// The rank number of D's node `d` in a multi-rank request (node 1 is rank 0).
-fn decode_rank(d: NodeId) -> u32 {
-    (d - 1) as u32
 }

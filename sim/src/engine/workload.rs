@@ -119,18 +119,25 @@ impl World {
                 (1 + self.rng.gen_range(0..self.cfg.decode_engines), n, m)
             };
             self.keys.insert(key.clone(), i);
-            let multi = self.draw_multi(&mut mrng, &key, d_node);
+            let multi = self.draw_multi(&mut mrng, &key, self.multi_decode_node(d_node));
+            let d_node = match multi {
+                Some(_) => self.multi_decode_node(d_node),
+                None => d_node,
+            };
             let mut transfer = self.draw_transfer(&mut trng, i);
             if srng.gen_bool(sibling_rate) {
                 transfer.sibling_decline = Some(micros(&mut srng, 0, 20_000));
             }
-            // Drawn as for any request (the stream stays aligned), then kept to one turn: the
-            // session refuses bidirectional turns and declines between geometries
-            // (`Unsupported`). A multi-rank request is pushed or pulled as drawn.
+            // Drawn as for any request (the stream stays aligned). A multi-rank request is
+            // pushed or pulled as drawn, and keeps its second turn only where turns are read
+            // back across the pair with turn links (`multi/turn.rs`); the session refuses
+            // declines between geometries (`Unsupported`), so no sibling declines one.
             let drawn_pull = transfer.pull;
             let mut multi = multi;
             if let Some(multi) = multi.as_mut() {
-                transfer.second = None;
+                if !self.cfg.reads_turns_back_across_ranks() {
+                    transfer.second = None;
+                }
                 transfer.sibling_decline = None;
                 if drawn_pull {
                     self.draw_replicas(&mut mrng, multi);

@@ -64,11 +64,13 @@ impl World {
         }
         self.nodes[node].pool.pin(&local, 1);
         // A D rank reading from several P ranks reads each one's slice of every block (its
-        // heads): the blocks are whole only when every pair's read landed.
-        let slice = self.requests[request]
-            .multi
-            .as_ref()
-            .map_or(0..BLOCK_BYTES, |m| m.slice(target, node));
+        // heads), and so does a P rank reading a later turn back from several D ranks: the
+        // blocks are whole only when every pair's read landed.
+        let slice = match self.requests[request].multi.as_ref() {
+            Some(m) if !self.is_prefill(target) => m.turn_slice(target, node),
+            Some(m) => m.slice(target, node),
+            None => 0..BLOCK_BYTES,
+        };
         let seq = self.next_seq;
         let mut read = SimWrite {
             poster: node,

@@ -22,6 +22,13 @@ pub struct WorldConfig {
     /// rank feeding every D rank, or both, each pair an ordinary 1:1 sub-request. Drawn per
     /// request from a stream of its own; 0 keeps the world's original shape.
     pub multi_source: f64,
+    /// Multi-rank requests keep the second turn their transfer draws (issue 23, item 4): D's
+    /// ranks keep their blocks with turn links, and P's ranks read them back across the
+    /// heterogeneous pair. Such a world has a second rank of D's engine `decode-0` (its last
+    /// node), which its multi-rank requests take as D rank 1 in place of `decode-1`: a read
+    /// back names its holders as ranks of the one engine whose answer the router forwards.
+    /// Off in the constructors, so that every regression seed replays as found.
+    pub multi_rank_turns: bool,
     /// The share of single-source push requests that P hands over layer-wise (its engine
     /// reports layers as they are produced, each part written as soon as D registered). Drawn
     /// per request from a stream of its own; 0 (the constructors') keeps every regression seed
@@ -171,6 +178,7 @@ impl WorldConfig {
             decode_engines: 2,
             prefill_ranks: 1,
             multi_source: 0.0,
+            multi_rank_turns: false,
             layerwise: 0.0,
             layer_compute_us: (100, 3_000),
             abort_mid_layers: 0.0,
@@ -215,11 +223,23 @@ impl WorldConfig {
         if self.floods() {
             marks.extend_from_slice(FLOOD_MARKS);
         }
+        if self.reads_turns_back_across_ranks() {
+            marks.extend_from_slice(crate::HETERO_TURN_MARKS);
+        }
         // Ranks misname themselves in push answers only: a world that only pulls has none.
         if self.misnames() && self.mode.pushes() {
             marks.extend_from_slice(MISNAME_MARKS);
         }
         marks
+    }
+
+    /// Whether multi-rank requests read their second turn back across the pair: the world
+    /// then has D's rank 1 as a node of its own ([`WorldConfig::multi_rank_turns`]).
+    pub fn reads_turns_back_across_ranks(&self) -> bool {
+        !self.explore
+            && self.multi_rank_turns
+            && self.multi_source > 0.0
+            && self.mode.second_turn_share() > 0.0
     }
 
     /// Whether a hostile peer floods P with made-up keys (seeded mode only).
@@ -264,6 +284,7 @@ impl WorldConfig {
             decode_engines: 1,
             prefill_ranks: 1,
             multi_source: 0.0,
+            multi_rank_turns: false,
             layerwise: 0.0,
             layer_compute_us: (100, 3_000),
             abort_mid_layers: 0.0,

@@ -92,6 +92,12 @@ pub(crate) enum Ev {
     SecondTurn {
         request: usize,
     },
+    /// P rank `node`'s engine starts its share of multi-rank request `request`'s second turn:
+    /// it reads the turn back from the D ranks its turn links name (`engine/multi/turn.rs`).
+    TurnBack {
+        request: usize,
+        node: NodeId,
+    },
     /// A sibling request on `node` with the very transfer parameters of the import `node` is
     /// running (the same key, epoch and holder) declines the export: one the engine will
     /// recompute, or its reaction to an error.

@@ -298,7 +298,8 @@ impl World {
             Ev::PrefillStart { .. } | Ev::SecondTurn { .. } | Ev::LayersReady { .. } => vec![0],
             Ev::SubDecodeStart { node, .. }
             | Ev::SubPrefillStart { node, .. }
-            | Ev::SiblingDecline { node, .. } => vec![*node],
+            | Ev::SiblingDecline { node, .. }
+            | Ev::TurnBack { node, .. } => vec![*node],
             Ev::SecondDecode { request } => {
                 vec![1 + (r(*request).d_node % self.cfg.decode_engines.max(1))]
             }

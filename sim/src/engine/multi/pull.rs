@@ -19,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::super::events::frozen_note;
 use super::super::{rid, Attempt, AttemptKind, Status, Sub, BLOCK_TOKENS};
-use super::{decode_rank, parent_id, Multi};
+use super::{parent_id, Multi};
 use crate::ledger::{pattern, Owner, BLOCK_BYTES};
 use crate::world::{micros, Ev, NodeId, World};
 
@@ -241,7 +241,7 @@ impl World {
 
     /// Reads of `node` for (`request`, wire `epoch`) from `holder` still in flight into its
     /// blocks, and how many of them a stall froze.
-    fn part_reads_into(
+    pub(super) fn part_reads_into(
         &self,
         node: NodeId,
         request: usize,
@@ -454,7 +454,7 @@ impl World {
         let mut attempts = Vec::new();
         for pair in &multi.pairs {
             let id: RequestId =
-                sub_request_id(&parent, self.prefill_rank(pair.p), decode_rank(node))
+                sub_request_id(&parent, self.prefill_rank(pair.p), self.decode_rank(node))
                     .expect("the simulator's ids are short");
             attempts.push(Attempt {
                 id,
@@ -466,6 +466,7 @@ impl World {
                 sub: Some(Sub {
                     key: pair.key.clone(),
                     peer: pair.p,
+                    turn: false,
                 }),
             });
         }

@@ -26,6 +26,12 @@ impl World {
         started: Time,
     ) {
         let id = event.request().clone();
+        let r = &self.requests[request];
+        let attempts = if self.is_prefill(node) { &r.p } else { &r.d };
+        if attempts[ai].sub.as_ref().is_some_and(|sub| sub.turn) {
+            self.turn_part_event(node, request, ai, event, started);
+            return;
+        }
         let (decode, label) = match event {
             EndpointEvent::Prefill { .. } | EndpointEvent::Decode { .. }
                 if self.requests[request].transfer.pull =>
@@ -144,6 +150,10 @@ impl World {
         ));
         if self.fan_parents.remove(&(node, id.clone())).is_none() {
             self.violate(format!("S4: {id} on rank {node} handed back twice"));
+            return;
+        }
+        if self.is_turn_parent(request, &id) {
+            self.turn_hand_back(node, request, &blocks, event);
             return;
         }
         self.shared_hand_back(node, request, &blocks, event);
@@ -284,6 +294,11 @@ impl World {
                 other => format!("multi.pull.{}", parent_label(other)),
             };
             *self.outcomes.entry(label).or_insert(0) += 1;
+        }
+        if self.keep_turn(node, request, flat, owner, event) {
+            // D's engine keeps the blocks for the request's next turn, read back across the
+            // pair; they go back with the kept turn's own event.
+            return;
         }
         let key = self.requests[request].key.clone();
         self.record(format!(
