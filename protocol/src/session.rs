@@ -459,7 +459,7 @@ impl Session {
                 )),
             },
             ConnectorCall::DeclineExport { request, params } => self
-                .fan_declined(now, &request, &params)
+                .fan_declined(now, links, &request, &params)
                 .map(|()| ConnectorReply::Accepted),
             ConnectorCall::PrefillStarted { .. } | ConnectorCall::LayersReady { .. } => {
                 Err(ConnectorError::Unsupported(

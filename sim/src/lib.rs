@@ -39,7 +39,10 @@ pub use exhaustive_report::{
 pub use explore::{exhaustive, Action, Exhaustive, Kind};
 pub use kvhandoff_protocol::machine::Mutation;
 pub use ledger::{pattern, BLOCK_BYTES};
-pub use mode::{Mode, HETERO_READ_MARKS, HETERO_TURN_MARKS, MULTI_SOURCE_MARKS, READ_MARKS};
+pub use mode::{
+    Mode, HETERO_DECLINE_MARKS, HETERO_READ_MARKS, HETERO_TURN_MARKS, MULTI_SOURCE_MARKS,
+    READ_MARKS,
+};
 pub use options::SimOptions;
 pub use world::{
     NodeId, Violation, World, WorldConfig, DEFAULT_LAYERWISE, DEFAULT_STALLS, DEFAULT_STALL_FREEZE,

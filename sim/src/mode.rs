@@ -162,9 +162,25 @@ pub const HETERO_READ_MARKS: &[&str] = &[
 /// ended `Loaded`, every part's slice of every block landed and judged byte for byte against
 /// what D held), `hetero_turn2_read_back_part_failed` (such a read back had a part fail: the
 /// whole read failed, typed by its first failed part and the engine's policy, and every D
-/// rank's kept blocks came back). Each decided by the session's fan-ins of side
-/// `Reader` (P, `next_turn_allocated` with turn links) and `Holder` (D, `keep_for_next_turn`).
+/// rank's kept blocks came back), `hetero_turn2_declined` (a P rank that recomputes its next
+/// turn declined it at every D rank it is linked to, and a D rank's part ended
+/// `Released(Declined)`, its blocks back before its TTL). Each decided by the session's fan-ins
+/// of side `Reader` (P, `next_turn_allocated` with turn links) and `Holder` (D,
+/// `keep_for_next_turn`), and its multi-rank decline (`decline_export` with turn links).
 pub const HETERO_TURN_MARKS: &[&str] = &[
     "hetero_turn2_read_back",
     "hetero_turn2_read_back_part_failed",
+    "hetero_turn2_declined",
+];
+
+/// The marks of siblings declining a multi-rank pull (required where multi-rank requests are
+/// pulled and [`crate::SimOptions::multi_rank_turns`] is on; reported whenever hit):
+/// `hetero_sibling_decline_sent` (a sibling of a D rank's multi-rank read declined the export
+/// once the read had ended: one decline per P rank the rank reads from, each changing nothing),
+/// `hetero_decline_refused_while_reading` (it declined while any part of the read was live: the
+/// session refused the whole decline, `ImportInProgress`, and no P rank heard of it). Decided by
+/// the session's multi-rank decline (`protocol/src/session/fan_declines.rs`).
+pub const HETERO_DECLINE_MARKS: &[&str] = &[
+    "hetero_sibling_decline_sent",
+    "hetero_decline_refused_while_reading",
 ];

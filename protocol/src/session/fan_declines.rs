@@ -22,10 +22,11 @@ impl Session {
     pub(super) fn fan_declined(
         &mut self,
         now: Time,
+        links: &RankLinks,
         request: &RequestId,
         params: &KvTransferParams,
     ) -> Result<(), ConnectorError> {
-        let links = self.reader_links()?;
+        let links = self.reader_links(links)?;
         links.check_remote_tp(params)?;
         let engine = remote_engine(params)?;
         let key = pairing_key(request, params)?;
@@ -52,10 +53,10 @@ impl Session {
         Ok(())
     }
 
-    /// The links of this rank as a reader: its own when it reads first turns (a D rank in pull
-    /// mode), else its turn links when it reads kept turns back (a P rank).
-    fn reader_links(&self) -> Result<RankLinks, ConnectorError> {
-        [self.links.as_ref(), self.turn_links.as_ref()]
+    /// The links of this rank as a reader: the call's (`links`) when it reads first turns (a D
+    /// rank in pull mode), else its turn links when it reads kept turns back (a P rank).
+    fn reader_links(&self, links: &RankLinks) -> Result<RankLinks, ConnectorError> {
+        [Some(links), self.turn_links.as_ref()]
             .into_iter()
             .flatten()
             .find(|links| links.side == SideName::Decode)

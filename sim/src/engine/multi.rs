@@ -373,6 +373,9 @@ impl World {
             // The router forwards P rank 0's answer to every D rank (as vLLM's proxy does).
             self.keep_answer(&parent_id("p", request), reply);
         }
+        if pull && decode {
+            self.schedule_sibling_decline(request, node, false);
+        }
         let refused: Vec<(RequestId, Rejected)> = self.nodes[node]
             .session
             .as_ref()

@@ -274,7 +274,12 @@ impl World {
     }
 
     /// If the request has a sibling that declines, it does so a while after this read started.
-    fn schedule_sibling_decline(&mut self, request: usize, node: NodeId, second_turn: bool) {
+    pub(in crate::engine) fn schedule_sibling_decline(
+        &mut self,
+        request: usize,
+        node: NodeId,
+        second_turn: bool,
+    ) {
         if let Some(after) = self.requests[request].transfer.sibling_decline {
             let ev = Ev::SiblingDecline {
                 request,
@@ -289,6 +294,9 @@ impl World {
     /// parameters the read was started with (key, epoch, holder). While the read is live the
     /// endpoint must refuse it; once it ended the decline goes out and changes nothing.
     pub(crate) fn sibling_decline(&mut self, request: usize, node: NodeId, second_turn: bool) {
+        if self.requests[request].multi.is_some() {
+            return self.multi_sibling_decline(request, node);
+        }
         let r = &self.requests[request];
         let holders = if second_turn { &r.d } else { &r.p };
         let Some(export) = holders

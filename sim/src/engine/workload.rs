@@ -130,15 +130,18 @@ impl World {
             }
             // Drawn as for any request (the stream stays aligned). A multi-rank request is
             // pushed or pulled as drawn, and keeps its second turn only where turns are read
-            // back across the pair with turn links (`multi/turn.rs`); the session refuses
-            // declines between geometries (`Unsupported`), so no sibling declines one.
+            // back across the pair with turn links (`multi/turn.rs`).
             let drawn_pull = transfer.pull;
             let mut multi = multi;
             if let Some(multi) = multi.as_mut() {
                 if !self.cfg.reads_turns_back_across_ranks() {
                     transfer.second = None;
                 }
-                transfer.sibling_decline = None;
+                // A pulled one keeps its sibling's decline where siblings decline multi-rank
+                // pulls (the session declines at every holder, all or none).
+                if !(drawn_pull && self.cfg.siblings_decline_across_ranks()) {
+                    transfer.sibling_decline = None;
+                }
                 if drawn_pull {
                     self.draw_replicas(&mut mrng, multi);
                 }

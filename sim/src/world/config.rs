@@ -22,7 +22,8 @@ pub struct WorldConfig {
     /// rank feeding every D rank, or both, each pair an ordinary 1:1 sub-request. Drawn per
     /// request from a stream of its own; 0 keeps the world's original shape.
     pub multi_source: f64,
-    /// Multi-rank requests keep the second turn their transfer draws (issue 23, item 4): D's
+    /// Multi-rank requests take part in conversations (issue 23, item 4): pulled ones keep the
+    /// sibling declines their transfer draws, and they keep the second turn it draws: D's
     /// ranks keep their blocks with turn links, and P's ranks read them back across the
     /// heterogeneous pair. Such a world has a second rank of D's engine `decode-0` (its last
     /// node), which its multi-rank requests take as D rank 1 in place of `decode-1`: a read
@@ -226,6 +227,9 @@ impl WorldConfig {
         if self.reads_turns_back_across_ranks() {
             marks.extend_from_slice(crate::HETERO_TURN_MARKS);
         }
+        if self.siblings_decline_across_ranks() {
+            marks.extend_from_slice(crate::HETERO_DECLINE_MARKS);
+        }
         // Ranks misname themselves in push answers only: a world that only pulls has none.
         if self.misnames() && self.mode.pushes() {
             marks.extend_from_slice(MISNAME_MARKS);
@@ -240,6 +244,15 @@ impl WorldConfig {
             && self.multi_rank_turns
             && self.multi_source > 0.0
             && self.mode.second_turn_share() > 0.0
+    }
+
+    /// Whether siblings decline multi-rank pulls (the drawn sibling declines of pulled
+    /// multi-rank requests are kept, [`WorldConfig::multi_rank_turns`]).
+    pub fn siblings_decline_across_ranks(&self) -> bool {
+        !self.explore
+            && self.multi_rank_turns
+            && self.multi_source > 0.0
+            && self.mode.pull_share() > 0.0
     }
 
     /// Whether a hostile peer floods P with made-up keys (seeded mode only).

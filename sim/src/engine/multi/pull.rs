@@ -11,7 +11,10 @@ use kvhandoff_protocol::machine::{
     export_hard_end, EndpointEvent, ExportEnd, ExportOutcome, ImportFailure, ImportOutcome,
     LoadFailurePolicy, SubFailure,
 };
-use kvhandoff_protocol::session::{sub_request_id, ConnectorCall, ConnectorEvent, RankLinks};
+use kvhandoff_protocol::machine::Rejected;
+use kvhandoff_protocol::session::{
+    sub_request_id, ConnectorCall, ConnectorError, ConnectorEvent, RankLinks,
+};
 use kvhandoff_protocol::{BlockIds, RequestId};
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -107,6 +110,41 @@ impl World {
             num_tokens,
             params,
         }
+    }
+
+    /// A sibling of D rank `node`'s multi-rank read of `request` declines the export with the
+    /// very answer the router handed the read: while any part of the read is live the session
+    /// must refuse the whole decline; once the read ended the declines go out and change nothing.
+    pub(in crate::engine) fn multi_sibling_decline(&mut self, request: usize, node: NodeId) {
+        let Some(mut params) = self.pull_answer(request).cloned() else {
+            return;
+        };
+        if self.nodes[node].session.is_none() {
+            return;
+        }
+        let links = self.links_of(request, node, true);
+        params.tp_size = Some(links.remote_tp);
+        if !self.requests[request].transfer.gate {
+            params.remote_blocks_expiry_time = None;
+        }
+        let round = self.requests[request].multi.as_ref().map_or(1, |m| m.round);
+        let key = self.requests[request].key.clone();
+        self.record(format!(
+            "engine: a sibling on D rank {node} declines {key} at P ranks {:?}",
+            links.peers
+        ));
+        let decline = ConnectorCall::DeclineExport {
+            request: rid("s", request, round),
+            params,
+        };
+        match self.call_linked(node, decline, &links) {
+            Ok(_) => self.mark("hetero_sibling_decline_sent"),
+            Err(ConnectorError::Rejected(Rejected::ImportInProgress(_))) => {
+                self.mark("hetero_decline_refused_while_reading")
+            }
+            Err(error) => self.violate(format!("multi-rank sibling decline refused: {error}")),
+        }
+        self.drain(node);
     }
 
     /// The parts `node` just started are imports (D) or exports (P, until their hard end).

@@ -207,8 +207,9 @@ impl World {
     }
 
     /// P rank `node`'s engine starts its share of `request`'s second turn with D's answer: it
-    /// reads its slices back from every D rank that served it (or recomputes, when the turn
-    /// declines: the session refuses declines between geometries, so D's exports run out).
+    /// reads its slices back from every D rank that served it, or, when the turn declines,
+    /// recomputes and declines D's export at every D rank it is linked to (`decline_export`
+    /// with turn links), so D's parts end at once instead of at their TTL.
     pub(crate) fn turn_back(&mut self, request: usize, node: NodeId) {
         let r = &self.requests[request];
         let Some(second) = r.transfer.second.clone() else {
@@ -235,6 +236,9 @@ impl World {
                 .outcomes
                 .entry("multi.turn2.recomputed".to_string())
                 .or_insert(0) += 1;
+            if second.decline {
+                self.decline_turn(request, node, answer);
+            }
             return;
         }
         let owner = Owner {
@@ -274,6 +278,29 @@ impl World {
         let kind = AttemptKind::Import { read_epoch: 1 };
         self.turn_parts_started(request, node, &parent, &blocks, TURN_EPOCH, kind);
         self.last_progress = self.now;
+        self.drain(node);
+    }
+
+    /// P rank `node` declines `request`'s kept turn (D's `answer`) at every D rank it is linked
+    /// to. Nothing starts here and no event follows; a refusal (the session's, typed) leaves
+    /// D's parts to their TTL.
+    fn decline_turn(&mut self, request: usize, node: NodeId, mut answer: KvTransferParams) {
+        let links = self.turn_links(request, node, false);
+        answer.tp_size = Some(links.remote_tp);
+        let call = ConnectorCall::DeclineExport {
+            request: read_id(request),
+            params: answer,
+        };
+        let forward = self.links_of(request, node, false);
+        let label = match self.turn_call(node, call, &links, &forward) {
+            Ok(_) => "multi.turn2.declined".to_string(),
+            Err(error) => format!("multi.turn2.decline_refused.{error}"),
+        };
+        self.record(format!(
+            "engine: P rank {node} declines the turn of request {request} at D ranks {:?}: {label}",
+            links.peers
+        ));
+        *self.outcomes.entry(label).or_insert(0) += 1;
         self.drain(node);
     }
 

@@ -44,6 +44,11 @@ impl World {
                     | ExportOutcome::Released(ExportEnd::FullPrefixHit | ExportEnd::Empty) => None,
                     ExportOutcome::Released(end) => Some(SubFailure::Export(*end)),
                 };
+                if *outcome == ExportOutcome::Released(ExportEnd::Declined) {
+                    // P's multi-rank decline reached this part (the hard-end check above
+                    // already held it to its bound).
+                    self.mark("hetero_turn2_declined");
+                }
                 (
                     true,
                     failure,
