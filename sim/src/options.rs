@@ -103,9 +103,7 @@ impl SimOptions {
         {
             marks.extend_from_slice(HETERO_TURN_MARKS);
         }
-        if self.multi_rank_turns
-            && self.multi_source_share() > 0.0
-            && self.mode.pull_share() > 0.0
+        if self.multi_rank_turns && self.multi_source_share() > 0.0 && self.mode.pull_share() > 0.0
         {
             marks.extend_from_slice(crate::HETERO_DECLINE_MARKS);
         }

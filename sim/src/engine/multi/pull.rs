@@ -7,11 +7,11 @@
 //! rank's one `Imported` or `ExportEnded` (`FanSide::Reader`/`Holder`); this file judges each
 //! part's end and that one event, and plays the router's retry.
 
+use kvhandoff_protocol::machine::Rejected;
 use kvhandoff_protocol::machine::{
     export_hard_end, EndpointEvent, ExportEnd, ExportOutcome, ImportFailure, ImportOutcome,
     LoadFailurePolicy, SubFailure,
 };
-use kvhandoff_protocol::machine::Rejected;
 use kvhandoff_protocol::session::{
     sub_request_id, ConnectorCall, ConnectorError, ConnectorEvent, RankLinks,
 };
