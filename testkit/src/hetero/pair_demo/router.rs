@@ -13,7 +13,7 @@
 //!
 //! A request a holder rank refused, skipped (a restarted rank runs from its `--start-at`) or
 //! will never answer (its connection closed and it did not come back in time) is abandoned:
-//! the readers are told so and never start it ([`table`]).
+//! the readers are told so and never start it (`router/table.rs`).
 //!
 //! One TCP connection per rank, one line of JSON per message: the rank's `hello` first, then the
 //! holders' `answer`s one way and the router's `params` or `abandoned` the other. A rank that
@@ -117,7 +117,8 @@ pub struct RouterPlan {
 
 /// Runs the router on `listen` until every request of `plan` was decided and handed to every
 /// rank connected, or `timeout`. A request waits for every rank of the side that holds it
-/// (see [`table`]).
+/// (`router/table.rs`: a holder that refused, restarted past a request or went away has it
+/// abandoned).
 ///
 /// # Errors
 /// [`DemoError::Options`] when it cannot listen.
