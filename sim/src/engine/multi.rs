@@ -430,7 +430,7 @@ impl World {
     }
 
     /// This request's links of rank `node`: the other side's ranks it pairs with.
-    fn links_of(&self, request: usize, node: NodeId, decode: bool) -> RankLinks {
+    pub(super) fn links_of(&self, request: usize, node: NodeId, decode: bool) -> RankLinks {
         let multi = self.requests[request].multi.as_ref().expect("multi-rank");
         let mut peers: Vec<u32> = multi
             .pairs

@@ -59,41 +59,13 @@ impl World {
     /// `node`'s turn links for `request`: a D rank holds for the P ranks it served, a P rank
     /// reads from the D ranks that served it (the first turn's pairs, planned the other way).
     fn turn_links(&self, request: usize, node: NodeId, decode: bool) -> RankLinks {
-        let multi = self.requests[request].multi.as_ref().expect("multi-rank");
-        let mut peers: Vec<u32> = multi
-            .pairs
-            .iter()
-            .filter(|pair| {
-                if decode {
-                    pair.d == node
-                } else {
-                    pair.p == node
-                }
-            })
-            .map(|pair| {
-                if decode {
-                    self.prefill_rank(pair.p)
-                } else {
-                    self.decode_rank(pair.d)
-                }
-            })
-            .collect();
-        peers.sort_unstable();
-        peers.dedup();
-        let (side, rank, remote) = if decode {
-            let ranks = self.prefill_nodes().len() as u32;
-            (SideName::Prefill, self.decode_rank(node), ranks)
-        } else {
-            let ranks = self.decode_rank_nodes().len() as u32;
-            (SideName::Decode, self.prefill_rank(node), ranks)
+        // The first turn's links, the sides swapped: D's ranks hold, P's read.
+        let mut links = self.links_of(request, node, decode);
+        links.side = match links.side {
+            SideName::Prefill => SideName::Decode,
+            SideName::Decode => SideName::Prefill,
         };
-        RankLinks {
-            side,
-            rank,
-            remote_tp: remote,
-            remote_ranks: remote,
-            peers,
-        }
+        links
     }
 
     /// A turn call on `node`'s session with this request's turn links. An engine of one
