@@ -14,6 +14,11 @@
 //! Only the victim pair gets the short timings below (a heartbeat, fabric bounds, a survivor's
 //! deadline or lease), so that the survivor notices the death and ends what it held within the
 //! run; both sides of the pair get the same heartbeat and bounds, as the protocol requires.
+//!
+//! A heterogeneous pair (`--model`) is killed in any mode: every rank but the victim survives
+//! it, and the pair's router, told of the restart by its `hello` (`--start-at K`), abandons the
+//! requests below K that no rank finished deciding, so that no survivor waits for a rank that
+//! will never serve them. Equal geometries are killed in push mode only.
 
 use std::io::{BufRead, BufReader};
 use std::process::{ChildStderr, ExitStatus};
