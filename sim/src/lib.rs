@@ -237,6 +237,29 @@ impl SimReport {
     pub fn clean(&self) -> bool {
         self.violations.is_empty() && self.leaked_blocks == 0 && self.stale_writes == 0
     }
+
+    /// The first violation with its seed and trace, for a failing test's message (empty when
+    /// there is none).
+    pub fn first_violation(&self) -> String {
+        self.violations
+            .first()
+            .map(|v| format!("seed {}: {}\n{}", v.seed, v.message, v.trace.join("\n")))
+            .unwrap_or_default()
+    }
+
+    /// Every violation's message.
+    pub fn violation_messages(&self) -> Vec<&str> {
+        self.violations.iter().map(|v| v.message.as_str()).collect()
+    }
+
+    /// The outcomes whose kind starts with `prefix`, summed.
+    pub fn outcomes_starting(&self, prefix: &str) -> u64 {
+        self.outcomes
+            .iter()
+            .filter(|(kind, _)| kind.starts_with(prefix))
+            .map(|(_, n)| n)
+            .sum()
+    }
 }
 
 /// One seed's result.

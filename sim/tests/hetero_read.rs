@@ -31,14 +31,6 @@ fn cli(seeds: std::ops::Range<u64>, requests: usize, mode: Mode) -> SimOptions {
     }
 }
 
-fn first_violation(report: &SimReport) -> String {
-    report
-        .violations
-        .first()
-        .map(|v| format!("seed {}: {}\n{}", v.seed, v.message, v.trace.join("\n")))
-        .unwrap_or_default()
-}
-
 fn count(outcomes: &std::collections::BTreeMap<String, u64>, prefix: &str) -> u64 {
     outcomes
         .iter()
@@ -84,7 +76,7 @@ fn mixed_and_pull_sweeps_with_multi_rank_pulls_are_clean_and_hit_their_marks() {
         let opts = chaos(seeds, mode);
         assert!(opts.required_marks().contains(&"hetero_read"), "{mode:?}");
         let report = run_seeds(&opts);
-        assert!(report.violations.is_empty(), "{}", first_violation(&report));
+        assert!(report.violations.is_empty(), "{}", report.first_violation());
         assert_eq!(report.leaked_blocks, 0, "{:?}", report.leaks);
         assert_eq!(report.stale_writes, 0);
         assert_hetero_marks(&report);
@@ -137,11 +129,7 @@ fn a_reader_loaded_at_its_first_part_is_caught() {
         ..chaos(0..100, Mode::Pull)
     };
     let report = run_seeds(&opts);
-    let messages: Vec<&str> = report
-        .violations
-        .iter()
-        .map(|v| v.message.as_str())
-        .collect();
+    let messages = report.violation_messages();
     assert!(
         messages
             .iter()
@@ -166,11 +154,7 @@ fn the_fan_in_mutation_is_caught_through_pulls() {
         ..chaos(0..100, Mode::Pull)
     };
     let report = run_seeds(&opts);
-    let messages: Vec<&str> = report
-        .violations
-        .iter()
-        .map(|v| v.message.as_str())
-        .collect();
+    let messages = report.violation_messages();
     assert!(
         messages.iter().any(|m| m.starts_with("S10:")),
         "{messages:?}"

@@ -5,9 +5,7 @@
 //! them (`next_turn_allocated` with turn links). The sweeps must reach the read backs (their
 //! preconditions first), be clean, and catch a reader that ignores all but its first D rank.
 
-use kvhandoff_sim::{
-    run_seeds, seed_world, Faults, Mode, Mutation, SimOptions, SimReport, HETERO_TURN_MARKS,
-};
+use kvhandoff_sim::{run_seeds, seed_world, Faults, Mode, Mutation, SimOptions, HETERO_TURN_MARKS};
 
 fn chaos(seeds: std::ops::Range<u64>, mode: Mode) -> SimOptions {
     SimOptions {
@@ -17,23 +15,6 @@ fn chaos(seeds: std::ops::Range<u64>, mode: Mode) -> SimOptions {
         multi_rank_turns: true,
         ..SimOptions::new(seeds, 40, Faults::Chaos)
     }
-}
-
-fn first_violation(report: &SimReport) -> String {
-    report
-        .violations
-        .first()
-        .map(|v| format!("seed {}: {}\n{}", v.seed, v.message, v.trace.join("\n")))
-        .unwrap_or_default()
-}
-
-fn count(report: &SimReport, prefix: &str) -> u64 {
-    report
-        .outcomes
-        .iter()
-        .filter(|(k, _)| k.starts_with(prefix))
-        .map(|(_, v)| v)
-        .sum()
 }
 
 /// Bidir and mixed worlds with multi-rank requests that keep their second turn: D ranks kept
@@ -49,15 +30,15 @@ fn multi_rank_turns_are_read_back_across_the_pair_cleanly() {
         }
         let report = run_seeds(&opts);
         assert!(
-            count(&report, "multi.turn2.part.export.Read") > 0
-                && count(&report, "multi.turn2.part.import.Loaded") > 0,
+            report.outcomes_starting("multi.turn2.part.export.Read") > 0
+                && report.outcomes_starting("multi.turn2.part.import.Loaded") > 0,
             "precondition: parts of kept turns were read back: {:?}",
             report.outcomes
         );
         assert!(
-            count(&report, "multi.turn2.import.Loaded") > 0
-                && count(&report, "multi.turn2.import.Failed") > 0
-                && count(&report, "multi.turn2.import.Recompute") > 0,
+            report.outcomes_starting("multi.turn2.import.Loaded") > 0
+                && report.outcomes_starting("multi.turn2.import.Failed") > 0
+                && report.outcomes_starting("multi.turn2.import.Recompute") > 0,
             "precondition: read backs loaded, and failed under both policies: {:?}",
             report.outcomes
         );
@@ -68,7 +49,7 @@ fn multi_rank_turns_are_read_back_across_the_pair_cleanly() {
                 report.coverage
             );
         }
-        assert!(report.violations.is_empty(), "{}", first_violation(&report));
+        assert!(report.violations.is_empty(), "{}", report.first_violation());
         assert_eq!(report.leaked_blocks, 0, "{:?}", report.leaks);
         assert_eq!(report.stale_writes, 0);
     }
@@ -85,11 +66,7 @@ fn a_read_back_from_its_first_rank_only_is_caught() {
         ..chaos(0..100, Mode::Bidir)
     };
     let report = run_seeds(&opts);
-    let messages: Vec<&str> = report
-        .violations
-        .iter()
-        .map(|v| v.message.as_str())
-        .collect();
+    let messages = report.violation_messages();
     assert!(
         messages
             .iter()
@@ -116,8 +93,13 @@ fn worlds_without_multi_rank_turns_keep_their_shape() {
     assert!(!off.required_marks().contains(&"hetero_turn2_read_back"));
     assert!(!seed_world(&off, 0).reads_turns_back_across_ranks());
     let report = run_seeds(&off);
-    assert_eq!(count(&report, "multi.turn2."), 0, "{:?}", report.outcomes);
-    assert!(report.clean(), "{}", first_violation(&report));
+    assert_eq!(
+        report.outcomes_starting("multi.turn2."),
+        0,
+        "{:?}",
+        report.outcomes
+    );
+    assert!(report.clean(), "{}", report.first_violation());
     let on = SimOptions {
         multi_rank_turns: true,
         ..off

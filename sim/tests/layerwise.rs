@@ -3,7 +3,7 @@
 //! Chaos sweeps with stalls must stay clean and reach the layer-wise marks (a partial layer set
 //! cancelled among them), and each deliberate bug of the layer-wise rules must be caught.
 
-use kvhandoff_sim::{run_seeds, Faults, Mode, Mutation, SimOptions, SimReport, LAYERWISE_MARKS};
+use kvhandoff_sim::{run_seeds, Faults, Mode, Mutation, SimOptions, LAYERWISE_MARKS};
 
 fn chaos(seeds: std::ops::Range<u64>, layerwise: f64) -> SimOptions {
     // As `kvhandoff sim --mode push --layerwise S --requests 40` runs it.
@@ -18,18 +18,10 @@ fn chaos(seeds: std::ops::Range<u64>, layerwise: f64) -> SimOptions {
     }
 }
 
-fn first_violation(report: &SimReport) -> String {
-    report
-        .violations
-        .first()
-        .map(|v| format!("seed {}: {}\n{}", v.seed, v.message, v.trace.join("\n")))
-        .unwrap_or_default()
-}
-
 #[test]
 fn layer_wise_sweep_is_clean_and_hits_its_marks() {
     let report = run_seeds(&chaos(9_000..9_150, 1.0));
-    assert!(report.violations.is_empty(), "{}", first_violation(&report));
+    assert!(report.violations.is_empty(), "{}", report.first_violation());
     assert_eq!(report.leaked_blocks, 0, "{:?}", report.leaks);
     assert_eq!(report.stale_writes, 0);
     for mark in LAYERWISE_MARKS {

@@ -13,14 +13,6 @@ fn chaos(seeds: std::ops::Range<u64>, mode: Mode) -> SimOptions {
     }
 }
 
-fn first_violation(report: &kvhandoff_sim::SimReport) -> String {
-    report
-        .violations
-        .first()
-        .map(|v| format!("seed {}: {}\n{}", v.seed, v.message, v.trace.join("\n")))
-        .unwrap_or_default()
-}
-
 fn assert_clean_and_covered(report: &kvhandoff_sim::SimReport, mode: Mode) {
     assert_clean_and_hits(report, mode, &mode.required_marks());
 }
@@ -29,7 +21,7 @@ fn assert_clean_and_hits(report: &kvhandoff_sim::SimReport, mode: Mode, marks: &
     assert!(
         report.violations.is_empty(),
         "{mode:?}: {}",
-        first_violation(report)
+        report.first_violation()
     );
     assert_eq!(report.leaked_blocks, 0, "{mode:?}: {:?}", report.leaks);
     assert_eq!(report.stale_writes, 0, "{mode:?}");

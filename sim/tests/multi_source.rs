@@ -18,16 +18,8 @@ fn chaos(seeds: std::ops::Range<u64>, mode: Mode, share: Option<f64>) -> SimOpti
     }
 }
 
-fn first_violation(report: &SimReport) -> String {
-    report
-        .violations
-        .first()
-        .map(|v| format!("seed {}: {}\n{}", v.seed, v.message, v.trace.join("\n")))
-        .unwrap_or_default()
-}
-
 fn assert_clean_with_multi_marks(report: &SimReport) {
-    assert!(report.violations.is_empty(), "{}", first_violation(report));
+    assert!(report.violations.is_empty(), "{}", report.first_violation());
     assert_eq!(report.leaked_blocks, 0, "{:?}", report.leaks);
     assert_eq!(report.stale_writes, 0);
     for mark in MULTI_SOURCE_MARKS {
@@ -84,7 +76,7 @@ fn the_fan_in_mutation_is_caught() {
             .iter()
             .any(|v| v.message.starts_with("S10:")),
         "{}",
-        first_violation(&report)
+        report.first_violation()
     );
     assert!(
         report.violations.iter().any(|v| harm(&v)),
@@ -127,7 +119,7 @@ fn seed_8_a_failed_pair_frees_the_shared_blocks_only_after_its_siblings() {
         "precondition: a partial failure: {:?}",
         clean.coverage
     );
-    assert!(clean.clean(), "{}", first_violation(&clean));
+    assert!(clean.clean(), "{}", clean.first_violation());
 
     let mutated = run_seeds(&opts(Some(Mutation::FreeOnFirstSourceSettled)));
     let messages: Vec<&str> = mutated

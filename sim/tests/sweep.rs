@@ -14,18 +14,10 @@ fn ci_chaos(seeds: std::ops::Range<u64>) -> SimOptions {
     }
 }
 
-fn first_violation(report: &kvhandoff_sim::SimReport) -> String {
-    report
-        .violations
-        .first()
-        .map(|v| format!("seed {}: {}\n{}", v.seed, v.message, v.trace.join("\n")))
-        .unwrap_or_default()
-}
-
 #[test]
 fn chaos_sweep_at_varied_load_is_clean_and_hits_every_mark() {
     let report = run_seeds(&ci_chaos(0..700));
-    assert!(report.violations.is_empty(), "{}", first_violation(&report));
+    assert!(report.violations.is_empty(), "{}", report.first_violation());
     assert_eq!(report.leaked_blocks, 0, "{:?}", report.leaks);
     assert_eq!(report.stale_writes, 0);
     for mark in kvhandoff_sim::COVERAGE_MARKS {
@@ -53,7 +45,7 @@ fn no_faults_and_network_faults_are_clean() {
         assert!(
             report.violations.is_empty(),
             "{faults:?}: {}",
-            first_violation(&report)
+            report.first_violation()
         );
         assert_eq!(report.leaked_blocks, 0);
         assert!(report.coverage["decode_registered_first"] > 0);

@@ -520,3 +520,25 @@ impl World {
         }
     }
 }
+
+/// What a reader's fan-in must tell the engine when a part failed: the first failed part's
+/// failure by the engine's policy, with no token kept (no part is a prefix of the request).
+fn reader_fan_outcome(
+    first: kvhandoff_protocol::machine::SubFailure,
+    policy: kvhandoff_protocol::machine::LoadFailurePolicy,
+) -> kvhandoff_protocol::machine::ImportOutcome {
+    use kvhandoff_protocol::machine::{
+        ImportFailure, ImportOutcome, LoadFailurePolicy, SubFailure,
+    };
+    let failure = match first {
+        SubFailure::Import(failure) => failure,
+        _ => ImportFailure::Aborted,
+    };
+    match policy {
+        LoadFailurePolicy::Fail => ImportOutcome::Failed(failure),
+        LoadFailurePolicy::Recompute => ImportOutcome::Recompute {
+            valid_tokens: 0,
+            failure,
+        },
+    }
+}

@@ -7,10 +7,9 @@
 //! rank's one `Imported` or `ExportEnded` (`FanSide::Reader`/`Holder`); this file judges each
 //! part's end and that one event, and plays the router's retry.
 
-use kvhandoff_protocol::machine::Rejected;
 use kvhandoff_protocol::machine::{
     export_hard_end, EndpointEvent, ExportEnd, ExportOutcome, ImportFailure, ImportOutcome,
-    LoadFailurePolicy, SubFailure,
+    Rejected, SubFailure,
 };
 use kvhandoff_protocol::session::{
     sub_request_id, ConnectorCall, ConnectorError, ConnectorEvent, RankLinks,
@@ -374,17 +373,7 @@ impl World {
                         self.mark("hetero_read");
                     }
                 } else if sound {
-                    let failure = match expected_failure {
-                        SubFailure::Import(failure) => failure,
-                        _ => ImportFailure::Aborted,
-                    };
-                    let expected = match policy {
-                        LoadFailurePolicy::Fail => ImportOutcome::Failed(failure),
-                        LoadFailurePolicy::Recompute => ImportOutcome::Recompute {
-                            valid_tokens: 0,
-                            failure,
-                        },
-                    };
+                    let expected = super::reader_fan_outcome(expected_failure, policy);
                     if *outcome != expected {
                         self.violate(format!(
                             "S10: pulled request {request} on rank {node} ended {outcome:?}; \

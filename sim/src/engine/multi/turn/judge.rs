@@ -3,8 +3,7 @@
 //! part (S10), P's bytes against what D held (S7/S8), then the blocks go back to the pool.
 
 use kvhandoff_protocol::machine::{
-    EndpointEvent, ExportEnd, ExportOutcome, ImportFailure, ImportOutcome, LoadFailurePolicy,
-    SubFailure, Time,
+    EndpointEvent, ExportEnd, ExportOutcome, ImportOutcome, SubFailure, Time,
 };
 use kvhandoff_protocol::session::ConnectorEvent;
 use kvhandoff_protocol::BlockIds;
@@ -257,17 +256,7 @@ impl World {
                         self.mark("hetero_turn2_read_back");
                     }
                 } else if sound {
-                    let failure = match first_failure {
-                        SubFailure::Import(failure) => failure,
-                        _ => ImportFailure::Aborted,
-                    };
-                    let expected = match policy {
-                        LoadFailurePolicy::Fail => ImportOutcome::Failed(failure),
-                        LoadFailurePolicy::Recompute => ImportOutcome::Recompute {
-                            valid_tokens: 0,
-                            failure,
-                        },
-                    };
+                    let expected = super::super::reader_fan_outcome(first_failure, policy);
                     if *outcome != expected {
                         self.violate(format!(
                             "S10: read back of request {request} on P rank {node} ended \
