@@ -5,10 +5,12 @@
 mod calls;
 mod events;
 mod fenced;
+mod late_grants;
 mod layerwise;
 mod leases;
 pub(crate) use events::PendingHandBack;
 pub(crate) use fenced::FencedWatch;
+pub(crate) use late_grants::LateGrants;
 pub(crate) use leases::{quiet_stall_budget, LeaseKey, PLease};
 mod multi;
 mod read_path;

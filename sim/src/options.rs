@@ -138,6 +138,11 @@ impl SimOptions {
             // Routers late to D at P's lease end, with P stopped across it (drawn per seed).
             marks.push("register_after_lease_end");
         }
+        if swarmed && self.stalls > 0.0 && self.mode.reads() && self.stall_messages_first > 0.0 {
+            // Readers that handle a grant late and stop with their reads frozen past the
+            // holder's fence (drawn per seed).
+            marks.push("frozen_read_landed_after_holder_freed");
+        }
         marks
     }
 

@@ -12,7 +12,8 @@
 //! peer timeout, `Config::max_handling_delay`; such a configuration is now refused.) Likewise
 //! small tombstone tables, registration resends, stall counts, which stalls freeze transfers,
 //! which resumes hand over messages first, stalls aimed at P or right after a post, storms of
-//! late messages and retries, hostile peers, and routers late to D at P's lease end.
+//! late messages and retries, hostile peers, routers late to D at P's lease end, and readers
+//! that handle a grant late and then stop with their reads frozen past the holder's fence.
 //!
 //! The draws come from streams of their own, seeded by the seed alone: a seed's load is drawn
 //! as without the swarm, and a seed replays with the same options. [`SimOptions::new`] leaves
@@ -107,6 +108,16 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
     let mut late = ChaCha8Rng::seed_from_u64(seed ^ 0x6c61_7465_5f72_6567);
     if cfg.may_stall() && cfg.mode.pushes() && late.gen_ratio(1, 3) {
         cfg.late_register = 0.2;
+    }
+    // Its own stream too: one stalling seed in three that reads has readers that handle some
+    // grants late and then stop with their reads frozen past the holder's fence.
+    let mut grants = ChaCha8Rng::seed_from_u64(seed ^ 0x6c61_7465_5f67_6e74);
+    if cfg.may_stall()
+        && cfg.mode.reads()
+        && cfg.stall_messages_first > 0.0
+        && grants.gen_ratio(1, 3)
+    {
+        cfg.late_grant = 0.3;
     }
     debug_assert!(opts.faults == cfg.faults);
     if let Err(e) = cfg.machine.validate() {

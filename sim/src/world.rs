@@ -143,6 +143,9 @@ pub struct World {
     /// Requests whose D the router hands the request about when P's lease ends, not yet met by
     /// their aimed stall (`WorldConfig::late_register`).
     pub(crate) late_registers: BTreeSet<usize>,
+    /// Asks and grants sent, and readers met by the aimed late-grant stalls
+    /// (`WorldConfig::late_grant`).
+    pub(crate) late_grants: crate::engine::LateGrants,
     /// The hostile peers' streams and what the checks saw of them (`world/hostile.rs`).
     pub(crate) hostile: hostile::Hostile,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
@@ -260,6 +263,7 @@ impl World {
             router_retry_epochs: BTreeSet::new(),
             p_leases: BTreeMap::new(),
             late_registers: BTreeSet::new(),
+            late_grants: crate::engine::LateGrants::new(seed),
             stall_frozen: 0,
             hostile,
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),

@@ -218,3 +218,50 @@ fn seed_9807601_a_registration_after_the_lease_is_refused_and_writing_it_is_caug
         caught.violations
     );
 }
+
+/// A reader that handles its grant late (near the ask's delivery bound) and stops right after
+/// posting, its read frozen past the holder's grant fence, lands what the holder's freed blocks
+/// hold (`WorldConfig::late_grant`, drawn by the swarm). Its late-read check distrusts the
+/// read's report, which comes after the trust horizon but before the reader's own bound on the
+/// read; under `trust_late_reads` the import counts it, and the bytes of a `Loaded` import are
+/// not the holder's KV (S7). Seed 27 of the swarm's range 0..300, mixed.
+#[test]
+fn seed_27_a_read_landed_after_the_holders_fence_is_distrusted_and_trusting_it_is_caught() {
+    let seed = 27;
+    let options = cli_swarm(seed..seed + 1);
+    let clean = run_world(seed_world(&options, seed), seed);
+    // The precondition: a frozen read landed after its holder freed the blocks it reads.
+    assert!(
+        clean
+            .coverage
+            .get("frozen_read_landed_after_holder_freed")
+            .is_some_and(|&n| n > 0),
+        "precondition not reached: {:?}",
+        clean.coverage
+    );
+    assert!(clean.counters["late_reads_distrusted"] > 0);
+    assert!(clean.violations.is_empty(), "{:#?}", clean.violations);
+    assert_eq!(clean.leaked_blocks, 0, "{:?}", clean.leaks);
+
+    let mutated = SimOptions {
+        mutation: Some(Mutation::TrustLateReads),
+        ..options
+    };
+    let caught = run_world(seed_world(&mutated, seed), seed);
+    assert!(
+        caught
+            .coverage
+            .get("frozen_read_landed_after_holder_freed")
+            .is_some_and(|&n| n > 0),
+        "precondition not reached under the mutation: {:?}",
+        caught.coverage
+    );
+    assert!(
+        caught
+            .violations
+            .iter()
+            .any(|v| v.message.starts_with("S7:")),
+        "trust_late_reads not caught: {:#?}",
+        caught.violations
+    );
+}

@@ -115,6 +115,7 @@ impl World {
         self.writes.insert(seq, read);
         let scheduled = self.schedule(delay, Ev::Land { write: seq });
         assert_eq!(scheduled, seq, "the read's id is its landing event's");
+        self.maybe_stall_after_late_read(node, &order.key);
         self.maybe_stall_after_post(node);
     }
 
@@ -137,6 +138,11 @@ impl World {
         const _: () = assert!(matches!(effect(Happening::TargetDies), Effect::Fails));
         let holder_gone = !self.alive(r.target) || self.nodes[r.target].incarnation != r.target_inc;
         let fail = fail || holder_gone || self.chance(self.rates.fail_later);
+        if !fail && r.frozen && self.holder_freed_any(&r) {
+            // What lands is not the holder's KV: only the reader's late-read check stands
+            // between it and a `Loaded` import (`engine/late_grants.rs`).
+            self.mark("frozen_read_landed_after_holder_freed");
+        }
         if !fail {
             self.copy_read(&r, true);
             *self
@@ -162,6 +168,17 @@ impl World {
         self.writes.insert(seq, r);
         let failure = fail.then_some(WriteFailure::TransferFailed);
         self.schedule_report(seq, failure, 50, 1_000);
+    }
+
+    /// Whether the holder no longer leases one of the blocks read `r` reads to its request.
+    fn holder_freed_any(&self, r: &SimWrite) -> bool {
+        r.remote.iter().any(|&b| {
+            self.nodes[r.target]
+                .pool
+                .state(b)
+                .and_then(|s| s.owner)
+                .is_none_or(|o| o.request != r.request)
+        })
     }
 
     /// Copies the read's slice of every block it covers from the holder into the reader

@@ -121,6 +121,12 @@ pub struct WorldConfig {
     /// registration reaches a lease that ended while its timer could not run in a few seeds of
     /// 300 only. 0 in the constructors.
     pub late_register: f64,
+    /// The chance that a grant reaching a reader in the faulty phase meets an aimed pair of
+    /// stalls (swarm, `engine/late_grants.rs`): the reader handles the grant late, then stops
+    /// with its reads frozen past the holder's grant fence, where only its late-read check
+    /// keeps it from trusting what lands. Needs stalls and messages-first resumes; at most
+    /// three per world. 0 in the constructors.
+    pub late_grant: f64,
     /// The swarm may draw completions that take the slowest a message may take
     /// (`Rates::slow_write_done`). True in the constructors; a regression seed found before
     /// that draw existed turns it off to replay its world.
@@ -205,6 +211,7 @@ impl WorldConfig {
             misname_rank: 0.0,
             stall_after_post: 0.0,
             late_register: 0.0,
+            late_grant: 0.0,
             late_completions: true,
         }
     }
@@ -323,6 +330,7 @@ impl WorldConfig {
             misname_rank: 0.0,
             stall_after_post: 0.0,
             late_register: 0.0,
+            late_grant: 0.0,
             late_completions: true,
         }
     }

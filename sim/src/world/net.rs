@@ -94,6 +94,7 @@ impl World {
         };
         let message = self.hostile_send(from, to, message);
         self.note_sent(from, &message);
+        self.note_read_message(from, to, &message);
         if let Message::Cancel(cancel) = &message {
             self.note_cancel(from, to, cancel);
         }
@@ -297,6 +298,7 @@ impl World {
             return;
         }
         self.maybe_stall_at_lease_end(&msg);
+        self.maybe_stall_before_late_grant(&msg);
         if self.stalled(msg.to) {
             // In the stopped process's receive queue: it stays there, whatever happens to the
             // connection meanwhile, until the process runs again.
