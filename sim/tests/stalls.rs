@@ -2,8 +2,9 @@
 //! to past the quarantine and resume (timers first, then what they held).
 
 use kvhandoff_sim::{
-    run_seeds, run_world, seed_world, Faults, Mode, Mutation, SimOptions, DEFAULT_LAYERWISE,
-    DEFAULT_STALLS, DEFAULT_STALL_FREEZE, DEFAULT_STALL_MESSAGES_FIRST, STALL_MARKS,
+    run_seeds, run_world, seed_world, Faults, Mode, Mutation, SimOptions, WorldConfig,
+    DEFAULT_LAYERWISE, DEFAULT_STALLS, DEFAULT_STALL_FREEZE, DEFAULT_STALL_MESSAGES_FIRST,
+    STALL_MARKS,
 };
 
 fn stalling(seeds: std::ops::Range<u64>, mode: Mode, freeze: f64) -> SimOptions {
@@ -172,49 +173,55 @@ fn cli_swarm(seeds: std::ops::Range<u64>) -> SimOptions {
 /// the resume hands the registration over before the lease's timer runs.
 #[test]
 fn seed_9807601_a_registration_after_the_lease_is_refused_and_writing_it_is_caught() {
-    let seed = 9_807_601;
-    let options = cli_swarm(seed..seed + 1);
-    // The world as found, before the swarm drew late completions.
-    let world = || {
-        let mut world = seed_world(&options, seed);
+    // The world as found, before the swarm drew late completions and late grants.
+    let as_found = |world: &mut WorldConfig| {
         world.late_completions = false;
-        world
+        world.late_grant = 0.0;
     };
-    let clean = run_world(world(), seed);
-    // The precondition: the lease check was asked about a registration past the lease.
-    assert!(
-        clean
-            .coverage
-            .get("register_after_lease_end")
-            .is_some_and(|&n| n > 0),
-        "precondition not reached: {:?}",
-        clean.coverage
+    // The precondition: the lease check was asked about a registration past the lease; L5 (no
+    // write posted after its lease) catches the mutation.
+    reached_and_caught(
+        9_807_601,
+        as_found,
+        ("register_after_lease_end", "expired_leases_refused"),
+        (Mutation::WriteOnExpiredLease, "L5:"),
     );
-    assert!(clean.counters["expired_leases_refused"] > 0);
+}
+
+/// Seed `seed` of the swarm (mixed, `world_as_found` applied to its drawn world) reaches `mark`
+/// with the defence at work (`counter` > 0) and is clean; under `mutation` it reaches the mark
+/// too, and a violation starting with `prefix` catches it.
+fn reached_and_caught(
+    seed: u64,
+    world_as_found: impl Fn(&mut WorldConfig),
+    (mark, counter): (&str, &str),
+    (mutation, prefix): (Mutation, &str),
+) {
+    let options = cli_swarm(seed..seed + 1);
+    let run = |options: &SimOptions| {
+        let mut world = seed_world(options, seed);
+        world_as_found(&mut world);
+        run_world(world, seed)
+    };
+    let reached =
+        |report: &kvhandoff_sim::SeedResult| report.coverage.get(mark).is_some_and(|&n| n > 0);
+    let clean = run(&options);
+    assert!(reached(&clean), "{mark} not reached: {:?}", clean.coverage);
+    assert!(clean.counters[counter] > 0, "{counter} is 0");
     assert!(clean.violations.is_empty(), "{:#?}", clean.violations);
     assert_eq!(clean.leaked_blocks, 0, "{:?}", clean.leaks);
 
-    let mutated = SimOptions {
-        mutation: Some(Mutation::WriteOnExpiredLease),
+    let caught = run(&SimOptions {
+        mutation: Some(mutation),
         ..options
-    };
-    let mut mutated_world = seed_world(&mutated, seed);
-    mutated_world.late_completions = false;
-    let caught = run_world(mutated_world, seed);
-    assert!(
-        caught
-            .coverage
-            .get("register_after_lease_end")
-            .is_some_and(|&n| n > 0),
-        "precondition not reached under the mutation: {:?}",
-        caught.coverage
-    );
+    });
+    assert!(reached(&caught), "{mark} not reached under {mutation:?}");
     assert!(
         caught
             .violations
             .iter()
-            .any(|v| v.message.starts_with("L5:")),
-        "write_on_expired_lease not caught: {:#?}",
+            .any(|v| v.message.starts_with(prefix)),
+        "{mutation:?} not caught: {:#?}",
         caught.violations
     );
 }
@@ -227,41 +234,14 @@ fn seed_9807601_a_registration_after_the_lease_is_refused_and_writing_it_is_caug
 /// not the holder's KV (S7). Seed 27 of the swarm's range 0..300, mixed.
 #[test]
 fn seed_27_a_read_landed_after_the_holders_fence_is_distrusted_and_trusting_it_is_caught() {
-    let seed = 27;
-    let options = cli_swarm(seed..seed + 1);
-    let clean = run_world(seed_world(&options, seed), seed);
     // The precondition: a frozen read landed after its holder freed the blocks it reads.
-    assert!(
-        clean
-            .coverage
-            .get("frozen_read_landed_after_holder_freed")
-            .is_some_and(|&n| n > 0),
-        "precondition not reached: {:?}",
-        clean.coverage
-    );
-    assert!(clean.counters["late_reads_distrusted"] > 0);
-    assert!(clean.violations.is_empty(), "{:#?}", clean.violations);
-    assert_eq!(clean.leaked_blocks, 0, "{:?}", clean.leaks);
-
-    let mutated = SimOptions {
-        mutation: Some(Mutation::TrustLateReads),
-        ..options
-    };
-    let caught = run_world(seed_world(&mutated, seed), seed);
-    assert!(
-        caught
-            .coverage
-            .get("frozen_read_landed_after_holder_freed")
-            .is_some_and(|&n| n > 0),
-        "precondition not reached under the mutation: {:?}",
-        caught.coverage
-    );
-    assert!(
-        caught
-            .violations
-            .iter()
-            .any(|v| v.message.starts_with("S7:")),
-        "trust_late_reads not caught: {:#?}",
-        caught.violations
+    reached_and_caught(
+        27,
+        |_| {},
+        (
+            "frozen_read_landed_after_holder_freed",
+            "late_reads_distrusted",
+        ),
+        (Mutation::TrustLateReads, "S7:"),
     );
 }

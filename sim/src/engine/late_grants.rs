@@ -31,7 +31,7 @@ use kvhandoff_protocol::{Message, PairingKey};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::world::{micros, Ev, NetMsg, NodeId, World};
+use crate::world::{micros, NetMsg, NodeId, World};
 
 /// Most aimed stalls per world: each stops a reader for about a read's span.
 pub(crate) const MAX_LATE_GRANT_STALLS: u32 = 3;
@@ -179,15 +179,6 @@ impl World {
         }
         let span = latest.saturating_since(earliest).as_micros() as u64;
         let resume = earliest + micros(&mut self.late_grants.rng, 0, span);
-        let length = resume.saturating_since(self.now);
-        self.schedule(
-            Duration::ZERO,
-            Ev::Stall {
-                node,
-                length,
-                freeze: true,
-            },
-        );
-        self.heal = self.heal.max(resume + Duration::from_millis(200));
+        self.stall_after_this_step(node, resume.saturating_since(self.now));
     }
 }

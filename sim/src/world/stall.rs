@@ -173,6 +173,12 @@ impl World {
         let mut rng = self.rng.clone();
         let length = self.stall_length(&mut rng);
         self.rng = rng;
+        self.stall_after_this_step(node, length);
+    }
+
+    /// `node` stops for `length` once the step in progress is over (a post's handler ends
+    /// first), its transfers frozen; faults go on until it runs again.
+    pub(crate) fn stall_after_this_step(&mut self, node: NodeId, length: Duration) {
         self.schedule(
             Duration::ZERO,
             Ev::Stall {
