@@ -5,11 +5,13 @@
 mod calls;
 mod events;
 mod fenced;
+mod lapsed_layers;
 mod late_grants;
 mod layerwise;
 mod leases;
 pub(crate) use events::PendingHandBack;
 pub(crate) use fenced::FencedWatch;
+pub(crate) use lapsed_layers::MidLayerStalls;
 pub(crate) use late_grants::LateGrants;
 pub(crate) use leases::{quiet_stall_budget, LeaseKey, PLease};
 mod multi;

@@ -13,7 +13,8 @@
 //! small tombstone tables, registration resends, stall counts, which stalls freeze transfers,
 //! which resumes hand over messages first, stalls aimed at P or right after a post, storms of
 //! late messages and retries, hostile peers, routers late to D at P's lease end, and readers
-//! that handle a grant late and then stop with their reads frozen past the holder's fence.
+//! that handle a grant late and then stop with their reads frozen past the holder's fence, and
+//! layer-wise writers stopped between two parts until D freed their blocks.
 //!
 //! The draws come from streams of their own, seeded by the seed alone: a seed's load is drawn
 //! as without the swarm, and a seed replays with the same options. [`SimOptions::new`] leaves
@@ -102,6 +103,12 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
     }
     if cfg.layerwise > 0.0 && cfg.faults == Faults::Chaos && layers.gen_ratio(1, 2) {
         cfg.abort_mid_layers = 0.1;
+    }
+    // Its own stream too: one layer-wise stalling seed in three has P stop between two parts
+    // of a write until D freed its blocks.
+    let mut mid = ChaCha8Rng::seed_from_u64(seed ^ 0x6d69_645f_7374_6c31);
+    if cfg.layerwise > 0.0 && cfg.may_stall() && cfg.mode.pushes() && mid.gen_ratio(1, 3) {
+        cfg.stall_mid_layers = 0.2;
     }
     // Its own stream too: one stalling seed in three has routers that hand some pushed
     // requests to D about when P's lease ends, each met by a stall of P across that end.

@@ -146,6 +146,8 @@ pub struct World {
     /// Asks and grants sent, and readers met by the aimed late-grant stalls
     /// (`WorldConfig::late_grant`).
     pub(crate) late_grants: crate::engine::LateGrants,
+    /// Layer-wise writers stopped between parts (`WorldConfig::stall_mid_layers`).
+    pub(crate) mid_layer_stalls: crate::engine::MidLayerStalls,
     /// The hostile peers' streams and what the checks saw of them (`world/hostile.rs`).
     pub(crate) hostile: hostile::Hostile,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
@@ -264,6 +266,7 @@ impl World {
             p_leases: BTreeMap::new(),
             late_registers: BTreeSet::new(),
             late_grants: crate::engine::LateGrants::new(seed),
+            mid_layer_stalls: crate::engine::MidLayerStalls::new(seed),
             stall_frozen: 0,
             hostile,
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),

@@ -245,3 +245,19 @@ fn seed_27_a_read_landed_after_the_holders_fence_is_distrusted_and_trusting_it_i
         (Mutation::TrustLateReads, "S7:"),
     );
 }
+
+/// P stopped right after posting a part of a layer-wise write with parts still to come, until
+/// D gave up on the request and freed its blocks (`WorldConfig::stall_mid_layers`, drawn by the
+/// swarm): on the resume its registration has lapsed and no part follows; under
+/// `extend_lapsed_registration` the next part lands in blocks D freed (S1). Seed 2 of the
+/// swarm's range 0..300, mixed.
+#[test]
+fn seed_2_no_part_follows_a_stall_past_ds_free_and_posting_one_is_caught() {
+    // The precondition: P resumed between two parts after D freed the blocks.
+    reached_and_caught(
+        2,
+        |_| {},
+        ("layers_resumed_past_d_free", "expired_leases_refused"),
+        (Mutation::ExtendLapsedRegistration, "S1:"),
+    );
+}

@@ -127,6 +127,11 @@ pub struct WorldConfig {
     /// keeps it from trusting what lands. Needs stalls and messages-first resumes; at most
     /// three per world. 0 in the constructors.
     pub late_grant: f64,
+    /// The chance that P stops right after posting a part of a layer-wise write with parts
+    /// still to come, until D gave up and freed the blocks (swarm, `engine/lapsed_layers.rs`):
+    /// its registration has lapsed when it runs again. At most twice per world; 0 in the
+    /// constructors.
+    pub stall_mid_layers: f64,
     /// The swarm may draw completions that take the slowest a message may take
     /// (`Rates::slow_write_done`). True in the constructors; a regression seed found before
     /// that draw existed turns it off to replay its world.
@@ -212,6 +217,7 @@ impl WorldConfig {
             stall_after_post: 0.0,
             late_register: 0.0,
             late_grant: 0.0,
+            stall_mid_layers: 0.0,
             late_completions: true,
         }
     }
@@ -331,6 +337,7 @@ impl WorldConfig {
             stall_after_post: 0.0,
             late_register: 0.0,
             late_grant: 0.0,
+            stall_mid_layers: 0.0,
             late_completions: true,
         }
     }

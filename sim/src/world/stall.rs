@@ -357,6 +357,7 @@ impl World {
         if stall.connected && length > self.cfg.machine.peer_timeout {
             self.mark("stall_past_peer_timeout");
         }
+        self.note_mid_layer_resume(node);
         let share = self.cfg.stall_messages_first.clamp(0.0, 1.0);
         // Drawn only where asked for, so that other worlds keep their streams.
         let messages_first = stall.messages_first || (share > 0.0 && self.rng.gen_bool(share));
