@@ -173,10 +173,12 @@ fn cli_swarm(seeds: std::ops::Range<u64>) -> SimOptions {
 /// the resume hands the registration over before the lease's timer runs.
 #[test]
 fn seed_9807601_a_registration_after_the_lease_is_refused_and_writing_it_is_caught() {
-    // The world as found, before the swarm drew late completions and late grants.
+    // The world as found, before the swarm drew late completions, late grants and stalls
+    // between layer-wise parts.
     let as_found = |world: &mut WorldConfig| {
         world.late_completions = false;
         world.late_grant = 0.0;
+        world.stall_mid_layers = 0.0;
     };
     // The precondition: the lease check was asked about a registration past the lease; L5 (no
     // write posted after its lease) catches the mutation.
