@@ -27,7 +27,7 @@ CAUGHT=(
     serve_rejoined_session_at_once wait_out_rejoined_peers_fence tell_fenced_twice
     fan_hand_back_at_failure fan_proof_of_last_pair ready_on_first_part ack_partial_write_at_once
     extend_lapsed_registration write_on_expired_lease reader_ready_on_first_part
-    read_back_from_first_rank trust_late_reads
+    read_back_from_first_rank trust_late_reads match_expired_registration
 )
 
 report="$(mktemp)"

@@ -4,12 +4,14 @@
 
 mod calls;
 mod events;
+mod expired_registrations;
 mod fenced;
 mod lapsed_layers;
 mod late_grants;
 mod layerwise;
 mod leases;
 pub(crate) use events::PendingHandBack;
+pub(crate) use expired_registrations::PendingStalls;
 pub(crate) use fenced::FencedWatch;
 pub(crate) use lapsed_layers::MidLayerStalls;
 pub(crate) use late_grants::LateGrants;
@@ -315,6 +317,7 @@ impl World {
             }
         };
         let retry = Some(Ev::PrefillStart { request });
+        self.note_finish_with_expired_registration(0, &r.key);
         let Some(reply) = self.engine_call(0, call, &blocks, owner, retry) else {
             return;
         };

@@ -143,6 +143,10 @@ impl SimOptions {
             // holder's fence (drawn per seed).
             marks.push("frozen_read_landed_after_holder_freed");
         }
+        if swarmed && self.stalls > 0.0 && self.mode.pushes() && self.stall_messages_first > 0.0 {
+            // P stopped with a registration pending until D freed (drawn per seed).
+            marks.push("finish_after_pending_registration_expired");
+        }
         if swarmed && self.stalls > 0.0 && self.layerwise > 0.0 && self.mode.pushes() {
             // Layer-wise writers stopped between two parts until D freed (drawn per seed).
             marks.push("layers_resumed_past_d_free");

@@ -116,6 +116,16 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
     if cfg.may_stall() && cfg.mode.pushes() && late.gen_ratio(1, 3) {
         cfg.late_register = 0.2;
     }
+    // Its own stream too: one stalling seed in three that pushes has P stop with a
+    // registration pending until D freed its blocks.
+    let mut pending = ChaCha8Rng::seed_from_u64(seed ^ 0x7065_6e64_5f73_746c);
+    if cfg.may_stall()
+        && cfg.mode.pushes()
+        && cfg.stall_messages_first > 0.0
+        && pending.gen_ratio(1, 3)
+    {
+        cfg.stall_pending_registration = 0.3;
+    }
     // Its own stream too: one stalling seed in three that reads has readers that handle some
     // grants late and then stop with their reads frozen past the holder's fence.
     let mut grants = ChaCha8Rng::seed_from_u64(seed ^ 0x6c61_7465_5f67_6e74);

@@ -148,6 +148,10 @@ pub struct World {
     pub(crate) late_grants: crate::engine::LateGrants,
     /// Layer-wise writers stopped between parts (`WorldConfig::stall_mid_layers`).
     pub(crate) mid_layer_stalls: crate::engine::MidLayerStalls,
+    /// P ranks stopped with a registration pending (`WorldConfig::stall_pending_registration`).
+    pub(crate) pending_stalls: crate::engine::PendingStalls,
+    /// Nodes whose next stall hands over what queued before the due timers on its resume.
+    pub(crate) messages_first_stalls: BTreeSet<NodeId>,
     /// The hostile peers' streams and what the checks saw of them (`world/hostile.rs`).
     pub(crate) hostile: hostile::Hostile,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
@@ -267,6 +271,8 @@ impl World {
             late_registers: BTreeSet::new(),
             late_grants: crate::engine::LateGrants::new(seed),
             mid_layer_stalls: crate::engine::MidLayerStalls::new(seed),
+            pending_stalls: crate::engine::PendingStalls::new(seed),
+            messages_first_stalls: BTreeSet::new(),
             stall_frozen: 0,
             hostile,
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),

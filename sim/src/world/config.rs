@@ -132,6 +132,11 @@ pub struct WorldConfig {
     /// its registration has lapsed when it runs again. At most twice per world; 0 in the
     /// constructors.
     pub stall_mid_layers: f64,
+    /// The chance that P stops right after taking a registration it holds pending (its prefill
+    /// has not ended), until D gave up and freed the blocks, its resume handing over what
+    /// queued first (swarm, `engine/expired_registrations.rs`). At most twice per world; 0 in
+    /// the constructors.
+    pub stall_pending_registration: f64,
     /// The swarm may draw completions that take the slowest a message may take
     /// (`Rates::slow_write_done`). True in the constructors; a regression seed found before
     /// that draw existed turns it off to replay its world.
@@ -218,6 +223,7 @@ impl WorldConfig {
             late_register: 0.0,
             late_grant: 0.0,
             stall_mid_layers: 0.0,
+            stall_pending_registration: 0.0,
             late_completions: true,
         }
     }
@@ -338,6 +344,7 @@ impl WorldConfig {
             late_register: 0.0,
             late_grant: 0.0,
             stall_mid_layers: 0.0,
+            stall_pending_registration: 0.0,
             late_completions: true,
         }
     }

@@ -305,7 +305,16 @@ impl World {
             self.hold(msg.to, Ev::Handle(msg));
             return;
         }
+        let registered = match &msg.message {
+            Message::Register(register) if self.is_prefill(msg.to) => {
+                Some((msg.to, register.key.clone()))
+            }
+            _ => None,
+        };
         self.handle(msg);
+        if let Some((node, key)) = registered {
+            self.maybe_stall_with_registration_pending(node, &key);
+        }
     }
 
     /// A message held through its destination's stall, handed to the resumed shell (unless the

@@ -254,7 +254,7 @@ impl World {
             connected,
             held: VecDeque::new(),
             frozen,
-            messages_first: false,
+            messages_first: self.messages_first_stalls.remove(&node),
         });
         self.schedule(length, Ev::Resume { node, since });
     }
