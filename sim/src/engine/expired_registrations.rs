@@ -15,13 +15,11 @@
 //! over first. Mark `finish_after_pending_registration_expired`: P's engine finished a prefill
 //! whose registration was still pending past its expiry (the timer had not run).
 
-use std::time::Duration;
-
 use kvhandoff_protocol::PairingKey;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::world::{micros, NodeId, World};
+use crate::world::{NodeId, World};
 
 /// Most aimed stalls per world: each stops P for longer than D's quarantine.
 const MAX_PENDING_STALLS: u32 = 2;
@@ -62,13 +60,8 @@ impl World {
         if !pending || !self.pending_stalls.rng.gen_bool(share.min(1.0)) {
             return;
         }
-        let m = &self.cfg.machine;
-        // D gives up at its deadline (or finds P dead at its peer timeout) and frees at its
-        // quarantine; a little more, so that its timers have run.
-        let freed_by = m.decode_deadline.max(m.peer_timeout) + m.quarantine;
-        let lo = (freed_by + Duration::from_millis(100)).as_micros() as u64;
-        let hi = (freed_by + m.max_write_life).as_micros() as u64;
-        let length = micros(&mut self.pending_stalls.rng, lo, hi.max(lo));
+        let length =
+            super::lapsed_layers::past_d_free(&self.cfg.machine, &mut self.pending_stalls.rng);
         self.pending_stalls.begun += 1;
         self.messages_first_stalls.insert(node);
         self.stall_after_this_step(node, length);

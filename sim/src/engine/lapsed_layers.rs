@@ -17,6 +17,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
+use kvhandoff_protocol::machine::Config;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -55,6 +56,16 @@ impl MidLayerStalls {
     }
 }
 
+/// A stall length past D's free of blocks P was to write: D gives up at its deadline (or finds
+/// P dead at its peer timeout) and frees at its quarantine; a little more, so that its timers
+/// have run, and up to a write's life beyond.
+pub(super) fn past_d_free(m: &Config, rng: &mut ChaCha8Rng) -> Duration {
+    let freed_by = m.decode_deadline.max(m.peer_timeout) + m.quarantine;
+    let lo = (freed_by + Duration::from_millis(100)).as_micros() as u64;
+    let hi = (freed_by + m.max_write_life).as_micros() as u64;
+    micros(rng, lo, hi.max(lo))
+}
+
 impl World {
     /// `node` posted a part of `request` carrying `layers` of each of `blocks` on `decode`: if
     /// parts are still to come, it may stop now until D freed those blocks.
@@ -76,13 +87,7 @@ impl World {
         {
             return;
         }
-        let m = &self.cfg.machine;
-        // D gives up at its deadline (or finds P dead at its peer timeout) and frees at its
-        // quarantine; a little more, so that its timers have run.
-        let freed_by = m.decode_deadline.max(m.peer_timeout) + m.quarantine;
-        let lo = (freed_by + Duration::from_millis(100)).as_micros() as u64;
-        let hi = (freed_by + m.max_write_life).as_micros() as u64;
-        let length = micros(&mut self.mid_layer_stalls.rng, lo, hi.max(lo));
+        let length = past_d_free(&self.cfg.machine, &mut self.mid_layer_stalls.rng);
         self.mid_layer_stalls.begun += 1;
         self.mid_layer_stalls.stopped.push(StoppedPart {
             poster: node,
