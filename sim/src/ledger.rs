@@ -176,6 +176,15 @@ impl Pool {
         self.blocks.get(id as usize)
     }
 
+    /// Whether every one of `ids` is leased to `request` (whatever the attempt).
+    pub fn all_leased_to(&self, ids: &[u32], request: usize) -> bool {
+        ids.iter().all(|&id| {
+            self.state(id)
+                .and_then(|s| s.owner)
+                .is_some_and(|o| o.request == request)
+        })
+    }
+
     /// Pins (`+1`) or unpins (`-1`) blocks for a transfer.
     pub fn pin(&mut self, ids: &[u32], delta: i32) {
         for &id in ids {

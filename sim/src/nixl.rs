@@ -155,7 +155,7 @@ impl World {
             .as_ref()
             .map_or(0..BLOCK_BYTES, |m| m.slice(node, target));
         // Layer-wise requests are single-source: a part's layers are its slice of the block.
-        let part = layers.clone().map(|l| (l, remote.clone()));
+        let part = layers.clone();
         let slice = layers.unwrap_or(slice);
         let seq = self.next_seq;
         let mut write = SimWrite {
@@ -195,8 +195,8 @@ impl World {
         self.writes.insert(seq, write);
         let scheduled = self.schedule(delay, Ev::Land { write: seq });
         assert_eq!(scheduled, seq, "the write's id is its landing event's");
-        if let Some((layers, blocks)) = part {
-            self.maybe_stall_mid_layers(node, request, (target, &blocks), Some(&layers));
+        if let Some(layers) = part {
+            self.maybe_stall_mid_layers(node, seq, &layers);
         }
         self.maybe_stall_after_post(node);
     }

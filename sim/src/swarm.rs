@@ -12,9 +12,10 @@
 //! peer timeout, `Config::max_handling_delay`; such a configuration is now refused.) Likewise
 //! small tombstone tables, registration resends, stall counts, which stalls freeze transfers,
 //! which resumes hand over messages first, stalls aimed at P or right after a post, storms of
-//! late messages and retries, hostile peers, routers late to D at P's lease end, and readers
-//! that handle a grant late and then stop with their reads frozen past the holder's fence, and
-//! layer-wise writers stopped between two parts until D freed their blocks.
+//! late messages and retries, hostile peers, routers late to D at P's lease end, readers that
+//! handle a grant late and then stop with their reads frozen past the holder's fence, P ranks
+//! stopped with a registration pending until D freed its blocks, and layer-wise writers
+//! stopped between two parts until D freed them.
 //!
 //! The draws come from streams of their own, seeded by the seed alone: a seed's load is drawn
 //! as without the swarm, and a seed replays with the same options. [`SimOptions::new`] leaves
@@ -104,36 +105,23 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
     if cfg.layerwise > 0.0 && cfg.faults == Faults::Chaos && layers.gen_ratio(1, 2) {
         cfg.abort_mid_layers = 0.1;
     }
-    // Its own stream too: one layer-wise stalling seed in three has P stop between two parts
-    // of a write until D freed its blocks.
-    let mut mid = ChaCha8Rng::seed_from_u64(seed ^ 0x6d69_645f_7374_6c31);
-    if cfg.layerwise > 0.0 && cfg.may_stall() && cfg.mode.pushes() && mid.gen_ratio(1, 3) {
+    // The aimed stalls, each on a stream of its own, one eligible stalling seed in three:
+    // P stopped between two layer-wise parts until D freed the blocks; routers that hand some
+    // pushed requests to D about when P's lease ends, each met by a stall of P across that end;
+    // P stopped with a registration pending until D freed; readers that handle a grant late and
+    // then stop with their reads frozen past the holder's fence.
+    let stalls_and_pushes = cfg.may_stall() && cfg.mode.pushes();
+    let first = cfg.stall_messages_first > 0.0;
+    if stalls_and_pushes && cfg.layerwise > 0.0 && one_in(seed, 0x6d69_645f_7374_6c31, 3) {
         cfg.stall_mid_layers = 0.2;
     }
-    // Its own stream too: one stalling seed in three has routers that hand some pushed
-    // requests to D about when P's lease ends, each met by a stall of P across that end.
-    let mut late = ChaCha8Rng::seed_from_u64(seed ^ 0x6c61_7465_5f72_6567);
-    if cfg.may_stall() && cfg.mode.pushes() && late.gen_ratio(1, 3) {
+    if stalls_and_pushes && one_in(seed, 0x6c61_7465_5f72_6567, 3) {
         cfg.late_register = 0.2;
     }
-    // Its own stream too: one stalling seed in three that pushes has P stop with a
-    // registration pending until D freed its blocks.
-    let mut pending = ChaCha8Rng::seed_from_u64(seed ^ 0x7065_6e64_5f73_746c);
-    if cfg.may_stall()
-        && cfg.mode.pushes()
-        && cfg.stall_messages_first > 0.0
-        && pending.gen_ratio(1, 3)
-    {
+    if stalls_and_pushes && first && one_in(seed, 0x7065_6e64_5f73_746c, 3) {
         cfg.stall_pending_registration = 0.3;
     }
-    // Its own stream too: one stalling seed in three that reads has readers that handle some
-    // grants late and then stop with their reads frozen past the holder's fence.
-    let mut grants = ChaCha8Rng::seed_from_u64(seed ^ 0x6c61_7465_5f67_6e74);
-    if cfg.may_stall()
-        && cfg.mode.reads()
-        && cfg.stall_messages_first > 0.0
-        && grants.gen_ratio(1, 3)
-    {
+    if cfg.may_stall() && cfg.mode.reads() && first && one_in(seed, 0x6c61_7465_5f67_6e74, 3) {
         cfg.late_grant = 0.3;
     }
     debug_assert!(opts.faults == cfg.faults);
@@ -141,6 +129,12 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
         // The profiles are built to be valid: a refusal is a bug of this module.
         panic!("swarm drew an invalid configuration for seed {seed}: {e}");
     }
+}
+
+/// One draw in `n` from seed `seed`'s stream `salt`: a stream per draw, so that adding one
+/// leaves the seed's other draws what they were.
+fn one_in(seed: u64, salt: u64, n: u32) -> bool {
+    ChaCha8Rng::seed_from_u64(seed ^ salt).gen_ratio(1, n)
 }
 
 /// Moves the heartbeat and peer timeout of `cfg` to `profile`, keeping every bound valid.

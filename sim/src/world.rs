@@ -150,8 +150,6 @@ pub struct World {
     pub(crate) mid_layer_stalls: crate::engine::MidLayerStalls,
     /// P ranks stopped with a registration pending (`WorldConfig::stall_pending_registration`).
     pub(crate) pending_stalls: crate::engine::PendingStalls,
-    /// Nodes whose next stall hands over what queued before the due timers on its resume.
-    pub(crate) messages_first_stalls: BTreeSet<NodeId>,
     /// The hostile peers' streams and what the checks saw of them (`world/hostile.rs`).
     pub(crate) hostile: hostile::Hostile,
     /// Print every step to stderr (`KVHANDOFF_SIM_TRACE=1`).
@@ -272,7 +270,6 @@ impl World {
             late_grants: crate::engine::LateGrants::new(seed),
             mid_layer_stalls: crate::engine::MidLayerStalls::new(seed),
             pending_stalls: crate::engine::PendingStalls::new(seed),
-            messages_first_stalls: BTreeSet::new(),
             stall_frozen: 0,
             hostile,
             print_trace: std::env::var_os("KVHANDOFF_SIM_TRACE").is_some(),
@@ -564,7 +561,8 @@ impl World {
                 node,
                 length,
                 freeze,
-            } => self.stall(node, length, freeze),
+                messages_first,
+            } => self.stall(node, length, freeze, messages_first),
             Ev::Resume { node, since } => self.resume(node, since),
             Ev::RepeatHandshake { a, b } => {
                 let line = format!("repeat handshake {a}<->{b}");

@@ -63,8 +63,7 @@ impl World {
         let length =
             super::lapsed_layers::past_d_free(&self.cfg.machine, &mut self.pending_stalls.rng);
         self.pending_stalls.begun += 1;
-        self.messages_first_stalls.insert(node);
-        self.stall_after_this_step(node, length);
+        self.stall_after_this_step(node, length, true);
     }
 
     /// P rank `node`'s engine is about to finish the prefill of `key`: marks a finish that

@@ -67,19 +67,12 @@ pub(super) fn past_d_free(m: &Config, rng: &mut ChaCha8Rng) -> Duration {
 }
 
 impl World {
-    /// `node` posted a part of `request` carrying `layers` of each of `blocks` on `decode`: if
-    /// parts are still to come, it may stop now until D freed those blocks.
-    pub(crate) fn maybe_stall_mid_layers(
-        &mut self,
-        node: NodeId,
-        request: usize,
-        (decode, blocks): (NodeId, &[u32]),
-        layers: Option<&Range<usize>>,
-    ) {
+    /// `node` posted write `seq`, a part of a layer-wise write carrying `layers` of each block:
+    /// if parts are still to come, it may stop now until D freed the blocks.
+    pub(crate) fn maybe_stall_mid_layers(&mut self, node: NodeId, seq: u64, layers: &Range<usize>) {
         let share = self.cfg.stall_mid_layers;
-        let parts_to_come = layers.is_some_and(|l| l.end < BLOCK_BYTES);
         if share <= 0.0
-            || !parts_to_come
+            || layers.end >= BLOCK_BYTES
             || !self.faulty()
             || self.stalled(node)
             || self.mid_layer_stalls.begun >= MAX_MID_LAYER_STALLS
@@ -87,16 +80,20 @@ impl World {
         {
             return;
         }
+        let Some(write) = self.writes.get(&seq) else {
+            return;
+        };
+        let part = StoppedPart {
+            poster: node,
+            request: write.request,
+            decode: write.target,
+            decode_inc: write.target_inc,
+            blocks: write.remote.clone(),
+        };
         let length = past_d_free(&self.cfg.machine, &mut self.mid_layer_stalls.rng);
         self.mid_layer_stalls.begun += 1;
-        self.mid_layer_stalls.stopped.push(StoppedPart {
-            poster: node,
-            request,
-            decode,
-            decode_inc: self.nodes[decode].incarnation,
-            blocks: blocks.to_vec(),
-        });
-        self.stall_after_this_step(node, length);
+        self.mid_layer_stalls.stopped.push(part);
+        self.stall_after_this_step(node, length, false);
     }
 
     /// `node` resumed: marks a stall of this module that outlived D's hold on the blocks.
@@ -110,12 +107,7 @@ impl World {
         for part in mine {
             let d = &self.nodes[part.decode];
             let freed = d.incarnation != part.decode_inc
-                || part.blocks.iter().any(|&b| {
-                    d.pool
-                        .state(b)
-                        .and_then(|s| s.owner)
-                        .is_none_or(|o| o.request != part.request)
-                });
+                || !d.pool.all_leased_to(&part.blocks, part.request);
             if freed {
                 self.mark("layers_resumed_past_d_free");
             }

@@ -36,6 +36,11 @@ use crate::world::{micros, NetMsg, NodeId, World};
 /// Most aimed stalls per world: each stops a reader for about a read's span.
 pub(crate) const MAX_LATE_GRANT_STALLS: u32 = 3;
 
+/// Most asks and grants remembered each: far above what a world of a few hundred requests
+/// sends (one ask and grant per read attempt and resend), so that the tables stay bounded
+/// whatever the load; past it, later ones meet no aimed stall.
+const MAX_REMEMBERED: usize = 1 << 16;
+
 /// An ask or a grant of one attempt: (reader, key, epoch, ask number).
 type AskId = (NodeId, PairingKey, u64, u32);
 
@@ -89,17 +94,19 @@ impl World {
         if !self.late_grants_on() || !self.faulty() {
             return;
         }
-        let now = self.now;
-        match message {
-            Message::ReadAsk(ask) => {
-                let id = (from, ask.key.clone(), ask.epoch.0, ask.ask);
-                self.late_grants.asked.insert(id, now);
-            }
-            Message::ReadGrant(grant) => {
-                let id = (to, grant.key.clone(), grant.epoch.0, grant.ask);
-                self.late_grants.granted.insert(id, now);
-            }
-            _ => {}
+        let (table, id) = match message {
+            Message::ReadAsk(ask) => (
+                &mut self.late_grants.asked,
+                (from, ask.key.clone(), ask.epoch.0, ask.ask),
+            ),
+            Message::ReadGrant(grant) => (
+                &mut self.late_grants.granted,
+                (to, grant.key.clone(), grant.epoch.0, grant.ask),
+            ),
+            _ => return,
+        };
+        if table.len() < MAX_REMEMBERED {
+            table.insert(id, self.now);
         }
     }
 
@@ -131,8 +138,7 @@ impl World {
         }
         let m = &self.cfg.machine;
         let late = sent + m.max_message_delay.saturating_sub(m.abandon_timeout) + LATE_BY;
-        let stale = (asked + m.max_message_delay).saturating_since(Time::ZERO);
-        let Some(latest) = stale.checked_sub(BEFORE_STALE).map(|d| Time::ZERO + d) else {
+        let Some(latest) = before(asked + m.max_message_delay, BEFORE_STALE) else {
             return;
         };
         let earliest = late.max(self.now);
@@ -150,10 +156,10 @@ impl World {
         self.late_grants
             .aimed
             .insert((reader, grant.key.clone()), fence);
-        self.stall(reader, length, true);
-        if let Some(stall) = self.nodes[reader].stall.as_mut() {
-            stall.messages_first = true;
-        }
+        // Messages first: with the timers first the ask is resent, and its copy moves the
+        // holder's fence past the reader's bound (`late_grants_on` needs a world whose shell
+        // may hand over first).
+        self.stall(reader, length, true, true);
         self.heal = self.heal.max(resume + Duration::from_millis(200));
     }
 
@@ -167,11 +173,7 @@ impl World {
         let m = &self.cfg.machine;
         let bound = self.now + m.max_write_life + m.abandon_timeout;
         let earliest = fence + PAST_FENCE;
-        let Some(latest) = bound
-            .saturating_since(Time::ZERO)
-            .checked_sub(BEFORE_BOUND)
-            .map(|d| Time::ZERO + d)
-        else {
+        let Some(latest) = before(bound, BEFORE_BOUND) else {
             return;
         };
         if earliest >= latest || self.stalled(node) || !self.alive(node) {
@@ -179,6 +181,11 @@ impl World {
         }
         let span = latest.saturating_since(earliest).as_micros() as u64;
         let resume = earliest + micros(&mut self.late_grants.rng, 0, span);
-        self.stall_after_this_step(node, resume.saturating_since(self.now));
+        self.stall_after_this_step(node, resume.saturating_since(self.now), false);
     }
+}
+
+/// `d` before `t`, if `t` is that far from the origin.
+fn before(t: Time, d: Duration) -> Option<Time> {
+    t.since_origin().checked_sub(d).map(Time::from_duration)
 }

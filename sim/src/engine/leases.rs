@@ -229,12 +229,7 @@ impl World {
             return;
         }
         self.late_registers.remove(&request);
-        self.stall(node, length, false);
-        if self.cfg.stall_messages_first > 0.0 {
-            if let Some(stall) = self.nodes[node].stall.as_mut() {
-                stall.messages_first = true;
-            }
-        }
+        self.stall(node, length, false, self.cfg.stall_messages_first > 0.0);
         self.heal = self
             .heal
             .max(self.now + length + Duration::from_millis(200));

@@ -138,7 +138,12 @@ impl World {
         const _: () = assert!(matches!(effect(Happening::TargetDies), Effect::Fails));
         let holder_gone = !self.alive(r.target) || self.nodes[r.target].incarnation != r.target_inc;
         let fail = fail || holder_gone || self.chance(self.rates.fail_later);
-        if !fail && r.frozen && self.holder_freed_any(&r) {
+        if !fail
+            && r.frozen
+            && !self.nodes[r.target]
+                .pool
+                .all_leased_to(&r.remote, r.request)
+        {
             // What lands is not the holder's KV: only the reader's late-read check stands
             // between it and a `Loaded` import (`engine/late_grants.rs`).
             self.mark("frozen_read_landed_after_holder_freed");
@@ -168,17 +173,6 @@ impl World {
         self.writes.insert(seq, r);
         let failure = fail.then_some(WriteFailure::TransferFailed);
         self.schedule_report(seq, failure, 50, 1_000);
-    }
-
-    /// Whether the holder no longer leases one of the blocks read `r` reads to its request.
-    fn holder_freed_any(&self, r: &SimWrite) -> bool {
-        r.remote.iter().any(|&b| {
-            self.nodes[r.target]
-                .pool
-                .state(b)
-                .and_then(|s| s.owner)
-                .is_none_or(|o| o.request != r.request)
-        })
     }
 
     /// Copies the read's slice of every block it covers from the holder into the reader

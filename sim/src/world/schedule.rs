@@ -106,11 +106,14 @@ pub(crate) enum Ev {
         node: NodeId,
         second_turn: bool,
     },
-    /// `node`'s process stops for `length`; its transfers freeze with it or keep moving.
+    /// `node`'s process stops for `length`; its transfers freeze with it or keep moving; its
+    /// resume hands over what queued before the due timers (`messages_first`), or draws that
+    /// from the world's share.
     Stall {
         node: NodeId,
         length: Duration,
         freeze: bool,
+        messages_first: bool,
     },
     /// `node`'s process runs again after the stall that began at `since`.
     Resume {

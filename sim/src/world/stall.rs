@@ -89,6 +89,7 @@ impl World {
                     node,
                     length,
                     freeze,
+                    messages_first: false,
                 },
             );
             // Faults go on until the last process is running again.
@@ -173,18 +174,25 @@ impl World {
         let mut rng = self.rng.clone();
         let length = self.stall_length(&mut rng);
         self.rng = rng;
-        self.stall_after_this_step(node, length);
+        self.stall_after_this_step(node, length, false);
     }
 
     /// `node` stops for `length` once the step in progress is over (a post's handler ends
-    /// first), its transfers frozen; faults go on until it runs again.
-    pub(crate) fn stall_after_this_step(&mut self, node: NodeId, length: Duration) {
+    /// first), its transfers frozen; its resume hands over first if `messages_first`. Faults
+    /// go on until it runs again.
+    pub(crate) fn stall_after_this_step(
+        &mut self,
+        node: NodeId,
+        length: Duration,
+        messages_first: bool,
+    ) {
         self.schedule(
             Duration::ZERO,
             Ev::Stall {
                 node,
                 length,
                 freeze: true,
+                messages_first,
             },
         );
         self.heal = self
@@ -192,8 +200,15 @@ impl World {
             .max(self.now + length + Duration::from_millis(200));
     }
 
-    /// `node`'s process stops for `length`.
-    pub(crate) fn stall(&mut self, node: NodeId, length: Duration, freeze: bool) {
+    /// `node`'s process stops for `length`; its resume hands over what queued before the due
+    /// timers if `messages_first` (an aimed stall), else as the world's share draws.
+    pub(crate) fn stall(
+        &mut self,
+        node: NodeId,
+        length: Duration,
+        freeze: bool,
+        messages_first: bool,
+    ) {
         let line = format!(
             "stall {} for {length:?} (transfers {})",
             self.nodes[node].addr,
@@ -254,7 +269,7 @@ impl World {
             connected,
             held: VecDeque::new(),
             frozen,
-            messages_first: self.messages_first_stalls.remove(&node),
+            messages_first,
         });
         self.schedule(length, Ev::Resume { node, since });
     }
