@@ -16,8 +16,8 @@ first="${1:-$(( 100000 + ($(date +%s) / 86400) % 10000 * 300 ))}"
 seeds="$first..$((first + 300))"
 echo "swarm-check: seeds $seeds, 40 requests, mixed, chaos"
 
-# The mutations the swarm catches at this scope (docs/testing.md, "Mutation check", says why
-# each of the others is caught elsewhere and not here).
+# The mutations the swarm catches at this scope: since 2026-11-29 every one of
+# `kvhandoff sim --list-mutations` (docs/testing.md, "Mutation check").
 CAUGHT=(
     free_on_deadline free_on_peer_dead accept_stale_write_done skip_epoch_floor
     free_source_on_abandon handshake_always_restart release_before_reads_end short_grant_fence
@@ -27,8 +27,17 @@ CAUGHT=(
     serve_rejoined_session_at_once wait_out_rejoined_peers_fence tell_fenced_twice
     fan_hand_back_at_failure fan_proof_of_last_pair ready_on_first_part ack_partial_write_at_once
     extend_lapsed_registration write_on_expired_lease reader_ready_on_first_part
-    read_back_from_first_rank trust_late_reads match_expired_registration
+    read_back_from_first_rank trust_late_reads match_expired_registration evict_young_tombstones
+    ignore_heartbeat_sender
 )
+
+# A new deliberate bug must join the list (and be caught here) or the check fails.
+for mutation in $("$BIN" sim --list-mutations); do
+    if [[ " ${CAUGHT[*]} " != *" $mutation "* ]]; then
+        echo "swarm-check: mutation $mutation is not in CAUGHT" >&2
+        exit 1
+    fi
+done
 
 report="$(mktemp)"
 trap 'rm -f -- "$report"' EXIT

@@ -147,6 +147,12 @@ impl SimOptions {
             // P stopped with a registration pending until D freed (drawn per seed).
             marks.push("finish_after_pending_registration_expired");
         }
+        if swarmed && self.mode.pushes() {
+            // Late registration copies with small tables, and orphaned registrations with a
+            // sibling (drawn per seed).
+            marks.push("register_after_decode_ended");
+            marks.push("heartbeat_for_anothers_registration");
+        }
         if swarmed && self.stalls > 0.0 && self.layerwise > 0.0 && self.mode.pushes() {
             // Layer-wise writers stopped between two parts until D freed (drawn per seed).
             marks.push("layers_resumed_past_d_free");

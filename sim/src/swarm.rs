@@ -14,8 +14,9 @@
 //! which resumes hand over messages first, stalls aimed at P or right after a post, storms of
 //! late messages and retries, hostile peers, routers late to D at P's lease end, readers that
 //! handle a grant late and then stop with their reads frozen past the holder's fence, P ranks
-//! stopped with a registration pending until D freed its blocks, and layer-wise writers
-//! stopped between two parts until D freed them.
+//! stopped with a registration pending until D freed its blocks, layer-wise writers stopped
+//! between two parts until D freed them, late registration copies in small tables, and
+//! registrations P holds for a D that gave up while a sibling D heartbeats the key.
 //!
 //! The draws come from streams of their own, seeded by the seed alone: a seed's load is drawn
 //! as without the swarm, and a seed replays with the same options. [`SimOptions::new`] leaves
@@ -123,6 +124,20 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
     }
     if cfg.may_stall() && cfg.mode.reads() && first && one_in(seed, 0x6c61_7465_5f67_6e74, 3) {
         cfg.late_grant = 0.3;
+    }
+    // Late registration copies meet every small table (whose admission control keeps a young
+    // record of each ended key), shrunk further on a stream of its own.
+    let small_table = cfg.machine.max_tombstones <= *SMALL_TABLES.end();
+    let chaos_pushes = cfg.faults == Faults::Chaos && cfg.mode.pushes();
+    if chaos_pushes && small_table {
+        cfg.late_register_copies = 0.6;
+        let mut table = ChaCha8Rng::seed_from_u64(seed ^ 0x7461_626c_655f_6370);
+        cfg.machine.max_tombstones = cfg.machine.max_tombstones.min(table.gen_range(6..=12));
+    }
+    // Orphaned registrations with a sibling heartbeating the key, one chaos pushing seed in
+    // two, on a stream of its own.
+    if chaos_pushes && cfg.decode_engines >= 2 && one_in(seed, 0x6f72_7068_616e_7377, 2) {
+        cfg.orphaned_registrations = 0.5;
     }
     debug_assert!(opts.faults == cfg.faults);
     if let Err(e) = cfg.machine.validate() {

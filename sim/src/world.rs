@@ -143,6 +143,9 @@ pub struct World {
     /// Requests whose D the router hands the request about when P's lease ends, not yet met by
     /// their aimed stall (`WorldConfig::late_register`).
     pub(crate) late_registers: BTreeSet<usize>,
+    /// The (D node, key) pairs whose cancels the network loses: orphaned registrations with
+    /// a sibling (`WorldConfig::orphaned_registrations`).
+    pub(crate) lost_cancels: crate::engine::LostCancels,
     /// Asks and grants sent, and readers met by the aimed late-grant stalls
     /// (`WorldConfig::late_grant`).
     pub(crate) late_grants: crate::engine::LateGrants,
@@ -267,6 +270,7 @@ impl World {
             router_retry_epochs: BTreeSet::new(),
             p_leases: BTreeMap::new(),
             late_registers: BTreeSet::new(),
+            lost_cancels: BTreeSet::new(),
             late_grants: crate::engine::LateGrants::new(seed),
             mid_layer_stalls: crate::engine::MidLayerStalls::new(seed),
             pending_stalls: crate::engine::PendingStalls::new(seed),

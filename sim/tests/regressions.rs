@@ -190,7 +190,8 @@ fn writes_to_a_restarted_decode_fail() {
 /// Since second decodes joined the chaos schedule the seed no longer reaches the exact
 /// interleaving (the mutation `evict_young_tombstones` found it at 14753 only, before); the bug
 /// itself is replayed deterministically by the unit test
-/// `writer::tests::a_young_floor_evicted_lets_a_late_registration_copy_bind`. This test keeps
+/// `prefill_table::tests::a_young_floor_evicted_lets_a_late_registration_copy_bind`, and the
+/// swarm's late registration copies reach it (`stalls.rs::seed_25_…`). This test keeps
 /// the seed's world (a 24-entry table under admission pressure) and asserts it clean.
 #[test]
 fn seed_14753_a_young_epoch_floor_is_never_evicted() {
@@ -210,8 +211,9 @@ fn seed_14753_a_young_epoch_floor_is_never_evicted() {
 /// requests reached it (the first of four in `--seeds 1..20000`). Since a D asks a P it declared
 /// dead again when the same incarnation comes back (issue 19), it settles by P's answer rather
 /// than the fence, and no seed of 20,000 × 200 push reaches the bug any more; the table test
-/// `prefill_table::tests::another_ranks_heartbeat_never_renews_a_pending_registration` carries
-/// the mutation check. The seed stays clean.
+/// `prefill_table::tests::another_ranks_heartbeat_never_renews_a_pending_registration` shows
+/// it, and the swarm's orphaned registrations catch it (`stalls.rs::seed_1_…`). The seed stays
+/// clean.
 #[test]
 fn seed_399_a_second_decode_never_keeps_a_freed_registration_alive() {
     let options = SimOptions::new(399..400, 200, Faults::Chaos);

@@ -1,5 +1,6 @@
 //! Process stalls in the seeded world (issue 19): chaos worlds in which processes stop for up
-//! to past the quarantine and resume (timers first, then what they held).
+//! to past the quarantine and resume (timers first, then what they held); and the swarm's
+//! aimed draws, each with a seed that reaches its precondition and catches its mutation.
 
 use kvhandoff_sim::{
     run_seeds, run_world, seed_world, Faults, Mode, Mutation, SimOptions, WorldConfig,
@@ -284,5 +285,55 @@ fn seed_4_a_registration_that_expired_in_a_stall_is_never_matched_and_matching_i
         // No counter tells an expired registration's answer from others.
         ("finish_after_pending_registration_expired", None),
         (Mutation::MatchExpiredRegistration, "S1:"),
+    );
+}
+
+/// A late copy of a registration (`WorldConfig::late_register_copies`, drawn by the swarm with
+/// a small tombstone table) reaches P, stopped meanwhile, after its key's request ended on both
+/// sides. P's young record of the key refuses it:
+/// admission control never evicts a record inside its minimum life, refusing new work instead.
+/// Under `evict_young_tombstones` a burst of ends evicts the record, P takes the copy as a
+/// pending registration, and the next prefill of the key would be written into blocks D gave
+/// back. Seed 25 of the swarm's range 0..300, mixed.
+#[test]
+fn seed_25_a_late_registration_copy_after_its_key_ended_is_refused_and_evicting_the_young_record_is_caught(
+) {
+    reached_and_caught(
+        25,
+        |world| {
+            // The precondition: the aimed draw, in a table small enough to fill.
+            assert!(world.late_register_copies > 0.0);
+            assert!(world.machine.max_tombstones <= 12);
+        },
+        // No counter tells a refused copy from other refusals.
+        ("register_after_decode_ended", None),
+        (Mutation::EvictYoungTombstones, "proof: P took request "),
+    );
+}
+
+/// An orphaned registration with a sibling (`WorldConfig::orphaned_registrations`, drawn by the
+/// swarm): D's engine aborts soon after D registered and every cancel D sends for the key is
+/// lost, so P keeps the registration pending; a second D engine of the key registers while P
+/// holds it (a duplicate) and heartbeats the key for longer than the first D's quarantine less
+/// the registration's TTL; P's leg comes after that quarantine. P renews a pending registration
+/// only for the D that sent it, so it has expired when the first D frees its blocks; under
+/// `ignore_heartbeat_sender` the sibling's heartbeats keep it alive past that free. Seed 1 of
+/// the swarm's range 0..300, mixed.
+#[test]
+fn seed_1_a_siblings_heartbeats_never_keep_an_orphaned_registration_alive_and_letting_them_is_caught(
+) {
+    reached_and_caught(
+        1,
+        |world| {
+            // The precondition: the aimed draw, with a sibling D engine.
+            assert!(world.orphaned_registrations > 0.0);
+            assert!(world.decode_engines >= 2);
+        },
+        // No counter tells a refused renewal from other refusals.
+        ("heartbeat_for_anothers_registration", None),
+        (
+            Mutation::IgnoreHeartbeatSender,
+            "proof: request 0 e1 freed by Quarantine while P still holds its registration",
+        ),
     );
 }

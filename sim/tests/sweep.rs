@@ -105,9 +105,11 @@ fn same_seed_same_trace_whatever_the_threads() {
 
 /// The deliberate bugs the sweeps catch, each with the smallest scope that catches it here.
 /// Not listed: `ignore_heartbeat_sender` (a second D engine of a key must keep renewing the
-/// first's registration past the first's fence: the 20,000 × 200 sweep reaches it in 4 seeds;
-/// `regressions.rs` replays seed 399), `evict_young_tombstones` (shown by the prefill table's unit
-/// test `a_young_floor_evicted_lets_a_late_registration_copy_bind`),
+/// first's registration past the first's quarantine: the swarm's orphaned registrations,
+/// `stalls.rs::seed_1_…`, and the prefill table's unit test
+/// `another_ranks_heartbeat_never_renews_a_pending_registration`),
+/// `evict_young_tombstones` (needs the swarm's late registration copies into small tables:
+/// `stalls.rs::seed_25_…` and `scripts/swarm-check.sh`),
 /// `match_expired_registration` (needs a late timer: `exhaustive.rs`) and
 /// `free_on_first_source_settled` (needs multi-rank requests: `multi_source.rs`); the read
 /// path's four need reads (`modes.rs`: `release_before_reads_end`, `short_grant_fence`,

@@ -100,6 +100,7 @@ impl World {
         let mut lrng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6c61_7965_7277_6973);
         // Routers late to D at P's lease end (`WorldConfig::late_register`): one more.
         let mut late = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6c61_7465_5f64_5f31);
+        let mut orphans = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6f72_7068_616e_7331);
         let sibling_rate = if self.cfg.mode.reads() && self.cfg.faults == Faults::Chaos {
             [0.0, 0.1, 0.3][srng.gen_range(0..3)]
         } else {
@@ -229,6 +230,19 @@ impl World {
                 self.late_registers.insert(i);
                 let after = d_at + m.peer_timeout + Duration::from_millis(500);
                 self.heal = self.heal.max(Time::ZERO + after);
+            }
+            let orphan = self.cfg.orphaned_registrations > 0.0
+                && !self.cfg.explore
+                && !late_register
+                && !drawn_pull
+                && multi.is_none()
+                && !self.requests[i].transfer.layerwise
+                && self.cfg.decode_engines >= 2
+                && orphans.gen_bool(self.cfg.orphaned_registrations.min(1.0));
+            if orphan {
+                if let Some(at) = self.draw_orphan(&mut orphans, i, d_at) {
+                    p_at = at;
+                }
             }
             match multi {
                 None => {

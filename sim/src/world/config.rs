@@ -127,6 +127,18 @@ pub struct WorldConfig {
     /// keeps it from trusting what lands. Needs stalls and messages-first resumes; at most
     /// three per world. 0 in the constructors.
     pub late_grant: f64,
+    /// The chance that a registration D sends in the faulty phase gets one more copy, delivered
+    /// as late as a message may be (between 60% and all of `machine.max_message_delay`): it
+    /// reaches P after its key's request ended there, where only P's record of the key (its
+    /// epoch floor) refuses it. The swarm draws it with small tombstone tables, whose
+    /// admission control keeps such a record alive while it is young. 0 in the constructors.
+    pub late_register_copies: f64,
+    /// The share of single-source push requests (not layer-wise) set up as orphaned
+    /// registrations with a sibling (swarm, `engine/orphans.rs`): D aborts soon after
+    /// registering and loses every cancel, a second D engine of the key registers while P
+    /// holds the first registration and heartbeats past the first D's quarantine, and P's leg
+    /// starts after it. Needs two D engines. 0 in the constructors.
+    pub orphaned_registrations: f64,
     /// The chance that P stops right after posting a part of a layer-wise write with parts
     /// still to come, until D gave up and freed the blocks (swarm, `engine/lapsed_layers.rs`):
     /// its registration has lapsed when it runs again. At most twice per world; 0 in the
@@ -222,6 +234,8 @@ impl WorldConfig {
             stall_after_post: 0.0,
             late_register: 0.0,
             late_grant: 0.0,
+            late_register_copies: 0.0,
+            orphaned_registrations: 0.0,
             stall_mid_layers: 0.0,
             stall_pending_registration: 0.0,
             late_completions: true,
@@ -343,6 +357,8 @@ impl WorldConfig {
             stall_after_post: 0.0,
             late_register: 0.0,
             late_grant: 0.0,
+            late_register_copies: 0.0,
+            orphaned_registrations: 0.0,
             stall_mid_layers: 0.0,
             stall_pending_registration: 0.0,
             late_completions: true,

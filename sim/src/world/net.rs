@@ -122,6 +122,11 @@ impl World {
             self.record(line);
             return;
         }
+        if self.cancel_lost(from, &msg.message) {
+            let line = format!("net lose cancel {}", describe(&msg));
+            self.record(line);
+            return;
+        }
         if matches!(msg.message, Message::ReadAsk(_)) && self.chance(self.rates.lose_ask) {
             let line = format!("net lose ask {}", describe(&msg));
             self.record(line);
@@ -144,6 +149,9 @@ impl World {
                 micros(&mut self.rng, 0, 30_000)
             };
             self.schedule(delay + extra, Ev::Deliver(msg.clone()));
+        }
+        if let Some(late) = self.late_register_copy(&msg.message, delay) {
+            self.schedule(late, Ev::Deliver(msg.clone()));
         }
         self.schedule(delay, Ev::Deliver(msg));
     }
@@ -342,7 +350,20 @@ impl World {
         let hostile = self.hostile_before(&msg);
         self.lease_heartbeat(msg.to, &msg.message);
         let past_lease = self.register_past_lease(&msg);
+        self.note_heartbeat_for_others(&msg);
+        let ended_before = match &msg.message {
+            // From the D's current incarnation only: a restarted D starts over at its epochs.
+            Message::Register(r)
+                if self.is_prefill(msg.to)
+                    && self.alive(msg.from)
+                    && self.nodes[msg.from].incarnation == msg.from_inc =>
+            {
+                self.decode_attempt_ended(msg.from, &r.key, r.epoch.0)
+            }
+            _ => None,
+        };
         self.shell_notification(msg.to, msg.from, msg.from_inc, &msg.message);
+        self.check_register_after_end(&msg, ended_before);
         // A message handled after its sender's deadline (a stall handed it over before the
         // timers) declares the sender dead instead: that death, not the message, changes the
         // requests bound to the sender.

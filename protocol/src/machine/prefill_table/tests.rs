@@ -3079,7 +3079,8 @@ fn a_restarted_ds_retry_is_not_judged_by_the_old_runs_record() {
 /// have freed its blocks. Under the deliberate bug `ignore_heartbeat_sender` it is renewed. (The
 /// seeded sweeps reached this only through a D freeing by its fence while a second decode kept
 /// renewing; since a D asks a rejoined P for proofs instead of waiting out the fence, 20,000 ×
-/// 200 push seeds no longer reach it, so this table test carries the mutation check.)
+/// 200 push seeds no longer reach it; the simulator's swarm now sets it up on purpose, its
+/// orphaned registrations, `sim/tests/stalls.rs::seed_1_…`.)
 #[test]
 fn another_ranks_heartbeat_never_renews_a_pending_registration() {
     let renewed_by_stranger = |mutation: Option<crate::machine::Mutation>| {
