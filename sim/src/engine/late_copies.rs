@@ -24,11 +24,8 @@ impl World {
         message: &Message,
         delay: std::time::Duration,
     ) -> Option<std::time::Duration> {
-        let rate = self.cfg.late_register_copies;
-        if rate == 0.0 || !matches!(message, Message::Register(_)) || !self.faulty() {
-            return None;
-        }
-        if !self.chance(rate) {
+        // `chance` draws nothing outside the faulty phase or at a rate of 0.
+        if !matches!(message, Message::Register(_)) || !self.chance(self.cfg.late_register_copies) {
             return None;
         }
         let bound = self.cfg.machine.max_message_delay.as_micros() as u64;
@@ -36,14 +33,22 @@ impl World {
         Some(micros(&mut self.rng, earliest, bound.max(earliest)))
     }
 
-    /// Whether D `node`'s attempt at `key` for `epoch` has ended (and none of the key's
-    /// attempts on that node runs at that epoch now).
-    pub(crate) fn decode_attempt_ended(
-        &self,
-        node: NodeId,
-        key: &PairingKey,
-        epoch: u64,
-    ) -> Option<usize> {
+    /// Before P handles `msg`: if it is a registration from D's current incarnation (a
+    /// restarted D starts over at its epochs) whose attempt has ended, the attempt's request.
+    pub(crate) fn ended_attempt_registered(&self, msg: &NetMsg) -> Option<usize> {
+        let Message::Register(register) = &msg.message else {
+            return None;
+        };
+        let current = self.alive(msg.from) && self.nodes[msg.from].incarnation == msg.from_inc;
+        if !self.is_prefill(msg.to) || !current {
+            return None;
+        }
+        self.decode_attempt_ended(msg.from, &register.key, register.epoch.0)
+    }
+
+    /// The request of D `node`'s attempt at `key` for `epoch`, if that attempt has ended and
+    /// none of the key's attempts on that node runs at that epoch now.
+    fn decode_attempt_ended(&self, node: NodeId, key: &PairingKey, epoch: u64) -> Option<usize> {
         let i = *self.keys.get(key)?;
         let attempts = || {
             self.requests[i].d.iter().filter(|a| {

@@ -39,9 +39,10 @@ impl World {
         let m = &self.cfg.machine;
         let ms = Duration::from_millis;
         let abort_at = d_at + micros(rng, 20_000, 60_000);
-        // D frees at its quarantine once its cancels went unanswered.
-        let unanswered = m.cancel_retry_interval * (m.max_cancel_retries + 1);
-        let freed = abort_at + unanswered + m.quarantine;
+        // D frees at its quarantine, counted from the abort (its unanswered cancels do not
+        // move it); their resend period is kept as a margin, so `freed` is an upper bound.
+        let resends = m.cancel_retry_interval * (m.max_cancel_retries + 1);
+        let freed = abort_at + resends + m.quarantine;
         // The sibling's heartbeats run to its deadline; under the bug each renews the first
         // registration for a TTL, past the first D's free.
         let earliest = (freed + ms(500))

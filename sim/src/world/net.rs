@@ -351,17 +351,7 @@ impl World {
         self.lease_heartbeat(msg.to, &msg.message);
         let past_lease = self.register_past_lease(&msg);
         self.note_heartbeat_for_others(&msg);
-        let ended_before = match &msg.message {
-            // From the D's current incarnation only: a restarted D starts over at its epochs.
-            Message::Register(r)
-                if self.is_prefill(msg.to)
-                    && self.alive(msg.from)
-                    && self.nodes[msg.from].incarnation == msg.from_inc =>
-            {
-                self.decode_attempt_ended(msg.from, &r.key, r.epoch.0)
-            }
-            _ => None,
-        };
+        let ended_before = self.ended_attempt_registered(&msg);
         self.shell_notification(msg.to, msg.from, msg.from_inc, &msg.message);
         self.check_register_after_end(&msg, ended_before);
         // A message handled after its sender's deadline (a stall handed it over before the
