@@ -8,9 +8,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::geometry::{KvGeometry, RegionDesc, MAX_CACHE_GROUPS};
-use crate::ids::{AgentName, EngineId, Epoch, IdError, Incarnation, PairingKey, RequestId};
-use crate::trace::{TraceId, TraceIdError};
-use rules::{check_digests, check_epoch, check_len, check_part, check_spans};
+use crate::ids::{AgentName, EngineId, Epoch, Incarnation, PairingKey, RequestId};
+use crate::trace::TraceId;
+use rules::check_len;
+pub use rules::FieldError;
 
 /// Most logical blocks one cache group of one request may list.
 pub const MAX_BLOCKS_PER_GROUP: usize = 1 << 16;
@@ -470,70 +471,6 @@ impl MessageKind {
     }
 }
 
-/// A field of a decoded message that breaks a rule.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum FieldError {
-    /// An identifier is invalid.
-    #[error(transparent)]
-    Id(#[from] IdError),
-    /// A trace id is invalid (all zeros).
-    #[error(transparent)]
-    TraceId(#[from] TraceIdError),
-    /// A list is longer than its limit.
-    #[error("{field}: {len} entries, above the limit of {limit}")]
-    TooMany {
-        /// The field.
-        field: &'static str,
-        /// Its length.
-        len: usize,
-        /// The limit.
-        limit: usize,
-    },
-    /// A block id appears twice in one group.
-    #[error("block {block} is listed twice in one group")]
-    DuplicateBlock {
-        /// The repeated id.
-        block: u32,
-    },
-    /// The epoch is zero (epochs start at 1).
-    #[error("epoch 0 is not a valid attempt")]
-    ZeroEpoch,
-    /// The handshake's geometry is invalid.
-    #[error("geometry: {0}")]
-    Geometry(#[from] crate::GeometryError),
-    /// A [`Register`] or a [`ReadGrant`] names an empty memory span, or one past the end of
-    /// the address space.
-    #[error("a registration or grant names an empty memory span or one past the address space")]
-    EmptySpan,
-    /// The handshake's region table does not match its geometry.
-    #[error("region table has {regions} entries but the geometry defines {expected}")]
-    RegionCount {
-        /// Entries in the table.
-        regions: usize,
-        /// Regions the geometry defines.
-        expected: usize,
-    },
-    /// A layer-wise part names no layers, layers past its write's, or more than
-    /// [`MAX_WRITE_LAYERS`].
-    #[error("write part of layers {first}+{count} of {of} is out of range")]
-    BadPart {
-        /// The part's first layer.
-        first: u32,
-        /// Its layer count.
-        count: u32,
-        /// The write's layers.
-        of: u32,
-    },
-    /// The handshake's own protocol version differs from its frame's.
-    #[error("handshake speaks protocol version {found}, its frame version {expected}")]
-    ProtocolVersion {
-        /// The version in the handshake.
-        found: u16,
-        /// The version of the frame (this build's).
-        expected: u16,
-    },
-}
-
 /// Most layers one rank's layer-wise write may name (a model's layers on one pipeline stage).
 pub const MAX_WRITE_LAYERS: u32 = 4096;
 
@@ -570,91 +507,6 @@ impl Message {
             Message::ReadGrant(m) => Some((&m.key, m.epoch)),
             Message::ReadRefused(m) => Some((&m.key, m.epoch)),
             Message::WritePartDone(m) => Some((&m.key, m.epoch)),
-        }
-    }
-
-    /// Checks every field rule that the type system does not: id rules, list bounds, epochs,
-    /// geometry. [`crate::wire::decode`] calls this on everything it decodes.
-    ///
-    /// # Errors
-    /// The first broken rule.
-    pub fn validate(&self) -> Result<(), FieldError> {
-        if let Some((key, epoch)) = self.lease() {
-            key.validate()?;
-            check_epoch(epoch)?;
-        }
-        match self {
-            Message::Handshake(h) => {
-                if h.protocol_version != crate::PROTOCOL_VERSION {
-                    return Err(FieldError::ProtocolVersion {
-                        found: h.protocol_version,
-                        expected: crate::PROTOCOL_VERSION,
-                    });
-                }
-                h.engine_id.validate()?;
-                h.agent_name.validate()?;
-                h.trace_id.validate()?;
-                check_len("agent metadata", h.agent_metadata.len(), MAX_AGENT_METADATA)?;
-                check_len("regions", h.regions.len(), MAX_REGIONS)?;
-                check_len("transfer modes", h.modes.len(), MAX_TRANSFER_MODES)?;
-                h.geometry.validate()?;
-                let expected = if h.routed {
-                    if h.regions.is_empty() {
-                        return Err(FieldError::RegionCount {
-                            regions: 0,
-                            expected: 1,
-                        });
-                    }
-                    check_len("routed buffers", h.regions.len(), MAX_ROUTED_BUFFERS)?;
-                    h.regions.len()
-                } else {
-                    h.geometry.regions()?.len()
-                };
-                if h.regions.len() != expected {
-                    return Err(FieldError::RegionCount {
-                        regions: h.regions.len(),
-                        expected,
-                    });
-                }
-                for region in &h.regions {
-                    region.validate()?;
-                }
-                Ok(())
-            }
-            Message::Register(m) => {
-                m.decode_engine.validate()?;
-                m.decode_request.validate()?;
-                m.trace_id.validate()?;
-                check_spans("register spans", &m.memory)?;
-                m.blocks.validate()
-            }
-            Message::Heartbeat(m) => {
-                m.engine.validate()?;
-                check_len("heartbeat leases", m.leases.len(), MAX_HEARTBEAT_LEASES)?;
-                for lease in &m.leases {
-                    lease.key.validate()?;
-                    check_epoch(lease.epoch)?;
-                }
-                Ok(())
-            }
-            Message::ReadAsk(m) => {
-                m.reader_request.validate()?;
-                Ok(m.trace_id.validate()?)
-            }
-            Message::ReadGrant(m) => {
-                check_spans("grant spans", &m.memory)?;
-                m.blocks.validate()
-            }
-            Message::WritePartDone(m) => {
-                check_part(m)?;
-                check_digests(&m.digests)
-            }
-            Message::WriteDone(m) => check_digests(&m.digests),
-            Message::WriteFailed(_)
-            | Message::Cancel(_)
-            | Message::CancelAck(_)
-            | Message::Release(_)
-            | Message::ReadRefused(_) => Ok(()),
         }
     }
 }

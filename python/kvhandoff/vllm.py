@@ -77,12 +77,10 @@ from ._vllm_sides import (
     Settings,
     StepMetadata,
     TransferResults,
-    WorkerSide,
     _Base,
-    _default_factory,
     _Role,
-    handover_counts,
 )
+from ._vllm_worker import WorkerSide, _default_factory, handover_counts
 
 logger = logging.getLogger("kvhandoff.vllm")
 

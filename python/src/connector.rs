@@ -1,22 +1,24 @@
 //! `NativeConnector`: one engine rank on memory the engine owns, driven from Python.
 
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::ptr::NonNull;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use kvhandoff::{
-    AcceptPolicy, ConnectorEvent, EngineId, EngineRank, KvConnector, KvGeometry, KvRegion,
-    MemFabric, MemoryLocation, ModelIdentity, PeerAddr, Psk, RankBuilder, SideChannel,
-    SideChannelConfig, TransportKind,
+    AcceptPolicy, ConnectorEvent, EngineId, EngineRank, KvGeometry, ModelIdentity, PeerAddr, Psk,
+    RankBuilder, SideChannel, SideChannelConfig,
 };
 
-use crate::convert::{blocks_from, event_to, params_from, params_to, request_id as parse_request};
+use crate::convert::{params_from, params_to, request_id as parse_request};
 use crate::errors::{self, config};
 use crate::options::Options;
+
+mod calls;
+mod setup;
+
+use setup::{adopt_regions, parse_listen, parse_role, peer_list, transport_kind, PyRegion, Role};
 
 /// Threads now outside the interpreter in a connector call (the GIL released). The package's
 /// exit hook waits for it to drop to zero after closing every connector: a thread still out
@@ -37,28 +39,6 @@ fn outside<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
     result
 }
 
-/// The in-memory fabric every `transport="mem"` connector of this process shares.
-fn fabric() -> MemFabric {
-    static FABRIC: OnceLock<MemFabric> = OnceLock::new();
-    FABRIC.get_or_init(MemFabric::new).clone()
-}
-
-/// Which side of the handoff a connector is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Role {
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    fn name(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
-
 /// One engine rank (prefill or decode) on memory the engine owns: see `kvhandoff.Connector`.
 #[pyclass(subclass, module = "kvhandoff._native", name = "NativeConnector")]
 pub struct NativeConnector {
@@ -73,181 +53,6 @@ pub struct NativeConnector {
     /// a layer-wise prefill.
     layers: u32,
     close_timeout: Duration,
-}
-
-/// A region as Python hands it: address, length, and what keeps the memory alive.
-type PyRegion = (usize, usize, Py<PyAny>);
-
-fn parse_listen(listen: &str) -> PyResult<SocketAddr> {
-    listen
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut addrs| addrs.next())
-        .ok_or_else(|| config(format!("listen must be \"HOST:PORT\" (got {listen:?})")))
-}
-
-fn parse_role(role: &str) -> PyResult<Role> {
-    match role {
-        "prefill" | "p" | "kv_producer" => Ok(Role::Prefill),
-        "decode" | "d" | "kv_consumer" => Ok(Role::Decode),
-        other => Err(config(format!(
-            "role must be \"prefill\" or \"decode\" (got {other:?})"
-        ))),
-    }
-}
-
-fn transport_kind(name: &str) -> PyResult<TransportKind> {
-    match name {
-        "mem" => Ok(TransportKind::Mem(fabric())),
-        #[cfg(feature = "nixl")]
-        "nixl" => Ok(TransportKind::nixl()),
-        #[cfg(not(feature = "nixl"))]
-        "nixl" => Err(config(
-            "transport \"nixl\": this build of kvhandoff has no NIXL (feature `nixl`)",
-        )),
-        other => Err(config(format!(
-            "transport must be \"mem\" or \"nixl\" (got {other:?})"
-        ))),
-    }
-}
-
-/// The engine's regions, each cut to a whole number of blocks (the same for every region).
-fn adopt_regions(regions: Vec<PyRegion>, block_bytes: u64) -> PyResult<(Vec<KvRegion>, u32)> {
-    if regions.is_empty() {
-        return Err(config("regions: at least one region is needed"));
-    }
-    let block = usize::try_from(block_bytes).map_err(|_| config("block_bytes is too large"))?;
-    let mut blocks = None;
-    let mut adopted = Vec::with_capacity(regions.len());
-    for (index, (addr, len, owner)) in regions.into_iter().enumerate() {
-        let here = len / block;
-        if here == 0 {
-            return Err(config(format!(
-                "regions[{index}]: {len} bytes hold no block of {block_bytes} bytes"
-            )));
-        }
-        match blocks {
-            None => blocks = Some(here),
-            Some(first) if first != here => {
-                return Err(config(format!(
-                "regions[{index}] holds {here} blocks of {block_bytes} bytes, regions[0] {first}: \
-                     block b is the b-th slice of every region, so every region holds as many"
-            )))
-            }
-            Some(_) => {}
-        }
-        let ptr = NonNull::new(addr as *mut u8)
-            .ok_or_else(|| config(format!("regions[{index}]: a null address")))?;
-        // SAFETY: the Python layer's contract (`kvhandoff.RawRegion`, the buffer protocol, a
-        // tensor's storage): `len` bytes of host memory at `addr`, kept valid while `owner`
-        // lives; the region holds `owner` until the rank no longer touches the memory.
-        adopted.push(unsafe {
-            KvRegion::from_raw_parts(ptr, here * block, MemoryLocation::Host, owner)
-        });
-    }
-    let blocks = blocks.unwrap_or(0);
-    let blocks = u32::try_from(blocks).map_err(|_| config("more than 2**32 blocks per region"))?;
-    Ok((adopted, blocks))
-}
-
-/// `peers` as a dict `{engine_id: "host:port"}` or a sequence of such pairs.
-fn peer_list(peers: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<(String, String)>> {
-    let Some(peers) = peers.filter(|p| !p.is_none()) else {
-        return Ok(Vec::new());
-    };
-    if let Ok(dict) = peers.cast::<PyDict>() {
-        return dict
-            .iter()
-            .map(|(k, v)| Ok((k.extract()?, v.extract()?)))
-            .collect::<PyResult<_>>()
-            .map_err(|_: PyErr| config("peers: a dict of engine_id -> \"host:port\" strings"));
-    }
-    peers.extract().map_err(|_| {
-        config("peers: a dict of engine_id -> \"host:port\", or (engine_id, address) pairs")
-    })
-}
-
-impl NativeConnector {
-    /// Every block id below the pool's size: an id past it is refused before any transfer.
-    fn check_blocks(&self, blocks: &kvhandoff::BlockIds) -> PyResult<()> {
-        for ids in &blocks.groups {
-            if let Some(bad) = ids.iter().find(|&&id| id >= self.num_blocks) {
-                let cause = format!(
-                    "block id {bad} is outside this rank's pool of {} blocks",
-                    self.num_blocks
-                );
-                return Err(errors::raise::<errors::RegionError>(cause.clone(), cause));
-            }
-        }
-        Ok(())
-    }
-
-    /// The rank, locked; `Unavailable` once closed.
-    fn locked(&self) -> PyResult<MutexGuard<'_, Option<EngineRank>>> {
-        let guard = self
-            .rank
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if guard.is_none() {
-            return Err(errors::closed());
-        }
-        Ok(guard)
-    }
-
-    /// Runs `f` on the connector with the GIL released.
-    fn with_connector<T: Send>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mut KvConnector) -> Result<T, kvhandoff::ConnectorError> + Send,
-    ) -> PyResult<T> {
-        // Closed: answer without leaving the interpreter (a thread that waits outside it when
-        // the interpreter finalises is torn down there).
-        if self.closed() {
-            return Err(errors::closed());
-        }
-        outside(py, || {
-            let mut guard = self.locked()?;
-            let rank = guard.as_mut().ok_or_else(errors::closed)?;
-            f(rank.connector_mut()).map_err(errors::connector)
-        })
-    }
-
-    /// A block-carrying call's arguments, checked: the request id, its blocks (inside the
-    /// pool), the router's parameters, and the token count (default: whole blocks).
-    fn call_args(
-        &self,
-        request_id: &str,
-        block_ids: &Bound<'_, PyAny>,
-        params: Option<&Bound<'_, PyAny>>,
-        num_tokens: Option<u64>,
-    ) -> PyResult<(
-        kvhandoff::RequestId,
-        kvhandoff::BlockIds,
-        kvhandoff::KvTransferParams,
-        u64,
-    )> {
-        let request = parse_request(request_id)?;
-        let blocks = blocks_from(block_ids)?;
-        self.check_blocks(&blocks)?;
-        let params = params_from(params)?;
-        let tokens = self.tokens_of(&blocks, num_tokens);
-        Ok((request, blocks, params, tokens))
-    }
-
-    fn tokens_of(&self, blocks: &kvhandoff::BlockIds, num_tokens: Option<u64>) -> u64 {
-        num_tokens.unwrap_or_else(|| {
-            let first = blocks.groups.first().map_or(0, Vec::len) as u64;
-            first * u64::from(self.block_tokens)
-        })
-    }
-
-    fn events_to<'py>(py: Python<'py>, events: &[ConnectorEvent]) -> PyResult<Bound<'py, PyList>> {
-        let list = PyList::empty(py);
-        for event in events {
-            list.append(event_to(py, event)?)?;
-        }
-        Ok(list)
-    }
 }
 
 #[pymethods]

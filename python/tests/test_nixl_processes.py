@@ -222,7 +222,7 @@ def test_nixl_two_processes_decode_registers_first(nixl_pair):
     want = {}
     for k in range(6):
         i, rid = 200 + k, f"dfirst-{k}"
-        d_ids, p_ids = [40 + 2 * k, 41 + 2 * k], [2 * k, 2 * k + 1]
+        d_ids = [40 + 2 * k, 41 + 2 * k]
         early = {"do_remote_prefill": True, "remote_engine_id": p.engine_id, "remote_host": host,
                  "remote_port": int(port), "tp_size": 1, "transfer_id": f"key-{rid}"}
         d.call("allocate", rid, i, d_ids, early, 2 * BLOCK_TOKENS)

@@ -1,6 +1,8 @@
 //! Unit tests of the messages: kind codes, leases, block-id and field rules, and their display.
 
 use super::*;
+use crate::ids::IdError;
+use crate::trace::TraceIdError;
 
 fn key() -> PairingKey {
     PairingKey::new("cmpl-1-0").unwrap()

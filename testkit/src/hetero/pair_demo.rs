@@ -34,6 +34,8 @@
 mod flight;
 mod process;
 mod pull;
+mod ranks;
+mod read_back;
 mod router;
 mod summary;
 
@@ -42,20 +44,22 @@ use std::time::{Duration, Instant};
 
 #[cfg(doc)]
 use kvhandoff::{KvCache, KvConnector, RankLinks};
-use kvhandoff::{KvRegion, RankBuilder, Runtime, SideChannel, TransportKind};
-use kvhandoff_actors::system::{agent_name, MAX_ROUTED_REGIONS};
-use kvhandoff_protocol::hetero::{
-    model, plan_pair, HeteroError, PairPlan, SideName, SideSpec, Space,
-};
+use kvhandoff::{RankBuilder, Runtime, TransportKind};
+use kvhandoff_actors::system::MAX_ROUTED_REGIONS;
+use kvhandoff_protocol::hetero::{model, plan_pair, HeteroError, PairPlan, SideName, SideSpec};
 use kvhandoff_protocol::machine::Config;
-use kvhandoff_protocol::{AgentName, EngineId, ModelIdentity};
 use rand::{Rng, SeedableRng};
 
 use super::handoff::{Handoff, RequestShape};
-use crate::demo::{start_error, DemoError, DemoReport, DemoTransport, Leaks, Races};
+use crate::demo::{start_error, DemoError, DemoReport, DemoTransport};
 use flight::Rank;
 pub use process::{run_rank, RankProcess, RankReport};
+use ranks::{
+    agent_names, model_identity, rank_port, ranks_of, region_lens, side_channel, slot_memory,
+};
+use read_back::{read_back_turns, ReadBack};
 pub use router::{run_router, RouterPlan, RouterReport};
+use summary::Tally;
 
 /// P's engine id in the heterogeneous demo.
 pub const PREFILL: &str = "prefill";
@@ -67,8 +71,6 @@ pub const MAX_REQUESTS: usize = 4096;
 pub const MAX_WINDOW: usize = MAX_ROUTED_REGIONS / 2;
 /// Most ranks of one engine with side channels in one process (each its own port).
 const MAX_SIDE_RANKS: usize = 64;
-/// Most errors a report keeps.
-const MAX_ERRORS: usize = 32;
 
 /// What the heterogeneous demo runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -401,103 +403,6 @@ fn nixl_run(_: &HeteroDemoOptions, _: Prepared, _: Instant) -> Result<DemoReport
     Err(DemoError::NoNixl)
 }
 
-/// Per rank (side, index): the lengths of its KV and staging memory, the largest any request
-/// needs (a pulled request's D staging holds the mirrors of P's blocks too).
-fn region_lens(
-    pair: &PairPlan,
-    handoffs: &[Handoff],
-    pulled: &[bool],
-) -> Vec<((SideName, usize), [u64; 2])> {
-    let mut out = Vec::new();
-    for (side, layout) in [
-        (SideName::Prefill, &pair.prefill),
-        (SideName::Decode, &pair.decode),
-    ] {
-        for index in 0..layout.ranks.len() {
-            let mut lens = [1u64, 1u64];
-            for (h, &pull) in handoffs.iter().zip(pulled) {
-                for (slot, space) in [Space::Kv, Space::Staging].into_iter().enumerate() {
-                    let len = match (pull, side, space) {
-                        (true, SideName::Decode, Space::Staging) => h.pull_staging_len(index),
-                        _ => h.arenas[h.arena(side, index, space)].bytes.len() as u64,
-                    };
-                    lens[slot] = lens[slot].max(len);
-                }
-            }
-            out.push(((side, index), lens));
-        }
-    }
-    out
-}
-
-/// Every rank's engine id and geometry, in [`region_lens`] order.
-fn ranks_of(
-    run: &Prepared,
-) -> impl Iterator<Item = Result<(EngineId, &kvhandoff_protocol::KvGeometry), DemoError>> {
-    run.lens.iter().map(|&((side, index), _)| {
-        let (engine, layout) = match side {
-            SideName::Prefill => (PREFILL, &run.pair.prefill),
-            SideName::Decode => (DECODE, &run.pair.decode),
-        };
-        let engine = EngineId::new(engine).map_err(|e| DemoError::Options(e.to_string()))?;
-        Ok((engine, &layout.ranks[index].geometry))
-    })
-}
-
-/// The transport agents' names the builder gives the ranks, in [`region_lens`] order.
-fn agent_names(run: &Prepared) -> Result<Vec<AgentName>, DemoError> {
-    ranks_of(run)
-        .map(|rank| {
-            let (engine, geometry) = rank?;
-            agent_name(&engine, geometry.rank_index())
-                .map_err(|e| DemoError::Options(e.to_string()))
-        })
-        .collect()
-}
-
-/// A rank's TCP side channel on `listen`: P's takes the handshakes of D's engine, which dials
-/// it first.
-fn side_channel(side: SideName, listen: std::net::SocketAddr) -> Result<SideChannel, DemoError> {
-    let mut config = kvhandoff::SideChannelConfig::new(listen);
-    if side == SideName::Prefill {
-        let decode = EngineId::new(DECODE).map_err(|e| DemoError::Options(e.to_string()))?;
-        config.accept = kvhandoff::AcceptPolicy::Known([decode].into());
-    }
-    Ok(SideChannel::Tcp(config))
-}
-
-/// Where a rank listens: its engine's base port + its rank index (vLLM's convention).
-fn rank_port(
-    base: std::net::SocketAddr,
-    geometry: &kvhandoff_protocol::KvGeometry,
-) -> Result<std::net::SocketAddr, DemoError> {
-    let port = u32::from(base.port()) + geometry.rank_index();
-    let port = u16::try_from(port)
-        .map_err(|_| DemoError::Options(format!("rank port {port} is past 65535")))?;
-    Ok(std::net::SocketAddr::new(base.ip(), port))
-}
-
-/// A rank's memory, allocated by its engine: per slot of the window, a zeroed KV buffer and a
-/// zeroed staging buffer of `lens` bytes (region `2 × slot` and `2 × slot + 1`).
-fn slot_memory(lens: [u64; 2], window: usize) -> Result<Vec<KvRegion>, DemoError> {
-    lens.repeat(window)
-        .into_iter()
-        .map(|len| {
-            let len = usize::try_from(len)
-                .map_err(|_| DemoError::Options(format!("a {len}-byte buffer is too large")))?;
-            Ok(KvRegion::zeroed(len))
-        })
-        .collect()
-}
-
-fn model_identity(pair: &PairPlan) -> ModelIdentity {
-    ModelIdentity {
-        model: format!("kvhandoff-catalog-{}", pair.model.name),
-        dtype: "bfloat16".into(),
-        cache_dtype: format!("{}-byte", pair.model.dtype_bytes),
-    }
-}
-
 /// What differs between the transports a run drives.
 struct Hooks<'a> {
     /// `"mem"` or `"nixl"`.
@@ -676,138 +581,4 @@ fn drive(
         report.verdict = report.verdict_line();
     }
     Ok(report)
-}
-
-/// What a run's read-back turns run on: the pair planned the other way, each request's
-/// read-back, how the readers' routes place their pieces, the router (across processes) and
-/// the first request this process runs.
-struct ReadBack<'a> {
-    reversed: &'a PairPlan,
-    back: Vec<Handoff>,
-    placing: flight::Placing,
-    router: Option<&'a router::RouterClient>,
-    first: usize,
-    /// How long the holders keep each turn for its read-back.
-    keep: Duration,
-}
-
-/// Every request's next turn, once every first turn ended: the ranks play the pair planned the
-/// other way (D's engine holds, P's reads), D keeps each request's blocks and P reads them
-/// back into its own geometry, every byte checked. Its errors, leaks and byte errors join the
-/// run's.
-fn read_back_turns(
-    options: &HeteroDemoOptions,
-    ReadBack {
-        reversed,
-        back,
-        placing,
-        router,
-        first,
-        keep,
-    }: ReadBack<'_>,
-    ranks: &mut [Rank],
-    deadline: Instant,
-    tally: &mut Tally,
-) -> crate::demo::TurnCounts {
-    let swap = |ranks: &mut [Rank]| {
-        for rank in ranks.iter_mut() {
-            rank.side = match rank.side {
-                SideName::Prefill => SideName::Decode,
-                SideName::Decode => SideName::Prefill,
-            };
-        }
-    };
-    let shared: Vec<flight::Shared> = back
-        .into_iter()
-        .map(|h| Arc::new(std::sync::Mutex::new(h)))
-        .collect();
-    let mut turn = Tally::default();
-    let pulled = vec![true; shared.len()];
-    swap(ranks);
-    flight::run_all(
-        &shared,
-        reversed,
-        ranks,
-        options.window,
-        options.seed ^ 0x7e57_ba11,
-        None,
-        placing,
-        &pulled,
-        Some(keep),
-        router,
-        flight::Pace {
-            first,
-            gap: Duration::ZERO,
-        },
-        &mut |_| false,
-        deadline,
-        &mut turn,
-    );
-    swap(ranks);
-    for error in std::mem::take(&mut turn.errors) {
-        tally.error(format!("read-back: {error}"));
-    }
-    tally.timed_out |= turn.timed_out;
-    tally.byte_errors += turn.byte_errors;
-    // The read-back's sides are the engines' swapped: its holders are D's ranks.
-    tally.leaks.prefill += turn.leaks.decode;
-    tally.leaks.decode += turn.leaks.prefill;
-    let n = shared.len().saturating_sub(first) as u64;
-    crate::demo::TurnCounts {
-        conversations: n,
-        later_turns: n,
-        pulled_from_decode: turn.ready,
-        recomputed: turn.failed + turn.decode_missing,
-        read_back_verified: turn.verified,
-        read_back_bytes: turn.sent_bytes,
-        kept: n,
-        kept_read: turn.sent,
-        kept_unread: turn.released + turn.prefill_missing,
-        keep_ttl_ms: keep.as_secs_f64() * 1e3,
-        ..crate::demo::TurnCounts::default()
-    }
-}
-
-/// What the run saw.
-#[derive(Default)]
-pub(super) struct Tally {
-    ready: u64,
-    failed: u64,
-    decode_missing: u64,
-    sent: u64,
-    released: u64,
-    prefill_missing: u64,
-    verified: u64,
-    byte_errors: u64,
-    races: Races,
-    call_order: Races,
-    prefill_events: u64,
-    decode_events: u64,
-    duplicates: u64,
-    unknown: u64,
-    leaks: Leaks,
-    sent_bytes: u64,
-    sub_requests: u64,
-    faults_injected: u64,
-    descriptors: u64,
-    prefill_jobs: u64,
-    decode_jobs: u64,
-    zeroed: u64,
-    latencies_us: Vec<f64>,
-    timed_out: bool,
-    errors: Vec<String>,
-    /// Each rank's events by typed outcome (`Ready`, `Failed(PeerDead)`, `Sent`, …).
-    outcomes: std::collections::BTreeMap<String, u64>,
-}
-
-impl Tally {
-    pub(super) fn outcome(&mut self, outcome: String) {
-        *self.outcomes.entry(outcome).or_default() += 1;
-    }
-
-    pub(super) fn error(&mut self, error: String) {
-        if self.errors.len() < MAX_ERRORS {
-            self.errors.push(error);
-        }
-    }
 }

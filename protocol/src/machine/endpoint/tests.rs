@@ -7,8 +7,8 @@ use std::time::Duration;
 use super::Endpoint;
 use crate::machine::types::{EndpointCall, NetEvent, Output, PrefillStart, Time};
 use crate::machine::Config;
+use crate::RequestId;
 use crate::{BlockIds, EngineId, Epoch, Incarnation, Message, PairingKey, PeerAddr, Register};
-use crate::{RequestId, WriteFailure};
 
 mod layerwise;
 
@@ -148,7 +148,7 @@ fn past_the_lease_the_lease_check_alone_refuses_the_write() {
     );
     assert!(out.iter().any(|o| matches!(
         o,
-        Output::Send { message: Message::WriteFailed(m), .. } if m.reason == WriteFailure::LeaseExpired
+        Output::Send { message: Message::WriteFailed(m), .. } if m.reason == crate::WriteFailure::LeaseExpired
     )));
     assert_eq!(p.counters().expired_leases_refused, 1);
 }

@@ -5,10 +5,10 @@ use std::time::{Duration, Instant};
 use kvhandoff_protocol::hetero::PairPlan;
 
 use super::flight::Shared;
-use super::{HeteroDemoOptions, Tally};
+use super::HeteroDemoOptions;
 use crate::demo::{
-    DemoReport, EventCounts, GeometrySummary, HeteroSummary, Latency, Outcomes, PrefillOutcomes,
-    ReportRole, TurnCounts,
+    DemoReport, EventCounts, GeometrySummary, HeteroSummary, Latency, Leaks, Outcomes,
+    PrefillOutcomes, Races, ReportRole, TurnCounts,
 };
 use crate::stats::gbps;
 
@@ -153,4 +153,51 @@ pub(super) fn report(
     report.ok = report.verdict_ok();
     report.verdict = report.verdict_line();
     report
+}
+
+/// Most errors a report keeps.
+const MAX_ERRORS: usize = 32;
+
+/// What the run saw.
+#[derive(Default)]
+pub(super) struct Tally {
+    pub(super) ready: u64,
+    pub(super) failed: u64,
+    pub(super) decode_missing: u64,
+    pub(super) sent: u64,
+    pub(super) released: u64,
+    pub(super) prefill_missing: u64,
+    pub(super) verified: u64,
+    pub(super) byte_errors: u64,
+    pub(super) races: Races,
+    pub(super) call_order: Races,
+    pub(super) prefill_events: u64,
+    pub(super) decode_events: u64,
+    pub(super) duplicates: u64,
+    pub(super) unknown: u64,
+    pub(super) leaks: Leaks,
+    pub(super) sent_bytes: u64,
+    pub(super) sub_requests: u64,
+    pub(super) faults_injected: u64,
+    pub(super) descriptors: u64,
+    pub(super) prefill_jobs: u64,
+    pub(super) decode_jobs: u64,
+    pub(super) zeroed: u64,
+    pub(super) latencies_us: Vec<f64>,
+    pub(super) timed_out: bool,
+    pub(super) errors: Vec<String>,
+    /// Each rank's events by typed outcome (`Ready`, `Failed(PeerDead)`, `Sent`, …).
+    pub(super) outcomes: std::collections::BTreeMap<String, u64>,
+}
+
+impl Tally {
+    pub(super) fn outcome(&mut self, outcome: String) {
+        *self.outcomes.entry(outcome).or_default() += 1;
+    }
+
+    pub(super) fn error(&mut self, error: String) {
+        if self.errors.len() < MAX_ERRORS {
+            self.errors.push(error);
+        }
+    }
 }
