@@ -30,13 +30,13 @@ use super::{Children, ClusterArgs, Launch};
 use crate::cli::{demo_mode, ModeArg};
 use kvhandoff_testkit::node::{self, NodeOptions, NodeRole};
 
-/// [`RankLine::life`] of the rank to be killed, before the kill.
+/// [`RankLine::life`](super::RankLine::life) of the rank to be killed, before the kill.
 const VICTIM: &str = "victim";
-/// [`RankLine::life`] of the killed process.
+/// [`RankLine::life`](super::RankLine::life) of the killed process.
 pub(super) const KILLED: &str = "killed";
-/// [`RankLine::life`] of the victim's restarted process.
+/// [`RankLine::life`](super::RankLine::life) of the victim's restarted process.
 const RESTARTED: &str = "restarted";
-/// [`RankLine::life`] of the victim's peer rank.
+/// [`RankLine::life`](super::RankLine::life) of the victim's peer rank.
 const SURVIVOR: &str = "survivor";
 
 /// The victim pair's heartbeat, ms: the survivor declares the dead rank after 1.5 of it
@@ -277,7 +277,7 @@ impl Killer {
     }
 
     /// How to start rank `rank` of `engine`: extra flags, a stderr tap (the victim's), and its
-    /// [`RankLine::life`].
+    /// [`RankLine::life`](super::RankLine::life).
     pub(super) fn launch(
         &mut self,
         engine: &str,
