@@ -148,8 +148,7 @@ fn seed_8_a_failed_pair_frees_the_shared_blocks_only_after_its_siblings() {
 /// mixed hash was the one before, so nothing but the text changed; then a grant printed the
 /// holder's memory (protocol v8) and, issue 23, a reader numbers its asks from its trace id,
 /// which the trace prints: with the ask numbers cut, the traces before and after issue 23's
-/// change are the same line for line; then, 2026-11-29, a record of P's that refuses a
-/// registration is written again, and D skips resends a stall delayed past their window).
+/// change are the same line for line).
 #[test]
 fn worlds_without_multi_rank_requests_replay_as_before() {
     let push = SimOptions::new(0..40, 30, Faults::Chaos);
@@ -157,7 +156,7 @@ fn worlds_without_multi_rank_requests_replay_as_before() {
     assert_eq!(seed_world(&push, 3).prefill_ranks, 1);
     assert_eq!(
         run_seeds(&push).trace_hash,
-        "2c8ed9343c533621f99a6fc888eab75bcab905b788dee54414c4a8c9320b4ba9"
+        "dc4e93151f288f9a9ca36d134309d4f5f1a23b75d5ea61b8c62bbd4c9b42715d"
     );
     let mixed = SimOptions {
         mode: Mode::Mixed,
@@ -166,7 +165,7 @@ fn worlds_without_multi_rank_requests_replay_as_before() {
     };
     assert_eq!(
         run_seeds(&mixed).trace_hash,
-        "65941205dd3e6bb7c34f8b76102e6ec8b9522e095ba6f79f8dc99175925837d7"
+        "53f5a481391b284f9844a942f8530f6d52bfcfb7cc5561749b821ca91216ec71"
     );
     let default_mixed = SimOptions {
         mode: Mode::Mixed,

@@ -46,9 +46,6 @@ pub struct Counters {
     pub cancel_resends: u64,
     /// Registrations sent again because no write had landed.
     pub register_resends: u64,
-    /// Resends a stall of D delayed past their window (the first registration's time plus
-    /// every resend's interval), not sent: a copy could outlive P's record of the key.
-    pub register_resends_skipped: u64,
     /// Cancels and releases for an attempt an older request of the key had settled, which
     /// reached a newer request of the key: ignored (a cancel is still acknowledged).
     pub stale_settles_ignored: u64,

@@ -88,22 +88,11 @@ pub(crate) struct Registered {
     pub(crate) next_register: Time,
     /// Resends of the registration left.
     pub(crate) registers_left: u32,
-    /// The last moment a resend may leave: the first registration's time plus every resend's
-    /// interval, the span P's tombstones count on (`Config::tombstone_min_life`). A resend a
-    /// stall of this process delayed past it is skipped: its copies could reach P after P's
-    /// record of the key is gone, and P would hold it for a later prefill of the key.
-    pub(crate) resends_until: Time,
 }
 
 impl Registered {
-    /// Whether the registration is due again: nothing answered it, resends are left, and they
-    /// are still inside their window.
+    /// Whether the registration is due again: nothing answered it, and resends are left.
     fn register_due(&self, now: Time) -> bool {
-        self.register_due_at(now) && now <= self.resends_until
-    }
-
-    /// Whether a resend would be due at `now` but for its window.
-    fn register_due_at(&self, now: Time) -> bool {
         self.registers_left > 0 && self.nothing_landed() && now >= self.next_register
     }
 
@@ -364,11 +353,6 @@ impl Connecting {
                     landed: BTreeSet::new(),
                     next_register: ctx.now + ctx.config.register_retry_interval,
                     registers_left: ctx.config.max_register_retries,
-                    resends_until: ctx.now
-                        + ctx
-                            .config
-                            .register_retry_interval
-                            .saturating_mul(ctx.config.max_register_retries),
                 }))
             }
             DecodeInput::PeerConnectFailed => failed(self, DecodeFailure::HandshakeFailed),
@@ -495,14 +479,7 @@ impl Registered {
                 self.next_register = ctx.now + ctx.config.register_retry_interval;
                 Step::Live(DecodeRequest::Registered(self))
             }
-            DecodeInput::Timeout => {
-                if ctx.now > self.resends_until && self.register_due_at(ctx.now) {
-                    // The window passed while this process was stopped: no resend is left.
-                    self.registers_left = 0;
-                    fx.counters.register_resends_skipped += 1;
-                }
-                Step::Live(DecodeRequest::Registered(self))
-            }
+            DecodeInput::Timeout => Step::Live(DecodeRequest::Registered(self)),
             // A reconnect does not change what was registered.
             DecodeInput::PeerConnected | DecodeInput::PeerConnectFailed => {
                 Step::Live(DecodeRequest::Registered(self))

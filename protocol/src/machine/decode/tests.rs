@@ -83,9 +83,6 @@ fn registered_with(
         landed: landed.iter().copied().collect(),
         next_register,
         registers_left,
-        // Entered at NOW, as the fixtures' resend time says.
-        resends_until: ms(NOW_MS)
-            + config().register_retry_interval * config().max_register_retries,
     })
 }
 
@@ -588,20 +585,6 @@ fn cases() -> Vec<Case> {
             },
         )
         .at(ms(REGISTER_AGAIN_MS)),
-        case(
-            // A stall delayed the resend past the span P's tombstones count on: a copy of it
-            // could outlive P's record of the key, so it never leaves.
-            "registered + timeout past the resends' window (a stall), nothing landed: waits",
-            registered(1, &[]),
-            I::Timeout,
-            live(registered_with(1, &[], ms(REGISTER_AGAIN_MS), 0)),
-            vec![],
-            Counters {
-                register_resends_skipped: 1,
-                ..Counters::default()
-            },
-        )
-        .at(ms(DEADLINE_MS - 1)),
         case(
             "registered + timeout at the resend, a write landed: P has it, waits",
             registered(2, &[0]),

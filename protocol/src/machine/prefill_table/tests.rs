@@ -2527,38 +2527,6 @@ fn registration_answered_by_an_ended_tombstone_never_reaches_a_later_request() {
     }
 }
 
-/// Rule: a record that refuses a registration is written again, so that it outlives that
-/// registration's copies as a new record would. A sibling D of the key (the router sent the
-/// decode leg twice) may start registering long after the record was written, and each D
-/// counts its sends' span from its own first one; before, a copy of a registration the record
-/// answered just before it expired found no record and became a pending registration for a
-/// later prefill of the key (found by the swarm with late registration copies outside the
-/// small tables, push seed 689).
-#[test]
-fn a_record_refusing_a_registration_outlives_that_registrations_copies() {
-    let config = config();
-    let mut w = tomb_answered();
-    let answer = [write_failed(EPOCH, WriteFailure::RegistrationExpired)];
-    // Just before the record would expire, a registration it answers.
-    let late = ms(PENDING_MS) + (config.tombstone_ttl - std::time::Duration::from_millis(1));
-    let (outputs, _) = feed(&mut w, late, register(EPOCH));
-    assert_eq!(outputs, answer, "the record answers");
-    // A copy of it, past the record's first expiry, within the span a record must cover.
-    let copy = late + config.tombstone_min_life();
-    assert!(copy > ms(PENDING_MS) + config.tombstone_ttl);
-    // P's timers ran by then (they sweep expired records).
-    w.on_timeout(copy, &mut Outbox::default());
-    let (outputs, _) = feed(&mut w, copy, register(EPOCH));
-    assert_eq!(
-        outputs, answer,
-        "the copy finds the record, not an empty table"
-    );
-    assert_eq!(
-        snapshot(&w),
-        tomb(answered(EPOCH, WriteFailure::RegistrationExpired))
-    );
-}
-
 /// The aborted fixture's tombstone once a registration for `epoch` was answered.
 fn unbound_raised(epoch: Epoch) -> PrefillTombstone {
     ended_tomb(

@@ -152,22 +152,6 @@ impl PrefillTable {
             .insert(key, record, now + self.config.tombstone_ttl);
     }
 
-    /// The record of `key` refused a registration: it is written again, so that it outlives
-    /// that registration's copies and resends as a new record would. Each D counts the span
-    /// of its own sends from its first one (`Config::tombstone_min_life`), and a sibling D of
-    /// the key (a decode leg the router sent twice) may start sending long after the record
-    /// was written. Without room for a young record the record stays as it is (admission
-    /// control never lets young records fill the table).
-    pub(super) fn refresh(&mut self, now: Time, key: &PairingKey) {
-        if !self.tombstone_room(now) {
-            return;
-        }
-        if let Some(record) = self.tombstones.get(key).copied() {
-            self.tombstones
-                .insert(key.clone(), record, now + self.config.tombstone_ttl);
-        }
-    }
-
     pub(super) fn file_ended(&mut self, now: Time, ended: PrefillEnded, fx: &mut Outbox) {
         let PrefillEnded {
             common,
