@@ -62,11 +62,15 @@ const DECODE_DEADLINE_MS: &str = "2000";
 /// A P survivor's lease on finished blocks no D registered, ms: those the dead D never
 /// registered come back after it instead of 30 s; the restarted D, if it starts late, still
 /// registers its first requests within it.
-const LEASE_MS: &str = "3000";
+const LEASE_MS: u64 = 3000;
 /// How long a pair's D survivor keeps a turn for its read-back (`--mode bidir`), ms: the parts a
 /// dead P rank would have read end this long after the keep instead of 30 s, which would hold
-/// the window's slots for minutes.
-const KEEP_TTL_MS: &str = "3000";
+/// the window's slots for minutes. It outlasts P's lease by as much again: the P survivor
+/// starts its read-back only once its first turns ended, and those the dead D never
+/// registered end a lease after P held them, while D's survivor, which never waits for
+/// them, may already keep the restart's turns. With a keep only as long as the lease, P could
+/// reach the last of them after they had gone.
+const KEEP_TTL_MS: u64 = 2 * LEASE_MS;
 /// The restart's lead (how long after the kill its first request arrives) is twice the
 /// victim's own start-up to listening (which ran alongside every other rank's; a restart also
 /// has to meet its peer), at least this: a restart took up to 0.9 s on a loaded 2-core host
@@ -302,11 +306,11 @@ impl Killer {
         // in the fan, and its requests end by a cancel from D).
         flags.extend(match engine {
             "decode" => ["--decode-deadline-ms".into(), DECODE_DEADLINE_MS.into()],
-            _ => ["--lease-ms".into(), LEASE_MS.into()],
+            _ => ["--lease-ms".into(), LEASE_MS.to_string()],
         });
         if self.pair && engine == "decode" {
             // In bidir, the turns a dead P rank never reads back end within the run.
-            flags.extend(["--keep-ttl-ms".into(), KEEP_TTL_MS.into()]);
+            flags.extend(["--keep-ttl-ms".into(), KEEP_TTL_MS.to_string()]);
         }
         (flags, None, Some(SURVIVOR))
     }
