@@ -412,6 +412,7 @@ impl World {
             ("writes_abandoned", c.writes_abandoned),
             ("cancel_resends", c.cancel_resends),
             ("register_resends", c.register_resends),
+            ("register_resends_skipped", c.register_resends_skipped),
             ("fenced_block_us", self.fenced_block_us),
             ("reads_granted", c.reads_granted),
             ("reads_posted", c.reads_posted),

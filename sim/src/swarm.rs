@@ -133,6 +133,11 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
         cfg.late_register_copies = 0.6;
         let mut table = ChaCha8Rng::seed_from_u64(seed ^ 0x7461_626c_655f_6370);
         cfg.machine.max_tombstones = cfg.machine.max_tombstones.min(table.gen_range(6..=12));
+    } else if chaos_pushes && one_in(seed, 0x6c61_7465_5f63_6f70, 2) {
+        // ...and half the other chaos pushing seeds: with roomy tables an old attempt's copy
+        // meets a record written long ago (a sibling D's, a stalled D's late resend), and a
+        // copy past the epoch floor's record is what `skip_epoch_floor` needs.
+        cfg.late_register_copies = 0.3;
     }
     // Orphaned registrations with a sibling heartbeating the key, one chaos pushing seed in
     // two, on a stream of its own.

@@ -174,13 +174,15 @@ fn cli_swarm(seeds: std::ops::Range<u64>) -> SimOptions {
 /// the resume hands the registration over before the lease's timer runs.
 #[test]
 fn seed_9807601_a_registration_after_the_lease_is_refused_and_writing_it_is_caught() {
-    // The world as found, before the swarm drew late completions, late grants and stalls
-    // between layer-wise parts or with a registration pending.
+    // The world as found, before the swarm drew late completions, late grants, stalls
+    // between layer-wise parts or with a registration pending, and late registration copies
+    // outside the small tables.
     let as_found = |world: &mut WorldConfig| {
         world.late_completions = false;
         world.late_grant = 0.0;
         world.stall_mid_layers = 0.0;
         world.stall_pending_registration = 0.0;
+        world.late_register_copies = 0.0;
     };
     // The precondition: the lease check was asked about a registration past the lease; L5 (no
     // write posted after its lease) catches the mutation.
@@ -335,5 +337,29 @@ fn seed_1_a_siblings_heartbeats_never_keep_an_orphaned_registration_alive_and_le
             Mutation::IgnoreHeartbeatSender,
             "proof: request 0 e1 freed by Quarantine while P still holds its registration",
         ),
+    );
+}
+
+/// A late copy of a registration for an attempt an ended request of its key settled reaches
+/// P while a later request of the key holds blocks, outside the small tables
+/// (`WorldConfig::late_register_copies`, which the swarm draws for half the chaos pushing
+/// worlds with roomy tables too): the key's epoch floor stops it; under `skip_epoch_floor` it
+/// reaches the later request's blocks and a write lands where no lease of its attempt is (S1).
+/// Seed 46 of the swarm's range 0..300, mixed. Before that draw, `skip_epoch_floor` slipped
+/// past the whole day range CI picks on 2026-12-10 (seeds 339100..339400).
+#[test]
+fn seed_46_a_late_copy_below_the_epoch_floor_is_stopped_and_skipping_the_floor_is_caught() {
+    let world = seed_world(&cli_swarm(46..47), 46);
+    assert!(
+        world.late_register_copies > 0.0 && world.machine.max_tombstones > 24,
+        "the precondition: late copies drawn outside the small tables ({}, {})",
+        world.late_register_copies,
+        world.machine.max_tombstones
+    );
+    reached_and_caught(
+        46,
+        |_| {},
+        ("register_after_decode_ended", None),
+        (Mutation::SkipEpochFloor, "S1:"),
     );
 }

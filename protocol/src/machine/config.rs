@@ -240,7 +240,7 @@ impl Config {
         if self.tombstone_ttl < self.tombstone_min_life() {
             return Err(ConfigError::Contradiction(
                 "tombstone_ttl must cover max_register_retries * register_retry_interval + \
-                 max_message_delay + peer_timeout, or a late registration copy outlives the \
+                 register_retry_interval / 4 + max_message_delay + peer_timeout, or a late registration copy outlives the \
                  epoch floor",
             ));
         }
@@ -297,11 +297,27 @@ impl Config {
 
     /// How long a copy of a registration can still arrive after P settled its attempt: D
     /// repeats a registration for at most `max_register_retries × register_retry_interval`
-    /// after sending it (P cannot settle an attempt before its registration arrived), and every
+    /// (plus [`Config::register_resend_grace`]) after sending it (P cannot settle an attempt before its registration arrived), and every
     /// copy is handled within [`Config::max_handling_delay`]. P's tombstone of an attempt (its
     /// epoch floor) is never evicted younger than this; `tombstone_ttl` must cover it.
     pub fn tombstone_min_life(&self) -> Duration {
-        self.register_retry_interval * self.max_register_retries + self.max_handling_delay()
+        self.register_retry_interval * self.max_register_retries
+            + self.register_resend_grace()
+            + self.max_handling_delay()
+    }
+
+    /// How late after its time D may still send a registration's resend: a quarter of
+    /// `register_retry_interval`, room for a timer that fires late on a loaded host. A resend
+    /// later than that (a stall of D's process) is skipped, so that every copy leaves within
+    /// `max_register_retries × register_retry_interval` and this grace of the first send.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kvhandoff_protocol::machine::Config;
+    /// assert_eq!(Config::default().register_resend_grace(), Duration::from_millis(1250));
+    /// ```
+    pub fn register_resend_grace(&self) -> Duration {
+        self.register_retry_interval / 4
     }
 
     /// A configuration with short deadlines for tests and demos: heartbeats every 100 ms.

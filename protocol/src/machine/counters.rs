@@ -46,6 +46,9 @@ pub struct Counters {
     pub cancel_resends: u64,
     /// Registrations sent again because no write had landed.
     pub register_resends: u64,
+    /// Resends a stall of D carried past their time (by more than
+    /// `Config::register_resend_grace`), not sent: a copy could outlive P's record of the key.
+    pub register_resends_skipped: u64,
     /// Cancels and releases for an attempt an older request of the key had settled, which
     /// reached a newer request of the key: ignored (a cancel is still acknowledged).
     pub stale_settles_ignored: u64,

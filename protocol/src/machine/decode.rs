@@ -84,7 +84,9 @@ pub(crate) struct Registered {
     pub(crate) common: DecodeCommon,
     /// P ranks whose writes of this epoch have landed.
     pub(crate) landed: BTreeSet<u32>,
-    /// When the registration is sent again if nothing landed by then.
+    /// When the registration is sent again if nothing landed by then: the first send's time
+    /// plus as many intervals as resends were due, so that late timers do not push the
+    /// resends later and later.
     pub(crate) next_register: Time,
     /// Resends of the registration left.
     pub(crate) registers_left: u32,
@@ -94,6 +96,30 @@ impl Registered {
     /// Whether the registration is due again: nothing answered it, and resends are left.
     fn register_due(&self, now: Time) -> bool {
         self.registers_left > 0 && self.nothing_landed() && now >= self.next_register
+    }
+
+    /// Takes the resend that is due: whether it may leave now. A resend leaves at most
+    /// [`Config::register_resend_grace`] after its time, so that the last copy leaves within
+    /// the span P's records count on ([`Config::tombstone_min_life`]); the resends a stall of
+    /// this process carried past that are skipped, not sent on its resume (a copy sent then
+    /// could reach P after its record of the key had gone, and P would hold it for a later
+    /// prefill of the key). Returns how many it skipped beside whether one leaves.
+    fn take_resend(&mut self, config: &Config, now: Time) -> (bool, u64) {
+        let interval = config.register_retry_interval;
+        let mut skipped = 0;
+        // The resends whose whole interval a stall passed.
+        while self.registers_left > 0 && self.next_register + interval <= now {
+            self.registers_left -= 1;
+            self.next_register = self.next_register + interval;
+            skipped += 1;
+        }
+        if self.registers_left == 0 {
+            return (false, skipped);
+        }
+        let on_time = now <= self.next_register + config.register_resend_grace();
+        self.registers_left -= 1;
+        self.next_register = self.next_register + interval;
+        (on_time, skipped + u64::from(!on_time))
     }
 
     fn nothing_landed(&self) -> bool {
@@ -473,10 +499,12 @@ impl Registered {
             DecodeInput::Timeout if self.register_due(ctx.now) => {
                 // A lost `Register` must not cost the whole deadline. P takes a copy of a
                 // registration it holds as a duplicate.
-                fx.send(&self.common.prefill, self.common.register_message(ctx.own));
-                fx.counters.register_resends += 1;
-                self.registers_left -= 1;
-                self.next_register = ctx.now + ctx.config.register_retry_interval;
+                let (send, skipped) = self.take_resend(ctx.config, ctx.now);
+                if send {
+                    fx.send(&self.common.prefill, self.common.register_message(ctx.own));
+                    fx.counters.register_resends += 1;
+                }
+                fx.counters.register_resends_skipped += skipped;
                 Step::Live(DecodeRequest::Registered(self))
             }
             DecodeInput::Timeout => Step::Live(DecodeRequest::Registered(self)),

@@ -131,7 +131,8 @@ pub struct WorldConfig {
     /// as late as a message may be (between 60% and all of `machine.max_message_delay`): it
     /// reaches P after its key's request ended there, where only P's record of the key (its
     /// epoch floor) refuses it. The swarm draws it with small tombstone tables, whose
-    /// admission control keeps such a record alive while it is young. 0 in the constructors.
+    /// admission control keeps such a record alive while it is young, and at a lower rate in
+    /// half the other chaos pushing worlds. 0 in the constructors.
     pub late_register_copies: f64,
     /// The share of single-source push requests (not layer-wise) set up as orphaned
     /// registrations with a sibling (swarm, `engine/orphans.rs`): D aborts soon after

@@ -586,6 +586,50 @@ fn cases() -> Vec<Case> {
         )
         .at(ms(REGISTER_AGAIN_MS)),
         case(
+            // A timer that fires late does not push the next resend later: each keeps the
+            // time counted from the first registration.
+            "registered + timeout late within the grace, nothing landed: Register again, the \
+             next one at its own time",
+            registered(1, &[]),
+            I::Timeout,
+            live(registered_with(1, &[], ms(REGISTER_AGAIN_MS + 500), 2)),
+            vec![register_sent()],
+            Counters {
+                register_resends: 1,
+                ..Counters::default()
+            },
+        )
+        .at(ms(REGISTER_AGAIN_MS + 100)),
+        case(
+            // A stall of D's process carried the resend past its grace: a copy sent now could
+            // reach P after the span P's records of the key count on.
+            "registered + timeout past the grace (a stall), nothing landed: the resend is \
+             skipped",
+            registered(1, &[]),
+            I::Timeout,
+            live(registered_with(1, &[], ms(REGISTER_AGAIN_MS + 500), 2)),
+            vec![],
+            Counters {
+                register_resends_skipped: 1,
+                ..Counters::default()
+            },
+        )
+        .at(ms(REGISTER_AGAIN_MS + 200)),
+        case(
+            "registered + timeout after a stall past two resends' times, within the third's \
+             grace: two skipped, the last sent",
+            registered(1, &[]),
+            I::Timeout,
+            live(registered_with(1, &[], ms(REGISTER_AGAIN_MS + 1_500), 0)),
+            vec![register_sent()],
+            Counters {
+                register_resends: 1,
+                register_resends_skipped: 2,
+                ..Counters::default()
+            },
+        )
+        .at(ms(REGISTER_AGAIN_MS + 1_050)),
+        case(
             "registered + timeout at the resend, a write landed: P has it, waits",
             registered(2, &[0]),
             I::Timeout,

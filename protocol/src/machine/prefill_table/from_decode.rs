@@ -57,6 +57,7 @@ impl PrefillTable {
             Some(PrefillTombstone::GaveUpEarly { epoch, .. }) if register.epoch <= epoch => {
                 // D already gave up on this attempt; this registration was overtaken.
                 fx.drop_input(DropReason::Late);
+                self.refresh(now, &key);
                 return;
             }
             Some(PrefillTombstone::Ended {
@@ -97,6 +98,8 @@ impl PrefillTable {
                     };
                     self.remember(now, key, raised, Some(from.run));
                     self.charge_peer(now, &from.addr);
+                } else {
+                    self.refresh(now, &key);
                 }
                 return;
             }
@@ -110,6 +113,7 @@ impl PrefillTable {
                     &from.addr,
                     write_failed(&key, register.epoch, self.rank, replay),
                 );
+                self.refresh(now, &key);
                 return;
             }
             Some(PrefillTombstone::GaveUpEarly { .. } | PrefillTombstone::Answered { .. })

@@ -2527,6 +2527,38 @@ fn registration_answered_by_an_ended_tombstone_never_reaches_a_later_request() {
     }
 }
 
+/// Rule: a record that refuses a registration is written again, so that it outlives that
+/// registration's copies as a new record would. A sibling D of the key (the router sent the
+/// decode leg twice) may start registering long after the record was written, and each D
+/// counts its sends' span from its own first one; before, a copy of a registration the record
+/// answered just before it expired found no record and became a pending registration for a
+/// later prefill of the key (found by the swarm with late registration copies outside the
+/// small tables, push seed 689).
+#[test]
+fn a_record_refusing_a_registration_outlives_that_registrations_copies() {
+    let config = config();
+    let mut w = tomb_answered();
+    let answer = [write_failed(EPOCH, WriteFailure::RegistrationExpired)];
+    // Just before the record would expire, a registration it answers.
+    let late = ms(PENDING_MS) + (config.tombstone_ttl - std::time::Duration::from_millis(1));
+    let (outputs, _) = feed(&mut w, late, register(EPOCH));
+    assert_eq!(outputs, answer, "the record answers");
+    // A copy of it, past the record's first expiry, within the span a record must cover.
+    let copy = late + config.tombstone_min_life();
+    assert!(copy > ms(PENDING_MS) + config.tombstone_ttl);
+    // P's timers ran by then (they sweep expired records).
+    w.on_timeout(copy, &mut Outbox::default());
+    let (outputs, _) = feed(&mut w, copy, register(EPOCH));
+    assert_eq!(
+        outputs, answer,
+        "the copy finds the record, not an empty table"
+    );
+    assert_eq!(
+        snapshot(&w),
+        tomb(answered(EPOCH, WriteFailure::RegistrationExpired))
+    );
+}
+
 /// The aborted fixture's tombstone once a registration for `epoch` was answered.
 fn unbound_raised(epoch: Epoch) -> PrefillTombstone {
     ended_tomb(
@@ -3111,4 +3143,60 @@ fn another_ranks_heartbeat_never_renews_a_pending_registration() {
     assert!(renewed_by_stranger(Some(
         crate::machine::Mutation::IgnoreHeartbeatSender
     )));
+}
+
+/// A restarted D's registration for a newer attempt, answered while P's request still held
+/// the blocks for the old run's attempt, keeps being answered after that request ends: the
+/// ended request's record speaks for the live run, not for the replaced one its blocks were
+/// bound to. Before, the record was filed for the replaced run, a copy of the answered
+/// registration found it speaking for nobody and waited as a pending registration for a later
+/// prefill of the key, in blocks D had freed on the answer (found by the swarm with late
+/// registration copies, seed 353786: P stalled with the copies queued and handled the first
+/// one before learning the old run's request had ended).
+#[test]
+fn a_record_filed_after_answering_a_restarted_run_speaks_for_that_run() {
+    use super::Sender;
+    use crate::Incarnation;
+    let config = config();
+    let (old, new) = (Incarnation(1), Incarnation(2));
+    let of = |run| Sender { addr: d(), run };
+    let t0 = ms(T0_MS);
+    let restart = t0 + config.write_timeout / 4;
+    let past_window = restart + config.max_message_delay;
+    let mut w = PrefillTable::new(RANK, &config);
+    let mut fx = Outbox::default();
+    w.on_peer_connected(t0, &d(), old);
+    w.finished(t0, start(), &mut fx).unwrap();
+    w.on_register(t0, of(old), registration(&d(), Epoch(1)), &mut fx);
+    assert!(
+        matches!(w.requests.get(&key()), Some(PrefillRequest::Writing(_))),
+        "the precondition: the old run's attempt is being written"
+    );
+    w.on_peer_connected(restart, &d(), new);
+    let mut fx = Outbox::default();
+    w.on_register(past_window, of(new), registration(&d(), Epoch(2)), &mut fx);
+    assert_eq!(
+        fx.out,
+        vec![write_failed_to(&d(), Epoch(2), WriteFailure::Unavailable)],
+        "the precondition: the new run's attempt is answered while the old one holds the blocks"
+    );
+    // The old run's write fails: its request ends.
+    w.on_write_result(past_window, W1, Some(WriteFailure::TransferFailed), &mut fx);
+    assert!(w.requests.get(&key()).is_none(), "the request ended");
+    let mut fx = Outbox::default();
+    let copy = past_window + config.register_retry_interval;
+    w.on_register(copy, of(new), registration(&d(), Epoch(2)), &mut fx);
+    assert!(
+        !w.pending.contains_key(&key()),
+        "a copy of the answered registration never waits for a later prefill: {:?}",
+        fx.out
+    );
+    w.finished(copy, start_with(second_req(), p_blocks()), &mut fx)
+        .unwrap();
+    assert!(
+        !fx.out.iter().any(|o| matches!(o, Output::PostWrite(_))),
+        "a later prefill of the key writes nothing to the freed blocks: {:?}",
+        fx.out
+    );
+    w.check_invariants();
 }

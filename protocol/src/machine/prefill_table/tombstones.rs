@@ -152,6 +152,22 @@ impl PrefillTable {
             .insert(key, record, now + self.config.tombstone_ttl);
     }
 
+    /// The record of `key` refused a registration: it is written again, so that it outlives
+    /// that registration's copies and resends as a new record would. Each D counts the span
+    /// of its own sends from its first one (`Config::tombstone_min_life`), and a sibling D of
+    /// the key (a decode leg the router sent twice) may start sending long after the record
+    /// was written. Without room for a young record the record stays as it is (admission
+    /// control never lets young records fill the table).
+    pub(super) fn refresh(&mut self, now: Time, key: &PairingKey) {
+        if !self.tombstone_room(now) {
+            return;
+        }
+        if let Some(record) = self.tombstones.get(key).copied() {
+            self.tombstones
+                .insert(key.clone(), record, now + self.config.tombstone_ttl);
+        }
+    }
+
     pub(super) fn file_ended(&mut self, now: Time, ended: PrefillEnded, fx: &mut Outbox) {
         let PrefillEnded {
             common,
@@ -171,6 +187,22 @@ impl PrefillTable {
         // The run the blocks were bound to; else the run an older record of the key speaks for
         // (the floor, or the early give-up, this request ended by).
         let bound = self.bound.remove(&common.key);
+        // The record speaks for the blocks' run, unless a newer incarnation replaced that run
+        // and an older record of the key speaks for a live one: an answer P gave the live run
+        // while this request held the blocks (a restarted D's registration for a newer
+        // attempt) raised the floor on its behalf, and a record of the replaced run would
+        // stop judging that run's copies, which would then wait for a later prefill of the key
+        // in blocks D already freed on the answer. The replaced run's own late messages are
+        // taken as the live run's and meet the same floor.
+        let older_run = self.tombstones.get(&common.key).and_then(|old| old.run);
+        let run = if self.runs.is_replaced(bound)
+            && older_run.is_some()
+            && !self.runs.is_replaced(older_run)
+        {
+            older_run
+        } else {
+            bound.or(older_run)
+        };
         // Never lower the floor an older request of the key left behind. The request's
         // admission reserved room for this record (see `tombstone_room`).
         if !self.mutation.is(Mutation::EvictYoungTombstones) {
@@ -181,7 +213,7 @@ impl PrefillTable {
                 let floor = old.and_then(|old| floor_of(&old.tombstone));
                 Record {
                     tombstone: tombstone_for(outcome, epoch.max(floor)),
-                    run: bound.or(old.and_then(|old| old.run)),
+                    run,
                 }
             });
         fx.emit(Output::Event(EndpointEvent::Prefill {
