@@ -267,6 +267,100 @@ fn pull_hands_every_byte_from_p_to_d() {
     runtime.shutdown();
 }
 
+/// D's engine may start reading before P's rank has the export: vLLM's P scheduler hands the
+/// router its answer at once, and its worker hands the blocks to the rank at its next step.
+/// D's first ask then finds nothing under the key; the reader asks again soon instead of
+/// failing, and reads the export once P filed it. (A real vLLM in pull mode lost two of seven
+/// requests this way on a loaded host, `Refused(Unavailable)`.)
+#[test]
+fn a_read_asked_before_the_export_is_filed_is_served() {
+    let (runtime, mut p, mut d) = pair(None);
+    let router = |transfer: &str| KvTransferParams {
+        transfer_id: Some(transfer.into()),
+        ..pull_router()
+    };
+    // A first request read as usual: both ranks know each other, so the early ask below goes
+    // out at once.
+    let (p_first, d_first) = (id("cmpl-early-0-aaaaaaaa"), id("cmpl-early-0-bbbbbbbb"));
+    fill(&p.pool, &[3, 5], 0xa1);
+    let first = p
+        .conn
+        .request_finished(
+            &p_first,
+            BlockIds::single_group(vec![3, 5]),
+            32,
+            &router("t-0"),
+        )
+        .unwrap();
+    d.conn
+        .request_allocated(&d_first, BlockIds::single_group(vec![6, 8]), 32, &first)
+        .unwrap();
+    assert_eq!(
+        expect_imported(&mut d.conn, &d_first).0,
+        ImportOutcome::Loaded
+    );
+    assert_eq!(
+        expect_export_ended(&mut p.conn, &p_first).0,
+        ExportOutcome::Read
+    );
+
+    // The second request's answer as P's scheduler would give it, before P's rank has it.
+    let p_blocks = vec![7, 9];
+    let early = KvTransferParams {
+        transfer_id: Some("t-1".into()),
+        remote_block_ids: Some(vec![p_blocks.clone()]),
+        ..first
+    };
+    let (p_request, d_request) = (id("cmpl-early-1-aaaaaaaa"), id("cmpl-early-1-bbbbbbbb"));
+    let d_blocks = vec![2, 4];
+    d.conn
+        .request_allocated(
+            &d_request,
+            BlockIds::single_group(d_blocks.clone()),
+            32,
+            &early,
+        )
+        .unwrap();
+    // The precondition: P refused the first ask, as it has nothing under the key yet.
+    let asked_again = || {
+        d.conn
+            .rank()
+            .counters(Duration::from_secs(5))
+            .map_or(0, |c| c.reads_asked_again)
+    };
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while asked_again() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "D never asked again after P refused its early ask"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    fill(&p.pool, &p_blocks, 0xb2);
+    let answer = p
+        .conn
+        .request_finished(
+            &p_request,
+            BlockIds::single_group(p_blocks.clone()),
+            32,
+            &router("t-1"),
+        )
+        .unwrap();
+    assert_eq!(answer.transfer_id, early.transfer_id);
+    assert_eq!(answer.remote_block_ids, early.remote_block_ids);
+    let (outcome, blocks) = expect_imported(&mut d.conn, &d_request);
+    assert_eq!(outcome, ImportOutcome::Loaded);
+    assert_eq!(blocks, BlockIds::single_group(d_blocks.clone()));
+    assert_eq!(wrong_bytes(&d.pool, &d_blocks, &[0, 1], 0xb2), 0);
+    assert_eq!(
+        expect_export_ended(&mut p.conn, &p_request).0,
+        ExportOutcome::Read
+    );
+    assert!(!p.conn.has_pending_work() && !d.conn.has_pending_work());
+    drop((p, d));
+    runtime.shutdown();
+}
+
 #[test]
 fn a_full_prefix_hit_reads_nothing_and_lets_p_go() {
     let (runtime, mut p, mut d) = pair(None);

@@ -413,6 +413,7 @@ impl World {
             ("cancel_resends", c.cancel_resends),
             ("register_resends", c.register_resends),
             ("register_resends_skipped", c.register_resends_skipped),
+            ("reads_asked_again", c.reads_asked_again),
             ("fenced_block_us", self.fenced_block_us),
             ("reads_granted", c.reads_granted),
             ("reads_posted", c.reads_posted),

@@ -320,6 +320,21 @@ impl Config {
         self.register_retry_interval / 4
     }
 
+    /// How soon a reader asks again when the holder answered its first asks that it exports
+    /// nothing under the key: a tenth of `register_retry_interval`. An engine may hand the
+    /// router its answer before its rank has the export (vLLM's scheduler answers, and its
+    /// worker hands the blocks to the rank at its next step), so such an answer soon after
+    /// the first ask may only mean "not yet".
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kvhandoff_protocol::machine::Config;
+    /// assert_eq!(Config::default().ask_again_after(), Duration::from_millis(500));
+    /// ```
+    pub fn ask_again_after(&self) -> Duration {
+        self.register_retry_interval / 10
+    }
+
     /// A configuration with short deadlines for tests and demos: heartbeats every 100 ms.
     pub fn fast() -> Config {
         let ms = Duration::from_millis;

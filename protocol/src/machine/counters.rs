@@ -49,6 +49,9 @@ pub struct Counters {
     /// Resends a stall of D carried past their time (by more than
     /// `Config::register_resend_grace`), not sent: a copy could outlive P's record of the key.
     pub register_resends_skipped: u64,
+    /// Reads asked again after the holder said it exports nothing under the key, soon after
+    /// the first ask (its export may not have been filed yet).
+    pub reads_asked_again: u64,
     /// Cancels and releases for an attempt an older request of the key had settled, which
     /// reached a newer request of the key: ignored (a cancel is still acknowledged).
     pub stale_settles_ignored: u64,

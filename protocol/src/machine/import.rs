@@ -4,6 +4,8 @@
 //! ```text
 //!   Connecting --PeerConnected/send ReadAsk--> Asking --ReadGrant/post reads--> Reading
 //!     |                                          |  resend timer: ReadAsk again    |
+//!     |                                          |  ReadRefused(Unavailable) soon  |
+//!     |                                          |    after the first ask: again   |
 //!     |--fail/dead/abort/deadline--> [Failed]    |--ReadRefused--> [Failed]        |
 //!                                                |--dead/abort/deadline--> [Failed]|
 //!                           every read reported (or the fabric's bound passed):    |
@@ -347,6 +349,16 @@ impl Asking {
                 ask,
                 memory,
             } => self.granted(ctx, blocks, ask, memory, fx),
+            ImportInput::Refused {
+                reason: ReadRefusal::Unavailable,
+            } if self.may_be_early(ctx) => {
+                // The holder's engine may have handed the router its answer before its rank
+                // had the export (vLLM's scheduler answers, its worker hands the blocks over
+                // at its next step): ask again soon, within the asks this attempt has.
+                fx.counters.reads_asked_again += 1;
+                self.next_ask = self.next_ask.min(ctx.now + ctx.config.ask_again_after());
+                Step::Live(ImportRequest::Asking(self))
+            }
             ImportInput::Refused { reason } => {
                 self.common.fail(ImportFailure::Refused(reason), None)
             }
@@ -386,6 +398,18 @@ impl Asking {
     /// the grant of an earlier attempt at this key and epoch, see
     /// [`ImportCommon::first_ask`]), or the grant is handled later than `max_message_delay`
     /// after that ask was sent.
+    /// Whether a holder's "nothing under this key" may only mean that its export is not
+    /// filed yet: it came within a `register_retry_interval` of the first ask, and an ask is
+    /// left to send. A holder that never had the export, or let it go, gives the same answer
+    /// to every ask, and the attempt fails once its asks are spent.
+    fn may_be_early(&self, ctx: &ImportCtx<'_>) -> bool {
+        self.asks_left > 0
+            && self
+                .asked_at
+                .first()
+                .is_some_and(|&first| ctx.now < first + ctx.config.register_retry_interval)
+    }
+
     fn stale(&self, ctx: &ImportCtx<'_>, ask: u32) -> bool {
         self.asked_at
             .get(self.common.ask_index(ask))

@@ -19,6 +19,7 @@ impl World {
         self.counters.cancel_resends += c.cancel_resends;
         self.counters.register_resends += c.register_resends;
         self.counters.register_resends_skipped += c.register_resends_skipped;
+        self.counters.reads_asked_again += c.reads_asked_again;
         self.counters.stale_settles_ignored += c.stale_settles_ignored;
         self.counters.fence_frees += c.fence_frees;
         self.counters.decodes_fenced += c.decodes_fenced;

@@ -753,6 +753,49 @@ fn cases() -> Vec<Case> {
             no_counters(),
         ),
         case(
+            // The holder's engine may have answered the router before its rank had the export.
+            "asking + refused unavailable soon after the first ask: asks again soon",
+            asking(FAIL),
+            refused(ReadRefusal::Unavailable),
+            live(asking_with(
+                FAIL,
+                ms(NOW_MS + 10) + config().ask_again_after(),
+                ASKS,
+            )),
+            vec![],
+            Counters {
+                reads_asked_again: 1,
+                ..Counters::default()
+            },
+        )
+        .at(ms(NOW_MS + 10)),
+        case(
+            "asking + refused unavailable a retry interval after the first ask: Refused",
+            asking(FAIL),
+            refused(ReadRefusal::Unavailable),
+            ended_unread(
+                common(FAIL),
+                failed(F::Refused(ReadRefusal::Unavailable)),
+                None,
+            ),
+            vec![],
+            no_counters(),
+        )
+        .at(ms(NOW_MS) + config().register_retry_interval),
+        case(
+            "asking + refused unavailable with no ask left: Refused",
+            asking_with(FAIL, ms(NEXT_ASK_MS), 0),
+            refused(ReadRefusal::Unavailable),
+            ended_unread(
+                common(FAIL),
+                failed(F::Refused(ReadRefusal::Unavailable)),
+                None,
+            ),
+            vec![],
+            no_counters(),
+        )
+        .at(ms(NOW_MS + 10)),
+        case(
             "asking + refused near expiry (recompute): recompute all, no release",
             asking(RECOMPUTE),
             refused(ReadRefusal::NearExpiry),
