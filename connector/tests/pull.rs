@@ -270,8 +270,8 @@ fn pull_hands_every_byte_from_p_to_d() {
 /// D's engine may start reading before P's rank has the export: vLLM's P scheduler hands the
 /// router its answer at once, and its worker hands the blocks to the rank at its next step.
 /// D's first ask then finds nothing under the key; the reader asks again soon instead of
-/// failing, and reads the export once P filed it. (A real vLLM in pull mode lost two of seven
-/// requests this way on a loaded host, `Refused(Unavailable)`.)
+/// failing, and reads the export once P filed it. (A real vLLM in pull mode on a loaded host
+/// lost requests this way, `Refused(Unavailable)`: `docs/testing.md`.)
 #[test]
 fn a_read_asked_before_the_export_is_filed_is_served() {
     let (runtime, mut p, mut d) = pair(None);

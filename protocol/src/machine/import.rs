@@ -391,13 +391,6 @@ impl Asking {
         }
     }
 
-    /// The grant came: check that the holder's blocks fit ours and post the reads. The reader
-    /// may hold fewer blocks than the holder (its own prefix cache had the start): it reads the
-    /// holder's last blocks of each group.
-    /// Whether a grant naming `ask` cannot be read under: the ask is unknown (a peer's bug, or
-    /// the grant of an earlier attempt at this key and epoch, see
-    /// [`ImportCommon::first_ask`]), or the grant is handled later than `max_message_delay`
-    /// after that ask was sent.
     /// Whether a holder's "nothing under this key" may only mean that its export is not
     /// filed yet: it came within a `register_retry_interval` of the first ask, and an ask is
     /// left to send. A holder that never had the export, or let it go, gives the same answer
@@ -410,12 +403,19 @@ impl Asking {
                 .is_some_and(|&first| ctx.now < first + ctx.config.register_retry_interval)
     }
 
+    /// Whether a grant naming `ask` cannot be read under: the ask is unknown (a peer's bug, or
+    /// the grant of an earlier attempt at this key and epoch, see
+    /// [`ImportCommon::first_ask`]), or the grant is handled later than `max_message_delay`
+    /// after that ask was sent.
     fn stale(&self, ctx: &ImportCtx<'_>, ask: u32) -> bool {
         self.asked_at
             .get(self.common.ask_index(ask))
             .is_none_or(|&sent| ctx.now > sent + ctx.config.max_message_delay)
     }
 
+    /// The grant came: check that the holder's blocks fit ours and post the reads. The reader
+    /// may hold fewer blocks than the holder (its own prefix cache had the start): it reads the
+    /// holder's last blocks of each group.
     fn granted(
         self,
         ctx: &ImportCtx<'_>,

@@ -162,9 +162,8 @@ impl PrefillTable {
         if !self.tombstone_room(now) {
             return;
         }
-        if let Some(record) = self.tombstones.get(key).copied() {
-            self.tombstones
-                .insert(key.clone(), record, now + self.config.tombstone_ttl);
+        if let Some(Record { tombstone, run }) = self.tombstones.get(key).copied() {
+            self.remember(now, key.clone(), tombstone, run);
         }
     }
 
