@@ -349,6 +349,50 @@ impl Session {
         self.linked_call(now, call, links)
     }
 
+    /// What [`Session::handle_call`] would answer `call` at `now`, checked as it checks it, with
+    /// nothing handed to the endpoint: the answer an engine's scheduler gives the router
+    /// before its worker makes the call (vLLM answers at the end of P's step and hands the
+    /// export to the rank with the next step's metadata). The endpoint's own refusals (a full
+    /// table) come only with the call itself.
+    ///
+    /// ```
+    /// use kvhandoff_protocol::machine::{Config, Endpoint, Time};
+    /// use kvhandoff_protocol::session::{
+    ///     ConnectorCall, ConnectorIdentity, ConnectorSettings, KvTransferParams, Session,
+    /// };
+    /// use kvhandoff_protocol::{BlockIds, EngineId, RequestId};
+    ///
+    /// let engine = EngineId::new("prefill-0").unwrap();
+    /// let endpoint = Endpoint::new(engine.clone(), 0, Config::fast()).unwrap();
+    /// let identity = ConnectorIdentity::in_process(engine, 0, 1);
+    /// let mut session = Session::new(endpoint, identity, ConnectorSettings::default());
+    /// let call = ConnectorCall::RequestFinished {
+    ///     request: RequestId::new("req-1").unwrap(),
+    ///     blocks: BlockIds::single_group(vec![3, 4]),
+    ///     num_tokens: 32,
+    ///     params: KvTransferParams {
+    ///         transfer_mode: Some("pull".into()),
+    ///         ..KvTransferParams::default()
+    ///     },
+    /// };
+    /// let early = session.preview_call(Time::ZERO, &call).unwrap();
+    /// assert_eq!(session.poll_timeout(), None, "nothing filed yet");
+    /// assert_eq!(session.handle_call(Time::ZERO, call), Ok(early));
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Session::handle_call`] for missing or invalid parameters, an unsupported request
+    /// or a missing setting.
+    pub fn preview_call(
+        &self,
+        now: Time,
+        call: &ConnectorCall,
+    ) -> Result<ConnectorReply, ConnectorError> {
+        self.context()
+            .prepare(now, call.clone())
+            .map(|(_, _, reply)| reply)
+    }
+
     /// A report of the network, a handshake or the transport.
     pub fn handle_event(&mut self, now: Time, event: NetEvent) {
         self.now = now;

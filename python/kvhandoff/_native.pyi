@@ -65,7 +65,9 @@ def metrics() -> dict[str, int]:
     ``blocks_free`` after the write, an export that was read), ``requests_released`` (let go
     unsent), ``requests_fenced`` (``decode_fenced``), ``requests_expired`` (let go because the
     holder's lease ran out unasked), ``calls_refused_late``, ``bytes_sent`` and
-    ``bytes_received`` (the KV bytes of the sent and ready requests)."""
+    ``bytes_received`` (the KV bytes of the sent and ready requests), and the ranks'
+    ``reads_asked_again`` (asks a reader sent again soon because the holder's rank did not have
+    the export yet)."""
 
 def prometheus_text() -> str:
     """The same figures and the ranks' endpoint counters as Prometheus text exposition (what

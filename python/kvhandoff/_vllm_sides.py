@@ -43,7 +43,7 @@ except Exception:  # noqa: BLE001 - any failure to import vLLM means "no vLLM"
 _FINISHED_OK = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 # The events that hand a request's blocks back (when ``final`` is missing from an event).
 _FINAL_KINDS = frozenset({"blocks_ready", "failed", "blocks_free", "export_ended", "imported", "refused"})
-_FAULTS = (None, "", "corrupt", "drop", "params")
+_FAULTS = (None, "", "corrupt", "drop", "late_export", "params")
 #: The adapter's side-channel handshake timeout unless the extra config sets one.
 _HANDSHAKE_TIMEOUT_MS = 30_000
 # The extra-config keys the adapter reads itself, and those it passes to the native connector.
@@ -116,7 +116,9 @@ class Settings:
             )
         fault = extra.get("fault") or None
         if fault not in _FAULTS:
-            raise ValueError(f"KvHandoffConnector: fault {fault!r} is none of corrupt, drop, params")
+            raise ValueError(
+                f"KvHandoffConnector: fault {fault!r} is none of corrupt, drop, late_export, params"
+            )
         layerwise = extra.get("layerwise", False)
         if not isinstance(layerwise, bool):
             raise ValueError(f"KvHandoffConnector: layerwise must be true or false (got {layerwise!r})")

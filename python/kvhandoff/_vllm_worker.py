@@ -6,6 +6,7 @@ scheduler role (``_vllm_sides``) because vLLM runs the two in different processe
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 from ._vllm_sides import (
@@ -24,6 +25,9 @@ logger = logging.getLogger("kvhandoff.vllm")
 #: This process's P-side native calls by kind (diagnostics: how requests were handed over,
 #: whole or layer-wise). Read with :func:`handover_counts`.
 _COUNTS = {"request_finished": 0, "prefill_started": 0, "layers_ready": 0}
+#: How late the test fault ``late_export`` hands a step's exports to the rank: past a reader's
+#: first asks, well inside the window in which it asks again (``register_retry_interval``).
+_LATE_EXPORT_S = 1.0
 
 
 def handover_counts() -> dict[str, int]:
@@ -141,6 +145,12 @@ class WorkerSide:
             self._allocated(req)
         for rid, params in meta.declines:
             self._decline(rid, params)
+        if any(self._fault(req) == "late_export" for req in meta.sends):
+            # Test only: the worker hands this step's exports over late, as a worker stalled
+            # or behind its scheduler would. The router, and D, have P's answer already, so
+            # D's first asks find nothing under the key yet.
+            logger.warning("KvHandoffConnector P: fault=late_export: exports %.1f s late", _LATE_EXPORT_S)
+            time.sleep(_LATE_EXPORT_S)
         for req in meta.sends:
             self._finished(req)
         for rid in meta.aborts:
@@ -151,13 +161,19 @@ class WorkerSide:
                 self.ended_unconfirmed.discard(rid)
                 self._results.finished_sending.add(rid)
 
+    def _fault(self, req: SendReq) -> str | None:
+        """The test fault for P request ``req``: the extra config's, or with ``params`` the
+        router's choice for the request (test only)."""
+        fault = self.settings.fault
+        if fault == "params":
+            fault = req.params.get("kvhandoff_fault") or None
+        return fault
+
     # -- P, layer-wise ----------------------------------------------------------------------
 
     def _start(self, req: SendReq) -> None:
         rid = req.request_id
-        fault = self.settings.fault
-        if fault == "params":  # test only: the router's params choose the fault per request
-            fault = req.params.get("kvhandoff_fault") or None
+        fault = self._fault(req)
         self.sending[rid] = req
         self.unconfirmed.add(rid)
         try:
@@ -257,9 +273,7 @@ class WorkerSide:
 
     def _finished(self, req: SendReq) -> None:
         rid = req.request_id
-        fault = self.settings.fault
-        if fault == "params":  # test only: the router's params choose the fault per request
-            fault = req.params.get("kvhandoff_fault") or None
+        fault = self._fault(req)
         if fault == "corrupt":
             logger.warning("KvHandoffConnector P: fault=corrupt: overwriting %s's blocks", rid)
             self._corrupt(req.block_ids)

@@ -20,6 +20,7 @@ pub use connector::NativeConnector;
 #[pyfunction]
 fn metrics(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let m = kvhandoff::metrics::snapshot();
+    let endpoints = kvhandoff::metrics::endpoint_snapshot();
     let dict = PyDict::new(py);
     for (name, value) in [
         ("requests_ready", m.requests_ready),
@@ -32,6 +33,7 @@ fn metrics(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         ("calls_refused_late", m.calls_refused_late),
         ("bytes_sent", m.bytes_sent),
         ("bytes_received", m.bytes_received),
+        ("reads_asked_again", endpoints.reads_asked_again),
     ] {
         dict.set_item(name, value)?;
     }

@@ -3,6 +3,7 @@
 //! event.
 
 mod calls;
+mod early_answers;
 mod events;
 mod expired_registrations;
 mod fenced;
@@ -12,6 +13,7 @@ mod late_grants;
 mod layerwise;
 mod leases;
 mod orphans;
+pub(crate) use early_answers::EarlyAnswers;
 pub(crate) use events::PendingHandBack;
 pub(crate) use expired_registrations::PendingStalls;
 pub(crate) use fenced::FencedWatch;
@@ -319,6 +321,10 @@ impl World {
                 params,
             }
         };
+        if r.transfer.pull && self.answer_ahead(request, attempt, &call, &blocks) {
+            self.last_progress = self.now;
+            return;
+        }
         let retry = Some(Ev::PrefillStart { request });
         self.note_finish_with_expired_registration(0, &r.key);
         let Some(reply) = self.engine_call(0, call, &blocks, owner, retry) else {

@@ -15,8 +15,9 @@
 //! late messages and retries, hostile peers, routers late to D at P's lease end, readers that
 //! handle a grant late and then stop with their reads frozen past the holder's fence, P ranks
 //! stopped with a registration pending until D freed its blocks, layer-wise writers stopped
-//! between two parts until D freed them, late registration copies in small tables, and
-//! registrations P holds for a D that gave up while a sibling D heartbeats the key.
+//! between two parts until D freed them, late registration copies in small tables,
+//! registrations P holds for a D that gave up while a sibling D heartbeats the key, and P
+//! engines that answer the router for a pull before their rank has the export.
 //!
 //! The draws come from streams of their own, seeded by the seed alone: a seed's load is drawn
 //! as without the swarm, and a seed replays with the same options. [`SimOptions::new`] leaves
@@ -138,6 +139,11 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
         // meets a record written long ago (a sibling D's, a stalled D's late resend), and a
         // copy past the epoch floor's record is what `skip_epoch_floor` needs.
         cfg.late_register_copies = 0.3;
+    }
+    // P engines that answer the router before their rank has the export (vLLM's), for half
+    // the single-source pulls of one reading seed in two, on a stream of its own.
+    if cfg.mode.reads() && one_in(seed, 0x6561_726c_795f_616e, 2) {
+        cfg.early_answers = 0.5;
     }
     // Orphaned registrations with a sibling heartbeating the key, one chaos pushing seed in
     // two, on a stream of its own.

@@ -149,6 +149,9 @@ pub struct World {
     /// Asks and grants sent, and readers met by the aimed late-grant stalls
     /// (`WorldConfig::late_grant`).
     pub(crate) late_grants: crate::engine::LateGrants,
+    /// Exports answered ahead of their filing, and the asks of their readers
+    /// (`WorldConfig::early_answers`).
+    pub(crate) early: crate::engine::EarlyAnswers,
     /// Layer-wise writers stopped between parts (`WorldConfig::stall_mid_layers`).
     pub(crate) mid_layer_stalls: crate::engine::MidLayerStalls,
     /// P ranks stopped with a registration pending (`WorldConfig::stall_pending_registration`).
@@ -272,6 +275,7 @@ impl World {
             late_registers: BTreeSet::new(),
             lost_cancels: BTreeSet::new(),
             late_grants: crate::engine::LateGrants::new(seed),
+            early: crate::engine::EarlyAnswers::new(seed),
             mid_layer_stalls: crate::engine::MidLayerStalls::new(seed),
             pending_stalls: crate::engine::PendingStalls::new(seed),
             stall_frozen: 0,
@@ -542,6 +546,11 @@ impl World {
             }
             Ev::DecodeStart { request } => self.decode_start(request),
             Ev::PrefillStart { request } => self.prefill_start(request),
+            Ev::FileExport {
+                request,
+                attempt,
+                inc,
+            } => self.file_export(request, attempt, inc),
             Ev::LayersReady {
                 request,
                 attempt,

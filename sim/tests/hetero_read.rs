@@ -177,9 +177,10 @@ fn the_fan_in_mutation_is_caught_through_pulls() {
 fn seed_6974_a_grant_of_an_earlier_try_is_never_read_under() {
     let options = cli(6974..6975, 50, Mode::Mixed);
     // The world as found, before the swarm drew late registrations, completions and grants,
-    // stalls between layer-wise parts or with a registration pending, and late registration
-    // copies outside the small tables.
+    // stalls between layer-wise parts or with a registration pending, late registration
+    // copies outside the small tables, and answers ahead of exports.
     let mut world = seed_world(&options, 6974);
+    world.early_answers = 0.0;
     world.late_completions = false;
     world.late_register = 0.0;
     world.late_register_copies = 0.0;

@@ -358,8 +358,31 @@ fn seed_46_a_late_copy_below_the_epoch_floor_is_stopped_and_skipping_the_floor_i
     );
     reached_and_caught(
         46,
-        |_| {},
+        // The world as found, before the swarm drew answers ahead of exports.
+        |world| world.early_answers = 0.0,
         ("register_after_decode_ended", None),
         (Mutation::SkipEpochFloor, "S1:"),
+    );
+}
+
+/// P's engine hands the router its answer for a pull before its rank has the export, as
+/// vLLM's scheduler does (its worker hands the export over with the next step;
+/// `WorldConfig::early_answers`, which the swarm draws for half the reading worlds): D's first
+/// ask finds nothing under the key, and the reader asks again soon, inside its retry window,
+/// until the export is there. Under `give_up_on_early_refusal` it fails at that first refusal
+/// and R1 catches it. Seed 0 of the swarm's range 0..300, mixed. The race was first seen
+/// through a real vLLM in pull mode (`docs/testing.md`).
+#[test]
+fn seed_0_a_read_asked_before_its_export_is_filed_asks_again_and_giving_up_is_caught() {
+    let world = seed_world(&cli_swarm(0..1), 0);
+    assert!(
+        world.early_answers > 0.0,
+        "the precondition: answers ahead of exports drawn"
+    );
+    reached_and_caught(
+        0,
+        |_| {},
+        ("read_asked_before_export", Some("reads_asked_again")),
+        (Mutation::GiveUpOnEarlyRefusal, "R1:"),
     );
 }

@@ -55,6 +55,9 @@ pub struct EndpointMetrics {
     pub stuck_reads: u64,
     /// [`Counters::reads_declined_near_expiry`].
     pub reads_declined_near_expiry: u64,
+    /// [`Counters::reads_asked_again`]: asks a reader sent again soon because the holder did
+    /// not have the export yet.
+    pub reads_asked_again: u64,
     /// [`Counters::expired_leases_refused`].
     pub expired_leases_refused: u64,
     /// [`Counters::stale_messages_refused`].
@@ -94,6 +97,7 @@ impl EndpointMetrics {
         reads_abandoned: 0,
         stuck_reads: 0,
         reads_declined_near_expiry: 0,
+        reads_asked_again: 0,
         expired_leases_refused: 0,
         stale_messages_refused: 0,
         peers_declared_dead: 0,
@@ -133,6 +137,7 @@ impl EndpointMetrics {
                 &mut self.reads_declined_near_expiry,
                 c.reads_declined_near_expiry,
             ),
+            (&mut self.reads_asked_again, c.reads_asked_again),
             (&mut self.expired_leases_refused, c.expired_leases_refused),
             (&mut self.stale_messages_refused, c.stale_messages_refused),
             (&mut self.peers_declared_dead, c.peers_declared_dead),

@@ -60,7 +60,7 @@ fn reason_label(reason: DropReason) -> &'static str {
 fn plain_counters(
     p: &ProcessMetrics,
     e: &EndpointMetrics,
-) -> [(&'static str, &'static str, u64); 19] {
+) -> [(&'static str, &'static str, u64); 20] {
     [
         (
             "kvhandoff_calls_refused_late_total",
@@ -121,6 +121,12 @@ fn plain_counters(
             "kvhandoff_reads_abandoned_total",
             "Reads abandoned because the fabric did not report them within its bound.",
             e.reads_abandoned,
+        ),
+        (
+            "kvhandoff_reads_asked_again_total",
+            "Asks a reader sent again soon because the holder did not have the export yet \
+             (an engine that answers the router before its rank has the export).",
+            e.reads_asked_again,
         ),
         (
             "kvhandoff_stuck_reads_total",

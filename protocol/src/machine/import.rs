@@ -396,7 +396,8 @@ impl Asking {
     /// left to send. A holder that never had the export, or let it go, gives the same answer
     /// to every ask, and the attempt fails once its asks are spent.
     fn may_be_early(&self, ctx: &ImportCtx<'_>) -> bool {
-        self.asks_left > 0
+        !ctx.mutation.is(Mutation::GiveUpOnEarlyRefusal)
+            && self.asks_left > 0
             && self
                 .asked_at
                 .first()

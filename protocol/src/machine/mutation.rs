@@ -115,11 +115,16 @@ pub enum Mutation {
     /// name, as if the pair were 1:1: the slices the other D ranks hold never arrive, though
     /// the read ends `Loaded`, and their exports are never read.
     ReadBackFromFirstRank,
+    /// A reader takes a holder's "nothing under this key" for final at once, though it came
+    /// soon after its first ask: a holder whose engine answered the router before its rank
+    /// had the export (vLLM's scheduler answers, its worker hands the export over a step
+    /// later) loses the request.
+    GiveUpOnEarlyRefusal,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 33] = [
+    pub const ALL: [Mutation; 34] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -153,6 +158,7 @@ impl Mutation {
         Mutation::ExtendLapsedRegistration,
         Mutation::ReaderReadyOnFirstPart,
         Mutation::ReadBackFromFirstRank,
+        Mutation::GiveUpOnEarlyRefusal,
     ];
 
     /// The mutation's name on the command line.
@@ -197,6 +203,7 @@ impl Mutation {
             Mutation::ExtendLapsedRegistration => "extend_lapsed_registration",
             Mutation::ReaderReadyOnFirstPart => "reader_ready_on_first_part",
             Mutation::ReadBackFromFirstRank => "read_back_from_first_rank",
+            Mutation::GiveUpOnEarlyRefusal => "give_up_on_early_refusal",
         }
     }
 }

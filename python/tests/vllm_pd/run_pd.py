@@ -224,6 +224,16 @@ def part_main(model, env, ref_path):
         handoff(p, d, "push", ps, ref)
         handoff(p, d, "pull", ps, ref, {"transfer_mode": "pull"})
 
+        # vLLM's P scheduler answers the router before its worker hands the export to the
+        # rank (with the next step's metadata). Here P's worker hands them over a second late
+        # (test fault late_export): D's first asks find nothing under the key, and D must ask
+        # again, then load. Before the reader asked again, such requests failed.
+        asked = d.metrics().get("reads_asked_again", 0)
+        handoff(p, d, "pull-late", ps, ref, {"transfer_mode": "pull", "kvhandoff_fault": "late_export"})
+        again = d.metrics().get("reads_asked_again", 0) - asked
+        check(f"pull-late: D asked again while P's rank did not have the exports yet (+{again})",
+              again > 0)
+
         # Negative control 1: P overwrites the blocks before handing them over.
         p_out = p_leg(p, "corrupt", ps, {"kvhandoff_fault": "corrupt"})
         d_out = d_leg(d, "corrupt", ps, p_out)

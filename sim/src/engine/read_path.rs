@@ -71,6 +71,7 @@ impl World {
             params,
         };
         let retry = Some(Ev::DecodeStart { request });
+        self.note_read_started(node, &r.key, a.epoch, &export.id);
         if self
             .engine_call(node, call, &blocks, owner, retry)
             .is_none()
@@ -404,6 +405,9 @@ impl World {
                     }
                     ImportOutcome::Failed(failure) => Some(*failure),
                 };
+                if !second_turn {
+                    self.check_gave_up_early(node, request, epoch.0, failure);
+                }
                 match failure {
                     Some(ImportFailure::Refused(ReadRefusal::Expired)) => {
                         self.mark("read_racing_ttl_expiry");

@@ -134,6 +134,12 @@ pub struct WorldConfig {
     /// admission control keeps such a record alive while it is young, and at a lower rate in
     /// half the other chaos pushing worlds. 0 in the constructors.
     pub late_register_copies: f64,
+    /// The share of single-source pulls whose P engine hands the router its answer before
+    /// its rank has the export, the rank's call following 0.5–60 ms later (one in eight: half
+    /// to one and a half `register_retry_interval`), as vLLM's scheduler answers and its worker
+    /// hands the export over at the next step (swarm, `engine/early_answers.rs`). 0 in the
+    /// constructors.
+    pub early_answers: f64,
     /// The share of single-source push requests (not layer-wise) set up as orphaned
     /// registrations with a sibling (swarm, `engine/orphans.rs`): D aborts soon after
     /// registering and loses every cancel, a second D engine of the key registers while P
@@ -236,6 +242,7 @@ impl WorldConfig {
             late_register: 0.0,
             late_grant: 0.0,
             late_register_copies: 0.0,
+            early_answers: 0.0,
             orphaned_registrations: 0.0,
             stall_mid_layers: 0.0,
             stall_pending_registration: 0.0,
@@ -359,6 +366,7 @@ impl WorldConfig {
             late_register: 0.0,
             late_grant: 0.0,
             late_register_copies: 0.0,
+            early_answers: 0.0,
             orphaned_registrations: 0.0,
             stall_mid_layers: 0.0,
             stall_pending_registration: 0.0,

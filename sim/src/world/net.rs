@@ -95,6 +95,7 @@ impl World {
         let message = self.hostile_send(from, to, message);
         self.note_sent(from, &message);
         self.note_read_message(from, to, &message);
+        self.note_ask_sent(from, &message);
         if let Message::Cancel(cancel) = &message {
             self.note_cancel(from, to, cancel);
         }
@@ -352,6 +353,7 @@ impl World {
         let past_lease = self.register_past_lease(&msg);
         self.note_heartbeat_for_others(&msg);
         let ended_before = self.ended_attempt_registered(&msg);
+        self.note_ask_before_export(&msg);
         self.shell_notification(msg.to, msg.from, msg.from_inc, &msg.message);
         self.check_register_after_end(&msg, ended_before);
         // A message handled after its sender's deadline (a stall handed it over before the

@@ -48,6 +48,14 @@ pub(crate) enum Ev {
     PrefillStart {
         request: usize,
     },
+    /// P's worker hands its rank the export of pulled attempt `attempt`, which its engine
+    /// answered the router for earlier (incarnation `inc` of P's process:
+    /// `engine/early_answers.rs`).
+    FileExport {
+        request: usize,
+        attempt: usize,
+        inc: u32,
+    },
     /// P's engine reports layers `0 .. ready` of a layer-wise prefill attempt (its process
     /// incarnation `inc`: a crash ends the prefill).
     LayersReady {

@@ -316,7 +316,10 @@ impl World {
             Ev::Connect { from, .. } => vec![*from],
             Ev::RepeatHandshake { a, b } => vec![*a, *b],
             Ev::DecodeStart { request } => vec![r(*request).d_node],
-            Ev::PrefillStart { .. } | Ev::SecondTurn { .. } | Ev::LayersReady { .. } => vec![0],
+            Ev::PrefillStart { .. }
+            | Ev::FileExport { .. }
+            | Ev::SecondTurn { .. }
+            | Ev::LayersReady { .. } => vec![0],
             Ev::SubDecodeStart { node, .. }
             | Ev::SubPrefillStart { node, .. }
             | Ev::SiblingDecline { node, .. }
