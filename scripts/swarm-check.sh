@@ -28,7 +28,7 @@ CAUGHT=(
     fan_hand_back_at_failure fan_proof_of_last_pair ready_on_first_part ack_partial_write_at_once
     extend_lapsed_registration write_on_expired_lease reader_ready_on_first_part
     read_back_from_first_rank trust_late_reads match_expired_registration evict_young_tombstones
-    ignore_heartbeat_sender give_up_on_early_refusal
+    ignore_heartbeat_sender give_up_on_early_refusal skip_record_refresh
 )
 
 # A new deliberate bug must join the list (and be caught here) or the check fails.

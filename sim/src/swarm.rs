@@ -16,8 +16,9 @@
 //! handle a grant late and then stop with their reads frozen past the holder's fence, P ranks
 //! stopped with a registration pending until D freed its blocks, layer-wise writers stopped
 //! between two parts until D freed them, late registration copies in small tables,
-//! registrations P holds for a D that gave up while a sibling D heartbeats the key, and P
-//! engines that answer the router for a pull before their rank has the export.
+//! registrations P holds for a D that gave up while a sibling D heartbeats the key, P
+//! engines that answer the router for a pull before their rank has the export, and sibling D
+//! engines that register as their key's record ages.
 //!
 //! The draws come from streams of their own, seeded by the seed alone: a seed's load is drawn
 //! as without the swarm, and a seed replays with the same options. [`SimOptions::new`] leaves
@@ -149,6 +150,11 @@ pub(crate) fn draw(opts: &SimOptions, seed: u64, cfg: &mut WorldConfig) {
     // two, on a stream of its own.
     if chaos_pushes && cfg.decode_engines >= 2 && one_in(seed, 0x6f72_7068_616e_7377, 2) {
         cfg.orphaned_registrations = 0.5;
+    }
+    // Late siblings, their registrations copied late, where the tables have room (a full
+    // table leaves a registration it has no record for unanswered), with two D engines.
+    if chaos_pushes && cfg.decode_engines >= 2 && cfg.machine.max_tombstones > *SMALL_TABLES.end() {
+        cfg.late_siblings = 1.0;
     }
     debug_assert!(opts.faults == cfg.faults);
     if let Err(e) = cfg.machine.validate() {

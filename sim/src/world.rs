@@ -152,6 +152,9 @@ pub struct World {
     /// Exports answered ahead of their filing, and the asks of their readers
     /// (`WorldConfig::early_answers`).
     pub(crate) early: crate::engine::EarlyAnswers,
+    /// Sibling D engines timed to register as their key's record ages
+    /// (`WorldConfig::late_siblings`).
+    pub(crate) siblings: crate::engine::LateSiblings,
     /// Layer-wise writers stopped between parts (`WorldConfig::stall_mid_layers`).
     pub(crate) mid_layer_stalls: crate::engine::MidLayerStalls,
     /// P ranks stopped with a registration pending (`WorldConfig::stall_pending_registration`).
@@ -276,6 +279,7 @@ impl World {
             lost_cancels: BTreeSet::new(),
             late_grants: crate::engine::LateGrants::new(seed),
             early: crate::engine::EarlyAnswers::new(seed),
+            siblings: crate::engine::LateSiblings::new(seed),
             mid_layer_stalls: crate::engine::MidLayerStalls::new(seed),
             pending_stalls: crate::engine::PendingStalls::new(seed),
             stall_frozen: 0,

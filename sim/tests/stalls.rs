@@ -386,3 +386,28 @@ fn seed_0_a_read_asked_before_its_export_is_filed_asks_again_and_giving_up_is_ca
         (Mutation::GiveUpOnEarlyRefusal, "R1:"),
     );
 }
+
+/// A sibling D engine of a key (the router sent the decode leg twice) starts registering as
+/// P's record of the key's ended request ages (`WorldConfig::late_siblings`, which the swarm
+/// draws where registrations get late copies and the tables have room): the record answers
+/// its registration and is written again, so that it outlives the registration's late copies;
+/// under `skip_record_refresh` the record expires first, a late copy becomes a pending
+/// registration for blocks the sibling gave back, and the checker's question to P after a
+/// registration of an ended attempt catches it. Seed 3 of the swarm's range 0..300, mixed.
+/// Before the draw, the refresh was reached by one world (push seed 689) of the ranges tried.
+#[test]
+fn seed_3_a_late_siblings_copy_meets_the_record_written_again_and_skipping_that_is_caught() {
+    let world = seed_world(&cli_swarm(3..4), 3);
+    assert!(
+        world.late_siblings > 0.0 && world.machine.max_tombstones > 24,
+        "the precondition: late siblings drawn, in a table with room ({}, {})",
+        world.late_siblings,
+        world.machine.max_tombstones
+    );
+    reached_and_caught(
+        3,
+        |_| {},
+        ("sibling_copy_past_record", None),
+        (Mutation::SkipRecordRefresh, "proof: P took request "),
+    );
+}

@@ -120,11 +120,16 @@ pub enum Mutation {
     /// had the export (vLLM's scheduler answers, its worker hands the export over a step
     /// later) loses the request.
     GiveUpOnEarlyRefusal,
+    /// P leaves a record that refuses a registration as it was written, though the
+    /// registration's copies count from their own first send: a sibling D of the key that
+    /// starts registering as the record ages (the router sent the decode leg twice) outlives
+    /// it, and a late copy waits in P as a pending registration for blocks that D gave back.
+    SkipRecordRefresh,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 34] = [
+    pub const ALL: [Mutation; 35] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -159,6 +164,7 @@ impl Mutation {
         Mutation::ReaderReadyOnFirstPart,
         Mutation::ReadBackFromFirstRank,
         Mutation::GiveUpOnEarlyRefusal,
+        Mutation::SkipRecordRefresh,
     ];
 
     /// The mutation's name on the command line.
@@ -204,6 +210,7 @@ impl Mutation {
             Mutation::ReaderReadyOnFirstPart => "reader_ready_on_first_part",
             Mutation::ReadBackFromFirstRank => "read_back_from_first_rank",
             Mutation::GiveUpOnEarlyRefusal => "give_up_on_early_refusal",
+            Mutation::SkipRecordRefresh => "skip_record_refresh",
         }
     }
 }

@@ -193,7 +193,10 @@ impl World {
                 format!("decode.{outcome:?}")
             }
             EndpointEvent::DecodeFenced { .. } => unreachable!("early events return above"),
-            EndpointEvent::Prefill { outcome, .. } => format!("prefill.{outcome:?}"),
+            EndpointEvent::Prefill { outcome, .. } => {
+                self.maybe_late_sibling(request, *outcome);
+                format!("prefill.{outcome:?}")
+            }
             EndpointEvent::Export { .. } | EndpointEvent::Import { .. } => {
                 let (label, kept) = self.read_event_checks(node, request, &a, &event, &flat);
                 kept_blocks = kept;

@@ -17,15 +17,22 @@ use crate::world::{micros, NetMsg, NodeId, World};
 
 impl World {
     /// When a late copy of `message` (sent now, delivered after `delay`) arrives, if it is a
-    /// registration drawn for one (`WorldConfig::late_register_copies`): as late as a message
-    /// may be, past the end of most requests it registers for.
+    /// registration drawn for one (`WorldConfig::late_register_copies`; always for a late
+    /// sibling's, `aimed`): as late as a message may be, past the end of most requests it
+    /// registers for.
     pub(crate) fn late_register_copy(
         &mut self,
         message: &Message,
         delay: std::time::Duration,
+        aimed: bool,
     ) -> Option<std::time::Duration> {
         // `chance` draws nothing outside the faulty phase or at a rate of 0.
-        if !matches!(message, Message::Register(_)) || !self.chance(self.cfg.late_register_copies) {
+        let rate = if aimed {
+            1.0
+        } else {
+            self.cfg.late_register_copies
+        };
+        if !matches!(message, Message::Register(_)) || !self.chance(rate) {
             return None;
         }
         let bound = self.cfg.machine.max_message_delay.as_micros() as u64;

@@ -140,6 +140,12 @@ pub struct WorldConfig {
     /// hands the export over at the next step (swarm, `engine/early_answers.rs`). 0 in the
     /// constructors.
     pub early_answers: f64,
+    /// The share of single-source push requests that get a sibling D engine of their key (a
+    /// decode leg the router sent twice) when P's request fails, timed for its registration
+    /// to reach P's record of the key shortly before that record first expires; each of the
+    /// sibling's registrations gets a late copy, which arrives after it (swarm,
+    /// `engine/late_siblings.rs`). Needs two D engines. 0 in the constructors.
+    pub late_siblings: f64,
     /// The share of single-source push requests (not layer-wise) set up as orphaned
     /// registrations with a sibling (swarm, `engine/orphans.rs`): D aborts soon after
     /// registering and loses every cancel, a second D engine of the key registers while P
@@ -243,6 +249,7 @@ impl WorldConfig {
             late_grant: 0.0,
             late_register_copies: 0.0,
             early_answers: 0.0,
+            late_siblings: 0.0,
             orphaned_registrations: 0.0,
             stall_mid_layers: 0.0,
             stall_pending_registration: 0.0,
@@ -367,6 +374,7 @@ impl WorldConfig {
             late_grant: 0.0,
             late_register_copies: 0.0,
             early_answers: 0.0,
+            late_siblings: 0.0,
             orphaned_registrations: 0.0,
             stall_mid_layers: 0.0,
             stall_pending_registration: 0.0,

@@ -151,7 +151,8 @@ impl World {
             };
             self.schedule(delay + extra, Ev::Deliver(msg.clone()));
         }
-        if let Some(late) = self.late_register_copy(&msg.message, delay) {
+        let sibling = self.late_sibling_register(from, &msg.message);
+        if let Some(late) = self.late_register_copy(&msg.message, delay, sibling) {
             self.schedule(late, Ev::Deliver(msg.clone()));
         }
         self.schedule(delay, Ev::Deliver(msg));
@@ -354,6 +355,7 @@ impl World {
         self.note_heartbeat_for_others(&msg);
         let ended_before = self.ended_attempt_registered(&msg);
         self.note_ask_before_export(&msg);
+        self.note_sibling_past_record(&msg);
         self.shell_notification(msg.to, msg.from, msg.from_inc, &msg.message);
         self.check_register_after_end(&msg, ended_before);
         // A message handled after its sender's deadline (a stall handed it over before the

@@ -159,7 +159,7 @@ impl PrefillTable {
     /// was written. Without room for a young record the record stays as it is (admission
     /// control never lets young records fill the table).
     pub(super) fn refresh(&mut self, now: Time, key: &PairingKey) {
-        if !self.tombstone_room(now) {
+        if self.mutation.is(Mutation::SkipRecordRefresh) || !self.tombstone_room(now) {
             return;
         }
         if let Some(Record { tombstone, run }) = self.tombstones.get(key).copied() {
