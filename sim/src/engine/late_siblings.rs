@@ -117,19 +117,12 @@ impl World {
         let Message::Register(register) = &msg.message else {
             return;
         };
-        if !self.is_prefill(msg.to) {
-            return;
-        }
         let past = self
             .siblings
             .record_expiry
             .get(&register.key)
             .is_some_and(|&expiry| self.now > expiry);
-        let sibling = self
-            .keys
-            .get(&register.key)
-            .is_some_and(|&i| self.requests[i].d_node != msg.from);
-        if past && sibling {
+        if past && self.is_prefill(msg.to) && self.late_sibling_register(msg.from, &msg.message) {
             self.mark("sibling_copy_past_record");
         }
     }
