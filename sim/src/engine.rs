@@ -4,6 +4,7 @@
 
 mod calls;
 mod early_answers;
+mod early_keeps;
 mod events;
 mod expired_registrations;
 mod fenced;
@@ -74,6 +75,21 @@ pub(crate) struct Attempt {
     pub kind: AttemptKind,
     /// The pair this attempt serves, if it is a sub-request of a multi-rank request.
     pub sub: Option<Sub>,
+}
+
+impl Attempt {
+    /// Live on incarnation `inc` of its node since `now`, exporting until `hard_end`.
+    pub(crate) fn export_live(&mut self, inc: u32, now: Time, hard_end: Time) {
+        self.kind = AttemptKind::Export {
+            hard_end,
+            renewed: false,
+        };
+        self.status = Status::Live {
+            node_inc: inc,
+            started: now,
+            fenced: None,
+        };
+    }
 }
 
 /// One sub-request of a multi-rank request: an ordinary 1:1 handoff under its pair's key.

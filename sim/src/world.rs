@@ -555,6 +555,14 @@ impl World {
                 attempt,
                 inc,
             } => self.file_export(request, attempt, inc),
+            Ev::FileKeep {
+                request,
+                node,
+                epoch,
+                inc,
+            } => self.file_keep(request, node, epoch, inc),
+            Ev::FileSubExports { request, node, inc } => self.file_sub_exports(request, node, inc),
+            Ev::FileTurnKeep { request, node, inc } => self.file_turn_keep(request, node, inc),
             Ev::LayersReady {
                 request,
                 attempt,

@@ -200,10 +200,27 @@ fn seed_9807601_a_registration_after_the_lease_is_refused_and_writing_it_is_caug
 fn reached_and_caught(
     seed: u64,
     world_as_found: impl Fn(&mut WorldConfig),
+    mark_and_counter: (&str, Option<&str>),
+    mutation_and_prefix: (Mutation, &str),
+) {
+    let options = cli_swarm(seed..seed + 1);
+    reached_and_caught_with(
+        options,
+        seed,
+        world_as_found,
+        mark_and_counter,
+        mutation_and_prefix,
+    );
+}
+
+/// [`reached_and_caught`] in a world drawn with `options`.
+fn reached_and_caught_with(
+    options: SimOptions,
+    seed: u64,
+    world_as_found: impl Fn(&mut WorldConfig),
     (mark, counter): (&str, Option<&str>),
     (mutation, prefix): (Mutation, &str),
 ) {
-    let options = cli_swarm(seed..seed + 1);
     let run = |options: &SimOptions| {
         let mut world = seed_world(options, seed);
         world_as_found(&mut world);
@@ -384,6 +401,83 @@ fn seed_0_a_read_asked_before_its_export_is_filed_asks_again_and_giving_up_is_ca
         |_| {},
         ("read_asked_before_export", Some("reads_asked_again")),
         (Mutation::GiveUpOnEarlyRefusal, "R1:"),
+    );
+}
+
+/// The race above in a multi-rank pull: P's engine answers the router with rank 0's answer
+/// and each P rank's worker hands its rank its share later, so a D rank asks a P rank that has
+/// nothing under the pair's key yet; the part's reader asks again inside its retry window.
+/// Under `give_up_on_early_refusal` that part fails at the first refusal and R1 catches it on
+/// the part (`p26a1#p0d0`, P rank 0's share for D rank 0). Seed 18 of the swarm's range
+/// 0..300, mixed.
+#[test]
+fn seed_18_a_part_asked_before_its_p_ranks_share_is_filed_asks_again_and_giving_up_is_caught() {
+    let world = seed_world(&cli_swarm(18..19), 18);
+    assert!(
+        world.early_answers > 0.0 && world.multi_source > 0.0,
+        "the precondition: answers ahead of exports drawn, with multi-rank requests"
+    );
+    reached_and_caught(
+        18,
+        |_| {},
+        ("part_asked_before_export", Some("reads_asked_again")),
+        (
+            Mutation::GiveUpOnEarlyRefusal,
+            "R1: reader 1 gave up on p26a1#p0d0 ",
+        ),
+    );
+}
+
+/// The race above in a second turn: D's engine answers the router's `keep_for_next_turn`
+/// when the request ends and its worker hands the rank the kept blocks later, so P's read of
+/// the next turn asks D before D's rank holds the keep; the reader asks again inside its retry
+/// window. Under `give_up_on_early_refusal` the turn's read fails at the first refusal and R1
+/// catches it (`x35a1`, request 35's keep). Seed 98 of the swarm's range 0..300, mixed.
+#[test]
+fn seed_98_a_turn_read_asked_before_ds_keep_is_filed_asks_again_and_giving_up_is_caught() {
+    let world = seed_world(&cli_swarm(98..99), 98);
+    assert!(
+        world.early_answers > 0.0,
+        "the precondition: answers ahead of exports drawn"
+    );
+    reached_and_caught(
+        98,
+        |_| {},
+        ("turn_asked_before_keep", Some("reads_asked_again")),
+        (
+            Mutation::GiveUpOnEarlyRefusal,
+            "R1: reader 0 gave up on x35a1 ",
+        ),
+    );
+}
+
+/// The race above in a multi-rank request's second turn: D's engine answers the router's
+/// `keep_for_next_turn` with its first rank's answer and each D rank's worker hands its rank
+/// its share later, so a P rank reading the turn back asks a D rank that holds nothing under
+/// the pair's key yet; the part's reader asks again. Under `give_up_on_early_refusal` the part
+/// fails at the first refusal and R1 catches it (`x26a1#p0d3`, D rank 3's share of request
+/// 26's keep). Seed 293 of the swarm's range 0..300, mixed, with multi-rank second turns (the
+/// CLI's default).
+#[test]
+fn seed_293_a_turn_part_asked_before_its_d_ranks_keep_asks_again_and_giving_up_is_caught() {
+    let options = SimOptions {
+        multi_rank_turns: true,
+        ..cli_swarm(293..294)
+    };
+    let world = seed_world(&options, 293);
+    assert!(
+        world.early_answers > 0.0 && world.multi_source > 0.0 && world.multi_rank_turns,
+        "the precondition: answers ahead of exports drawn, with multi-rank second turns"
+    );
+    reached_and_caught_with(
+        options,
+        293,
+        |_| {},
+        ("turn_part_asked_before_keep", Some("reads_asked_again")),
+        (
+            Mutation::GiveUpOnEarlyRefusal,
+            "R1: reader 5 gave up on x26a1#p0d3 ",
+        ),
     );
 }
 

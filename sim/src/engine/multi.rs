@@ -8,6 +8,7 @@
 //! `multi/pull.rs` what is particular to pulled ones (the router's answer, replicas, reads).
 //! A multi-rank request is pushed or pulled as its transfer draws.
 
+mod early;
 mod pull;
 mod settle;
 mod turn;
@@ -360,6 +361,12 @@ impl World {
                 params: self.router_params(&key, epoch, 1),
             }
         };
+        if pull && !decode && self.file_subs_later(request, node, epoch, &call, &links, &blocks) {
+            return;
+        }
+        if pull && decode {
+            self.note_sub_reads_started(request, node, &pending);
+        }
         let reply = match self.call_linked(node, call, &links) {
             Ok(reply) => reply,
             Err(error) => {
@@ -373,6 +380,22 @@ impl World {
             // The router forwards P rank 0's answer to every D rank (as vLLM's proxy does).
             self.keep_answer(&parent_id("p", request), reply);
         }
+        self.subs_started(request, node, decode, epoch, &pending, blocks);
+    }
+
+    /// Rank `node`'s session took the call for `pending` (its attempts at `request`, attempt or
+    /// epoch `epoch`) with `blocks`: the attempts run, save the sub-requests it refused, and
+    /// the rank's tally starts.
+    fn subs_started(
+        &mut self,
+        request: usize,
+        node: NodeId,
+        decode: bool,
+        epoch: u64,
+        pending: &[usize],
+        blocks: Vec<u32>,
+    ) {
+        let pull = self.requests[request].transfer.pull;
         if pull && decode {
             self.schedule_sibling_decline(request, node, false);
         }
@@ -395,7 +418,7 @@ impl World {
         }
         let now = self.now;
         let inc = self.nodes[node].incarnation;
-        for ai in pending {
+        for &ai in pending {
             let r = &mut self.requests[request];
             let a = if decode { &mut r.d[ai] } else { &mut r.p[ai] };
             if refused.iter().any(|(sub, _)| sub == &a.id) {

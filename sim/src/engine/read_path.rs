@@ -153,16 +153,18 @@ impl World {
             },
         };
         let now = self.now;
-        match self.call(node, call) {
-            Ok(reply) => self.keep_answer(&id, reply),
-            Err(ConnectorError::Rejected(Rejected::TableFull { .. })) => {
-                self.mark("admission_refused");
-                self.check_flood_admission(node);
-                return false;
-            }
-            Err(error) => {
-                self.violate(format!("export refused by node {node}: {error}"));
-                return false;
+        if !self.keep_ahead(node, request, a.epoch, &id, &call) {
+            match self.call(node, call) {
+                Ok(reply) => self.keep_answer(&id, reply),
+                Err(ConnectorError::Rejected(Rejected::TableFull { .. })) => {
+                    self.mark("admission_refused");
+                    self.check_flood_admission(node);
+                    return false;
+                }
+                Err(error) => {
+                    self.violate(format!("export refused by node {node}: {error}"));
+                    return false;
+                }
             }
         }
         let key = &self.requests[request].key;
@@ -252,6 +254,7 @@ impl World {
             params: self.read_params(&export.id, second.gate),
         };
         let retry = Some(Ev::SecondTurn { request });
+        self.note_turn_read_started(0, &second.key, &export.id);
         if self.engine_call(0, call, &blocks, owner, retry).is_none() {
             return;
         }
@@ -407,6 +410,8 @@ impl World {
                 };
                 if !second_turn {
                     self.check_gave_up_early(node, request, epoch.0, failure);
+                } else if let Some(second) = self.requests[request].transfer.second.clone() {
+                    self.check_read_gave_up_early(node, second.key, epoch.0, failure);
                 }
                 match failure {
                     Some(ImportFailure::Refused(ReadRefusal::Expired)) => {

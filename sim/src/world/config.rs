@@ -137,8 +137,10 @@ pub struct WorldConfig {
     /// The share of single-source pulls whose P engine hands the router its answer before
     /// its rank has the export, the rank's call following 0.5–60 ms later (one in eight: half
     /// to one and a half `register_retry_interval`), as vLLM's scheduler answers and its worker
-    /// hands the export over at the next step (swarm, `engine/early_answers.rs`). 0 in the
-    /// constructors.
+    /// hands the export over at the next step (swarm, `engine/early_answers.rs`); as large a
+    /// share of multi-rank pulls (each P rank's call after its own delay,
+    /// `engine/multi/early.rs`) and of D's keeps for a second turn (`engine/early_keeps.rs`,
+    /// `engine/multi/turn/early.rs`). 0 in the constructors.
     pub early_answers: f64,
     /// The share of single-source push requests that get a sibling D engine of their key (a
     /// decode leg the router sent twice) when P's request fails, timed for its registration

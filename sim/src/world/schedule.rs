@@ -56,6 +56,31 @@ pub(crate) enum Ev {
         attempt: usize,
         inc: u32,
     },
+    /// D `node`'s worker hands its rank the keep of request `request`'s blocks (D's attempt
+    /// `epoch`) for its second turn, which its engine answered the router for earlier
+    /// (incarnation `inc` of D's process: `engine/early_keeps.rs`).
+    FileKeep {
+        request: usize,
+        node: NodeId,
+        epoch: u64,
+        inc: u32,
+    },
+    /// D rank `node`'s worker hands its rank its share of multi-rank request `request`'s keep
+    /// for its second turn, which the engine answered the router for earlier (incarnation
+    /// `inc` of the rank's process: `engine/multi/turn/early.rs`).
+    FileTurnKeep {
+        request: usize,
+        node: NodeId,
+        inc: u32,
+    },
+    /// P rank `node`'s worker hands its rank its share of multi-rank pull `request`, which the
+    /// engine answered the router for earlier (incarnation `inc` of the rank's process:
+    /// `engine/multi/early.rs`).
+    FileSubExports {
+        request: usize,
+        node: NodeId,
+        inc: u32,
+    },
     /// P's engine reports layers `0 .. ready` of a layer-wise prefill attempt (its process
     /// incarnation `inc`: a crash ends the prefill).
     LayersReady {

@@ -322,6 +322,9 @@ impl World {
             | Ev::LayersReady { .. } => vec![0],
             Ev::SubDecodeStart { node, .. }
             | Ev::SubPrefillStart { node, .. }
+            | Ev::FileSubExports { node, .. }
+            | Ev::FileKeep { node, .. }
+            | Ev::FileTurnKeep { node, .. }
             | Ev::SiblingDecline { node, .. }
             | Ev::TurnBack { node, .. } => vec![*node],
             Ev::SecondDecode { request } => {

@@ -56,6 +56,7 @@ impl World {
             .multi
             .as_ref()
             .is_some_and(|m| m.replicas.contains(&node) && !m.tally.contains_key(&node))
+            && !self.early.sub_filings.contains_key(&(request, node))
     }
 
     /// P rank 0's answer to pulled request `request`, once its engine called.
@@ -217,6 +218,11 @@ impl World {
                     }
                     ImportOutcome::Failed(failure) => Some(SubFailure::Import(*failure)),
                 };
+                if let (Some(sub), Some(SubFailure::Import(f))) = (a.sub.as_ref(), failure) {
+                    if !sub.turn {
+                        self.check_read_gave_up_early(node, sub.key.clone(), epoch.0, Some(f));
+                    }
+                }
                 (true, failure, format!("sub.import.{outcome:?}"))
             }
             EndpointEvent::Export { outcome, proof, .. } => {

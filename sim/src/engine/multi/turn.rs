@@ -24,6 +24,7 @@ use super::Tally;
 use crate::ledger::Owner;
 use crate::world::{micros, Ev, NodeId, World};
 
+mod early;
 mod judge;
 
 /// The ledger's owner epoch of a P rank's blocks for the read back (its first turn's are 1),
@@ -141,19 +142,24 @@ impl World {
         };
         let links = self.turn_links(request, node, true);
         let forward = self.links_of(request, node, true);
-        let reply = match self.turn_call(node, call, &links, &forward) {
-            Ok(reply) => reply,
-            Err(ConnectorError::Rejected(Rejected::TableFull { .. })) => {
-                self.mark("admission_refused");
-                self.check_flood_admission(node);
-                return false;
-            }
-            Err(error) => {
-                self.violate(format!(
-                    "a kept turn of request {request} refused by D rank {node}: {error}"
-                ));
-                return false;
-            }
+        let ahead = self.keep_turn_ahead(request, node, &call, &links, &forward, flat, owner);
+        let filed_now = ahead.is_none();
+        let reply = match ahead {
+            Some(reply) => reply,
+            None => match self.turn_call(node, call, &links, &forward) {
+                Ok(reply) => reply,
+                Err(ConnectorError::Rejected(Rejected::TableFull { .. })) => {
+                    self.mark("admission_refused");
+                    self.check_flood_admission(node);
+                    return false;
+                }
+                Err(error) => {
+                    self.violate(format!(
+                        "a kept turn of request {request} refused by D rank {node}: {error}"
+                    ));
+                    return false;
+                }
+            },
         };
         let key = self.requests[request].key.clone();
         self.record(format!(
@@ -166,12 +172,14 @@ impl World {
                 self.schedule(at, Ev::TurnBack { request, node: p });
             }
         }
-        let hard_end = export_hard_end(self.now, second.ttl, &self.cfg.machine);
-        let kind = AttemptKind::Export {
-            hard_end,
-            renewed: false,
-        };
-        self.turn_parts_started(request, node, &parent, flat, owner.epoch, kind);
+        if filed_now {
+            let hard_end = export_hard_end(self.now, second.ttl, &self.cfg.machine);
+            let kind = AttemptKind::Export {
+                hard_end,
+                renewed: false,
+            };
+            self.turn_parts_started(request, node, &parent, flat, owner.epoch, kind);
+        }
         if let Some(multi) = self.requests[request].multi.as_mut() {
             multi.turn.kept.insert(node, owner);
         }
@@ -242,6 +250,7 @@ impl World {
             params,
         };
         let forward = self.links_of(request, node, false);
+        self.note_turn_part_reads_started(request, node);
         if let Err(error) = self.turn_call(node, call, &links, &forward) {
             // A full table: the engine recomputes the turn instead.
             self.start_refused(node, error, &blocks, owner, None);
