@@ -104,8 +104,20 @@ fn long_version() -> &'static str {
     Box::leak(text.into_boxed_str())
 }
 
+/// UCX writes its log to stdout unless `UCX_LOG_FILE` says otherwise, and the reports of
+/// `--json` go there too: a warning it prints at exit (a transfer request it never got back,
+/// after a peer died) would follow the JSON and break every reader of it. Its log goes to
+/// stderr with the rest of the diagnostics, unless the user pointed it elsewhere.
+fn keep_ucx_log_off_stdout() {
+    if std::env::var_os("UCX_LOG_FILE").is_none() {
+        // Before any thread starts and before the NIXL runtime (and UCX with it) is loaded.
+        std::env::set_var("UCX_LOG_FILE", "stderr");
+    }
+}
+
 fn main() -> ExitCode {
     use clap::{CommandFactory, FromArgMatches};
+    keep_ucx_log_off_stdout();
     let wants_version = std::env::args().any(|a| a == "--version");
     let mut command = Cli::command();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();

@@ -240,3 +240,50 @@ fn conversations_read_turns_back_across_processes() {
         30
     );
 }
+
+/// UCX logs to stdout unless `UCX_LOG_FILE` says otherwise, where `--json` puts the report: a
+/// UCX warning at exit (a request it never got back after its peer died) once followed P's JSON
+/// and broke `kill_decode_mid_run_then_restart_it`. The binary sends UCX's log to stderr; with
+/// UCX logging at `info` (which it always does, at its start) both reports still parse.
+#[test]
+fn ucx_log_lines_go_to_stderr_and_leave_the_json_reports_whole() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_runtime();
+    let (p_addr, d_addr) = two_ports();
+    let args = [
+        "--requests",
+        "10",
+        "--seed",
+        "11",
+        "--max-prompt-tokens",
+        "16",
+        "--pool-blocks",
+        "32",
+        "--timeout-secs",
+        "60",
+    ];
+    let env = [("UCX_LOG_LEVEL", "info")];
+    let d = Node::spawn_with_env("D", "decode", d_addr, p_addr, &args, &env);
+    thread::sleep(Duration::from_millis(300));
+    let p = Node::spawn_with_env("P", "prefill", p_addr, d_addr, &args, &env);
+    let done = finish_all(vec![d, p], Instant::now() + WAIT);
+    let all = format!("{}\n{}", done[0].show(), done[1].show());
+    for node in &done {
+        // The precondition: UCX did log (to one of the two), so a log line on stdout would
+        // have broken the JSON.
+        let logged = |out: &str| out.contains("UCX  INFO");
+        assert!(
+            logged(&node.stderr) || logged(&node.stdout),
+            "{}: UCX logged nothing at info\n{all}",
+            node.name
+        );
+        assert!(!logged(&node.stdout), "{}: UCX on stdout\n{all}", node.name);
+        let report = node.json(&all);
+        assert_eq!(report["ok"], true, "{}\n{all}", node.name);
+        assert!(
+            node.status.is_some_and(|s| s.success()),
+            "{}\n{all}",
+            node.name
+        );
+    }
+}

@@ -154,7 +154,20 @@ impl Node {
         peer: SocketAddr,
         args: &[&str],
     ) -> Node {
+        Node::spawn_with_env(name, role, listen, peer, args, &[])
+    }
+
+    /// [`Node::spawn`] with `env` added to the child's environment.
+    pub fn spawn_with_env(
+        name: &'static str,
+        role: &str,
+        listen: SocketAddr,
+        peer: SocketAddr,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Node {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvhandoff"))
+            .envs(env.iter().copied())
             .args(["node", "--role", role])
             .args(["--listen", &listen.to_string(), "--peer", &peer.to_string()])
             .args(args)
