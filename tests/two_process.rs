@@ -250,18 +250,9 @@ fn ucx_log_lines_go_to_stderr_and_leave_the_json_reports_whole() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     require_runtime();
     let (p_addr, d_addr) = two_ports();
-    let args = [
-        "--requests",
-        "10",
-        "--seed",
-        "11",
-        "--max-prompt-tokens",
-        "16",
-        "--pool-blocks",
-        "32",
-        "--timeout-secs",
-        "60",
-    ];
+    // The push runs' settings, with 10 requests instead of 200.
+    let mut args = vec!["--requests", "10"];
+    args.extend_from_slice(&ARGS[2..]);
     let env = [("UCX_LOG_LEVEL", "info")];
     let d = Node::spawn_with_env("D", "decode", d_addr, p_addr, &args, &env);
     thread::sleep(Duration::from_millis(300));

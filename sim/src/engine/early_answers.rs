@@ -451,24 +451,9 @@ impl World {
         }
     }
 
-    /// R1: reader `node`'s attempt `epoch` at request `request` ended `failure`.
-    pub(super) fn check_gave_up_early(
-        &mut self,
-        node: NodeId,
-        request: usize,
-        epoch: u64,
-        failure: Option<ImportFailure>,
-    ) {
-        if failure != Some(ImportFailure::Refused(ReadRefusal::Unavailable)) {
-            return;
-        }
-        let key = self.requests[request].key.clone();
-        self.check_read_gave_up_early(node, key, epoch, failure);
-    }
-
     /// R1: reader `node`'s attempt `epoch` under `key` (a request's, or a pair's of a
     /// multi-rank read) ended `failure`.
-    pub(super) fn check_read_gave_up_early(
+    pub(super) fn check_gave_up_early(
         &mut self,
         node: NodeId,
         key: PairingKey,

@@ -409,9 +409,10 @@ impl World {
                     ImportOutcome::Failed(failure) => Some(*failure),
                 };
                 if !second_turn {
-                    self.check_gave_up_early(node, request, epoch.0, failure);
+                    let key = self.requests[request].key.clone();
+                    self.check_gave_up_early(node, key, epoch.0, failure);
                 } else if let Some(second) = self.requests[request].transfer.second.clone() {
-                    self.check_read_gave_up_early(node, second.key, epoch.0, failure);
+                    self.check_gave_up_early(node, second.key, epoch.0, failure);
                 }
                 match failure {
                     Some(ImportFailure::Refused(ReadRefusal::Expired)) => {
