@@ -29,6 +29,7 @@ CAUGHT=(
     extend_lapsed_registration write_on_expired_lease reader_ready_on_first_part
     read_back_from_first_rank trust_late_reads match_expired_registration evict_young_tombstones
     ignore_heartbeat_sender give_up_on_early_refusal skip_record_refresh
+    answer_ahead_without_address
 )
 
 # A new deliberate bug must join the list (and be caught here) or the check fails.

@@ -67,7 +67,6 @@ pub use settings::{ConnectorSettings, DEFAULT_NEXT_TURN_TTL, DEFAULT_RECOMPUTE_T
 
 use crate::driver::{route, Routed, TransportOp};
 use crate::machine::mutation::ActiveMutation;
-#[cfg(feature = "mutations")]
 use crate::machine::Mutation;
 use crate::machine::{Endpoint, EndpointEvent, NetEvent, Time};
 use crate::{EngineId, PeerAddr};
@@ -388,9 +387,16 @@ impl Session {
         now: Time,
         call: &ConnectorCall,
     ) -> Result<ConnectorReply, ConnectorError> {
-        self.context()
-            .prepare(now, call.clone())
-            .map(|(_, _, reply)| reply)
+        let (_, _, mut reply) = self.context().prepare(now, call.clone())?;
+        if self.mutation.is(Mutation::AnswerAheadWithoutAddress) {
+            if let ConnectorReply::DecodeParams(params) | ConnectorReply::NextTurnParams(params) =
+                &mut reply
+            {
+                params.remote_host = None;
+                params.remote_port = None;
+            }
+        }
+        Ok(reply)
     }
 
     /// A report of the network, a handshake or the transport.

@@ -382,6 +382,31 @@ fn seed_46_a_late_copy_below_the_epoch_floor_is_stopped_and_skipping_the_floor_i
     );
 }
 
+/// A race of an engine answering the router ahead of its rank's call, in seed `seed` of a
+/// world drawn with `options`: the world drew the answers ahead (and whatever `drawn` adds,
+/// as `what` says), the clean run reaches `mark` with readers asking again, and under
+/// `give_up_on_early_refusal` R1 catches the read whose violation starts with `prefix`.
+fn answered_ahead_and_giving_up_caught(
+    options: SimOptions,
+    seed: u64,
+    (drawn, what): (fn(&WorldConfig) -> bool, &str),
+    mark: &str,
+    prefix: &str,
+) {
+    let world = seed_world(&options, seed);
+    assert!(
+        world.early_answers > 0.0 && drawn(&world),
+        "the precondition: answers ahead of exports drawn{what}"
+    );
+    reached_and_caught_with(
+        options,
+        seed,
+        |_| {},
+        (mark, Some("reads_asked_again")),
+        (Mutation::GiveUpOnEarlyRefusal, prefix),
+    );
+}
+
 /// P's engine hands the router its answer for a pull before its rank has the export, as
 /// vLLM's scheduler does (its worker hands the export over with the next step;
 /// `WorldConfig::early_answers`, which the swarm draws for half the reading worlds): D's first
@@ -391,6 +416,21 @@ fn seed_46_a_late_copy_below_the_epoch_floor_is_stopped_and_skipping_the_floor_i
 /// through a real vLLM in pull mode (`docs/testing.md`).
 #[test]
 fn seed_0_a_read_asked_before_its_export_is_filed_asks_again_and_giving_up_is_caught() {
+    answered_ahead_and_giving_up_caught(
+        cli_swarm(0..1),
+        0,
+        (|_| true, ""),
+        "read_asked_before_export",
+        "R1:",
+    );
+}
+
+/// The answer ahead must be the call's own: when P's rank makes the call, its reply must be
+/// what the router already has (bar the expiry). Under `answer_ahead_without_address` the
+/// answer ahead leaves out where the holder listens, and that check catches it. Seed 0 of the
+/// swarm's range 0..300, mixed.
+#[test]
+fn seed_0_an_answer_ahead_without_the_holders_address_is_caught() {
     let world = seed_world(&cli_swarm(0..1), 0);
     assert!(
         world.early_answers > 0.0,
@@ -399,8 +439,8 @@ fn seed_0_a_read_asked_before_its_export_is_filed_asks_again_and_giving_up_is_ca
     reached_and_caught(
         0,
         |_| {},
-        ("read_asked_before_export", Some("reads_asked_again")),
-        (Mutation::GiveUpOnEarlyRefusal, "R1:"),
+        ("export_answered_early", None),
+        (Mutation::AnswerAheadWithoutAddress, "the rank answered "),
     );
 }
 
@@ -412,19 +452,12 @@ fn seed_0_a_read_asked_before_its_export_is_filed_asks_again_and_giving_up_is_ca
 /// 0..300, mixed.
 #[test]
 fn seed_18_a_part_asked_before_its_p_ranks_share_is_filed_asks_again_and_giving_up_is_caught() {
-    let world = seed_world(&cli_swarm(18..19), 18);
-    assert!(
-        world.early_answers > 0.0 && world.multi_source > 0.0,
-        "the precondition: answers ahead of exports drawn, with multi-rank requests"
-    );
-    reached_and_caught(
+    answered_ahead_and_giving_up_caught(
+        cli_swarm(18..19),
         18,
-        |_| {},
-        ("part_asked_before_export", Some("reads_asked_again")),
-        (
-            Mutation::GiveUpOnEarlyRefusal,
-            "R1: reader 1 gave up on p26a1#p0d0 ",
-        ),
+        (|w| w.multi_source > 0.0, ", with multi-rank requests"),
+        "part_asked_before_export",
+        "R1: reader 1 gave up on p26a1#p0d0 ",
     );
 }
 
@@ -435,19 +468,12 @@ fn seed_18_a_part_asked_before_its_p_ranks_share_is_filed_asks_again_and_giving_
 /// catches it (`x35a1`, request 35's keep). Seed 98 of the swarm's range 0..300, mixed.
 #[test]
 fn seed_98_a_turn_read_asked_before_ds_keep_is_filed_asks_again_and_giving_up_is_caught() {
-    let world = seed_world(&cli_swarm(98..99), 98);
-    assert!(
-        world.early_answers > 0.0,
-        "the precondition: answers ahead of exports drawn"
-    );
-    reached_and_caught(
+    answered_ahead_and_giving_up_caught(
+        cli_swarm(98..99),
         98,
-        |_| {},
-        ("turn_asked_before_keep", Some("reads_asked_again")),
-        (
-            Mutation::GiveUpOnEarlyRefusal,
-            "R1: reader 0 gave up on x35a1 ",
-        ),
+        (|_| true, ""),
+        "turn_asked_before_keep",
+        "R1: reader 0 gave up on x35a1 ",
     );
 }
 
@@ -464,20 +490,15 @@ fn seed_293_a_turn_part_asked_before_its_d_ranks_keep_asks_again_and_giving_up_i
         multi_rank_turns: true,
         ..cli_swarm(293..294)
     };
-    let world = seed_world(&options, 293);
-    assert!(
-        world.early_answers > 0.0 && world.multi_source > 0.0 && world.multi_rank_turns,
-        "the precondition: answers ahead of exports drawn, with multi-rank second turns"
-    );
-    reached_and_caught_with(
+    answered_ahead_and_giving_up_caught(
         options,
         293,
-        |_| {},
-        ("turn_part_asked_before_keep", Some("reads_asked_again")),
         (
-            Mutation::GiveUpOnEarlyRefusal,
-            "R1: reader 5 gave up on x26a1#p0d3 ",
+            |w| w.multi_source > 0.0 && w.multi_rank_turns,
+            ", with multi-rank second turns",
         ),
+        "turn_part_asked_before_keep",
+        "R1: reader 5 gave up on x26a1#p0d3 ",
     );
 }
 

@@ -125,11 +125,16 @@ pub enum Mutation {
     /// starts registering as the record ages (the router sent the decode leg twice) outlives
     /// it, and a late copy waits in P as a pending registration for blocks that D gave back.
     SkipRecordRefresh,
+    /// The answer an engine gives the router ahead of its rank's call
+    /// (`Session::preview_call`) leaves out where the holder listens (`remote_host`,
+    /// `remote_port`), as an engine would that answered before its rank had published its
+    /// side channel: the call's own answer names it, the router's does not.
+    AnswerAheadWithoutAddress,
 }
 
 impl Mutation {
     /// Every mutation, in a fixed order.
-    pub const ALL: [Mutation; 35] = [
+    pub const ALL: [Mutation; 36] = [
         Mutation::FreeOnDeadline,
         Mutation::FreeOnPeerDead,
         Mutation::AcceptStaleWriteDone,
@@ -165,6 +170,7 @@ impl Mutation {
         Mutation::ReadBackFromFirstRank,
         Mutation::GiveUpOnEarlyRefusal,
         Mutation::SkipRecordRefresh,
+        Mutation::AnswerAheadWithoutAddress,
     ];
 
     /// The mutation's name on the command line.
@@ -211,6 +217,7 @@ impl Mutation {
             Mutation::ReadBackFromFirstRank => "read_back_from_first_rank",
             Mutation::GiveUpOnEarlyRefusal => "give_up_on_early_refusal",
             Mutation::SkipRecordRefresh => "skip_record_refresh",
+            Mutation::AnswerAheadWithoutAddress => "answer_ahead_without_address",
         }
     }
 }

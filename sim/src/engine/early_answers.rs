@@ -291,8 +291,12 @@ impl World {
     /// `inc` of P's process: a crash took the prefill with it).
     pub(crate) fn file_export(&mut self, request: usize, attempt: usize, inc: u32) {
         let a = self.requests[request].p[attempt].clone();
-        let live = matches!(a.status, Status::Live { node_inc, .. } if node_inc == inc);
-        if !self.alive(0) || self.nodes[0].incarnation != inc || !live {
+        if !self.alive(0) || self.nodes[0].incarnation != inc {
+            // The process died with the prefill; its restart starts over.
+            return;
+        }
+        if !matches!(a.status, Status::Live { node_inc, .. } if node_inc == inc) {
+            self.filed_after_end(0, &a.id);
             return;
         }
         let Some(call) = self.early.call_of(&a.id) else {
@@ -321,6 +325,14 @@ impl World {
                 self.requests[request].p[attempt].status = Status::Skipped;
             }
         }
+    }
+
+    /// The call for `id` comes after the attempt it starts ended: nothing in the engine model
+    /// ends one before its call (a crash takes the call with it), and its blocks would stay out.
+    pub(super) fn filed_after_end(&mut self, node: NodeId, id: &RequestId) {
+        self.violate(format!(
+            "node {node}'s call for {id}, answered ahead, comes after its attempt ended"
+        ));
     }
 
     /// The rank's call for `id`, answered ahead, replied `reply`: the router has the
@@ -397,7 +409,9 @@ impl World {
         key: &PairingKey,
         export: &RequestId,
     ) {
-        if !self.early.exports.contains_key(export) || self.early.asks.len() >= MAX_REMEMBERED {
+        let full = self.early.asks.len() >= MAX_REMEMBERED
+            || self.early.turn_reads.len() >= MAX_REMEMBERED;
+        if !self.early.exports.contains_key(export) || full {
             return;
         }
         self.early
@@ -456,7 +470,7 @@ impl World {
     pub(super) fn check_gave_up_early(
         &mut self,
         node: NodeId,
-        key: PairingKey,
+        key: &PairingKey,
         epoch: u64,
         failure: Option<ImportFailure>,
     ) {

@@ -72,8 +72,12 @@ impl World {
             return;
         };
         let a = self.requests[request].d[ai].clone();
-        let live = matches!(a.status, Status::Live { node_inc, .. } if node_inc == inc);
-        if !self.alive(node) || self.nodes[node].incarnation != inc || !live {
+        if !self.alive(node) || self.nodes[node].incarnation != inc {
+            // The process died with the kept blocks.
+            return;
+        }
+        if !matches!(a.status, Status::Live { node_inc, .. } if node_inc == inc) {
+            self.filed_after_end(node, &id);
             return;
         }
         let Some(call) = self.early.call_of(&id) else {

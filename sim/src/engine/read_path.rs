@@ -408,12 +408,12 @@ impl World {
                     }
                     ImportOutcome::Failed(failure) => Some(*failure),
                 };
-                if !second_turn {
-                    let key = self.requests[request].key.clone();
-                    self.check_gave_up_early(node, key, epoch.0, failure);
-                } else if let Some(second) = self.requests[request].transfer.second.clone() {
-                    self.check_gave_up_early(node, second.key, epoch.0, failure);
-                }
+                // A second turn's read is under the turn's key.
+                let key = match &self.requests[request].transfer.second {
+                    Some(second) if second_turn => second.key.clone(),
+                    _ => self.requests[request].key.clone(),
+                };
+                self.check_gave_up_early(node, &key, epoch.0, failure);
                 match failure {
                     Some(ImportFailure::Refused(ReadRefusal::Expired)) => {
                         self.mark("read_racing_ttl_expiry");

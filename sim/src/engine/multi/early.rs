@@ -106,11 +106,16 @@ impl World {
             return;
         };
         if !self.alive(node) || self.nodes[node].incarnation != inc {
+            // The rank's process died with the prefill.
             return;
         }
-        let live = |a: &crate::engine::Attempt| matches!(a.status, Status::Live { node_inc, .. } if node_inc == inc);
-        let attempts = &self.requests[request].p;
-        if !filing.pending.iter().all(|&ai| live(&attempts[ai])) {
+        let ended = filing.pending.iter().find(|&&ai| {
+            let a = &self.requests[request].p[ai];
+            !matches!(a.status, Status::Live { node_inc, .. } if node_inc == inc)
+        });
+        if let Some(&ai) = ended {
+            let id = self.requests[request].p[ai].id.clone();
+            self.filed_after_end(node, &id);
             return;
         }
         let key = self.requests[request].key.clone();

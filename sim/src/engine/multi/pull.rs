@@ -219,9 +219,7 @@ impl World {
                     ImportOutcome::Failed(failure) => Some(SubFailure::Import(*failure)),
                 };
                 if let (Some(sub), Some(SubFailure::Import(f))) = (a.sub.as_ref(), failure) {
-                    if !sub.turn {
-                        self.check_gave_up_early(node, sub.key.clone(), epoch.0, Some(f));
-                    }
+                    self.check_gave_up_early(node, &sub.key, epoch.0, Some(f));
                 }
                 (true, failure, format!("sub.import.{outcome:?}"))
             }

@@ -121,11 +121,7 @@ impl World {
         if multi.turn.kept.contains_key(&node) {
             return false;
         }
-        let first_d = multi
-            .pairs
-            .iter()
-            .map(|pair| pair.d)
-            .min_by_key(|&d| self.decode_rank(d));
+        let first_d = self.first_keeper(request);
         let mut readers: Vec<NodeId> = multi.pairs.iter().map(|pair| pair.p).collect();
         readers.sort_unstable();
         readers.dedup();

@@ -82,7 +82,12 @@ impl World {
             .multi
             .as_ref()
             .and_then(|m| m.turn.kept.get(&node).copied());
-        if !self.alive(node) || self.nodes[node].incarnation != inc || kept != Some(filing.owner) {
+        if !self.alive(node) || self.nodes[node].incarnation != inc {
+            // The rank's process died with the kept blocks.
+            return;
+        }
+        if kept != Some(filing.owner) {
+            self.filed_after_end(node, &keep_id(request));
             return;
         }
         let Some(second) = self.requests[request].transfer.second.clone() else {
@@ -117,7 +122,7 @@ impl World {
     }
 
     /// The D rank whose answer the router forwards for `request`'s keep: its first.
-    fn first_keeper(&self, request: usize) -> Option<NodeId> {
+    pub(super) fn first_keeper(&self, request: usize) -> Option<NodeId> {
         self.requests[request].multi.as_ref().and_then(|m| {
             m.pairs
                 .iter()

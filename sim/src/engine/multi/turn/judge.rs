@@ -91,7 +91,7 @@ impl World {
                     ImportOutcome::Failed(failure) => Some(SubFailure::Import(*failure)),
                 };
                 if let (Some(sub), Some(SubFailure::Import(f))) = (a.sub.as_ref(), failure) {
-                    self.check_gave_up_early(node, sub.key.clone(), epoch.0, Some(f));
+                    self.check_gave_up_early(node, &sub.key, epoch.0, Some(f));
                 }
                 (
                     false,
